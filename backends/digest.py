@@ -1,0 +1,76 @@
+"""Content digests of model files, cached so a large model is not rehashed on every load.
+
+The cache key is (resolved path, size, mtime_ns); any change to the file makes a
+new key. The cache lives in memory and, when ``cache_dir`` is given, in a small
+JSON file so a daemon restart does not rehash either.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+
+_CHUNK = 4 * 1024 * 1024
+_lock = threading.Lock()
+_memo: dict[tuple[str, int, int], str] = {}
+
+
+def _key(path: Path) -> tuple[str, int, int]:
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+def file_digest(path: str | os.PathLike[str], cache_dir: Path | None = None) -> str:
+    """``sha256:<hex>`` of the file's bytes."""
+    p = Path(path)
+    key = _key(p)
+    with _lock:
+        if key in _memo:
+            return _memo[key]
+    disk = _load_disk(cache_dir)
+    skey = "|".join(map(str, key))
+    if skey in disk:
+        digest = disk[skey]
+    else:
+        h = hashlib.sha256()
+        with p.open("rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+        digest = "sha256:" + h.hexdigest()
+        if cache_dir is not None:
+            disk[skey] = digest
+            _save_disk(cache_dir, disk)
+    with _lock:
+        _memo[key] = digest
+    return digest
+
+
+def files_digest(paths: list[Path], cache_dir: Path | None = None) -> str:
+    """One digest over several files (an IR directory): sha256 of their names and digests."""
+    h = hashlib.sha256()
+    for p in sorted(paths, key=lambda x: x.name):
+        h.update(p.name.encode() + b"\0" + file_digest(p, cache_dir).encode() + b"\n")
+    return "sha256:" + h.hexdigest()
+
+
+def _load_disk(cache_dir: Path | None) -> dict[str, str]:
+    if cache_dir is None:
+        return {}
+    try:
+        data = json.loads((cache_dir / "digests.json").read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_disk(cache_dir: Path, data: dict[str, str]) -> None:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir / f"digests.json.{os.getpid()}"
+        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
+        os.replace(tmp, cache_dir / "digests.json")
+    except OSError:
+        pass  # the cache is an optimisation; hashing again is always correct

@@ -1,0 +1,285 @@
+"""MemoryService: the contract's executable reference, with no inference.
+
+It models the warm-reuse contract so the runtime and the daemon can be built and
+tested against the boundary. Token counts are byte-length proxies: one UTF-8
+byte of the rendered text is one "token". Reuse is keyed on the manifest: a
+changed stable segment OR a changed profile/template/runtime digest invalidates
+the resident prefix (the reference does no partial reuse; real backends keep the
+token longest-common-prefix). Decode emits a deterministic word stream derived
+from the resident bytes, so the same resident context always decodes the same
+text (greedy) and a seed makes sampled output repeatable.
+
+``MemoryBackend`` is the same model behind the daemon's ``Backend`` seam
+(``modeld serve --backend memory``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from .errors import (
+    BackendMismatch,
+    ContextOverflow,
+    InvalidArgument,
+    SessionClosed,
+    SnapshotRejected,
+    StaleFence,
+    UnsupportedFeature,
+)
+from .manifest import byte_hash
+from .resident import PrefixPlan, Resident
+from .types import (
+    ContextReport,
+    DecodeConfig,
+    EmbedRequest,
+    EmbedResult,
+    ModelInfo,
+    OpenSessionRequest,
+    PrefixInput,
+    PrefixStatus,
+    SessionSnapshot,
+    StreamChunk,
+    SuffixInput,
+    SuffixStatus,
+    Usage,
+)
+
+BACKEND_NAME = "memory"
+DEFAULT_NUM_CTX = 4096
+MAX_NUM_CTX = 1 << 20
+_WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta", "zeta", "tau")
+
+
+def _tokens(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+class MemoryModel:
+    """A 'loaded' model: its identity and one persistent resident context."""
+
+    def __init__(self, req: OpenSessionRequest) -> None:
+        num_ctx = req.config.num_ctx or DEFAULT_NUM_CTX
+        if num_ctx > MAX_NUM_CTX:
+            raise InvalidArgument(f"num_ctx {num_ctx} exceeds the memory backend's {MAX_NUM_CTX}")
+        self.req = req
+        self._digest = req.digest or byte_hash(f"{req.model_name}\0{req.path}")
+        self.resident = Resident(num_ctx=num_ctx)
+        self.closed = False
+        self.lock = threading.Lock()
+
+    @property
+    def digest(self) -> str:
+        return self._digest
+
+    @property
+    def num_ctx(self) -> int:
+        return self.resident.num_ctx
+
+    def open_session(self) -> MemorySession:
+        if self.closed:
+            raise SessionClosed("model was unloaded")
+        return MemorySession(self)
+
+    def resident_bytes(self) -> int:
+        return len(self.resident.tokens)
+
+    def close(self) -> None:
+        self.closed = True
+        self.resident.clear()
+
+
+class MemorySession:
+    """A Session over a MemoryModel's resident context."""
+
+    def __init__(self, model: MemoryModel) -> None:
+        self._model = model
+        self._closed = False
+
+    # --- helpers -----------------------------------------------------------------
+    def _live(self) -> Resident:
+        if self._closed or self._model.closed:
+            raise SessionClosed()
+        return self._model.resident
+
+    # --- Session -------------------------------------------------------------------
+    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
+        res = self._live()
+        t0 = time.perf_counter()
+        tokens = _tokens(prefix.text + prefix.tools)
+        same = (
+            res.manifest is not None
+            and prefix.manifest.compatible_with(res.manifest)
+            and res.stable_text == prefix.text
+            and res.tools == prefix.tools
+            and len(res.tokens) >= res.prefix_len
+        )
+        res.plan_prefix(prefix.manifest, tokens)  # raises ContextOverflow for an oversize prefix
+        # The reference reuses all or nothing (see module docstring).
+        if same:
+            plan = PrefixPlan(keep=len(tokens), tail=[], dropped=len(res.tokens) - len(tokens))
+        else:
+            plan = PrefixPlan(keep=0, tail=tokens, dropped=len(res.tokens))
+        res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools)
+        return res.prefix_status(plan, (time.perf_counter() - t0) * 1000)
+
+    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
+        res = self._live()
+        tokens = _tokens(suffix.text)
+        res.check_suffix(suffix.manifest, len(tokens))
+        res.tokens = res.tokens[: res.prefix_len] + tokens
+        return res.suffix_status(len(tokens))
+
+    def decode(self, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+        res = self._live()
+        if cfg.structured_output.is_set():
+            raise UnsupportedFeature("the memory backend cannot constrain output")
+        if not res.tokens:
+            raise InvalidArgument("nothing is resident: call ensure_prefix first")
+        return self._decode(res, cfg)
+
+    def _decode(self, res: Resident, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+        start = time.perf_counter()
+        prompt_tokens = len(res.tokens)
+        seed_material = bytes(res.tokens)
+        if cfg.temperature:
+            rng = random.Random(cfg.seed if cfg.seed is not None else time.time_ns())
+        else:
+            rng = random.Random(hashlib.sha256(seed_material).digest())
+        text_so_far = ""
+        produced = 0
+        finish = "length"
+        first_ms = 0.0
+        while produced < cfg.max_tokens:
+            word = rng.choice(_WORDS) + " "
+            piece = word.encode()
+            if len(res.tokens) + len(piece) > res.num_ctx:
+                finish = "context_full"
+                break
+            if self._closed or self._model.closed:
+                return
+            res.tokens.extend(piece)
+            produced += 1
+            text_so_far += word
+            if not first_ms:
+                first_ms = (time.perf_counter() - start) * 1000
+            stop_hit = next((s for s in cfg.stop if s and s in text_so_far), None)
+            if stop_hit is not None:
+                finish = "stop"
+                yield StreamChunk(text=word[: max(0, len(word) - len(stop_hit))])
+                break
+            yield StreamChunk(text=word, token_ids=list(piece) if cfg.return_token_ids else [])
+        elapsed = (time.perf_counter() - start) * 1000
+        yield StreamChunk(
+            done=True,
+            finish_reason=finish,
+            usage=Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=produced,
+                ttft_ms=first_ms,
+                decode_ms=elapsed,
+                tokens_per_second=produced / (elapsed / 1000) if elapsed > 0 else 0.0,
+            ),
+        )
+
+    def explain_context(self) -> ContextReport:
+        closed = self._closed or self._model.closed
+        return self._model.resident.report(closed)
+
+    def snapshot(self) -> SessionSnapshot:
+        res = self._live()
+        return res.snapshot(BACKEND_NAME, bytes(res.tokens), "kv")
+
+    def restore(self, snap: SessionSnapshot) -> None:
+        res = self._live()
+        res.validate_snapshot(snap, BACKEND_NAME, self._model.digest)
+        if bytes(snap.resident_token_ids) != snap.state:
+            raise SnapshotRejected("state bytes do not match the token tape")
+        res.adopt_snapshot(snap)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class MemoryBackend:
+    """The reference model behind the daemon's Backend seam."""
+
+    name = BACKEND_NAME
+
+    def runtime_version(self) -> str:
+        return "reference"
+
+    def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> MemoryModel:
+        _check_type(req.type)
+        progress(0.0)
+        model = MemoryModel(req)
+        progress(1.0)
+        return model
+
+    def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
+        _check_type(req.type)
+        n = req.config.num_ctx or DEFAULT_NUM_CTX
+        return ModelInfo(
+            model_max_context=MAX_NUM_CTX,
+            effective_context=min(n, MAX_NUM_CTX),
+            kv_bytes_per_token=1,
+            required_bytes=min(n, MAX_NUM_CTX),
+            runtime_name=BACKEND_NAME,
+            device_kind="cpu",
+        )
+
+    def embed(self, req: EmbedRequest) -> EmbedResult:
+        raise UnsupportedFeature("the memory backend computes no embeddings")
+
+    def close(self) -> None:
+        return None
+
+
+def _check_type(t: str) -> None:
+    if t not in ("", BACKEND_NAME):
+        raise BackendMismatch(f"model type {t!r} is not served by the memory backend", type=t)
+
+
+class MemoryService:
+    """In-process Service (the seed's reference); safe for concurrent use."""
+
+    def __init__(self, owner_fence: str | None = None) -> None:
+        self._owner = owner_fence
+        self._lock = threading.Lock()
+        self._models: dict[tuple[str, str, str, int], MemoryModel] = {}
+        self._backend = MemoryBackend()
+
+    def _fence(self, owner: str) -> None:
+        if self._owner is not None and owner != self._owner:
+            raise StaleFence(f"fence {owner!r} does not match owner {self._owner!r}")
+
+    def open_session(self, req: OpenSessionRequest) -> MemorySession:
+        self._fence(req.owner_instance_id)
+        _check_type(req.type)
+        key = (req.model_name, req.digest, req.path, req.config.num_ctx)
+        with self._lock:
+            model = self._models.get(key)
+            if model is None:
+                model = self._models[key] = self._backend.load(req, lambda _f: None)
+        return model.open_session()
+
+    def describe(self, req: OpenSessionRequest) -> ModelInfo:
+        self._fence(req.owner_instance_id)
+        info = self._backend.describe(req)
+        # The seed's reference echoes the requested window.
+        return info.model_copy(update={"effective_context": req.config.num_ctx})
+
+    def embed(self, req: EmbedRequest) -> EmbedResult:
+        self._fence(req.owner_instance_id)
+        return self._backend.embed(req)
+
+
+def with_owner_fence(owner_instance_id: str) -> MemoryService:
+    """The seed's ``NewMemoryService(WithOwnerFence(id))``."""
+    return MemoryService(owner_fence=owner_instance_id)
+
+
+__all__ = ["ContextOverflow", "MemoryBackend", "MemoryModel", "MemoryService", "MemorySession", "with_owner_fence"]

@@ -1,0 +1,186 @@
+"""Bookkeeping of a session's resident context, shared by every implementation.
+
+A backend keeps one ``Resident`` next to its KV: the token tape that is in the
+KV, how much of it is the stable prefix, and the manifest it was computed under.
+Keeping this in one place makes every backend report PrefixStatus, SuffixStatus,
+ContextReport and snapshot metadata the same way, and refuse the same bad
+restores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from .errors import ContextOverflow, ManifestMismatch, SnapshotRejected
+from .manifest import ContextManifest, byte_hash, common_prefix_len, token_hash
+from .types import ContextReport, PrefixStatus, SessionSnapshot, SuffixStatus
+
+
+@dataclass
+class PrefixPlan:
+    """What ensure_prefix must do to the KV: keep ``keep`` tokens, prefill ``tail``."""
+
+    keep: int
+    tail: list[int]
+    dropped: int
+
+
+@dataclass
+class Resident:
+    num_ctx: int
+    tokens: list[int] = field(default_factory=list)
+    prefix_len: int = 0
+    manifest: ContextManifest | None = None
+    stable_text: str = ""
+    tools: str = ""
+    stable_token_hash: str = ""
+
+    # --- planning ---------------------------------------------------------------
+    def plan_prefix(self, manifest: ContextManifest, prefix_tokens: list[int]) -> PrefixPlan:
+        """Token-LCP reuse under a compatible manifest; everything else is recomputed."""
+        if len(prefix_tokens) > self.num_ctx:
+            raise ContextOverflow(
+                f"prefix is {len(prefix_tokens)} tokens but the context window is {self.num_ctx}",
+                prefix_tokens=len(prefix_tokens),
+                num_ctx=self.num_ctx,
+            )
+        if self.manifest is None or not manifest.compatible_with(self.manifest):
+            keep = 0
+        else:
+            keep = common_prefix_len(self.tokens, prefix_tokens)
+        return PrefixPlan(keep=keep, tail=prefix_tokens[keep:], dropped=len(self.tokens) - keep)
+
+    def check_suffix(self, manifest: ContextManifest, n_new: int) -> None:
+        if self.manifest is None:
+            raise ManifestMismatch("no prefix is resident: call ensure_prefix first")
+        if not manifest.compatible_with(self.manifest):
+            raise ManifestMismatch(
+                "suffix manifest is not compatible with the resident prefix",
+                resident=self.manifest.digest(),
+                requested=manifest.digest(),
+            )
+        self.check_room(n_new, what="suffix")
+
+    def check_room(self, n_new: int, *, what: str) -> None:
+        if self.prefix_len + n_new > self.num_ctx:
+            raise ContextOverflow(
+                f"{what} of {n_new} tokens after a {self.prefix_len}-token prefix exceeds "
+                f"the {self.num_ctx}-token context window",
+                requested_tokens=n_new,
+                prefix_tokens=self.prefix_len,
+                num_ctx=self.num_ctx,
+            )
+
+    # --- commits ------------------------------------------------------------------
+    def commit_prefix(
+        self, manifest: ContextManifest, tokens: list[int], text: str, tools: str
+    ) -> None:
+        self.tokens = list(tokens)
+        self.prefix_len = len(tokens)
+        self.manifest = manifest
+        self.stable_text = text
+        self.tools = tools
+        self.stable_token_hash = token_hash(tokens)
+
+    def clear(self) -> None:
+        self.tokens = []
+        self.prefix_len = 0
+        self.manifest = None
+        self.stable_text = ""
+        self.tools = ""
+        self.stable_token_hash = ""
+
+    # --- reports ------------------------------------------------------------------
+    @property
+    def available(self) -> int:
+        return max(0, self.num_ctx - len(self.tokens))
+
+    def manifest_digest(self) -> str:
+        return self.manifest.digest() if self.manifest is not None else ""
+
+    def prefix_status(self, plan: PrefixPlan, prefill_ms: float = 0.0) -> PrefixStatus:
+        return PrefixStatus(
+            reused_tokens=plan.keep,
+            prefilled_tokens=len(plan.tail),
+            dropped_tokens=plan.dropped,
+            prefix_tokens=self.prefix_len,
+            resident_tokens=len(self.tokens),
+            available_tokens=self.available,
+            stable_byte_hash=byte_hash(self.stable_text + self.tools),
+            stable_token_hash=self.stable_token_hash,
+            manifest_digest=self.manifest_digest(),
+            prefill_ms=prefill_ms,
+        )
+
+    def suffix_status(self, suffix_tokens: int, reused: int = 0, prefill_ms: float = 0.0) -> SuffixStatus:
+        return SuffixStatus(
+            suffix_tokens=suffix_tokens,
+            prefix_tokens=self.prefix_len,
+            resident_tokens=len(self.tokens),
+            available_tokens=self.available,
+            manifest_digest=self.manifest_digest(),
+            reused_tokens=reused,
+            prefill_ms=prefill_ms,
+        )
+
+    def report(self, closed: bool) -> ContextReport:
+        return ContextReport(
+            resident_tokens=len(self.tokens),
+            prefix_tokens=self.prefix_len,
+            num_ctx=self.num_ctx,
+            available_tokens=self.available,
+            stable_byte_hash=byte_hash(self.stable_text + self.tools) if self.manifest else "",
+            stable_token_hash=self.stable_token_hash,
+            manifest_digest=self.manifest_digest(),
+            manifest=self.manifest or ContextManifest(),
+            closed=closed,
+        )
+
+    # --- snapshots ----------------------------------------------------------------
+    def snapshot(self, backend: str, state: bytes, state_kind: str) -> SessionSnapshot:
+        return SessionSnapshot(
+            state=state,
+            state_kind=state_kind,
+            state_digest="sha256:" + hashlib.sha256(state).hexdigest(),
+            backend=backend,
+            resident_tokens=len(self.tokens),
+            prefix_tokens=self.prefix_len,
+            num_ctx=self.num_ctx,
+            resident_token_ids=list(self.tokens),
+            stable_text=self.stable_text,
+            prefix_text=self.stable_text,
+            tools=self.tools,
+            manifest=self.manifest or ContextManifest(),
+        )
+
+    def validate_snapshot(self, snap: SessionSnapshot, backend: str, model_digest: str) -> None:
+        """Refuse a snapshot that this session cannot trust; raises SnapshotRejected."""
+        problems: list[str] = []
+        if snap.backend != backend:
+            problems.append(f"snapshot is from backend {snap.backend!r}, this is {backend!r}")
+        if snap.num_ctx != self.num_ctx:
+            problems.append(f"snapshot num_ctx {snap.num_ctx} != session num_ctx {self.num_ctx}")
+        if snap.resident_tokens != len(snap.resident_token_ids):
+            problems.append(
+                f"resident_tokens {snap.resident_tokens} != {len(snap.resident_token_ids)} token ids"
+            )
+        if not 0 <= snap.prefix_tokens <= snap.resident_tokens:
+            problems.append(f"prefix_tokens {snap.prefix_tokens} outside 0..{snap.resident_tokens}")
+        if snap.resident_tokens > self.num_ctx:
+            problems.append(f"{snap.resident_tokens} tokens do not fit num_ctx {self.num_ctx}")
+        if snap.manifest.model_digest and model_digest and snap.manifest.model_digest != model_digest:
+            problems.append("snapshot manifest names another model digest")
+        digest = "sha256:" + hashlib.sha256(snap.state).hexdigest()
+        if snap.state_digest != digest:
+            problems.append("state bytes do not match the snapshot's state_digest")
+        if problems:
+            raise SnapshotRejected("; ".join(problems), problems=problems)
+
+    def adopt_snapshot(self, snap: SessionSnapshot) -> None:
+        self.tokens = list(snap.resident_token_ids)
+        self.prefix_len = snap.prefix_tokens
+        self.manifest = snap.manifest
+        self.stable_text = snap.stable_text
+        self.tools = snap.tools
+        self.stable_token_hash = token_hash(self.tokens[: self.prefix_len])

@@ -1,0 +1,358 @@
+"""The contract's value types, as pydantic models.
+
+Names are the seed's in snake_case; on the wire (msgpack) every field uses its
+name, which is also the seed's json tag. Request types forbid unknown fields so
+a misspelt option is an ``InvalidArgument`` rather than silently ignored; report
+types ignore unknown fields so an older client can read a newer daemon.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .manifest import ContextManifest
+
+__all__ = [
+    "ActiveModel",
+    "Config",
+    "ContextManifest",
+    "ContextReport",
+    "DaemonStatus",
+    "DecodeConfig",
+    "DeviceInfo",
+    "EmbedRequest",
+    "EmbedResult",
+    "ErrorInfo",
+    "Fence",
+    "LoadModelRequest",
+    "ModelInfo",
+    "OpenSessionRequest",
+    "PrefixInput",
+    "PrefixStatus",
+    "SessionSnapshot",
+    "SlotState",
+    "StreamChunk",
+    "StructuredOutputConfig",
+    "SuffixInput",
+    "SuffixStatus",
+    "ToolCall",
+    "ToolCallFunction",
+    "UnloadModelRequest",
+    "Usage",
+]
+
+KVCacheType = Literal["", "f16", "f32", "q8_0", "q4_0"]
+MAX_TEXT_CHARS = 16 * 1024 * 1024
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class _Report(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class SlotState(str, enum.Enum):
+    """Lifecycle of the daemon's single model slot."""
+
+    EMPTY = "Empty"  # no model resident
+    LOADING = "Loading"  # a load is in progress
+    READY = "Ready"  # a model is resident and no session holds it
+    BUSY = "Busy"  # a session holds the slot
+    SWITCHING = "Switching"  # the resident model is being replaced by another
+    UNLOADING = "Unloading"  # the resident model is being released
+    FAILED = "Failed"  # the last load failed; a new load may be attempted
+    SHUTTING_DOWN = "ShuttingDown"  # the daemon is stopping
+    LOST_OWNER = "LostOwner"  # the owner epoch moved on; nothing is served until reloaded
+
+
+class Config(_Request):
+    """Explicit hardware/runtime configuration for a session; every knob is tested."""
+
+    num_ctx: int = Field(0, ge=0, description="context window in tokens; 0 = daemon decides")
+    num_batch: int = Field(0, ge=0, description="prefill batch size; 0 = backend default")
+    num_threads: int = Field(0, ge=0, description="CPU threads; 0 = number of cores")
+    num_gpu_layers: int = Field(0, ge=-1, description="layers offloaded to the GPU; -1 = all")
+    tensor_split: list[float] = Field(default_factory=list)
+    flash_attn: bool = False
+    kv_cache_type: KVCacheType = ""
+    prompt_format: str = ""
+    prompt_template_digest: str = ""
+    disable_bos: bool = False
+    reasoning_format: str = ""
+
+
+class Fence(_Request):
+    """The owner identity a client expects to be serving it (a freshness check)."""
+
+    owner_instance_id: str = ""
+
+
+class _ModelHandle(_Request):
+    owner_instance_id: str = ""
+    model_name: str = ""
+    type: str = Field("", description='backend type the model targets: "llama" | "openvino" | "memory"')
+    digest: str = ""
+    path: str = ""
+    config: Config = Field(default_factory=Config)
+
+    @property
+    def fence(self) -> Fence:
+        return Fence(owner_instance_id=self.owner_instance_id)
+
+
+class OpenSessionRequest(_ModelHandle):
+    """Ask the owner to open a session for a model (ModelName+Type+Digest is identity)."""
+
+
+class EmbedRequest(_ModelHandle):
+    """A one-shot embedding of ``text`` (or of each of ``texts``, an extension)."""
+
+    text: str = Field("", max_length=MAX_TEXT_CHARS)
+    texts: list[str] = Field(default_factory=list)
+    truncate: bool = False
+
+    def inputs(self) -> list[str]:
+        return list(self.texts) if self.texts else [self.text]
+
+
+class EmbedResult(_Report):
+    vector: list[float] = Field(default_factory=list)
+    #: one vector per input when the request used ``texts``
+    vectors: list[list[float]] = Field(default_factory=list)
+    dims: int = 0
+    model_name: str = ""
+    digest: str = ""
+
+
+class LoadModelRequest(_ModelHandle):
+    """Explicitly activate the single slot; conditional when expected_generation != 0."""
+
+    expected_generation: int = Field(0, ge=0)
+
+
+class UnloadModelRequest(_Request):
+    """Explicitly release the slot; idempotent on an empty slot unless the generation is stale."""
+
+    owner_instance_id: str = ""
+    expected_generation: int = Field(0, ge=0)
+
+
+class ActiveModel(_Report):
+    model_name: str = ""
+    type: str = ""
+    digest: str = ""
+    path: str = ""
+    config: Config = Field(default_factory=Config)
+    generation: int = 0
+    effective_context: int = 0
+    resident_bytes: int = 0
+
+
+class DaemonStatus(_Report):
+    owner_instance_id: str = ""
+    backend: str = ""
+    backend_version: str = ""
+    protocol_version: int = 0
+    state: SlotState = SlotState.EMPTY
+    active: ActiveModel | None = None
+    generation: int = 0
+    busy_operation: str = ""
+    last_error: str = ""
+    load_progress: float | None = None
+    session_open: bool = False
+    pid: int = 0
+    endpoint: str = ""
+    embedding: dict[str, Any] | None = None
+
+
+class DeviceInfo(_Report):
+    kind: str = ""
+    id: str = ""
+    name: str = ""
+    total_bytes: int = 0
+    free_bytes: int = 0
+
+
+class ModelInfo(_Report):
+    """What the daemon reports about a model: from its metadata and the device's memory."""
+
+    model_max_context: int = 0
+    effective_context: int = 0
+    kv_bytes_per_token: int = 0
+    free_bytes: int = 0
+    weights_bytes: int = 0
+    overhead_bytes: int = 0
+    reserved_bytes: int = 0
+    user_limit_bytes: int = 0
+    min_free_bytes: int = 0
+    usable_bytes: int = 0
+    required_bytes: int = 0
+    clamped: bool = False
+    reason: str = ""
+    device_kind: str = ""
+    device_id: str = ""
+    device_total_bytes: int = 0
+    requested_gpu_layers: int = 0
+    resolved_gpu_layers: int = 0
+    runtime_name: str = ""
+    runtime_digest: str = ""
+    runtime_system_info: str = ""
+    supports_gpu_offload: bool = False
+    devices: list[DeviceInfo] = Field(default_factory=list)
+    # extensions: what the metadata said
+    n_layer: int = 0
+    n_head_kv: int = 0
+    head_dim: int = 0
+    digest: str = ""
+
+
+class PrefixInput(_Request):
+    """Stable prefix text plus the manifest that makes reuse valid."""
+
+    text: str = Field("", max_length=MAX_TEXT_CHARS)
+    manifest: ContextManifest = Field(default_factory=ContextManifest)
+    #: JSON array of tool definitions rendered by the model's own template; "" = none
+    tools: str = ""
+
+
+class SuffixInput(_Request):
+    """Volatile text appended after the stable prefix, under the same manifest."""
+
+    text: str = Field("", max_length=MAX_TEXT_CHARS)
+    manifest: ContextManifest = Field(default_factory=ContextManifest)
+    enable_thinking: bool | None = None
+    #: chat role of the volatile turn ("user" or "tool")
+    role: Literal["user", "tool"] = "user"
+    #: False: append the raw text with no template rendering (continuation)
+    render: bool = True
+
+
+class PrefixStatus(_Report):
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    dropped_tokens: int = 0
+    prefix_tokens: int = 0
+    resident_tokens: int = 0
+    available_tokens: int = 0
+    stable_byte_hash: str = ""
+    stable_token_hash: str = ""
+    manifest_digest: str = ""
+    prefill_ms: float = 0.0
+
+
+class SuffixStatus(_Report):
+    suffix_tokens: int = 0
+    prefix_tokens: int = 0
+    resident_tokens: int = 0
+    available_tokens: int = 0
+    manifest_digest: str = ""
+    reused_tokens: int = 0
+    prefill_ms: float = 0.0
+
+
+class StructuredOutputConfig(_Request):
+    """A backend-typed constraint on generation: exactly one of the fields."""
+
+    json_schema: str = ""
+    grammar: str = ""
+    regex: str = ""
+
+    def is_set(self) -> bool:
+        return bool(self.json_schema or self.grammar or self.regex)
+
+
+class DecodeConfig(_Request):
+    max_tokens: int = Field(256, ge=0, le=1_000_000)
+    temperature: float | None = Field(None, ge=0.0, le=10.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    parser_protocols: list[str] = Field(default_factory=list)
+    reasoning_format: str = ""
+    structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
+    #: extension: also stream the sampled token ids (for parity checks)
+    return_token_ids: bool = False
+
+
+class ToolCallFunction(_Report):
+    name: str = ""
+    arguments: str = ""
+
+
+class ToolCall(_Report):
+    id: str = ""
+    type: str = "function"
+    function: ToolCallFunction = Field(default_factory=ToolCallFunction)
+
+
+class ErrorInfo(_Report):
+    code: int = 0
+    name: str = ""
+    message: str = ""
+    recoverable: bool = False
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class Usage(_Report):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_ms: float = 0.0
+    decode_ms: float = 0.0
+    tokens_per_second: float = 0.0
+
+
+class StreamChunk(_Report):
+    """A decoded text delta, reasoning text, parsed tool calls, or the terminal chunk."""
+
+    text: str = ""
+    thinking: str = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    token_ids: list[int] = Field(default_factory=list)
+    error: ErrorInfo | None = None
+    done: bool = False
+    finish_reason: str = ""  # "stop" | "length" | "cancelled" | "tool_calls" | "error"
+    usage: Usage | None = None
+
+
+class SessionSnapshot(_Report):
+    """Backend state plus the bookkeeping that gates a restore."""
+
+    state: bytes = b""
+    state_id: str = ""
+    state_kind: str = ""  # "kv" (real state bytes) | "replay" (token tape, restore re-prefills)
+    #: sha256 of ``state`` taken at snapshot time; a restore verifies it
+    state_digest: str = ""
+    backend: str = ""
+    resident_tokens: int = 0
+    prefix_tokens: int = 0
+    num_ctx: int = 0
+    resident_token_ids: list[int] = Field(default_factory=list)
+    stable_text: str = ""
+    prefix_text: str = ""
+    tools: str = ""
+    manifest: ContextManifest = Field(default_factory=ContextManifest)
+
+    @field_validator("state", mode="before")
+    @classmethod
+    def _bytes(cls, v: Any) -> Any:
+        if isinstance(v, (bytearray, memoryview)):
+            return bytes(v)
+        return v
+
+
+class ContextReport(_Report):
+    resident_tokens: int = 0
+    prefix_tokens: int = 0
+    num_ctx: int = 0
+    available_tokens: int = 0
+    stable_byte_hash: str = ""
+    stable_token_hash: str = ""
+    manifest_digest: str = ""
+    manifest: ContextManifest = Field(default_factory=ContextManifest)
+    closed: bool = False
