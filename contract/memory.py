@@ -30,7 +30,7 @@ from .errors import (
     StaleFence,
     UnsupportedFeature,
 )
-from .manifest import byte_hash
+from .manifest import byte_hash, canonical_digest
 from .resident import PrefixPlan, Resident
 from .types import (
     ContextReport,
@@ -86,6 +86,18 @@ class MemoryModel:
 
     def resident_bytes(self) -> int:
         return len(self.resident.tokens)
+
+    def manifest_defaults(self) -> dict[str, str]:
+        """What a client puts in its ContextManifest for this model."""
+        return {
+            "backend": BACKEND_NAME,
+            "backend_version": "reference",
+            "model_digest": self._digest,
+            "prompt_format": "raw",
+            "template_digest": "",
+            "runtime_digest": canonical_digest({"num_ctx": self.num_ctx}),
+            "bos_policy": "none",
+        }
 
     def close(self) -> None:
         self.closed = True
@@ -196,7 +208,7 @@ class MemorySession:
     def restore(self, snap: SessionSnapshot) -> None:
         res = self._live()
         res.validate_snapshot(snap, BACKEND_NAME, self._model.digest)
-        if bytes(snap.resident_token_ids) != snap.state:
+        if any(not 0 <= t < 256 for t in snap.resident_token_ids) or bytes(snap.resident_token_ids) != snap.state:
             raise SnapshotRejected("state bytes do not match the token tape")
         res.adopt_snapshot(snap)
 

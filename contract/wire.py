@@ -111,7 +111,6 @@ def unpack(data: bytes) -> dict[str, Any]:
             raw=False,
             strict_map_key=True,
             ext_hook=_ext_refused,
-            max_buffer_size=MAX_BODY_BYTES,
             timestamp=0,
         )
     except ModeldError:

@@ -1,0 +1,495 @@
+"""The single model slot: one backend, one resident model, one session holder at a time.
+
+``SlotService`` implements the contract's Service and ModelController on top of
+one ``Backend``. It adds what a daemon needs and a backend should not know:
+
+* the SlotState machine and a generation counter bumped on every load, switch
+  and unload, with ``expected_generation`` making load/unload conditional;
+* owner fencing (StaleFence) and backend type checks (BackendMismatch);
+* one session holder at a time (ModelBusy); open_session auto-loads an empty
+  slot, a different model needs an explicit load (ModelSwitchRequired);
+* session handles bound to the owner and generation, so a switch invalidates
+  them, and a lease so a vanished client does not hold the slot forever;
+* closing a session releases the slot but keeps the model's KV resident, so
+  the next session on the same model starts warm.
+
+Threading: model operations are expected to run on one worker thread (the
+daemon guarantees it; ``_op_lock`` makes in-process use safe too). ``status()``
+only takes the short ``_state_lock`` so it answers while a decode runs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from contract.errors import (
+    BackendMismatch,
+    InvalidArgument,
+    ModelBusy,
+    ModeldError,
+    ModelLoadFailed,
+    ModelNotActive,
+    ModelSwitchRequired,
+    SessionClosed,
+    ShuttingDown,
+    SlotGenerationStale,
+    StaleFence,
+)
+from contract.interfaces import Backend, LoadedModel, Session
+from contract.types import (
+    ActiveModel,
+    ContextReport,
+    DaemonStatus,
+    DecodeConfig,
+    EmbedRequest,
+    EmbedResult,
+    LoadModelRequest,
+    ModelInfo,
+    OpenSessionRequest,
+    PrefixInput,
+    PrefixStatus,
+    SessionSnapshot,
+    SlotState,
+    StreamChunk,
+    SuffixInput,
+    SuffixStatus,
+    UnloadModelRequest,
+)
+from contract.wire import PROTOCOL_VERSION
+
+DEFAULT_LEASE_S = 30.0
+
+#: plans the memory-fitted request for a load; the default leaves it unchanged
+Planner = Callable[[Backend, OpenSessionRequest, int], ModelInfo]
+
+
+@dataclass
+class _Holder:
+    session_id: str
+    generation: int
+    owner: str
+    inner: Session
+    last_seen: float = field(default_factory=time.monotonic)
+    in_operation: int = 0
+    closed: bool = False
+
+
+class SlotService:
+    """Service + ModelController over one Backend; see the module docstring."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        owner: str = "",
+        lease_s: float = DEFAULT_LEASE_S,
+        planner: Planner | None = None,
+        endpoint: str = "",
+    ) -> None:
+        self.backend = backend
+        self.owner = owner
+        self.lease_s = lease_s
+        self.endpoint = endpoint
+        self._planner = planner
+        self._state_lock = threading.Lock()
+        self._op_lock = threading.RLock()
+        self._state = SlotState.EMPTY
+        self._generation = 0
+        self._loaded: LoadedModel | None = None
+        self._active: ActiveModel | None = None
+        self._request: OpenSessionRequest | None = None
+        self._holder: _Holder | None = None
+        self._busy_op = ""
+        self._last_error = ""
+        self._progress: float | None = None
+        self._shutting_down = False
+        self._backend_version = backend.runtime_version()
+
+    # --- status (any thread) ---------------------------------------------------------
+    def status(self) -> DaemonStatus:
+        with self._state_lock:
+            active = self._active
+            if active is not None and self._loaded is not None:
+                active = active.model_copy(update={"resident_bytes": self._loaded.resident_bytes()})
+            return DaemonStatus(
+                owner_instance_id=self.owner,
+                backend=self.backend.name,
+                backend_version=self._backend_version,
+                protocol_version=PROTOCOL_VERSION,
+                state=self._state,
+                active=active,
+                generation=self._generation,
+                busy_operation=self._busy_op,
+                last_error=self._last_error,
+                load_progress=self._progress,
+                session_open=self._holder is not None,
+                pid=os.getpid(),
+                endpoint=self.endpoint,
+            )
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    # --- checks ----------------------------------------------------------------------
+    def _check_fence(self, owner: str) -> None:
+        if self.owner and owner != self.owner:
+            raise StaleFence(
+                f"fence {owner!r} does not match the daemon owner {self.owner!r}",
+                expected=self.owner,
+                got=owner,
+            )
+
+    def _check_type(self, type_: str) -> None:
+        if type_ not in ("", self.backend.name):
+            raise BackendMismatch(
+                f"model type {type_!r} is not served by this modeld backend ({self.backend.name!r})",
+                type=type_,
+                backend=self.backend.name,
+            )
+
+    def _check_live(self) -> None:
+        if self._shutting_down:
+            raise ShuttingDown("modeld is shutting down")
+
+    def _set(self, **kw: Any) -> None:
+        with self._state_lock:
+            for k, v in kw.items():
+                setattr(self, "_" + k, v)
+
+    def _matches(self, req: OpenSessionRequest) -> bool:
+        cur = self._request
+        if cur is None or self._active is None:
+            return False
+        if req.path and os.path.realpath(req.path) != os.path.realpath(cur.path):
+            return False
+        if req.digest and req.digest != self._active.digest:
+            return False
+        if req.model_name and req.model_name != cur.model_name:
+            return False
+        # A default config means "whatever is loaded"; an explicit one must match.
+        if req.config != type(req.config)() and req.config != cur.config:
+            return False
+        return True
+
+    # --- ModelController -------------------------------------------------------------
+    def load_model(self, req: LoadModelRequest) -> ActiveModel:
+        with self._op_lock:
+            self._check_live()
+            self._check_fence(req.owner_instance_id)
+            self._check_type(req.type)
+            if req.expected_generation and req.expected_generation != self._generation:
+                raise SlotGenerationStale(
+                    f"expected generation {req.expected_generation}, slot is at {self._generation}",
+                    expected=req.expected_generation,
+                    current=self._generation,
+                )
+            open_req = OpenSessionRequest.model_validate(req.model_dump(exclude={"expected_generation"}))
+            if not open_req.path:
+                raise InvalidArgument("load needs a model path")
+            if self._loaded is not None and self._matches(open_req) and open_req.config == self._request.config:  # type: ignore[union-attr]
+                assert self._active is not None
+                return self._active
+            self._reap_locked()
+            if self._holder is not None:
+                raise ModelBusy(
+                    "a session holds the slot; close it before switching models",
+                    session_id=self._holder.session_id,
+                )
+            return self._load_locked(open_req)
+
+    def _load_locked(self, req: OpenSessionRequest) -> ActiveModel:
+        switching = self._loaded is not None
+        credit = self._loaded.resident_bytes() if self._loaded is not None else 0
+        info: ModelInfo | None = None
+        if self._planner is not None:
+            # Memory fit first, before anything is released or allocated.
+            info = self._planner(self.backend, req, credit)
+            req = req.model_copy(update={"config": req.config.model_copy(update={"num_ctx": info.effective_context})})
+        self._set(state=SlotState.SWITCHING if switching else SlotState.LOADING, busy_op="load", progress=0.0)
+        try:
+            if self._loaded is not None:
+                self._release_model_locked()
+            loaded = self.backend.load(req, self._on_progress)
+        except ModeldError as exc:
+            self._fail_locked(exc)
+            raise
+        except Exception as exc:
+            err = ModelLoadFailed(f"{type(exc).__name__}: {exc}", path=req.path)
+            self._fail_locked(err)
+            raise err from exc
+        active = ActiveModel(
+            model_name=req.model_name or os.path.basename(req.path),
+            type=self.backend.name,
+            digest=loaded.digest,
+            path=req.path,
+            config=req.config.model_copy(update={"num_ctx": loaded.num_ctx}),
+            generation=self._generation + 1,
+            effective_context=loaded.num_ctx,
+        )
+        with self._state_lock:
+            self._loaded = loaded
+            self._request = req
+            self._active = active
+            self._generation += 1
+            self._state = SlotState.READY
+            self._busy_op = ""
+            self._progress = None
+            self._last_error = ""
+        return active
+
+    def _on_progress(self, fraction: float) -> None:
+        self._set(progress=max(0.0, min(1.0, float(fraction))))
+
+    def _fail_locked(self, exc: ModeldError) -> None:
+        with self._state_lock:
+            self._state = SlotState.FAILED if self._loaded is None else SlotState.READY
+            self._busy_op = ""
+            self._progress = None
+            self._last_error = f"{type(exc).__name__}: {exc.message}"
+
+    def _release_model_locked(self) -> None:
+        loaded = self._loaded
+        with self._state_lock:
+            self._loaded = None
+            self._active = None
+            self._request = None
+        if loaded is not None:
+            loaded.close()
+
+    def unload_model(self, req: UnloadModelRequest) -> None:
+        with self._op_lock:
+            self._check_fence(req.owner_instance_id)
+            if req.expected_generation and req.expected_generation != self._generation:
+                raise SlotGenerationStale(
+                    f"expected generation {req.expected_generation}, slot is at {self._generation}",
+                    expected=req.expected_generation,
+                    current=self._generation,
+                )
+            if self._loaded is None:
+                if self._state is SlotState.FAILED:
+                    self._set(state=SlotState.EMPTY)
+                return  # idempotent on an empty slot
+            self._reap_locked()
+            if self._holder is not None:
+                raise ModelBusy("a session holds the slot; close it before unloading", session_id=self._holder.session_id)
+            self._set(state=SlotState.UNLOADING, busy_op="unload")
+            self._release_model_locked()
+            with self._state_lock:
+                self._generation += 1
+                self._state = SlotState.EMPTY
+                self._busy_op = ""
+
+    # --- Service ---------------------------------------------------------------------
+    def open_session(self, req: OpenSessionRequest) -> SlotSession:
+        with self._op_lock:
+            self._check_live()
+            self._check_fence(req.owner_instance_id)
+            self._check_type(req.type)
+            self._reap_locked()
+            if self._holder is not None:
+                raise ModelBusy("another session holds the slot", session_id=self._holder.session_id)
+            if self._loaded is None:
+                if not req.path:
+                    raise ModelNotActive("no model is loaded and the request names no path")
+                self._load_locked(req)
+            elif not self._matches(req):
+                assert self._active is not None
+                raise ModelSwitchRequired(
+                    f"slot holds {self._active.model_name!r}; load the requested model explicitly to switch",
+                    active=self._active.model_name,
+                    requested=req.model_name or req.path,
+                )
+            assert self._loaded is not None
+            holder = _Holder(
+                session_id=uuid.uuid4().hex,
+                generation=self._generation,
+                owner=req.owner_instance_id,
+                inner=self._loaded.open_session(),
+            )
+            with self._state_lock:
+                self._holder = holder
+                self._state = SlotState.BUSY
+            return SlotSession(self, holder)
+
+    def describe(self, req: OpenSessionRequest) -> ModelInfo:
+        self._check_fence(req.owner_instance_id)
+        self._check_type(req.type)
+        if not req.path:
+            if self._request is None:
+                raise ModelNotActive("no model is loaded and the request names no path")
+            req = req.model_copy(update={"path": self._request.path})
+        resident = self._loaded
+        credit = 0
+        if resident is not None and not self._matches(req):
+            credit = resident.resident_bytes()  # a switch would release it
+        with self._op_lock:
+            if self._planner is not None:
+                return self._planner(self.backend, req, credit)
+            return self.backend.describe(req, credit)
+
+    def embed(self, req: EmbedRequest) -> EmbedResult:
+        self._check_live()
+        self._check_fence(req.owner_instance_id)
+        self._check_type(req.type)
+        with self._op_lock:
+            return self.backend.embed(req)
+
+    def manifest_defaults(self) -> dict[str, str]:
+        loaded = self._loaded
+        fn = getattr(loaded, "manifest_defaults", None)
+        return dict(fn()) if callable(fn) else {}
+
+    # --- leases and holders ------------------------------------------------------------
+    def _holder_for(self, holder: _Holder) -> Session:
+        if holder.closed:
+            raise SessionClosed("session is closed", session_id=holder.session_id)
+        if holder.generation != self._generation:
+            raise SlotGenerationStale(
+                "the slot was switched or unloaded since this session was opened",
+                session_generation=holder.generation,
+                current=self._generation,
+            )
+        if self._holder is not holder:
+            raise SessionClosed("session was released (lease expired or closed)", session_id=holder.session_id)
+        if self.owner and holder.owner != self.owner:
+            raise StaleFence("the daemon's owner changed since this session was opened")
+        holder.last_seen = time.monotonic()
+        return holder.inner
+
+    def touch(self, session_id: str) -> bool:
+        with self._state_lock:
+            h = self._holder
+            if h is not None and h.session_id == session_id and not h.closed:
+                h.last_seen = time.monotonic()
+                return True
+            return False
+
+    def reap(self) -> bool:
+        """Release a holder whose lease expired; True when one was released."""
+        with self._op_lock:
+            return self._reap_locked()
+
+    def _reap_locked(self) -> bool:
+        h = self._holder
+        if h is None or h.in_operation or time.monotonic() - h.last_seen <= self.lease_s:
+            return False
+        self._release_holder(h)
+        return True
+
+    def _release_holder(self, holder: _Holder) -> None:
+        if holder.closed:
+            return
+        holder.closed = True
+        try:
+            holder.inner.close()
+        finally:
+            with self._state_lock:
+                if self._holder is holder:
+                    self._holder = None
+                    if self._state is SlotState.BUSY:
+                        self._state = SlotState.READY
+
+    def release_session(self, session_id: str) -> None:
+        with self._op_lock:
+            h = self._holder
+            if h is not None and h.session_id == session_id:
+                self._release_holder(h)
+
+    def holder_id(self) -> str:
+        h = self._holder
+        return h.session_id if h is not None else ""
+
+    def run_op(self, holder: _Holder, name: str, fn: Callable[[Session], Any]) -> Any:
+        with self._op_lock:
+            inner = self._holder_for(holder)
+            holder.in_operation += 1
+            self._set(busy_op=name)
+            try:
+                return fn(inner)
+            finally:
+                holder.in_operation -= 1
+                holder.last_seen = time.monotonic()
+                self._set(busy_op="")
+
+    # --- shutdown ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        with self._state_lock:
+            self._shutting_down = True
+            self._state = SlotState.SHUTTING_DOWN
+        with self._op_lock:
+            if self._holder is not None:
+                self._release_holder(self._holder)
+            self._release_model_locked()
+            self.backend.close()
+
+
+class SlotSession:
+    """A session handle bound to the slot's owner and generation."""
+
+    def __init__(self, slot: SlotService, holder: _Holder) -> None:
+        self._slot = slot
+        self._holder = holder
+
+    @property
+    def session_id(self) -> str:
+        return self._holder.session_id
+
+    @property
+    def generation(self) -> int:
+        return self._holder.generation
+
+    @property
+    def num_ctx(self) -> int:
+        active = self._slot.status().active
+        return active.effective_context if active else 0
+
+    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
+        return self._slot.run_op(self._holder, "ensure_prefix", lambda s: s.ensure_prefix(prefix))  # type: ignore[no-any-return]
+
+    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
+        return self._slot.run_op(self._holder, "prefill_suffix", lambda s: s.prefill_suffix(suffix))  # type: ignore[no-any-return]
+
+    def decode(self, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+        inner_iter: Iterator[StreamChunk] = self._slot.run_op(self._holder, "decode", lambda s: s.decode(cfg))
+        return self._stream(inner_iter)
+
+    def _stream(self, it: Iterator[StreamChunk]) -> Iterator[StreamChunk]:
+        # The op lock is not held across yields: the daemon's single worker thread
+        # serialises model work, and a suspended generator must not pin a lock.
+        slot, holder = self._slot, self._holder
+        holder.in_operation += 1
+        slot._set(busy_op="decode")
+        try:
+            for chunk in it:
+                holder.last_seen = time.monotonic()
+                yield chunk
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()  # cancels the backend within one token
+            holder.in_operation -= 1
+            holder.last_seen = time.monotonic()
+            slot._set(busy_op="")
+
+    def explain_context(self) -> ContextReport:
+        h = self._holder
+        if h.closed or self._slot._holder is not h:
+            rep = h.inner.explain_context()
+            return rep.model_copy(update={"closed": True})
+        return h.inner.explain_context()
+
+    def snapshot(self) -> SessionSnapshot:
+        return self._slot.run_op(self._holder, "snapshot", lambda s: s.snapshot())  # type: ignore[no-any-return]
+
+    def restore(self, snap: SessionSnapshot) -> None:
+        self._slot.run_op(self._holder, "restore", lambda s: s.restore(snap))
+
+    def close(self) -> None:
+        self._slot.release_session(self._holder.session_id)

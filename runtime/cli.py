@@ -1,0 +1,262 @@
+"""Client commands of the ``modeld`` CLI: status, load, unload, describe, embed, run.
+
+Every command takes ``--endpoint`` and ``--json``. Human output is an aligned
+table; on failure the exit code is non-zero and stderr names the error class
+and its message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from contract.errors import ModeldError
+from contract.types import (
+    Config,
+    DecodeConfig,
+    EmbedRequest,
+    LoadModelRequest,
+    OpenSessionRequest,
+    PrefixInput,
+    SuffixInput,
+    UnloadModelRequest,
+)
+
+from .client import Client
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _table(rows: list[tuple[str, Any]]) -> str:
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join(f"{k.ljust(width)}  {'' if v is None else v}" for k, v in rows)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", default=None, help="daemon endpoint (default: env MODELD_ENDPOINT or the per-user ipc socket)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--owner", default=os.environ.get("MODELD_OWNER", ""), help="owner fence (env MODELD_OWNER)")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the daemon")
+
+
+def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
+    p.add_argument("--path", required=path_required, default="", help="GGUF file or OpenVINO IR directory")
+    p.add_argument("--type", default="", help="backend type: llama | openvino | memory")
+    p.add_argument("--digest", default="", help="expected content digest (sha256:…)")
+    p.add_argument("--num-ctx", type=int, default=0, help="requested context window (0 = memory-fitted)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modeld", description="A local model daemon for coding agents.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("serve", help="run the daemon (see `modeld serve --help`)", add_help=False)
+
+    s = sub.add_parser("status", help="show the slot state")
+    _common(s)
+
+    s = sub.add_parser("load", help="load (or switch to) a model")
+    s.add_argument("name", help="logical model name")
+    _model_args(s, path_required=True)
+    s.add_argument("--expected-generation", type=int, default=0)
+    _common(s)
+
+    s = sub.add_parser("unload", help="release the slot")
+    s.add_argument("--expected-generation", type=int, default=0)
+    _common(s)
+
+    s = sub.add_parser("describe", help="model capabilities and memory fit")
+    s.add_argument("name", nargs="?", default="")
+    _model_args(s, path_required=False)
+    _common(s)
+
+    s = sub.add_parser("embed", help="embed texts")
+    s.add_argument("texts", nargs="+", metavar="TEXT")
+    _model_args(s, path_required=False)
+    s.add_argument("--truncate", action="store_true", help="truncate texts longer than the model window")
+    _common(s)
+
+    s = sub.add_parser("run", help="one hot-loop turn: system prefix, prompt, streamed answer")
+    s.add_argument("prompt")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--system", default=None)
+    g.add_argument("--system-file", default=None)
+    s.add_argument("--max-tokens", type=int, default=256)
+    s.add_argument("--temperature", type=float, default=None)
+    s.add_argument("--seed", type=int, default=None)
+    _model_args(s, path_required=False)
+    _common(s)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    client = Client(args.endpoint, timeout_s=args.timeout, owner=args.owner)
+    try:
+        return int(_COMMANDS[args.command](client, args))
+    except ModeldError as exc:
+        if getattr(args, "json", False):
+            _print_json({"error": exc.to_wire()})
+        print(f"modeld: {type(exc).__name__}: {exc.message}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # e.g. `modeld status --json | head`
+        sys.stderr.close()
+        return 0
+    finally:
+        client.close()
+
+
+def _status(client: Client, args: argparse.Namespace) -> int:
+    st = client.status()
+    if args.json:
+        _print_json(st.model_dump(mode="json"))
+        return 0
+    rows: list[tuple[str, Any]] = [
+        ("endpoint", st.endpoint or client.endpoint),
+        ("backend", f"{st.backend} {st.backend_version}".strip()),
+        ("state", st.state.value),
+        ("generation", st.generation),
+        ("owner", st.owner_instance_id or "-"),
+        ("session open", "yes" if st.session_open else "no"),
+    ]
+    if st.busy_operation:
+        rows.append(("busy", st.busy_operation))
+    if st.load_progress is not None:
+        rows.append(("load progress", f"{st.load_progress * 100:.0f}%"))
+    if st.active:
+        rows += [
+            ("model", st.active.model_name),
+            ("path", st.active.path),
+            ("digest", st.active.digest),
+            ("context", st.active.effective_context),
+            ("resident bytes", st.active.resident_bytes),
+        ]
+    if st.last_error:
+        rows.append(("last error", st.last_error))
+    print(_table(rows))
+    return 0
+
+
+def _handle(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model_name": getattr(args, "name", "") or "",
+        "type": args.type,
+        "digest": args.digest,
+        "path": os.path.abspath(args.path) if args.path and args.type != "memory" else args.path,
+        "config": Config(num_ctx=args.num_ctx),
+    }
+
+
+def _load(client: Client, args: argparse.Namespace) -> int:
+    active = client.load_model(LoadModelRequest(**_handle(args), expected_generation=args.expected_generation))
+    if args.json:
+        _print_json(active.model_dump(mode="json"))
+    else:
+        print(_table([("model", active.model_name), ("generation", active.generation), ("digest", active.digest),
+                      ("context", active.effective_context)]))
+    return 0
+
+
+def _unload(client: Client, args: argparse.Namespace) -> int:
+    client.unload_model(UnloadModelRequest(expected_generation=args.expected_generation))
+    st = client.status()
+    if args.json:
+        _print_json({"state": st.state.value, "generation": st.generation})
+    else:
+        print(_table([("state", st.state.value), ("generation", st.generation)]))
+    return 0
+
+
+def _describe(client: Client, args: argparse.Namespace) -> int:
+    info = client.describe(OpenSessionRequest(**_handle(args)))
+    if args.json:
+        _print_json(info.model_dump(mode="json"))
+    else:
+        print(_table([(k, v) for k, v in info.model_dump(mode="json").items() if v not in (None, "", [], 0, False)]))
+    return 0
+
+
+def _embed(client: Client, args: argparse.Namespace) -> int:
+    res = client.embed(EmbedRequest(**_handle(args), texts=list(args.texts), truncate=args.truncate))
+    if args.json:
+        _print_json({"vectors": res.vectors, "dims": res.dims, "model_name": res.model_name})
+        return 0
+    for text, vec in zip(args.texts, res.vectors, strict=True):
+        norm = math.sqrt(sum(x * x for x in vec))
+        head = ", ".join(f"{x:+.4f}" for x in vec[:4])
+        short = text if len(text) <= 40 else text[:37] + "..."
+        print(f"{short!r}: dims={len(vec)} norm={norm:.4f} [{head}, …]")
+    return 0
+
+
+def _run(client: Client, args: argparse.Namespace) -> int:
+    system = args.system
+    if args.system_file:
+        with open(args.system_file, encoding="utf-8") as f:
+            system = f.read()
+    t0 = time.perf_counter()
+    sess = client.open_session(OpenSessionRequest(**_handle(args)))
+    try:
+        manifest = sess.manifest()
+        pre = sess.ensure_prefix(PrefixInput(text=system or "", manifest=manifest))
+        suf = sess.prefill_suffix(SuffixInput(text=args.prompt, manifest=manifest))
+        cfg = DecodeConfig(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        parts: list[str] = []
+        final = None
+        for chunk in sess.decode(cfg):
+            if chunk.done:
+                final = chunk
+                break
+            parts.append(chunk.text)
+            if not args.json and chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    finally:
+        sess.close()
+    wall_ms = (time.perf_counter() - t0) * 1000
+    if args.json:
+        _print_json(
+            {
+                "text": "".join(parts),
+                "finish_reason": final.finish_reason if final else "",
+                "prefix": pre.model_dump(mode="json"),
+                "suffix": suf.model_dump(mode="json"),
+                "usage": final.usage.model_dump(mode="json") if final and final.usage else None,
+                "wall_ms": wall_ms,
+            }
+        )
+    else:
+        print()
+        u = final.usage if final else None
+        print(
+            f"[prefix reused {pre.reused_tokens}/{pre.prefix_tokens}, prefilled {pre.prefilled_tokens}; "
+            f"suffix {suf.suffix_tokens}; "
+            + (f"{u.completion_tokens} tokens, ttft {u.ttft_ms:.0f} ms, {u.tokens_per_second:.1f} tok/s]" if u else "]"),
+            file=sys.stderr,
+        )
+    return 0
+
+
+_COMMANDS = {
+    "status": _status,
+    "load": _load,
+    "unload": _unload,
+    "describe": _describe,
+    "embed": _embed,
+    "run": _run,
+}
