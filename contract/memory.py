@@ -61,7 +61,8 @@ def _tokens(text: str) -> list[int]:
 class MemoryModel:
     """A 'loaded' model: its identity and one persistent resident context."""
 
-    def __init__(self, req: OpenSessionRequest) -> None:
+    def __init__(self, req: OpenSessionRequest, token_delay_s: float = 0.0) -> None:
+        self.token_delay_s = token_delay_s
         num_ctx = req.config.num_ctx or DEFAULT_NUM_CTX
         if num_ctx > MAX_NUM_CTX:
             raise InvalidArgument(f"num_ctx {num_ctx} exceeds the memory backend's {MAX_NUM_CTX}")
@@ -161,29 +162,39 @@ class MemorySession:
             rng = random.Random(cfg.seed if cfg.seed is not None else time.time_ns())
         else:
             rng = random.Random(hashlib.sha256(seed_material).digest())
-        text_so_far = ""
         produced = 0
         finish = "length"
         first_ms = 0.0
+        pending = ""
+        held = ""
         while produced < cfg.max_tokens:
-            word = rng.choice(_WORDS) + " "
-            piece = word.encode()
-            if len(res.tokens) + len(piece) > res.num_ctx:
+            if not pending:
+                pending = rng.choice(_WORDS) + " "
+            char, pending = pending[0], pending[1:]  # one ASCII byte is one token
+            if len(res.tokens) + 1 > res.num_ctx:
                 finish = "context_full"
                 break
             if self._closed or self._model.closed:
                 return
-            res.tokens.extend(piece)
+            if self._model.token_delay_s:
+                time.sleep(self._model.token_delay_s)  # simulated decode speed
+            res.tokens.append(ord(char))
             produced += 1
-            text_so_far += word
             if not first_ms:
                 first_ms = (time.perf_counter() - start) * 1000
-            stop_hit = next((s for s in cfg.stop if s and s in text_so_far), None)
-            if stop_hit is not None:
+            held += char
+            hit = min((held.find(s) for s in cfg.stop if s and s in held), default=-1)
+            if hit >= 0:
                 finish = "stop"
-                yield StreamChunk(text=word[: max(0, len(word) - len(stop_hit))])
+                held = held[:hit]
                 break
-            yield StreamChunk(text=word, token_ids=list(piece) if cfg.return_token_ids else [])
+            # Hold back text that may be the start of a stop string.
+            keep = max((k for s in cfg.stop for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
+            out, held = held[: len(held) - keep], held[len(held) - keep :]
+            if out:
+                yield StreamChunk(text=out, token_ids=[ord(c) for c in out] if cfg.return_token_ids else [])
+        if held:
+            yield StreamChunk(text=held, token_ids=[ord(c) for c in held] if cfg.return_token_ids else [])
         elapsed = (time.perf_counter() - start) * 1000
         yield StreamChunk(
             done=True,
@@ -215,11 +226,22 @@ class MemorySession:
     def close(self) -> None:
         self._closed = True
 
+    @property
+    def manifest_defaults(self) -> dict[str, str]:
+        return self._model.manifest_defaults()
+
 
 class MemoryBackend:
-    """The reference model behind the daemon's Backend seam."""
+    """The reference model behind the daemon's Backend seam.
+
+    ``token_delay_s`` simulates decode speed so the daemon's concurrency (status
+    during a decode, cancel, leases) can be exercised without a real model.
+    """
 
     name = BACKEND_NAME
+
+    def __init__(self, token_delay_s: float = 0.0) -> None:
+        self.token_delay_s = token_delay_s
 
     def runtime_version(self) -> str:
         return "reference"
@@ -227,7 +249,7 @@ class MemoryBackend:
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> MemoryModel:
         _check_type(req.type)
         progress(0.0)
-        model = MemoryModel(req)
+        model = MemoryModel(req, self.token_delay_s)
         progress(1.0)
         return model
 

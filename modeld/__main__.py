@@ -31,7 +31,7 @@ def build_backend(name: str, args: argparse.Namespace) -> Backend:
     if name == "memory":
         from contract.memory import MemoryBackend
 
-        return MemoryBackend()
+        return MemoryBackend(token_delay_s=args.memory_token_delay_ms / 1000.0)
     if name == "llama":
         from backends.llama_cpp import LlamaBackend
 
@@ -60,6 +60,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-reserve", default=None, help="memory kept free, e.g. 1GiB (env MODELD_MEM_RESERVE)")
     p.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, help="seconds a silent client keeps its session")
     p.add_argument("--no-preload", action="store_true", help="start with an empty slot")
+    p.add_argument(
+        "--memory-token-delay-ms",
+        type=float,
+        default=0.0,
+        help="memory backend only: simulated time per generated token",
+    )
     p.add_argument("--log-level", default=os.environ.get("MODELD_LOG_LEVEL", "INFO"))
 
 
@@ -132,4 +138,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import main as cli_main
+
+    sys.exit(cli_main())

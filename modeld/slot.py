@@ -446,6 +446,10 @@ class SlotSession:
         return self._holder.generation
 
     @property
+    def manifest_defaults(self) -> dict[str, str]:
+        return self._slot.manifest_defaults()
+
+    @property
     def num_ctx(self) -> int:
         active = self._slot.status().active
         return active.effective_context if active else 0

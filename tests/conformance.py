@@ -1,0 +1,251 @@
+"""The conformance suite: one set of scenarios run against every implementation.
+
+Each scenario drives a ``Service`` (MemoryService in process, the runtime client
+talking to a real daemon process, a real backend) through the contract and
+returns what it observed, so a test can also check that two implementations
+observed the *same* thing. Assertions here hold for every implementation;
+token counts are compared only against the implementation's own reports.
+
+Every scenario uses a fresh ``profile`` in its manifest, so whatever an earlier
+scenario left resident in a shared daemon cannot make it warm by accident.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from contract.errors import ContextOverflow, ManifestMismatch, SessionClosed, SnapshotRejected
+from contract.manifest import ContextManifest
+from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, StreamChunk, SuffixInput
+
+SYSTEM = (
+    "You are a careful coding assistant. The repository is a Python daemon that serves a model over "
+    "ZeroMQ. Answer briefly and precisely; prefer small diffs; cite file names."
+)
+TURN_1 = "What does the slot service do?"
+TURN_2 = "Summarise the test plan in one line."
+
+
+@dataclass
+class Target:
+    name: str
+    service: Any
+    request: OpenSessionRequest
+    #: whether ensure_prefix keeps the token LCP of an edited prefix (real backends)
+    partial_reuse: bool = True
+
+
+def manifest_for(sess: Any, profile: str, **overrides: str) -> ContextManifest:
+    defaults = dict(getattr(sess, "manifest_defaults", {}) or {})
+    return ContextManifest(**{**defaults, "profile": profile, **overrides})
+
+
+def fresh_profile() -> str:
+    return "conf-" + uuid.uuid4().hex[:12]
+
+
+def greedy(sess: Any, n: int) -> tuple[str, StreamChunk]:
+    parts: list[str] = []
+    final: StreamChunk | None = None
+    for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0)):
+        if chunk.done:
+            final = chunk
+        else:
+            parts.append(chunk.text)
+    assert final is not None, "a decode stream must end with a done chunk"
+    return "".join(parts), final
+
+
+def scenario_warm_cold(t: Target) -> dict[str, Any]:
+    sess = t.service.open_session(t.request)
+    try:
+        m = manifest_for(sess, fresh_profile())
+        cold = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        assert cold.reused_tokens == 0
+        assert cold.prefilled_tokens == cold.prefix_tokens > 0
+        assert cold.resident_tokens == cold.prefix_tokens
+        warm = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        assert warm.reused_tokens == warm.prefix_tokens == cold.prefix_tokens
+        assert warm.prefilled_tokens == 0
+        assert warm.stable_token_hash == cold.stable_token_hash
+        assert warm.stable_byte_hash == cold.stable_byte_hash
+        assert warm.manifest_digest == m.digest() == cold.manifest_digest
+        return {"cold": cold.model_dump(exclude={"prefill_ms"}), "warm": warm.model_dump(exclude={"prefill_ms"})}
+    finally:
+        sess.close()
+
+
+def scenario_manifest_change(t: Target) -> dict[str, Any]:
+    sess = t.service.open_session(t.request)
+    try:
+        profile = fresh_profile()
+        m = manifest_for(sess, profile)
+        first = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        out: dict[str, Any] = {"first": first.prefix_tokens}
+        for field in ("template_digest", "runtime_digest", "model_digest", "bos_policy"):
+            changed = manifest_for(sess, profile, **{field: "sha256:" + uuid.uuid4().hex})
+            st = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=changed))
+            assert st.reused_tokens == 0, field
+            assert st.prefilled_tokens == st.prefix_tokens == first.prefix_tokens, field
+            back = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+            assert back.reused_tokens == 0, f"returning from {field} must be cold too"
+            out[field] = st.reused_tokens
+        # The stable byte hash is content, not identity: it never gates reuse.
+        hashed = m.model_copy(update={"stable_byte_hash": "sha256:" + uuid.uuid4().hex})
+        st = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=hashed))
+        assert st.reused_tokens == st.prefix_tokens
+        # An edited stable tail: the common part is kept only by real backends.
+        edited = sess.ensure_prefix(PrefixInput(text=SYSTEM[:-20] + "cite line numbers.", manifest=m))
+        if t.partial_reuse:
+            assert 0 < edited.reused_tokens < first.prefix_tokens
+        else:
+            assert edited.reused_tokens == 0
+        assert edited.reused_tokens + edited.prefilled_tokens == edited.prefix_tokens
+        out["edited"] = edited.model_dump(exclude={"prefill_ms"})
+        return out
+    finally:
+        sess.close()
+
+
+def scenario_suffix_and_decode(t: Target) -> dict[str, Any]:
+    sess = t.service.open_session(t.request)
+    try:
+        m = manifest_for(sess, fresh_profile())
+        pre = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        suf = sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
+        assert suf.suffix_tokens > 0
+        assert suf.prefix_tokens == pre.prefix_tokens
+        assert suf.resident_tokens == pre.prefix_tokens + suf.suffix_tokens
+        report = sess.explain_context()
+        assert suf.available_tokens == report.num_ctx - suf.resident_tokens
+        text, final = greedy(sess, 8)
+        assert final.usage is not None
+        assert final.finish_reason in ("length", "stop")
+        n = final.usage.completion_tokens
+        assert 0 < n <= 8
+        if final.finish_reason == "length":
+            assert n == 8
+        assert final.usage.prompt_tokens == suf.resident_tokens
+        after = sess.explain_context()
+        assert after.resident_tokens == suf.resident_tokens + n, "decode appends what it generated"
+        assert after.prefix_tokens == pre.prefix_tokens
+        # A second suffix replaces the first: the stable prefix is untouched.
+        suf2 = sess.prefill_suffix(SuffixInput(text=TURN_2, manifest=m))
+        assert suf2.prefix_tokens == pre.prefix_tokens
+        # A suffix under another identity is refused, and nothing changes.
+        before = sess.explain_context()
+        with pytest.raises(ManifestMismatch):
+            sess.prefill_suffix(SuffixInput(text=TURN_2, manifest=manifest_for(sess, "other-profile")))
+        assert sess.explain_context().resident_tokens == before.resident_tokens
+        # Overflow is refused with numbers, never truncated.
+        with pytest.raises(ContextOverflow) as exc:
+            sess.prefill_suffix(SuffixInput(text="overflow " * (report.num_ctx + 10), manifest=m))
+        assert exc.value.details.get("num_ctx") == report.num_ctx
+        assert sess.explain_context().resident_tokens == before.resident_tokens
+        return {
+            "prefix": pre.model_dump(exclude={"prefill_ms"}),
+            "suffix": suf.model_dump(exclude={"prefill_ms"}),
+            "text": text,
+            "completion_tokens": n,
+        }
+    finally:
+        sess.close()
+
+
+def scenario_cancel(t: Target) -> dict[str, Any]:
+    sess = t.service.open_session(t.request)
+    try:
+        m = manifest_for(sess, fresh_profile())
+        pre = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        suf = sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
+        stream = sess.decode(DecodeConfig(max_tokens=200, temperature=0.0))
+        taken = 0
+        for chunk in stream:
+            assert not chunk.done
+            taken += 1
+            if taken == 2:
+                break
+        stream.close()  # type: ignore[attr-defined]
+        rep = sess.explain_context()
+        assert rep.resident_tokens >= suf.resident_tokens + 1
+        assert rep.resident_tokens < suf.resident_tokens + 200, "cancel must stop generation"
+        # The session is usable and warm afterwards.
+        again = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        assert again.reused_tokens == pre.prefix_tokens
+        sess.prefill_suffix(SuffixInput(text=TURN_2, manifest=m))
+        _, final = greedy(sess, 3)
+        assert final.usage is not None and final.usage.completion_tokens > 0
+        return {"taken": taken}
+    finally:
+        sess.close()
+
+
+def scenario_snapshot_restore(t: Target) -> dict[str, Any]:
+    sess = t.service.open_session(t.request)
+    try:
+        m = manifest_for(sess, fresh_profile())
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
+        snap = sess.snapshot()
+        assert snap.resident_tokens == len(snap.resident_token_ids)
+        assert snap.state, "a snapshot carries state bytes (or a replay tape)"
+        expected, _ = greedy(sess, 8)
+        # Unrelated turns move the resident state somewhere else entirely.
+        other = manifest_for(sess, fresh_profile())
+        sess.ensure_prefix(PrefixInput(text="An unrelated system prompt about cooking.", manifest=other))
+        sess.prefill_suffix(SuffixInput(text="How long do I boil an egg?", manifest=other))
+        greedy(sess, 4)
+        sess.restore(snap)
+        rep = sess.explain_context()
+        assert rep.resident_tokens == snap.resident_tokens
+        assert rep.prefix_tokens == snap.prefix_tokens
+        restored, _ = greedy(sess, 8)
+        assert restored == expected, "decode after restore must equal decode right after the snapshot"
+        # Refusals: tampered bytes, wrong window, inconsistent counts; state untouched.
+        before = sess.explain_context()
+        flipped = bytes([snap.state[0] ^ 0xFF]) + snap.state[1:]
+        for bad in (
+            snap.model_copy(update={"state": flipped}),
+            snap.model_copy(update={"num_ctx": snap.num_ctx + 1}),
+            snap.model_copy(update={"resident_tokens": snap.resident_tokens + 1}),
+            snap.model_copy(update={"manifest": snap.manifest.model_copy(update={"model_digest": "sha256:" + "0" * 64})}),
+        ):
+            with pytest.raises(SnapshotRejected):
+                sess.restore(bad)
+            assert sess.explain_context().resident_tokens == before.resident_tokens
+        return {"expected": expected, "snapshot_tokens": snap.resident_tokens}
+    finally:
+        sess.close()
+
+
+def scenario_close(t: Target) -> dict[str, Any]:
+    sess = t.service.open_session(t.request)
+    m = manifest_for(sess, fresh_profile())
+    first = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+    sess.close()
+    sess.close()  # idempotent
+    with pytest.raises(SessionClosed):
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+    # The KV stays resident: the next session on the same model starts warm.
+    nxt = t.service.open_session(t.request)
+    try:
+        again = nxt.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        assert again.reused_tokens == first.prefix_tokens
+        return {"reused": again.reused_tokens}
+    finally:
+        nxt.close()
+
+
+SCENARIOS: dict[str, Callable[[Target], dict[str, Any]]] = {
+    "warm_cold": scenario_warm_cold,
+    "manifest_change": scenario_manifest_change,
+    "suffix_and_decode": scenario_suffix_and_decode,
+    "cancel": scenario_cancel,
+    "snapshot_restore": scenario_snapshot_restore,
+    "close": scenario_close,
+}

@@ -1,0 +1,93 @@
+"""Start and stop a real ``modeld serve`` OS process for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from contract.errors import ModeldError
+from runtime import Client
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_tcp_endpoint() -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"
+
+
+class DaemonProcess:
+    """``modeld serve`` as a child process with its own endpoint and data dir."""
+
+    def __init__(self, tmp: Path, backend: str = "memory", endpoint: str | None = None, *extra: str) -> None:
+        self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.backend = backend
+        self.endpoint = endpoint or f"ipc://{tmp / 'modeld.sock'}"
+        self.extra = list(extra)
+        self.log_path = tmp / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, ready_timeout_s: float = 120.0, wait_state: tuple[str, ...] = ("Ready", "Empty")) -> DaemonProcess:
+        cmd = [
+            sys.executable, "-m", "modeld", "serve",
+            "--backend", self.backend,
+            "--endpoint", self.endpoint,
+            "--data-dir", str(self.tmp / "data"),
+            *self.extra,
+        ]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("MODELD_ENDPOINT", None)
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + ready_timeout_s
+        with Client(self.endpoint, timeout_s=2.0) as c:
+            while True:
+                if self.proc.poll() is not None:
+                    self._log.close()
+                    raise RuntimeError(f"modeld exited with {self.proc.returncode}:\n{self.log()}")
+                try:
+                    st = c.status(timeout_s=1.0)
+                    if st.state.value in wait_state:
+                        return self
+                except ModeldError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"modeld not ready after {ready_timeout_s}s:\n{self.log()}")
+                time.sleep(0.1)
+
+    def client(self, **kw: object) -> Client:
+        return Client(self.endpoint, **kw)  # type: ignore[arg-type]
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> DaemonProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
