@@ -382,18 +382,18 @@ class Daemon:
         emit(inf, wire.encode_reply(Kind.OK, inf.request_id, body))
 
     def _h_ensure_prefix(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        sess = self._session(msg.body)
         prefix = wire.parse(PrefixInput, _without(msg.body, "session_id"))
+        sess = self._session(msg.body)
         emit(inf, wire.encode_reply(Kind.OK, inf.request_id, wire.to_body(sess.ensure_prefix(prefix))))
 
     def _h_prefill_suffix(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        sess = self._session(msg.body)
         suffix = wire.parse(SuffixInput, _without(msg.body, "session_id"))
+        sess = self._session(msg.body)
         emit(inf, wire.encode_reply(Kind.OK, inf.request_id, wire.to_body(sess.prefill_suffix(suffix))))
 
     def _h_decode(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        sess = self._session(msg.body)
         cfg = wire.parse(DecodeConfig, _without(msg.body, "session_id"))
+        sess = self._session(msg.body)
         stream = sess.decode(cfg)
         final: StreamChunk | None = None
         try:

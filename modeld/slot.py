@@ -208,6 +208,7 @@ class SlotService:
         switching = self._loaded is not None
         credit = self._loaded.resident_bytes() if self._loaded is not None else 0
         info: ModelInfo | None = None
+        asked = req  # identity for later matching: what the caller asked, not what was planned
         if self._planner is not None:
             # Memory fit first, before anything is released or allocated.
             info = self._planner(self.backend, req, credit)
@@ -235,7 +236,7 @@ class SlotService:
         )
         with self._state_lock:
             self._loaded = loaded
-            self._request = req
+            self._request = asked
             self._active = active
             self._generation += 1
             self._state = SlotState.READY
@@ -293,19 +294,20 @@ class SlotService:
             self._check_fence(req.owner_instance_id)
             self._check_type(req.type)
             self._reap_locked()
-            if self._holder is not None:
-                raise ModelBusy("another session holds the slot", session_id=self._holder.session_id)
-            if self._loaded is None:
-                if not req.path:
-                    raise ModelNotActive("no model is loaded and the request names no path")
-                self._load_locked(req)
-            elif not self._matches(req):
+            if self._loaded is not None and not self._matches(req):
+                # Checked before busy: the caller must switch explicitly either way.
                 assert self._active is not None
                 raise ModelSwitchRequired(
                     f"slot holds {self._active.model_name!r}; load the requested model explicitly to switch",
                     active=self._active.model_name,
                     requested=req.model_name or req.path,
                 )
+            if self._holder is not None:
+                raise ModelBusy("another session holds the slot", session_id=self._holder.session_id)
+            if self._loaded is None:
+                if not req.path:
+                    raise ModelNotActive("no model is loaded and the request names no path")
+                self._load_locked(req)
             assert self._loaded is not None
             holder = _Holder(
                 session_id=uuid.uuid4().hex,

@@ -1,0 +1,423 @@
+"""The daemon as a real OS process: slot rules over the wire, bad input, leases, shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from contract import wire
+from contract.errors import (
+    BackendMismatch,
+    BadFrame,
+    FrameTooLarge,
+    InvalidArgument,
+    ModelBusy,
+    ModelNotActive,
+    ModelSwitchRequired,
+    SessionClosed,
+    SlotGenerationStale,
+    StaleFence,
+    Unavailable,
+    UnknownOperation,
+    UnsupportedProtocolVersion,
+    from_wire,
+)
+from contract.errors import REGISTRY
+from contract.types import (
+    Config,
+    DecodeConfig,
+    LoadModelRequest,
+    OpenSessionRequest,
+    PrefixInput,
+    SlotState,
+    SuffixInput,
+    UnloadModelRequest,
+)
+from contract.wire import Kind, Op
+from runtime import Client
+
+from .conformance import manifest_for
+from .daemon_proc import ROOT, DaemonProcess
+
+OWNER = "owner-A"
+MODEL_A = OpenSessionRequest(owner_instance_id=OWNER, model_name="a", type="memory", path="/models/a")
+MODEL_B = OpenSessionRequest(owner_instance_id=OWNER, model_name="b", type="memory", path="/models/b")
+
+
+def load_req(src: OpenSessionRequest, expected_generation: int = 0) -> LoadModelRequest:
+    return LoadModelRequest(**src.model_dump(), expected_generation=expected_generation)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(
+        tmp_path_factory.mktemp("slot"), "memory", None,
+        "--no-preload", "--owner", OWNER, "--lease", "2", "--memory-token-delay-ms", "5",
+    ).start()
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> Iterator[Client]:
+    with daemon.client(timeout_s=20.0, owner=OWNER) as c:
+        # Each test starts from an empty slot.
+        for _ in range(50):
+            st = c.status()
+            if not st.session_open:
+                break
+            time.sleep(0.1)
+        c.unload_model(UnloadModelRequest())
+        yield c
+
+
+# --- slot rules -------------------------------------------------------------------------------------
+def test_open_auto_loads_and_bumps_generation(client: Client) -> None:
+    g0 = client.status().generation
+    sess = client.open_session(MODEL_A)
+    st = client.status()
+    assert st.state is SlotState.BUSY and st.session_open
+    assert st.generation == g0 + 1 and st.active is not None and st.active.model_name == "a"
+    sess.close()
+    assert client.status().state is SlotState.READY
+
+
+def test_one_holder_at_a_time(client: Client, daemon: DaemonProcess) -> None:
+    sess = client.open_session(MODEL_A)
+    with daemon.client(timeout_s=20.0, owner=OWNER) as other:
+        with pytest.raises(ModelBusy):
+            other.open_session(MODEL_A)
+    sess.close()
+    with daemon.client(timeout_s=20.0, owner=OWNER) as other:
+        other.open_session(MODEL_A).close()
+
+
+def test_switch_requires_released_session_and_invalidates_old_handle(client: Client) -> None:
+    sess = client.open_session(MODEL_A)
+    with pytest.raises(ModelSwitchRequired):
+        client.open_session(MODEL_B)  # also busy, but a different model is named
+    with pytest.raises(ModelBusy):
+        client.load_model(load_req(MODEL_B))
+    m = manifest_for(sess, "p")
+    sess.ensure_prefix(PrefixInput(text="hello", manifest=m))
+    stale_id = sess.session_id
+    sess.close()
+    gen = client.status().generation
+    active = client.load_model(load_req(MODEL_B))
+    assert active.model_name == "b" and active.generation == gen + 1
+    # The old handle (even re-used by id) no longer works.
+    with pytest.raises(SessionClosed):
+        client._call(Op.ENSURE_PREFIX, {"session_id": stale_id, "text": "x"})
+    with pytest.raises(ModelSwitchRequired):
+        client.open_session(MODEL_A)
+
+
+def test_session_survives_only_its_generation(client: Client, daemon: DaemonProcess) -> None:
+    """A lease-expired holder whose slot was then switched sees a closed session."""
+    sess = client.open_session(MODEL_A)
+    client._sessions.clear()  # stop renewing the lease, as a client that hung would
+    time.sleep(2.8)
+    with daemon.client(timeout_s=20.0, owner=OWNER) as other:
+        other.load_model(load_req(MODEL_B))
+    with pytest.raises((SessionClosed, SlotGenerationStale)):
+        sess.ensure_prefix(PrefixInput(text="x"))
+
+
+def test_expected_generation(client: Client) -> None:
+    active = client.load_model(load_req(MODEL_A))
+    with pytest.raises(SlotGenerationStale):
+        client.load_model(load_req(MODEL_B, expected_generation=active.generation + 7))
+    with pytest.raises(SlotGenerationStale):
+        client.unload_model(UnloadModelRequest(expected_generation=active.generation - 1))
+    assert client.status().active.model_name == "a"  # type: ignore[union-attr]
+    b = client.load_model(load_req(MODEL_B, expected_generation=active.generation))
+    assert b.generation == active.generation + 1
+    client.unload_model(UnloadModelRequest(expected_generation=b.generation))
+    st = client.status()
+    assert st.state is SlotState.EMPTY and st.generation == b.generation + 1
+
+
+def test_load_same_model_is_idempotent(client: Client) -> None:
+    a1 = client.load_model(load_req(MODEL_A))
+    a2 = client.load_model(load_req(MODEL_A))
+    assert a1.generation == a2.generation
+
+
+def test_unload_idempotent_on_empty_slot(client: Client) -> None:
+    g = client.status().generation
+    client.unload_model(UnloadModelRequest())
+    client.unload_model(UnloadModelRequest())
+    st = client.status()
+    assert st.state is SlotState.EMPTY and st.generation == g
+
+
+def test_stale_fence(daemon: DaemonProcess, client: Client) -> None:
+    with daemon.client(timeout_s=20.0, owner="owner-B") as intruder:
+        with pytest.raises(StaleFence):
+            intruder.open_session(MODEL_A.model_copy(update={"owner_instance_id": "owner-B"}))
+        with pytest.raises(StaleFence):
+            intruder.load_model(load_req(MODEL_A).model_copy(update={"owner_instance_id": "owner-B"}))
+        with pytest.raises(StaleFence):
+            intruder.unload_model(UnloadModelRequest(owner_instance_id="owner-B"))
+        with pytest.raises(StaleFence):
+            intruder.describe(MODEL_A.model_copy(update={"owner_instance_id": "owner-B"}))
+        assert intruder.status().owner_instance_id == OWNER  # status is open to all
+
+
+def test_backend_mismatch_and_not_active(client: Client) -> None:
+    with pytest.raises(BackendMismatch):
+        client.open_session(MODEL_A.model_copy(update={"type": "llama"}))
+    with pytest.raises(ModelNotActive):
+        client.open_session(MODEL_A.model_copy(update={"path": "", "model_name": ""}))
+
+
+def test_status_answered_while_a_decode_streams(client: Client, daemon: DaemonProcess) -> None:
+    sess = client.open_session(MODEL_A)
+    m = manifest_for(sess, "status")
+    sess.ensure_prefix(PrefixInput(text="system", manifest=m))
+    sess.prefill_suffix(SuffixInput(text="user", manifest=m))
+    latencies: list[float] = []
+    states: list[str] = []
+
+    def poll() -> None:
+        with daemon.client(timeout_s=5.0, owner=OWNER) as c:
+            for _ in range(20):
+                t0 = time.perf_counter()
+                st = c.status()
+                latencies.append((time.perf_counter() - t0) * 1000)
+                states.append(st.busy_operation)
+                time.sleep(0.02)
+
+    stream = sess.decode(DecodeConfig(max_tokens=400))  # 5 ms a token: ~2 s of streaming
+    next(stream)
+    t = threading.Thread(target=poll)
+    t.start()
+    n = sum(1 for _ in stream)
+    t.join()
+    sess.close()
+    assert n > 100
+    assert "decode" in states, "status was answered while the decode was running"
+    assert statistics.median(latencies) < 50.0, latencies
+
+
+def test_client_killed_mid_decode_releases_the_slot(daemon: DaemonProcess, client: Client) -> None:
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        from runtime import Client
+        from contract.types import *
+        c = Client({daemon.endpoint!r}, owner={OWNER!r}, timeout_s=20)
+        s = c.open_session(OpenSessionRequest.model_validate({MODEL_A.model_dump()!r}))
+        s.ensure_prefix(PrefixInput(text="sys"))
+        s.prefill_suffix(SuffixInput(text="go"))
+        for i, ch in enumerate(s.decode(DecodeConfig(max_tokens=5000))):
+            if i == 3:
+                print("streaming", flush=True)
+                os._exit(0)   # die without closing anything
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "streaming" in proc.stdout, proc.stderr
+    assert client.status().session_open
+    deadline = time.monotonic() + 10.0
+    while client.status().session_open:
+        assert time.monotonic() < deadline, "the dead client's session was never released"
+        time.sleep(0.1)
+    st = client.status()
+    assert st.busy_operation == ""
+    client.open_session(MODEL_A).close()
+
+
+def test_lease_is_renewed_while_client_lives(client: Client) -> None:
+    client._lease_renew_s = 0.5
+    sess = client.open_session(MODEL_A)
+    client._lease_renew_s = 0.5
+    time.sleep(3.5)  # longer than the 2 s lease
+    sess.ensure_prefix(PrefixInput(text="still mine", manifest=manifest_for(sess, "lease")))
+    sess.close()
+
+
+# --- bad input ------------------------------------------------------------------------------------------
+def _raw(daemon: DaemonProcess) -> zmq.Socket[bytes]:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(daemon.endpoint)
+    return s
+
+
+def _reply(sock: zmq.Socket[bytes], timeout_ms: int = 5000) -> wire.Message:
+    assert sock.poll(timeout_ms), "the daemon did not answer"
+    return wire.decode_reply(sock.recv_multipart())
+
+
+@pytest.mark.parametrize(
+    ("frames", "error"),
+    [
+        ([b"MDP9", b"status", b"r1", msgpack.packb({})], UnsupportedProtocolVersion),
+        ([wire.PROTOCOL, b"nonsense", b"r1", msgpack.packb({})], UnknownOperation),
+        ([wire.PROTOCOL, b"status"], BadFrame),
+        ([wire.PROTOCOL, b"load", b"r1", b"\xc1\xc1not msgpack"], BadFrame),
+        ([wire.PROTOCOL, b"load", b"r1", msgpack.packb([1, 2, 3])], BadFrame),
+        ([wire.PROTOCOL, b"load", b"r1", msgpack.packb({"path": 12, "type": "memory"})], InvalidArgument),
+        ([wire.PROTOCOL, b"load", b"r1", msgpack.packb({"bogus_field": 1})], InvalidArgument),
+        ([wire.PROTOCOL, b"decode", b"r1", msgpack.packb({"session_id": "x", "max_tokens": -5})], InvalidArgument),
+        ([wire.PROTOCOL, b"load", b"r1", msgpack.packb({"path": msgpack.ExtType(1, b"x")})], BadFrame),
+        ([wire.PROTOCOL, b"ensure_prefix", b"r1", msgpack.packb({"session_id": "nope"})], SessionClosed),
+        ([wire.PROTOCOL, b"status", b"r" * 100, msgpack.packb({})], BadFrame),
+    ],
+)
+def test_bad_frames_get_typed_errors(daemon: DaemonProcess, frames: list[bytes], error: type) -> None:
+    sock = _raw(daemon)
+    try:
+        sock.send_multipart(frames)
+        msg = _reply(sock)
+        assert msg.kind is Kind.ERROR
+        assert type(from_wire(msg.body)) is error, msg.body
+        sock.send_multipart(wire.encode_request(Op.STATUS, b"ok?", {}))
+        assert _reply(sock).kind is Kind.OK  # still serving
+    finally:
+        sock.close(0)
+
+
+def test_oversize_frames(daemon: DaemonProcess) -> None:
+    sock = _raw(daemon)
+    try:
+        big = msgpack.packb({"text": "x" * (wire.MAX_BODY_BYTES + 10)})
+        sock.send_multipart([wire.PROTOCOL, b"ensure_prefix", b"big", big])
+        assert type(from_wire(_reply(sock, 20000).body)) is FrameTooLarge
+        sock.send_multipart([wire.PROTOCOL, b"status", b"many", msgpack.packb({}), *([b"p"] * 9)])
+        assert type(from_wire(_reply(sock).body)) is BadFrame
+    finally:
+        sock.close(0)
+
+
+_frame = st.one_of(
+    st.binary(max_size=64),
+    st.sampled_from([wire.PROTOCOL, b"status", b"load", b"decode", b"open", b"cancel", b"restore", b"embed"]),
+    st.builds(lambda d: msgpack.packb(d), st.dictionaries(st.text(max_size=12), st.one_of(
+        st.none(), st.integers(-(2**63), 2**64 - 1), st.text(max_size=20), st.binary(max_size=20), st.booleans(),
+        st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3)), max_size=5)),
+)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=st.lists(_frame, min_size=1, max_size=6))
+def test_random_frames_never_kill_the_daemon(daemon: DaemonProcess, frames: list[bytes]) -> None:
+    sock = _FUZZ_SOCK.get(daemon)
+    # A message that happens to be a legal request may run; anything else must get a typed error.
+    sock.send_multipart(frames)
+    sock.send_multipart(wire.encode_request(Op.STATUS, b"alive", {}))
+    while True:
+        assert sock.poll(5000), "daemon stopped answering"
+        msg = wire.decode_reply(sock.recv_multipart())
+        if msg.kind is Kind.ERROR:
+            assert msg.body["code"] in REGISTRY, msg.body
+        if msg.request_id == b"alive":
+            assert msg.kind is Kind.OK
+            break
+
+
+class _FuzzSockets:
+    def __init__(self) -> None:
+        self._socks: dict[str, zmq.Socket[bytes]] = {}
+
+    def get(self, d: DaemonProcess) -> zmq.Socket[bytes]:
+        if d.endpoint not in self._socks:
+            self._socks[d.endpoint] = _raw(d)
+        return self._socks[d.endpoint]
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(0)
+        self._socks.clear()
+
+
+_FUZZ_SOCK = _FuzzSockets()
+
+
+def test_daemon_still_healthy_after_fuzzing(client: Client) -> None:
+    _FUZZ_SOCK.close()
+    client.open_session(MODEL_A).close()
+
+
+# --- lifecycle ----------------------------------------------------------------------------------------------
+def test_sigterm_ends_streams_and_removes_socket(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path, "memory", None, "--no-preload", "--memory-token-delay-ms", "20").start()
+    sock_path = Path(d.endpoint[len("ipc://"):])
+    assert sock_path.exists() and oct(sock_path.stat().st_mode & 0o777) == "0o600"
+    with d.client(timeout_s=20.0) as c:
+        s = c.open_session(MODEL_A.model_copy(update={"owner_instance_id": ""}))
+        s.ensure_prefix(PrefixInput(text="sys"))
+        s.prefill_suffix(SuffixInput(text="go"))
+        stream = s.decode(DecodeConfig(max_tokens=1000))
+        next(stream)
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        with pytest.raises(Exception) as exc:
+            for _ in stream:
+                pass
+        assert type(exc.value).__name__ in ("ShuttingDown", "Cancelled"), exc.value
+        assert d.proc.wait(20) == 0
+        d.stop()
+    assert not sock_path.exists()
+    assert "modeld stopped" in d.log()
+    with Client(d.endpoint, timeout_s=2.0) as c, pytest.raises(Unavailable, match="no daemon at"):
+        c.status()
+
+
+def test_second_daemon_on_same_endpoint_refuses(daemon: DaemonProcess, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "modeld", "serve", "--backend", "memory", "--no-preload",
+         "--endpoint", daemon.endpoint, "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=60, cwd=ROOT,
+    )
+    assert out.returncode == 1 and "already serving" in out.stderr
+    with daemon.client() as c:
+        assert c.status().owner_instance_id == OWNER  # the first one is unharmed
+
+
+def test_cli_status_json_and_errors(daemon: DaemonProcess) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MODELD_OWNER": OWNER}
+    out = subprocess.run([sys.executable, "-m", "modeld", "status", "--json", "--endpoint", daemon.endpoint],
+                         capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    body = json.loads(out.stdout)
+    for key in ("owner_instance_id", "backend", "state", "active", "busy_operation", "last_error"):
+        assert key in body
+    bad = subprocess.run([sys.executable, "-m", "modeld", "load", "x", "--path", "/p", "--type", "llama",
+                          "--endpoint", daemon.endpoint], capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert bad.returncode == 1 and "BackendMismatch" in bad.stderr
+    gone = subprocess.run([sys.executable, "-m", "modeld", "status", "--endpoint", "ipc:///nonexistent/x.sock"],
+                          capture_output=True, text=True, env=env, timeout=60, cwd=ROOT)
+    assert gone.returncode == 1 and "no daemon at ipc:///nonexistent/x.sock" in gone.stderr
+
+
+def test_oversize_context_request_is_clamped_not_failed(client: Client) -> None:
+    sess = client.open_session(MODEL_A.model_copy(update={"config": Config(num_ctx=1 << 30)}))
+    try:
+        active = client.status().active
+        assert active is not None and active.effective_context == 1 << 20  # the memory backend's ceiling
+        assert sess.explain_context().num_ctx == 1 << 20
+    finally:
+        sess.close()
