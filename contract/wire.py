@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from .errors import InvalidArgument, BadFrame, FrameTooLarge, ModeldError, UnknownOperation, UnsupportedProtocolVersion
+from .errors import BadFrame, FrameTooLarge, InvalidArgument, ModeldError, UnknownOperation, UnsupportedProtocolVersion
 
 PROTOCOL = b"MDP1"
 PROTOCOL_VERSION = 1

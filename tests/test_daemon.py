@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from contract import wire
 from contract.errors import (
+    REGISTRY,
     BackendMismatch,
     BadFrame,
     FrameTooLarge,
@@ -36,7 +37,6 @@ from contract.errors import (
     UnsupportedProtocolVersion,
     from_wire,
 )
-from contract.errors import REGISTRY
 from contract.types import (
     Config,
     DecodeConfig,
