@@ -1,0 +1,144 @@
+"""Test fixtures built from the bundled model.
+
+``tool_gguf()`` gives a copy of the bundled SmolLM2 GGUF whose
+``tokenizer.chat_template`` is a tool-capable ChatML template (Qwen2.5/Hermes
+style: tools rendered into the system turn, ``<tool_call>`` for calls,
+``<tool_response>`` for results, and ``enable_thinking=False`` closing an empty
+``<think>`` block). The weights are unchanged, so only the template differs.
+It is written once with the ``gguf`` package's metadata rewrite (~3 s) into the
+model cache and reused while the bundled file and the template are unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from backends.bundled import bundled_gguf_path, model_cache_dir
+
+TOOL_CHATML_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+#: a tool definition in the OpenAI shape the template renders verbatim
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "the city name"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def fixture_dir() -> Path:
+    return model_cache_dir() / "fixtures"
+
+
+def tool_gguf(cache_dir: Path | None = None) -> Path:
+    """Path of the bundled GGUF with ``TOOL_CHATML_TEMPLATE``; built on first use."""
+    src = bundled_gguf_path()
+    st = src.stat()
+    key = hashlib.sha256(f"{TOOL_CHATML_TEMPLATE}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out_dir = cache_dir or fixture_dir()
+    dest = out_dir / f"smollm2-135m-tools-{key}.gguf"
+    if dest.is_file():
+        return dest
+    out_dir.mkdir(parents=True, exist_ok=True)
+    template_file = out_dir / f"tool-chatml-{key}.jinja"
+    template_file.write_text(TOOL_CHATML_TEMPLATE, encoding="utf-8")
+    tmp = out_dir / f".{dest.name}.{os.getpid()}.tmp"
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gguf.scripts.gguf_new_metadata",
+                "--force",
+                "--chat-template-file",
+                str(template_file),
+                str(src),
+                str(tmp),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if proc.returncode != 0 or not tmp.is_file():
+            raise RuntimeError(f"gguf_new_metadata failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        os.replace(tmp, dest)  # atomic: a concurrent builder sees a whole file or none
+    finally:
+        tmp.unlink(missing_ok=True)
+        template_file.unlink(missing_ok=True)
+    return dest
+
+
+def truncated_gguf(src: Path, dest: Path, keep_fraction: float = 0.5) -> Path:
+    """A copy of ``src`` cut at ``keep_fraction`` of its size (header intact, weights missing)."""
+    size = src.stat().st_size
+    with src.open("rb") as fin, dest.open("wb") as fout:
+        fout.write(fin.read(int(size * keep_fraction)))
+    return dest

@@ -1,0 +1,586 @@
+"""The llama.cpp backend against the real bundled model (SmolLM2-135M, Q4_1).
+
+The model is loaded once per module (num_ctx 2048); tests that need another
+configuration load their own small instance. Every test starts with its own
+ensure_prefix, so the shared KV never couples tests to their order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import jinja2
+import pytest
+
+pytest.importorskip("llama_cpp")
+
+from backends.bundled import bundled_gguf_path  # noqa: E402
+from backends.llama_cpp import (  # noqa: E402
+    LlamaBackend,
+    LlamaLoadedModel,
+    LlamaSession,
+    _map_llama_errors,
+    _pack_state,
+    _unpack_state,
+    open_llama,
+)
+from contract.errors import (  # noqa: E402
+    BackendMismatch,
+    ContextOverflow,
+    InsufficientMemory,
+    Internal,
+    InvalidArgument,
+    ManifestMismatch,
+    ModeldError,
+    ModelLoadFailed,
+    SessionClosed,
+    SnapshotRejected,
+    UnsupportedFeature,
+)
+from contract.manifest import ContextManifest, common_prefix_len  # noqa: E402
+from contract.types import (  # noqa: E402
+    Config,
+    DecodeConfig,
+    EmbedRequest,
+    OpenSessionRequest,
+    PrefixInput,
+    SessionSnapshot,
+    StreamChunk,
+    StructuredOutputConfig,
+    SuffixInput,
+)
+from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
+
+pytestmark = pytest.mark.llama
+
+NUM_CTX = 2048
+SYSTEM = (
+    "You are a concise senior software engineer helping with a Python repository. "
+    "The repository has a package named modeld with modules slot.py, server.py and blobs.py. "
+    "Answer questions about caching, concurrency and testing with short, precise sentences. "
+    "Prefer concrete examples over general advice, and mention file names when relevant."
+)
+QUESTION = "Explain in detail how a hash map handles collisions."
+
+
+@pytest.fixture(scope="module")
+def backend() -> LlamaBackend:
+    return LlamaBackend()
+
+
+@pytest.fixture(scope="module")
+def model_path() -> Path:
+    return bundled_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def model(backend: LlamaBackend, model_path: Path) -> Iterator[LlamaLoadedModel]:
+    m = backend.load(OpenSessionRequest(path=str(model_path), config=Config(num_ctx=NUM_CTX)), lambda f: None)
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def manifest(model: LlamaLoadedModel) -> ContextManifest:
+    return ContextManifest(**model.manifest_defaults())
+
+
+@pytest.fixture
+def session(model: LlamaLoadedModel) -> Iterator[LlamaSession]:
+    s = model.open_session()
+    yield s
+    s.close()
+
+
+def greedy(session: LlamaSession, n: int, **kw: object) -> tuple[list[int], str, StreamChunk]:
+    chunks = list(session.decode(DecodeConfig(max_tokens=n, return_token_ids=True, **kw)))  # type: ignore[arg-type]
+    ids = [t for c in chunks for t in c.token_ids]
+    return ids, "".join(c.text for c in chunks), chunks[-1]
+
+
+def turn(session: LlamaSession, manifest: ContextManifest, system: str, user: str) -> None:
+    session.ensure_prefix(PrefixInput(text=system, manifest=manifest))
+    session.prefill_suffix(SuffixInput(text=user, manifest=manifest))
+
+
+def kv_consistent(model: LlamaLoadedModel) -> bool:
+    return model.llm.n_tokens == len(model.res.tokens) and model.kv_pos_max() == len(model.res.tokens) - 1
+
+
+# --- load, describe, bad paths ---------------------------------------------------------------------
+def test_load_reports_progress_and_identity(backend: LlamaBackend, model_path: Path) -> None:
+    seen: list[float] = []
+    m = backend.load(OpenSessionRequest(path=str(model_path), config=Config(num_ctx=256)), seen.append)
+    try:
+        assert seen[0] == 0.0 and seen[-1] == 1.0
+        assert seen == sorted(seen) and len(seen) > 3  # real per-tensor progress, not just 0 and 1
+        assert m.num_ctx == 256
+        assert m.digest == "sha256:" + hashlib.sha256(model_path.read_bytes()).hexdigest()
+        d = m.manifest_defaults()
+        assert d["backend"] == "llama" and d["prompt_format"] == "chatml" and d["model_digest"] == m.digest
+        assert d["bos_policy"] == "none"  # SmolLM2: add_bos_token = false
+        assert m.resident_bytes() > 90_000_000
+    finally:
+        m.close()
+
+
+def test_default_num_ctx_is_explicit(backend: LlamaBackend, model_path: Path) -> None:
+    m = backend.load(OpenSessionRequest(path=str(model_path)), lambda f: None)
+    try:
+        assert m.num_ctx == 4096 and m.llm.n_ctx() == 4096  # never llama.cpp's n_ctx=0 (= 8192 here)
+    finally:
+        m.close()
+
+
+def test_describe_reads_metadata_only(backend: LlamaBackend, model_path: Path) -> None:
+    info = backend.describe(OpenSessionRequest(path=str(model_path), config=Config(num_ctx=1024)))
+    assert info.model_max_context == 8192
+    assert (info.n_layer, info.n_head_kv, info.head_dim) == (30, 3, 64)
+    assert info.kv_bytes_per_token == 30 * 3 * (64 + 64) * 2
+    assert info.effective_context == 1024
+    assert info.required_bytes == info.weights_bytes + info.kv_bytes_per_token * 1024
+    assert info.runtime_name == "llama.cpp" and "0.3.36" in info.runtime_digest
+    assert "CPU" in info.runtime_system_info and info.device_kind == "cpu"
+    q8 = backend.describe(
+        OpenSessionRequest(path=str(model_path), config=Config(kv_cache_type="q8_0", flash_attn=True))
+    )
+    assert q8.kv_bytes_per_token == 30 * 3 * 128 * 34 // 32 and q8.effective_context == 4096
+
+
+def test_bad_model_files(backend: LlamaBackend, model_path: Path, tmp_path: Path) -> None:
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_text("this is not a model")
+    truncated = truncated_gguf(model_path, tmp_path / "half.gguf", 0.5)
+    cut_header = truncated_gguf(model_path, tmp_path / "head.gguf", 0.0005)
+    for path, needle in [
+        (tmp_path / "missing.gguf", "not found"),
+        (not_gguf, "not a GGUF"),
+        (truncated, "not within the file bounds"),  # llama.cpp's own reason is quoted
+        (cut_header, "truncated"),
+    ]:
+        with pytest.raises(ModelLoadFailed, match=needle):
+            backend.load(OpenSessionRequest(path=str(path), config=Config(num_ctx=256)), lambda f: None)
+    with pytest.raises(ModelLoadFailed, match="digest"):
+        backend.load(OpenSessionRequest(path=str(model_path), digest="sha256:00", config=Config(num_ctx=256)), lambda f: None)
+
+
+def test_backend_mismatch_and_invalid_config(backend: LlamaBackend, model_path: Path) -> None:
+    with pytest.raises(BackendMismatch):
+        backend.load(OpenSessionRequest(path=str(model_path), type="openvino"), lambda f: None)
+    with pytest.raises(BackendMismatch):
+        backend.describe(OpenSessionRequest(path=str(model_path), type="openvino"))
+    with pytest.raises(InvalidArgument, match="flash_attn"):
+        backend.load(OpenSessionRequest(path=str(model_path), config=Config(kv_cache_type="q4_0")), lambda f: None)
+    with pytest.raises(InvalidArgument, match="training context"):
+        backend.load(OpenSessionRequest(path=str(model_path), config=Config(num_ctx=100_000)), lambda f: None)
+    with pytest.raises(UnsupportedFeature):
+        backend.embed(EmbedRequest(text="x"))
+
+
+@pytest.mark.parametrize(
+    ("exc", "expected"),
+    [
+        (ValueError("bad"), InvalidArgument),
+        (RuntimeError("llama_decode returned 1"), ContextOverflow),
+        (RuntimeError("llama_decode returned -3"), Internal),
+        (OSError("disk"), Internal),
+        (TypeError("ctypes"), Internal),
+        (MemoryError(), InsufficientMemory),
+        (jinja2.TemplateError("tpl"), InvalidArgument),
+    ],
+)
+def test_foreign_exceptions_are_mapped(exc: BaseException, expected: type[ModeldError]) -> None:
+    with pytest.raises(expected) as info, _map_llama_errors("op"):
+        raise exc
+    assert info.value.__cause__ is exc
+    with pytest.raises(ModelLoadFailed), _map_llama_errors("load", loading=True):
+        raise ValueError("Failed to load model")
+
+
+# --- parity and warm reuse ----------------------------------------------------------------------------
+def test_greedy_parity_with_llama_cpp_python(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    prompt = list(model.res.tokens)
+    ids, text, last = greedy(session, 24)
+    assert len(ids) >= 16 and last.done and last.usage is not None
+    assert last.usage.prompt_tokens == len(prompt) and last.usage.completion_tokens == len(ids)
+    # The reference: llama-cpp-python's own greedy loop on the same token ids, in
+    # a separate instance built with the same context settings.
+    ref = open_llama(model.path, **model.options.llama_kwargs())
+    try:
+        ref_ids: list[int] = []
+        for tok in ref.generate(prompt, temp=0.0):
+            if ref.token_eos() == tok or len(ref_ids) == len(ids):
+                break
+            ref_ids.append(tok)
+        assert ref_ids == ids
+        out = ref.create_completion(prompt, temperature=0.0, max_tokens=len(ids))
+        assert out["choices"][0]["text"] == text  # type: ignore[index]
+    finally:
+        ref.close()
+
+
+def test_warm_turn_equals_cold(backend: LlamaBackend, model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, "What does slot.py do?")
+    greedy(session, 8)
+    status = session.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+    assert status.reused_tokens == status.prefix_tokens > 0
+    assert status.prefilled_tokens == 0 and status.dropped_tokens > 0
+    suffix = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=manifest))
+    assert suffix.prefix_tokens == status.prefix_tokens
+    warm_ids, warm_text, _ = greedy(session, 20)
+    # The same suffix again is entirely resident (logits are not: the backend
+    # re-decodes the last token before sampling) and decodes the same.
+    again = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=manifest))
+    assert again.reused_tokens == again.suffix_tokens == suffix.suffix_tokens
+    assert greedy(session, 20)[0] == warm_ids
+
+    cold_model = backend.load(OpenSessionRequest(path=model.path, config=Config(num_ctx=NUM_CTX)), lambda f: None)
+    try:
+        cold = cold_model.open_session()
+        cold_status = cold.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+        assert cold_status.reused_tokens == 0
+        cold.prefill_suffix(SuffixInput(text=QUESTION, manifest=manifest))
+        cold_ids, cold_text, _ = greedy(cold, 20)
+    finally:
+        cold_model.close()
+    assert warm_ids == cold_ids and warm_text == cold_text
+
+
+def test_manifest_gate_and_token_lcp(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    first = session.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+    n = first.prefix_tokens
+    for field in ("template_digest", "runtime_digest"):
+        other = manifest.model_copy(update={field: "sha256:something-else"})
+        st = session.ensure_prefix(PrefixInput(text=SYSTEM, manifest=other))
+        assert st.reused_tokens == 0 and st.prefilled_tokens == n
+        session.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))  # back to the original identity
+
+    edited = SYSTEM[: -len("when relevant.")] + "whenever a change touches them."
+    expected = common_prefix_len(
+        model.tokenize(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"),
+        model.tokenize(f"<|im_start|>system\n{edited}<|im_end|>\n"),
+    )
+    st = session.ensure_prefix(PrefixInput(text=edited, manifest=manifest))
+    assert 0 < expected < n
+    assert st.reused_tokens == expected
+    assert st.prefilled_tokens == st.prefix_tokens - expected
+    assert kv_consistent(model)
+
+
+def test_suffix_reuses_previous_answer_and_raw_continuation(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    greedy(session, 12)
+    tape = list(model.res.tokens)
+    after_prefix = tape[model.res.prefix_len :]
+    continuation = model.llm.detokenize(after_prefix, special=True).decode() + "<|im_end|>\n<|im_start|>user\nShorter?<|im_end|>\n"
+    expected = common_prefix_len(after_prefix, model.tokenize(continuation))
+    st = session.prefill_suffix(SuffixInput(text=continuation, manifest=manifest, render=False))
+    assert st.reused_tokens == expected and expected >= len(after_prefix) - 1
+    assert st.resident_tokens == st.prefix_tokens + st.suffix_tokens
+    ids, _, last = greedy(session, 4)
+    assert last.usage is not None and last.usage.completion_tokens == len(ids)
+
+
+def test_rendered_suffix_is_the_model_template(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    rendered = model.llm.detokenize(model.res.tokens, special=True).decode()
+    assert rendered == (
+        f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+# --- errors that leave the resident context untouched -----------------------------------------------------
+def test_suffix_manifest_mismatch_and_overflow(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    before = list(model.res.tokens)
+    report = session.explain_context()
+    with pytest.raises(ManifestMismatch):
+        session.prefill_suffix(SuffixInput(text="hi", manifest=manifest.model_copy(update={"profile": "other"})))
+    with pytest.raises(ContextOverflow) as info:
+        session.prefill_suffix(SuffixInput(text="word " * 3000, manifest=manifest))
+    assert info.value.details["num_ctx"] == NUM_CTX and info.value.details["requested_tokens"] > NUM_CTX
+    assert model.res.tokens == before and session.explain_context() == report and kv_consistent(model)
+    with pytest.raises(ContextOverflow):
+        session.ensure_prefix(PrefixInput(text="word " * 3000, manifest=manifest))
+    assert model.res.tokens == before
+    with pytest.raises(ManifestMismatch):
+        session.ensure_prefix(PrefixInput(text="x", manifest=manifest.model_copy(update={"model_digest": "sha256:1"})))
+
+
+def test_tools_with_a_template_that_ignores_them(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    before = list(model.res.tokens)
+    with pytest.raises(UnsupportedFeature, match="tools"):
+        session.ensure_prefix(PrefixInput(text=SYSTEM, tools=json.dumps([WEATHER_TOOL]), manifest=manifest))
+    with pytest.raises(InvalidArgument):
+        session.ensure_prefix(PrefixInput(text=SYSTEM, tools="{not json", manifest=manifest))
+    assert model.res.tokens == before
+
+
+def test_regex_and_bad_grammar_are_refused(manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    with pytest.raises(UnsupportedFeature):
+        session.decode(DecodeConfig(structured_output=StructuredOutputConfig(regex="[a-z]+")))
+    with pytest.raises(InvalidArgument, match="grammar"):
+        session.decode(DecodeConfig(structured_output=StructuredOutputConfig(grammar="root ::= (")))
+    with pytest.raises(UnsupportedFeature):
+        session.decode(DecodeConfig(parser_protocols=["harmony"]))
+
+
+# --- decoding details ------------------------------------------------------------------------------------------
+def test_cancel_leaves_kv_and_tape_consistent(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    base = list(model.res.tokens)
+    gen = session.decode(DecodeConfig(max_tokens=50, return_token_ids=True))
+    got: list[int] = []
+    for chunk in gen:
+        got += chunk.token_ids
+        if len(got) >= 5:
+            break
+    gen.close()
+    assert model.res.tokens == base + got and kv_consistent(model)
+    status = session.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+    assert status.reused_tokens == status.prefix_tokens and status.prefilled_tokens == 0
+    session.prefill_suffix(SuffixInput(text=QUESTION, manifest=manifest))
+    again, _, _ = greedy(session, 5)
+    assert again == got[:5]  # the same greedy start: nothing stale leaked into the KV
+
+
+def test_newer_operation_ends_an_abandoned_stream(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    gen = session.decode(DecodeConfig(max_tokens=50))
+    next(gen)
+    session.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+    assert list(gen) == []  # the stream stops instead of writing into the new KV
+    assert len(model.res.tokens) == model.res.prefix_len and kv_consistent(model)
+
+
+def test_sampling_with_seed_is_repeatable(manifest: ContextManifest, session: LlamaSession) -> None:
+    runs = []
+    for _ in range(2):
+        turn(session, manifest, SYSTEM, QUESTION)
+        ids, _, _ = greedy(session, 12, temperature=0.9, top_p=0.9, top_k=40, seed=1234)
+        runs.append(ids)
+    assert runs[0] == runs[1] and len(runs[0]) > 0
+
+
+def test_stop_string_and_utf8_streaming(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, "Say something festive.")
+    answer = "祝日 🎉🎊 feliz día ✓ END tail"
+    grammar = "root ::= " + json.dumps(answer, ensure_ascii=False)  # GBNF has no surrogate pairs
+    chunks = list(
+        session.decode(
+            DecodeConfig(max_tokens=80, stop=["END"], return_token_ids=True, structured_output=StructuredOutputConfig(grammar=grammar))
+        )
+    )
+    texts = [c.text for c in chunks if not c.done]
+    assert "".join(texts) == "祝日 🎉🎊 feliz día ✓ "
+    assert all("\ufffd" not in t for t in texts)
+    # some tokens carried only part of a character: they produced no text of their own
+    assert any(c.token_ids and not c.text for c in chunks)
+    assert chunks[-1].finish_reason == "stop"
+    assert kv_consistent(model)
+
+
+def test_think_block_goes_to_thinking(manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    grammar = "root ::= " + json.dumps("<think>buckets and chains</think>Use chaining.")
+    chunks = list(session.decode(DecodeConfig(max_tokens=60, structured_output=StructuredOutputConfig(grammar=grammar))))
+    assert "".join(c.thinking for c in chunks) == "buckets and chains"
+    assert "".join(c.text for c in chunks) == "Use chaining."
+    turn(session, manifest, SYSTEM, QUESTION)
+    raw = list(
+        session.decode(DecodeConfig(max_tokens=60, reasoning_format="none", structured_output=StructuredOutputConfig(grammar=grammar)))
+    )
+    assert "".join(c.text for c in raw).startswith("<think>")
+
+
+def test_json_schema_output_validates(manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, "Describe a file as JSON.")
+    schema = {
+        "type": "object",
+        "properties": {
+            "path": {"type": "string", "maxLength": 24},
+            "lines": {"type": "integer"},
+            "kind": {"enum": ["module", "test", "config"]},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+            "tested": {"type": "boolean"},
+        },
+        "required": ["path", "lines", "kind", "tags", "tested"],
+        "additionalProperties": False,
+    }
+    chunks = list(session.decode(DecodeConfig(max_tokens=160, structured_output=StructuredOutputConfig(json_schema=json.dumps(schema)))))
+    assert chunks[-1].finish_reason == "stop"
+    obj = json.loads("".join(c.text for c in chunks))
+    assert set(obj) == {"path", "lines", "kind", "tags", "tested"}
+    assert isinstance(obj["path"], str) and len(obj["path"]) <= 24
+    assert isinstance(obj["lines"], int) and not isinstance(obj["lines"], bool)
+    assert obj["kind"] in ("module", "test", "config")
+    assert isinstance(obj["tags"], list) and len(obj["tags"]) <= 3 and all(isinstance(t, str) and len(t) <= 8 for t in obj["tags"])
+    assert isinstance(obj["tested"], bool)
+    # A bound the grammar converter would silently ignore is refused instead.
+    bounded = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}, "required": ["n"]}
+    with pytest.raises(UnsupportedFeature, match="maximum"):
+        session.decode(DecodeConfig(structured_output=StructuredOutputConfig(json_schema=json.dumps(bounded))))
+    # ... while a property that is merely *named* like a keyword is fine
+    named = {"type": "object", "properties": {"maximum": {"type": "integer"}}, "required": ["maximum"]}
+    session.decode(DecodeConfig(max_tokens=1, structured_output=StructuredOutputConfig(json_schema=json.dumps(named)))).close()
+    with pytest.raises(InvalidArgument):
+        session.decode(DecodeConfig(structured_output=StructuredOutputConfig(json_schema="{nope")))
+
+
+def test_decode_stops_at_context_full(backend: LlamaBackend, model_path: Path, manifest: ContextManifest) -> None:
+    small = backend.load(OpenSessionRequest(path=str(model_path), config=Config(num_ctx=128)), lambda f: None)
+    try:
+        s = small.open_session()
+        with pytest.raises(InvalidArgument):
+            s.decode(DecodeConfig())  # nothing resident yet
+        man = ContextManifest(**small.manifest_defaults())
+        s.ensure_prefix(PrefixInput(text=SYSTEM, manifest=man))
+        s.prefill_suffix(SuffixInput(text="Go on.", manifest=man))
+        before = len(small.res.tokens)
+        # A grammar with no end: only the context size can stop it.
+        endless = StructuredOutputConfig(grammar='root ::= [a-z]+ " " root')
+        chunks = list(s.decode(DecodeConfig(max_tokens=500, structured_output=endless)))
+        assert chunks[-1].finish_reason == "context_full"
+        assert len(small.res.tokens) == 128 and kv_consistent(small)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 128 - before
+    finally:
+        small.close()
+    with pytest.raises(SessionClosed):
+        s.ensure_prefix(PrefixInput(text="x", manifest=man))
+
+
+def test_status_readers_from_another_thread(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    stop = threading.Event()
+    seen: list[int] = []
+    sizes: list[int] = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            seen.append(session.explain_context().resident_tokens)
+            sizes.append(model.resident_bytes())
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        greedy(session, 12)
+    finally:
+        stop.set()
+        t.join()
+    assert seen and max(seen) <= len(model.res.tokens)
+    assert set(sizes) == {model.resident_bytes()}
+
+
+# --- sessions and snapshots --------------------------------------------------------------------------------------
+def test_closing_a_session_keeps_the_kv_warm(model: LlamaLoadedModel, manifest: ContextManifest) -> None:
+    first = model.open_session()
+    first.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+    first.close()
+    with pytest.raises(SessionClosed):
+        first.prefill_suffix(SuffixInput(text="x", manifest=manifest))
+    second = model.open_session()
+    st = second.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+    assert st.reused_tokens == st.prefix_tokens and st.prefilled_tokens == 0
+    third = model.open_session()
+    with pytest.raises(SessionClosed):  # one KV, one driver: the older handle is retired
+        second.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+    assert second.explain_context().closed and not third.explain_context().closed
+    third.close()
+
+
+def test_snapshot_restore_reproduces_decoding(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    snap = session.snapshot()
+    assert snap.state_kind == "kv" and snap.backend == "llama" and snap.resident_tokens == len(model.res.tokens)
+    # per-sequence state: ~23 KB per token for this model (30 layers × 3 KV heads × 128 × f16)
+    assert 20_000 * snap.resident_tokens < len(snap.state) < 26_000 * snap.resident_tokens
+    direct, _, _ = greedy(session, 12)
+    turn(session, manifest, "You are a pirate.", "Sing a shanty about version control.")
+    greedy(session, 6)
+    session.restore(snap)
+    report = session.explain_context()
+    assert report.resident_tokens == snap.resident_tokens and report.prefix_tokens == snap.prefix_tokens
+    assert kv_consistent(model) and not model.logits_live
+    restored, _, _ = greedy(session, 12)
+    assert restored == direct
+    # a restored prefix is warm for the next ensure_prefix
+    st = session.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+    assert st.reused_tokens == st.prefix_tokens
+
+
+def _redigest(snap: SessionSnapshot, state: bytes) -> SessionSnapshot:
+    return snap.model_copy(update={"state": state, "state_digest": "sha256:" + hashlib.sha256(state).hexdigest()})
+
+
+def test_bad_snapshots_are_refused_and_change_nothing(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+    turn(session, manifest, SYSTEM, QUESTION)
+    snap = session.snapshot()
+    turn(session, manifest, SYSTEM, "What does blobs.py store?")
+    before = list(model.res.tokens)
+    report = session.explain_context()
+    header, blob = _unpack_state(snap.state)
+    flipped = bytearray(snap.state)
+    flipped[len(flipped) // 2] ^= 0xFF
+    bad = {
+        "tampered bytes": snap.model_copy(update={"state": bytes(flipped)}),
+        "num_ctx": snap.model_copy(update={"num_ctx": 4096}),
+        "counts": snap.model_copy(update={"resident_tokens": snap.resident_tokens + 1}),
+        "other model": snap.model_copy(update={"manifest": snap.manifest.model_copy(update={"model_digest": "sha256:ab"})}),
+        "backend": snap.model_copy(update={"backend": "openvino"}),
+        "kv type": _redigest(snap, _pack_state(header | {"type_k": 8, "type_v": 8}, blob)),
+        "header model": _redigest(snap, _pack_state(header | {"model_digest": "sha256:ab"}, blob)),
+        "not ours": _redigest(snap, b"garbage" * 10),
+        "short blob": _redigest(snap, _pack_state(header, blob[: len(blob) // 3])),
+        "vocab": snap.model_copy(update={"resident_token_ids": [10**9] * snap.resident_tokens}),
+    }
+    for name, snapshot in bad.items():
+        with pytest.raises(SnapshotRejected):
+            session.restore(snapshot)
+        assert model.res.tokens == before, name
+        assert session.explain_context() == report, name
+        assert kv_consistent(model), name
+    ids, _, _ = greedy(session, 4)
+    assert len(ids) == 4
+
+
+# --- tools, with the tool-capable fixture template ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tool_model(backend: LlamaBackend) -> Iterator[LlamaLoadedModel]:
+    m = backend.load(OpenSessionRequest(path=str(tool_gguf()), config=Config(num_ctx=1024)), lambda f: None)
+    yield m
+    m.close()
+
+
+def test_tools_render_and_grammar_forced_call_is_parsed(tool_model: LlamaLoadedModel) -> None:
+    man = ContextManifest(**tool_model.manifest_defaults())
+    assert man.template_digest != "" and man.prompt_format == "chatml"
+    s = tool_model.open_session()
+    st = s.ensure_prefix(PrefixInput(text="You are a weather bot.", tools=json.dumps([WEATHER_TOOL]), manifest=man))
+    prompt = tool_model.llm.detokenize(tool_model.res.tokens, special=True).decode()
+    assert '"name": "get_weather"' in prompt and "<tools>" in prompt and prompt.startswith("<|im_start|>system\nYou are a weather bot.")
+    s.prefill_suffix(SuffixInput(text="What is the weather in Paris?", manifest=man, enable_thinking=False))
+    suffix = tool_model.llm.detokenize(tool_model.res.tokens[st.prefix_tokens :], special=True).decode()
+    assert suffix.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking reached the template
+    grammar = (
+        'root ::= "<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"" '
+        '[A-Z] [a-z]{1,15} "\\"}}\\n</tool_call>"'
+    )
+    chunks = list(s.decode(DecodeConfig(max_tokens=60, structured_output=StructuredOutputConfig(grammar=grammar))))
+    calls = [c for chunk in chunks for c in chunk.tool_calls]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    args = json.loads(calls[0].function.arguments)
+    assert set(args) == {"city"} and args["city"][0].isupper()
+    assert "".join(c.text for c in chunks).strip() == ""
+    assert chunks[-1].finish_reason == "tool_calls"
+    # the tool's answer goes in as a "tool" turn, rendered by the template
+    s.prefill_suffix(SuffixInput(text='{"temp_c": 18}', role="tool", manifest=man))
+    suffix = tool_model.llm.detokenize(tool_model.res.tokens[st.prefix_tokens :], special=True).decode()
+    assert "<tool_response>\n{\"temp_c\": 18}\n</tool_response>" in suffix
+    s.close()
