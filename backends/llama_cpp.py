@@ -85,7 +85,7 @@ from contract.errors import (
     UnsupportedFeature,
 )
 from contract.manifest import ContextManifest, canonical_digest, common_prefix_len
-from contract.resident import PrefixPlan, Resident
+from contract.resident import PrefixPlan, Resident, check_manifest_names
 from contract.types import (
     Config,
     ContextReport,
@@ -788,12 +788,7 @@ class LlamaSession:
 
     # --- rendering ---------------------------------------------------------------------------
     def _check_manifest(self, m: LlamaLoadedModel, manifest: ContextManifest) -> None:
-        if manifest.backend and manifest.backend != BACKEND_NAME:
-            raise ManifestMismatch(f"manifest names backend {manifest.backend!r}; this is {BACKEND_NAME!r}")
-        if manifest.model_digest and manifest.model_digest != m.digest:
-            raise ManifestMismatch(
-                "manifest names another model digest", manifest=manifest.model_digest, model=m.digest
-            )
+        check_manifest_names(manifest, BACKEND_NAME, m.digest)
         if manifest.bos_policy not in _BOS_POLICIES:
             raise InvalidArgument(f"bos_policy {manifest.bos_policy!r} is not one of {_BOS_POLICIES}")
 

@@ -31,7 +31,7 @@ from .errors import (
     UnsupportedFeature,
 )
 from .manifest import byte_hash, canonical_digest
-from .resident import PrefixPlan, Resident
+from .resident import PrefixPlan, Resident, check_manifest_names
 from .types import (
     ContextReport,
     DecodeConfig,
@@ -121,6 +121,7 @@ class MemorySession:
     # --- Session -------------------------------------------------------------------
     def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
         res = self._live()
+        check_manifest_names(prefix.manifest, BACKEND_NAME, self._model.digest)
         t0 = time.perf_counter()
         tokens = _tokens(prefix.text + prefix.tools)
         same = (

@@ -17,6 +17,16 @@ from .manifest import ContextManifest, byte_hash, common_prefix_len, token_hash
 from .types import ContextReport, PrefixStatus, SessionSnapshot, SuffixStatus
 
 
+def check_manifest_names(manifest: ContextManifest, backend: str, model_digest: str) -> None:
+    """Refuse a manifest that names another backend or model than the one serving it."""
+    if manifest.backend and manifest.backend != backend:
+        raise ManifestMismatch(f"manifest names backend {manifest.backend!r}; this is {backend!r}")
+    if manifest.model_digest and manifest.model_digest != model_digest:
+        raise ManifestMismatch(
+            "manifest names another model digest", manifest=manifest.model_digest, model=model_digest
+        )
+
+
 @dataclass
 class PrefixPlan:
     """What ensure_prefix must do to the KV: keep ``keep`` tokens, prefill ``tail``."""

@@ -87,8 +87,14 @@ def scenario_manifest_change(t: Target) -> dict[str, Any]:
         m = manifest_for(sess, profile)
         first = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
         out: dict[str, Any] = {"first": first.prefix_tokens}
-        for field in ("template_digest", "runtime_digest", "model_digest", "bos_policy"):
-            changed = manifest_for(sess, profile, **{field: "sha256:" + uuid.uuid4().hex})
+        # A manifest naming another model is refused outright, state untouched.
+        with pytest.raises(ManifestMismatch):
+            sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest_for(sess, profile, model_digest="sha256:" + "1" * 64)))
+        assert sess.explain_context().resident_tokens == first.resident_tokens
+        flipped_bos = "add" if m.bos_policy != "add" else "none"
+        for field in ("template_digest", "runtime_digest", "bos_policy"):
+            value = flipped_bos if field == "bos_policy" else "sha256:" + uuid.uuid4().hex
+            changed = manifest_for(sess, profile, **{field: value})
             st = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=changed))
             assert st.reused_tokens == 0, field
             assert st.prefilled_tokens == st.prefix_tokens == first.prefix_tokens, field

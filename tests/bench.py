@@ -1,0 +1,369 @@
+"""``make bench``: speed and memory, measured side by side in one run, printed as tables.
+
+Sections (``--sections`` picks some):
+
+* ``llama``    – the daemon (a real process, over ZeroMQ) on a ~2,000-token prefix:
+                 cold TTFT, warm TTFT with a new 128-token suffix, decode tok/s
+                 against llama-cpp-python in process, snapshot save/restore vs re-prefill,
+                 status latency while a decode streams;
+* ``peer``     – llama-cpp-python's own OpenAI server on identical turns (its
+                 longest-common-prefix cache), cold and warm TTFT over HTTP streaming;
+* ``openvino`` – the same daemon turns on the OpenVINO backend, next to
+                 openvino-genai's own prefix-cached pipeline;
+* ``capacity`` – predicted required bytes vs the daemon's measured RSS growth after a
+                 load plus a full prefill of the effective context;
+* ``embed``    – embeddings/s, batch 1 and 32, next to sentence-transformers.
+
+Targets are printed next to the measured ratios; nothing here asserts timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from contract.manifest import ContextManifest
+from contract.types import Config, DecodeConfig, LoadModelRequest, OpenSessionRequest, PrefixInput, SuffixInput
+from runtime import RemoteSession
+
+from .daemon_proc import ROOT, DaemonProcess
+
+NUM_CTX = 4096
+PREFIX_LINE = "src/pkg/module_{i}.py: class Handler{i}(Base): def run(self, x): return x * {i}"
+SUFFIX_LINE = "test_{i}: AssertionError at line {i} in test_handler_{i}"
+FIRST_TURN = "Why does Handler7 fail on negative input?"
+
+
+# --- output -------------------------------------------------------------------------------------------------
+def table(title: str, rows: list[tuple[str, Any, str]]) -> str:
+    """Rows of (metric, value, note) as an aligned text table."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.1f}" if abs(v) >= 10 else f"{v:.3f}"
+        return f"{v:,}" if isinstance(v, int) else str(v)
+
+    cells = [(m, fmt(v), n) for m, v, n in rows]
+    w0 = max([len("metric")] + [len(c[0]) for c in cells])
+    w1 = max([len("value")] + [len(c[1]) for c in cells])
+    lines = [f"## {title}", f"{'metric'.ljust(w0)}  {'value'.rjust(w1)}  note", f"{'-' * w0}  {'-' * w1}  ----"]
+    lines += [f"{m.ljust(w0)}  {v.rjust(w1)}  {n}" for m, v, n in cells]
+    return "\n".join(lines)
+
+
+# --- texts of a known token length -----------------------------------------------------------------------------
+def text_of_tokens(count: Callable[[str], int], target: int, line: str) -> str:
+    lines: list[str] = []
+    i = 0
+    while True:
+        lines.append(line.format(i=i))
+        i += 1
+        if i % 16 == 0 and count("\n".join(lines)) >= target:
+            break
+    while count("\n".join(lines)) > target and len(lines) > 1:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def gguf_token_counter() -> Callable[[str], int]:
+    """Count tokens with the bundled model's own tokenizer (vocab only, no weights)."""
+    from llama_cpp import Llama
+
+    from backends.bundled import bundled_gguf_path
+
+    vocab = Llama(str(bundled_gguf_path()), vocab_only=True, verbose=False)
+    return lambda s: len(vocab.tokenize(s.encode(), add_bos=False, special=True))
+
+
+# --- daemon turns -----------------------------------------------------------------------------------------------
+def first_token_ms(sess: RemoteSession, t0: float) -> float:
+    stream = sess.decode(DecodeConfig(max_tokens=1, temperature=0.0))
+    for chunk in stream:
+        if chunk.text or chunk.done:
+            break
+    ms = (time.perf_counter() - t0) * 1000
+    stream.close()  # type: ignore[attr-defined]
+    return ms
+
+
+def daemon_turns(d: DaemonProcess, system: str, suffix_b: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with d.client(timeout_s=600.0) as c:
+        sess = c.open_session(OpenSessionRequest())
+        m = sess.manifest(profile="bench-" + uuid.uuid4().hex[:8])
+        t0 = time.perf_counter()
+        p = sess.ensure_prefix(PrefixInput(text=system, manifest=m))
+        sess.prefill_suffix(SuffixInput(text=FIRST_TURN, manifest=m))
+        out["cold_ttft_ms"] = first_token_ms(sess, t0)
+        out["prefix_tokens"] = p.prefix_tokens
+        t0 = time.perf_counter()
+        p = sess.ensure_prefix(PrefixInput(text=system, manifest=m))
+        q = sess.prefill_suffix(SuffixInput(text=suffix_b, manifest=m))
+        out["warm_ttft_ms"] = first_token_ms(sess, t0)
+        out["warm_reused"] = p.reused_tokens
+        out["warm_suffix_tokens"] = q.suffix_tokens
+        # steady decode through the daemon
+        sess.ensure_prefix(PrefixInput(text=system, manifest=m))
+        sess.prefill_suffix(SuffixInput(text=FIRST_TURN, manifest=m))
+        stamps: list[float] = []
+        status_ms: list[float] = []
+        stop = threading.Event()
+
+        def poll_status() -> None:
+            with d.client(timeout_s=10.0) as pc:
+                while not stop.is_set():
+                    s0 = time.perf_counter()
+                    pc.status()
+                    status_ms.append((time.perf_counter() - s0) * 1000)
+                    time.sleep(0.05)
+
+        poller = threading.Thread(target=poll_status)
+        poller.start()
+        for chunk in sess.decode(DecodeConfig(max_tokens=128, temperature=0.0)):
+            if chunk.text:
+                stamps.append(time.perf_counter())
+        stop.set()
+        poller.join()
+        out["decode_tok_s"] = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+        out["status_p50_ms"] = statistics.median(status_ms) if status_ms else float("nan")
+        out["status_max_ms"] = max(status_ms) if status_ms else float("nan")
+        # snapshot save/restore vs recomputing
+        sess.ensure_prefix(PrefixInput(text=system, manifest=m))
+        sess.prefill_suffix(SuffixInput(text=FIRST_TURN, manifest=m))
+        t0 = time.perf_counter()
+        snap = sess.snapshot()
+        out["snapshot_save_ms"] = (time.perf_counter() - t0) * 1000
+        out["snapshot_bytes"] = len(snap.state)
+        out["snapshot_tokens"] = snap.resident_tokens
+        other = sess.manifest(profile="bench-other")
+        sess.ensure_prefix(PrefixInput(text="Unrelated.", manifest=other))
+        t0 = time.perf_counter()
+        sess.restore(snap)
+        out["snapshot_restore_ms"] = (time.perf_counter() - t0) * 1000
+        sess.ensure_prefix(PrefixInput(text="Unrelated.", manifest=other))
+        t0 = time.perf_counter()
+        sess.ensure_prefix(PrefixInput(text=system, manifest=m))
+        sess.prefill_suffix(SuffixInput(text=FIRST_TURN, manifest=m))
+        out["reprefill_ms"] = (time.perf_counter() - t0) * 1000
+        sess.close()
+    return out
+
+
+def section_llama(tmp: Path, texts: dict[str, str]) -> str:
+    from backends import llama_bench
+
+    with DaemonProcess(tmp / "llama", "llama", None, "--num-ctx", str(NUM_CTX)) as d:
+        r = daemon_turns(d, texts["system"], texts["suffix_b"])
+    inproc = llama_bench.measure(num_ctx=NUM_CTX)
+    ratio = r["warm_ttft_ms"] / r["cold_ttft_ms"]
+    dec = r["decode_tok_s"] / inproc["plain_decode_tok_s"] if inproc.get("plain_decode_tok_s") else float("nan")
+    rows = [
+        ("prefix tokens", r["prefix_tokens"], "stable prefix, one repo-map line per module"),
+        ("cold TTFT ms (daemon)", r["cold_ttft_ms"], "empty KV: prefix + turn + first token, over ZeroMQ"),
+        ("warm TTFT ms (daemon)", r["warm_ttft_ms"], f"reused {r['warm_reused']}, new suffix {r['warm_suffix_tokens']} tokens"),
+        ("warm / cold", ratio, "target <= 0.100 " + ("(met)" if ratio <= 0.1 else "(MISSED)")),
+        ("decode tok/s (daemon)", r["decode_tok_s"], "128 greedy tokens, streamed"),
+        ("decode tok/s (llama-cpp-python in process)", inproc["plain_decode_tok_s"], "Llama.generate on the same context"),
+        ("daemon / in-process decode", dec, "target >= 0.95 " + ("(met)" if dec >= 0.95 else "(MISSED)")),
+        ("snapshot save ms", r["snapshot_save_ms"], f"{r['snapshot_tokens']} tokens, {r['snapshot_bytes']:,} bytes incl. transfer"),
+        ("snapshot restore ms", r["snapshot_restore_ms"], "bytes sent back over the wire"),
+        ("re-prefill ms", r["reprefill_ms"], "recomputing the same context instead"),
+        ("status p50 ms during decode", r["status_p50_ms"], f"max {r['status_max_ms']:.1f} ms"),
+        ("in-process cold TTFT ms", inproc["cold_ttft_ms"], "backend without the wire"),
+        ("in-process warm TTFT ms", inproc["warm_ttft_ms"], ""),
+    ]
+    return table("llama.cpp backend (bundled SmolLM2-135M Q4_1, n_ctx 4096)", rows)
+
+
+# --- the peer: llama-cpp-python's own server ---------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _sse_ttft(port: int, system: str, user: str) -> float:
+    body = json.dumps(
+        {
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": True,
+        }
+    )
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    ttft = float("nan")
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data:") and '"content"' in line:
+            ttft = (time.perf_counter() - t0) * 1000
+            break
+    conn.close()
+    return ttft
+
+
+def section_peer(tmp: Path, texts: dict[str, str]) -> str:
+    from backends.bundled import bundled_gguf_path
+
+    port = _free_port()
+    log = (tmp / "peer.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_gguf_path()), "--n_ctx", str(NUM_CTX),
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                c.request("GET", "/v1/models")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("llama_cpp.server did not start")
+            time.sleep(0.3)
+        cold = _sse_ttft(port, texts["system"], FIRST_TURN)
+        warm = _sse_ttft(port, texts["system"], texts["suffix_b"])
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    return table(
+        "peer: llama-cpp-python server (python -m llama_cpp.server), same turns over HTTP streaming",
+        [
+            ("cold TTFT ms (peer)", cold, "first content token"),
+            ("warm TTFT ms (peer)", warm, "its longest-common-prefix cache, new 128-token suffix"),
+            ("warm / cold (peer)", warm / cold, ""),
+        ],
+    ), {"peer_cold": cold, "peer_warm": warm}
+
+
+# --- OpenVINO -------------------------------------------------------------------------------------------------------
+def section_openvino(tmp: Path, texts: dict[str, str]) -> str:
+    with DaemonProcess(tmp / "ov", "openvino", None, "--num-ctx", str(NUM_CTX)) as d:
+        r = daemon_turns(d, texts["system"], texts["suffix_b"])
+    rows: list[tuple[str, Any, str]] = [
+        ("prefix tokens", r["prefix_tokens"], ""),
+        ("cold TTFT ms (daemon)", r["cold_ttft_ms"], ""),
+        ("warm TTFT ms (daemon)", r["warm_ttft_ms"], f"reused {r['warm_reused']}, new suffix {r['warm_suffix_tokens']} tokens"),
+        ("warm / cold", r["warm_ttft_ms"] / r["cold_ttft_ms"], "target <= 0.100"),
+        ("decode tok/s (daemon)", r["decode_tok_s"], ""),
+        ("snapshot save ms", r["snapshot_save_ms"], f"{r['snapshot_bytes']:,} bytes"),
+        ("snapshot restore ms", r["snapshot_restore_ms"], ""),
+        ("re-prefill ms", r["reprefill_ms"], ""),
+    ]
+    try:
+        from backends import openvino_bench
+
+        ref = openvino_bench.measure(num_ctx=NUM_CTX)
+        pc_warm = ref.get("pipeline_warm_ttft_ms")
+        if pc_warm:
+            rows.append(("openvino-genai prefix-cached pipeline cold TTFT ms", ref.get("pipeline_cold_ttft_ms", float("nan")), ""))
+            rows.append(("openvino-genai prefix-cached pipeline warm TTFT ms", pc_warm, "SchedulerConfig.enable_prefix_caching"))
+            rows.append(("daemon warm / pipeline warm", r["warm_ttft_ms"] / pc_warm, "target <= 1.2"))
+    except ImportError:
+        rows.append(("openvino-genai pipeline", "n/a", "backends/openvino_bench.py not present"))
+    return table("OpenVINO backend (bundled SmolLM2-135M, IR)", rows)
+
+
+# --- capacity ---------------------------------------------------------------------------------------------------------
+def section_capacity(tmp: Path, backend: str) -> str:
+    count = gguf_token_counter()
+    with DaemonProcess(tmp / f"cap-{backend}", backend, None, "--no-preload") as d, d.client(timeout_s=900.0) as c:
+        from backends.bundled import bundled_gguf_path
+
+        assert d.proc is not None
+        proc = psutil.Process(d.proc.pid)
+        req = OpenSessionRequest(path=str(bundled_gguf_path()), type=backend, config=Config(num_ctx=NUM_CTX))
+        info = c.describe(req)
+        rss0 = proc.memory_info().rss
+        c.load_model(LoadModelRequest(**req.model_dump()))
+        sess = c.open_session(OpenSessionRequest())
+        m = ContextManifest(**sess.manifest_defaults, profile="capacity")
+        fill = text_of_tokens(count, info.effective_context - 64, PREFIX_LINE)
+        st = sess.ensure_prefix(PrefixInput(text=fill, manifest=m))
+        rss1 = proc.memory_info().rss
+        sess.close()
+    grown = rss1 - rss0
+    err = (grown - info.required_bytes) / info.required_bytes
+    return table(
+        f"capacity ({backend}): predicted vs measured",
+        [
+            ("effective context", info.effective_context, info.reason),
+            ("kv bytes per token", info.kv_bytes_per_token, ""),
+            ("predicted required bytes", info.required_bytes, "weights + overhead + kv x context"),
+            ("measured RSS growth", grown, f"after load + prefill of {st.resident_tokens} tokens"),
+            ("error", f"{err * 100:+.1f}%", "target within +-20% " + ("(met)" if abs(err) <= 0.2 else "(MISSED)")),
+        ],
+    )
+
+
+def section_embed() -> str:
+    from backends import embed_bench
+
+    r = embed_bench.measure()
+    return table("embeddings/s (all-MiniLM-L6-v2)", [(k, v, "") for k, v in r.items()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="make bench")
+    p.add_argument("--sections", default="llama,peer,openvino,capacity,embed")
+    args = p.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    os.environ.setdefault("PYTHONPATH", str(ROOT))
+    count = gguf_token_counter()
+    texts = {
+        "system": text_of_tokens(count, 2000, PREFIX_LINE),
+        "suffix_b": text_of_tokens(count, 128, SUFFIX_LINE),
+    }
+    print(f"modeld bench — {psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.1f} GiB, "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n", flush=True)
+    extra: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="modeld-bench-") as tmpd:
+        tmp = Path(tmpd)
+        for name in sections:
+            try:
+                if name == "llama":
+                    print(section_llama(tmp, texts), flush=True)
+                elif name == "peer":
+                    out, vals = section_peer(tmp, texts)
+                    extra.update(vals)
+                    print(out, flush=True)
+                elif name == "openvino":
+                    print(section_openvino(tmp, texts), flush=True)
+                elif name == "capacity":
+                    print(section_capacity(tmp, "llama"), flush=True)
+                    print(section_capacity(tmp, "openvino"), flush=True)
+                elif name == "embed":
+                    print(section_embed(), flush=True)
+                else:
+                    print(f"## {name}: unknown section")
+            except Exception:
+                print(f"## {name}: FAILED\n{traceback.format_exc()}", flush=True)
+            print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
