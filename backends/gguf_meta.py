@@ -29,6 +29,7 @@ class GGUFFacts:
     eos_token_id: int
     add_bos_token: bool | None
     pooling_type: int
+    n_vocab: int
     tensor_types: frozenset[str]
     raw: dict[str, Any]
 
@@ -94,6 +95,8 @@ def read_gguf(path: str | Path) -> GGUFFacts:
         eos_token_id=int(raw.get("tokenizer.ggml.eos_token_id", -1)),
         add_bos_token=(bool(raw["tokenizer.ggml.add_bos_token"]) if "tokenizer.ggml.add_bos_token" in raw else None),
         pooling_type=int(g("pooling_type", -1)),
+        # The token list's length, without decoding the strings.
+        n_vocab=len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0,
         tensor_types=frozenset(t.tensor_type.name for t in reader.tensors),
         raw=raw,
     )

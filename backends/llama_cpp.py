@@ -1240,6 +1240,30 @@ class LlamaBackend:
             digest=digest,
         )
 
+    def model_facts(self, req: OpenSessionRequest) -> dict[str, Any]:
+        """What the daemon's memory planner needs, as plain fields (no weights loaded)."""
+        _check_type(req.type)
+        path = _model_path(req)
+        with _map_llama_errors(f"describing {req.path}", loading=True):
+            facts = gguf_facts(path)
+        kv_type = req.config.kv_cache_type or "f16"
+        return {
+            "n_ctx_train": facts.n_ctx_train,
+            "n_layer": facts.n_layer,
+            "n_head_kv": facts.n_head_kv,
+            "head_dim_k": facts.head_dim_k,
+            "head_dim_v": facts.head_dim_v,
+            "weights_bytes": facts.weights_bytes,
+            "sliding_window": facts.sliding_window,
+            "kv_cache_type": kv_type,
+            # A quantized V cache turns flash attention on (see _LoadOptions).
+            "flash_attn": req.config.flash_attn or kv_type in ("q8_0", "q4_0"),
+            "n_batch": req.config.num_batch or DEFAULT_NUM_BATCH,
+            "n_vocab": facts.n_vocab,
+            "n_embd": facts.n_embd,
+            "n_head": facts.n_head,
+        }
+
     def embed(self, req: EmbedRequest) -> EmbedResult:
         # Llama.embed on the generation instance would wipe the resident KV.
         raise UnsupportedFeature("embeddings are served by the embedding side slot, not the llama generation model")

@@ -302,6 +302,7 @@ class ErrorInfo(_Report):
 class Usage(_Report):
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: from the start of decode to the first sampled token (the prompt is already prefilled)
     ttft_ms: float = 0.0
     decode_ms: float = 0.0
     tokens_per_second: float = 0.0

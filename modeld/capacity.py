@@ -906,6 +906,19 @@ def _refuse(facts: ModelFacts, shares: Sequence[_Share], floor: int) -> None:
 # --- the daemon's planner -------------------------------------------------------------
 
 
+#: ModelInfo fields the backend's describe owns; the planner owns the memory fields.
+_BACKEND_FIELDS = (
+    "runtime_name",
+    "runtime_digest",
+    "runtime_system_info",
+    "supports_gpu_offload",
+    "n_layer",
+    "n_head_kv",
+    "head_dim",
+    "digest",
+)
+
+
 def make_planner(
     mem_max: str | int | None = None,
     mem_reserve: str | int | None = None,
@@ -930,7 +943,8 @@ def make_planner(
         if facts_of is None:
             info: ModelInfo = backend.describe(req, credit_bytes)
             return info
-        facts: ModelFacts = facts_of(req)
+        raw = facts_of(req)
+        facts: ModelFacts = ModelFacts(**raw) if isinstance(raw, dict) else raw
         cfg = req.config
         facts = replace(
             facts,
@@ -942,6 +956,9 @@ def make_planner(
         gpus: Sequence[MemoryPool] = tuple(pools_of()) if pools_of is not None else ()
         host = host_reader()
         info = plan(facts, host, policy, cfg.num_ctx, cfg.num_gpu_layers, credit_bytes, devices=(host, *gpus))
-        return info.model_copy(update={"runtime_name": str(getattr(backend, "name", ""))})
+        # The backend's own describe knows the runtime and the model identity.
+        planned = req.model_copy(update={"config": cfg.model_copy(update={"num_ctx": info.effective_context})})
+        own: ModelInfo = backend.describe(planned, credit_bytes)
+        return info.model_copy(update={name: getattr(own, name) for name in _BACKEND_FIELDS})
 
     return planner

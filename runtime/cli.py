@@ -209,8 +209,8 @@ def _run(client: Client, args: argparse.Namespace) -> int:
     if args.system_file:
         with open(args.system_file, encoding="utf-8") as f:
             system = f.read()
-    t0 = time.perf_counter()
     sess = client.open_session(OpenSessionRequest(**_handle(args)))
+    t0 = time.perf_counter()  # the turn: prefix, suffix, first token
     try:
         manifest = sess.manifest()
         pre = sess.ensure_prefix(PrefixInput(text=system or "", manifest=manifest))
@@ -218,10 +218,13 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         cfg = DecodeConfig(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         parts: list[str] = []
         final = None
+        first_at = 0.0
         for chunk in sess.decode(cfg):
             if chunk.done:
                 final = chunk
                 break
+            if not first_at and (chunk.text or chunk.thinking or chunk.tool_calls):
+                first_at = time.perf_counter()
             parts.append(chunk.text)
             if not args.json and chunk.text:
                 sys.stdout.write(chunk.text)
@@ -229,6 +232,7 @@ def _run(client: Client, args: argparse.Namespace) -> int:
     finally:
         sess.close()
     wall_ms = (time.perf_counter() - t0) * 1000
+    ttft_ms = (first_at - t0) * 1000 if first_at else None
     if args.json:
         _print_json(
             {
@@ -237,6 +241,7 @@ def _run(client: Client, args: argparse.Namespace) -> int:
                 "prefix": pre.model_dump(mode="json"),
                 "suffix": suf.model_dump(mode="json"),
                 "usage": final.usage.model_dump(mode="json") if final and final.usage else None,
+                "ttft_ms": ttft_ms,
                 "wall_ms": wall_ms,
             }
         )
@@ -246,7 +251,8 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         print(
             f"[prefix reused {pre.reused_tokens}/{pre.prefix_tokens}, prefilled {pre.prefilled_tokens}; "
             f"suffix {suf.suffix_tokens}; "
-            + (f"{u.completion_tokens} tokens, ttft {u.ttft_ms:.0f} ms, {u.tokens_per_second:.1f} tok/s]" if u else "]"),
+            + (f"{u.completion_tokens} tokens, {u.tokens_per_second:.1f} tok/s; " if u else "")
+            + (f"time to first token {ttft_ms:.0f} ms]" if ttft_ms is not None else "no tokens]"),
             file=sys.stderr,
         )
     return 0
