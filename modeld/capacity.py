@@ -957,8 +957,11 @@ def make_planner(
         host = host_reader()
         info = plan(facts, host, policy, cfg.num_ctx, cfg.num_gpu_layers, credit_bytes, devices=(host, *gpus))
         # The backend's own describe knows the runtime and the model identity.
+        describe = getattr(backend, "describe", None)
+        if describe is None:
+            return info.model_copy(update={"runtime_name": str(getattr(backend, "name", ""))})
         planned = req.model_copy(update={"config": cfg.model_copy(update={"num_ctx": info.effective_context})})
-        own: ModelInfo = backend.describe(planned, credit_bytes)
+        own: ModelInfo = describe(planned, credit_bytes)
         return info.model_copy(update={name: getattr(own, name) for name in _BACKEND_FIELDS})
 
     return planner
