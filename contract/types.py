@@ -127,6 +127,10 @@ class EmbedResult(_Report):
     dims: int = 0
     model_name: str = ""
     digest: str = ""
+    #: tokens per input (special tokens included)
+    tokens: list[int] = Field(default_factory=list)
+    #: indices of inputs cut to the model window (only when the request asked to truncate)
+    truncated: list[int] = Field(default_factory=list)
 
 
 class LoadModelRequest(_ModelHandle):

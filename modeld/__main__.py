@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
@@ -20,7 +21,7 @@ from contract.types import Config, LoadModelRequest
 
 from .blobs import BlobStore
 from .server import Daemon
-from .slot import DEFAULT_LEASE_S, SlotService
+from .slot import DEFAULT_LEASE_S, Embedder, SlotService
 
 log = logging.getLogger("modeld")
 
@@ -43,6 +44,19 @@ def build_backend(name: str, args: argparse.Namespace) -> Backend:
     raise SystemExit(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
+def build_embedder(args: argparse.Namespace, generation_bytes: Callable[[], int]) -> Embedder | None:
+    """The embedding side slot for the backend (none for the memory backend)."""
+    if args.backend == "memory":
+        return None
+    from backends.embeddings import EmbeddingSlot, LlamaEmbedder, OpenVINOEmbedder
+
+    from .capacity import make_budget_check
+
+    check = make_budget_check(args.mem_max, args.mem_reserve, other_bytes=generation_bytes)
+    factory = LlamaEmbedder if args.backend == "llama" else OpenVINOEmbedder
+    return EmbeddingSlot(factory, idle_unload_s=args.embed_idle, budget_check=check)
+
+
 def default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "modeld"
@@ -60,6 +74,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-reserve", default=None, help="memory kept free, e.g. 1GiB (env MODELD_MEM_RESERVE)")
     p.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, help="seconds a silent client keeps its session")
     p.add_argument("--no-preload", action="store_true", help="start with an empty slot")
+    p.add_argument("--embed-idle", type=float, default=300.0, help="seconds before an idle embedding model is unloaded")
     p.add_argument(
         "--memory-token-delay-ms",
         type=float,
@@ -78,7 +93,12 @@ def serve(args: argparse.Namespace) -> int:
     endpoint = args.endpoint or default_endpoint()
     backend = build_backend(args.backend, args)
     planner = _planner(args)
-    slot = SlotService(backend, owner=args.owner, lease_s=args.lease, planner=planner, endpoint=endpoint)
+    slot_ref: list[SlotService] = []
+    embedder = build_embedder(args, lambda: slot_ref[0].generation_resident_bytes() if slot_ref else 0)
+    slot = SlotService(
+        backend, owner=args.owner, lease_s=args.lease, planner=planner, endpoint=endpoint, embedder=embedder
+    )
+    slot_ref.append(slot)
     data_dir = args.data_dir or default_data_dir()
     daemon = Daemon(slot, endpoint, BlobStore(data_dir / "blobs"))
 

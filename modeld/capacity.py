@@ -965,3 +965,47 @@ def make_planner(
         return info.model_copy(update={name: getattr(own, name) for name in _BACKEND_FIELDS})
 
     return planner
+
+
+def make_budget_check(
+    mem_max: str | int | None = None,
+    mem_reserve: str | int | None = None,
+    *,
+    other_bytes: Callable[[], int],
+    env: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+    host_reader: Callable[[], MemoryPool] = read_host_pool,
+) -> Callable[[int], None]:
+    """A check for side loads (the embedding slot): raise InsufficientMemory if ``needed`` bytes do not fit.
+
+    Host free memory already excludes what the generation model holds, so only
+    the user limit (``--mem-max``, shared by everything the daemon loads) has the
+    generation model's ``other_bytes()`` taken off it. The reserve and headroom
+    apply as for the generation model. Nothing is ever evicted to make room.
+    """
+    policy = Policy.load(env=env, config_file=config_file, cli={"mem_max": mem_max, "mem_reserve": mem_reserve})
+
+    def check(needed: int) -> None:
+        pool = host_reader()
+        headroom = int(policy.headroom_fraction * pool.free_bytes)
+        usable = pool.free_bytes - policy.reserve_bytes - headroom
+        bound = "memory" if policy.reserve_bytes == 0 else "reserve"
+        held = other_bytes()
+        if policy.user_limit_bytes and policy.user_limit_bytes - held < usable:
+            usable = policy.user_limit_bytes - held
+            bound = "user_limit"
+        if needed > usable:
+            raise InsufficientMemory(
+                f"the embedding model needs {format_size(needed)} but only {format_size(max(usable, 0))} is usable "
+                f"(free {format_size(pool.free_bytes)} − reserve {format_size(policy.reserve_bytes)} − headroom "
+                f"{format_size(headroom)}"
+                + (f"; --mem-max {format_size(policy.user_limit_bytes)} minus {format_size(held)} held by the "
+                   "generation model" if bound == "user_limit" else "")
+                + f"); bound by {bound}; the chat model is not evicted",
+                required_bytes=needed,
+                usable_bytes=usable,
+                generation_bytes=held,
+                limit=bound,
+            )
+
+    return check

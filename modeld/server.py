@@ -92,10 +92,13 @@ class Daemon:
         self._ctx = zmq.Context()
         self._stop = threading.Event()
         self._work: queue.Queue[tuple[_Inflight, Message] | None] = queue.Queue()
+        # Embeddings have their own thread and model, so they run while a decode streams.
+        self._embed_work: queue.Queue[tuple[_Inflight, Message] | None] = queue.Queue()
         self._inflight: dict[tuple[bytes, bytes], _Inflight] = {}
         self._inflight_lock = threading.Lock()
         self._sessions: dict[str, SlotSession] = {}
         self._worker = threading.Thread(target=self._worker_main, name="modeld-worker", daemon=True)
+        self._embed_worker = threading.Thread(target=self._embed_main, name="modeld-embed", daemon=True)
         self._bound_ipc: Path | None = None
         self.ready = threading.Event()
 
@@ -114,6 +117,7 @@ class Daemon:
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(_OUT_ENDPOINT)
         self._worker.start()
+        self._embed_worker.start()
         self.ready.set()
         log.info("modeld serving %s backend on %s", self.slot.backend.name, self.endpoint)
         poller = zmq.Poller()
@@ -176,6 +180,8 @@ class Daemon:
             if item is not None:
                 pending.append(item)
         self._work.put(None)
+        self._embed_work.put(None)
+        self._embed_worker.join(timeout=30)
         self._worker.join(timeout=30)
         self._drain_out(router, pull)
         for inf, _msg in pending:
@@ -273,7 +279,7 @@ class Daemon:
                     if key in self._inflight:
                         raise InvalidArgument("a request with this id is already running")
                     inf = self._inflight[key] = _Inflight(identity, rid, msg.op)
-                self._work.put((inf, msg))
+                (self._embed_work if msg.op is Op.EMBED else self._work).put((inf, msg))
         except ModeldError as exc:
             self._send(router, identity, wire.encode_error(rid, exc))
         except Exception as exc:  # never let one request take the IO loop down
@@ -317,6 +323,27 @@ class Daemon:
                 self.slot.shutdown()  # the model belongs to this thread: release it here
             except Exception:
                 log.error("error while unloading at shutdown: %s", traceback.format_exc())
+            out.close(0)
+
+    def _embed_main(self) -> None:
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.connect(_OUT_ENDPOINT)
+
+        def emit(inf: _Inflight, frames: list[bytes]) -> None:
+            out.send_multipart([inf.identity, *frames], copy=False)
+
+        try:
+            while True:
+                item = self._embed_work.get()
+                if item is None:
+                    break
+                inf, msg = item
+                if self._stop.is_set():
+                    emit(inf, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
+                    continue
+                self._run(inf, msg, emit)
+        finally:
             out.close(0)
 
     def _reap(self) -> None:
@@ -365,7 +392,14 @@ class Daemon:
         if any(len(v) != dims for v in vectors):
             raise Internal("backend returned vectors of different sizes")
         payload = struct.pack(f"<{dims * len(vectors)}f", *(x for v in vectors for x in v))
-        body = {"dims": dims, "count": len(vectors), "model_name": res.model_name, "digest": res.digest}
+        body = {
+            "dims": dims,
+            "count": len(vectors),
+            "model_name": res.model_name,
+            "digest": res.digest,
+            "tokens": res.tokens,
+            "truncated": res.truncated,
+        }
         emit(inf, wire.encode_reply(Kind.OK, inf.request_id, body, [payload]))
 
     def _h_open(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:

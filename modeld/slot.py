@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from contract.errors import (
     BackendMismatch,
@@ -69,6 +69,20 @@ DEFAULT_LEASE_S = 30.0
 Planner = Callable[[Backend, OpenSessionRequest, int], ModelInfo]
 
 
+class Embedder(Protocol):
+    """The embedding side slot (``backends.embeddings.EmbeddingSlot``)."""
+
+    def embed_with_info(self, req: EmbedRequest) -> tuple[EmbedResult, Any]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def resident_bytes(self) -> int: ...
+
+    def maybe_unload_idle(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class _Holder:
     session_id: str
@@ -91,12 +105,14 @@ class SlotService:
         lease_s: float = DEFAULT_LEASE_S,
         planner: Planner | None = None,
         endpoint: str = "",
+        embedder: Embedder | None = None,
     ) -> None:
         self.backend = backend
         self.owner = owner
         self.lease_s = lease_s
         self.endpoint = endpoint
         self._planner = planner
+        self._embedder = embedder
         self._state_lock = threading.Lock()
         self._op_lock = threading.RLock()
         self._state = SlotState.EMPTY
@@ -131,6 +147,7 @@ class SlotService:
                 session_open=self._holder is not None,
                 pid=os.getpid(),
                 endpoint=self.endpoint,
+                embedding=self._embedder.status() if self._embedder is not None else None,
             )
 
     @property
@@ -337,11 +354,24 @@ class SlotService:
             return self.backend.describe(req, credit)
 
     def embed(self, req: EmbedRequest) -> EmbedResult:
+        """Embeddings from the side slot: never touches the generation model or its KV.
+
+        Deliberately outside ``_op_lock``, so an embed runs while a decode streams.
+        """
         self._check_live()
         self._check_fence(req.owner_instance_id)
         self._check_type(req.type)
-        with self._op_lock:
+        if self._embedder is None:
             return self.backend.embed(req)
+        result, info = self._embedder.embed_with_info(req)
+        return result.model_copy(update={"tokens": list(info.tokens), "truncated": list(info.truncated)})
+
+    def embedding_resident_bytes(self) -> int:
+        return self._embedder.resident_bytes() if self._embedder is not None else 0
+
+    def generation_resident_bytes(self) -> int:
+        loaded = self._loaded
+        return loaded.resident_bytes() if loaded is not None else 0
 
     def manifest_defaults(self) -> dict[str, str]:
         loaded = self._loaded
@@ -374,7 +404,9 @@ class SlotService:
             return False
 
     def reap(self) -> bool:
-        """Release a holder whose lease expired; True when one was released."""
+        """Release a holder whose lease expired and an idle embedding model; True when a holder went."""
+        if self._embedder is not None:
+            self._embedder.maybe_unload_idle()
         with self._op_lock:
             return self._reap_locked()
 
@@ -425,6 +457,8 @@ class SlotService:
         with self._state_lock:
             self._shutting_down = True
             self._state = SlotState.SHUTTING_DOWN
+        if self._embedder is not None:
+            self._embedder.close()
         with self._op_lock:
             if self._holder is not None:
                 self._release_holder(self._holder)

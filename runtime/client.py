@@ -199,6 +199,8 @@ class Client:
             dims=dims,
             model_name=str(msg.body.get("model_name", "")),
             digest=str(msg.body.get("digest", "")),
+            tokens=list(msg.body.get("tokens") or []),
+            truncated=list(msg.body.get("truncated") or []),
         )
 
     def open_session(self, req: OpenSessionRequest) -> RemoteSession:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SlotState, SuffixInput
+from contract.types import DecodeConfig, EmbedRequest, OpenSessionRequest, PrefixInput, SlotState, SuffixInput
 
 from .conformance import SCENARIOS, SYSTEM, TURN_1, Target, fresh_profile, manifest_for
 from .daemon_proc import ROOT, DaemonProcess
@@ -102,3 +102,41 @@ def test_cli_run_twice_is_warm(backend_daemon: DaemonProcess) -> None:
     assert second["prefix"]["reused_tokens"] == second["prefix"]["prefix_tokens"]  # type: ignore[index]
     assert second["prefix"]["prefilled_tokens"] == 0  # type: ignore[index]
     assert second["usage"]["completion_tokens"] > 0  # type: ignore[index]
+
+
+def test_embed_while_a_chat_session_decodes(backend_daemon: DaemonProcess) -> None:
+    """An embed call mid-decode succeeds; the stream continues; the next turn is fully warm."""
+    with backend_daemon.client(timeout_s=300.0) as chat, backend_daemon.client(timeout_s=300.0) as tools:
+        sess = chat.open_session(OpenSessionRequest())
+        m = manifest_for(sess, fresh_profile())
+        pre = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
+        stream = sess.decode(DecodeConfig(max_tokens=40, temperature=0.0))
+        before = [next(stream), next(stream)]
+        res = tools.embed(EmbedRequest(texts=["def parse_config(path): ...", "how is the config file parsed?"]))
+        assert res.dims == 384 and len(res.vectors) == 2
+        for v in res.vectors:
+            assert abs(sum(x * x for x in v) - 1.0) < 1e-3
+        assert tools.status().embedding["loaded"] is True  # type: ignore[index]
+        after = list(stream)
+        assert after and after[-1].done and not before[-1].done
+        assert after[-1].usage is not None and after[-1].usage.completion_tokens >= len(before)
+        warm = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        assert warm.reused_tokens == warm.prefix_tokens == pre.prefix_tokens
+        sess.close()
+
+
+def test_cli_embed_json(backend_daemon: DaemonProcess) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MODELD_ENDPOINT": backend_daemon.endpoint}
+    out = subprocess.run(
+        [sys.executable, "-m", "modeld", "embed", "--json", "first text", "zweiter Text ✓"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    vectors = json.loads(out.stdout)["vectors"]
+    assert len(vectors) == 2 and all(len(v) == 384 for v in vectors)
+    too_long = subprocess.run(
+        [sys.executable, "-m", "modeld", "embed", "word " * 2000],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
+    )
+    assert too_long.returncode == 1 and "ContextOverflow" in too_long.stderr

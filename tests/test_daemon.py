@@ -421,3 +421,12 @@ def test_oversize_context_request_is_clamped_not_failed(client: Client) -> None:
         assert sess.explain_context().num_ctx == 1 << 20
     finally:
         sess.close()
+
+
+def test_memory_backend_has_no_embeddings(client: Client) -> None:
+    from contract.errors import UnsupportedFeature
+    from contract.types import EmbedRequest
+
+    with pytest.raises(UnsupportedFeature):
+        client.embed(EmbedRequest(text="hello"))
+    assert client.status().embedding is None
