@@ -1,0 +1,725 @@
+"""The OpenVINO backend against the real bundled model (SmolLM2-135M Q4_1, converted to IR).
+
+The GGUF is converted once per module into a private model cache (this also
+exercises ``backends.ov_prepare``), and the IR is compiled once with the backend
+defaults: INFERENCE_PRECISION_HINT = the device default (bf16 on AMX CPUs, f32
+elsewhere; the test reads the resolved value) and KV_CACHE_PRECISION f16 (stored as bf16
+under a bf16 hint), paged attention, 512-token prefill chunks. Every
+test starts with its own ensure_prefix, usually under its own manifest profile,
+so the shared KV never couples tests to their order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ov = pytest.importorskip("openvino")
+ov_genai = pytest.importorskip("openvino_genai")
+
+from backends.bundled import bundled_gguf_path  # noqa: E402
+from backends.openvino_backend import (  # noqa: E402
+    BACKEND_NAME,
+    MIN_PREFILL_CHUNK,
+    OpenVINOBackend,
+    OpenVINOLoadedModel,
+    OpenVINOSession,
+    _map_ov_errors,
+    _unpack_state,
+)
+from backends.ov_prepare import (  # noqa: E402
+    IR_FILES,
+    MARKER_FILE,
+    ConversionError,
+    check_convertible,
+    is_complete_ir,
+    prepare_ir,
+)
+from contract.errors import (  # noqa: E402
+    BackendMismatch,
+    ContextOverflow,
+    InsufficientMemory,
+    Internal,
+    InvalidArgument,
+    ManifestMismatch,
+    ModeldError,
+    ModelLoadFailed,
+    SessionClosed,
+    SnapshotRejected,
+    UnsupportedFeature,
+)
+from contract.manifest import ContextManifest, common_prefix_len  # noqa: E402
+from contract.types import (  # noqa: E402
+    Config,
+    DecodeConfig,
+    EmbedRequest,
+    OpenSessionRequest,
+    PrefixInput,
+    SessionSnapshot,
+    StructuredOutputConfig,
+    SuffixInput,
+)
+from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
+
+pytestmark = pytest.mark.openvino
+
+NUM_CTX = 2048
+PARAGRAPH = (
+    "The repository contains a daemon that keeps one language model resident and serves a persistent "
+    "session over a local socket. Agents send a stable prefix with the system prompt, the tool list and "
+    "a map of the repository, followed by a small volatile suffix such as a diff or failing test output. "
+)
+LONG_PREFIX = "You are a careful coding assistant.\n" + PARAGRAPH * 4
+
+
+# --- fixtures -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private model cache: conversions in this module never touch the developer's cache."""
+    path = tmp_path_factory.mktemp("ov-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MODELD_MODEL_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def ir_dir(cache_dir: Path) -> Path:
+    return prepare_ir(bundled_gguf_path(), cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def backend() -> OpenVINOBackend:
+    return OpenVINOBackend()
+
+
+@pytest.fixture(scope="module")
+def model(backend: OpenVINOBackend, ir_dir: Path) -> Iterator[OpenVINOLoadedModel]:
+    m = backend.load(OpenSessionRequest(path=str(ir_dir), config=Config(num_ctx=NUM_CTX)), lambda _f: None)
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def session(model: OpenVINOLoadedModel) -> OpenVINOSession:
+    return model.open_session()
+
+
+def manifest(m: OpenVINOLoadedModel, profile: str = "", **over: str) -> ContextManifest:
+    return ContextManifest(**(m.manifest_defaults() | {"profile": profile} | over))
+
+
+def greedy(s: OpenVINOSession, n: int = 24, **cfg: object) -> list[int]:
+    chunks = list(s.decode(DecodeConfig(max_tokens=n, return_token_ids=True, **cfg)))  # type: ignore[arg-type]
+    assert chunks[-1].done
+    return [t for c in chunks for t in c.token_ids]
+
+
+def turn(s: OpenVINOSession, man: ContextManifest, prefix: str, suffix: str, n: int = 24) -> list[int]:
+    s.ensure_prefix(PrefixInput(text=prefix, manifest=man))
+    s.prefill_suffix(SuffixInput(text=suffix, manifest=man))
+    return greedy(s, n)
+
+
+# --- conversion ---------------------------------------------------------------------------------------
+def test_prepare_is_complete_and_idempotent(ir_dir: Path, cache_dir: Path) -> None:
+    assert is_complete_ir(ir_dir)
+    for name in (*IR_FILES, "config.json", MARKER_FILE):
+        assert (ir_dir / name).is_file(), name
+    assert ir_dir.parent == cache_dir / "ov"
+    assert not [p for p in ir_dir.parent.iterdir() if p.name.startswith(".tmp-")]
+    mtime = (ir_dir / "openvino_model.bin").stat().st_mtime_ns
+    assert prepare_ir(bundled_gguf_path(), cache_dir=cache_dir) == ir_dir
+    assert (ir_dir / "openvino_model.bin").stat().st_mtime_ns == mtime  # not converted again
+    cfg = json.loads((ir_dir / "config.json").read_text())
+    assert cfg["max_position_embeddings"] == 8192 and cfg["num_key_value_heads"] == 3
+
+
+def test_check_convertible_refuses_unsupported(ir_dir: Path) -> None:
+    from backends.gguf_meta import read_gguf
+
+    facts = read_gguf(bundled_gguf_path())
+    check_convertible(facts)
+    from dataclasses import replace
+
+    with pytest.raises(ConversionError, match="architecture 'gemma'"):
+        check_convertible(replace(facts, architecture="gemma"))
+    with pytest.raises(ConversionError, match="Q5_K"):
+        check_convertible(replace(facts, tensor_types=frozenset({"Q5_K", "F32"})))
+
+
+# --- parity with openvino-genai -------------------------------------------------------------------------------
+def test_greedy_parity_with_genai_pipeline(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    """32 greedy tokens equal openvino-genai's own LLMPipeline, token for token.
+
+    Both run the same IR through the same paged-attention kernels at the same
+    precisions: INFERENCE_PRECISION_HINT = the backend's resolved value (bf16 on
+    this AMX CPU, f32 elsewhere) and KV_CACHE_PRECISION = f16 (the CPU plugin
+    stores it as bf16 under a bf16 hint, on both sides). GenAI prefills the
+    rendered prompt in one chunk; the session prefills the prefix and then the
+    suffix. Paged-attention prefill is split-invariant for chunks of at least
+    MIN_PREFILL_CHUNK tokens (test_prefill_is_split_invariant), so the real
+    two-chunk path is compared, not a special case.
+    """
+    man = manifest(model, "parity")
+    session.ensure_prefix(PrefixInput(text="You are a knowledgeable history teacher.", manifest=man))
+    session.prefill_suffix(
+        SuffixInput(text="Write a long essay about the history of the Roman Empire.", manifest=man)
+    )
+    prompt_ids = list(model.res.tokens)
+    ours = greedy(session, 32)
+
+    pipe = ov_genai.LLMPipeline(
+        str(model.ir),
+        "CPU",
+        INFERENCE_PRECISION_HINT=model.inference_precision,
+        KV_CACHE_PRECISION=model.options.kv_precision,
+    )
+    res = pipe.generate(ov.Tensor(np.array([prompt_ids], np.int64)), max_new_tokens=32, do_sample=False)
+    theirs = [int(t) for t in res.tokens[0]]
+    del pipe
+    assert len(ours) == 32, "the prompt is chosen so the model writes past 32 tokens"
+    assert ours == theirs
+
+
+def test_prefill_is_split_invariant(model: OpenVINOLoadedModel) -> None:
+    """The property exact reuse rests on: where a prefill chunk starts does not change any number.
+
+    Checked on the engine directly: the logits after 300 tokens, prefilled in one
+    chunk and in assorted splits (every piece >= MIN_PREFILL_CHUNK), are
+    bit-identical; and the decode kernel (1-token chunks) is the one that differs.
+    """
+    man = manifest(model, "split")
+    s = model.open_session()
+    s.ensure_prefix(PrefixInput(text=LONG_PREFIX + PARAGRAPH * 2, manifest=man))
+    tokens = list(model.res.tokens)[:300]
+    assert len(tokens) == 300
+    model.set_kv(tokens, 0)
+    one_shot = model.logits_at_end().copy()
+    for cuts in ([150], [8, 16, 299 - 8], [37, 200, 213], [256]):
+        model.set_kv(tokens[: cuts[0]], 0)
+        for a, b in zip(cuts, [*cuts[1:], 300], strict=True):
+            assert model.set_kv(tokens[:b], a) == a
+        assert np.array_equal(model.logits_at_end(), one_shot), cuts
+    # the same tokens fed one by one go through the decode kernel: not bit-identical
+    model.set_kv(tokens[:290], 0)
+    for t in tokens[290:]:
+        stepped = model.step(t)
+    assert not np.array_equal(stepped, one_shot)
+    model.clear_kv()  # the tape no longer matches the session's prefix bookkeeping
+
+
+# --- reuse -------------------------------------------------------------------------------------------
+def test_warm_equals_cold(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    man = manifest(model, "warm-cold")
+    cold_st = session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    assert cold_st.reused_tokens == 0 and cold_st.prefilled_tokens == cold_st.prefix_tokens > 200
+    session.prefill_suffix(SuffixInput(text="Which component keeps the model resident?", manifest=man))
+    cold = greedy(session, 24)
+
+    # an unrelated turn in between; its suffix shares "<|im_start|>user\n" with the next one
+    other = turn(session, man, LONG_PREFIX, "Summarise the design in one sentence.")
+    assert other != cold
+
+    warm_st = session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    assert warm_st.reused_tokens == warm_st.prefix_tokens == cold_st.prefix_tokens
+    assert warm_st.prefilled_tokens == 0
+    sst = session.prefill_suffix(SuffixInput(text="Which component keeps the model resident?", manifest=man))
+    assert sst.reused_tokens == 0  # ensure_prefix dropped the previous suffix and answer
+    assert greedy(session, 24) == cold
+    # a second suffix without ensure_prefix shares "<|im_start|>user\n" with the resident one:
+    # those 3 tokens are reused and the answer is still the cold one
+    sst = session.prefill_suffix(SuffixInput(text="Summarise the design in one sentence.", manifest=man))
+    assert sst.reused_tokens == 3
+    assert greedy(session, 24) == other
+
+
+def test_manifest_gate_forces_recompute(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    man = manifest(model, "gate")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    assert session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man)).reused_tokens > 0
+    for field in ("template_digest", "runtime_digest"):
+        other = man.model_copy(update={field: "sha256:" + "0" * 64})
+        st = session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=other))
+        assert st.reused_tokens == 0, field
+        assert st.prefilled_tokens == st.prefix_tokens
+        session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))  # back, recomputed again
+
+
+def test_edited_tail_reuses_the_token_lcp(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    man = manifest(model, "edit")
+    first = LONG_PREFIX + "Current file: src/server.py, opened at line 12 of 480."
+    edited = LONG_PREFIX + "Current file: tests/test_server.py, opened at line 7 of 95."
+
+    def tokens_of(text: str) -> list[int]:
+        return model.tokenize(model.render([{"role": "system", "content": text}], None, generation=False))
+
+    session.ensure_prefix(PrefixInput(text=first, manifest=man))
+    session.prefill_suffix(SuffixInput(text="Fix the bug.", manifest=man))
+    greedy(session, 4)
+    before = len(model.res.tokens)
+    st = session.ensure_prefix(PrefixInput(text=edited, manifest=man))
+    lcp = common_prefix_len(tokens_of(first), tokens_of(edited))
+    assert 0 < lcp < len(tokens_of(edited))
+    assert st.reused_tokens == lcp
+    assert st.prefilled_tokens == len(tokens_of(edited)) - lcp
+    assert st.dropped_tokens == before - lcp
+    assert model.res.tokens == tokens_of(edited)
+    # the edited prefix answers exactly as a cold run of it does
+    session.prefill_suffix(SuffixInput(text="Fix the bug.", manifest=man))
+    warm = greedy(session, 16)
+    cold_man = manifest(model, "edit-cold")
+    assert turn(session, cold_man, edited, "Fix the bug.", 16) == warm
+
+
+def test_short_edited_tail_is_widened(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    """A tail under MIN_PREFILL_CHUNK tokens is recomputed with a few kept tokens, and says so."""
+    man = manifest(model, "short-edit")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX + "Mode: fast", manifest=man))
+    st = session.ensure_prefix(PrefixInput(text=LONG_PREFIX + "Mode: slow", manifest=man))
+    assert st.prefilled_tokens == MIN_PREFILL_CHUNK
+    assert st.reused_tokens == st.prefix_tokens - MIN_PREFILL_CHUNK
+
+
+def test_suffix_reuse_is_the_exact_lcp(backend: OpenVINOBackend, ir_dir: Path) -> None:
+    """With small (32-token) chunks, a long shared suffix start is reused to the token and stays exact."""
+    m = backend.load(
+        OpenSessionRequest(path=str(ir_dir), config=Config(num_ctx=1024, num_batch=32)), lambda _f: None
+    )
+    try:
+        s = m.open_session()
+        man = manifest(m, "lcp")
+        shared = PARAGRAPH * 2
+        q1, q2 = shared + "Question: what is kept resident?", shared + "Question: what is sent as the suffix?"
+        s.ensure_prefix(PrefixInput(text="You are terse.", manifest=man))
+        s.prefill_suffix(SuffixInput(text=q1, manifest=man))
+        q1_end = len(m.res.tokens)
+        greedy(s, 8)  # decoded tokens are never reused: the decode kernel computed them
+        p = m.res.prefix_len
+        previous = list(m.res.tokens)
+        st = s.prefill_suffix(SuffixInput(text=q2, manifest=man))
+        target = list(m.res.tokens)
+        lcp = common_prefix_len(previous, target)
+        assert p + 32 < lcp < q1_end and len(target) - lcp >= 8
+        assert st.reused_tokens == lcp - p
+        assert st.suffix_tokens == len(target) - p
+        warm = greedy(s, 16)
+
+        cold_man = manifest(m, "lcp-cold")
+        assert s.ensure_prefix(PrefixInput(text="You are terse.", manifest=cold_man)).reused_tokens == 0
+        s.prefill_suffix(SuffixInput(text=q2, manifest=cold_man))
+        assert m.res.tokens == target
+        assert greedy(s, 16) == warm
+    finally:
+        m.close()
+
+
+def test_f32_precision_is_exact_too(ir_dir: Path) -> None:
+    """CPUs without bf16 default to f32: the same guarantees hold there, with an f32 cache as well."""
+    b = OpenVINOBackend(inference_precision="f32")
+    m = b.load(OpenSessionRequest(path=str(ir_dir), config=Config(num_ctx=1024, kv_cache_type="f32")), lambda _f: None)
+    try:
+        assert (m.inference_precision, m.kv_precision, m.kv_bytes_per_token) == ("f32", "f32", 2 * 23040)
+        s = m.open_session()
+        man = manifest(m, "f32")
+        first, edited = LONG_PREFIX + "Current file: a.py, line 1.", LONG_PREFIX + "Current file: src/b.py, line 200."
+        turn(s, man, first, "Fix it.", 4)
+        st = s.ensure_prefix(PrefixInput(text=edited, manifest=man))
+        assert 0 < st.reused_tokens < st.prefix_tokens
+        s.prefill_suffix(SuffixInput(text="Fix it.", manifest=man))
+        warm = greedy(s, 16)
+        assert turn(s, manifest(m, "f32-cold"), edited, "Fix it.", 16) == warm
+    finally:
+        m.close()
+    with pytest.raises(UnsupportedFeature, match="f32"):
+        OpenVINOBackend(inference_precision="bf16").load(
+            OpenSessionRequest(path=str(ir_dir), config=Config(kv_cache_type="f32")), lambda _f: None
+        )
+
+
+def test_closed_session_keeps_kv_and_new_session_fences_old(model: OpenVINOLoadedModel) -> None:
+    s1 = model.open_session()
+    man = manifest(model, "sessions")
+    s1.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    s1.close()
+    with pytest.raises(SessionClosed):
+        s1.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    s2 = model.open_session()
+    assert s2.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man)).prefilled_tokens == 0
+    s3 = model.open_session()
+    with pytest.raises(SessionClosed):
+        s2.prefill_suffix(SuffixInput(text="x", manifest=man))
+    assert s2.explain_context().closed and not s3.explain_context().closed
+
+
+# --- decode ---------------------------------------------------------------------------------------------
+def test_cancel_stops_and_keeps_tape_equal_to_kv(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    man = manifest(model, "cancel")
+    full = turn(session, man, LONG_PREFIX, "Describe the daemon.", 16)
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    session.prefill_suffix(SuffixInput(text="Describe the daemon.", manifest=man))
+    prompt = list(model.res.tokens)
+    stream = session.decode(DecodeConfig(max_tokens=200, return_token_ids=True))
+    got = [next(stream).token_ids[0] for _ in range(3)]
+    stream.close()
+    assert got == full[:3]
+    # the token handed out last was evaluated on close: the tape is prompt + 3 and the
+    # KV holds them too, since decoding on continues the same answer
+    assert model.res.tokens == prompt + got
+    assert greedy(session, 13) == full[3:]
+    # and the session is usable and still exact afterwards
+    assert turn(session, man, LONG_PREFIX, "Describe the daemon.", 16) == full
+
+
+def test_stop_string_eog_and_usage(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    man = manifest(model, "stop")
+    session.ensure_prefix(PrefixInput(text="You are a helpful assistant. Answer briefly.", manifest=man))
+    session.prefill_suffix(SuffixInput(text="What is the capital of France?", manifest=man))
+    chunks = list(session.decode(DecodeConfig(max_tokens=64)))
+    text = "".join(c.text for c in chunks)
+    last = chunks[-1]
+    assert "Paris" in text and last.finish_reason == "stop"
+    assert last.usage is not None and 0 < last.usage.completion_tokens < 64
+    # the end-of-turn token is not kept: the tape is the prompt plus the answer
+    assert last.usage.prompt_tokens + last.usage.completion_tokens == len(model.res.tokens)
+    session.prefill_suffix(SuffixInput(text="What is the capital of France?", manifest=man))
+    chunks = list(session.decode(DecodeConfig(max_tokens=64, stop=["Paris"])))
+    assert "Paris" not in "".join(c.text for c in chunks) and chunks[-1].finish_reason == "stop"
+
+
+def test_sampling_is_seeded(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    man = manifest(model, "sample")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+
+    def sample(**cfg: object) -> list[int]:
+        session.prefill_suffix(SuffixInput(text="Tell me a story.", manifest=man))
+        return greedy(session, 16, **cfg)
+
+    a = sample(temperature=1.0, top_p=0.9, top_k=40, seed=7)
+    assert sample(temperature=1.0, top_p=0.9, top_k=40, seed=7) == a
+    assert sample(temperature=1.0, top_k=1, seed=3) == sample()  # top-1 is greedy
+
+
+def test_explain_context_from_another_thread(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    man = manifest(model, "thread")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    session.prefill_suffix(SuffixInput(text="Describe the daemon.", manifest=man))
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        try:
+            while not stop.is_set():
+                rep = session.explain_context()
+                assert rep.resident_tokens >= rep.prefix_tokens
+                assert model.resident_bytes() > 0
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        greedy(session, 16)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors
+
+
+# --- snapshots ---------------------------------------------------------------------------------------------
+def _snapshot_after_suffix(model: OpenVINOLoadedModel, s: OpenVINOSession, profile: str) -> SessionSnapshot:
+    man = manifest(model, profile)
+    s.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    s.prefill_suffix(SuffixInput(text="What does the agent send as the suffix?", manifest=man))
+    return s.snapshot()
+
+
+def test_snapshot_restore_continues_identically(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    snap = _snapshot_after_suffix(model, session, "snap")
+    reference = greedy(session, 20)
+    assert snap.state_kind == "kv" and snap.backend == BACKEND_NAME
+    header, _ = _unpack_state(snap.state)
+    assert header["n_tokens"] == snap.resident_tokens and len(header["pools"]) == 60
+    per_token = model.kv_bytes_per_token
+    assert per_token == 30 * 3 * 2 * 64 * 2
+    blocks = -(-snap.resident_tokens // model.block_size)
+    logits_bytes = 4 * model.vocab.size * len(header["logits"])
+    assert len(snap.state) - logits_bytes <= per_token * blocks * model.block_size + 8192  # header slack
+
+    # unrelated turns under another manifest replace the whole KV
+    turn(session, manifest(model, "other"), "You are a pirate.", "Say hello.", 8)
+    session.restore(snap)
+    rep = session.explain_context()
+    assert rep.resident_tokens == snap.resident_tokens and rep.prefix_tokens == snap.prefix_tokens
+    assert greedy(session, 20) == reference
+    # the restored prefix is warm for the next turn
+    again = session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=snap.manifest))
+    assert again.reused_tokens == snap.prefix_tokens
+
+
+def test_replay_snapshot_reprefills(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    snap = _snapshot_after_suffix(model, session, "replay")
+    reference = greedy(session, 12)
+    replay = snap.model_copy(
+        update={"state": b"", "state_kind": "replay", "state_digest": "sha256:" + hashlib.sha256(b"").hexdigest()}
+    )
+    turn(session, manifest(model, "other"), "You are a pirate.", "Say hello.", 4)
+    session.restore(replay)
+    assert model.res.tokens == snap.resident_token_ids
+    assert greedy(session, 12) == reference
+
+
+def test_refused_snapshots_leave_the_session_untouched(
+    model: OpenVINOLoadedModel, session: OpenVINOSession
+) -> None:
+    snap = _snapshot_after_suffix(model, session, "refuse")
+    reference = greedy(session, 12)
+    session.restore(snap)
+    before = session.explain_context()
+    tokens_before = list(model.res.tokens)
+
+    def redigest(state: bytes) -> str:
+        return "sha256:" + hashlib.sha256(state).hexdigest()
+
+    tampered = bytearray(snap.state)
+    tampered[-1] ^= 0xFF
+    header, body = _unpack_state(snap.state)
+    other_runtime = dict(header, runtime=dict(header["runtime"], kv_precision="f32"))
+    head = json.dumps(other_runtime, sort_keys=True, separators=(",", ":")).encode()
+    magic = snap.state[:16]
+    rebuilt = magic + len(head).to_bytes(4, "little") + head + body
+    bad = [
+        snap.model_copy(update={"state": bytes(tampered)}),  # digest no longer matches
+        snap.model_copy(update={"state": rebuilt, "state_digest": redigest(rebuilt)}),  # another runtime
+        snap.model_copy(update={"num_ctx": NUM_CTX * 2}),
+        snap.model_copy(update={"backend": "llama"}),
+        snap.model_copy(update={"state": snap.state[:-100], "state_digest": redigest(snap.state[:-100])}),
+        snap.model_copy(update={"resident_token_ids": snap.resident_token_ids[:-1] + [10**9]}),
+        snap.model_copy(
+            update={
+                "resident_tokens": snap.resident_tokens - 1,
+                "resident_token_ids": snap.resident_token_ids[:-1],
+            }
+        ),
+        snap.model_copy(update={"state_kind": "mystery"}),
+    ]
+    for i, b in enumerate(bad):
+        with pytest.raises(SnapshotRejected):
+            session.restore(b)
+        assert session.explain_context() == before, i
+        assert model.res.tokens == tokens_before, i
+    # the KV is untouched too: the restored-from state still decodes as before
+    assert greedy(session, 12) == reference
+
+
+def test_tool_template_renders_tools_and_tool_turns(backend: OpenVINOBackend, cache_dir: Path) -> None:
+    """A tool-capable template (same weights, see tests/fixtures.py) gets tools, tool turns and thinking flags."""
+    m = backend.load(OpenSessionRequest(path=str(tool_gguf(cache_dir)), config=Config(num_ctx=1024)), lambda _f: None)
+    try:
+        assert m.template_uses_tools
+        s = m.open_session()
+        man = manifest(m, "tools")
+        tools = json.dumps([WEATHER_TOOL])
+        st = s.ensure_prefix(PrefixInput(text="You are a weather bot.", manifest=man, tools=tools))
+        prefix_text = m.detokenize(m.res.tokens)
+        assert "<tools>" in prefix_text and "get_weather" in prefix_text
+        assert s.ensure_prefix(PrefixInput(text="You are a weather bot.", manifest=man, tools=tools)).reused_tokens == (
+            st.prefix_tokens
+        )
+        s.prefill_suffix(SuffixInput(text='{"temp": 21}', role="tool", enable_thinking=False, manifest=man))
+        suffix_text = m.detokenize(m.res.tokens[m.res.prefix_len :])
+        assert "<tool_response>" in suffix_text and suffix_text.endswith("<think>\n\n</think>\n\n")
+        chunks = list(s.decode(DecodeConfig(max_tokens=16, parser_protocols=["hermes"])))
+        assert chunks[-1].done
+    finally:
+        m.close()
+
+
+# --- refusals and bad input -------------------------------------------------------------------------------
+def test_bad_paths_fail_to_load(backend: OpenVINOBackend, tmp_path: Path) -> None:
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    empty_dir = tmp_path / "ir"
+    empty_dir.mkdir()
+    (empty_dir / "openvino_tokenizer.xml").write_text("<net/>")
+    for path in (str(tmp_path / "missing.gguf"), str(empty_dir), str(text), ""):
+        req = OpenSessionRequest(path=path)
+        with pytest.raises(ModelLoadFailed):
+            backend.load(req, lambda _f: None)
+        with pytest.raises(ModelLoadFailed):
+            backend.describe(req)
+
+
+def test_garbage_ir_fails_to_load(backend: OpenVINOBackend, tmp_path: Path) -> None:
+    """OpenVINO's own RuntimeError for an unreadable graph arrives as ModelLoadFailed, with its reason."""
+    for name in IR_FILES:
+        (tmp_path / name).write_text("<net>not really</net>")
+    with pytest.raises(ModelLoadFailed) as info:
+        backend.load(OpenSessionRequest(path=str(tmp_path)), lambda _f: None)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "Exception from" not in info.value.message
+
+
+def test_truncated_gguf_fails_to_load(backend: OpenVINOBackend, tmp_path: Path) -> None:
+    bad = truncated_gguf(bundled_gguf_path(), tmp_path / "cut.gguf", 0.3)
+    with pytest.raises(ModelLoadFailed):
+        backend.load(OpenSessionRequest(path=str(bad)), lambda _f: None)
+
+
+def test_backend_mismatch_and_unsupported_config(backend: OpenVINOBackend, ir_dir: Path) -> None:
+    with pytest.raises(BackendMismatch):
+        backend.load(OpenSessionRequest(path=str(ir_dir), type="llama"), lambda _f: None)
+    with pytest.raises(BackendMismatch):
+        backend.describe(OpenSessionRequest(path=str(ir_dir), type="llama"))
+    with pytest.raises(UnsupportedFeature):
+        backend.load(OpenSessionRequest(path=str(ir_dir), config=Config(kv_cache_type="q8_0")), lambda _f: None)
+    with pytest.raises(InvalidArgument):
+        backend.load(OpenSessionRequest(path=str(ir_dir), config=Config(num_ctx=100_000)), lambda _f: None)
+    with pytest.raises(ModelLoadFailed):
+        backend.load(OpenSessionRequest(path=str(ir_dir), digest="sha256:" + "1" * 64), lambda _f: None)
+    with pytest.raises(UnsupportedFeature):
+        backend.embed(EmbedRequest(path=str(ir_dir), text="hi"))
+
+
+def test_suffix_manifest_and_overflow(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    man = manifest(model, "overflow")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    session.prefill_suffix(SuffixInput(text="Short question?", manifest=man))
+    before = session.explain_context()
+    tokens = list(model.res.tokens)
+    with pytest.raises(ManifestMismatch):
+        session.prefill_suffix(
+            SuffixInput(text="x", manifest=man.model_copy(update={"runtime_digest": "sha256:other"}))
+        )
+    with pytest.raises(ContextOverflow):
+        session.prefill_suffix(SuffixInput(text="word " * NUM_CTX, manifest=man))
+    with pytest.raises(ContextOverflow):
+        session.ensure_prefix(PrefixInput(text="word " * (NUM_CTX + 10), manifest=man))
+    assert session.explain_context() == before
+    assert model.res.tokens == tokens
+    with pytest.raises(ManifestMismatch):
+        session.ensure_prefix(PrefixInput(text="x", manifest=man.model_copy(update={"backend": "llama"})))
+
+
+def test_tools_and_structured_output_are_refused(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    man = manifest(model, "refuse-features")
+    assert not model.template_uses_tools
+    with pytest.raises(UnsupportedFeature, match="tools"):
+        session.ensure_prefix(PrefixInput(text="sys", manifest=man, tools=json.dumps([WEATHER_TOOL])))
+    session.ensure_prefix(PrefixInput(text="sys", manifest=man))
+    session.prefill_suffix(SuffixInput(text="Give me JSON.", manifest=man))
+    for so in (
+        StructuredOutputConfig(json_schema='{"type": "object"}'),
+        StructuredOutputConfig(grammar='root ::= "a"'),
+        StructuredOutputConfig(regex="a+"),
+    ):
+        with pytest.raises(UnsupportedFeature):
+            session.decode(DecodeConfig(structured_output=so))
+    with pytest.raises(InvalidArgument):
+        session.ensure_prefix(PrefixInput(text="sys", manifest=man, tools="{not json"))
+
+
+# --- describe ---------------------------------------------------------------------------------------------
+def test_describe_reads_metadata_without_side_effects(
+    backend: OpenVINOBackend, ir_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    info = backend.describe(OpenSessionRequest(path=str(ir_dir), config=Config(num_ctx=100_000)))
+    assert info.model_max_context == 8192 and info.effective_context == 8192 and info.clamped
+    assert (info.n_layer, info.n_head_kv, info.head_dim) == (30, 3, 64)
+    assert info.kv_bytes_per_token == 30 * 3 * 2 * 64 * 2
+    assert info.runtime_name == "openvino" and info.runtime_digest.startswith("openvino==")
+    assert info.devices and info.devices[0].id == "CPU" and info.runtime_system_info
+    assert info.supports_gpu_offload == any(d.kind == "gpu" for d in info.devices)
+    f32 = backend.describe(OpenSessionRequest(path=str(ir_dir), config=Config(kv_cache_type="f32")))
+    assert f32.kv_bytes_per_token == 2 * info.kv_bytes_per_token and f32.effective_context == 4096
+
+    # a GGUF that was never converted: facts from its header, nothing written
+    empty_cache = tmp_path / "cache"
+    monkeypatch.setenv("MODELD_MODEL_CACHE", str(empty_cache))
+    g = backend.describe(OpenSessionRequest(path=str(bundled_gguf_path())))
+    assert (g.model_max_context, g.n_layer, g.n_head_kv) == (8192, 30, 3)
+    assert g.digest.startswith("sha256:b179")
+    assert not (empty_cache / "ov").exists()
+
+
+def test_describe_ir_without_config_reads_the_graph(backend: OpenVINOBackend, ir_dir: Path, tmp_path: Path) -> None:
+    for name in IR_FILES:
+        (tmp_path / name).symlink_to(ir_dir / name)
+    info = backend.describe(OpenSessionRequest(path=str(tmp_path), config=Config(num_ctx=1024)))
+    assert (info.n_layer, info.n_head_kv, info.head_dim) == (30, 3, 64)
+    assert info.model_max_context == 0 and info.effective_context == 1024  # the IR does not say
+
+
+def test_prepare_entry_point_prints_the_ir_dir(ir_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "backends.ov_prepare"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(ir_dir)  # MODELD_MODEL_CACHE points at this module's cache
+
+
+def test_load_from_gguf_uses_the_prepared_ir(backend: OpenVINOBackend, ir_dir: Path) -> None:
+    progress: list[float] = []
+    m = backend.load(OpenSessionRequest(path=str(bundled_gguf_path()), config=Config(num_ctx=512)), progress.append)
+    try:
+        assert m.ir == ir_dir  # the module cache (MODELD_MODEL_CACHE) already holds it
+        assert progress[0] == 0.0 and progress[-1] == 1.0 and progress == sorted(progress)
+        d = m.manifest_defaults()
+        assert d["backend"] == "openvino" and d["model_digest"] == m.digest
+        assert m.digest == json.loads((ir_dir / MARKER_FILE).read_text())["source_digest"]
+        assert d["template_digest"] == "sha256:" + hashlib.sha256(m.template.encode()).hexdigest()
+        assert d["bos_policy"] == "none" and d["prompt_format"] == "chatml"
+    finally:
+        m.close()
+    with pytest.raises(SessionClosed):
+        m.open_session()
+    assert m.resident_bytes() == 0
+
+
+def test_manifest_defaults_track_numerics(model: OpenVINOLoadedModel) -> None:
+    ident = model.runtime_identity()
+    assert ident["kv_precision"] in ("f16", "bf16") and ident["num_ctx"] == NUM_CTX
+    assert "prefill_chunk" not in ident  # split-invariant: not a numeric setting
+    assert ident["inference_precision"] in ("bf16", "f32", "f16")
+    assert model.manifest_defaults()["runtime_digest"].startswith("sha256:")
+
+
+# --- error mapping -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("exc", "loading", "expected"),
+    [
+        (RuntimeError("Exception from src/x.cpp:1:\nsomething broke"), False, Internal),
+        (RuntimeError("Exception from src/x.cpp:1:\nsomething broke"), True, ModelLoadFailed),
+        (RuntimeError("Minja failed to apply chat template"), False, InvalidArgument),
+        (RuntimeError("std::bad_alloc"), False, InsufficientMemory),
+        (MemoryError(), False, InsufficientMemory),
+        (OSError("disk"), True, ModelLoadFailed),
+        (OSError("disk"), False, Internal),
+        (FileNotFoundError("gone"), True, ModelLoadFailed),
+        (ConversionError("gemma"), True, ModelLoadFailed),
+        (ValueError("bad"), False, InvalidArgument),
+        (ValueError("bad"), True, ModelLoadFailed),
+        (SnapshotRejected("kept"), False, SnapshotRejected),
+    ],
+)
+def test_map_ov_errors(exc: BaseException, loading: bool, expected: type[ModeldError]) -> None:
+    with pytest.raises(expected) as info, _map_ov_errors("act", loading=loading):
+        raise exc
+    assert not isinstance(exc, ModeldError) or info.value is exc
+    if not isinstance(exc, ModeldError):
+        assert info.value.__cause__ is exc
+        assert "Exception from" not in info.value.message
+
