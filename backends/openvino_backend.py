@@ -1327,6 +1327,25 @@ class OpenVINOBackend:
             digest=src.digest,
         )
 
+    def model_facts(self, req: OpenSessionRequest) -> dict[str, Any]:
+        """What the daemon's memory planner needs, as plain fields (nothing converted or compiled)."""
+        _check_type(req.type)
+        with _map_ov_errors(f"describing {req.path}", loading=True):
+            shape = _shape_of_source(_resolve_source(req.path, prepare=False))
+        return {
+            "n_ctx_train": shape.n_ctx_train or DEFAULT_NUM_CTX,
+            "n_layer": shape.n_layer,
+            "n_head_kv": shape.n_head_kv,
+            "head_dim_k": shape.head_dim,
+            "head_dim_v": shape.head_dim,
+            "weights_bytes": shape.weights_bytes,
+            # f16 and bf16 caches cost the same two bytes an element.
+            "kv_cache_type": "f32" if req.config.kv_cache_type == "f32" else "f16",
+            "n_batch": req.config.num_batch or DEFAULT_PREFILL_CHUNK,
+            "n_head": shape.n_head,
+            "overhead": "openvino",
+        }
+
     def _devices(self) -> list[DeviceInfo]:
         out: list[DeviceInfo] = []
         core = self.core

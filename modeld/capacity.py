@@ -944,7 +944,14 @@ def make_planner(
             info: ModelInfo = backend.describe(req, credit_bytes)
             return info
         raw = facts_of(req)
-        facts: ModelFacts = ModelFacts(**raw) if isinstance(raw, dict) else raw
+        if isinstance(raw, dict):
+            # Backends cannot import the daemon: they name an overhead preset instead.
+            raw = dict(raw)
+            preset = raw.pop("overhead", "")
+            overhead = OPENVINO_OVERHEAD if preset == "openvino" else LLAMA_CPP_OVERHEAD
+            facts: ModelFacts = ModelFacts(**raw, overhead=overhead)
+        else:
+            facts = raw
         cfg = req.config
         facts = replace(
             facts,
