@@ -151,7 +151,10 @@ class StopMatcher:
         if not self._stops:
             return text
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
+        # The stop that *completes* first wins (ties: the one starting earlier), which is
+        # what a token stream sees; so every chunking of the same text cuts at one place.
+        hits = [(i + len(s), i) for s in self._stops if (i := buf.find(s)) >= 0]
+        cut = min(hits)[1] if hits else -1
         if cut >= 0:
             self.stopped = True
             self._held = ""

@@ -93,7 +93,9 @@ def test_stop_earliest_of_several() -> None:
     cuts=cuts_st,
 )
 def test_stop_any_chunking_matches_one_shot(text: str, stops: list[str], cuts: list[int]) -> None:
-    expected_cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    # The stop string that completes first in the text decides the cut (ties: earlier start).
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    expected_cut = min(hits)[1] if hits else -1
     expected = text if expected_cut < 0 else text[:expected_cut]
     m = StopMatcher(stops)
     out = "".join(m.feed(p) for p in split_at(text, cuts)) + m.finish()
