@@ -1,0 +1,26 @@
+"""Run llama-cpp-python's own OpenAI server (the peer ``make bench`` compares against).
+
+On CPUs with AMX, llama.cpp's extra weight-buffer kernels crash on the bundled
+model (see ``backends.llama_cpp``). The server cannot switch them off, so this
+launcher gives it the same ``Llama`` class the daemon uses; nothing else of the
+server changes. Usage: ``python -m tests.peer_server --model … --n_ctx … --port …``.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+import llama_cpp
+
+from backends.llama_cpp import _extra_bufts_default, _ParamsLlama
+
+
+class PeerLlama(_ParamsLlama):
+    _pending_extra_bufts = _extra_bufts_default()
+
+
+if __name__ == "__main__":
+    llama_cpp.Llama = PeerLlama  # type: ignore[misc]
+    sys.argv[0] = "llama_cpp.server"
+    runpy.run_module("llama_cpp.server", run_name="__main__")
