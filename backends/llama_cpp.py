@@ -59,6 +59,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,6 @@ from contract.errors import (
     InsufficientMemory,
     Internal,
     InvalidArgument,
-    ManifestMismatch,
     ModeldError,
     ModelLoadFailed,
     SessionClosed,
@@ -85,7 +85,7 @@ from contract.errors import (
     UnsupportedFeature,
 )
 from contract.manifest import ContextManifest, canonical_digest, common_prefix_len
-from contract.resident import PrefixPlan, Resident, check_manifest_names
+from contract.resident import Resident, check_manifest_names
 from contract.types import (
     Config,
     ContextReport,
@@ -94,13 +94,10 @@ from contract.types import (
     EmbedResult,
     ModelInfo,
     OpenSessionRequest,
-    PrefixInput,
-    PrefixStatus,
     SessionSnapshot,
     StreamChunk,
     StructuredOutputConfig,
     SuffixInput,
-    SuffixStatus,
     Usage,
 )
 
@@ -108,6 +105,7 @@ from .bundled import model_cache_dir
 from .chat import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .digest import file_digest
 from .gguf_meta import GGUFFacts, is_gguf, read_gguf
+from .tape_session import TapeSession, parse_tools
 
 __all__ = [
     "BACKEND_NAME",
@@ -538,16 +536,6 @@ class _ChatTemplate:
         return str(fmt(messages=messages, tools=tools, **extra).prompt)  # type: ignore[arg-type]
 
 
-def _parse_tools(tools: str) -> list[Any] | None:
-    if not tools:
-        return None
-    try:
-        parsed = json.loads(tools)
-    except ValueError as exc:
-        raise InvalidArgument(f"tools is not valid JSON: {exc}") from exc
-    if not isinstance(parsed, list):
-        raise InvalidArgument("tools must be a JSON array of tool definitions")
-    return parsed or None
 
 
 # --- the loaded model -------------------------------------------------------------------------
@@ -708,6 +696,10 @@ class LlamaLoadedModel:
             raise
         self.logits_live = True
 
+    def reusable(self, n: int) -> int:
+        """llama.cpp keeps any prefix of the KV exactly."""
+        return n
+
     def clear_kv(self) -> None:
         self.epoch += 1
         with contextlib.suppress(Exception):
@@ -770,13 +762,16 @@ def _unpack_state(state: bytes) -> tuple[dict[str, Any], bytes]:
 
 
 # --- the session ---------------------------------------------------------------------------------
-class LlamaSession:
+class LlamaSession(TapeSession):
     """A Session over a LlamaLoadedModel's persistent KV."""
 
     def __init__(self, model: LlamaLoadedModel, generation: int) -> None:
         self._m = model
         self._gen = generation
         self._closed = False
+
+    def _errors(self, action: str) -> AbstractContextManager[None]:
+        return _map_llama_errors(action)
 
     def _live(self) -> LlamaLoadedModel:
         m = self._m
@@ -808,57 +803,6 @@ class LlamaSession:
         return rendered
 
     # --- Session -------------------------------------------------------------------------------
-    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
-        m = self._live()
-        self._check_manifest(m, prefix.manifest)
-        t0 = time.perf_counter()
-        with _map_llama_errors("ensure_prefix"):
-            tools = _parse_tools(prefix.tools)
-            rendered = self._render_prefix(m, prefix.text, tools)
-            tokens = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
-            plan = m.res.plan_prefix(prefix.manifest, tokens)  # ContextOverflow before any change
-        try:
-            with _map_llama_errors("ensure_prefix: prefill"):
-                kept = m.set_kv(tokens, plan.keep)
-        except BaseException:
-            m.clear_kv()  # a half-computed prefix is not trusted
-            raise
-        m.res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools)
-        if kept != plan.keep:
-            plan = PrefixPlan(keep=kept, tail=tokens[kept:], dropped=plan.dropped + plan.keep - kept)
-        return m.res.prefix_status(plan, (time.perf_counter() - t0) * 1000)
-
-    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
-        m = self._live()
-        res = m.res
-        t0 = time.perf_counter()
-        if res.manifest is None:
-            raise ManifestMismatch("no prefix is resident: call ensure_prefix first")
-        with _map_llama_errors("prefill_suffix"):
-            target, prefix_len = self._suffix_target(m, suffix)
-            res.check_suffix(suffix.manifest, len(target) - res.prefix_len)
-        keep = common_prefix_len(res.tokens, target)
-        try:
-            with _map_llama_errors("prefill_suffix: prefill"):
-                kept = m.set_kv(target, keep)
-        except BaseException:
-            # Back to the stable prefix when it survived (the KV equals the tape after a
-            # failed eval); a damaged prefix is dropped so the next turn re-ensures it.
-            if len(res.tokens) >= prefix_len:
-                try:
-                    m.set_kv(res.tokens[:prefix_len], prefix_len)
-                    res.prefix_len = prefix_len
-                except Exception:
-                    m.clear_kv()
-            else:
-                m.clear_kv()
-            raise
-        # On success the KV holds all of ``target``, so its stable part is intact even
-        # when the memory could not keep a tail and everything was recomputed.
-        res.prefix_len = prefix_len
-        reused = max(0, kept - prefix_len)
-        return res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000)
-
     def _suffix_target(self, m: LlamaLoadedModel, suffix: SuffixInput) -> tuple[list[int], int]:
         """The token list the KV must hold after the suffix, and its stable-prefix length."""
         res = m.res
@@ -866,7 +810,7 @@ class LlamaSession:
         tpl = m.template
         if not suffix.render or tpl is None:
             return stable + m.tokenize(suffix.text), res.prefix_len
-        tools = _parse_tools(res.tools)
+        tools = parse_tools(res.tools)
         system = {"role": "system", "content": res.stable_text}
         extra: dict[str, Any] = {}
         if suffix.enable_thinking is not None:

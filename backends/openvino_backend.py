@@ -94,6 +94,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,6 @@ from contract.errors import (
     InsufficientMemory,
     Internal,
     InvalidArgument,
-    ManifestMismatch,
     ModeldError,
     ModelLoadFailed,
     SessionClosed,
@@ -117,7 +117,7 @@ from contract.errors import (
     UnsupportedFeature,
 )
 from contract.manifest import ContextManifest, canonical_digest, common_prefix_len
-from contract.resident import PrefixPlan, Resident
+from contract.resident import Resident, check_manifest_names
 from contract.types import (
     Config,
     ContextReport,
@@ -127,12 +127,9 @@ from contract.types import (
     EmbedResult,
     ModelInfo,
     OpenSessionRequest,
-    PrefixInput,
-    PrefixStatus,
     SessionSnapshot,
     StreamChunk,
     SuffixInput,
-    SuffixStatus,
     Usage,
 )
 
@@ -141,6 +138,7 @@ from .chat import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .digest import file_digest, files_digest
 from .gguf_meta import is_gguf, read_gguf
 from .ov_prepare import IR_FILES, ConversionError, ir_dir_for, is_complete_ir, prepare_ir
+from .tape_session import TapeSession, parse_tools
 
 __all__ = [
     "BACKEND_NAME",
@@ -465,16 +463,6 @@ def _paged_model(core: ov.Core, xml: Path) -> ov.Model:
 
 
 # --- the chat template -------------------------------------------------------------------------
-def _parse_tools(tools: str) -> list[Any] | None:
-    if not tools:
-        return None
-    try:
-        parsed = json.loads(tools)
-    except ValueError as exc:
-        raise InvalidArgument(f"tools is not valid JSON: {exc}") from exc
-    if not isinstance(parsed, list):
-        raise InvalidArgument("tools must be a JSON array of tool definitions")
-    return parsed or None
 
 
 class _Vocab:
@@ -921,13 +909,16 @@ class _Sampler:
 
 
 # --- the session ---------------------------------------------------------------------------------
-class OpenVINOSession:
+class OpenVINOSession(TapeSession):
     """A Session over an OpenVINOLoadedModel's persistent KV."""
 
     def __init__(self, model: OpenVINOLoadedModel, generation: int) -> None:
         self._m = model
         self._gen = generation
         self._closed = False
+
+    def _errors(self, action: str) -> AbstractContextManager[None]:
+        return _map_ov_errors(action)
 
     def _live(self) -> OpenVINOLoadedModel:
         m = self._m
@@ -939,10 +930,7 @@ class OpenVINOSession:
 
     # --- rendering ---------------------------------------------------------------------------
     def _check_manifest(self, m: OpenVINOLoadedModel, manifest: ContextManifest) -> None:
-        if manifest.backend and manifest.backend != BACKEND_NAME:
-            raise ManifestMismatch(f"manifest names backend {manifest.backend!r}; this is {BACKEND_NAME!r}")
-        if manifest.model_digest and manifest.model_digest != m.digest:
-            raise ManifestMismatch("manifest names another model digest", manifest=manifest.model_digest, model=m.digest)
+        check_manifest_names(manifest, BACKEND_NAME, m.digest)
         if manifest.bos_policy not in _BOS_POLICIES:
             raise InvalidArgument(f"bos_policy {manifest.bos_policy!r} is not one of {_BOS_POLICIES}")
 
@@ -965,7 +953,7 @@ class OpenVINOSession:
         stable = res.tokens[: res.prefix_len]
         if not suffix.render or not m.template:
             return stable + m.tokenize(suffix.text), res.prefix_len
-        tools = _parse_tools(res.tools)
+        tools = parse_tools(res.tools)
         system = {"role": "system", "content": res.stable_text}
         extra: dict[str, Any] = {}
         if suffix.enable_thinking is not None:
@@ -981,55 +969,6 @@ class OpenVINOSession:
         return target, min(res.prefix_len, common_prefix_len(stable, target))
 
     # --- Session -------------------------------------------------------------------------------
-    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
-        m = self._live()
-        self._check_manifest(m, prefix.manifest)
-        t0 = time.perf_counter()
-        with _map_ov_errors("ensure_prefix"):
-            tools = _parse_tools(prefix.tools)
-            rendered = self._render_prefix(m, prefix.text, tools)
-            tokens = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
-            plan = m.res.plan_prefix(prefix.manifest, tokens)  # ContextOverflow before any change
-        try:
-            with _map_ov_errors("ensure_prefix: prefill"):
-                kept = m.set_kv(tokens, m.reusable(plan.keep))
-        except BaseException:
-            m.clear_kv()  # a half-computed prefix is not trusted
-            raise
-        m.res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools)
-        if kept != plan.keep:
-            plan = PrefixPlan(keep=kept, tail=tokens[kept:], dropped=plan.dropped + plan.keep - kept)
-        return m.res.prefix_status(plan, (time.perf_counter() - t0) * 1000)
-
-    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
-        m = self._live()
-        res = m.res
-        t0 = time.perf_counter()
-        if res.manifest is None:
-            raise ManifestMismatch("no prefix is resident: call ensure_prefix first")
-        with _map_ov_errors("prefill_suffix"):
-            target, prefix_len = self._suffix_target(m, suffix)
-            res.check_suffix(suffix.manifest, len(target) - res.prefix_len)
-        keep = m.reusable(common_prefix_len(res.tokens, target))
-        try:
-            with _map_ov_errors("prefill_suffix: prefill"):
-                kept = m.set_kv(target, keep)
-        except BaseException:
-            # Back to the stable prefix when it survived (the tape equals the KV's
-            # completed chunks); a damaged prefix is dropped so the next turn re-ensures it.
-            if len(res.tokens) >= prefix_len:
-                try:
-                    m.set_kv(res.tokens[:prefix_len], prefix_len)
-                    res.prefix_len = prefix_len
-                except Exception:
-                    m.clear_kv()
-            else:
-                m.clear_kv()
-            raise
-        res.prefix_len = prefix_len
-        reused = max(0, kept - prefix_len)
-        return res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000)
-
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         """Stream chunks; closing the generator cancels within one token (see ``_decode``)."""
         m = self._live()

@@ -1,0 +1,123 @@
+"""The prefix/suffix half of a Session, shared by every backend whose KV follows a token tape.
+
+Both real backends keep the invariant ``Resident.tokens == what the KV holds`` and
+differ only in how they render, tokenize and compute. ``TapeSession`` holds the
+one implementation of ensure_prefix and prefill_suffix (manifest gate, token
+LCP, rollback on a failed prefill); a backend's session supplies the hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+from contract.errors import InvalidArgument, ManifestMismatch
+from contract.manifest import ContextManifest, common_prefix_len
+from contract.resident import PrefixPlan, Resident
+from contract.types import PrefixInput, PrefixStatus, SuffixInput, SuffixStatus
+
+
+class TapeModel(Protocol):
+    """What TapeSession needs of a loaded model."""
+
+    res: Resident
+
+    def tokenize(self, text: str, *, bos_policy: str | None = None) -> list[int]: ...
+
+    def set_kv(self, tokens: list[int], keep: int) -> int:
+        """Make the KV hold ``tokens``, keeping the first ``keep``; returns how many were kept."""
+        ...
+
+    def clear_kv(self) -> None: ...
+
+    def reusable(self, n: int) -> int:
+        """How many of ``n`` matching tokens the engine can keep exactly (<= n)."""
+        ...
+
+
+def parse_tools(tools: str) -> list[Any] | None:
+    """The PrefixInput.tools JSON array, or None for no tools."""
+    if not tools:
+        return None
+    try:
+        parsed = json.loads(tools)
+    except ValueError as exc:
+        raise InvalidArgument(f"tools is not valid JSON: {exc}") from exc
+    if not isinstance(parsed, list):
+        raise InvalidArgument("tools must be a JSON array of tool definitions")
+    return parsed or None
+
+
+class TapeSession:
+    """ensure_prefix and prefill_suffix over a TapeModel; subclasses supply the hooks."""
+
+    # --- hooks -------------------------------------------------------------------------------
+    def _live(self) -> Any:
+        raise NotImplementedError
+
+    def _errors(self, action: str) -> AbstractContextManager[None]:
+        """The backend's single translation of foreign exceptions into contract errors."""
+        raise NotImplementedError
+
+    def _check_manifest(self, m: Any, manifest: ContextManifest) -> None:
+        raise NotImplementedError
+
+    def _render_prefix(self, m: Any, text: str, tools: list[Any] | None) -> str:
+        raise NotImplementedError
+
+    def _suffix_target(self, m: Any, suffix: SuffixInput) -> tuple[list[int], int]:
+        """The token list the KV must hold after the suffix, and its stable-prefix length."""
+        raise NotImplementedError
+
+    # --- Session ---------------------------------------------------------------------------------
+    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
+        m: TapeModel = self._live()
+        self._check_manifest(m, prefix.manifest)
+        t0 = time.perf_counter()
+        with self._errors("ensure_prefix"):
+            rendered = self._render_prefix(m, prefix.text, parse_tools(prefix.tools))
+            tokens = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
+            plan = m.res.plan_prefix(prefix.manifest, tokens)  # ContextOverflow before any change
+        try:
+            with self._errors("ensure_prefix: prefill"):
+                kept = m.set_kv(tokens, m.reusable(plan.keep))
+        except BaseException:
+            m.clear_kv()  # a half-computed prefix is not trusted
+            raise
+        m.res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools)
+        if kept != plan.keep:
+            plan = PrefixPlan(keep=kept, tail=tokens[kept:], dropped=plan.dropped + plan.keep - kept)
+        return m.res.prefix_status(plan, (time.perf_counter() - t0) * 1000)
+
+    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
+        m: TapeModel = self._live()
+        res = m.res
+        t0 = time.perf_counter()
+        if res.manifest is None:
+            raise ManifestMismatch("no prefix is resident: call ensure_prefix first")
+        with self._errors("prefill_suffix"):
+            target, prefix_len = self._suffix_target(m, suffix)
+            res.check_suffix(suffix.manifest, len(target) - res.prefix_len)
+        keep = m.reusable(common_prefix_len(res.tokens, target))
+        try:
+            with self._errors("prefill_suffix: prefill"):
+                kept = m.set_kv(target, keep)
+        except BaseException:
+            # Back to the stable prefix when it survived (the tape equals what the KV
+            # completed); a damaged prefix is dropped so the next turn re-ensures it.
+            if len(res.tokens) >= prefix_len:
+                try:
+                    m.set_kv(res.tokens[:prefix_len], prefix_len)
+                    res.prefix_len = prefix_len
+                except Exception:
+                    m.clear_kv()
+            else:
+                m.clear_kv()
+            raise
+        # On success the KV holds all of ``target``, so its stable part is intact even
+        # when the engine could not keep a tail and everything was recomputed.
+        res.prefix_len = prefix_len
+        reused = max(0, kept - prefix_len)
+        return res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000)
