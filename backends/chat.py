@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from contract.errors import UnsupportedFeature
-from contract.types import ToolCall, ToolCallFunction
+from contract.types import StreamChunk, ToolCall, ToolCallFunction
 
 __all__ = [
     "HERMES_TOOL_CLOSE",
@@ -307,6 +307,11 @@ class Delta:
 
     def __bool__(self) -> bool:
         return bool(self.text or self.thinking or self.tool_calls)
+
+    def chunk(self, token_ids: list[int] | None = None) -> StreamChunk:
+        return StreamChunk(
+            text=self.text, thinking=self.thinking, tool_calls=self.tool_calls, token_ids=token_ids or []
+        )
 
 
 class OutputPipeline:

@@ -84,11 +84,10 @@ from contract.errors import (
     SnapshotRejected,
     UnsupportedFeature,
 )
-from contract.manifest import ContextManifest, canonical_digest, common_prefix_len
-from contract.resident import Resident, check_manifest_names
+from contract.manifest import canonical_digest, common_prefix_len
+from contract.resident import Resident
 from contract.types import (
     Config,
-    ContextReport,
     DecodeConfig,
     EmbedRequest,
     EmbedResult,
@@ -98,7 +97,6 @@ from contract.types import (
     StreamChunk,
     StructuredOutputConfig,
     SuffixInput,
-    Usage,
 )
 
 from .bundled import model_cache_dir
@@ -134,7 +132,6 @@ _QUANT_BLOCK = 32
 #: how many trailing resident tokens are detokenized to see whether the prompt opened <think>
 _PROMPT_TAIL_TOKENS = 8
 _STATE_MAGIC = b"MODELD-LLAMA-KV1"
-_BOS_POLICIES = ("", "add", "none")
 
 
 def runtime_version() -> str:
@@ -765,27 +762,10 @@ def _unpack_state(state: bytes) -> tuple[dict[str, Any], bytes]:
 class LlamaSession(TapeSession):
     """A Session over a LlamaLoadedModel's persistent KV."""
 
-    def __init__(self, model: LlamaLoadedModel, generation: int) -> None:
-        self._m = model
-        self._gen = generation
-        self._closed = False
+    backend_name = BACKEND_NAME
 
     def _errors(self, action: str) -> AbstractContextManager[None]:
         return _map_llama_errors(action)
-
-    def _live(self) -> LlamaLoadedModel:
-        m = self._m
-        if self._closed or m.closed:
-            raise SessionClosed()
-        if m._session_gen != self._gen:
-            raise SessionClosed("a newer session was opened on this model")
-        return m
-
-    # --- rendering ---------------------------------------------------------------------------
-    def _check_manifest(self, m: LlamaLoadedModel, manifest: ContextManifest) -> None:
-        check_manifest_names(manifest, BACKEND_NAME, m.digest)
-        if manifest.bos_policy not in _BOS_POLICIES:
-            raise InvalidArgument(f"bos_policy {manifest.bos_policy!r} is not one of {_BOS_POLICIES}")
 
     def _render_prefix(self, m: LlamaLoadedModel, text: str, tools: list[Any] | None) -> str:
         tpl = m.template
@@ -902,38 +882,18 @@ class LlamaSession(TapeSession):
                 if delta.stopped:
                     finish = "stop"
                 if delta or cfg.return_token_ids:
-                    yield StreamChunk(
-                        text=delta.text,
-                        thinking=delta.thinking,
-                        tool_calls=delta.tool_calls,
-                        token_ids=[token] if cfg.return_token_ids else [],
-                    )
+                    yield delta.chunk([token] if cfg.return_token_ids else None)
             tail = pipeline.finish()
             if tail:
-                yield StreamChunk(text=tail.text, thinking=tail.thinking, tool_calls=tail.tool_calls)
+                yield tail.chunk()
             if pipeline.tool_call_count and finish in ("stop", "length"):
                 finish = "tool_calls" if finish == "stop" else finish
-            elapsed = (time.perf_counter() - start) * 1000
-            yield StreamChunk(
-                done=True,
-                finish_reason=finish,
-                usage=Usage(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=produced,
-                    ttft_ms=first_ms,
-                    decode_ms=elapsed,
-                    tokens_per_second=produced / (elapsed / 1000) if elapsed > 0 else 0.0,
-                ),
-            )
+            yield StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
         finally:
             if pending is not None and still_ours():
                 with contextlib.suppress(Exception):
                     m.append(pending)  # a failed eval leaves n_tokens and the tape unchanged
             sampler.close()
-
-    def explain_context(self) -> ContextReport:
-        closed = self._closed or self._m.closed or self._m._session_gen != self._gen
-        return self._m.res.report(closed)
 
     def snapshot(self) -> SessionSnapshot:
         m = self._live()
@@ -972,9 +932,6 @@ class LlamaSession(TapeSession):
             llm.input_ids[:n] = snap.resident_token_ids
             llm.n_tokens = n
             res.adopt_snapshot(snap)
-
-    def close(self) -> None:
-        self._closed = True
 
 
 def _grammar_source(so: StructuredOutputConfig) -> str | None:

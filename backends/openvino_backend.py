@@ -116,11 +116,10 @@ from contract.errors import (
     SnapshotRejected,
     UnsupportedFeature,
 )
-from contract.manifest import ContextManifest, canonical_digest, common_prefix_len
-from contract.resident import Resident, check_manifest_names
+from contract.manifest import canonical_digest, common_prefix_len
+from contract.resident import Resident
 from contract.types import (
     Config,
-    ContextReport,
     DecodeConfig,
     DeviceInfo,
     EmbedRequest,
@@ -130,7 +129,6 @@ from contract.types import (
     SessionSnapshot,
     StreamChunk,
     SuffixInput,
-    Usage,
 )
 
 from .bundled import model_cache_dir
@@ -174,7 +172,6 @@ _PAGED_INPUTS = frozenset(
     }
 )
 _STATE_MAGIC = b"MODELD-OV-PKV1\0\0"
-_BOS_POLICIES = ("", "add", "none")
 #: how many trailing resident tokens are decoded to see whether the prompt opened <think>
 _PROMPT_TAIL_TOKENS = 8
 #: token texts that end a turn in common chat vocabularies (llama.cpp treats them as EOG too)
@@ -912,27 +909,10 @@ class _Sampler:
 class OpenVINOSession(TapeSession):
     """A Session over an OpenVINOLoadedModel's persistent KV."""
 
-    def __init__(self, model: OpenVINOLoadedModel, generation: int) -> None:
-        self._m = model
-        self._gen = generation
-        self._closed = False
+    backend_name = BACKEND_NAME
 
     def _errors(self, action: str) -> AbstractContextManager[None]:
         return _map_ov_errors(action)
-
-    def _live(self) -> OpenVINOLoadedModel:
-        m = self._m
-        if self._closed or m.closed:
-            raise SessionClosed()
-        if m._session_gen != self._gen:
-            raise SessionClosed("a newer session was opened on this model")
-        return m
-
-    # --- rendering ---------------------------------------------------------------------------
-    def _check_manifest(self, m: OpenVINOLoadedModel, manifest: ContextManifest) -> None:
-        check_manifest_names(manifest, BACKEND_NAME, m.digest)
-        if manifest.bos_policy not in _BOS_POLICIES:
-            raise InvalidArgument(f"bos_policy {manifest.bos_policy!r} is not one of {_BOS_POLICIES}")
 
     def _render_prefix(self, m: OpenVINOLoadedModel, text: str, tools: list[Any] | None) -> str:
         if not m.template:
@@ -1051,29 +1031,13 @@ class OpenVINOSession(TapeSession):
                 if delta.stopped:
                     finish = "stop"
                 if delta or cfg.return_token_ids:
-                    yield StreamChunk(
-                        text=delta.text,
-                        thinking=delta.thinking,
-                        tool_calls=delta.tool_calls,
-                        token_ids=[token] if cfg.return_token_ids else [],
-                    )
+                    yield delta.chunk([token] if cfg.return_token_ids else None)
             tail = pipeline.finish()
             if tail:
-                yield StreamChunk(text=tail.text, thinking=tail.thinking, tool_calls=tail.tool_calls)
+                yield tail.chunk()
             if pipeline.tool_call_count and finish == "stop":
                 finish = "tool_calls"
-            elapsed = (time.perf_counter() - start) * 1000
-            yield StreamChunk(
-                done=True,
-                finish_reason=finish,
-                usage=Usage(
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=produced,
-                    ttft_ms=first_ms,
-                    decode_ms=elapsed,
-                    tokens_per_second=produced / (elapsed / 1000) if elapsed > 0 else 0.0,
-                ),
-            )
+            yield StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
         finally:
             if pending is not None and still_ours():
                 try:
@@ -1082,10 +1046,6 @@ class OpenVINOSession(TapeSession):
                     # The graph step failed mid-way: the variables may hold a partial
                     # update, so nothing resident can be trusted any more.
                     m.clear_kv()
-
-    def explain_context(self) -> ContextReport:
-        closed = self._closed or self._m.closed or self._m._session_gen != self._gen
-        return self._m.res.report(closed)
 
     def snapshot(self) -> SessionSnapshot:
         m = self._live()
@@ -1134,9 +1094,6 @@ class OpenVINOSession(TapeSession):
             m.clear_kv()
             raise
         m.res.adopt_snapshot(snap)
-
-    def close(self) -> None:
-        self._closed = True
 
 
 # --- the backend -------------------------------------------------------------------------------------

@@ -13,10 +13,13 @@ import time
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from contract.errors import InvalidArgument, ManifestMismatch
+from contract.errors import InvalidArgument, ManifestMismatch, SessionClosed
 from contract.manifest import ContextManifest, common_prefix_len
-from contract.resident import PrefixPlan, Resident
-from contract.types import PrefixInput, PrefixStatus, SuffixInput, SuffixStatus
+from contract.resident import PrefixPlan, Resident, check_manifest_names
+from contract.types import ContextReport, PrefixInput, PrefixStatus, SuffixInput, SuffixStatus
+
+#: ContextManifest.bos_policy values: the model's default, always add, never add
+BOS_POLICIES = ("", "add", "none")
 
 
 class TapeModel(Protocol):
@@ -51,17 +54,43 @@ def parse_tools(tools: str) -> list[Any] | None:
 
 
 class TapeSession:
-    """ensure_prefix and prefill_suffix over a TapeModel; subclasses supply the hooks."""
+    """ensure_prefix, prefill_suffix and the session plumbing over a TapeModel.
 
-    # --- hooks -------------------------------------------------------------------------------
+    Subclasses set ``backend_name`` and supply the hooks. A session is bound to the
+    model's session generation: opening a newer session on the model retires it.
+    """
+
+    backend_name = ""
+
+    def __init__(self, model: Any, generation: int) -> None:
+        self._m = model
+        self._gen = generation
+        self._closed = False
+
     def _live(self) -> Any:
-        raise NotImplementedError
-
-    def _errors(self, action: str) -> AbstractContextManager[None]:
-        """The backend's single translation of foreign exceptions into contract errors."""
-        raise NotImplementedError
+        m = self._m
+        if self._closed or m.closed:
+            raise SessionClosed()
+        if m._session_gen != self._gen:
+            raise SessionClosed("a newer session was opened on this model")
+        return m
 
     def _check_manifest(self, m: Any, manifest: ContextManifest) -> None:
+        check_manifest_names(manifest, self.backend_name, m.digest)
+        if manifest.bos_policy not in BOS_POLICIES:
+            raise InvalidArgument(f"bos_policy {manifest.bos_policy!r} is not one of {BOS_POLICIES}")
+
+    def explain_context(self) -> ContextReport:
+        closed = self._closed or self._m.closed or self._m._session_gen != self._gen
+        report: ContextReport = self._m.res.report(closed)
+        return report
+
+    def close(self) -> None:
+        self._closed = True
+
+    # --- hooks -------------------------------------------------------------------------------
+    def _errors(self, action: str) -> AbstractContextManager[None]:
+        """The backend's single translation of foreign exceptions into contract errors."""
         raise NotImplementedError
 
     def _render_prefix(self, m: Any, text: str, tools: list[Any] | None) -> str:

@@ -45,7 +45,6 @@ from .types import (
     StreamChunk,
     SuffixInput,
     SuffixStatus,
-    Usage,
 )
 
 BACKEND_NAME = "memory"
@@ -196,18 +195,7 @@ class MemorySession:
                 yield StreamChunk(text=out, token_ids=[ord(c) for c in out] if cfg.return_token_ids else [])
         if held:
             yield StreamChunk(text=held, token_ids=[ord(c) for c in held] if cfg.return_token_ids else [])
-        elapsed = (time.perf_counter() - start) * 1000
-        yield StreamChunk(
-            done=True,
-            finish_reason=finish,
-            usage=Usage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=produced,
-                ttft_ms=first_ms,
-                decode_ms=elapsed,
-                tokens_per_second=produced / (elapsed / 1000) if elapsed > 0 else 0.0,
-            ),
-        )
+        yield StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
 
     def explain_context(self) -> ContextReport:
         closed = self._closed or self._model.closed

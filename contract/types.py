@@ -9,6 +9,7 @@ types ignore unknown fields so an older client can read a newer daemon.
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -323,6 +324,24 @@ class StreamChunk(_Report):
     done: bool = False
     finish_reason: str = ""  # "stop" | "length" | "cancelled" | "tool_calls" | "error"
     usage: Usage | None = None
+
+    @classmethod
+    def final(
+        cls, finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_ms: float, started: float
+    ) -> StreamChunk:
+        """The terminal chunk of a decode that began at ``started`` (a perf_counter reading)."""
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        return cls(
+            done=True,
+            finish_reason=finish_reason,
+            usage=Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                ttft_ms=ttft_ms,
+                decode_ms=elapsed_ms,
+                tokens_per_second=completion_tokens / (elapsed_ms / 1000) if elapsed_ms > 0 else 0.0,
+            ),
+        )
 
 
 class SessionSnapshot(_Report):
