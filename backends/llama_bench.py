@@ -25,22 +25,13 @@ from typing import Any
 from contract.manifest import ContextManifest
 from contract.types import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 
+from .bench_common import snapshot_vs_reprefill, text_of_tokens
 from .bundled import bundled_gguf_path
 from .llama_cpp import LlamaBackend, LlamaLoadedModel, LlamaSession, open_llama
 
 
 def _text_of_tokens(model: LlamaLoadedModel, target: int, line: str) -> str:
-    """Deterministic filler text of about ``target`` tokens, built line by line."""
-    lines: list[str] = []
-    i = 0
-    while True:
-        lines.append(line.format(i=i))
-        i += 1
-        if i % 16 == 0 and len(model.tokenize("\n".join(lines))) >= target:
-            break
-    while len(model.tokenize("\n".join(lines))) > target and len(lines) > 1:
-        lines.pop()
-    return "\n".join(lines)
+    return text_of_tokens(lambda t: len(model.tokenize(t)), target, line)
 
 
 def _first_token(session: LlamaSession) -> float:
@@ -125,23 +116,7 @@ def measure(
             plain.close()
 
         # snapshot save / restore vs recomputing the same context
-        s.ensure_prefix(PrefixInput(text=system, manifest=man))
-        s.prefill_suffix(SuffixInput(text=suffix_a, manifest=man))
-        t0 = time.perf_counter()
-        snap = s.snapshot()
-        out["snapshot_save_ms"] = (time.perf_counter() - t0) * 1000
-        out["snapshot_tokens"] = snap.resident_tokens
-        out["snapshot_bytes"] = len(snap.state)
-        out["snapshot_bytes_per_token"] = len(snap.state) / max(1, snap.resident_tokens)
-        s.ensure_prefix(PrefixInput(text="Unrelated.", manifest=man))
-        t0 = time.perf_counter()
-        s.restore(snap)
-        out["snapshot_restore_ms"] = (time.perf_counter() - t0) * 1000
-        s.ensure_prefix(PrefixInput(text="Unrelated.", manifest=man))
-        t0 = time.perf_counter()
-        s.ensure_prefix(PrefixInput(text=system, manifest=man))
-        s.prefill_suffix(SuffixInput(text=suffix_a, manifest=man))
-        out["reprefill_ms"] = (time.perf_counter() - t0) * 1000
+        out.update(snapshot_vs_reprefill(s, system, suffix_a, man, man))
         s.close()
     finally:
         model.close()

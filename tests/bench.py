@@ -38,6 +38,7 @@ from typing import Any
 
 import psutil
 
+from backends.bench_common import snapshot_vs_reprefill, text_of_tokens
 from contract.manifest import ContextManifest
 from contract.types import Config, DecodeConfig, LoadModelRequest, OpenSessionRequest, PrefixInput, SuffixInput
 from runtime import Client, RemoteSession
@@ -66,19 +67,7 @@ def table(title: str, rows: list[tuple[str, Any, str]]) -> str:
     return "\n".join(lines)
 
 
-# --- texts of a known token length -----------------------------------------------------------------------------
-def text_of_tokens(count: Callable[[str], int], target: int, line: str) -> str:
-    lines: list[str] = []
-    i = 0
-    while True:
-        lines.append(line.format(i=i))
-        i += 1
-        if i % 16 == 0 and count("\n".join(lines)) >= target:
-            break
-    while count("\n".join(lines)) > target and len(lines) > 1:
-        lines.pop()
-    return "\n".join(lines)
-
+# --- token counting (texts of a known length: backends.bench_common.text_of_tokens) ------------------------
 
 def gguf_token_counter() -> Callable[[str], int]:
     """Count tokens with the bundled model's own tokenizer (vocab only, no weights)."""
@@ -152,23 +141,7 @@ def daemon_turns(d: DaemonProcess, system: str, suffix_b: str) -> dict[str, Any]
         out["status_p50_ms"] = statistics.median(status_ms) if status_ms else float("nan")
         out["status_max_ms"] = max(status_ms) if status_ms else float("nan")
         # snapshot save/restore vs recomputing
-        sess.ensure_prefix(PrefixInput(text=system, manifest=m))
-        sess.prefill_suffix(SuffixInput(text=FIRST_TURN, manifest=m))
-        t0 = time.perf_counter()
-        snap = sess.snapshot()
-        out["snapshot_save_ms"] = (time.perf_counter() - t0) * 1000
-        out["snapshot_bytes"] = len(snap.state)
-        out["snapshot_tokens"] = snap.resident_tokens
-        other = sess.manifest(profile="bench-other")
-        sess.ensure_prefix(PrefixInput(text="Unrelated.", manifest=other))
-        t0 = time.perf_counter()
-        sess.restore(snap)
-        out["snapshot_restore_ms"] = (time.perf_counter() - t0) * 1000
-        sess.ensure_prefix(PrefixInput(text="Unrelated.", manifest=other))
-        t0 = time.perf_counter()
-        sess.ensure_prefix(PrefixInput(text=system, manifest=m))
-        sess.prefill_suffix(SuffixInput(text=FIRST_TURN, manifest=m))
-        out["reprefill_ms"] = (time.perf_counter() - t0) * 1000
+        out.update(snapshot_vs_reprefill(sess, system, FIRST_TURN, m, sess.manifest(profile="bench-other")))
         sess.close()
     return out
 

@@ -1,0 +1,54 @@
+"""Measurement pieces shared by the in-process benches and ``make bench``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from contract.interfaces import Session
+from contract.manifest import ContextManifest
+from contract.types import PrefixInput, SuffixInput
+
+
+def text_of_tokens(count: Callable[[str], int], target: int, line: str) -> str:
+    """Deterministic filler of about ``target`` tokens (by ``count``), built from numbered lines."""
+    lines: list[str] = []
+    i = 0
+    while True:
+        lines.append(line.format(i=i))
+        i += 1
+        if i % 16 == 0 and count("\n".join(lines)) >= target:
+            break
+    while count("\n".join(lines)) > target and len(lines) > 1:
+        lines.pop()
+    return "\n".join(lines)
+
+
+def snapshot_vs_reprefill(
+    sess: Session, system: str, turn: str, manifest: ContextManifest, other: ContextManifest
+) -> dict[str, Any]:
+    """Snapshot save and restore of a prefix + turn against recomputing the same context.
+
+    Between the steps an unrelated prefix (under ``other``) replaces the resident
+    state, so the restore and the re-prefill both start from somewhere else.
+    """
+    out: dict[str, Any] = {}
+    sess.ensure_prefix(PrefixInput(text=system, manifest=manifest))
+    sess.prefill_suffix(SuffixInput(text=turn, manifest=manifest))
+    t0 = time.perf_counter()
+    snap = sess.snapshot()
+    out["snapshot_save_ms"] = (time.perf_counter() - t0) * 1000
+    out["snapshot_tokens"] = snap.resident_tokens
+    out["snapshot_bytes"] = len(snap.state)
+    out["snapshot_bytes_per_token"] = len(snap.state) / max(1, snap.resident_tokens)
+    sess.ensure_prefix(PrefixInput(text="Unrelated.", manifest=other))
+    t0 = time.perf_counter()
+    sess.restore(snap)
+    out["snapshot_restore_ms"] = (time.perf_counter() - t0) * 1000
+    sess.ensure_prefix(PrefixInput(text="Unrelated.", manifest=other))
+    t0 = time.perf_counter()
+    sess.ensure_prefix(PrefixInput(text=system, manifest=manifest))
+    sess.prefill_suffix(SuffixInput(text=turn, manifest=manifest))
+    out["reprefill_ms"] = (time.perf_counter() - t0) * 1000
+    return out
