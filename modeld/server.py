@@ -288,20 +288,7 @@ class Daemon:
 
     # --- worker thread ---------------------------------------------------------------------------
     def _worker_main(self) -> None:
-        out = self._ctx.socket(zmq.PUSH)
-        out.setsockopt(zmq.LINGER, 0)
-        out.setsockopt(zmq.SNDHWM, 0)
-        out.connect(_OUT_ENDPOINT)
-
-        def emit(inf: _Inflight, frames: list[bytes]) -> None:
-            if not inf.identity:  # an internal request (preload): log instead of replying
-                if frames[1] == b"error":
-                    log.error("preload failed: %s", wire.unpack(frames[3]).get("message"))
-                else:
-                    log.info("preloaded the model")
-                return
-            out.send_multipart([inf.identity, *frames], copy=False)
-
+        out, emit = self._emitter()
         try:
             while True:
                 try:
@@ -313,11 +300,7 @@ class Daemon:
                         break
                     self._reap()
                     continue
-                inf, msg = item
-                if self._stop.is_set():
-                    emit(inf, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
-                    continue
-                self._run(inf, msg, emit)
+                self._serve_item(*item, emit)
         finally:
             try:
                 self.slot.shutdown()  # the model belongs to this thread: release it here
@@ -326,25 +309,39 @@ class Daemon:
             out.close(0)
 
     def _embed_main(self) -> None:
-        out = self._ctx.socket(zmq.PUSH)
-        out.setsockopt(zmq.LINGER, 0)
-        out.connect(_OUT_ENDPOINT)
-
-        def emit(inf: _Inflight, frames: list[bytes]) -> None:
-            out.send_multipart([inf.identity, *frames], copy=False)
-
+        out, emit = self._emitter()
         try:
             while True:
                 item = self._embed_work.get()
                 if item is None:
                     break
-                inf, msg = item
-                if self._stop.is_set():
-                    emit(inf, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
-                    continue
-                self._run(inf, msg, emit)
+                self._serve_item(*item, emit)
         finally:
             out.close(0)
+
+    def _emitter(self) -> tuple[zmq.Socket[bytes], _Emit]:
+        """A worker thread's own PUSH socket to the IO thread, and the function that replies through it."""
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.setsockopt(zmq.SNDHWM, 0)  # never drop a stream frame on the way to the IO thread
+        out.connect(_OUT_ENDPOINT)
+
+        def emit(inf: _Inflight, frames: list[bytes]) -> None:
+            if not inf.identity:  # an internal request (preload): log instead of replying
+                if frames[1] == b"error":
+                    log.error("preload failed: %s", wire.unpack(frames[3]).get("message"))
+                else:
+                    log.info("preloaded the model")
+                return
+            out.send_multipart([inf.identity, *frames], copy=False)
+
+        return out, emit
+
+    def _serve_item(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
+        if self._stop.is_set():
+            emit(inf, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
+        else:
+            self._run(inf, msg, emit)
 
     def _reap(self) -> None:
         if self.slot.reap():
