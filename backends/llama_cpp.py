@@ -936,9 +936,6 @@ class LlamaSession(TapeSession):
 
 def _grammar_source(so: StructuredOutputConfig) -> str | None:
     """The GBNF text for a structured-output request (None when unconstrained)."""
-    set_fields = [name for name in ("json_schema", "grammar", "regex") if getattr(so, name)]
-    if len(set_fields) > 1:
-        raise InvalidArgument(f"structured_output takes exactly one of json_schema/grammar/regex, got {set_fields}")
     if so.regex:
         raise UnsupportedFeature("the llama backend does not constrain output by regex; use grammar or json_schema")
     if so.json_schema:

@@ -58,9 +58,10 @@ drive the graph with one ``InferRequest``; block ``i`` holds positions
 Parity: greedy output equals openvino-genai's own ``LLMPipeline`` (its default
 paged-attention backend, same precisions) token for token on the normal
 two-chunk path (tested). What this costs versus using a GenAI pipeline: no
-GenAI sampler (reimplemented here), no grammar engine (structured output is
-refused with UnsupportedFeature: xgrammar lives inside the GenAI C++ library and
-no constrained-decoding library is installed), and the paged graph comes from
+GenAI sampler (reimplemented here), no GenAI grammar engine (XGrammar lives
+inside GenAI's C++ sampler; structured output is done with llguidance token
+masks instead, see ``backends.guidance``, and equals GenAI's constrained greedy
+output for a JSON schema and a regex, tested), and the paged graph comes from
 ``openvino._offline_transformations`` (a documented but underscore-named module).
 
 Precision: ``INFERENCE_PRECISION_HINT`` is the device default unless the backend
@@ -135,6 +136,7 @@ from .bundled import model_cache_dir
 from .chat import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .digest import file_digest, files_digest
 from .gguf_meta import is_gguf, read_gguf
+from .guidance import TokenGuide, build_tokenizer, compile_grammar
 from .ov_prepare import IR_FILES, ConversionError, ir_dir_for, is_complete_ir, prepare_ir
 from .tape_session import TapeSession, parse_tools
 
@@ -524,6 +526,7 @@ class OpenVINOLoadedModel:
         self.prompt_format = ("chatml" if "<|im_start|>" in self.template else "jinja") if self.template else "raw"
         self.template_uses_tools = bool(_TOOLS_IN_TEMPLATE.search(self.template))
         self._add_bos_default = self._tokenizer_adds_bos()
+        self._guidance_tok: Any = None
         self.res = Resident(num_ctx=options.num_ctx)
         #: last-position logits per tape length: prefill ends and the live decode position
         self._logits: dict[int, np.ndarray] = {}
@@ -661,6 +664,15 @@ class OpenVINOLoadedModel:
 
     def detokenize(self, tokens: list[int]) -> str:
         return str(self.tok.decode(tokens, skip_special_tokens=False)) if tokens else ""
+
+    def guidance_tokenizer(self) -> Any:
+        """The vocabulary in llguidance's form, built on the first constrained decode (~0.2 s)."""
+        if self._guidance_tok is None:
+            v = self.vocab
+            self._guidance_tok = build_tokenizer(
+                v.pieces, special=v.special, eog=v.eog, bos_id=v.bos_id, encode=self.tokenize
+            )
+        return self._guidance_tok
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool, **extra: Any) -> str:
         return str(
@@ -954,11 +966,10 @@ class OpenVINOSession(TapeSession):
         m = self._live()
         if not m.res.tokens:
             raise InvalidArgument("nothing is resident: call ensure_prefix first")
+        guide = None
         if cfg.structured_output.is_set():
-            raise UnsupportedFeature(
-                "the openvino backend drives the IR directly and has no grammar engine; "
-                "json_schema/grammar/regex constraints are not supported",
-            )
+            grammar = compile_grammar(cfg.structured_output)
+            guide = TokenGuide(m.guidance_tokenizer(), grammar)
         with _map_ov_errors("decode"):
             split, tools = resolve_protocols(
                 cfg.parser_protocols,
@@ -972,13 +983,14 @@ class OpenVINOSession(TapeSession):
             start_in_thinking=split and ends_inside_thinking(tail),
             parse_tools=tools,
         )
-        return self._decode(m, cfg, _Sampler(cfg), pipeline, m.epoch)
+        return self._decode(m, cfg, _Sampler(cfg), guide, pipeline, m.epoch)
 
     def _decode(
         self,
         m: OpenVINOLoadedModel,
         cfg: DecodeConfig,
         sample: _Sampler,
+        guide: TokenGuide | None,
         pipeline: OutputPipeline,
         epoch: int,
     ) -> Generator[StreamChunk, None, None]:
@@ -1019,12 +1031,14 @@ class OpenVINOSession(TapeSession):
                 if len(res.tokens) >= m.num_ctx:
                     finish = "context_full"  # the next token could not be evaluated
                     break
-                token = sample(logits)
+                token = sample(logits if guide is None else guide.mask(logits))
                 if not first_ms:
                     first_ms = (time.perf_counter() - start) * 1000
                 if token in m.vocab.eog:
                     finish = "stop"
                     break
+                if guide is not None:
+                    guide.accept(token)
                 produced += 1
                 pending = token
                 delta = pipeline.feed_bytes(m.vocab.text_pieces[token])

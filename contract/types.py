@@ -12,7 +12,7 @@ import enum
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .manifest import ContextManifest
 
@@ -266,6 +266,13 @@ class StructuredOutputConfig(_Request):
     json_schema: str = ""
     grammar: str = ""
     regex: str = ""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> StructuredOutputConfig:
+        given = [name for name in ("json_schema", "grammar", "regex") if getattr(self, name)]
+        if len(given) > 1:
+            raise ValueError(f"structured_output takes exactly one of json_schema/grammar/regex, got {given}")
+        return self
 
     def is_set(self) -> bool:
         return bool(self.json_schema or self.grammar or self.regex)

@@ -16,7 +16,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from contract.types import DecodeConfig, EmbedRequest, OpenSessionRequest, PrefixInput, SlotState, SuffixInput
+from contract.errors import InvalidArgument
+from contract.types import (
+    DecodeConfig,
+    EmbedRequest,
+    OpenSessionRequest,
+    PrefixInput,
+    SlotState,
+    StructuredOutputConfig,
+    SuffixInput,
+)
 
 from .conformance import SCENARIOS, SYSTEM, TURN_1, Target, fresh_profile, manifest_for
 from .daemon_proc import ROOT, DaemonProcess
@@ -140,3 +149,28 @@ def test_cli_embed_json(backend_daemon: DaemonProcess) -> None:
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
     )
     assert too_long.returncode == 1 and "ContextOverflow" in too_long.stderr
+
+
+def test_structured_output_through_the_daemon(backend_daemon: DaemonProcess) -> None:
+    """A JSON-schema constraint holds on both backends; a bad grammar is a typed error and the session goes on."""
+    schema = {
+        "type": "object",
+        "properties": {"file": {"type": "string", "maxLength": 20}, "ok": {"type": "boolean"}},
+        "required": ["file", "ok"],
+        "additionalProperties": False,
+    }
+    with backend_daemon.client(timeout_s=300.0) as c:
+        sess = c.open_session(OpenSessionRequest())
+        m = manifest_for(sess, fresh_profile())
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        sess.prefill_suffix(SuffixInput(text="Report on slot.py as JSON.", manifest=m))
+        so = StructuredOutputConfig(json_schema=json.dumps(schema))
+        chunks = list(sess.decode(DecodeConfig(max_tokens=60, structured_output=so)))
+        assert chunks[-1].finish_reason == "stop"
+        obj = json.loads("".join(ch.text for ch in chunks))
+        assert set(obj) == {"file", "ok"} and isinstance(obj["ok"], bool) and len(obj["file"]) <= 20
+        with pytest.raises(InvalidArgument, match="grammar"):
+            list(sess.decode(DecodeConfig(structured_output=StructuredOutputConfig(grammar="root ::= ("))))
+        sess.prefill_suffix(SuffixInput(text="Now say hi.", manifest=m))
+        assert list(sess.decode(DecodeConfig(max_tokens=4)))[-1].done
+        sess.close()

@@ -279,6 +279,10 @@ def _reply(sock: zmq.Socket[bytes], timeout_ms: int = 5000) -> wire.Message:
         ([wire.PROTOCOL, b"load", b"r1", msgpack.packb({"path": 12, "type": "memory"})], InvalidArgument),
         ([wire.PROTOCOL, b"load", b"r1", msgpack.packb({"bogus_field": 1})], InvalidArgument),
         ([wire.PROTOCOL, b"decode", b"r1", msgpack.packb({"session_id": "x", "max_tokens": -5})], InvalidArgument),
+        (
+            [wire.PROTOCOL, b"decode", b"r1", msgpack.packb({"session_id": "x", "structured_output": {"regex": "a", "grammar": "b"}})],
+            InvalidArgument,
+        ),
         ([wire.PROTOCOL, b"load", b"r1", msgpack.packb({"path": msgpack.ExtType(1, b"x")})], BadFrame),
         ([wire.PROTOCOL, b"ensure_prefix", b"r1", msgpack.packb({"session_id": "nope"})], SessionClosed),
         ([wire.PROTOCOL, b"status", b"r" * 100, msgpack.packb({})], BadFrame),

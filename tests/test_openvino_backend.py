@@ -606,22 +606,150 @@ def test_suffix_manifest_and_overflow(model: OpenVINOLoadedModel, session: OpenV
         session.ensure_prefix(PrefixInput(text="x", manifest=man.model_copy(update={"backend": "llama"})))
 
 
-def test_tools_and_structured_output_are_refused(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_tools_without_template_support_are_refused(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
     man = manifest(model, "refuse-features")
     assert not model.template_uses_tools
     with pytest.raises(UnsupportedFeature, match="tools"):
         session.ensure_prefix(PrefixInput(text="sys", manifest=man, tools=json.dumps([WEATHER_TOOL])))
-    session.ensure_prefix(PrefixInput(text="sys", manifest=man))
-    session.prefill_suffix(SuffixInput(text="Give me JSON.", manifest=man))
-    for so in (
-        StructuredOutputConfig(json_schema='{"type": "object"}'),
-        StructuredOutputConfig(grammar='root ::= "a"'),
-        StructuredOutputConfig(regex="a+"),
-    ):
-        with pytest.raises(UnsupportedFeature):
-            session.decode(DecodeConfig(structured_output=so))
     with pytest.raises(InvalidArgument):
         session.ensure_prefix(PrefixInput(text="sys", manifest=man, tools="{not json"))
+
+
+# --- structured output ------------------------------------------------------------------------------
+JSON_QUESTION = "Describe the file src/modeld/slot.py as a JSON object with path, lines and kind."
+FILE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string", "maxLength": 30},
+        "lines": {"type": "integer", "minimum": 1, "maximum": 5000},
+        "kind": {"enum": ["module", "test", "config"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+    },
+    "required": ["path", "lines", "kind", "tags"],
+    "additionalProperties": False,
+}
+
+
+def constrained(s: OpenVINOSession, so: StructuredOutputConfig, n: int = 80) -> tuple[str, list[int], str]:
+    chunks = list(s.decode(DecodeConfig(max_tokens=n, return_token_ids=True, structured_output=so)))
+    return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason
+
+
+@pytest.mark.parametrize(
+    "so",
+    [
+        StructuredOutputConfig(json_schema=json.dumps(FILE_SCHEMA)),
+        StructuredOutputConfig(regex=r"(yes|no)\. [A-Z][a-z]+ [a-z]+\."),
+    ],
+    ids=["json_schema", "regex"],
+)
+def test_structured_output_parity_with_genai(model: OpenVINOLoadedModel, session: OpenVINOSession, so: StructuredOutputConfig) -> None:
+    """Constrained greedy output equals GenAI's own StructuredOutputConfig (XGrammar), token for token.
+
+    Same IR, same precisions as test_greedy_parity_with_genai_pipeline; the
+    session masks with llguidance, GenAI with XGrammar: for a schema and a regex
+    both allow exactly the tokens that keep the output in the language, so the
+    greedy choice is the same at every step. (For GBNF the two engines' grammar
+    dialects differ; see test_grammar_output_follows_the_grammar.)
+    """
+    man = manifest(model, "structured-parity")
+    session.ensure_prefix(PrefixInput(text="You are a concise assistant that answers in JSON when asked.", manifest=man))
+    session.prefill_suffix(SuffixInput(text=JSON_QUESTION, manifest=man))
+    prompt_ids = list(model.res.tokens)
+    text, ours, finish = constrained(session, so)
+    assert finish == "stop"
+
+    pipe = ov_genai.LLMPipeline(
+        str(model.ir),
+        "CPU",
+        INFERENCE_PRECISION_HINT=model.inference_precision,
+        KV_CACHE_PRECISION=model.options.kv_precision,
+    )
+    gc = ov_genai.GenerationConfig()
+    gc.max_new_tokens = 80
+    gc.do_sample = False
+    gc.structured_output_config = ov_genai.StructuredOutputConfig(**{k: v for k, v in so.model_dump().items() if v})
+    res = pipe.generate(ov.Tensor(np.array([prompt_ids], np.int64)), gc)
+    theirs = [int(t) for t in res.tokens[0]]
+    del pipe
+    assert theirs[-1] in model.vocab.eog  # GenAI returns the end token; the stream reports it as "stop"
+    assert ours == theirs[:-1]
+    if so.json_schema:
+        obj = json.loads(text)
+        assert set(obj) == set(FILE_SCHEMA["required"])  # type: ignore[arg-type]
+        assert obj["kind"] in ("module", "test", "config") and 1 <= obj["lines"] <= 5000
+        assert len(obj["path"]) <= 30 and len(obj["tags"]) <= 2
+    else:
+        import re
+
+        assert re.fullmatch(r"(yes|no)\. [A-Z][a-z]+ [a-z]+\.", text), text
+
+
+def test_grammar_output_follows_the_grammar(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    """GBNF (the llama backend's dialect) and Lark both constrain; sampling too; the KV stays equal to the tape."""
+    import re
+
+    man = manifest(model, "grammar")
+    gbnf = 'root ::= "The answer is " [0-9]+ ("." | "!")'
+    lark = 'start: "Verdict: " ("pass" | "fail") " after " /[0-9]{1,3}/ " runs"'
+    for grammar, pattern in ((gbnf, r"The answer is [0-9]+[.!]"), (lark, r"Verdict: (pass|fail) after [0-9]{1,3} runs")):
+        for cfg in ({}, {"temperature": 1.5, "seed": 7}):
+            session.ensure_prefix(PrefixInput(text="You are terse.", manifest=man))
+            session.prefill_suffix(SuffixInput(text="How many tests passed? Answer in one line.", manifest=man))
+            base = list(model.res.tokens)
+            chunks = list(
+                session.decode(
+                    DecodeConfig(max_tokens=40, return_token_ids=True, structured_output=StructuredOutputConfig(grammar=grammar), **cfg)  # type: ignore[arg-type]
+                )
+            )
+            text = "".join(c.text for c in chunks)
+            assert re.fullmatch(pattern, text), (grammar, cfg, text)
+            assert chunks[-1].finish_reason == "stop"
+            assert model.res.tokens == base + [t for c in chunks for t in c.token_ids]
+
+
+def test_constraint_and_stop_and_length(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    """A stop string still cuts constrained output; max_tokens ends it with "length" mid-language."""
+    man = manifest(model, "grammar-stop")
+    so = StructuredOutputConfig(grammar='root ::= "alpha beta gamma delta"')
+    session.ensure_prefix(PrefixInput(text="You are terse.", manifest=man))
+    session.prefill_suffix(SuffixInput(text="Say four words.", manifest=man))
+    text, _, finish = constrained(session, so, 40)
+    assert (text, finish) == ("alpha beta gamma delta", "stop")
+    session.prefill_suffix(SuffixInput(text="Say four words.", manifest=man))
+    chunks = list(session.decode(DecodeConfig(max_tokens=40, stop=[" gamma"], structured_output=so)))
+    assert "".join(c.text for c in chunks) == "alpha beta" and chunks[-1].finish_reason == "stop"
+    session.prefill_suffix(SuffixInput(text="Say four words.", manifest=man))
+    chunks = list(session.decode(DecodeConfig(max_tokens=2, structured_output=so)))
+    assert chunks[-1].finish_reason == "length" and "alpha beta gamma delta".startswith("".join(c.text for c in chunks))
+
+
+@pytest.mark.parametrize(
+    ("so", "error", "match"),
+    [
+        (StructuredOutputConfig(json_schema="{not json"), InvalidArgument, "not valid JSON"),
+        (StructuredOutputConfig(json_schema="[1, 2]"), InvalidArgument, "JSON object"),
+        (StructuredOutputConfig(json_schema='{"type": "wat"}'), InvalidArgument, "wat"),
+        (StructuredOutputConfig(json_schema='{"type": "array", "uniqueItems": true}'), UnsupportedFeature, "uniqueItems"),
+        (StructuredOutputConfig(json_schema='{"$ref": "#/nowhere"}'), InvalidArgument, "nowhere"),
+        (StructuredOutputConfig(regex="(unclosed"), InvalidArgument, "regex"),
+        (StructuredOutputConfig(grammar="root ::= ("), InvalidArgument, "grammar"),
+        (StructuredOutputConfig(grammar='root ::= "a" missing'), InvalidArgument, "missing"),
+    ],
+    ids=["schema-not-json", "schema-not-object", "schema-bad-type", "schema-unenforceable", "schema-bad-ref",
+         "bad-regex", "bad-gbnf", "gbnf-undefined-rule"],
+)
+def test_bad_constraints_are_refused_and_the_session_keeps_serving(
+    model: OpenVINOLoadedModel, session: OpenVINOSession, so: StructuredOutputConfig, error: type[ModeldError], match: str
+) -> None:
+    man = manifest(model, "bad-constraints")
+    session.ensure_prefix(PrefixInput(text="You are terse.", manifest=man))
+    session.prefill_suffix(SuffixInput(text="Give me JSON.", manifest=man))
+    before = list(model.res.tokens)
+    with pytest.raises(error, match=match):
+        session.decode(DecodeConfig(structured_output=so))
+    assert model.res.tokens == before  # refused before anything ran
+    assert greedy(session, 4)
 
 
 # --- describe ---------------------------------------------------------------------------------------------
