@@ -56,7 +56,6 @@ import mmap
 import os
 import struct
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
@@ -806,7 +805,7 @@ class LlamaSession(TapeSession):
         return target, min(res.prefix_len, common_prefix_len(stable, target))
 
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
-        """Stream chunks; closing the generator cancels within one token (see ``_decode``)."""
+        """Stream chunks; closing the generator cancels within one token (see ``TapeSession._stream``)."""
         m = self._live()
         if not m.res.tokens:
             raise InvalidArgument("nothing is resident: call ensure_prefix first")
@@ -826,74 +825,7 @@ class LlamaSession(TapeSession):
             )
             sampler = _build_sampler(m, cfg, grammar)
         m.epoch += 1
-        return self._decode(m, cfg, sampler, pipeline, m.epoch)
-
-    def _decode(
-        self,
-        m: LlamaLoadedModel,
-        cfg: DecodeConfig,
-        sampler: llama_internals.LlamaSampler,
-        pipeline: OutputPipeline,
-        epoch: int,
-    ) -> Generator[StreamChunk, None, None]:
-        start = time.perf_counter()
-        res = m.res
-        prompt_tokens = len(res.tokens)
-        produced = 0
-        first_ms = 0.0
-        finish = ""
-        # A sampled token is yielded first and evaluated when the stream resumes, so
-        # a chunk reaches the client one decode earlier; on close the finally block
-        # evaluates it, keeping the tape equal to the KV.
-        pending: int | None = None
-
-        def still_ours() -> bool:
-            return m.epoch == epoch and not m.closed and not self._closed
-
-        try:
-            with _map_llama_errors("decode"):
-                m.refresh_logits()
-            while True:
-                if not still_ours():
-                    pending = None
-                    return  # another operation took the KV; this stream is over
-                if pending is not None:
-                    tok, pending = pending, None
-                    with _map_llama_errors("decode"):
-                        m.append(tok)
-                if finish:
-                    break
-                if produced >= cfg.max_tokens:
-                    finish = "length"
-                    break
-                if len(res.tokens) >= m.num_ctx:
-                    finish = "context_full"  # the next token could not be evaluated
-                    break
-                with _map_llama_errors("decode"):
-                    token = int(sampler.sample(m.llm._ctx, -1))
-                if not first_ms:
-                    first_ms = (time.perf_counter() - start) * 1000
-                if m.is_eog(token):
-                    finish = "stop"
-                    break
-                produced += 1
-                pending = token
-                delta = pipeline.feed_bytes(m.piece(token))
-                if delta.stopped:
-                    finish = "stop"
-                if delta or cfg.return_token_ids:
-                    yield delta.chunk([token] if cfg.return_token_ids else None)
-            tail = pipeline.finish()
-            if tail:
-                yield tail.chunk()
-            if pipeline.tool_call_count and finish in ("stop", "length"):
-                finish = "tool_calls" if finish == "stop" else finish
-            yield StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
-        finally:
-            if pending is not None and still_ours():
-                with contextlib.suppress(Exception):
-                    m.append(pending)  # a failed eval leaves n_tokens and the tape unchanged
-            sampler.close()
+        return self._stream(m, cfg, _Steps(m, sampler), pipeline, m.epoch)
 
     def snapshot(self) -> SessionSnapshot:
         m = self._live()
@@ -932,6 +864,36 @@ class LlamaSession(TapeSession):
             llm.input_ids[:n] = snap.resident_token_ids
             llm.n_tokens = n
             res.adopt_snapshot(snap)
+
+
+class _Steps:
+    """DecodeSteps on a llama.cpp context: its sampler chain over the context's logits."""
+
+    def __init__(self, m: LlamaLoadedModel, sampler: llama_internals.LlamaSampler) -> None:
+        self._m = m
+        self._sampler = sampler
+
+    def start(self) -> None:
+        self._m.refresh_logits()
+
+    def sample(self) -> int:
+        return int(self._sampler.sample(self._m.llm._ctx, -1))
+
+    def feed(self, token: int) -> None:
+        self._m.append(token)
+
+    def is_end(self, token: int) -> bool:
+        return self._m.is_eog(token)
+
+    def piece(self, token: int) -> bytes:
+        return self._m.piece(token)
+
+    def settle(self, token: int) -> None:
+        with contextlib.suppress(Exception):
+            self._m.append(token)  # a failed eval leaves n_tokens and the tape unchanged
+
+    def close(self) -> None:
+        self._sampler.close()
 
 
 def _grammar_source(so: StructuredOutputConfig) -> str | None:

@@ -28,8 +28,11 @@ drive the graph with one ``InferRequest``; block ``i`` holds positions
   go through other kernels whose rounding differs (up to ~0.65 in the logits).
   So:
 
-  - every prefill chunk is at least ``MIN_PREFILL_CHUNK`` (8) tokens: a shorter
-    tail is widened into the reused part (reported as such);
+  - every prefill chunk runs *padded* to a bucket of at least
+    ``MIN_PREFILL_ROWS`` (16) rows (below); a real row's numbers do not depend
+    on the rows after it (causal attention, row-wise matmuls — checked bit for
+    bit), so even a 1-token tail is computed exactly as a cold prefill computes
+    it;
   - tokens produced by decode (one at a time) are never reused
     (``exact_len``); a later prompt containing them recomputes them as a chunk;
   - then warm output equals cold output bit for bit for a full prefix hit, a
@@ -41,8 +44,16 @@ drive the graph with one ``InferRequest``; block ``i`` holds positions
   by ~1.4 of ~33), its attention for a chunk after a past costs ~4 ms/token on
   2 cores (a 128-token suffix after a 2k prefix: ~560 ms vs ~120-200 ms paged),
   and reading a variable converts the whole cache (~190 ms per 2k tokens).
-* Logits: the LM head is cut to the last token of each step (as GenAI does);
-  the last-position logits of every prefill are kept per tape length, so a full
+* Shape buckets. The CPU plugin compiles kernels for every new chunk length
+  it meets: the first 121-token chunk after a 2k prefix took ~120 ms, the same
+  chunk again ~90 ms. An agent's turns all have different lengths, so nearly
+  every warm turn paid that. A prefill chunk is therefore padded to a bucket
+  (multiples of 16 rows up to 256, of 64 up to 1,024, then of 256) — the padding
+  rows land in KV cells past the tape, which the next step overwrites — and
+  the buckets a warm turn uses are compiled at load (``warm_up``, ~1 s).
+* Logits: the LM head is computed for one row per step, the last real one
+  (a ``sample_index`` input, as GenAI's gather-before-matmul does); the
+  last-position logits of every prefill are kept per tape length, so a full
   prefix hit or a restore samples without recomputing anything.
 * Decode samples in numpy (greedy argmax; top-k → top-p → temperature with a
   seeded ``numpy.random.Generator``) and feeds every sampled token back through
@@ -93,7 +104,6 @@ import json
 import re
 import struct
 import threading
-import time
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -144,7 +154,7 @@ __all__ = [
     "BACKEND_NAME",
     "DEFAULT_NUM_CTX",
     "DEFAULT_PREFILL_CHUNK",
-    "MIN_PREFILL_CHUNK",
+    "MIN_PREFILL_ROWS",
     "OpenVINOBackend",
     "OpenVINOLoadedModel",
     "OpenVINOSession",
@@ -156,9 +166,13 @@ DEFAULT_NUM_CTX = 4096
 #: prefill chunk (Config.num_batch = 0); it bounds scratch memory and does not change numerics
 DEFAULT_PREFILL_CHUNK = 512
 #: the CPU plugin computes chunks of 1..4 tokens (bf16; 1 token under f32) with other kernels
-#: whose rounding differs; prefill chunks are kept at least this long so every prompt token
-#: is computed the same way
-MIN_PREFILL_CHUNK = 8
+#: whose rounding differs; prefill chunks are padded to at least this many rows so every
+#: prompt token is computed the same way (and this is the smallest shape bucket)
+MIN_PREFILL_ROWS = 16
+#: (up to this many rows, round up to a multiple of this) — see "Shape buckets" above
+_BUCKET_STEPS = ((256, 16), (1024, 64), (1 << 62, 256))
+#: the largest bucket compiled at load: what warm turns' suffixes use
+_WARM_BUCKETS_UP_TO = 256
 #: Config.kv_cache_type -> KV_CACHE_PRECISION; q8_0/q4_0 are refused (see the module docstring)
 KV_PRECISIONS: dict[str, str] = {"": "f16", "f16": "f16", "f32": "f32"}
 _KV_BYTES = {"f16": 2, "f32": 4}
@@ -171,6 +185,7 @@ _PAGED_INPUTS = frozenset(
         "block_indices",
         "block_indices_begins",
         "max_context_len",
+        "sample_index",
     }
 )
 _STATE_MAGIC = b"MODELD-OV-PKV1\0\0"
@@ -405,8 +420,7 @@ class _LoadOptions:
             )
         return cls(
             num_ctx=num_ctx,
-            # below MIN_PREFILL_CHUNK the plugin would switch kernels (see set_kv)
-            prefill_chunk=max(MIN_PREFILL_CHUNK, min(cfg.num_batch or DEFAULT_PREFILL_CHUNK, num_ctx)),
+            prefill_chunk=max(MIN_PREFILL_ROWS, min(cfg.num_batch or DEFAULT_PREFILL_CHUNK, num_ctx)),
             num_threads=cfg.num_threads,
             kv_precision=KV_PRECISIONS[cfg.kv_cache_type],
             inference_precision=inference_precision,
@@ -430,35 +444,42 @@ def _type_name(value: Any) -> str:
 
 
 def _paged_model(core: ov.Core, xml: Path) -> ov.Model:
-    """The stateful IR rewritten to paged attention, with the LM head cut to the last token.
+    """The stateful IR rewritten to paged attention, with the LM head fed one chosen row.
 
     ``paged_attention_transformation`` (the pass openvino-genai's continuous-batching
     pipeline applies) turns every SDPA + KV variable pair into a PagedAttention op
-    whose K/V block pools are model inputs. The head slice is what GenAI does too:
-    without it every prefill computes (and returns) [tokens, vocab] logits.
+    whose K/V block pools are model inputs. The head gathers the row named by a
+    new ``sample_index`` input (the last real token of a padded chunk), as GenAI
+    does: without it every prefill computes [tokens, vocab] logits.
     """
     model = core.read_model(str(xml))
     if not model.get_variables():
         raise ModelLoadFailed(f"{xml} is not a stateful LLM graph (it has no KV variables)")
     paged_attention_transformation(model)
-    names = {i.get_any_name() for i in model.inputs}
-    missing = sorted(_PAGED_INPUTS - names)
-    if missing:
-        raise ModelLoadFailed(f"{xml} did not convert to paged attention: inputs {missing} are missing")
     head = model.output("logits").get_node().input_value(0).get_node()
     while head.get_type_name() in ("Convert", "Multiply", "Divide", "Tanh", "Add"):
         head = head.input_value(0).get_node()
     if head.get_type_name() == "MatMul":
-        last = ov_ops.slice(
-            head.input_value(0),
-            np.array([-1], np.int64),
-            np.array([np.iinfo(np.int64).max], np.int64),
-            np.array([1], np.int64),
-            np.array([0], np.int64),  # the paged graph lays tokens out on axis 0
-        )
-        head.input(0).replace_source_output(last.output(0))
+        index = ov_ops.parameter([1], ov.Type.i64, name="sample_index")
+        index.output(0).get_tensor().set_names({"sample_index"})
+        # the paged graph lays tokens out on axis 0
+        row = ov_ops.gather(head.input_value(0), index, np.array(0, np.int64))
+        head.input(0).replace_source_output(row.output(0))
+        model.add_parameters([index])
         model.validate_nodes_and_infer_types()
+    names = {i.get_any_name() for i in model.inputs}
+    missing = sorted(_PAGED_INPUTS - names)
+    if missing:
+        raise ModelLoadFailed(f"{xml} did not convert to paged attention: inputs {missing} are missing")
     return model
+
+
+def _bucket(n: int) -> int:
+    """The padded row count a prefill chunk of ``n`` tokens runs with."""
+    for limit, step in _BUCKET_STEPS:
+        if n <= limit:
+            return max(MIN_PREFILL_ROWS, -(-n // step) * step)
+    raise AssertionError("the last bucket step has no limit")
 
 
 # --- the chat template -------------------------------------------------------------------------
@@ -563,7 +584,9 @@ class OpenVINOLoadedModel:
             raise ModelLoadFailed(f"unexpected paged cache layouts {dims[:2]} (a quantised cache is not supported)")
         self.block_size = int(dims[0][1])
         self.kv_precision = _type_name(pools[0].get_element_type())
-        self._n_blocks = -(-num_ctx // self.block_size)
+        # room for the padding rows of a chunk that ends at num_ctx
+        pad_room = max(_bucket(k) - k for k in range(1, self.options.prefill_chunk + 1))
+        self._n_blocks = -(-(num_ctx + pad_room) // self.block_size)
         self.cache_names = [p.get_any_name() for p in pools]
         self._cache_dims = dims[0]
         self._views: list[np.ndarray] = []
@@ -682,21 +705,29 @@ class OpenVINOLoadedModel:
         )
 
     # --- the KV ------------------------------------------------------------------------------
-    def _infer(self, ids: list[int], past: int) -> np.ndarray:
-        """Run ``ids`` at positions past.. with ``past`` cached tokens; a view of the last position's logits."""
+    def _infer(self, ids: list[int], past: int, *, rows: int = 0) -> np.ndarray:
+        """Run ``ids`` at positions past.. with ``past`` cached tokens; a view of the last one's logits.
+
+        With ``rows`` > len(ids) the chunk is padded (the last token repeated at its
+        own position): the padding writes KV cells past the tape, which the next
+        step overwrites, and changes no number of the real rows.
+        """
         n = len(ids)
-        total = past + n
+        width = max(n, rows)
+        total = past + width
         n_blocks = -(-total // self.block_size)
+        positions = np.arange(past, total, dtype=np.int64)
+        positions[n:] = past + n - 1  # stays inside the model's position range
         req = self._req
-        req.set_tensor("input_ids", ov.Tensor(np.asarray(ids, np.int64)))
-        req.set_tensor("position_ids", ov.Tensor(np.arange(past, total, dtype=np.int64)))
+        req.set_tensor("input_ids", ov.Tensor(np.asarray(ids + ids[-1:] * (width - n), np.int64)))
+        req.set_tensor("position_ids", ov.Tensor(positions))
         req.set_tensor("past_lens", ov.Tensor(np.array([past], np.int32)))
-        req.set_tensor("subsequence_begins", ov.Tensor(np.array([0, n], np.int32)))
+        req.set_tensor("subsequence_begins", ov.Tensor(np.array([0, width], np.int32)))
         req.set_tensor("block_indices", ov.Tensor(np.ascontiguousarray(self._block_table[:n_blocks])))
         req.set_tensor("block_indices_begins", ov.Tensor(np.array([0, n_blocks], np.int32)))
         req.set_tensor("max_context_len", ov.Tensor(np.array(total, np.int32)))
+        req.set_tensor("sample_index", ov.Tensor(np.array([n - 1], np.int64)))
         req.infer()
-        # the paged graph puts tokens on axis 0; the head was sliced to the last one
         out: np.ndarray = req.get_tensor("logits").data
         last: np.ndarray = out[-1, 0]
         return last
@@ -716,11 +747,9 @@ class OpenVINOLoadedModel:
         self.exact_len = min(self.exact_len, n)
 
     def _chunks(self, start: int, end: int) -> Iterator[tuple[int, int]]:
-        """Prefill chunks of at most the chunk size; none shorter than MIN_PREFILL_CHUNK unless it is all there is."""
+        """Prefill chunks of at most the chunk size."""
         size = self.options.prefill_chunk
         bounds = list(range(start, end, size)) + [end]
-        if len(bounds) > 2 and bounds[-1] - bounds[-2] < MIN_PREFILL_CHUNK:
-            del bounds[-2]  # fold a short last piece into the one before
         yield from zip(bounds[:-1], bounds[1:], strict=False)
 
     def reusable(self, lcp: int) -> int:
@@ -730,20 +759,15 @@ class OpenVINOLoadedModel:
     def set_kv(self, tokens: list[int], keep: int) -> int:
         """Make the KV hold ``tokens``, reusing the first ``keep`` resident ones; returns what was kept.
 
-        A tail shorter than MIN_PREFILL_CHUNK is widened into the kept part: the
-        plugin computes very short chunks with other kernels, whose rounding
-        differs from the prefill kernel's, and a cold run would have computed
-        those tokens inside a longer chunk. On failure the tape equals the
-        completed chunks and the error propagates.
+        Chunks run padded to their shape bucket (see the module docstring). On
+        failure the tape equals the completed chunks and the error propagates.
         """
         self.epoch += 1
         keep = min(keep, len(tokens), len(self.res.tokens))
-        if 0 < len(tokens) - keep < MIN_PREFILL_CHUNK:
-            keep = max(0, len(tokens) - MIN_PREFILL_CHUNK)
         self._trim(keep)
         exact = self.exact_len == keep
         for a, b in self._chunks(keep, len(tokens)):
-            logits = self._infer(tokens[a:b], a)
+            logits = self._infer(tokens[a:b], a, rows=_bucket(b - a))
             self.res.tokens = list(tokens[:b])
             if exact:
                 self.exact_len = b
@@ -767,7 +791,7 @@ class OpenVINOLoadedModel:
         return logits
 
     def logits_at_end(self) -> np.ndarray:
-        """The distribution after the last resident token; re-prefills the last few tokens if none is stored."""
+        """The distribution after the last resident token; re-prefills the last token if none is stored."""
         n = len(self.res.tokens)
         hit = self._logits.get(n)
         if hit is not None:
@@ -783,14 +807,17 @@ class OpenVINOLoadedModel:
         self.exact_len = max(0, min(exact_len, n))
 
     def warm_up(self) -> None:
-        """Run a prefill chunk and a decode step once and forget them.
+        """Run every warm-turn bucket, the full chunk and a decode step once, and forget them.
 
-        The CPU plugin JIT-compiles kernels for the first shapes it sees (~0.35 s
-        here), which would otherwise land in the first turn's prefill time.
+        The CPU plugin compiles kernels for each new shape (~20-35 ms each here),
+        which would otherwise land in the turns' prefill time.
         """
         token = max(self.vocab.bos_id, 0)
-        self._infer([token] * MIN_PREFILL_CHUNK, 0)
-        self._infer([token], MIN_PREFILL_CHUNK)
+        chunk = self.options.prefill_chunk
+        shapes = sorted({_bucket(k) for k in range(1, min(chunk, _WARM_BUCKETS_UP_TO) + 1)} | {_bucket(chunk)})
+        for rows in shapes:
+            self._infer([token], 0, rows=rows)
+        self._infer([token], 1)
 
     def clear_kv(self) -> None:
         self.epoch += 1
@@ -917,6 +944,47 @@ class _Sampler:
         return int(order[self.rng.choice(len(order), p=p)])
 
 
+class _Steps:
+    """DecodeSteps on the paged graph: numpy sampling over the stored logits."""
+
+    def __init__(self, m: OpenVINOLoadedModel, sample: _Sampler, guide: TokenGuide | None) -> None:
+        self._m = m
+        self._sample = sample
+        self._guide = guide
+        self._logits: np.ndarray | None = None
+
+    def start(self) -> None:
+        self._logits = self._m.logits_at_end()
+
+    def sample(self) -> int:
+        assert self._logits is not None, "start() comes first"
+        if self._guide is None:
+            return self._sample(self._logits)
+        token = self._sample(self._guide.mask(self._logits))
+        self._guide.accept(token)
+        return token
+
+    def feed(self, token: int) -> None:
+        self._logits = self._m.step(token)
+
+    def is_end(self, token: int) -> bool:
+        return token in self._m.vocab.eog
+
+    def piece(self, token: int) -> bytes:
+        return self._m.vocab.text_pieces[token]
+
+    def settle(self, token: int) -> None:
+        try:
+            self._m.step(token)
+        except Exception:
+            # The graph step failed mid-way: the pools may hold a partial update, so
+            # nothing resident can be trusted any more.
+            self._m.clear_kv()
+
+    def close(self) -> None:
+        self._logits = None
+
+
 # --- the session ---------------------------------------------------------------------------------
 class OpenVINOSession(TapeSession):
     """A Session over an OpenVINOLoadedModel's persistent KV."""
@@ -962,7 +1030,7 @@ class OpenVINOSession(TapeSession):
 
     # --- Session -------------------------------------------------------------------------------
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
-        """Stream chunks; closing the generator cancels within one token (see ``_decode``)."""
+        """Stream chunks; closing the generator cancels within one token (see ``TapeSession._stream``)."""
         m = self._live()
         if not m.res.tokens:
             raise InvalidArgument("nothing is resident: call ensure_prefix first")
@@ -983,83 +1051,7 @@ class OpenVINOSession(TapeSession):
             start_in_thinking=split and ends_inside_thinking(tail),
             parse_tools=tools,
         )
-        return self._decode(m, cfg, _Sampler(cfg), guide, pipeline, m.epoch)
-
-    def _decode(
-        self,
-        m: OpenVINOLoadedModel,
-        cfg: DecodeConfig,
-        sample: _Sampler,
-        guide: TokenGuide | None,
-        pipeline: OutputPipeline,
-        epoch: int,
-    ) -> Generator[StreamChunk, None, None]:
-        start = time.perf_counter()
-        res = m.res
-        prompt_tokens = len(res.tokens)
-        produced = 0
-        first_ms = 0.0
-        finish = ""
-        # A sampled token is yielded first and evaluated when the stream resumes, so a
-        # chunk reaches the client one graph step earlier; on close the finally block
-        # evaluates it, keeping the tape equal to the KV.
-        pending: int | None = None
-
-        def still_ours() -> bool:
-            return m.epoch == epoch and not m.closed and not self._closed
-
-        try:
-            if not still_ours():
-                return  # the KV changed between decode() and the first chunk
-            with _map_ov_errors("decode"):
-                logits = m.logits_at_end()
-            epoch = m.epoch
-            while True:
-                if not still_ours():
-                    pending = None
-                    return  # another operation took the KV; this stream is over
-                if pending is not None:
-                    tok, pending = pending, None
-                    with _map_ov_errors("decode"):
-                        logits = m.step(tok)
-                    epoch = m.epoch
-                if finish:
-                    break
-                if produced >= cfg.max_tokens:
-                    finish = "length"
-                    break
-                if len(res.tokens) >= m.num_ctx:
-                    finish = "context_full"  # the next token could not be evaluated
-                    break
-                token = sample(logits if guide is None else guide.mask(logits))
-                if not first_ms:
-                    first_ms = (time.perf_counter() - start) * 1000
-                if token in m.vocab.eog:
-                    finish = "stop"
-                    break
-                if guide is not None:
-                    guide.accept(token)
-                produced += 1
-                pending = token
-                delta = pipeline.feed_bytes(m.vocab.text_pieces[token])
-                if delta.stopped:
-                    finish = "stop"
-                if delta or cfg.return_token_ids:
-                    yield delta.chunk([token] if cfg.return_token_ids else None)
-            tail = pipeline.finish()
-            if tail:
-                yield tail.chunk()
-            if pipeline.tool_call_count and finish == "stop":
-                finish = "tool_calls"
-            yield StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
-        finally:
-            if pending is not None and still_ours():
-                try:
-                    m.step(pending)
-                except Exception:
-                    # The graph step failed mid-way: the variables may hold a partial
-                    # update, so nothing resident can be trusted any more.
-                    m.clear_kv()
+        return self._stream(m, cfg, _Steps(m, _Sampler(cfg), guide), pipeline, m.epoch)
 
     def snapshot(self) -> SessionSnapshot:
         m = self._live()

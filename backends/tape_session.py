@@ -1,22 +1,35 @@
-"""The prefix/suffix half of a Session, shared by every backend whose KV follows a token tape.
+"""The engine-independent part of a Session, shared by every backend whose KV follows a token tape.
 
 Both real backends keep the invariant ``Resident.tokens == what the KV holds`` and
-differ only in how they render, tokenize and compute. ``TapeSession`` holds the
-one implementation of ensure_prefix and prefill_suffix (manifest gate, token
-LCP, rollback on a failed prefill); a backend's session supplies the hooks.
+differ only in how they render, tokenize, compute and sample. ``TapeSession``
+holds the one implementation of ensure_prefix and prefill_suffix (manifest gate,
+token LCP, rollback on a failed prefill) and of the decode loop (pending-token
+evaluation, cancel on close, epochs, finish reasons, usage); a backend's session
+supplies the hooks and a ``DecodeSteps`` per pass.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Generator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from contract.errors import InvalidArgument, ManifestMismatch, SessionClosed
 from contract.manifest import ContextManifest, common_prefix_len
 from contract.resident import PrefixPlan, Resident, check_manifest_names
-from contract.types import ContextReport, PrefixInput, PrefixStatus, SuffixInput, SuffixStatus
+from contract.types import (
+    ContextReport,
+    DecodeConfig,
+    PrefixInput,
+    PrefixStatus,
+    StreamChunk,
+    SuffixInput,
+    SuffixStatus,
+)
+
+from .chat import OutputPipeline
 
 #: ContextManifest.bos_policy values: the model's default, always add, never add
 BOS_POLICIES = ("", "add", "none")
@@ -37,6 +50,38 @@ class TapeModel(Protocol):
 
     def reusable(self, n: int) -> int:
         """How many of ``n`` matching tokens the engine can keep exactly (<= n)."""
+        ...
+
+
+class DecodeSteps(Protocol):
+    """How one decode pass samples and steps its engine (the rest of the loop is shared)."""
+
+    def start(self) -> None:
+        """Make the distribution after the last resident token available."""
+        ...
+
+    def sample(self) -> int:
+        """The next token from the current distribution (constraints applied)."""
+        ...
+
+    def feed(self, token: int) -> None:
+        """Evaluate a sampled token into the KV and append it to the tape."""
+        ...
+
+    def is_end(self, token: int) -> bool:
+        """Whether the token ends generation (EOS/EOT); it is not evaluated."""
+        ...
+
+    def piece(self, token: int) -> bytes:
+        """What the token adds to the output text (control tokens add nothing)."""
+        ...
+
+    def settle(self, token: int) -> None:
+        """On close: evaluate a token already handed out, so the tape equals the KV; never raises."""
+        ...
+
+    def close(self) -> None:
+        """Release per-pass resources."""
         ...
 
 
@@ -150,3 +195,71 @@ class TapeSession:
         res.prefix_len = prefix_len
         reused = max(0, kept - prefix_len)
         return res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000)
+
+    def _stream(
+        self, m: Any, cfg: DecodeConfig, steps: DecodeSteps, pipeline: OutputPipeline, epoch: int
+    ) -> Generator[StreamChunk, None, None]:
+        """The decode loop both engines share; closing the generator cancels within one token.
+
+        A sampled token is yielded first and evaluated when the stream resumes, so a
+        chunk reaches the client one engine step earlier; on close ``settle``
+        evaluates it, keeping the tape equal to the KV. Any operation that changes
+        the KV bumps ``m.epoch``; a stream that sees another epoch stops touching it.
+        """
+        start = time.perf_counter()
+        res = m.res
+        prompt_tokens = len(res.tokens)
+        produced = 0
+        first_ms = 0.0
+        finish = ""
+        pending: int | None = None
+
+        def still_ours() -> bool:
+            return bool(m.epoch == epoch and not m.closed and not self._closed)
+
+        try:
+            if not still_ours():
+                return  # the KV changed between decode() and the first chunk
+            with self._errors("decode"):
+                steps.start()
+            epoch = m.epoch  # start() may have recomputed the last token
+            while True:
+                if not still_ours():
+                    pending = None
+                    return  # another operation took the KV; this stream is over
+                if pending is not None:
+                    tok, pending = pending, None
+                    with self._errors("decode"):
+                        steps.feed(tok)
+                if finish:
+                    break
+                if produced >= cfg.max_tokens:
+                    finish = "length"
+                    break
+                if len(res.tokens) >= m.num_ctx:
+                    finish = "context_full"  # the next token could not be evaluated
+                    break
+                with self._errors("decode"):
+                    token = steps.sample()
+                if not first_ms:
+                    first_ms = (time.perf_counter() - start) * 1000
+                if steps.is_end(token):
+                    finish = "stop"
+                    break
+                produced += 1
+                pending = token
+                delta = pipeline.feed_bytes(steps.piece(token))
+                if delta.stopped:
+                    finish = "stop"
+                if delta or cfg.return_token_ids:
+                    yield delta.chunk([token] if cfg.return_token_ids else None)
+            tail = pipeline.finish()
+            if tail:
+                yield tail.chunk()
+            if pipeline.tool_call_count and finish == "stop":
+                finish = "tool_calls"
+            yield StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
+        finally:
+            if pending is not None and still_ours():
+                steps.settle(pending)
+            steps.close()

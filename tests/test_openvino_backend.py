@@ -26,10 +26,11 @@ ov_genai = pytest.importorskip("openvino_genai")
 from backends.bundled import bundled_gguf_path  # noqa: E402
 from backends.openvino_backend import (  # noqa: E402
     BACKEND_NAME,
-    MIN_PREFILL_CHUNK,
+    MIN_PREFILL_ROWS,
     OpenVINOBackend,
     OpenVINOLoadedModel,
     OpenVINOSession,
+    _bucket,
     _map_ov_errors,
     _unpack_state,
 )
@@ -163,8 +164,9 @@ def test_greedy_parity_with_genai_pipeline(model: OpenVINOLoadedModel, session: 
     stores it as bf16 under a bf16 hint, on both sides). GenAI prefills the
     rendered prompt in one chunk; the session prefills the prefix and then the
     suffix. Paged-attention prefill is split-invariant for chunks of at least
-    MIN_PREFILL_CHUNK tokens (test_prefill_is_split_invariant), so the real
-    two-chunk path is compared, not a special case.
+    MIN_PREFILL_ROWS tokens, and shorter ones run padded to that
+    (test_prefill_is_split_invariant), so the real two-chunk path is compared,
+    not a special case.
     """
     man = manifest(model, "parity")
     session.ensure_prefix(PrefixInput(text="You are a knowledgeable history teacher.", manifest=man))
@@ -191,8 +193,9 @@ def test_prefill_is_split_invariant(model: OpenVINOLoadedModel) -> None:
     """The property exact reuse rests on: where a prefill chunk starts does not change any number.
 
     Checked on the engine directly: the logits after 300 tokens, prefilled in one
-    chunk and in assorted splits (every piece >= MIN_PREFILL_CHUNK), are
-    bit-identical; and the decode kernel (1-token chunks) is the one that differs.
+    chunk and in assorted splits — pieces of 1, 2 and 3 tokens included, which
+    run padded to a bucket of MIN_PREFILL_ROWS rows — are bit-identical; and the
+    decode kernel (1-token chunks, unpadded) is the one that differs.
     """
     man = manifest(model, "split")
     s = model.open_session()
@@ -201,7 +204,7 @@ def test_prefill_is_split_invariant(model: OpenVINOLoadedModel) -> None:
     assert len(tokens) == 300
     model.set_kv(tokens, 0)
     one_shot = model.logits_at_end().copy()
-    for cuts in ([150], [8, 16, 299 - 8], [37, 200, 213], [256]):
+    for cuts in ([150], [8, 16, 299 - 8], [37, 200, 213], [256], [1, 2, 4, 150, 151, 299]):
         model.set_kv(tokens[: cuts[0]], 0)
         for a, b in zip(cuts, [*cuts[1:], 300], strict=True):
             assert model.set_kv(tokens[:b], a) == a
@@ -277,13 +280,22 @@ def test_edited_tail_reuses_the_token_lcp(model: OpenVINOLoadedModel, session: O
     assert turn(session, cold_man, edited, "Fix the bug.", 16) == warm
 
 
-def test_short_edited_tail_is_widened(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
-    """A tail under MIN_PREFILL_CHUNK tokens is recomputed with a few kept tokens, and says so."""
+def test_short_edited_tail_is_exact(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+    """A 1-2 token edit recomputes only those tokens (padded), and answers exactly as cold."""
     man = manifest(model, "short-edit")
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX + "Mode: fast", manifest=man))
     st = session.ensure_prefix(PrefixInput(text=LONG_PREFIX + "Mode: slow", manifest=man))
-    assert st.prefilled_tokens == MIN_PREFILL_CHUNK
-    assert st.reused_tokens == st.prefix_tokens - MIN_PREFILL_CHUNK
+    assert 0 < st.prefilled_tokens < MIN_PREFILL_ROWS // 4
+    assert st.reused_tokens == st.prefix_tokens - st.prefilled_tokens
+    session.prefill_suffix(SuffixInput(text="Which mode?", manifest=man))
+    warm = greedy(session, 16)
+    assert turn(session, manifest(model, "short-edit-cold"), LONG_PREFIX + "Mode: slow", "Which mode?", 16) == warm
+
+
+def test_shape_buckets() -> None:
+    assert [_bucket(n) for n in (1, 15, 16, 17, 113, 256, 257, 320, 321, 1024, 1025, 4000)] == [
+        16, 16, 16, 32, 128, 256, 320, 320, 384, 1024, 1280, 4096,
+    ]
 
 
 def test_suffix_reuse_is_the_exact_lcp(backend: OpenVINOBackend, ir_dir: Path) -> None:
