@@ -71,8 +71,10 @@ from llama_cpp import _logger as llama_logger
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 from llama_cpp.llama_grammar import json_schema_to_gbnf
 
+from contract import interrupt
 from contract.errors import (
     BackendMismatch,
+    Cancelled,
     ContextOverflow,
     InsufficientMemory,
     Internal,
@@ -214,7 +216,8 @@ def _map_llama_errors(action: str, *, loading: bool = False) -> Iterator[None]:
             # 1 = no KV slot for the batch: the context is full
             raise ContextOverflow(msg) from exc
         if isinstance(exc, RuntimeError) and "llama_decode returned 2" in str(exc):
-            raise Internal(f"{action}: decode was aborted{_log_since(mark)}") from exc
+            # 2 = the abort hook fired: only an interrupt installs it
+            raise Cancelled(f"{action} was cancelled") from exc
         if isinstance(exc, ValueError):
             raise InvalidArgument(msg) from exc
         raise Internal(msg) from exc
@@ -569,6 +572,14 @@ class LlamaLoadedModel:
         self.epoch = 0
         self._session_gen = 0
         self.closed = False
+        #: set while a prefill runs inside contract.interrupt.interruptible(...)
+        self._abort_event: threading.Event | None = None
+        # llama.cpp polls this between graph nodes; the reference keeps ctypes' thunk alive
+        self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
+
+    def _should_abort(self, _data: Any) -> bool:
+        event = self._abort_event
+        return event is not None and event.is_set()
 
     # --- LoadedModel ---------------------------------------------------------------------
     @property
@@ -665,12 +676,36 @@ class LlamaLoadedModel:
         tail = tokens[keep:]
         try:
             if tail:
-                llm.eval(tail)
+                interrupt.check("prefill")
+                with self._abortable():
+                    llm.eval(tail)
                 self.logits_live = True
         finally:
             # eval advances n_tokens per completed batch; keep the tape equal to it
             self.res.tokens = list(tokens[: llm.n_tokens])
         return keep
+
+    @contextlib.contextmanager
+    def _abortable(self) -> Iterator[None]:
+        """Let an interrupt stop llama_decode mid-batch (it then returns 2).
+
+        Installed for prefills only: llama.cpp calls the hook once per graph node,
+        a Python call each time, which decode steps need not pay. An aborted batch
+        leaves its finished ubatches in the KV past ``n_tokens``; the caller's
+        rollback removes them.
+        """
+        event = interrupt.current()
+        if event is None:
+            yield
+            return
+        ctx = self._llm._ctx.ctx
+        self._abort_event = event
+        llama_cpp.llama_set_abort_callback(ctx, self._abort_cb, None)
+        try:
+            yield
+        finally:
+            llama_cpp.llama_set_abort_callback(ctx, llama_cpp.ggml_abort_callback(), None)
+            self._abort_event = None
 
     def append(self, token: int) -> None:
         """Evaluate one sampled token into the KV and the tape."""

@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from contract import wire
+from contract import interrupt, wire
 from contract.endpoint import ipc_path
 from contract.errors import (
     Cancelled,
@@ -354,7 +354,12 @@ class Daemon:
         rid = inf.request_id
         try:
             handler = _HANDLERS[inf.op]
-            handler(self, inf, msg, emit)
+            # a cancel, a vanished client or shutdown stops a long prefill between engine steps
+            with interrupt.interruptible(inf.cancel):
+                handler(self, inf, msg, emit)
+        except Cancelled as exc:
+            stopped = ShuttingDown("modeld is shutting down; the request was stopped") if self._stop.is_set() else exc
+            emit(inf, wire.encode_error(rid, stopped))
         except ModeldError as exc:
             emit(inf, wire.encode_error(rid, exc))
         except Exception as exc:

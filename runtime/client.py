@@ -52,6 +52,8 @@ from contract.wire import Kind, Message, Op
 
 DEFAULT_TIMEOUT_S = 60.0
 LEASE_RENEW_INTERVAL_S = 5.0
+#: how long Client.close() waits for each still-open session to close (then the lease does it)
+CLOSE_ON_EXIT_TIMEOUT_S = 2.0
 
 
 class Client:
@@ -155,7 +157,15 @@ class Client:
 
     def _call(self, op: Op, body: dict[str, Any], payloads: list[bytes] | None = None, timeout_s: float | None = None) -> Message:
         rid = self._send(op, body, payloads)
-        msg = self._recv(rid, timeout_s)
+        try:
+            msg = self._recv(rid, timeout_s)
+        except ModeldError:
+            raise
+        except BaseException:
+            # Ctrl-C (or any interrupt) while waiting: tell the daemon to stop the work,
+            # e.g. a long cold prefill, instead of finishing it for nobody.
+            self._abandon(rid)
+            raise
         if msg.kind is Kind.ERROR:
             raise from_wire(msg.body)
         return msg
@@ -251,7 +261,9 @@ class Client:
             return
         for sess in list(self._sessions.values()):
             try:
-                sess.close()
+                # best effort: a daemon that is gone must not hold the caller for the full
+                # timeout (the lease releases the session anyway)
+                sess.close(timeout_s=min(self.timeout_s, CLOSE_ON_EXIT_TIMEOUT_S))
             except ModeldError:
                 pass
         self._hb_stop.set()
@@ -337,9 +349,9 @@ class RemoteSession:
         payloads = [snap.state] if snap.state else []
         self._client._call(Op.RESTORE, self._body({"snapshot": wire.to_body(snap, exclude={"state"})}), payloads)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
         if self._closed:
             return
         self._closed = True
         self._client._forget(self.session_id)
-        self._client._call(Op.CLOSE, {"session_id": self.session_id})
+        self._client._call(Op.CLOSE, {"session_id": self.session_id}, timeout_s=timeout_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from contract.errors import InvalidArgument
+from contract import wire
+from contract.errors import Cancelled, InvalidArgument, ShuttingDown, from_wire
 from contract.types import (
     DecodeConfig,
     EmbedRequest,
@@ -26,6 +28,8 @@ from contract.types import (
     StructuredOutputConfig,
     SuffixInput,
 )
+from contract.wire import Kind, Op
+from runtime import Client, RemoteSession
 
 from .conformance import SCENARIOS, SYSTEM, TURN_1, Target, fresh_profile, manifest_for
 from .daemon_proc import ROOT, DaemonProcess
@@ -174,3 +178,79 @@ def test_structured_output_through_the_daemon(backend_daemon: DaemonProcess) -> 
         sess.prefill_suffix(SuffixInput(text="Now say hi.", manifest=m))
         assert list(sess.decode(DecodeConfig(max_tokens=4)))[-1].done
         sess.close()
+
+
+# --- interrupting a long prefill -------------------------------------------------------------------------------------
+#: ~1,600 tokens (the daemons here have 2,048): several prefill chunks on both engines, seconds on llama.cpp
+LONG_SYSTEM = SYSTEM + "\n" + "\n".join(f"src/pkg/module_{i}.py: class Handler{i}(Base): def run(self, x): return x * {i}" for i in range(60))
+
+
+def _start_prefix(c: Client, sess: RemoteSession, prefix: PrefixInput) -> bytes:
+    """Send ensure_prefix without waiting; returns once the daemon is working on it."""
+    rid = c._send(Op.ENSURE_PREFIX, sess._body(wire.to_body(prefix)))
+    while c.status().busy_operation != "ensure_prefix":
+        assert not c._buffers.get(rid), f"ensure_prefix ended before it could be interrupted: {c._buffers[rid]}"
+        time.sleep(0.002)
+    return rid
+
+
+def test_cancel_stops_a_cold_prefill(backend_daemon: DaemonProcess) -> None:
+    """A cancelled ensure_prefix ends with Cancelled instead of finishing; nothing half-done stays resident."""
+    with backend_daemon.client(timeout_s=300.0) as c:
+        sess = c.open_session(OpenSessionRequest())
+        m = manifest_for(sess, fresh_profile())
+        rid = _start_prefix(c, sess, PrefixInput(text=LONG_SYSTEM, manifest=m))
+        assert c._call(Op.CANCEL, {"request_id": rid}).body == {"cancelled": True}
+        reply = c._recv(rid)
+        assert reply.kind is Kind.ERROR
+        assert isinstance(from_wire(reply.body), Cancelled)
+        rep = sess.explain_context()
+        assert rep.resident_tokens == 0 and rep.prefix_tokens == 0
+        st = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))  # the daemon serves on
+        assert st.prefilled_tokens == st.prefix_tokens - st.reused_tokens > 0
+        sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
+        assert list(sess.decode(DecodeConfig(max_tokens=4)))[-1].done
+        sess.close()
+
+
+def test_interrupted_client_call_cancels_the_prefill(backend_daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while waiting for ensure_prefix sends a cancel: the daemon stops the prefill for nobody."""
+    with backend_daemon.client(timeout_s=300.0) as c, backend_daemon.client(timeout_s=30.0) as watcher:
+        sess = c.open_session(OpenSessionRequest())
+        m = manifest_for(sess, fresh_profile())
+        real_recv = c._recv
+
+        def interrupted(rid: bytes, timeout_s: float | None = None) -> object:
+            deadline = time.monotonic() + 60
+            while watcher.status().busy_operation != "ensure_prefix" and time.monotonic() < deadline:
+                time.sleep(0.002)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(c, "_recv", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            sess.ensure_prefix(PrefixInput(text=LONG_SYSTEM, manifest=m))
+        monkeypatch.setattr(c, "_recv", real_recv)
+        while watcher.status().busy_operation:
+            time.sleep(0.005)
+        assert sess.explain_context().resident_tokens == 0  # stopped, not finished
+        assert sess.ensure_prefix(PrefixInput(text="You are terse.", manifest=m)).prefix_tokens > 0
+        sess.close()
+
+
+def test_sigterm_during_a_prefill_stops_it(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Shutdown does not wait for a long cold prefill: the caller gets ShuttingDown and the daemon exits 0."""
+    d = DaemonProcess(tmp_path_factory.mktemp("sigterm-prefill"), "llama", None, "--num-ctx", "2048")
+    d.start(ready_timeout_s=600, wait_state=("Ready",))
+    try:
+        with d.client(timeout_s=120.0) as c:
+            sess = c.open_session(OpenSessionRequest())
+            m = manifest_for(sess, fresh_profile())
+            rid = _start_prefix(c, sess, PrefixInput(text=LONG_SYSTEM, manifest=m))
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGTERM)
+            reply = c._recv(rid)
+            assert reply.kind is Kind.ERROR and isinstance(from_wire(reply.body), ShuttingDown), reply.body
+            assert d.proc.wait(60) == 0
+    finally:
+        d.stop()
+    assert "modeld stopped" in d.log()

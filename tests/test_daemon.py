@@ -434,3 +434,14 @@ def test_memory_backend_has_no_embeddings(client: Client) -> None:
     with pytest.raises(UnsupportedFeature):
         client.embed(EmbedRequest(text="hello"))
     assert client.status().embedding is None
+
+
+def test_client_close_does_not_wait_out_a_dead_daemon(tmp_path: Path) -> None:
+    """Closing a client whose daemon died gives up on its sessions quickly (their leases release them)."""
+    d = DaemonProcess(tmp_path, "memory", None, "--no-preload").start()
+    c = d.client(timeout_s=60.0)
+    c.open_session(MODEL_A.model_copy(update={"owner_instance_id": ""}))
+    d.stop(signal.SIGKILL)
+    t0 = time.monotonic()
+    c.close()
+    assert time.monotonic() - t0 < 20.0  # not the 60 s call timeout
