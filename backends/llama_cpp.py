@@ -85,7 +85,7 @@ from contract.errors import (
     SnapshotRejected,
     UnsupportedFeature,
 )
-from contract.manifest import canonical_digest, common_prefix_len
+from contract.manifest import canonical_digest
 from contract.resident import Resident
 from contract.types import (
     Config,
@@ -97,14 +97,12 @@ from contract.types import (
     SessionSnapshot,
     StreamChunk,
     StructuredOutputConfig,
-    SuffixInput,
 )
 
 from .bundled import model_cache_dir
-from .chat import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .digest import file_digest
 from .gguf_meta import GGUFFacts, is_gguf, read_gguf
-from .tape_session import TapeSession, parse_tools
+from .tape_session import Render, TapeSession, resolve_num_ctx, wants_bos, with_bos
 
 __all__ = [
     "BACKEND_NAME",
@@ -130,8 +128,6 @@ KV_GGML_TYPES: dict[str, int] = {
 #: bytes per KV element; q8_0 / q4_0 store 32 values in 34 / 18 bytes
 KV_BYTES_PER_ELEM: dict[str, float] = {"": 2.0, "f16": 2.0, "f32": 4.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 _QUANT_BLOCK = 32
-#: how many trailing resident tokens are detokenized to see whether the prompt opened <think>
-_PROMPT_TAIL_TOKENS = 8
 _STATE_MAGIC = b"MODELD-LLAMA-KV1"
 
 
@@ -455,15 +451,7 @@ class _LoadOptions:
 
     @classmethod
     def resolve(cls, cfg: Config, facts: ModelShape) -> _LoadOptions:
-        max_ctx = facts.n_ctx_train
-        # Never 0: llama-cpp-python treats n_ctx=0 as the whole training context.
-        num_ctx = cfg.num_ctx or (min(max_ctx, DEFAULT_NUM_CTX) if max_ctx > 0 else DEFAULT_NUM_CTX)
-        if max_ctx > 0 and num_ctx > max_ctx:
-            raise InvalidArgument(
-                f"num_ctx {num_ctx} exceeds the model's training context {max_ctx}",
-                num_ctx=num_ctx,
-                model_max_context=max_ctx,
-            )
+        num_ctx = resolve_num_ctx(cfg.num_ctx, facts.n_ctx_train, DEFAULT_NUM_CTX)
         kv = cfg.kv_cache_type or "f16"
         if kv in ("q8_0", "q4_0"):
             if not cfg.flash_attn:
@@ -628,21 +616,12 @@ class LlamaLoadedModel:
 
     # --- tokens and the KV ----------------------------------------------------------------
     def _wants_bos(self, policy: str) -> bool:
-        if self.config.disable_bos:
-            return False
-        if policy == "add":
-            return True
-        if policy == "none":
-            return False
-        return self._add_bos_default
+        return wants_bos(policy, disabled=self.config.disable_bos, model_default=self._add_bos_default)
 
     def tokenize(self, text: str, *, bos_policy: str | None = None) -> list[int]:
         """Tokens of rendered text (special tokens parsed); BOS per policy, never doubled."""
         tokens = list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
-        if bos_policy is not None and self._wants_bos(bos_policy) and self._bos_id >= 0:
-            if not tokens or tokens[0] != self._bos_id:  # the template may have rendered it
-                tokens.insert(0, self._bos_id)
-        return tokens
+        return with_bos(tokens, self._bos_id, bos_policy is not None and self._wants_bos(bos_policy))
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
         # Llama.detokenize uses a 32-byte buffer and silently truncates longer pieces.
@@ -816,49 +795,19 @@ class LlamaSession(TapeSession):
             )
         return rendered
 
-    # --- Session -------------------------------------------------------------------------------
-    def _suffix_target(self, m: LlamaLoadedModel, suffix: SuffixInput) -> tuple[list[int], int]:
-        """The token list the KV must hold after the suffix, and its stable-prefix length."""
-        res = m.res
-        stable = res.tokens[: res.prefix_len]
-        tpl = m.template
-        if not suffix.render or tpl is None:
-            return stable + m.tokenize(suffix.text), res.prefix_len
-        tools = parse_tools(res.tools)
-        system = {"role": "system", "content": res.stable_text}
-        extra: dict[str, Any] = {}
-        if suffix.enable_thinking is not None:
-            extra["enable_thinking"] = suffix.enable_thinking
-        prefix_text = tpl.render([system], tools, generation=False)
-        full = tpl.render([system, {"role": suffix.role, "content": suffix.text}], tools, generation=True, **extra)
-        if full.startswith(prefix_text):
-            return stable + m.tokenize(full[len(prefix_text) :]), res.prefix_len
-        # Not prefix-stable: the stable part renders differently once a turn follows.
-        # Reconcile by tokens: whatever of the old prefix still matches stays resident.
-        bos_policy = res.manifest.bos_policy if res.manifest is not None else ""
-        target = m.tokenize(full, bos_policy=bos_policy)
-        return target, min(res.prefix_len, common_prefix_len(stable, target))
+    def _renderer(self, m: LlamaLoadedModel) -> Render | None:
+        return m.template.render if m.template is not None else None
 
+    def _prompt_text(self, m: LlamaLoadedModel, tokens: list[int]) -> str:
+        return b"".join(m.piece(t, special=True) for t in tokens).decode("utf-8", "replace")
+
+    # --- Session -------------------------------------------------------------------------------
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         """Stream chunks; closing the generator cancels within one token (see ``TapeSession._stream``)."""
         m = self._live()
-        if not m.res.tokens:
-            raise InvalidArgument("nothing is resident: call ensure_prefix first")
         with _map_llama_errors("decode"):
-            grammar = _grammar_source(cfg.structured_output)
-            split, tools = resolve_protocols(
-                cfg.parser_protocols,
-                cfg.reasoning_format or m.config.reasoning_format,
-                has_tools=bool(m.res.tools),
-            )
-            tail = b"".join(m.piece(t, special=True) for t in m.res.tokens[-_PROMPT_TAIL_TOKENS:])
-            pipeline = OutputPipeline(
-                stops=cfg.stop,
-                split_thinking=split,
-                start_in_thinking=split and ends_inside_thinking(tail.decode("utf-8", "replace")),
-                parse_tools=tools,
-            )
-            sampler = _build_sampler(m, cfg, grammar)
+            pipeline = self._output_pipeline(m, cfg)
+            sampler = _build_sampler(m, cfg, _grammar_source(cfg.structured_output))
         m.epoch += 1
         return self._stream(m, cfg, _Steps(m, sampler), pipeline, m.epoch)
 

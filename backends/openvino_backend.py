@@ -142,16 +142,14 @@ from contract.types import (
     OpenSessionRequest,
     SessionSnapshot,
     StreamChunk,
-    SuffixInput,
 )
 
 from .bundled import model_cache_dir
-from .chat import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .digest import file_digest, files_digest
 from .gguf_meta import is_gguf, read_gguf
 from .guidance import TokenGuide, build_tokenizer, compile_grammar
 from .ov_prepare import IR_FILES, ConversionError, ir_dir_for, is_complete_ir, prepare_ir
-from .tape_session import TapeSession, parse_tools
+from .tape_session import Render, TapeSession, resolve_num_ctx, wants_bos, with_bos
 
 __all__ = [
     "BACKEND_NAME",
@@ -192,8 +190,6 @@ _PAGED_INPUTS = frozenset(
     }
 )
 _STATE_MAGIC = b"MODELD-OV-PKV1\0\0"
-#: how many trailing resident tokens are decoded to see whether the prompt opened <think>
-_PROMPT_TAIL_TOKENS = 8
 #: token texts that end a turn in common chat vocabularies (llama.cpp treats them as EOG too)
 _EOG_TEXTS = (b"<|endoftext|>", b"<|im_end|>", b"<|eot_id|>", b"<|eom_id|>", b"<|end|>", b"<end_of_turn>")
 _TOOLS_IN_TEMPLATE = re.compile(r"\btools\b")
@@ -402,14 +398,7 @@ class _LoadOptions:
 
     @classmethod
     def resolve(cls, cfg: Config, shape: ModelShape, inference_precision: str) -> _LoadOptions:
-        max_ctx = shape.n_ctx_train
-        num_ctx = cfg.num_ctx or (min(max_ctx, DEFAULT_NUM_CTX) if max_ctx > 0 else DEFAULT_NUM_CTX)
-        if max_ctx > 0 and num_ctx > max_ctx:
-            raise InvalidArgument(
-                f"num_ctx {num_ctx} exceeds the model's training context {max_ctx}",
-                num_ctx=num_ctx,
-                model_max_context=max_ctx,
-            )
+        num_ctx = resolve_num_ctx(cfg.num_ctx, shape.n_ctx_train, DEFAULT_NUM_CTX)
         if cfg.kv_cache_type not in KV_PRECISIONS:
             raise UnsupportedFeature(
                 f"kv_cache_type {cfg.kv_cache_type!r} is not offered by the openvino backend: with its quantised "
@@ -671,22 +660,12 @@ class OpenVINOLoadedModel:
         return len(ids) > 0 and int(ids[0]) == bos
 
     def _wants_bos(self, policy: str) -> bool:
-        if self.config.disable_bos:
-            return False
-        if policy == "add":
-            return True
-        if policy == "none":
-            return False
-        return self._add_bos_default
+        return wants_bos(policy, disabled=self.config.disable_bos, model_default=self._add_bos_default)
 
     def tokenize(self, text: str, *, bos_policy: str | None = None) -> list[int]:
         """Tokens of rendered text (special tokens parsed); BOS per policy, never doubled."""
         tokens = [int(t) for t in self.tok.encode(text, add_special_tokens=False).input_ids.data[0]] if text else []
-        bos = self.vocab.bos_id
-        if bos_policy is not None and self._wants_bos(bos_policy) and bos >= 0:
-            if not tokens or tokens[0] != bos:  # the template may have rendered it
-                tokens.insert(0, bos)
-        return tokens
+        return with_bos(tokens, self.vocab.bos_id, bos_policy is not None and self._wants_bos(bos_policy))
 
     def detokenize(self, tokens: list[int]) -> str:
         return str(self.tok.decode(tokens, skip_special_tokens=False)) if tokens else ""
@@ -1011,50 +990,21 @@ class OpenVINOSession(TapeSession):
             )
         return m.render([{"role": "system", "content": text}], tools, generation=False)
 
-    def _suffix_target(self, m: OpenVINOLoadedModel, suffix: SuffixInput) -> tuple[list[int], int]:
-        """The token list the KV must hold after the suffix, and its stable-prefix length."""
-        res = m.res
-        stable = res.tokens[: res.prefix_len]
-        if not suffix.render or not m.template:
-            return stable + m.tokenize(suffix.text), res.prefix_len
-        tools = parse_tools(res.tools)
-        system = {"role": "system", "content": res.stable_text}
-        extra: dict[str, Any] = {}
-        if suffix.enable_thinking is not None:
-            extra["enable_thinking"] = suffix.enable_thinking
-        prefix_text = m.render([system], tools, generation=False)
-        full = m.render([system, {"role": suffix.role, "content": suffix.text}], tools, generation=True, **extra)
-        if full.startswith(prefix_text):
-            return stable + m.tokenize(full[len(prefix_text) :]), res.prefix_len
-        # Not prefix-stable: the stable part renders differently once a turn follows.
-        # Reconcile by tokens: whatever of the old prefix still matches stays resident.
-        bos_policy = res.manifest.bos_policy if res.manifest is not None else ""
-        target = m.tokenize(full, bos_policy=bos_policy)
-        return target, min(res.prefix_len, common_prefix_len(stable, target))
+    def _renderer(self, m: OpenVINOLoadedModel) -> Render | None:
+        return m.render if m.template else None
+
+    def _prompt_text(self, m: OpenVINOLoadedModel, tokens: list[int]) -> str:
+        return m.detokenize(tokens)
 
     # --- Session -------------------------------------------------------------------------------
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         """Stream chunks; closing the generator cancels within one token (see ``TapeSession._stream``)."""
         m = self._live()
-        if not m.res.tokens:
-            raise InvalidArgument("nothing is resident: call ensure_prefix first")
+        with _map_ov_errors("decode"):
+            pipeline = self._output_pipeline(m, cfg)
         guide = None
         if cfg.structured_output.is_set():
-            grammar = compile_grammar(cfg.structured_output)
-            guide = TokenGuide(m.guidance_tokenizer(), grammar)
-        with _map_ov_errors("decode"):
-            split, tools = resolve_protocols(
-                cfg.parser_protocols,
-                cfg.reasoning_format or m.config.reasoning_format,
-                has_tools=bool(m.res.tools),
-            )
-            tail = m.detokenize(m.res.tokens[-_PROMPT_TAIL_TOKENS:])
-        pipeline = OutputPipeline(
-            stops=cfg.stop,
-            split_thinking=split,
-            start_in_thinking=split and ends_inside_thinking(tail),
-            parse_tools=tools,
-        )
+            guide = TokenGuide(m.guidance_tokenizer(), compile_grammar(cfg.structured_output))
         return self._stream(m, cfg, _Steps(m, _Sampler(cfg), guide), pipeline, m.epoch)
 
     def snapshot(self) -> SessionSnapshot:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -29,10 +29,15 @@ from contract.types import (
     SuffixStatus,
 )
 
-from .chat import OutputPipeline
+from .chat import OutputPipeline, ends_inside_thinking, resolve_protocols
 
 #: ContextManifest.bos_policy values: the model's default, always add, never add
 BOS_POLICIES = ("", "add", "none")
+#: how many trailing resident tokens are decoded to see whether the prompt opened <think>
+_PROMPT_TAIL_TOKENS = 8
+
+#: a chat template: render(messages, tools, generation=..., **template_variables) -> text
+Render = Callable[..., str]
 
 
 class TapeModel(Protocol):
@@ -83,6 +88,37 @@ class DecodeSteps(Protocol):
     def close(self) -> None:
         """Release per-pass resources."""
         ...
+
+
+def resolve_num_ctx(requested: int, model_max: int, default: int) -> int:
+    """The context size to allocate: the request, else the default capped by the model; never above the model."""
+    # Never 0: llama-cpp-python treats n_ctx=0 as the whole training context.
+    num_ctx = requested or (min(model_max, default) if model_max > 0 else default)
+    if model_max > 0 and num_ctx > model_max:
+        raise InvalidArgument(
+            f"num_ctx {num_ctx} exceeds the model's training context {model_max}",
+            num_ctx=num_ctx,
+            model_max_context=model_max,
+        )
+    return num_ctx
+
+
+def wants_bos(policy: str, *, disabled: bool, model_default: bool) -> bool:
+    """Whether a BOS token leads the prompt under a ContextManifest.bos_policy."""
+    if disabled:
+        return False
+    if policy == "add":
+        return True
+    if policy == "none":
+        return False
+    return model_default
+
+
+def with_bos(tokens: list[int], bos_id: int, wanted: bool) -> list[int]:
+    """``tokens`` led by BOS when wanted, never doubled (the template may have rendered it)."""
+    if wanted and bos_id >= 0 and (not tokens or tokens[0] != bos_id):
+        tokens.insert(0, bos_id)
+    return tokens
 
 
 def parse_tools(tools: str) -> list[Any] | None:
@@ -141,9 +177,52 @@ class TapeSession:
     def _render_prefix(self, m: Any, text: str, tools: list[Any] | None) -> str:
         raise NotImplementedError
 
+    def _renderer(self, m: Any) -> Render | None:
+        """The model's chat template, or None when it has none."""
+        raise NotImplementedError
+
+    def _prompt_text(self, m: Any, tokens: list[int]) -> str:
+        """Resident tokens as text, special tokens included."""
+        raise NotImplementedError
+
+    # --- shared steps ------------------------------------------------------------------------
     def _suffix_target(self, m: Any, suffix: SuffixInput) -> tuple[list[int], int]:
         """The token list the KV must hold after the suffix, and its stable-prefix length."""
-        raise NotImplementedError
+        res = m.res
+        stable = res.tokens[: res.prefix_len]
+        render = self._renderer(m)
+        if not suffix.render or render is None:
+            return stable + m.tokenize(suffix.text), res.prefix_len
+        tools = parse_tools(res.tools)
+        system = {"role": "system", "content": res.stable_text}
+        extra: dict[str, Any] = {}
+        if suffix.enable_thinking is not None:
+            extra["enable_thinking"] = suffix.enable_thinking
+        prefix_text = render([system], tools, generation=False)
+        full = render([system, {"role": suffix.role, "content": suffix.text}], tools, generation=True, **extra)
+        if full.startswith(prefix_text):
+            return stable + m.tokenize(full[len(prefix_text) :]), res.prefix_len
+        # Not prefix-stable: the stable part renders differently once a turn follows.
+        # Reconcile by tokens: whatever of the old prefix still matches stays resident.
+        bos_policy = res.manifest.bos_policy if res.manifest is not None else ""
+        target = m.tokenize(full, bos_policy=bos_policy)
+        return target, min(res.prefix_len, common_prefix_len(stable, target))
+
+    def _output_pipeline(self, m: Any, cfg: DecodeConfig) -> OutputPipeline:
+        """Stops, thinking split and tool parsing for one decode pass (call inside ``_errors``)."""
+        if not m.res.tokens:
+            raise InvalidArgument("nothing is resident: call ensure_prefix first")
+        split, tools = resolve_protocols(
+            cfg.parser_protocols,
+            cfg.reasoning_format or m.config.reasoning_format,
+            has_tools=bool(m.res.tools),
+        )
+        return OutputPipeline(
+            stops=cfg.stop,
+            split_thinking=split,
+            start_in_thinking=split and ends_inside_thinking(self._prompt_text(m, m.res.tokens[-_PROMPT_TAIL_TOKENS:])),
+            parse_tools=tools,
+        )
 
     # --- Session ---------------------------------------------------------------------------------
     def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
