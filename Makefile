@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 
 # Converted model formats live in .cache/models (not committed); idempotent.
 models:
-	$(PY) -m backends.ov_prepare
+	$(PY) -m backends.openvino.prepare
 	$(PY) -m backends.embed_prepare
 
 run: setup

@@ -276,7 +276,7 @@ def prepare_gguf(force: bool = False, log: Any = print) -> Path:
 
 
 def _check_gguf(path: Path, pooling: str) -> None:
-    from .gguf_meta import read_gguf
+    from .gguf_file import read_gguf
 
     facts = read_gguf(path)
     want = {"mean": 1, "cls": 2, "last": 3}[pooling]

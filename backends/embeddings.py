@@ -211,7 +211,7 @@ class LlamaEmbedder:
 
     @classmethod
     def plan_for(cls, path: Path, config: Config) -> EmbeddingPlan:
-        from .gguf_meta import is_gguf, read_gguf
+        from .gguf_file import is_gguf, read_gguf
 
         if not path.is_file():
             raise ModelLoadFailed(f"embedding model not found: {path}", path=str(path))
@@ -323,7 +323,7 @@ class LlamaEmbedder:
         )
         if plan.num_threads:
             kwargs.update(n_threads=plan.num_threads, n_threads_batch=plan.num_threads)
-        from .llama_cpp import open_llama  # this build's AMX workaround and llama.cpp log capture
+        from .llama import open_llama  # this build's AMX workaround and llama.cpp log capture
 
         self._llm: Any = None
         try:

@@ -22,19 +22,19 @@ import os
 import time
 from typing import Any
 
-from contract.manifest import ContextManifest
 from contract.types import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 
 from .bench_common import snapshot_vs_reprefill, text_of_tokens
 from .bundled import bundled_gguf_path
-from .llama_cpp import LlamaBackend, LlamaLoadedModel, LlamaSession, open_llama
+from .llama import LlamaBackend, LlamaLoadedModel, open_llama
+from .tape.session import TapeSession
 
 
 def _text_of_tokens(model: LlamaLoadedModel, target: int, line: str) -> str:
     return text_of_tokens(lambda t: len(model.tokenize(t)), target, line)
 
 
-def _first_token(session: LlamaSession) -> float:
+def _first_token(session: TapeSession) -> float:
     """Milliseconds until the first sampled token arrives (the stream is then closed)."""
     t0 = time.perf_counter()
     gen = session.decode(DecodeConfig(max_tokens=1, return_token_ids=True))
@@ -62,7 +62,7 @@ def measure(
     model = backend.load(OpenSessionRequest(path=model_path, config=cfg), lambda f: None)
     out["load_ms"] = (time.perf_counter() - t0) * 1000
     try:
-        man = ContextManifest(**model.manifest_defaults())
+        man = model.manifest_defaults()
         system = _text_of_tokens(
             model, prefix_tokens, "src/pkg/module_{i}.py: class Handler{i}(Base): def run(self, x): return x * {i}"
         )

@@ -28,8 +28,10 @@ from contract.manifest import ContextManifest
 from contract.types import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 
 from .bundled import bundled_gguf_path
-from .openvino_backend import OpenVINOBackend, OpenVINOLoadedModel, OpenVINOSession
-from .ov_prepare import prepare_ir
+from .openvino import OpenVINOBackend, OpenVINOLoadedModel
+from .openvino.prepare import prepare_ir
+from .tape.model import render_prefix
+from .tape.session import TapeSession
 
 __all__ = ["measure"]
 
@@ -60,14 +62,14 @@ def _text_of_tokens(m: OpenVINOLoadedModel, unit: str, target: int, *, system: b
     i = 0
     while True:
         candidate = text + unit.format(i=i)
-        rendered = m.render([{"role": "system", "content": candidate}], None, generation=False) if system else candidate
+        rendered = render_prefix(m.template, candidate, None) if system else candidate
         if len(m.tokenize(rendered)) > target:
             return text or candidate
         text = candidate
         i += 1
 
 
-def _turn(s: OpenVINOSession, man: ContextManifest, prefix: str, suffix: str) -> dict[str, float]:
+def _turn(s: TapeSession, man: ContextManifest, prefix: str, suffix: str) -> dict[str, float]:
     t0 = time.perf_counter()
     ps = s.ensure_prefix(PrefixInput(text=prefix, manifest=man))
     ss = s.prefill_suffix(SuffixInput(text=suffix, manifest=man))
@@ -118,7 +120,7 @@ def measure(
     out["kv_precision"] = m.kv_precision
     try:
         s = m.open_session()
-        man = ContextManifest(**m.manifest_defaults())
+        man = m.manifest_defaults()
         prefix = _text_of_tokens(m, _PARAGRAPH, prefix_tokens, system=True)
         suffixes = [_text_of_tokens(m, line, suffix_tokens - 8, system=False) for line in _SUFFIX_LINES]
 
@@ -154,9 +156,11 @@ def measure(
         out["snapshot_restore_ms"] = _ms(t0)
 
         if compare_genai:
+            template = m.template
+            assert template is not None, "the bundled model has a chat template"
             prompts = [
                 m.tokenize(
-                    m.render(
+                    template.render(
                         [{"role": "system", "content": prefix}, {"role": "user", "content": suf}], None, generation=True
                     )
                 )

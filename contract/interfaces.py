@@ -7,9 +7,11 @@ and by the shared suite in ``tests/conformance.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Sequence
 from typing import Protocol
 
+from .manifest import ContextManifest
+from .sizing import MemoryPool, ModelFacts
 from .types import (
     ActiveModel,
     ContextReport,
@@ -44,7 +46,7 @@ class Session(Protocol):
         """Prefill the volatile suffix after the stable prefix; the stable KV stays untouched."""
         ...
 
-    def decode(self, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+    def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         """Stream generated text; the last chunk has ``done=True``.
 
         Closing the iterator early cancels generation within one token.
@@ -103,6 +105,10 @@ class LoadedModel(Protocol):
 
     def resident_bytes(self) -> int: ...
 
+    def manifest_defaults(self) -> ContextManifest:
+        """The runtime identity a client puts in its ContextManifest for this model (no content hashes)."""
+        ...
+
     def close(self) -> None:
         """Release the model and its KV; sessions opened on it become closed."""
         ...
@@ -120,6 +126,17 @@ class Backend(Protocol):
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
         """ModelInfo for ``req``; ``credit_bytes`` is memory a switch would release. No side effects."""
+        ...
+
+    def model_facts(self, req: OpenSessionRequest) -> ModelFacts | None:
+        """What the daemon's memory planner needs to size ``req`` (no weights loaded).
+
+        None when the backend has no memory model of its own; then its ``describe`` answers alone.
+        """
+        ...
+
+    def memory_pools(self) -> Sequence[MemoryPool]:
+        """Device memory pools beside host RAM that the planner may place layers in (GPUs); () for none."""
         ...
 
     def embed(self, req: EmbedRequest) -> EmbedResult: ...

@@ -19,10 +19,9 @@ import hashlib
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Sequence
 
 from .errors import (
-    BackendMismatch,
     ContextOverflow,
     InvalidArgument,
     SessionClosed,
@@ -30,8 +29,9 @@ from .errors import (
     StaleFence,
     UnsupportedFeature,
 )
-from .manifest import byte_hash, canonical_digest
-from .resident import PrefixPlan, Resident, check_manifest_names
+from .manifest import ContextManifest, byte_hash, canonical_digest
+from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type
+from .sizing import MemoryPool, ModelFacts
 from .types import (
     ContextReport,
     DecodeConfig,
@@ -87,17 +87,17 @@ class MemoryModel:
     def resident_bytes(self) -> int:
         return len(self.resident.tokens)
 
-    def manifest_defaults(self) -> dict[str, str]:
-        """What a client puts in its ContextManifest for this model."""
-        return {
-            "backend": BACKEND_NAME,
-            "backend_version": "reference",
-            "model_digest": self._digest,
-            "prompt_format": "raw",
-            "template_digest": "",
-            "runtime_digest": canonical_digest({"num_ctx": self.num_ctx}),
-            "bos_policy": "none",
-        }
+    def manifest_defaults(self) -> ContextManifest:
+        """The identity a client puts in its ContextManifest for this model."""
+        return ContextManifest(
+            backend=BACKEND_NAME,
+            backend_version="reference",
+            model_digest=self._digest,
+            prompt_format="raw",
+            template_digest="",
+            runtime_digest=canonical_digest({"num_ctx": self.num_ctx}),
+            bos_policy="none",
+        )
 
     def close(self) -> None:
         self.closed = True
@@ -146,7 +146,7 @@ class MemorySession:
         res.tokens = res.tokens[: res.prefix_len] + tokens
         return res.suffix_status(len(tokens))
 
-    def decode(self, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+    def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         res = self._live()
         if cfg.structured_output.is_set():
             raise UnsupportedFeature("the memory backend cannot constrain output")
@@ -154,7 +154,7 @@ class MemorySession:
             raise InvalidArgument("nothing is resident: call ensure_prefix first")
         return self._decode(res, cfg)
 
-    def _decode(self, res: Resident, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+    def _decode(self, res: Resident, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         start = time.perf_counter()
         prompt_tokens = len(res.tokens)
         seed_material = bytes(res.tokens)
@@ -216,7 +216,7 @@ class MemorySession:
         self._closed = True
 
     @property
-    def manifest_defaults(self) -> dict[str, str]:
+    def manifest_defaults(self) -> ContextManifest:
         return self._model.manifest_defaults()
 
 
@@ -236,14 +236,14 @@ class MemoryBackend:
         return "reference"
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> MemoryModel:
-        _check_type(req.type)
+        check_model_type(req.type, BACKEND_NAME)
         progress(0.0)
         model = MemoryModel(req, self.token_delay_s)
         progress(1.0)
         return model
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
-        _check_type(req.type)
+        check_model_type(req.type, BACKEND_NAME)
         n = req.config.num_ctx or DEFAULT_NUM_CTX
         return ModelInfo(
             model_max_context=MAX_NUM_CTX,
@@ -254,16 +254,18 @@ class MemoryBackend:
             device_kind="cpu",
         )
 
+    def model_facts(self, req: OpenSessionRequest) -> ModelFacts | None:
+        """None: the reference has no memory model; its ``describe`` answers alone."""
+        return None
+
+    def memory_pools(self) -> Sequence[MemoryPool]:
+        return ()
+
     def embed(self, req: EmbedRequest) -> EmbedResult:
         raise UnsupportedFeature("the memory backend computes no embeddings")
 
     def close(self) -> None:
         return None
-
-
-def _check_type(t: str) -> None:
-    if t not in ("", BACKEND_NAME):
-        raise BackendMismatch(f"model type {t!r} is not served by the memory backend", type=t)
 
 
 class MemoryService:
@@ -281,7 +283,7 @@ class MemoryService:
 
     def open_session(self, req: OpenSessionRequest) -> MemorySession:
         self._fence(req.owner_instance_id)
-        _check_type(req.type)
+        check_model_type(req.type, BACKEND_NAME)
         key = (req.model_name, req.digest, req.path, req.config.num_ctx)
         with self._lock:
             model = self._models.get(key)

@@ -12,9 +12,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from .errors import ContextOverflow, ManifestMismatch, SnapshotRejected
+from .errors import BackendMismatch, ContextOverflow, ManifestMismatch, SnapshotRejected
 from .manifest import ContextManifest, byte_hash, common_prefix_len, token_hash
 from .types import ContextReport, PrefixStatus, SessionSnapshot, SuffixStatus
+
+
+def check_model_type(model_type: str, backend: str) -> None:
+    """Refuse a request whose model type names another backend ("" means any)."""
+    if model_type not in ("", backend):
+        raise BackendMismatch(f"model type {model_type!r} is not served by the {backend} backend", type=model_type)
 
 
 def check_manifest_names(manifest: ContextManifest, backend: str, model_digest: str) -> None:

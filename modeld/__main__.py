@@ -34,11 +34,11 @@ def build_backend(name: str, args: argparse.Namespace) -> Backend:
 
         return MemoryBackend(token_delay_s=args.memory_token_delay_ms / 1000.0)
     if name == "llama":
-        from backends.llama_cpp import LlamaBackend
+        from backends.llama import LlamaBackend
 
         return LlamaBackend()
     if name == "openvino":
-        from backends.openvino_backend import OpenVINOBackend
+        from backends.openvino import OpenVINOBackend
 
         return OpenVINOBackend()
     raise SystemExit(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

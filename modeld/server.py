@@ -412,7 +412,7 @@ class Daemon:
             "session_id": sess.session_id,
             "generation": sess.generation,
             "num_ctx": sess.num_ctx,
-            "manifest": self.slot.manifest_defaults(),
+            "manifest": self.slot.manifest_defaults().identity(),
             "active": wire.to_body(status.active) if status.active else None,
         }
         emit(inf, wire.encode_reply(Kind.OK, inf.request_id, body))

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ from contract.errors import (
     StaleFence,
 )
 from contract.interfaces import Backend, LoadedModel, Session
+from contract.manifest import ContextManifest
 from contract.types import (
     ActiveModel,
     ContextReport,
@@ -373,10 +374,10 @@ class SlotService:
         loaded = self._loaded
         return loaded.resident_bytes() if loaded is not None else 0
 
-    def manifest_defaults(self) -> dict[str, str]:
+    def manifest_defaults(self) -> ContextManifest:
+        """The loaded model's runtime identity (an empty manifest when the slot is empty)."""
         loaded = self._loaded
-        fn = getattr(loaded, "manifest_defaults", None)
-        return dict(fn()) if callable(fn) else {}
+        return loaded.manifest_defaults() if loaded is not None else ContextManifest()
 
     # --- leases and holders ------------------------------------------------------------
     def _holder_for(self, holder: _Holder) -> Session:
@@ -482,7 +483,7 @@ class SlotSession:
         return self._holder.generation
 
     @property
-    def manifest_defaults(self) -> dict[str, str]:
+    def manifest_defaults(self) -> ContextManifest:
         return self._slot.manifest_defaults()
 
     @property
@@ -496,11 +497,11 @@ class SlotSession:
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
         return self._slot.run_op(self._holder, "prefill_suffix", lambda s: s.prefill_suffix(suffix))  # type: ignore[no-any-return]
 
-    def decode(self, cfg: DecodeConfig) -> Iterator[StreamChunk]:
-        inner_iter: Iterator[StreamChunk] = self._slot.run_op(self._holder, "decode", lambda s: s.decode(cfg))
+    def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
+        inner_iter: Generator[StreamChunk, None, None] = self._slot.run_op(self._holder, "decode", lambda s: s.decode(cfg))
         return self._stream(inner_iter)
 
-    def _stream(self, it: Iterator[StreamChunk]) -> Iterator[StreamChunk]:
+    def _stream(self, it: Generator[StreamChunk, None, None]) -> Generator[StreamChunk, None, None]:
         # The op lock is not held across yields: the daemon's single worker thread
         # serialises model work, and a suspended generator must not pin a lock.
         slot, holder = self._slot, self._holder
@@ -511,9 +512,7 @@ class SlotSession:
                 holder.last_seen = time.monotonic()
                 yield chunk
         finally:
-            close = getattr(it, "close", None)
-            if close is not None:
-                close()  # cancels the backend within one token
+            it.close()  # cancels the backend within one token
             holder.in_operation -= 1
             holder.last_seen = time.monotonic()
             slot._set(busy_op="")

@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import zmq
@@ -311,12 +311,12 @@ class RemoteSession:
         msg = self._client._call(Op.PREFILL_SUFFIX, self._body(wire.to_body(suffix)))
         return SuffixStatus.model_validate(msg.body)
 
-    def decode(self, cfg: DecodeConfig | None = None) -> Iterator[StreamChunk]:
+    def decode(self, cfg: DecodeConfig | None = None) -> Generator[StreamChunk, None, None]:
         """Stream chunks; abandoning the iterator (break, close, GC) cancels the decode."""
         rid = self._client._send(Op.DECODE, self._body(wire.to_body(cfg or DecodeConfig())))
         return self._stream(rid)
 
-    def _stream(self, rid: bytes) -> Iterator[StreamChunk]:
+    def _stream(self, rid: bytes) -> Generator[StreamChunk, None, None]:
         finished = False
         try:
             while True:

@@ -39,7 +39,6 @@ from typing import Any
 import psutil
 
 from backends.bench_common import snapshot_vs_reprefill, text_of_tokens
-from contract.manifest import ContextManifest
 from contract.types import Config, DecodeConfig, LoadModelRequest, OpenSessionRequest, PrefixInput, SuffixInput
 from runtime import Client, RemoteSession
 
@@ -310,7 +309,7 @@ def section_capacity(tmp: Path, backend: str) -> str:
         rss0 = proc.memory_info().rss
         c.load_model(LoadModelRequest(**req.model_dump()))
         sess = c.open_session(OpenSessionRequest())
-        m = ContextManifest(**sess.manifest_defaults, profile="capacity")
+        m = sess.manifest(profile="capacity")
         fill = text_of_tokens(count, info.effective_context - 64, PREFIX_LINE)
         st = sess.ensure_prefix(PrefixInput(text=fill, manifest=m))
         rss1 = proc.memory_info().rss

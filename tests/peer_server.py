@@ -1,7 +1,7 @@
 """Run llama-cpp-python's own OpenAI server (the peer ``make bench`` compares against).
 
 On CPUs with AMX, llama.cpp's extra weight-buffer kernels crash on the bundled
-model (see ``backends.llama_cpp``). The server cannot switch them off, so this
+model (see ``backends.llama.native``). The server cannot switch them off, so this
 launcher gives it the same ``Llama`` class the daemon uses; nothing else of the
 server changes. Usage: ``python -m tests.peer_server --model … --n_ctx … --port …``.
 """
@@ -13,11 +13,11 @@ import sys
 
 import llama_cpp
 
-from backends.llama_cpp import _extra_bufts_default, _ParamsLlama
+from backends.llama.native import ParamsLlama, extra_bufts_default
 
 
-class PeerLlama(_ParamsLlama):
-    _pending_extra_bufts = _extra_bufts_default()
+class PeerLlama(ParamsLlama):
+    _pending_extra_bufts = extra_bufts_default()
 
 
 if __name__ == "__main__":

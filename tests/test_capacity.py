@@ -813,6 +813,8 @@ def test_memory_pool_validates() -> None:
 
 
 class FakeBackend:
+    """The planner's view of a backend with a memory model (the Backend seam's planning half)."""
+
     name = "llama"
 
     def __init__(self, gpus: tuple[MemoryPool, ...] = ()) -> None:
@@ -826,9 +828,20 @@ class FakeBackend:
     def memory_pools(self) -> tuple[MemoryPool, ...]:
         return self.gpus
 
+    def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
+        return ModelInfo(effective_context=req.config.num_ctx, runtime_name=self.name)
+
 
 class DescribeOnly:
+    """A backend with no memory model: its describe answers alone."""
+
     name = "memory"
+
+    def model_facts(self, req: OpenSessionRequest) -> None:
+        return None
+
+    def memory_pools(self) -> tuple[MemoryPool, ...]:
+        return ()
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
         return ModelInfo(effective_context=req.config.num_ctx or 4096, reason="backend")

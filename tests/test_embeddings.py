@@ -231,7 +231,7 @@ def test_context_overflow_unless_truncate(
 
 # --- the side slot never touches a generation model -------------------------------------------
 def test_generation_kv_is_not_disturbed(slots: dict[str, EmbeddingSlot]) -> None:
-    from backends.llama_cpp import open_llama
+    from backends.llama import open_llama
 
     chat_path = bundled_gguf_path()
     chat = open_llama(chat_path, n_ctx=256, n_batch=256)

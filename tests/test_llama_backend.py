@@ -19,15 +19,11 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 from backends.bundled import bundled_gguf_path  # noqa: E402
-from backends.llama_cpp import (  # noqa: E402
-    LlamaBackend,
-    LlamaLoadedModel,
-    LlamaSession,
-    _map_llama_errors,
-    _pack_state,
-    _unpack_state,
-    open_llama,
-)
+from backends.llama import LlamaBackend, LlamaLoadedModel, open_llama  # noqa: E402
+from backends.llama.model import STATE_MAGIC  # noqa: E402
+from backends.llama.native import map_errors  # noqa: E402
+from backends.tape.session import TapeSession  # noqa: E402
+from backends.tape.state import frame_state, unpack_state  # noqa: E402
 from contract.errors import (  # noqa: E402
     BackendMismatch,
     ContextOverflow,
@@ -86,23 +82,23 @@ def model(backend: LlamaBackend, model_path: Path) -> Iterator[LlamaLoadedModel]
 
 @pytest.fixture(scope="module")
 def manifest(model: LlamaLoadedModel) -> ContextManifest:
-    return ContextManifest(**model.manifest_defaults())
+    return model.manifest_defaults()
 
 
 @pytest.fixture
-def session(model: LlamaLoadedModel) -> Iterator[LlamaSession]:
+def session(model: LlamaLoadedModel) -> Iterator[TapeSession]:
     s = model.open_session()
     yield s
     s.close()
 
 
-def greedy(session: LlamaSession, n: int, **kw: object) -> tuple[list[int], str, StreamChunk]:
+def greedy(session: TapeSession, n: int, **kw: object) -> tuple[list[int], str, StreamChunk]:
     chunks = list(session.decode(DecodeConfig(max_tokens=n, return_token_ids=True, **kw)))  # type: ignore[arg-type]
     ids = [t for c in chunks for t in c.token_ids]
     return ids, "".join(c.text for c in chunks), chunks[-1]
 
 
-def turn(session: LlamaSession, manifest: ContextManifest, system: str, user: str) -> None:
+def turn(session: TapeSession, manifest: ContextManifest, system: str, user: str) -> None:
     session.ensure_prefix(PrefixInput(text=system, manifest=manifest))
     session.prefill_suffix(SuffixInput(text=user, manifest=manifest))
 
@@ -120,7 +116,7 @@ def test_load_reports_progress_and_identity(backend: LlamaBackend, model_path: P
         assert seen == sorted(seen) and len(seen) > 3  # real per-tensor progress, not just 0 and 1
         assert m.num_ctx == 256
         assert m.digest == "sha256:" + hashlib.sha256(model_path.read_bytes()).hexdigest()
-        d = m.manifest_defaults()
+        d = m.manifest_defaults().identity()
         assert d["backend"] == "llama" and d["prompt_format"] == "chatml" and d["model_digest"] == m.digest
         assert d["bos_policy"] == "none"  # SmolLM2: add_bos_token = false
         assert m.resident_bytes() > 90_000_000
@@ -194,15 +190,15 @@ def test_backend_mismatch_and_invalid_config(backend: LlamaBackend, model_path: 
     ],
 )
 def test_foreign_exceptions_are_mapped(exc: BaseException, expected: type[ModeldError]) -> None:
-    with pytest.raises(expected) as info, _map_llama_errors("op"):
+    with pytest.raises(expected) as info, map_errors("op"):
         raise exc
     assert info.value.__cause__ is exc
-    with pytest.raises(ModelLoadFailed), _map_llama_errors("load", loading=True):
+    with pytest.raises(ModelLoadFailed), map_errors("load", loading=True):
         raise ValueError("Failed to load model")
 
 
 # --- parity and warm reuse ----------------------------------------------------------------------------
-def test_greedy_parity_with_llama_cpp_python(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_greedy_parity_with_llama_cpp_python(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     prompt = list(model.res.tokens)
     ids, text, last = greedy(session, 24)
@@ -224,7 +220,7 @@ def test_greedy_parity_with_llama_cpp_python(model: LlamaLoadedModel, manifest: 
         ref.close()
 
 
-def test_warm_turn_equals_cold(backend: LlamaBackend, model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_warm_turn_equals_cold(backend: LlamaBackend, model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, "What does slot.py do?")
     greedy(session, 8)
     status = session.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
@@ -251,7 +247,7 @@ def test_warm_turn_equals_cold(backend: LlamaBackend, model: LlamaLoadedModel, m
     assert warm_ids == cold_ids and warm_text == cold_text
 
 
-def test_manifest_gate_and_token_lcp(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_manifest_gate_and_token_lcp(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     first = session.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
     n = first.prefix_tokens
     for field in ("template_digest", "runtime_digest"):
@@ -272,7 +268,7 @@ def test_manifest_gate_and_token_lcp(model: LlamaLoadedModel, manifest: ContextM
     assert kv_consistent(model)
 
 
-def test_suffix_reuses_previous_answer_and_raw_continuation(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_suffix_reuses_previous_answer_and_raw_continuation(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     greedy(session, 12)
     tape = list(model.res.tokens)
@@ -286,7 +282,7 @@ def test_suffix_reuses_previous_answer_and_raw_continuation(model: LlamaLoadedMo
     assert last.usage is not None and last.usage.completion_tokens == len(ids)
 
 
-def test_rendered_suffix_is_the_model_template(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_rendered_suffix_is_the_model_template(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     rendered = model.llm.detokenize(model.res.tokens, special=True).decode()
     assert rendered == (
@@ -295,7 +291,7 @@ def test_rendered_suffix_is_the_model_template(model: LlamaLoadedModel, manifest
 
 
 # --- errors that leave the resident context untouched -----------------------------------------------------
-def test_suffix_manifest_mismatch_and_overflow(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_suffix_manifest_mismatch_and_overflow(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     before = list(model.res.tokens)
     report = session.explain_context()
@@ -312,7 +308,7 @@ def test_suffix_manifest_mismatch_and_overflow(model: LlamaLoadedModel, manifest
         session.ensure_prefix(PrefixInput(text="x", manifest=manifest.model_copy(update={"model_digest": "sha256:1"})))
 
 
-def test_tools_with_a_template_that_ignores_them(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_tools_with_a_template_that_ignores_them(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     before = list(model.res.tokens)
     with pytest.raises(UnsupportedFeature, match="tools"):
@@ -322,7 +318,7 @@ def test_tools_with_a_template_that_ignores_them(model: LlamaLoadedModel, manife
     assert model.res.tokens == before
 
 
-def test_regex_and_bad_grammar_are_refused(manifest: ContextManifest, session: LlamaSession) -> None:
+def test_regex_and_bad_grammar_are_refused(manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     with pytest.raises(UnsupportedFeature):
         session.decode(DecodeConfig(structured_output=StructuredOutputConfig(regex="[a-z]+")))
@@ -333,7 +329,7 @@ def test_regex_and_bad_grammar_are_refused(manifest: ContextManifest, session: L
 
 
 # --- decoding details ------------------------------------------------------------------------------------------
-def test_cancel_leaves_kv_and_tape_consistent(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_cancel_leaves_kv_and_tape_consistent(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     base = list(model.res.tokens)
     gen = session.decode(DecodeConfig(max_tokens=50, return_token_ids=True))
@@ -351,7 +347,7 @@ def test_cancel_leaves_kv_and_tape_consistent(model: LlamaLoadedModel, manifest:
     assert again == got[:5]  # the same greedy start: nothing stale leaked into the KV
 
 
-def test_newer_operation_ends_an_abandoned_stream(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_newer_operation_ends_an_abandoned_stream(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     gen = session.decode(DecodeConfig(max_tokens=50))
     next(gen)
@@ -360,7 +356,7 @@ def test_newer_operation_ends_an_abandoned_stream(model: LlamaLoadedModel, manif
     assert len(model.res.tokens) == model.res.prefix_len and kv_consistent(model)
 
 
-def test_sampling_with_seed_is_repeatable(manifest: ContextManifest, session: LlamaSession) -> None:
+def test_sampling_with_seed_is_repeatable(manifest: ContextManifest, session: TapeSession) -> None:
     runs = []
     for _ in range(2):
         turn(session, manifest, SYSTEM, QUESTION)
@@ -369,7 +365,7 @@ def test_sampling_with_seed_is_repeatable(manifest: ContextManifest, session: Ll
     assert runs[0] == runs[1] and len(runs[0]) > 0
 
 
-def test_stop_string_and_utf8_streaming(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_stop_string_and_utf8_streaming(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, "Say something festive.")
     answer = "祝日 🎉🎊 feliz día ✓ END tail"
     grammar = "root ::= " + json.dumps(answer, ensure_ascii=False)  # GBNF has no surrogate pairs
@@ -387,7 +383,7 @@ def test_stop_string_and_utf8_streaming(model: LlamaLoadedModel, manifest: Conte
     assert kv_consistent(model)
 
 
-def test_think_block_goes_to_thinking(manifest: ContextManifest, session: LlamaSession) -> None:
+def test_think_block_goes_to_thinking(manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     grammar = "root ::= " + json.dumps("<think>buckets and chains</think>Use chaining.")
     chunks = list(session.decode(DecodeConfig(max_tokens=60, structured_output=StructuredOutputConfig(grammar=grammar))))
@@ -400,7 +396,7 @@ def test_think_block_goes_to_thinking(manifest: ContextManifest, session: LlamaS
     assert "".join(c.text for c in raw).startswith("<think>")
 
 
-def test_json_schema_output_validates(manifest: ContextManifest, session: LlamaSession) -> None:
+def test_json_schema_output_validates(manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, "Describe a file as JSON.")
     schema = {
         "type": "object",
@@ -440,7 +436,7 @@ def test_decode_stops_at_context_full(backend: LlamaBackend, model_path: Path, m
         s = small.open_session()
         with pytest.raises(InvalidArgument):
             s.decode(DecodeConfig())  # nothing resident yet
-        man = ContextManifest(**small.manifest_defaults())
+        man = small.manifest_defaults()
         s.ensure_prefix(PrefixInput(text=SYSTEM, manifest=man))
         s.prefill_suffix(SuffixInput(text="Go on.", manifest=man))
         before = len(small.res.tokens)
@@ -456,7 +452,7 @@ def test_decode_stops_at_context_full(backend: LlamaBackend, model_path: Path, m
         s.ensure_prefix(PrefixInput(text="x", manifest=man))
 
 
-def test_status_readers_from_another_thread(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_status_readers_from_another_thread(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     stop = threading.Event()
     seen: list[int] = []
@@ -495,7 +491,7 @@ def test_closing_a_session_keeps_the_kv_warm(model: LlamaLoadedModel, manifest: 
     third.close()
 
 
-def test_snapshot_restore_reproduces_decoding(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_snapshot_restore_reproduces_decoding(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     snap = session.snapshot()
     assert snap.state_kind == "kv" and snap.backend == "llama" and snap.resident_tokens == len(model.res.tokens)
@@ -519,13 +515,14 @@ def _redigest(snap: SessionSnapshot, state: bytes) -> SessionSnapshot:
     return snap.model_copy(update={"state": state, "state_digest": "sha256:" + hashlib.sha256(state).hexdigest()})
 
 
-def test_bad_snapshots_are_refused_and_change_nothing(model: LlamaLoadedModel, manifest: ContextManifest, session: LlamaSession) -> None:
+def test_bad_snapshots_are_refused_and_change_nothing(model: LlamaLoadedModel, manifest: ContextManifest, session: TapeSession) -> None:
     turn(session, manifest, SYSTEM, QUESTION)
     snap = session.snapshot()
     turn(session, manifest, SYSTEM, "What does blobs.py store?")
     before = list(model.res.tokens)
     report = session.explain_context()
-    header, blob = _unpack_state(snap.state)
+    header, body = unpack_state(STATE_MAGIC, snap.state, "a llama snapshot")
+    blob = bytes(body)
     flipped = bytearray(snap.state)
     flipped[len(flipped) // 2] ^= 0xFF
     bad = {
@@ -534,10 +531,10 @@ def test_bad_snapshots_are_refused_and_change_nothing(model: LlamaLoadedModel, m
         "counts": snap.model_copy(update={"resident_tokens": snap.resident_tokens + 1}),
         "other model": snap.model_copy(update={"manifest": snap.manifest.model_copy(update={"model_digest": "sha256:ab"})}),
         "backend": snap.model_copy(update={"backend": "openvino"}),
-        "kv type": _redigest(snap, _pack_state(header | {"type_k": 8, "type_v": 8}, blob)),
-        "header model": _redigest(snap, _pack_state(header | {"model_digest": "sha256:ab"}, blob)),
+        "kv type": _redigest(snap, frame_state(STATE_MAGIC, header | {"type_k": 8, "type_v": 8}, blob)),
+        "header model": _redigest(snap, frame_state(STATE_MAGIC, header | {"model_digest": "sha256:ab"}, blob)),
         "not ours": _redigest(snap, b"garbage" * 10),
-        "short blob": _redigest(snap, _pack_state(header, blob[: len(blob) // 3])),
+        "short blob": _redigest(snap, frame_state(STATE_MAGIC, header, blob[: len(blob) // 3])),
         "vocab": snap.model_copy(update={"resident_token_ids": [10**9] * snap.resident_tokens}),
     }
     for name, snapshot in bad.items():
@@ -559,7 +556,7 @@ def tool_model(backend: LlamaBackend) -> Iterator[LlamaLoadedModel]:
 
 
 def test_tools_render_and_grammar_forced_call_is_parsed(tool_model: LlamaLoadedModel) -> None:
-    man = ContextManifest(**tool_model.manifest_defaults())
+    man = tool_model.manifest_defaults()
     assert man.template_digest != "" and man.prompt_format == "chatml"
     s = tool_model.open_session()
     st = s.ensure_prefix(PrefixInput(text="You are a weather bot.", tools=json.dumps([WEATHER_TOOL]), manifest=man))

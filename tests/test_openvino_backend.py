@@ -1,7 +1,7 @@
 """The OpenVINO backend against the real bundled model (SmolLM2-135M Q4_1, converted to IR).
 
 The GGUF is converted once per module into a private model cache (this also
-exercises ``backends.ov_prepare``), and the IR is compiled once with the backend
+exercises ``backends.openvino.prepare``), and the IR is compiled once with the backend
 defaults: INFERENCE_PRECISION_HINT = the device default (bf16 on AMX CPUs, f32
 elsewhere; the test reads the resolved value) and KV_CACHE_PRECISION f16 (stored as bf16
 under a bf16 hint), paged attention, 512-token prefill chunks. Every
@@ -24,17 +24,11 @@ ov = pytest.importorskip("openvino")
 ov_genai = pytest.importorskip("openvino_genai")
 
 from backends.bundled import bundled_gguf_path  # noqa: E402
-from backends.openvino_backend import (  # noqa: E402
-    BACKEND_NAME,
-    MIN_PREFILL_ROWS,
-    OpenVINOBackend,
-    OpenVINOLoadedModel,
-    OpenVINOSession,
-    _bucket,
-    _map_ov_errors,
-    _unpack_state,
-)
-from backends.ov_prepare import (  # noqa: E402
+from backends.openvino import BACKEND_NAME, OpenVINOBackend, OpenVINOLoadedModel  # noqa: E402
+from backends.openvino.graph import MIN_PREFILL_ROWS, bucket  # noqa: E402
+from backends.openvino.model import STATE_MAGIC  # noqa: E402
+from backends.openvino.native import map_errors  # noqa: E402
+from backends.openvino.prepare import (  # noqa: E402
     IR_FILES,
     MARKER_FILE,
     ConversionError,
@@ -42,6 +36,8 @@ from backends.ov_prepare import (  # noqa: E402
     is_complete_ir,
     prepare_ir,
 )
+from backends.tape.session import TapeSession  # noqa: E402
+from backends.tape.state import unpack_state  # noqa: E402
 from contract.errors import (  # noqa: E402
     BackendMismatch,
     ContextOverflow,
@@ -107,21 +103,21 @@ def model(backend: OpenVINOBackend, ir_dir: Path) -> Iterator[OpenVINOLoadedMode
 
 
 @pytest.fixture
-def session(model: OpenVINOLoadedModel) -> OpenVINOSession:
+def session(model: OpenVINOLoadedModel) -> TapeSession:
     return model.open_session()
 
 
 def manifest(m: OpenVINOLoadedModel, profile: str = "", **over: str) -> ContextManifest:
-    return ContextManifest(**(m.manifest_defaults() | {"profile": profile} | over))
+    return m.manifest_defaults().model_copy(update={"profile": profile, **over})
 
 
-def greedy(s: OpenVINOSession, n: int = 24, **cfg: object) -> list[int]:
+def greedy(s: TapeSession, n: int = 24, **cfg: object) -> list[int]:
     chunks = list(s.decode(DecodeConfig(max_tokens=n, return_token_ids=True, **cfg)))  # type: ignore[arg-type]
     assert chunks[-1].done
     return [t for c in chunks for t in c.token_ids]
 
 
-def turn(s: OpenVINOSession, man: ContextManifest, prefix: str, suffix: str, n: int = 24) -> list[int]:
+def turn(s: TapeSession, man: ContextManifest, prefix: str, suffix: str, n: int = 24) -> list[int]:
     s.ensure_prefix(PrefixInput(text=prefix, manifest=man))
     s.prefill_suffix(SuffixInput(text=suffix, manifest=man))
     return greedy(s, n)
@@ -142,7 +138,7 @@ def test_prepare_is_complete_and_idempotent(ir_dir: Path, cache_dir: Path) -> No
 
 
 def test_check_convertible_refuses_unsupported(ir_dir: Path) -> None:
-    from backends.gguf_meta import read_gguf
+    from backends.gguf_file import read_gguf
 
     facts = read_gguf(bundled_gguf_path())
     check_convertible(facts)
@@ -155,7 +151,7 @@ def test_check_convertible_refuses_unsupported(ir_dir: Path) -> None:
 
 
 # --- parity with openvino-genai -------------------------------------------------------------------------------
-def test_greedy_parity_with_genai_pipeline(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_greedy_parity_with_genai_pipeline(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     """32 greedy tokens equal openvino-genai's own LLMPipeline, token for token.
 
     Both run the same IR through the same paged-attention kernels at the same
@@ -218,7 +214,7 @@ def test_prefill_is_split_invariant(model: OpenVINOLoadedModel) -> None:
 
 
 # --- reuse -------------------------------------------------------------------------------------------
-def test_warm_equals_cold(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_warm_equals_cold(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     man = manifest(model, "warm-cold")
     cold_st = session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
     assert cold_st.reused_tokens == 0 and cold_st.prefilled_tokens == cold_st.prefix_tokens > 200
@@ -242,7 +238,7 @@ def test_warm_equals_cold(model: OpenVINOLoadedModel, session: OpenVINOSession) 
     assert greedy(session, 24) == other
 
 
-def test_manifest_gate_forces_recompute(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_manifest_gate_forces_recompute(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     man = manifest(model, "gate")
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
     assert session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man)).reused_tokens > 0
@@ -254,13 +250,14 @@ def test_manifest_gate_forces_recompute(model: OpenVINOLoadedModel, session: Ope
         session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))  # back, recomputed again
 
 
-def test_edited_tail_reuses_the_token_lcp(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_edited_tail_reuses_the_token_lcp(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     man = manifest(model, "edit")
     first = LONG_PREFIX + "Current file: src/server.py, opened at line 12 of 480."
     edited = LONG_PREFIX + "Current file: tests/test_server.py, opened at line 7 of 95."
 
     def tokens_of(text: str) -> list[int]:
-        return model.tokenize(model.render([{"role": "system", "content": text}], None, generation=False))
+        assert model.template is not None
+        return model.tokenize(model.template.render([{"role": "system", "content": text}], None, generation=False))
 
     session.ensure_prefix(PrefixInput(text=first, manifest=man))
     session.prefill_suffix(SuffixInput(text="Fix the bug.", manifest=man))
@@ -280,7 +277,7 @@ def test_edited_tail_reuses_the_token_lcp(model: OpenVINOLoadedModel, session: O
     assert turn(session, cold_man, edited, "Fix the bug.", 16) == warm
 
 
-def test_short_edited_tail_is_exact(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_short_edited_tail_is_exact(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     """A 1-2 token edit recomputes only those tokens (padded), and answers exactly as cold."""
     man = manifest(model, "short-edit")
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX + "Mode: fast", manifest=man))
@@ -293,7 +290,7 @@ def test_short_edited_tail_is_exact(model: OpenVINOLoadedModel, session: OpenVIN
 
 
 def test_shape_buckets() -> None:
-    assert [_bucket(n) for n in (1, 15, 16, 17, 113, 256, 257, 320, 321, 1024, 1025, 4000)] == [
+    assert [bucket(n) for n in (1, 15, 16, 17, 113, 256, 257, 320, 321, 1024, 1025, 4000)] == [
         16, 16, 16, 32, 128, 256, 320, 320, 384, 1024, 1280, 4096,
     ]
 
@@ -370,7 +367,7 @@ def test_closed_session_keeps_kv_and_new_session_fences_old(model: OpenVINOLoade
 
 
 # --- decode ---------------------------------------------------------------------------------------------
-def test_cancel_stops_and_keeps_tape_equal_to_kv(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_cancel_stops_and_keeps_tape_equal_to_kv(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     man = manifest(model, "cancel")
     full = turn(session, man, LONG_PREFIX, "Describe the daemon.", 16)
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
@@ -388,7 +385,7 @@ def test_cancel_stops_and_keeps_tape_equal_to_kv(model: OpenVINOLoadedModel, ses
     assert turn(session, man, LONG_PREFIX, "Describe the daemon.", 16) == full
 
 
-def test_stop_string_eog_and_usage(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_stop_string_eog_and_usage(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     man = manifest(model, "stop")
     session.ensure_prefix(PrefixInput(text="You are a helpful assistant. Answer briefly.", manifest=man))
     session.prefill_suffix(SuffixInput(text="What is the capital of France?", manifest=man))
@@ -404,7 +401,7 @@ def test_stop_string_eog_and_usage(model: OpenVINOLoadedModel, session: OpenVINO
     assert "Paris" not in "".join(c.text for c in chunks) and chunks[-1].finish_reason == "stop"
 
 
-def test_sampling_is_seeded(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_sampling_is_seeded(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     man = manifest(model, "sample")
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
 
@@ -417,7 +414,7 @@ def test_sampling_is_seeded(model: OpenVINOLoadedModel, session: OpenVINOSession
     assert sample(temperature=1.0, top_k=1, seed=3) == sample()  # top-1 is greedy
 
 
-def test_explain_context_from_another_thread(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_explain_context_from_another_thread(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     man = manifest(model, "thread")
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
     session.prefill_suffix(SuffixInput(text="Describe the daemon.", manifest=man))
@@ -444,18 +441,18 @@ def test_explain_context_from_another_thread(model: OpenVINOLoadedModel, session
 
 
 # --- snapshots ---------------------------------------------------------------------------------------------
-def _snapshot_after_suffix(model: OpenVINOLoadedModel, s: OpenVINOSession, profile: str) -> SessionSnapshot:
+def _snapshot_after_suffix(model: OpenVINOLoadedModel, s: TapeSession, profile: str) -> SessionSnapshot:
     man = manifest(model, profile)
     s.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
     s.prefill_suffix(SuffixInput(text="What does the agent send as the suffix?", manifest=man))
     return s.snapshot()
 
 
-def test_snapshot_restore_continues_identically(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_snapshot_restore_continues_identically(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     snap = _snapshot_after_suffix(model, session, "snap")
     reference = greedy(session, 20)
     assert snap.state_kind == "kv" and snap.backend == BACKEND_NAME
-    header, _ = _unpack_state(snap.state)
+    header, _ = unpack_state(STATE_MAGIC, snap.state, "an OpenVINO snapshot")
     assert header["n_tokens"] == snap.resident_tokens and len(header["pools"]) == 60
     per_token = model.kv_bytes_per_token
     assert per_token == 30 * 3 * 2 * 64 * 2
@@ -474,7 +471,7 @@ def test_snapshot_restore_continues_identically(model: OpenVINOLoadedModel, sess
     assert again.reused_tokens == snap.prefix_tokens
 
 
-def test_replay_snapshot_reprefills(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_replay_snapshot_reprefills(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     snap = _snapshot_after_suffix(model, session, "replay")
     reference = greedy(session, 12)
     replay = snap.model_copy(
@@ -487,7 +484,7 @@ def test_replay_snapshot_reprefills(model: OpenVINOLoadedModel, session: OpenVIN
 
 
 def test_refused_snapshots_leave_the_session_untouched(
-    model: OpenVINOLoadedModel, session: OpenVINOSession
+    model: OpenVINOLoadedModel, session: TapeSession
 ) -> None:
     snap = _snapshot_after_suffix(model, session, "refuse")
     reference = greedy(session, 12)
@@ -500,7 +497,7 @@ def test_refused_snapshots_leave_the_session_untouched(
 
     tampered = bytearray(snap.state)
     tampered[-1] ^= 0xFF
-    header, body = _unpack_state(snap.state)
+    header, body = unpack_state(STATE_MAGIC, snap.state, "an OpenVINO snapshot")
     other_runtime = dict(header, runtime=dict(header["runtime"], kv_precision="f32"))
     head = json.dumps(other_runtime, sort_keys=True, separators=(",", ":")).encode()
     magic = snap.state[:16]
@@ -533,18 +530,18 @@ def test_tool_template_renders_tools_and_tool_turns(backend: OpenVINOBackend, ca
     """A tool-capable template (same weights, see tests/fixtures.py) gets tools, tool turns and thinking flags."""
     m = backend.load(OpenSessionRequest(path=str(tool_gguf(cache_dir)), config=Config(num_ctx=1024)), lambda _f: None)
     try:
-        assert m.template_uses_tools
+        assert m.template is not None and m.template.supports_tools
         s = m.open_session()
         man = manifest(m, "tools")
         tools = json.dumps([WEATHER_TOOL])
         st = s.ensure_prefix(PrefixInput(text="You are a weather bot.", manifest=man, tools=tools))
-        prefix_text = m.detokenize(m.res.tokens)
+        prefix_text = m.prompt_text(m.res.tokens)
         assert "<tools>" in prefix_text and "get_weather" in prefix_text
         assert s.ensure_prefix(PrefixInput(text="You are a weather bot.", manifest=man, tools=tools)).reused_tokens == (
             st.prefix_tokens
         )
         s.prefill_suffix(SuffixInput(text='{"temp": 21}', role="tool", enable_thinking=False, manifest=man))
-        suffix_text = m.detokenize(m.res.tokens[m.res.prefix_len :])
+        suffix_text = m.prompt_text(m.res.tokens[m.res.prefix_len :])
         assert "<tool_response>" in suffix_text and suffix_text.endswith("<think>\n\n</think>\n\n")
         chunks = list(s.decode(DecodeConfig(max_tokens=16, parser_protocols=["hermes"])))
         assert chunks[-1].done
@@ -598,7 +595,7 @@ def test_backend_mismatch_and_unsupported_config(backend: OpenVINOBackend, ir_di
         backend.embed(EmbedRequest(path=str(ir_dir), text="hi"))
 
 
-def test_suffix_manifest_and_overflow(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_suffix_manifest_and_overflow(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     man = manifest(model, "overflow")
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
     session.prefill_suffix(SuffixInput(text="Short question?", manifest=man))
@@ -618,9 +615,9 @@ def test_suffix_manifest_and_overflow(model: OpenVINOLoadedModel, session: OpenV
         session.ensure_prefix(PrefixInput(text="x", manifest=man.model_copy(update={"backend": "llama"})))
 
 
-def test_tools_without_template_support_are_refused(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_tools_without_template_support_are_refused(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     man = manifest(model, "refuse-features")
-    assert not model.template_uses_tools
+    assert model.template is not None and not model.template.supports_tools
     with pytest.raises(UnsupportedFeature, match="tools"):
         session.ensure_prefix(PrefixInput(text="sys", manifest=man, tools=json.dumps([WEATHER_TOOL])))
     with pytest.raises(InvalidArgument):
@@ -642,7 +639,7 @@ FILE_SCHEMA = {
 }
 
 
-def constrained(s: OpenVINOSession, so: StructuredOutputConfig, n: int = 80) -> tuple[str, list[int], str]:
+def constrained(s: TapeSession, so: StructuredOutputConfig, n: int = 80) -> tuple[str, list[int], str]:
     chunks = list(s.decode(DecodeConfig(max_tokens=n, return_token_ids=True, structured_output=so)))
     return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason
 
@@ -655,7 +652,7 @@ def constrained(s: OpenVINOSession, so: StructuredOutputConfig, n: int = 80) -> 
     ],
     ids=["json_schema", "regex"],
 )
-def test_structured_output_parity_with_genai(model: OpenVINOLoadedModel, session: OpenVINOSession, so: StructuredOutputConfig) -> None:
+def test_structured_output_parity_with_genai(model: OpenVINOLoadedModel, session: TapeSession, so: StructuredOutputConfig) -> None:
     """Constrained greedy output equals GenAI's own StructuredOutputConfig (XGrammar), token for token.
 
     Same IR, same precisions as test_greedy_parity_with_genai_pipeline; the
@@ -697,7 +694,7 @@ def test_structured_output_parity_with_genai(model: OpenVINOLoadedModel, session
         assert re.fullmatch(r"(yes|no)\. [A-Z][a-z]+ [a-z]+\.", text), text
 
 
-def test_grammar_output_follows_the_grammar(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_grammar_output_follows_the_grammar(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     """GBNF (the llama backend's dialect) and Lark both constrain; sampling too; the KV stays equal to the tape."""
     import re
 
@@ -720,7 +717,7 @@ def test_grammar_output_follows_the_grammar(model: OpenVINOLoadedModel, session:
             assert model.res.tokens == base + [t for c in chunks for t in c.token_ids]
 
 
-def test_constraint_and_stop_and_length(model: OpenVINOLoadedModel, session: OpenVINOSession) -> None:
+def test_constraint_and_stop_and_length(model: OpenVINOLoadedModel, session: TapeSession) -> None:
     """A stop string still cuts constrained output; max_tokens ends it with "length" mid-language."""
     man = manifest(model, "grammar-stop")
     so = StructuredOutputConfig(grammar='root ::= "alpha beta gamma delta"')
@@ -752,7 +749,7 @@ def test_constraint_and_stop_and_length(model: OpenVINOLoadedModel, session: Ope
          "bad-regex", "bad-gbnf", "gbnf-undefined-rule"],
 )
 def test_bad_constraints_are_refused_and_the_session_keeps_serving(
-    model: OpenVINOLoadedModel, session: OpenVINOSession, so: StructuredOutputConfig, error: type[ModeldError], match: str
+    model: OpenVINOLoadedModel, session: TapeSession, so: StructuredOutputConfig, error: type[ModeldError], match: str
 ) -> None:
     man = manifest(model, "bad-constraints")
     session.ensure_prefix(PrefixInput(text="You are terse.", manifest=man))
@@ -800,7 +797,7 @@ def test_prepare_entry_point_prints_the_ir_dir(ir_dir: Path) -> None:
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "backends.ov_prepare"],
+        [sys.executable, "-m", "backends.openvino.prepare"],
         cwd=Path(__file__).resolve().parent.parent,
         capture_output=True,
         text=True,
@@ -817,10 +814,10 @@ def test_load_from_gguf_uses_the_prepared_ir(backend: OpenVINOBackend, ir_dir: P
     try:
         assert m.ir == ir_dir  # the module cache (MODELD_MODEL_CACHE) already holds it
         assert progress[0] == 0.0 and progress[-1] == 1.0 and progress == sorted(progress)
-        d = m.manifest_defaults()
+        d = m.manifest_defaults().identity()
         assert d["backend"] == "openvino" and d["model_digest"] == m.digest
         assert m.digest == json.loads((ir_dir / MARKER_FILE).read_text())["source_digest"]
-        assert d["template_digest"] == "sha256:" + hashlib.sha256(m.template.encode()).hexdigest()
+        assert d["template_digest"] == "sha256:" + hashlib.sha256(m.template.source.encode()).hexdigest()  # type: ignore[union-attr]
         assert d["bos_policy"] == "none" and d["prompt_format"] == "chatml"
     finally:
         m.close()
@@ -834,7 +831,7 @@ def test_manifest_defaults_track_numerics(model: OpenVINOLoadedModel) -> None:
     assert ident["kv_precision"] in ("f16", "bf16") and ident["num_ctx"] == NUM_CTX
     assert "prefill_chunk" not in ident  # split-invariant: not a numeric setting
     assert ident["inference_precision"] in ("bf16", "f32", "f16")
-    assert model.manifest_defaults()["runtime_digest"].startswith("sha256:")
+    assert model.manifest_defaults().runtime_digest.startswith("sha256:")
 
 
 # --- error mapping -----------------------------------------------------------------------------------------
@@ -855,8 +852,8 @@ def test_manifest_defaults_track_numerics(model: OpenVINOLoadedModel) -> None:
         (SnapshotRejected("kept"), False, SnapshotRejected),
     ],
 )
-def test_map_ov_errors(exc: BaseException, loading: bool, expected: type[ModeldError]) -> None:
-    with pytest.raises(expected) as info, _map_ov_errors("act", loading=loading):
+def testmap_errors(exc: BaseException, loading: bool, expected: type[ModeldError]) -> None:
+    with pytest.raises(expected) as info, map_errors("act", loading=loading):
         raise exc
     assert not isinstance(exc, ModeldError) or info.value is exc
     if not isinstance(exc, ModeldError):

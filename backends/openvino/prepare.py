@@ -20,7 +20,7 @@ conversion cost on every load nor files written into site-packages, so:
   sees a half-written IR, and two processes racing to prepare the same GGUF
   both end up using whichever rename won.
 
-``python -m backends.ov_prepare [GGUF]`` prepares the bundled model (or GGUF) and
+``python -m backends.openvino.prepare [GGUF]`` (or ``modeld prepare``) prepares the bundled model (or GGUF) and
 prints the IR directory; ``make setup`` runs it.
 """
 
@@ -36,9 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .bundled import bundled_gguf_path, model_cache_dir
-from .digest import file_digest
-from .gguf_meta import GGUFFacts, is_gguf, read_gguf
+from ..bundled import bundled_gguf_path, model_cache_dir
+from ..digest import file_digest
+from ..gguf_file import GGUFFacts, is_gguf, read_gguf
 
 __all__ = [
     "IR_FILES",

@@ -1,4 +1,4 @@
-"""Unit tests of backends/chat.py: incremental UTF-8, stop strings, <think>, tool calls.
+"""Unit tests of backends/tape/output.py: incremental UTF-8, stop strings, <think>, tool calls.
 
 Every stage must give the same output however the stream is chunked, so most
 properties are checked over arbitrary split points with hypothesis.
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.chat import (
+from backends.tape.output import (
     OutputPipeline,
     StopMatcher,
     ThinkSplitter,

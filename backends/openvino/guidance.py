@@ -1,6 +1,6 @@
 """Structured output for a decode loop that samples in numpy: llguidance token masks.
 
-The OpenVINO backend drives the IR itself (see ``backends.openvino_backend``), so
+The OpenVINO backend drives the IR itself (see ``backends.openvino.model``), so
 openvino-genai's grammar engine (XGrammar, inside its C++ sampler) is out of
 reach. llguidance is the constrained-decoding engine llama.cpp can be built with
 and vLLM/SGLang use: a Rust library with a small, dependency-free wheel that

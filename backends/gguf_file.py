@@ -1,0 +1,208 @@
+"""GGUF files: metadata for planning and identity, read without loading weights.
+
+Two readers, both here: ``read_gguf`` parses the whole header with the ``gguf``
+package (every array too: ~2 s for the bundled model's vocabulary, so its
+result is cached per file by ``gguf_facts``); ``gguf_scalars`` reads only the
+scalar keys straight from the mapped header in a few milliseconds, for a load
+that needs a handful of numbers before the engine opens the file itself.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class GGUFFacts:
+    architecture: str
+    n_ctx_train: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_embd: int
+    head_dim_k: int
+    head_dim_v: int
+    sliding_window: int
+    weights_bytes: int
+    file_bytes: int
+    chat_template: str
+    tokenizer_model: str
+    tokenizer_pre: str
+    bos_token_id: int
+    eos_token_id: int
+    add_bos_token: bool | None
+    pooling_type: int
+    n_vocab: int
+    tensor_types: frozenset[str]
+    raw: dict[str, Any]
+
+
+def is_gguf(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def read_gguf(path: str | Path) -> GGUFFacts:
+    """Scalar metadata and tensor totals; raises ValueError for a file that is not a valid GGUF."""
+    from gguf import GGUFReader  # imported lazily: only the backends need it
+
+    p = Path(path)
+    if not is_gguf(p):
+        raise ValueError(f"{p} is not a GGUF file (bad magic)")
+    try:
+        reader = GGUFReader(str(p), "r")
+    except Exception as exc:  # gguf raises ValueError/IndexError/struct.error on truncation
+        raise ValueError(f"{p} is not a readable GGUF: {type(exc).__name__}: {exc}") from exc
+    raw: dict[str, Any] = {}
+    for name, fld in reader.fields.items():
+        if name.startswith("tokenizer.ggml.") and name in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores",
+        ):
+            continue  # large arrays we never need here
+        try:
+            raw[name] = fld.contents()
+        except Exception:  # an exotic field type; irrelevant for planning
+            continue
+    arch = str(raw.get("general.architecture", ""))
+
+    def g(key: str, default: Any = 0) -> Any:
+        return raw.get(f"{arch}.{key}", default)
+
+    n_head = int(g("attention.head_count", 0) or 0)
+    n_head_kv_raw = g("attention.head_count_kv", n_head)
+    n_head_kv = int(max(n_head_kv_raw) if isinstance(n_head_kv_raw, list) else n_head_kv_raw)
+    n_embd = int(g("embedding_length", 0) or 0)
+    head_default = n_embd // n_head if n_head else 0
+    return GGUFFacts(
+        architecture=arch,
+        n_ctx_train=int(g("context_length", 0) or 0),
+        n_layer=int(g("block_count", 0) or 0),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        n_embd=n_embd,
+        head_dim_k=int(g("attention.key_length", head_default) or head_default),
+        head_dim_v=int(g("attention.value_length", head_default) or head_default),
+        sliding_window=int(g("attention.sliding_window", 0) or 0),
+        weights_bytes=int(sum(int(t.n_bytes) for t in reader.tensors)),
+        file_bytes=p.stat().st_size,
+        chat_template=str(raw.get("tokenizer.chat_template", "") or ""),
+        tokenizer_model=str(raw.get("tokenizer.ggml.model", "")),
+        tokenizer_pre=str(raw.get("tokenizer.ggml.pre", "")),
+        bos_token_id=int(raw.get("tokenizer.ggml.bos_token_id", -1)),
+        eos_token_id=int(raw.get("tokenizer.ggml.eos_token_id", -1)),
+        add_bos_token=(bool(raw["tokenizer.ggml.add_bos_token"]) if "tokenizer.ggml.add_bos_token" in raw else None),
+        pooling_type=int(g("pooling_type", -1)),
+        # The token list's length, without decoding the strings.
+        n_vocab=len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0,
+        tensor_types=frozenset(t.tensor_type.name for t in reader.tensors),
+        raw=raw,
+    )
+
+
+# --- cached facts -------------------------------------------------------------------------
+_facts_cache: dict[tuple[str, int, int], GGUFFacts] = {}
+_facts_lock = threading.Lock()
+
+
+def gguf_facts(path: str | os.PathLike[str]) -> GGUFFacts:
+    """``read_gguf`` cached per (resolved path, size, mtime): it takes ~2 s."""
+    p = Path(path)
+    st = p.stat()
+    key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
+    with _facts_lock:
+        hit = _facts_cache.get(key)
+    if hit is not None:
+        return hit
+    facts = read_gguf(p)
+    with _facts_lock:
+        _facts_cache[key] = facts
+    return facts
+
+
+def cached_gguf_facts(path: Path) -> GGUFFacts | None:
+    """``gguf_facts`` only when it was already read (it costs ~2 s otherwise)."""
+    st = path.stat()
+    with _facts_lock:
+        return _facts_cache.get((str(path.resolve()), st.st_size, st.st_mtime_ns))
+
+
+# --- the scalar fast path ---------------------------------------------------------------
+# GGUF value types (gguf spec) and the struct codes of the scalar ones
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_scalars(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The scalar metadata of a GGUF header, arrays skipped; a few ms.
+
+    ``gguf.GGUFReader`` (behind ``read_gguf``) parses every vocabulary array into
+    numpy objects and takes ~2 s for this model; a load needs only a handful of
+    scalars before llama.cpp opens the file itself. ValueError for a file that is
+    not a readable GGUF.
+    """
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            return _parse_gguf_scalars(buf)
+        except (struct.error, IndexError, UnicodeDecodeError, OverflowError) as exc:
+            raise ValueError(f"{path} has a truncated or corrupt GGUF header: {exc}") from exc
+
+
+def _parse_gguf_scalars(buf: mmap.mmap) -> dict[str, Any]:
+    if buf[:4] != b"GGUF":
+        raise ValueError("bad GGUF magic")
+    (version,) = struct.unpack_from("<I", buf, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} is not supported")
+    _n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
+    off = 24
+    out: dict[str, Any] = {}
+
+    def string(at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", buf, at)
+        end = at + 8 + n
+        if end > len(buf):
+            raise IndexError("string runs past the end of the file")
+        return bytes(buf[at + 8 : end]).decode("utf-8"), end
+
+    def skip(vtype: int, at: int) -> int:
+        if vtype in _GGUF_SCALARS:
+            return at + struct.calcsize(_GGUF_SCALARS[vtype])
+        if vtype == _GGUF_STRING:
+            (n,) = struct.unpack_from("<Q", buf, at)
+            return at + 8 + int(n)
+        if vtype == _GGUF_ARRAY:
+            etype, count = struct.unpack_from("<IQ", buf, at)
+            at += 12
+            if etype in _GGUF_SCALARS:
+                return at + int(count) * struct.calcsize(_GGUF_SCALARS[etype])
+            for _ in range(count):
+                at = skip(etype, at)
+            return at
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+    for _ in range(n_kv):
+        key, off = string(off)
+        (vtype,) = struct.unpack_from("<I", buf, off)
+        off += 4
+        if vtype in _GGUF_SCALARS:
+            (out[key],) = struct.unpack_from(_GGUF_SCALARS[vtype], buf, off)
+        elif vtype == _GGUF_STRING:
+            out[key], _ = string(off)
+        off = skip(vtype, off)
+        if off > len(buf):
+            raise IndexError("metadata runs past the end of the file")
+    return out

@@ -1,0 +1,128 @@
+"""The llama.cpp implementation of the daemon's Backend seam: load, describe, model facts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import llama_cpp
+
+from contract.errors import ModelLoadFailed, UnsupportedFeature
+from contract.sizing import LLAMA_CPP_OVERHEAD, MemoryPool, ModelFacts, kv_bytes_per_token
+from contract.types import EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
+
+from ..bundled import model_cache_dir
+from ..digest import file_digest
+from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
+from ..tape.model import check_digest, check_type
+from .model import BACKEND_NAME, LlamaLoadedModel
+from .native import map_errors, open_llama, runtime_version, system_info
+from .options import DEFAULT_NUM_BATCH, LoadOptions, ModelShape, shape_from_scalars
+
+RUNTIME_NAME = "llama.cpp"
+
+
+def _model_path(req: OpenSessionRequest | EmbedRequest) -> Path:
+    if not req.path:
+        raise ModelLoadFailed("the request names no model path")
+    p = Path(req.path)
+    if not p.is_file():
+        raise ModelLoadFailed(f"model file not found: {req.path}", path=req.path)
+    if not is_gguf(p):
+        raise ModelLoadFailed(f"{req.path} is not a GGUF file", path=req.path)
+    return p
+
+
+class LlamaBackend:
+    """The llama.cpp implementation of the daemon's Backend seam."""
+
+    name = BACKEND_NAME
+
+    def runtime_version(self) -> str:
+        return runtime_version()
+
+    def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> LlamaLoadedModel:
+        check_type(req.type, BACKEND_NAME)
+        progress(0.0)
+        path = _model_path(req)
+        with map_errors(f"loading {req.path}", loading=True):
+            facts = cached_gguf_facts(path)  # describe() may have read it already
+            hint = ModelShape.from_facts(facts) if facts is not None else shape_from_scalars(gguf_scalars(path))
+            options = LoadOptions.resolve(req.config, hint)
+            digest = file_digest(path, model_cache_dir())
+            check_digest(req.path, req.digest, digest)
+            llm = open_llama(path, progress=progress, extra_bufts=options.extra_bufts, **options.llama_kwargs())
+            try:
+                shape = ModelShape(
+                    n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(llm.model)),
+                    n_layer=int(llama_cpp.llama_model_n_layer(llm.model)),
+                    n_head_kv=hint.n_head_kv or int(llama_cpp.llama_model_n_head_kv(llm.model)),
+                    head_dim_k=hint.head_dim_k,
+                    head_dim_v=hint.head_dim_v,
+                    weights_bytes=int(llama_cpp.llama_model_size(llm.model)),
+                )
+                model = LlamaLoadedModel(
+                    llm, path=str(path), digest=digest, shape=shape, options=options, config=req.config
+                )
+                model.check_declared_template()
+            except BaseException:
+                llm.close()
+                raise
+        progress(1.0)
+        return model
+
+    def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
+        """ModelInfo from GGUF metadata; loads no weights. ``credit_bytes`` is for the memory planner."""
+        check_type(req.type, BACKEND_NAME)
+        path = _model_path(req)
+        with map_errors(f"describing {req.path}", loading=True):
+            facts = gguf_facts(path)
+            options = LoadOptions.resolve(req.config, ModelShape.from_facts(facts))
+            digest = file_digest(path, model_cache_dir())
+        kvpt = kv_bytes_per_token(ModelShape.from_facts(facts).sizing(options.kv_cache_type))
+        gpu = bool(llama_cpp.llama_supports_gpu_offload())
+        return ModelInfo(
+            model_max_context=facts.n_ctx_train,
+            effective_context=options.num_ctx,
+            kv_bytes_per_token=kvpt,
+            weights_bytes=facts.weights_bytes,
+            required_bytes=facts.weights_bytes + kvpt * options.num_ctx,
+            device_kind="cpu",
+            requested_gpu_layers=req.config.num_gpu_layers,
+            resolved_gpu_layers=req.config.num_gpu_layers if gpu else 0,
+            runtime_name=RUNTIME_NAME,
+            runtime_digest=f"llama-cpp-python=={runtime_version()}",
+            runtime_system_info=system_info(),
+            supports_gpu_offload=gpu,
+            n_layer=facts.n_layer,
+            n_head_kv=facts.n_head_kv,
+            head_dim=facts.head_dim_k,
+            digest=digest,
+        )
+
+    def model_facts(self, req: OpenSessionRequest) -> ModelFacts:
+        """What the daemon's memory planner needs (no weights loaded)."""
+        check_type(req.type, BACKEND_NAME)
+        path = _model_path(req)
+        with map_errors(f"describing {req.path}", loading=True):
+            facts = gguf_facts(path)
+        kv_type = req.config.kv_cache_type or "f16"
+        return ModelFacts.from_gguf(
+            facts,
+            kv_cache_type=kv_type,
+            n_batch=req.config.num_batch or DEFAULT_NUM_BATCH,
+            # A quantized V cache turns flash attention on (see LoadOptions).
+            flash_attn=req.config.flash_attn or kv_type in ("q8_0", "q4_0"),
+            overhead=LLAMA_CPP_OVERHEAD,
+        )
+
+    def memory_pools(self) -> Sequence[MemoryPool]:
+        """GPU memory pools: none are read on this CPU build (the planner reads host memory itself)."""
+        return ()
+
+    def embed(self, req: EmbedRequest) -> EmbedResult:
+        # Llama.embed on the generation instance would wipe the resident KV.
+        raise UnsupportedFeature("embeddings are served by the embedding side slot, not the llama generation model")
+
+    def close(self) -> None:
+        return None

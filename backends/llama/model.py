@@ -1,0 +1,329 @@
+"""The llama.cpp engine: a model resident in llama-cpp-python with one persistent KV.
+
+Mechanism
+---------
+One ``llama_cpp.Llama`` instance holds the model and ONE context whose KV cache
+(sequence 0) is the session's resident context. Next to it a
+``contract.resident.Resident`` keeps the token tape, and the invariant of this
+module is::
+
+    Resident.tokens == llm.input_ids[:llm.n_tokens] == the tokens in the KV
+
+``ensure_prefix`` renders the stable text through the model's own chat template
+(GGUF ``tokenizer.chat_template``, tools included), tokenizes it, lets
+``Resident.plan_prefix`` decide how much is reusable (manifest identity gate,
+then token longest-common-prefix), removes the rest of the KV with
+``llama_memory_seq_rm`` and prefills only the tail. ``prefill_suffix`` renders
+[system, user] plus the generation prompt and appends the part after the
+rendered prefix; a template that is not prefix-stable is reconciled by a token
+LCP over the whole conversation. ``decode`` samples with a llama.cpp sampler
+chain and evaluates every sampled token into the KV, so a later turn whose
+text contains the previous answer reuses it, and closing the stream at any
+point leaves tape and KV equal.
+
+llama.cpp gotchas handled here (see /work/shared/docs/BACKENDS.md §1)
+---------------------------------------------------------------------
+* Logits are only valid right after a decode. After a restore, a full-prefix hit
+  or a prefill that added nothing, the last resident token is decoded again
+  before sampling (``n_tokens -= 1; eval([last])``); ``logits_live`` tracks it.
+* ``Llama.eval`` itself drops KV cells at positions >= ``n_tokens``, so
+  "truncate to N and continue" is bookkeeping plus one ``seq_rm``.
+* Per-sequence state (``llama_state_seq_get_data``) is proportional to resident
+  tokens and carries no logits; it is only valid for the same model, KV types,
+  flash-attention layout and session version, so snapshots carry a small header
+  with those and a restore refuses anything else before touching the KV.
+* The AMX workaround and the load-progress hook live in ``backends.llama.native``.
+* ``Llama.embed`` clears the KV: it is never called on the generation instance.
+
+Threading: the daemon calls everything from one worker thread; only
+``resident_bytes()`` and ``explain_context()`` may run on another thread, and
+they read plain attributes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import llama_cpp
+from llama_cpp import Llama
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+from contract import interrupt
+from contract.errors import SnapshotRejected
+from contract.sizing import kv_bytes_per_token
+from contract.types import Config, DecodeConfig, SessionSnapshot
+
+from ..tape.model import TapeModelBase
+from ..tape.session import DecodeSteps
+from ..tape.state import frame_state, refuse_diffs, unpack_state
+from .native import KV_GGML_TYPES, map_errors, runtime_version
+from .options import LoadOptions, ModelShape
+from .sampling import LlamaSteps, build_sampler, grammar_source
+
+__all__ = ["BACKEND_NAME", "LlamaLoadedModel", "LlamaTemplate"]
+
+BACKEND_NAME = "llama"
+STATE_MAGIC = b"MODELD-LLAMA-KV1"
+#: a tool list the template would render if it supports tools (see ``LlamaTemplate.supports_tools``)
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "", "parameters": {}}}]
+
+
+# --- the chat template ---------------------------------------------------------------------
+class LlamaTemplate:
+    """The model's own Jinja template, rendered the way HF/llama-cpp-python do."""
+
+    def __init__(self, template: str, eos_token: str, bos_token: str) -> None:
+        self.source = template
+        self.digest = "sha256:" + hashlib.sha256(template.encode("utf-8")).hexdigest()
+        self.prompt_format = "chatml" if "<|im_start|>" in template else "jinja"
+        self._plain = Jinja2ChatFormatter(template, eos_token, bos_token, add_generation_prompt=False)
+        self._gen = Jinja2ChatFormatter(template, eos_token, bos_token, add_generation_prompt=True)
+        self.supports_tools = self._renders_tools()
+
+    def _renders_tools(self) -> bool:
+        """Whether a tool list changes the rendered prompt (a template that ignores tools would drop them)."""
+        system = [{"role": "system", "content": "x"}]
+        try:
+            return self.render(system, _PROBE_TOOLS, generation=False) != self.render(system, None, generation=False)
+        except Exception:  # noqa: BLE001 - a template that fails here fails loudly when really rendered
+            return False
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool, **extra: Any) -> str:
+        fmt = self._gen if generation else self._plain
+        return str(fmt(messages=messages, tools=tools, **extra).prompt)  # type: ignore[arg-type]
+
+
+# --- the loaded model -------------------------------------------------------------------------
+class LlamaLoadedModel(TapeModelBase):
+    """A model resident in llama.cpp with its one persistent KV (what the slot holds).
+
+    Build it with ``LlamaBackend.load``. Sessions opened on it share the KV; a new
+    session makes older session handles closed, since there is one KV to drive.
+    """
+
+    backend_name = BACKEND_NAME
+
+    def __init__(self, llm: Llama, *, path: str, digest: str, shape: ModelShape, options: LoadOptions, config: Config) -> None:
+        self._llm = llm
+        self.shape = shape
+        self.options = options
+        self._vocab = llm._model.vocab
+        self._n_vocab = int(llm.n_vocab())
+        bos_id = int(llm.token_bos())
+        source = llm.metadata.get("tokenizer.chat_template", "")
+        template: LlamaTemplate | None = None
+        if source:
+            eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() != -1 else ""
+            bos = llm._model.token_get_text(bos_id) if bos_id != -1 else ""
+            template = LlamaTemplate(source, eos, bos)
+        kv_per_token = kv_bytes_per_token(shape.sizing(options.kv_cache_type))
+        super().__init__(
+            path=path,
+            digest=digest,
+            config=config,
+            num_ctx=options.num_ctx,
+            resident_bytes=shape.weights_bytes + kv_per_token * options.num_ctx,
+            template=template,
+            bos_id=bos_id,
+            adds_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)),
+        )
+        #: the logits buffer holds the distribution after the last resident token
+        self.logits_live = False
+        #: set while a prefill runs inside contract.interrupt.interruptible(...)
+        self._abort_event: threading.Event | None = None
+        # llama.cpp polls this between graph nodes; the reference keeps ctypes' thunk alive
+        self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
+
+    def _should_abort(self, _data: Any) -> bool:
+        event = self._abort_event
+        return event is not None and event.is_set()
+
+    @property
+    def llm(self) -> Llama:
+        return self._llm
+
+    # --- TapeModelBase ------------------------------------------------------------------
+    def engine_version(self) -> str:
+        return runtime_version()
+
+    def runtime_identity(self) -> dict[str, Any]:
+        return self.options.runtime_identity()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    def errors(self, action: str) -> AbstractContextManager[None]:
+        return map_errors(action)
+
+    def _release(self) -> None:
+        self._llm.close()
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+
+    def prompt_text(self, tokens: list[int]) -> str:
+        return b"".join(self.piece(t, special=True) for t in tokens).decode("utf-8", "replace")
+
+    def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
+        return LlamaSteps(self, build_sampler(self, cfg, grammar_source(cfg.structured_output)))
+
+    # --- tokens and the KV ----------------------------------------------------------------
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        # Llama.detokenize uses a 32-byte buffer and silently truncates longer pieces.
+        size = 64
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, special)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+    def set_kv(self, tokens: list[int], keep: int) -> int:
+        """Make the KV hold ``tokens``, reusing the first ``keep`` resident ones.
+
+        Returns how many were actually reused (0 when the memory cannot drop a
+        tail, e.g. recurrent models). Updates the tape; on failure the KV and the
+        tape are left equal to whatever prefix was computed, and the error raised.
+        """
+        llm = self._llm
+        self.epoch += 1
+        keep = min(keep, len(tokens), len(self.res.tokens), llm.n_tokens)
+        if not llm._ctx.kv_cache_seq_rm(0, keep, -1):
+            llm._ctx.kv_cache_seq_rm(0, 0, -1)
+            keep = 0
+        llm.n_tokens = keep
+        self.res.tokens = list(tokens[:keep])
+        self.logits_live = False
+        tail = tokens[keep:]
+        try:
+            if tail:
+                interrupt.check("prefill")
+                with self._abortable():
+                    llm.eval(tail)
+                self.logits_live = True
+        finally:
+            # eval advances n_tokens per completed batch; keep the tape equal to it
+            self.res.tokens = list(tokens[: llm.n_tokens])
+        return keep
+
+    @contextlib.contextmanager
+    def _abortable(self) -> Iterator[None]:
+        """Let an interrupt stop llama_decode mid-batch (it then returns 2).
+
+        Installed for prefills only: llama.cpp calls the hook once per graph node,
+        a Python call each time, which decode steps need not pay. An aborted batch
+        leaves its finished ubatches in the KV past ``n_tokens``; the caller's
+        rollback removes them.
+        """
+        event = interrupt.current()
+        if event is None:
+            yield
+            return
+        ctx = self._llm._ctx.ctx
+        self._abort_event = event
+        llama_cpp.llama_set_abort_callback(ctx, self._abort_cb, None)
+        try:
+            yield
+        finally:
+            llama_cpp.llama_set_abort_callback(ctx, llama_cpp.ggml_abort_callback(), None)
+            self._abort_event = None
+
+    def append(self, token: int) -> None:
+        """Evaluate one sampled token into the KV and the tape."""
+        self._llm.eval([token])
+        self.res.tokens.append(token)
+        self.logits_live = True
+
+    def refresh_logits(self) -> None:
+        """Decode the last resident token again so sampling sees live logits."""
+        if self.logits_live or not self.res.tokens:
+            return
+        llm = self._llm
+        last = self.res.tokens[-1]
+        llm.n_tokens = len(self.res.tokens) - 1
+        try:
+            llm.eval([last])  # eval drops the old cell at that position first
+        except BaseException:
+            self.res.tokens = self.res.tokens[: llm.n_tokens]
+            raise
+        self.logits_live = True
+
+    def reusable(self, n: int) -> int:
+        """llama.cpp keeps any prefix of the KV exactly."""
+        return n
+
+    def clear_kv(self) -> None:
+        self.epoch += 1
+        with contextlib.suppress(Exception):
+            self._llm._ctx.kv_cache_seq_rm(0, 0, -1)
+        self._llm.n_tokens = 0
+        self.logits_live = False
+        self.res.clear()
+
+    # --- state bytes --------------------------------------------------------------------------
+    def state_header(self) -> dict[str, Any]:
+        return {
+            "model_digest": self._digest,
+            "type_k": KV_GGML_TYPES[self.options.kv_cache_type],
+            "type_v": KV_GGML_TYPES[self.options.kv_cache_type],
+            "flash_attn": self.options.flash_attn,
+            "session_version": int(llama_cpp.LLAMA_SESSION_VERSION),
+            "runtime": runtime_version(),
+            "n_tokens": len(self.res.tokens),
+        }
+
+    def seq_state(self) -> bytes:
+        ctx = self._llm.ctx
+        size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        n = int(llama_cpp.llama_state_seq_get_data(ctx, buf, size, 0))
+        return bytes(memoryview(buf)[:n])
+
+    def set_seq_state(self, blob: bytes) -> bool:
+        """Replace sequence 0 with ``blob``; False when llama.cpp refuses it."""
+        if not blob:
+            return False
+        self._llm._ctx.kv_cache_seq_rm(0, 0, -1)
+        src = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        n = int(llama_cpp.llama_state_seq_set_data(self._llm.ctx, src, len(blob), 0))
+        return n == len(blob)
+
+    def kv_pos_max(self) -> int:
+        mem = llama_cpp.llama_get_memory(self._llm.ctx)
+        return int(llama_cpp.llama_memory_seq_pos_max(mem, 0))
+
+    # --- snapshots ------------------------------------------------------------------------
+    def export_state(self) -> tuple[bytes, str]:
+        return frame_state(STATE_MAGIC, self.state_header(), self.seq_state()), "kv"
+
+    def import_state(self, snap: SessionSnapshot) -> None:
+        if snap.state_kind != "kv":
+            raise SnapshotRejected(f"state_kind {snap.state_kind!r} is not restorable by the llama backend")
+        header, body = unpack_state(STATE_MAGIC, snap.state, "a llama.cpp KV snapshot of this backend")
+        expected = self.state_header() | {"n_tokens": snap.resident_tokens}
+        refuse_diffs(header, expected, "snapshot was taken under another runtime")
+        blob = bytes(body)
+        n = len(snap.resident_token_ids)
+        with map_errors("restore"):
+            # Everything above was checked without touching the KV. llama.cpp can still
+            # refuse the bytes (returns 0), so keep the current state to put back.
+            backup = self.seq_state()
+            self.epoch += 1
+            self.logits_live = False  # state bytes carry no logits
+            if not (self.set_seq_state(blob) and self.kv_pos_max() == n - 1):
+                if self.set_seq_state(backup) and self.kv_pos_max() == len(self.res.tokens) - 1:
+                    raise SnapshotRejected("llama.cpp refused the state bytes; the session is unchanged")
+                self.clear_kv()
+                raise SnapshotRejected("llama.cpp refused the state bytes; the resident context was cleared")
+            self._llm.input_ids[:n] = snap.resident_token_ids
+            self._llm.n_tokens = n

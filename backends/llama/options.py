@@ -1,0 +1,137 @@
+"""What a llama.cpp load is made of: the model's shape and the resolved load options."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from contract.errors import InvalidArgument
+from contract.sizing import ModelFacts
+from contract.types import Config
+
+from ..gguf_file import GGUFFacts
+from ..tape.model import resolve_num_ctx
+from .native import KV_GGML_TYPES, extra_bufts_default
+
+DEFAULT_NUM_CTX = 4096
+DEFAULT_NUM_BATCH = 512
+#: q8_0 / q4_0 KV blocks hold 32 values; the head dimension must be a multiple
+_QUANT_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers memory planning and load validation need."""
+
+    n_ctx_train: int
+    n_layer: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    weights_bytes: int
+
+    @classmethod
+    def from_facts(cls, f: GGUFFacts) -> ModelShape:
+        return cls(f.n_ctx_train, f.n_layer, f.n_head_kv, f.head_dim_k, f.head_dim_v, f.weights_bytes)
+
+    def sizing(self, kv_cache_type: str) -> ModelFacts:
+        """The shape as the sizing module's facts (``contract.sizing.kv_bytes_per_token`` and friends)."""
+        return ModelFacts(
+            n_ctx_train=max(1, self.n_ctx_train),
+            n_layer=self.n_layer,
+            n_head_kv=self.n_head_kv,
+            head_dim_k=self.head_dim_k,
+            head_dim_v=self.head_dim_v,
+            weights_bytes=self.weights_bytes,
+            kv_cache_type=kv_cache_type,
+        )
+
+
+def shape_from_scalars(scalars: dict[str, Any]) -> ModelShape:
+    """What the header says before loading (per-layer arrays are not read here)."""
+    arch = str(scalars.get("general.architecture", ""))
+
+    def g(key: str) -> int:
+        v = scalars.get(f"{arch}.{key}", 0)
+        return int(v) if isinstance(v, (int, float)) else 0
+
+    n_head = g("attention.head_count")
+    head = g("embedding_length") // n_head if n_head else 0
+    return ModelShape(
+        n_ctx_train=g("context_length"),
+        n_layer=g("block_count"),
+        n_head_kv=g("attention.head_count_kv") or n_head,
+        head_dim_k=g("attention.key_length") or head,
+        head_dim_v=g("attention.value_length") or head,
+        weights_bytes=0,
+    )
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    num_ctx: int
+    num_batch: int
+    num_threads: int
+    num_gpu_layers: int
+    flash_attn: bool
+    kv_cache_type: str  # normalised: "" becomes "f16"
+    extra_bufts: bool
+    tensor_split: tuple[float, ...]
+
+    @classmethod
+    def resolve(cls, cfg: Config, facts: ModelShape) -> LoadOptions:
+        num_ctx = resolve_num_ctx(cfg.num_ctx, facts.n_ctx_train, DEFAULT_NUM_CTX)
+        kv = cfg.kv_cache_type or "f16"
+        if kv in ("q8_0", "q4_0"):
+            if not cfg.flash_attn:
+                # llama.cpp refuses a quantized V cache without flash attention and
+                # only says "Failed to create llama_context".
+                raise InvalidArgument(
+                    f"kv_cache_type {kv!r} needs flash_attn=true (llama.cpp cannot quantize the V cache without it)",
+                    kv_cache_type=kv,
+                )
+            for dim in (facts.head_dim_k, facts.head_dim_v):
+                if dim % _QUANT_BLOCK:
+                    raise InvalidArgument(
+                        f"kv_cache_type {kv!r} needs a head dimension divisible by {_QUANT_BLOCK}; this model has {dim}",
+                        kv_cache_type=kv,
+                    )
+        num_batch = min(cfg.num_batch or DEFAULT_NUM_BATCH, num_ctx)
+        return cls(
+            num_ctx=num_ctx,
+            num_batch=num_batch,
+            num_threads=cfg.num_threads or (os.cpu_count() or 1),
+            num_gpu_layers=cfg.num_gpu_layers,
+            flash_attn=cfg.flash_attn,
+            kv_cache_type=kv,
+            extra_bufts=extra_bufts_default(),
+            tensor_split=tuple(cfg.tensor_split),
+        )
+
+    def llama_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "n_ctx": self.num_ctx,
+            "n_batch": self.num_batch,
+            "n_ubatch": self.num_batch,
+            "n_threads": self.num_threads,
+            "n_threads_batch": self.num_threads,
+            "n_gpu_layers": self.num_gpu_layers,
+            "flash_attn": self.flash_attn,
+            "type_k": KV_GGML_TYPES[self.kv_cache_type],
+            "type_v": KV_GGML_TYPES[self.kv_cache_type],
+            "verbose": False,
+        }
+        if self.tensor_split:
+            kw["tensor_split"] = list(self.tensor_split)
+        return kw
+
+    def runtime_identity(self) -> dict[str, Any]:
+        """The settings that change numerics (and so KV reuse/snapshot validity)."""
+        return {
+            "n_ctx": self.num_ctx,
+            "kv_cache_type": self.kv_cache_type,
+            "flash_attn": self.flash_attn,
+            "num_gpu_layers": self.num_gpu_layers,
+            "extra_bufts": self.extra_bufts,
+        }

@@ -1,0 +1,152 @@
+"""One llama.cpp decode pass: the sampler chain (with a grammar when asked) over the context's logits."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import TYPE_CHECKING, Any
+
+import llama_cpp
+from llama_cpp import _internals as llama_internals
+from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+from contract.errors import InvalidArgument, UnsupportedFeature
+from contract.types import DecodeConfig, StructuredOutputConfig
+
+from .native import log_mark, log_since
+
+if TYPE_CHECKING:
+    from .model import LlamaLoadedModel
+
+
+class LlamaSteps:
+    """DecodeSteps on a llama.cpp context: its sampler chain over the context's logits."""
+
+    def __init__(self, m: LlamaLoadedModel, sampler: llama_internals.LlamaSampler) -> None:
+        self._m = m
+        self._sampler = sampler
+
+    def start(self) -> None:
+        self._m.refresh_logits()
+
+    def sample(self) -> int:
+        return int(self._sampler.sample(self._m.llm._ctx, -1))
+
+    def feed(self, token: int) -> None:
+        self._m.append(token)
+
+    def is_end(self, token: int) -> bool:
+        return self._m.is_eog(token)
+
+    def piece(self, token: int) -> bytes:
+        return self._m.piece(token)
+
+    def settle(self, token: int) -> None:
+        with contextlib.suppress(Exception):
+            self._m.append(token)  # a failed eval leaves n_tokens and the tape unchanged
+
+    def close(self) -> None:
+        self._sampler.close()
+
+
+def grammar_source(so: StructuredOutputConfig) -> str | None:
+    """The GBNF text for a structured-output request (None when unconstrained)."""
+    if so.regex:
+        raise UnsupportedFeature("the llama backend does not constrain output by regex; use grammar or json_schema")
+    if so.json_schema:
+        try:
+            schema = json.loads(so.json_schema)
+        except ValueError as exc:
+            raise InvalidArgument(f"json_schema is not valid JSON: {exc}") from exc
+        ignored = sorted(_unenforced_keywords(schema))
+        if ignored:
+            raise UnsupportedFeature(
+                f"the llama backend's JSON-schema grammar cannot enforce {ignored}; refusing to drop them silently",
+                keywords=ignored,
+            )
+        try:
+            return str(json_schema_to_gbnf(so.json_schema))
+        # the converter asserts on schemas it does not recognise
+        except (ValueError, KeyError, TypeError, AssertionError, RecursionError) as exc:
+            raise InvalidArgument(f"json_schema cannot be turned into a grammar: {exc!r}") from exc
+    return so.grammar or None
+
+
+#: JSON-schema keywords llama-cpp-python's json_schema_to_gbnf accepts but does not enforce
+_UNENFORCED_SCHEMA_KEYWORDS = frozenset(
+    {
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "uniqueItems",
+        "minProperties",
+        "maxProperties",
+        "patternProperties",
+        "propertyNames",
+        "not",
+        "if",
+        "then",
+        "else",
+        "contains",
+        "minContains",
+        "maxContains",
+        "dependentRequired",
+        "dependentSchemas",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+    }
+)
+#: keywords whose value maps names to subschemas (the names are data, not keywords)
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def _unenforced_keywords(node: Any) -> set[str]:
+    found: set[str] = set()
+    if isinstance(node, list):
+        for item in node:
+            found |= _unenforced_keywords(item)
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            if key in _SCHEMA_MAPS and isinstance(value, dict):
+                for sub in value.values():
+                    found |= _unenforced_keywords(sub)
+            elif key in ("const", "enum", "default", "examples", "description", "title"):
+                continue  # literal data
+            else:
+                if key in _UNENFORCED_SCHEMA_KEYWORDS:
+                    found.add(key)
+                found |= _unenforced_keywords(value)
+    return found
+
+
+def build_sampler(m: LlamaLoadedModel, cfg: DecodeConfig, grammar: str | None) -> llama_internals.LlamaSampler:
+    """A sampler chain in llama-cpp-python's order: grammar, then greedy or top-k/top-p/temp/dist.
+
+    Penalties are left out (llama-cpp-python's defaults make them a no-op) and
+    min_p is 0, so top_k/top_p mean what they say.
+    """
+    sampler = llama_internals.LlamaSampler()
+    try:
+        if grammar is not None:
+            mark = log_mark()
+            g = llama_cpp.llama_sampler_init_grammar(m.llm._model.vocab, grammar.encode("utf-8"), b"root")
+            if not g:  # llama.cpp returns NULL for a grammar it cannot parse
+                raise InvalidArgument(f"the grammar does not parse{log_since(mark)}")
+            llama_cpp.llama_sampler_chain_add(sampler.sampler, g)
+        if not cfg.temperature:
+            sampler.add_greedy()
+        else:
+            if cfg.top_k > 0:
+                sampler.add_top_k(cfg.top_k)
+            if cfg.top_p is not None and cfg.top_p < 1.0:
+                sampler.add_top_p(cfg.top_p, 1)
+            sampler.add_temp(cfg.temperature)
+            seed = llama_cpp.LLAMA_DEFAULT_SEED if cfg.seed is None else cfg.seed & 0xFFFFFFFF
+            m.llm.set_seed(seed)
+            sampler.add_dist(seed)
+    except BaseException:
+        sampler.close()
+        raise
+    return sampler

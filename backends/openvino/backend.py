@@ -1,0 +1,165 @@
+"""The OpenVINO implementation of the daemon's Backend seam: load, describe, model facts."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import openvino as ov
+import openvino_genai
+import psutil
+
+from contract.errors import Internal, UnsupportedFeature
+from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
+from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
+
+from ..tape.model import check_digest, check_type
+from .graph import paged_model
+from .model import BACKEND_NAME, OpenVINOLoadedModel
+from .native import map_errors, runtime_version, type_name
+from .options import DEFAULT_NUM_CTX, DEFAULT_PREFILL_CHUNK, LoadOptions, resolve_source, shape_of_ir, shape_of_source
+
+
+class OpenVINOBackend:
+    """The OpenVINO implementation of the daemon's Backend seam.
+
+    ``device`` is an OpenVINO device name ("CPU", "GPU", …); ``inference_precision``
+    is an INFERENCE_PRECISION_HINT ("" keeps the device default, e.g. bf16 on AMX
+    CPUs, f32 elsewhere).
+    """
+
+    name = BACKEND_NAME
+
+    def __init__(self, device: str = "CPU", inference_precision: str = "") -> None:
+        self.device = device
+        self.inference_precision = inference_precision
+        self._core: ov.Core | None = None
+
+    @property
+    def core(self) -> ov.Core:
+        if self._core is None:
+            self._core = ov.Core()
+        return self._core
+
+    def runtime_version(self) -> str:
+        return runtime_version()
+
+    def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> OpenVINOLoadedModel:
+        check_type(req.type, BACKEND_NAME)
+        progress(0.0)
+        with map_errors(f"loading {req.path}", loading=True):
+            src = resolve_source(req.path, prepare=True)
+            check_digest(req.path, req.digest, src.digest)
+            if src.ir is None:  # prepare=True converts or raises; this guards the invariant
+                raise Internal(f"no IR was prepared for {req.path}")
+            progress(0.4)
+            shape = shape_of_ir(src.ir)
+            options = LoadOptions.resolve(req.config, shape, self.inference_precision)
+            hint = self.inference_precision or type_name(
+                self.core.get_property(self.device, "INFERENCE_PRECISION_HINT")
+            )
+            if options.kv_precision == "f32" and hint != "f32":
+                # the CPU paged-attention kernels pair a bf16/f16 compute with a 16-bit cache only
+                raise UnsupportedFeature(
+                    f"kv_cache_type 'f32' needs an f32 inference precision; this backend computes in {hint}",
+                    kv_cache_type="f32",
+                    inference_precision=hint,
+                )
+            model = paged_model(self.core, src.ir / "openvino_model.xml")
+            compiled = self.core.compile_model(model, self.device, options.compile_config())
+            progress(0.9)
+            tokenizer = openvino_genai.Tokenizer(str(src.ir))
+            loaded = OpenVINOLoadedModel(
+                compiled=compiled,
+                tokenizer=tokenizer,
+                ir=src.ir,
+                digest=src.digest,
+                shape=shape,
+                options=options,
+                config=req.config,
+                device=self.device,
+            )
+            try:
+                loaded.check_declared_template()
+                loaded.warm_up()
+            except BaseException:
+                loaded.close()
+                raise
+        progress(1.0)
+        return loaded
+
+    def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
+        """ModelInfo from the GGUF header or the IR's config.json; converts and compiles nothing."""
+        check_type(req.type, BACKEND_NAME)
+        with map_errors(f"describing {req.path}", loading=True):
+            src = resolve_source(req.path, prepare=False)
+            shape = shape_of_source(src)
+            options = LoadOptions.resolve(
+                req.config.model_copy(update={"num_ctx": 0}), shape, self.inference_precision
+            )
+            devices = self._devices()
+        requested = req.config.num_ctx or DEFAULT_NUM_CTX
+        effective = min(requested, shape.n_ctx_train) if shape.n_ctx_train else requested
+        kvpt = kv_bytes_per_token(shape.sizing(options.kv_precision))
+        chunk = min(req.config.num_batch or DEFAULT_PREFILL_CHUNK, effective)
+        overhead = shape.overhead_bytes(effective, chunk)
+        main = next((d for d in devices if d.id == self.device), None)
+        clamped = bool(req.config.num_ctx) and effective < req.config.num_ctx
+        return ModelInfo(
+            model_max_context=shape.n_ctx_train,
+            effective_context=effective,
+            kv_bytes_per_token=kvpt,
+            weights_bytes=shape.weights_bytes,
+            overhead_bytes=overhead,
+            required_bytes=shape.weights_bytes + overhead + kvpt * effective,
+            clamped=clamped,
+            reason="model_max" if clamped else ("requested" if req.config.num_ctx else "default"),
+            device_kind=main.kind if main is not None else self.device.lower(),
+            device_id=self.device,
+            device_total_bytes=main.total_bytes if main is not None else 0,
+            free_bytes=main.free_bytes if main is not None else 0,
+            requested_gpu_layers=req.config.num_gpu_layers,
+            resolved_gpu_layers=0,
+            runtime_name=BACKEND_NAME,
+            runtime_digest=f"openvino=={runtime_version()}",
+            runtime_system_info=main.name if main is not None else "",
+            supports_gpu_offload=any(d.kind == "gpu" for d in devices),
+            devices=devices,
+            n_layer=shape.n_layer,
+            n_head_kv=shape.n_head_kv,
+            head_dim=shape.head_dim,
+            digest=src.digest,
+        )
+
+    def model_facts(self, req: OpenSessionRequest) -> ModelFacts:
+        """What the daemon's memory planner needs (nothing converted or compiled)."""
+        check_type(req.type, BACKEND_NAME)
+        with map_errors(f"describing {req.path}", loading=True):
+            shape = shape_of_source(resolve_source(req.path, prepare=False))
+        return shape.sizing(req.config.kv_cache_type, req.config.num_batch or DEFAULT_PREFILL_CHUNK)
+
+    def memory_pools(self) -> Sequence[MemoryPool]:
+        """GPU memory pools: none are planned here (OpenVINO places the whole model on one device)."""
+        return ()
+
+    def _devices(self) -> list[DeviceInfo]:
+        out: list[DeviceInfo] = []
+        core = self.core
+        for dev in core.available_devices:
+            kind = dev.split(".")[0].lower()
+            name = str(core.get_property(dev, "FULL_DEVICE_NAME"))
+            total = free = 0
+            if kind == "cpu":
+                vm = psutil.virtual_memory()
+                total, free = int(vm.total), int(vm.available)
+            elif kind == "gpu":
+                with contextlib.suppress(RuntimeError):
+                    total = int(core.get_property(dev, "GPU_DEVICE_TOTAL_MEM_SIZE"))
+            out.append(DeviceInfo(kind=kind, id=dev, name=name, total_bytes=total, free_bytes=free))
+        return out
+
+    def embed(self, req: EmbedRequest) -> EmbedResult:
+        raise UnsupportedFeature("embeddings are not served by the openvino generation backend")
+
+    def close(self) -> None:
+        self._core = None

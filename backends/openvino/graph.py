@@ -1,0 +1,73 @@
+"""The paged-attention graph: the IR rewritten so its KV block pools are inputs we own, and shape buckets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ov_ops
+from openvino._offline_transformations import paged_attention_transformation
+
+from contract.errors import ModelLoadFailed
+
+__all__ = ["MIN_PREFILL_ROWS", "WARM_BUCKETS_UP_TO", "bucket", "paged_model"]
+
+#: the CPU plugin computes chunks of 1..4 tokens (bf16; 1 token under f32) with other kernels
+#: whose rounding differs; prefill chunks are padded to at least this many rows so every
+#: prompt token is computed the same way (and this is the smallest shape bucket)
+MIN_PREFILL_ROWS = 16
+#: (up to this many rows, round up to a multiple of this) — see "Shape buckets" in ``backends.openvino.model``
+_BUCKET_STEPS = ((256, 16), (1024, 64), (1 << 62, 256))
+#: the largest bucket compiled at load: what warm turns' suffixes use
+WARM_BUCKETS_UP_TO = 256
+_PAGED_INPUTS = frozenset(
+    {
+        "input_ids",
+        "position_ids",
+        "past_lens",
+        "subsequence_begins",
+        "block_indices",
+        "block_indices_begins",
+        "max_context_len",
+        "sample_index",
+    }
+)
+
+def paged_model(core: ov.Core, xml: Path) -> ov.Model:
+    """The stateful IR rewritten to paged attention, with the LM head fed one chosen row.
+
+    ``paged_attention_transformation`` (the pass openvino-genai's continuous-batching
+    pipeline applies) turns every SDPA + KV variable pair into a PagedAttention op
+    whose K/V block pools are model inputs. The head gathers the row named by a
+    new ``sample_index`` input (the last real token of a padded chunk), as GenAI
+    does: without it every prefill computes [tokens, vocab] logits.
+    """
+    model = core.read_model(str(xml))
+    if not model.get_variables():
+        raise ModelLoadFailed(f"{xml} is not a stateful LLM graph (it has no KV variables)")
+    paged_attention_transformation(model)
+    head = model.output("logits").get_node().input_value(0).get_node()
+    while head.get_type_name() in ("Convert", "Multiply", "Divide", "Tanh", "Add"):
+        head = head.input_value(0).get_node()
+    if head.get_type_name() == "MatMul":
+        index = ov_ops.parameter([1], ov.Type.i64, name="sample_index")
+        index.output(0).get_tensor().set_names({"sample_index"})
+        # the paged graph lays tokens out on axis 0
+        row = ov_ops.gather(head.input_value(0), index, np.array(0, np.int64))
+        head.input(0).replace_source_output(row.output(0))
+        model.add_parameters([index])
+        model.validate_nodes_and_infer_types()
+    names = {i.get_any_name() for i in model.inputs}
+    missing = sorted(_PAGED_INPUTS - names)
+    if missing:
+        raise ModelLoadFailed(f"{xml} did not convert to paged attention: inputs {missing} are missing")
+    return model
+
+
+def bucket(n: int) -> int:
+    """The padded row count a prefill chunk of ``n`` tokens runs with."""
+    for limit, step in _BUCKET_STEPS:
+        if n <= limit:
+            return max(MIN_PREFILL_ROWS, -(-n // step) * step)
+    raise AssertionError("the last bucket step has no limit")

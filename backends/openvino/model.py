@@ -1,0 +1,551 @@
+"""The OpenVINO backend: real inference on an OpenVINO IR whose paged KV cache we own.
+
+Mechanism
+---------
+A GGUF is converted once to an IR directory (``backends.openvino.prepare``); an IR
+directory can also be given directly. At load the stateful LLM graph is
+rewritten with OpenVINO's own ``paged_attention_transformation`` (the pass
+openvino-genai's continuous-batching pipeline applies): every attention layer
+becomes a PagedAttention op whose K and V block pools are *model inputs*. We
+allocate those pools ourselves (``num_ctx`` tokens, 32-token blocks on CPU) and
+drive the graph with one ``InferRequest``; block ``i`` holds positions
+``[32i, 32i+32)``, so the block table is the identity. Next to the pools a
+``contract.resident.Resident`` keeps the token tape; the invariant is::
+
+    Resident.tokens == the tokens whose K/V are in the pools' first blocks
+
+* Reuse: ``ensure_prefix`` renders the stable text with the model's own chat
+  template (``openvino_genai.Tokenizer.apply_chat_template``), tokenizes it, lets
+  ``Resident.plan_prefix`` pick the reusable length (manifest gate, then token
+  LCP) and prefills only the tail, passing ``past_lens = reused``. Cutting the KV
+  to n tokens costs nothing: the next step overwrites cells from n on. The
+  reported reused/prefilled numbers are exactly what was run through the graph.
+* Exactness. Measured on this plugin (bf16 and f32 compute, 16- and 32-bit
+  cache): a paged-attention prefill is *split-invariant*: the logits after 700
+  tokens are bit-identical whether they were prefilled in one chunk or in any
+  split into chunks of >= 5 tokens (bf16; >= 2 with an f32 hint) — tested in
+  ``test_prefill_is_split_invariant``. Shorter chunks (and every decode step)
+  go through other kernels whose rounding differs (up to ~0.65 in the logits).
+  So:
+
+  - every prefill chunk runs *padded* to a bucket of at least
+    ``MIN_PREFILL_ROWS`` (16) rows (below); a real row's numbers do not depend
+    on the rows after it (causal attention, row-wise matmuls — checked bit for
+    bit), so even a 1-token tail is computed exactly as a cold prefill computes
+    it;
+  - tokens produced by decode (one at a time) are never reused
+    (``exact_len``); a later prompt containing them recomputes them as a chunk;
+  - then warm output equals cold output bit for bit for a full prefix hit, a
+    partially reused (edited) prefix and a partially reused suffix alike
+    (tested), and the prefill chunk size does not enter the runtime digest.
+
+  The stateful graph driven directly (``VariableState`` trimming) was measured
+  first and dropped: its numerics depend on where a chunk starts (logits moved
+  by ~1.4 of ~33), its attention for a chunk after a past costs ~4 ms/token on
+  2 cores (a 128-token suffix after a 2k prefix: ~560 ms vs ~120-200 ms paged),
+  and reading a variable converts the whole cache (~190 ms per 2k tokens).
+* Shape buckets. The CPU plugin compiles kernels for every new chunk length
+  it meets: the first 121-token chunk after a 2k prefix took ~120 ms, the same
+  chunk again ~90 ms. An agent's turns all have different lengths, so nearly
+  every warm turn paid that. A prefill chunk is therefore padded to a bucket
+  (multiples of 16 rows up to 256, of 64 up to 1,024, then of 256) — the padding
+  rows land in KV cells past the tape, which the next step overwrites — and
+  the buckets a warm turn uses are compiled at load (``warm_up``, ~1 s).
+* Logits: the LM head is computed for one row per step, the last real one
+  (a ``sample_index`` input, as GenAI's gather-before-matmul does); the
+  last-position logits of every prefill are kept per tape length, so a full
+  prefix hit or a restore samples without recomputing anything.
+* Decode samples in numpy (greedy argmax; top-k → top-p → temperature with a
+  seeded ``numpy.random.Generator``) and feeds every sampled token back through
+  the graph, so the KV always holds the tape. Closing the stream evaluates the
+  token already handed out, then stops: tape and KV stay equal.
+* Snapshots are the used blocks of every K/V pool, byte for byte (bf16/f16:
+  23,040 B/token for SmolLM2-135M, rounded up to whole 32-token blocks), plus
+  the stored logits, after a JSON header (pool names, element type, block
+  layout) — no pickle, no conversion, so restore is lossless by construction and
+  continues bit for bit (tested). A "replay" snapshot (token tape only) is also
+  accepted: restore re-prefills it (exact except for tokens that were decoded).
+
+Parity: greedy output equals openvino-genai's own ``LLMPipeline`` (its default
+paged-attention backend, same precisions) token for token on the normal
+two-chunk path (tested). What this costs versus using a GenAI pipeline: no
+GenAI sampler (reimplemented here), no GenAI grammar engine (XGrammar lives
+inside GenAI's C++ sampler; structured output is done with llguidance token
+masks instead, see ``backends.openvino.guidance``, and equals GenAI's constrained greedy
+output for a JSON schema and a regex, tested), and the paged graph comes from
+``openvino._offline_transformations`` (a documented but underscore-named module).
+
+Precision: ``INFERENCE_PRECISION_HINT`` is the device default unless the backend
+is built with one (bf16 on this AMX CPU; the resolved value is recorded).
+``KV_CACHE_PRECISION`` is "f16" ("" and "f16"; the CPU plugin stores it as bf16
+under a bf16 hint) or "f32" (needs an f32 hint). The quantised caches (u8/u4,
+the CPU default) are refused: a chunk attends to its own keys unquantised and to
+its past quantised, so where a chunk starts moves the numbers — measured on 300
+tokens split at 32/64 (block-aligned) and elsewhere, the final logits differed
+from a one-chunk prefill by up to 0.375 (u8) and 2.0 (u4), so a warm turn would
+not answer like a cold one. The cache type actually compiled, the hint, the
+block size and the context size are the ``runtime_digest``.
+
+Tools: minja (GenAI's template engine) *polyfills* tools for templates that do
+not use them — it injects a generic JSON tool prompt and a ``{"tool_calls": …}``
+output format the Hermes parser does not read — so rendering with and without
+tools always differs. Tool support is therefore decided from the template
+source (does it reference ``tools``?) and refused with UnsupportedFeature
+otherwise, instead of silently changing the prompt format.
+
+Threading: the daemon calls everything from one worker thread;
+``resident_bytes()`` and ``explain_context()`` may run on another and only read
+plain attributes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openvino as ov
+import openvino_genai
+
+from contract import interrupt
+from contract.errors import ModeldError, ModelLoadFailed, SnapshotRejected
+from contract.manifest import common_prefix_len
+from contract.types import Config, DecodeConfig, SessionSnapshot
+
+from ..tape.model import TapeModelBase
+from ..tape.session import DecodeSteps
+from ..tape.state import pack_state, refuse_diffs, unpack_state
+from .graph import WARM_BUCKETS_UP_TO, bucket
+from .guidance import TokenGuide, build_tokenizer, compile_grammar
+from .native import map_errors, runtime_version, type_name
+from .options import LoadOptions, ModelShape
+from .sampling import OpenVINOSteps, Sampler
+
+__all__ = ["BACKEND_NAME", "OpenVINOLoadedModel", "OpenVINOTemplate"]
+
+BACKEND_NAME = "openvino"
+STATE_MAGIC = b"MODELD-OV-PKV1\0\0"
+#: token texts that end a turn in common chat vocabularies (llama.cpp treats them as EOG too)
+_EOG_TEXTS = (b"<|endoftext|>", b"<|im_end|>", b"<|eot_id|>", b"<|eom_id|>", b"<|end|>", b"<end_of_turn>")
+_TOOLS_IN_TEMPLATE = re.compile(r"\btools\b")
+
+
+# --- the chat template -------------------------------------------------------------------------
+class OpenVINOTemplate:
+    """The model's own template, rendered by the IR tokenizer (GenAI's minja).
+
+    minja *polyfills* tools for templates that do not use them, so whether the
+    template renders tools is read from its source (see the module docstring).
+    """
+
+    def __init__(self, tok: openvino_genai.Tokenizer, source: str) -> None:
+        self._tok = tok
+        self.source = source
+        self.digest = "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()
+        self.prompt_format = "chatml" if "<|im_start|>" in source else "jinja"
+        self.supports_tools = bool(_TOOLS_IN_TEMPLATE.search(source))
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool, **extra: Any) -> str:
+        return str(
+            self._tok.apply_chat_template(
+                messages, add_generation_prompt=generation, tools=tools, extra_context=extra or None
+            )
+        )
+
+
+class _Vocab:
+    """Token ids ↔ bytes and the special ids, from the IR tokenizer."""
+
+    def __init__(self, tok: openvino_genai.Tokenizer) -> None:
+        by_bytes = tok.get_vocab()
+        self.size = int(max(by_bytes.values())) + 1
+        pieces = [b""] * self.size
+        for piece, tid in by_bytes.items():
+            pieces[tid] = bytes(piece)
+        # A special token decodes to "" only when special tokens are skipped; a lone
+        # byte of a multi-byte character decodes to "" either way.
+        ids = [[i] for i in range(self.size)]
+        skipped = tok.decode(ids, skip_special_tokens=True)
+        kept = tok.decode(ids, skip_special_tokens=False)
+        self.special = frozenset(i for i in range(self.size) if skipped[i] == "" and kept[i] != "")
+        #: what a generated token contributes to the text (control tokens contribute nothing)
+        self.text_pieces = [b"" if i in self.special else p for i, p in enumerate(pieces)]
+        self.pieces = pieces
+        self.bos_id = int(tok.get_bos_token_id())
+        self.eos_id = int(tok.get_eos_token_id())
+        eog = {self.eos_id} if self.eos_id >= 0 else set()
+        eog.update(i for i in self.special if pieces[i] in _EOG_TEXTS)
+        self.eog = frozenset(eog)
+
+
+# --- the loaded model -------------------------------------------------------------------------
+class OpenVINOLoadedModel(TapeModelBase):
+    """A model compiled on an OpenVINO device with its one persistent KV (what the slot holds).
+
+    Build it with ``OpenVINOBackend.load``. Sessions opened on it share the KV; a
+    new session makes older session handles closed, since there is one KV to drive.
+    """
+
+    backend_name = BACKEND_NAME
+
+    def __init__(
+        self,
+        *,
+        compiled: ov.CompiledModel,
+        tokenizer: openvino_genai.Tokenizer,
+        ir: Path,
+        digest: str,
+        shape: ModelShape,
+        options: LoadOptions,
+        config: Config,
+        device: str,
+    ) -> None:
+        self.ir = ir
+        self.shape = shape
+        self.options = options
+        self.device = device
+        self._compiled = compiled
+        self._req = compiled.create_infer_request()
+        self.inference_precision = type_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
+        self._allocate_cache(compiled, options.num_ctx)
+        self.tok = tokenizer
+        self.vocab = _Vocab(tokenizer)
+        source = str(tokenizer.chat_template or "")
+        self._guidance_tok: Any = None
+        #: last-position logits per tape length: prefill ends and the live decode position
+        self._logits: dict[int, np.ndarray] = {}
+        #: the tape length whose logits entry step() created (spent by the next step)
+        self._step_len: int | None = None
+        #: the tape's first ``exact_len`` tokens were computed by prefill chunks (not by
+        #: single-token decode steps), so they hold exactly what a cold prefill computes
+        self.exact_len = 0
+        super().__init__(
+            path=str(ir),
+            digest=digest,
+            config=config,
+            num_ctx=options.num_ctx,
+            resident_bytes=shape.weights_bytes
+            + self.cache_bytes
+            + shape.overhead_bytes(options.num_ctx, options.prefill_chunk),
+            template=OpenVINOTemplate(tokenizer, source) if source else None,
+            bos_id=self.vocab.bos_id,
+            adds_bos=self._tokenizer_adds_bos(),
+        )
+
+    def _allocate_cache(self, compiled: ov.CompiledModel, num_ctx: int) -> None:
+        """One K and one V block pool per layer, sized for num_ctx, owned by us.
+
+        Block ``i`` holds positions ``[i*B, (i+1)*B)``: the block table is the
+        identity, so cutting the KV to n tokens is just ``past_lens = n``.
+        """
+        pools = sorted(
+            (i for i in compiled.inputs if i.get_any_name().startswith(("key_cache.", "value_cache."))),
+            key=lambda i: (int(i.get_any_name().split(".")[1]), i.get_any_name()),
+        )
+        if len(pools) != 2 * self.shape.n_layer:
+            raise ModelLoadFailed(f"the paged graph has {len(pools)} cache inputs; expected {2 * self.shape.n_layer}")
+        dims = [[d.get_length() for d in list(p.get_partial_shape())[1:]] for p in pools]
+        if any(d != dims[0] for d in dims) or len(dims[0]) != 3:
+            raise ModelLoadFailed(f"unexpected paged cache layouts {dims[:2]} (a quantised cache is not supported)")
+        self.block_size = int(dims[0][1])
+        self.kv_precision = type_name(pools[0].get_element_type())
+        # room for the padding rows of a chunk that ends at num_ctx
+        pad_room = max(bucket(k) - k for k in range(1, self.options.prefill_chunk + 1))
+        self._n_blocks = -(-(num_ctx + pad_room) // self.block_size)
+        self.cache_names = [p.get_any_name() for p in pools]
+        self._cache_dims = dims[0]
+        self._views: list[np.ndarray] = []
+        for p in pools:
+            tensor = ov.Tensor(p.get_element_type(), [self._n_blocks, *dims[0]])
+            self._req.set_tensor(p.get_any_name(), tensor)
+            # a byte view of the pool: snapshots copy whole blocks, whatever the element type
+            self._views.append(tensor.data.view(np.uint8).reshape(self._n_blocks, -1))
+        self._block_bytes = int(self._views[0].shape[1])
+        self.cache_bytes = self._block_bytes * self._n_blocks * len(pools)
+        self.kv_bytes_per_token = self._block_bytes * len(pools) // self.block_size
+        self._block_table = np.arange(self._n_blocks, dtype=np.int32)
+
+    # --- TapeModelBase ------------------------------------------------------------------
+    def engine_version(self) -> str:
+        return runtime_version()
+
+    def runtime_identity(self) -> dict[str, Any]:
+        """The settings that change numerics (and so KV reuse and snapshot validity).
+
+        The prefill chunk size is not one of them: paged-attention prefill is
+        split-invariant (see the module docstring and the tests).
+        """
+        return {
+            "attention": "paged",
+            "device": self.device,
+            "inference_precision": self.inference_precision,
+            "kv_precision": self.kv_precision,
+            "block_size": self.block_size,
+            "num_ctx": self.options.num_ctx,
+            "num_threads": self.options.num_threads,
+        }
+
+    @property
+    def vocab_size(self) -> int:
+        return self.vocab.size
+
+    def errors(self, action: str) -> AbstractContextManager[None]:
+        return map_errors(action)
+
+    def _release(self) -> None:
+        self._logits.clear()
+        self._views = []
+        del self._req
+        del self._compiled
+
+    def _tokenizer_adds_bos(self) -> bool:
+        bos = self.vocab.bos_id
+        if bos < 0:
+            return False
+        ids = self.tok.encode("a", add_special_tokens=True).input_ids.data[0]
+        return len(ids) > 0 and int(ids[0]) == bos
+
+    def _encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tok.encode(text, add_special_tokens=False).input_ids.data[0]]
+
+    def prompt_text(self, tokens: list[int]) -> str:
+        return str(self.tok.decode(tokens, skip_special_tokens=False)) if tokens else ""
+
+    def guidance_tokenizer(self) -> Any:
+        """The vocabulary in llguidance's form, built on the first constrained decode (~0.2 s)."""
+        if self._guidance_tok is None:
+            v = self.vocab
+            self._guidance_tok = build_tokenizer(
+                v.pieces, special=v.special, eog=v.eog, bos_id=v.bos_id, encode=self.tokenize
+            )
+        return self._guidance_tok
+
+    def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
+        guide = None
+        if cfg.structured_output.is_set():
+            guide = TokenGuide(self.guidance_tokenizer(), compile_grammar(cfg.structured_output))
+        return OpenVINOSteps(self, Sampler(cfg), guide)
+
+    # --- the KV ------------------------------------------------------------------------------
+    def _infer(self, ids: list[int], past: int, *, rows: int = 0) -> np.ndarray:
+        """Run ``ids`` at positions past.. with ``past`` cached tokens; a view of the last one's logits.
+
+        With ``rows`` > len(ids) the chunk is padded (the last token repeated at its
+        own position): the padding writes KV cells past the tape, which the next
+        step overwrites, and changes no number of the real rows.
+        """
+        n = len(ids)
+        width = max(n, rows)
+        total = past + width
+        n_blocks = -(-total // self.block_size)
+        positions = np.arange(past, total, dtype=np.int64)
+        positions[n:] = past + n - 1  # stays inside the model's position range
+        req = self._req
+        req.set_tensor("input_ids", ov.Tensor(np.asarray(ids + ids[-1:] * (width - n), np.int64)))
+        req.set_tensor("position_ids", ov.Tensor(positions))
+        req.set_tensor("past_lens", ov.Tensor(np.array([past], np.int32)))
+        req.set_tensor("subsequence_begins", ov.Tensor(np.array([0, width], np.int32)))
+        req.set_tensor("block_indices", ov.Tensor(np.ascontiguousarray(self._block_table[:n_blocks])))
+        req.set_tensor("block_indices_begins", ov.Tensor(np.array([0, n_blocks], np.int32)))
+        req.set_tensor("max_context_len", ov.Tensor(np.array(total, np.int32)))
+        req.set_tensor("sample_index", ov.Tensor(np.array([n - 1], np.int64)))
+        req.infer()
+        out: np.ndarray = req.get_tensor("logits").data
+        last: np.ndarray = out[-1, 0]
+        return last
+
+    def _trim(self, n: int) -> None:
+        """Forget everything after the first ``n`` tokens: bookkeeping only.
+
+        The next ``_infer`` passes ``past_lens = n`` and overwrites those cells, so
+        nothing in the pools needs to change.
+        """
+        if n == len(self.res.tokens):
+            return
+        self.res.tokens = self.res.tokens[:n]
+        self._logits = {k: v for k, v in self._logits.items() if k <= n}
+        if self._step_len is not None and self._step_len > n:
+            self._step_len = None
+        self.exact_len = min(self.exact_len, n)
+
+    def _chunks(self, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """Prefill chunks of at most the chunk size."""
+        size = self.options.prefill_chunk
+        bounds = list(range(start, end, size)) + [end]
+        yield from zip(bounds[:-1], bounds[1:], strict=False)
+
+    def reusable(self, lcp: int) -> int:
+        """How much of a token LCP can be kept so the KV equals what a cold prefill computes."""
+        return min(lcp, self.exact_len)
+
+    def set_kv(self, tokens: list[int], keep: int) -> int:
+        """Make the KV hold ``tokens``, reusing the first ``keep`` resident ones; returns what was kept.
+
+        Chunks run padded to their shape bucket (see the module docstring). On
+        failure the tape equals the completed chunks and the error propagates.
+        """
+        self.epoch += 1
+        keep = min(keep, len(tokens), len(self.res.tokens))
+        self._trim(keep)
+        exact = self.exact_len == keep
+        for a, b in self._chunks(keep, len(tokens)):
+            interrupt.check("prefill")  # between chunks: a cancel costs at most one chunk
+            logits = self._infer(tokens[a:b], a, rows=bucket(b - a))
+            self.res.tokens = list(tokens[:b])
+            if exact:
+                self.exact_len = b
+        if keep < len(tokens):
+            self._logits[len(tokens)] = logits.copy()
+            if self._step_len == len(tokens):
+                self._step_len = None  # now a prefill end, kept
+        return keep
+
+    def step(self, token: int) -> np.ndarray:
+        """Evaluate one sampled token into the KV and the tape; its logits (a view)."""
+        n = len(self.res.tokens)
+        logits = self._infer([token], n)
+        self.res.tokens.append(token)
+        # Prefill ends stay (a full prefix hit or a restore samples from them); the
+        # previous step's entry is spent.
+        if self._step_len == n:
+            self._logits.pop(n, None)
+        self._logits[n + 1] = logits.copy()
+        self._step_len = n + 1
+        return logits
+
+    def logits_at_end(self) -> np.ndarray:
+        """The distribution after the last resident token; re-prefills the last token if none is stored."""
+        n = len(self.res.tokens)
+        hit = self._logits.get(n)
+        if hit is not None:
+            return hit
+        self.set_kv(list(self.res.tokens), n - 1)
+        return self._logits[n]
+
+    def adopt_logits(self, logits: dict[int, np.ndarray], exact_len: int) -> None:
+        """After a state restore: the stored logits and how much of the tape prefill computed."""
+        n = len(self.res.tokens)
+        self._logits = {k: v for k, v in logits.items() if 0 < k <= n}
+        self._step_len = None
+        self.exact_len = max(0, min(exact_len, n))
+
+    def warm_up(self) -> None:
+        """Run every warm-turn bucket, the full chunk and a decode step once, and forget them.
+
+        The CPU plugin compiles kernels for each new shape (~20-35 ms each here),
+        which would otherwise land in the turns' prefill time.
+        """
+        token = max(self.vocab.bos_id, 0)
+        chunk = self.options.prefill_chunk
+        shapes = sorted({bucket(k) for k in range(1, min(chunk, WARM_BUCKETS_UP_TO) + 1)} | {bucket(chunk)})
+        for rows in shapes:
+            self._infer([token], 0, rows=rows)
+        self._infer([token], 1)
+
+    def clear_kv(self) -> None:
+        self.epoch += 1
+        self._logits.clear()
+        self._step_len = None
+        self.exact_len = 0
+        self.res.clear()
+
+    # --- state bytes --------------------------------------------------------------------------
+    def state_header(self, n_tokens: int) -> dict[str, Any]:
+        return {
+            "format": 2,
+            "model_digest": self._digest,
+            "runtime": self.runtime_identity(),
+            "n_tokens": n_tokens,
+            "block_bytes": self._block_bytes,
+            "pools": [[name, self.kv_precision, self._cache_dims] for name in self.cache_names],
+        }
+
+    def export_state(self) -> tuple[bytes, str]:
+        """Header + the used blocks of every K/V pool, byte for byte + the stored logits."""
+        n = len(self.res.tokens)
+        n_blocks = -(-n // self.block_size)
+        logits = sorted(self._logits.items())
+        header = self.state_header(n) | {
+            "logits": [[k, int(v.shape[0])] for k, v in logits],
+            "exact_len": self.exact_len,
+        }
+        per_pool = n_blocks * self._block_bytes
+        # One allocation, filled in place: a 2k-token snapshot is ~50 MB.
+        out, off = pack_state(STATE_MAGIC, header, per_pool * len(self._views) + sum(4 * v.shape[0] for _, v in logits))
+        for view in self._views:
+            np.frombuffer(out, np.uint8, per_pool, off)[:] = view[:n_blocks].reshape(-1)
+            off += per_pool
+        for _, v in logits:
+            np.frombuffer(out, np.float32, v.shape[0], off)[:] = v
+            off += 4 * v.shape[0]
+        return bytes(out), "kv"
+
+    def import_state(self, snap: SessionSnapshot) -> None:
+        tokens = list(snap.resident_token_ids)
+        if snap.state_kind == "replay":
+            self._replay(snap, tokens)
+            return
+        if snap.state_kind != "kv":
+            raise SnapshotRejected(f"state_kind {snap.state_kind!r} is not restorable by the openvino backend")
+        pools, logits, header = self.parse_state(snap.state, len(tokens))
+        # Everything above was checked without touching the KV.
+        try:
+            with map_errors("restore"):
+                self.load_state(pools, tokens)
+        except ModeldError as exc:
+            self.clear_kv()
+            raise SnapshotRejected(f"OpenVINO refused the state: {exc.message}; the resident context was cleared") from exc
+        exact = header.get("exact_len", 0)
+        self.adopt_logits(logits, exact if isinstance(exact, int) else 0)
+
+    def _replay(self, snap: SessionSnapshot, tokens: list[int]) -> None:
+        """Re-prefill a token tape: the prefix, then the rest (exact, except that tokens
+        which were decoded are now computed by the prefill kernel)."""
+        if snap.state:
+            raise SnapshotRejected("a replay snapshot carries no state bytes")
+        prefix = tokens[: snap.prefix_tokens]
+        try:
+            with map_errors("restore: replay prefill"):
+                # whatever of the tape is already resident (and exact) stays
+                self.set_kv(prefix, self.reusable(common_prefix_len(self.res.tokens, prefix)))
+                self.set_kv(tokens, len(prefix))
+        except BaseException:
+            self.clear_kv()
+            raise
+
+    def parse_state(self, blob: bytes, n_tokens: int) -> tuple[list[np.ndarray], dict[int, np.ndarray], dict[str, Any]]:
+        """Check a KV snapshot against this model without touching the KV; SnapshotRejected otherwise."""
+        header, body = unpack_state(STATE_MAGIC, blob, "an OpenVINO KV snapshot of this backend")
+        refuse_diffs(header, self.state_header(n_tokens), "snapshot does not match this model and runtime")
+        logit_specs = header.get("logits", [])
+        if not isinstance(logit_specs, list) or any(
+            not (isinstance(x, list) and len(x) == 2 and x[1] == self.vocab.size and 0 < x[0] <= n_tokens)
+            for x in logit_specs
+        ):
+            raise SnapshotRejected("snapshot logits entries are malformed")
+        n_blocks = -(-n_tokens // self.block_size)
+        per_pool = n_blocks * self._block_bytes
+        need = per_pool * len(self._views) + 4 * self.vocab.size * len(logit_specs)
+        if len(body) != need:
+            raise SnapshotRejected(f"snapshot holds {len(body)} state bytes; its header implies {need}")
+        pools = [
+            np.frombuffer(body, np.uint8, per_pool, i * per_pool).reshape(n_blocks, self._block_bytes)
+            for i in range(len(self._views))
+        ]
+        off = per_pool * len(self._views)
+        logits: dict[int, np.ndarray] = {}
+        for k, size in logit_specs:
+            logits[int(k)] = np.frombuffer(body, np.float32, size, off).copy()
+            off += 4 * size
+        return pools, logits, header
+
+    def load_state(self, pools: list[np.ndarray], tokens: list[int]) -> None:
+        """Copy snapshot blocks into the pools (one array per ``cache_names``, same order)."""
+        self.epoch += 1
+        for view, blocks in zip(self._views, pools, strict=True):
+            view[: blocks.shape[0]] = blocks
+        self.res.tokens = list(tokens)

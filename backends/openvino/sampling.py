@@ -1,0 +1,83 @@
+"""One OpenVINO decode pass: numpy sampling over the stored logits, llguidance masks when constrained."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from contract.types import DecodeConfig
+
+from .guidance import TokenGuide
+
+if TYPE_CHECKING:
+    from .model import OpenVINOLoadedModel
+
+
+class Sampler:
+    """Greedy, or llama.cpp's order: top-k, then top-p on the softmax, then temperature."""
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        self.temperature = cfg.temperature or 0.0
+        self.top_k = cfg.top_k
+        self.top_p = cfg.top_p if cfg.top_p is not None else 1.0
+        self.rng = np.random.default_rng(cfg.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        if self.temperature <= 0.0:
+            return int(np.argmax(logits))
+        x = logits.astype(np.float64)
+        candidates = np.arange(x.shape[0])
+        if 0 < self.top_k < x.shape[0]:
+            candidates = np.argpartition(-x, self.top_k - 1)[: self.top_k]
+        order = candidates[np.argsort(-x[candidates], kind="stable")]
+        vals = x[order]
+        if self.top_p < 1.0:
+            p = np.exp(vals - vals[0])
+            p /= p.sum()
+            cut = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
+            order, vals = order[:cut], vals[:cut]
+        p = np.exp((vals - vals[0]) / self.temperature)
+        p /= p.sum()
+        return int(order[self.rng.choice(len(order), p=p)])
+
+
+class OpenVINOSteps:
+    """DecodeSteps on the paged graph: numpy sampling over the stored logits."""
+
+    def __init__(self, m: OpenVINOLoadedModel, sample: Sampler, guide: TokenGuide | None) -> None:
+        self._m = m
+        self._sample = sample
+        self._guide = guide
+        self._logits: np.ndarray | None = None
+
+    def start(self) -> None:
+        self._logits = self._m.logits_at_end()
+
+    def sample(self) -> int:
+        assert self._logits is not None, "start() comes first"
+        if self._guide is None:
+            return self._sample(self._logits)
+        token = self._sample(self._guide.mask(self._logits))
+        self._guide.accept(token)
+        return token
+
+    def feed(self, token: int) -> None:
+        self._logits = self._m.step(token)
+
+    def is_end(self, token: int) -> bool:
+        return token in self._m.vocab.eog
+
+    def piece(self, token: int) -> bytes:
+        return self._m.vocab.text_pieces[token]
+
+    def settle(self, token: int) -> None:
+        try:
+            self._m.step(token)
+        except Exception:
+            # The graph step failed mid-way: the pools may hold a partial update, so
+            # nothing resident can be trusted any more.
+            self._m.clear_kv()
+
+    def close(self) -> None:
+        self._logits = None

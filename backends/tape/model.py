@@ -1,0 +1,342 @@
+"""What a tape engine is: the typed seam ``TapeSession`` drives, and the bookkeeping every engine shares.
+
+An engine (llama.cpp, OpenVINO) keeps ONE KV cache whose contents follow a
+token tape, ``Resident.tokens``. ``TapeModel`` is everything the one
+``TapeSession`` needs of it; ``TapeModelBase`` implements the parts that do not
+depend on the engine (identity, session generations, epochs, BOS policy,
+template checks, the manifest a client should use, closing). An engine class
+derives from the base and supplies only what differs: tokenizing, KV mechanics,
+its decode steps, and exporting/importing its state bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from contract.errors import (
+    InvalidArgument,
+    ModelLoadFailed,
+    SessionClosed,
+    UnsupportedFeature,
+)
+from contract.manifest import ContextManifest, canonical_digest
+from contract.resident import Resident, check_model_type
+from contract.types import Config, DecodeConfig, SessionSnapshot
+
+if TYPE_CHECKING:
+    from .session import DecodeSteps, TapeSession
+
+#: ContextManifest.bos_policy values: the model's default, always add, never add
+BOS_POLICIES = ("", "add", "none")
+
+
+class ChatTemplate(Protocol):
+    """A model's own chat template, as its engine renders it."""
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the template source (part of the manifest identity)."""
+        ...
+
+    @property
+    def prompt_format(self) -> str:
+        """A short name for the format: "chatml" or "jinja"."""
+        ...
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template renders a ``tools`` list itself (else tools are refused, never dropped)."""
+        ...
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool, **extra: Any) -> str:
+        """The conversation as prompt text; ``generation`` appends the assistant's turn opener."""
+        ...
+
+
+class TapeModel(Protocol):
+    """A loaded model whose one KV follows ``res.tokens``: what ``TapeSession`` drives.
+
+    Invariant: after every call returns (or raises), ``res.tokens`` equals the
+    tokens whose K/V the engine holds. ``epoch`` is bumped by every operation
+    that changes the KV, so an abandoned decode stream can tell it lost the KV.
+    """
+
+    backend_name: ClassVar[str]
+    res: Resident
+    config: Config
+    epoch: int
+    closed: bool
+    session_gen: int
+    template: ChatTemplate | None
+
+    @property
+    def digest(self) -> str: ...
+
+    @property
+    def num_ctx(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def errors(self, action: str) -> AbstractContextManager[None]:
+        """The engine's one translation of foreign exceptions into contract errors."""
+        ...
+
+    def tokenize(self, text: str, *, bos_policy: str | None = None) -> list[int]:
+        """Tokens of rendered text (special tokens parsed); BOS per policy when given, never doubled."""
+        ...
+
+    def prompt_text(self, tokens: list[int]) -> str:
+        """Tokens as text, special tokens included."""
+        ...
+
+    def reusable(self, n: int) -> int:
+        """How many of ``n`` matching resident tokens the engine can keep exactly (<= n)."""
+        ...
+
+    def set_kv(self, tokens: list[int], keep: int) -> int:
+        """Make the KV hold ``tokens``, keeping the first ``keep``; returns how many were kept."""
+        ...
+
+    def clear_kv(self) -> None: ...
+
+    def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
+        """Sampler, constraint and stepping for one decode pass (bad settings raise before anything runs)."""
+        ...
+
+    def export_state(self) -> tuple[bytes, str]:
+        """The KV as state bytes and their ``state_kind``."""
+        ...
+
+    def import_state(self, snap: SessionSnapshot) -> None:
+        """Replace the KV with a snapshot already checked by ``Resident.validate_snapshot``.
+
+        Refuses (SnapshotRejected) before touching the KV when the bytes do not
+        fit this engine; on a refusal after that, the KV is left unchanged or cleared.
+        """
+        ...
+
+
+# --- rules both engines follow ----------------------------------------------------------------------
+check_type = check_model_type  # re-exported: the engines' backends check requests with it
+
+def check_digest(path: str, expected: str, actual: str) -> None:
+    """Refuse a model file whose content digest is not the one the request names."""
+    if expected and expected != actual:
+        raise ModelLoadFailed(
+            f"{path} has digest {actual}, the request expects {expected}",
+            path=path,
+            expected=expected,
+            actual=actual,
+        )
+
+
+def resolve_num_ctx(requested: int, model_max: int, default: int) -> int:
+    """The context size to allocate: the request, else the default capped by the model; never above the model."""
+    # Never 0: llama-cpp-python treats n_ctx=0 as the whole training context.
+    num_ctx = requested or (min(model_max, default) if model_max > 0 else default)
+    if model_max > 0 and num_ctx > model_max:
+        raise InvalidArgument(
+            f"num_ctx {num_ctx} exceeds the model's training context {model_max}",
+            num_ctx=num_ctx,
+            model_max_context=model_max,
+        )
+    return num_ctx
+
+
+def wants_bos(policy: str, *, disabled: bool, model_default: bool) -> bool:
+    """Whether a BOS token leads the prompt under a ContextManifest.bos_policy."""
+    if disabled:
+        return False
+    if policy == "add":
+        return True
+    if policy == "none":
+        return False
+    return model_default
+
+
+def with_bos(tokens: list[int], bos_id: int, wanted: bool) -> list[int]:
+    """``tokens`` led by BOS when wanted, never doubled (the template may have rendered it)."""
+    if wanted and bos_id >= 0 and (not tokens or tokens[0] != bos_id):
+        tokens.insert(0, bos_id)
+    return tokens
+
+
+def parse_tools(tools: str) -> list[Any] | None:
+    """The PrefixInput.tools JSON array, or None for no tools."""
+    if not tools:
+        return None
+    try:
+        parsed = json.loads(tools)
+    except ValueError as exc:
+        raise InvalidArgument(f"tools is not valid JSON: {exc}") from exc
+    if not isinstance(parsed, list):
+        raise InvalidArgument("tools must be a JSON array of tool definitions")
+    return parsed or None
+
+
+def render_prefix(template: ChatTemplate | None, text: str, tools: list[Any] | None) -> str:
+    """The stable prefix as prompt text: the system turn (and tools) through the model's template."""
+    if template is None:
+        if tools:
+            raise UnsupportedFeature("the model has no chat template, so it cannot be given tools")
+        return text
+    if tools and not template.supports_tools:
+        raise UnsupportedFeature(
+            "the model's chat template does not render tools; refusing to drop them silently",
+            template_digest=template.digest,
+        )
+    return template.render([{"role": "system", "content": text}], tools, generation=False)
+
+
+# --- the bookkeeping every engine shares ------------------------------------------------------------
+class TapeModelBase(ABC):
+    """Identity, session generations, epochs, BOS policy and closing, for a ``TapeModel``.
+
+    A subclass sets ``backend_name``, calls ``__init__`` once its engine is
+    ready, and implements the abstract methods: the engine half of ``TapeModel``
+    plus ``engine_version``, ``runtime_identity``, ``_encode`` and ``_release``.
+    """
+
+    backend_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        digest: str,
+        config: Config,
+        num_ctx: int,
+        resident_bytes: int,
+        template: ChatTemplate | None,
+        bos_id: int,
+        adds_bos: bool,
+    ) -> None:
+        self.path = path
+        self._digest = digest
+        self.config = config
+        self._num_ctx = num_ctx
+        self._resident_bytes = resident_bytes
+        self.template = template
+        self.bos_id = bos_id
+        self._adds_bos = adds_bos
+        self.res = Resident(num_ctx=num_ctx)
+        #: bumped by every operation that changes the KV; an abandoned decode stream
+        #: compares it before touching the KV again
+        self.epoch = 0
+        #: the generation of the newest session; older session handles are closed
+        self.session_gen = 0
+        self.closed = False
+
+    # --- identity ---------------------------------------------------------------------------
+    @property
+    def digest(self) -> str:
+        return self._digest
+
+    @property
+    def num_ctx(self) -> int:
+        return self._num_ctx
+
+    @abstractmethod
+    def engine_version(self) -> str:
+        """The engine library's version (part of the manifest identity)."""
+
+    @abstractmethod
+    def runtime_identity(self) -> dict[str, Any]:
+        """The settings that change numerics (and so KV reuse and snapshot validity)."""
+
+    def manifest_defaults(self) -> ContextManifest:
+        """The identity a client puts in its ContextManifest for this model."""
+        tpl = self.template
+        return ContextManifest(
+            backend=self.backend_name,
+            backend_version=self.engine_version(),
+            model_digest=self._digest,
+            prompt_format=tpl.prompt_format if tpl is not None else "raw",
+            template_digest=tpl.digest if tpl is not None else "",
+            runtime_digest=canonical_digest(self.runtime_identity()),
+            bos_policy="add" if self.wants_bos("") else "none",
+        )
+
+    def check_declared_template(self) -> None:
+        """Refuse a load whose profile declares another chat template than the model's."""
+        declared = self.config.prompt_template_digest
+        actual = self.template.digest if self.template is not None else ""
+        if declared and declared != actual:
+            raise ModelLoadFailed(
+                f"the profile declares template {declared} but the model's chat template is {actual or 'absent'}",
+                declared=declared,
+                actual=actual,
+            )
+
+    # --- tokens -----------------------------------------------------------------------------
+    def wants_bos(self, policy: str) -> bool:
+        return wants_bos(policy, disabled=self.config.disable_bos, model_default=self._adds_bos)
+
+    @abstractmethod
+    def _encode(self, text: str) -> list[int]:
+        """Tokens of rendered text with special tokens parsed and no BOS added."""
+
+    def tokenize(self, text: str, *, bos_policy: str | None = None) -> list[int]:
+        """Tokens of rendered text (special tokens parsed); BOS per policy when given, never doubled."""
+        tokens = self._encode(text) if text else []
+        return with_bos(tokens, self.bos_id, bos_policy is not None and self.wants_bos(bos_policy))
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def open_session(self) -> TapeSession:
+        """A session over the model's KV; it retires every older session handle."""
+        from .session import TapeSession
+
+        if self.closed:
+            raise SessionClosed("model was unloaded")
+        self.session_gen += 1
+        self.epoch += 1  # an open stream of an older session must not touch the KV
+        return TapeSession(self, self.session_gen)
+
+    def resident_bytes(self) -> int:
+        """Weights, KV and scratch of this model (precomputed: other threads read it)."""
+        return 0 if self.closed else self._resident_bytes
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Free the engine's objects (called once, by ``close``)."""
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.epoch += 1
+        self.res.clear()
+        self._release()
+
+    # --- the engine half of TapeModel ---------------------------------------------------------
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int: ...
+
+    @abstractmethod
+    def errors(self, action: str) -> AbstractContextManager[None]: ...
+
+    @abstractmethod
+    def prompt_text(self, tokens: list[int]) -> str: ...
+
+    @abstractmethod
+    def reusable(self, n: int) -> int: ...
+
+    @abstractmethod
+    def set_kv(self, tokens: list[int], keep: int) -> int: ...
+
+    @abstractmethod
+    def clear_kv(self) -> None: ...
+
+    @abstractmethod
+    def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps: ...
+
+    @abstractmethod
+    def export_state(self) -> tuple[bytes, str]: ...
+
+    @abstractmethod
+    def import_state(self, snap: SessionSnapshot) -> None: ...

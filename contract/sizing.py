@@ -1,0 +1,266 @@
+"""Sizing: what a model costs in memory, from its shape and the runtime config.
+
+One formula for everyone: the daemon's capacity planner (``modeld.capacity``)
+and both engines' ``describe`` compute KV bytes with ``kv_bytes_per_token`` over
+the same ``ModelFacts``, which an engine's ``Backend.model_facts`` returns. See
+``modeld.capacity`` for the whole model (overhead, budgets, reasons).
+
+    kv_cache(n) = bpe × n_head_kv × (head_dim_k + head_dim_v)
+                  × (dense_layers × n + swa_layers × min(n, sliding_window + n_b))
+    overhead(n) = fixed_bytes + logits_copies × n_b × n_vocab × 4
+                + compute_rows × n_b × n_embd × 4 + kq_copies × n_b × n_head × n × 4
+    n_b = min(n_batch, n)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Literal, Protocol
+
+from .types import DeviceInfo
+
+__all__ = [
+    "DEFAULT_N_BATCH",
+    "KV_BYTES_PER_ELEMENT",
+    "LLAMA_CPP_OVERHEAD",
+    "OPENVINO_OVERHEAD",
+    "MemoryPool",
+    "ModelFacts",
+    "OverheadModel",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
+    "overhead_bytes",
+    "required_bytes",
+]
+
+#: llama.cpp's default micro-batch when the config says 0
+DEFAULT_N_BATCH = 512
+
+#: bytes per KV element. ggml block types: q8_0 is 32 int8 + an f16 scale per 32
+#: (34/32), q4_0 is 32 nibbles + an f16 scale (18/32). OpenVINO's u8/u4 are its own
+#: asymmetric grouped quantisation; we assume a group of 32 with an f16 scale and
+#: an f16 zero point (+4/32), which is on the conservative side of its defaults.
+#: "" is the backend default, f16 for llama.cpp (an OpenVINO adapter should pass
+#: its real precision, which on CPU defaults to u8).
+KV_BYTES_PER_ELEMENT: dict[str, Fraction] = {
+    "": Fraction(2),
+    "f16": Fraction(2),
+    "f32": Fraction(4),
+    "q8_0": Fraction(34, 32),
+    "q4_0": Fraction(18, 32),
+    "u8": Fraction(32 + 4, 32),
+    "u4": Fraction(16 + 4, 32),
+}
+
+
+@dataclass(frozen=True)
+class OverheadModel:
+    """Named coefficients of ``overhead(n)`` (module docstring); calibrate them by benchmark.
+
+    The defaults are reasoned estimates, not measurements: ``logits_copies`` 1 is
+    the n_batch × n_vocab f32 logits buffer; ``compute_rows`` 16 covers the
+    activations of one micro-batch (a handful of n_embd-wide rows plus the FFN,
+    which is ~3-4 × n_embd wide) with allocator slack; ``kq_copies`` 1 is the
+    n_ctx × n_batch × n_head f32 attention-score matrix llama.cpp reserves when
+    flash attention is off (with it, scores are tiled and the term vanishes).
+    """
+
+    name: str
+    fixed_bytes: int = 16 * 1024 * 1024
+    logits_copies: float = 1.0
+    compute_rows: float = 16.0
+    kq_copies: float = 1.0
+
+
+#: llama.cpp (llama-cpp-python): compute buffer and KQ scores without flash attention.
+#: The logits term is 0: llama-cpp-python allocates an (n_batch, n_vocab) float32
+#: ``scores`` array but, without logits_all, writes only its last row, so the rest
+#: is never backed by RAM (``make bench``: RSS growth was 20% below the estimate
+#: that counted it, and 6% below without it).
+LLAMA_CPP_OVERHEAD = OverheadModel(name="llama.cpp", logits_copies=0.0)
+#: OpenVINO: paged attention keeps no n_ctx-sized score matrix, but the CPU plugin's
+#: compiled model and runtime hold far more than llama.cpp's: ``make bench`` measured
+#: 470 MB of RSS growth for load + a 4k prefill of the bundled model where weights
+#: and KV are 187 MB (openvino 2026.4.1), hence a fixed part of 280 MiB.
+OPENVINO_OVERHEAD = OverheadModel(name="openvino", fixed_bytes=280 * 1024 * 1024, kq_copies=0.0)
+
+
+class _GGUFLike(Protocol):
+    """The fields of ``backends.gguf_file.GGUFFacts`` that planning reads (duck-typed)."""
+
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def n_ctx_train(self) -> int: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def n_head(self) -> int: ...
+    @property
+    def n_head_kv(self) -> int: ...
+    @property
+    def n_embd(self) -> int: ...
+    @property
+    def head_dim_k(self) -> int: ...
+    @property
+    def head_dim_v(self) -> int: ...
+    @property
+    def sliding_window(self) -> int: ...
+    @property
+    def weights_bytes(self) -> int: ...
+    @property
+    def raw(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What planning needs from the model's metadata and the load config.
+
+    ``n_swa_layers`` is how many of the ``n_layer`` layers use ``sliding_window``
+    (0 with a window set means the pattern is unknown: every layer is counted
+    dense, which over- rather than under-estimates). ``n_batch`` is the micro-batch
+    the backend evaluates at once (llama.cpp's n_ubatch, which equals n_batch
+    unless set). ``n_vocab``/``n_embd``/``n_head`` feed the overhead model; a 0
+    drops its term, so pass them.
+    """
+
+    n_ctx_train: int
+    n_layer: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    weights_bytes: int
+    sliding_window: int = 0
+    n_swa_layers: int = 0
+    kv_cache_type: str = ""
+    n_batch: int = DEFAULT_N_BATCH
+    n_vocab: int = 0
+    n_embd: int = 0
+    n_head: int = 0
+    flash_attn: bool = False
+    overhead: OverheadModel = field(default=LLAMA_CPP_OVERHEAD)
+
+    def __post_init__(self) -> None:
+        for name in ("n_ctx_train", "n_layer", "n_head_kv", "head_dim_k", "head_dim_v", "n_batch"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelFacts.{name} must be positive, got {getattr(self, name)}")
+        for name in ("weights_bytes", "sliding_window", "n_swa_layers", "n_vocab", "n_embd", "n_head"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"ModelFacts.{name} must be >= 0, got {getattr(self, name)}")
+        if self.n_swa_layers > self.n_layer:
+            raise ValueError(f"ModelFacts.n_swa_layers {self.n_swa_layers} exceeds n_layer {self.n_layer}")
+        if self.kv_cache_type not in KV_BYTES_PER_ELEMENT:
+            raise ValueError(
+                f"unknown kv_cache_type {self.kv_cache_type!r}; expected one of {sorted(KV_BYTES_PER_ELEMENT)}"
+            )
+
+    @classmethod
+    def from_gguf(
+        cls,
+        g: _GGUFLike,
+        *,
+        kv_cache_type: str = "",
+        n_batch: int = DEFAULT_N_BATCH,
+        flash_attn: bool = False,
+        n_swa_layers: int = 0,
+        overhead: OverheadModel = LLAMA_CPP_OVERHEAD,
+    ) -> ModelFacts:
+        """Facts from ``backends.gguf_file.read_gguf``; the SWA layer pattern is not in GGUF scalars."""
+        raw = g.raw
+        n_vocab = int(raw.get(f"{g.architecture}.vocab_size", 0) or 0)
+        return cls(
+            n_ctx_train=g.n_ctx_train,
+            n_layer=g.n_layer,
+            n_head_kv=g.n_head_kv,
+            head_dim_k=g.head_dim_k,
+            head_dim_v=g.head_dim_v,
+            weights_bytes=g.weights_bytes,
+            sliding_window=g.sliding_window if n_swa_layers else 0,
+            n_swa_layers=n_swa_layers,
+            kv_cache_type=kv_cache_type,
+            n_batch=n_batch or DEFAULT_N_BATCH,
+            n_vocab=n_vocab,
+            n_embd=g.n_embd,
+            n_head=g.n_head,
+            flash_attn=flash_attn,
+            overhead=overhead,
+        )
+
+
+def _kv_bytes_per_cell_per_layer(facts: ModelFacts) -> Fraction:
+    return facts.n_head_kv * (facts.head_dim_k + facts.head_dim_v) * KV_BYTES_PER_ELEMENT[facts.kv_cache_type]
+
+
+def _n_b(facts: ModelFacts, n_ctx: int) -> int:
+    return min(facts.n_batch, n_ctx)
+
+
+def kv_bytes_per_token(facts: ModelFacts) -> int:
+    """Dense KV cost of one token: n_layer × n_head_kv × (head_dim_k + head_dim_v) × bpe (rounded up)."""
+    return math.ceil(facts.n_layer * _kv_bytes_per_cell_per_layer(facts))
+
+
+def _kv_cells(facts: ModelFacts, n_ctx: int) -> int:
+    """Layer-cells of KV at ``n_ctx``: dense layers hold n_ctx, SWA layers at most window + n_b."""
+    if facts.sliding_window > 0 and facts.n_swa_layers > 0:
+        swa_cells = min(n_ctx, facts.sliding_window + _n_b(facts, n_ctx))
+        return (facts.n_layer - facts.n_swa_layers) * n_ctx + facts.n_swa_layers * swa_cells
+    return facts.n_layer * n_ctx
+
+
+def kv_cache_bytes(facts: ModelFacts, n_ctx: int) -> int:
+    """Bytes of the KV cache at ``n_ctx`` tokens, with sliding-window layers capped."""
+    if n_ctx < 0:
+        raise ValueError(f"n_ctx must be >= 0, got {n_ctx}")
+    return math.ceil(_kv_cells(facts, n_ctx) * _kv_bytes_per_cell_per_layer(facts))
+
+
+def host_overhead_bytes(facts: ModelFacts, n_ctx: int) -> int:
+    """Fixed runtime + output logits: always in host memory."""
+    m = facts.overhead
+    return m.fixed_bytes + math.ceil(m.logits_copies * _n_b(facts, n_ctx) * facts.n_vocab * 4)
+
+
+def compute_overhead_bytes(facts: ModelFacts, n_ctx: int) -> int:
+    """Activations + attention scores: on the device that computes (the GPU when offloading)."""
+    m = facts.overhead
+    n_b = _n_b(facts, n_ctx)
+    compute = m.compute_rows * n_b * facts.n_embd * 4
+    kq = 0.0 if facts.flash_attn else m.kq_copies * n_b * facts.n_head * n_ctx * 4
+    return math.ceil(compute + kq)
+
+
+def overhead_bytes(facts: ModelFacts, n_ctx: int) -> int:
+    """Runtime overhead at ``n_ctx`` (``OverheadModel``): fixed + logits + compute + attention scores."""
+    if n_ctx < 0:
+        raise ValueError(f"n_ctx must be >= 0, got {n_ctx}")
+    return host_overhead_bytes(facts, n_ctx) + compute_overhead_bytes(facts, n_ctx)
+
+
+def required_bytes(facts: ModelFacts, n_ctx: int) -> int:
+    """Total bytes to serve ``n_ctx`` tokens: weights + overhead(n_ctx) + kv_cache(n_ctx)."""
+    return facts.weights_bytes + overhead_bytes(facts, n_ctx) + kv_cache_bytes(facts, n_ctx)
+
+
+@dataclass(frozen=True)
+class MemoryPool:
+    """One allocatable memory: host RAM ("cpu") or a GPU's memory. ``free_bytes`` is what is available now."""
+
+    kind: Literal["cpu", "gpu"]
+    id: str
+    total_bytes: int
+    free_bytes: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cpu", "gpu"):
+            raise ValueError(f"MemoryPool.kind must be 'cpu' or 'gpu', got {self.kind!r}")
+        if self.total_bytes < 0 or self.free_bytes < 0:
+            raise ValueError(f"MemoryPool bytes must be >= 0, got total={self.total_bytes} free={self.free_bytes}")
+
+    def device_info(self) -> DeviceInfo:
+        return DeviceInfo(
+            kind=self.kind, id=self.id, name=self.name, total_bytes=self.total_bytes, free_bytes=self.free_bytes
+        )
