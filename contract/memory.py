@@ -150,6 +150,12 @@ class MemorySession:
         res = self._live()
         if cfg.structured_output.is_set():
             raise UnsupportedFeature("the memory backend cannot constrain output")
+        if cfg.parser_protocols:
+            # it emits plain words: a protocol parser would be a silent no-op
+            raise UnsupportedFeature(
+                f"the memory backend parses no output protocols; got {cfg.parser_protocols}",
+                protocols=list(cfg.parser_protocols),
+            )
         if not res.tokens:
             raise InvalidArgument("nothing is resident: call ensure_prefix first")
         return self._decode(res, cfg)
@@ -208,6 +214,8 @@ class MemorySession:
     def restore(self, snap: SessionSnapshot) -> None:
         res = self._live()
         res.validate_snapshot(snap, BACKEND_NAME, self._model.digest)
+        if snap.state_kind != "kv":
+            raise SnapshotRejected(f"state_kind {snap.state_kind!r} is not restorable by the memory backend")
         if any(not 0 <= t < 256 for t in snap.resident_token_ids) or bytes(snap.resident_token_ids) != snap.state:
             raise SnapshotRejected("state bytes do not match the token tape")
         res.adopt_snapshot(snap)

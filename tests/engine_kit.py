@@ -1,0 +1,80 @@
+"""The engine conformance kit: what every engine behind the daemon's Backend seam is run against.
+
+An ``Engine`` names one implementation (the llama.cpp engine, the OpenVINO
+engine, the contract's memory reference) with the few facts the scenarios in
+``tests/test_engines.py`` need and cannot learn through the seam: how its
+stable prefix tokenizes (to predict a token-LCP reuse), how to read its token
+tape, and which documented differences the reference has (it reuses all or
+nothing, renders no template, and lets several session handles live at once).
+Everything else a scenario observes goes through ``Backend``, ``LoadedModel``
+and ``Session`` exactly as the daemon drives them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from contract.interfaces import Backend, LoadedModel, Session
+from contract.manifest import ContextManifest
+from contract.types import Config, DecodeConfig, OpenSessionRequest, PrefixInput, StreamChunk, SuffixInput
+
+NUM_CTX = 2048
+PARAGRAPH = (
+    "The repository contains a daemon that keeps one language model resident and serves a persistent "
+    "session over a local socket. Agents send a stable prefix with the system prompt, the tool list and "
+    "a map of the repository, followed by a small volatile suffix such as a diff or failing test output. "
+)
+LONG_PREFIX = "You are a careful coding assistant.\n" + PARAGRAPH * 4
+QUESTION = "Which component keeps the model resident?"
+
+
+@dataclass
+class Engine:
+    """One implementation under test, and what the scenarios must know about it."""
+
+    name: str
+    backend: Backend
+    path: str
+    #: the resident token tape of a loaded model (what the KV holds)
+    tape: Callable[[Any], list[int]]
+    #: the tokens a stable prefix text becomes on this model (without tools)
+    prefix_tokens: Callable[[Any, str], list[int]]
+    #: the engine's own check that its KV holds exactly the tape
+    kv_matches_tape: Callable[[Any], bool]
+    #: reuse is the token longest-common-prefix (the reference reuses all or nothing)
+    partial_reuse: bool = True
+    #: a model template decides tools (the reference takes any tools text)
+    renders_templates: bool = True
+    #: opening a session retires the older handles of the one KV (the reference keeps them)
+    one_driver: bool = True
+    #: decoding on from a tape continues the answer a model gives (the reference seeds
+    #: each pass's word stream from the whole tape instead)
+    continues_answers: bool = True
+    #: the largest token id + 1 (a snapshot naming a larger id is foreign)
+    vocab_size: int = 256
+
+    def load(self, num_ctx: int = NUM_CTX) -> LoadedModel:
+        return self.backend.load(OpenSessionRequest(path=self.path, config=Config(num_ctx=num_ctx)), lambda _f: None)
+
+
+def manifest(model: LoadedModel, profile: str, **over: str) -> ContextManifest:
+    return model.manifest_defaults().model_copy(update={"profile": profile, **over})
+
+
+def decode(session: Session, n: int, **cfg: Any) -> tuple[list[int], str, StreamChunk]:
+    """Token ids, text and the final chunk of one decode pass (greedy unless ``cfg`` says otherwise)."""
+    chunks = list(session.decode(DecodeConfig(max_tokens=n, return_token_ids=True, **cfg)))
+    assert chunks[-1].done
+    return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
+
+
+def greedy(session: Session, n: int = 16) -> list[int]:
+    return decode(session, n)[0]
+
+
+def turn(session: Session, man: ContextManifest, prefix: str, suffix: str, n: int = 16) -> list[int]:
+    session.ensure_prefix(PrefixInput(text=prefix, manifest=man))
+    session.prefill_suffix(SuffixInput(text=suffix, manifest=man))
+    return greedy(session, n)

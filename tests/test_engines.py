@@ -1,0 +1,408 @@
+"""The engine conformance kit (``tests/engine_kit.py``) run against every engine behind the Backend seam.
+
+llama.cpp and OpenVINO run real inference on the bundled model; the memory
+reference runs the same scenarios where the contract says the same thing, and
+the kit names each documented difference (``Engine`` flags). One model per
+engine is loaded for the module; every scenario starts with its own
+ensure_prefix, so the shared KV never couples scenarios to their order.
+Engine-specific behaviour (parity with each library's own generate loop, shape
+buckets, GGUF conversion, grammar engines) stays in the engines' own test files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from contract.errors import (
+    BackendMismatch,
+    ContextOverflow,
+    InvalidArgument,
+    ManifestMismatch,
+    SessionClosed,
+    SnapshotRejected,
+    UnsupportedFeature,
+)
+from contract.interfaces import LoadedModel, Session
+from contract.manifest import common_prefix_len
+from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SessionSnapshot, SuffixInput
+from tests.engine_kit import LONG_PREFIX, NUM_CTX, QUESTION, Engine, decode, greedy, manifest, turn
+from tests.fixtures import WEATHER_TOOL
+
+
+def _memory() -> Engine:
+    from contract.memory import MemoryBackend
+
+    return Engine(
+        name="memory",
+        backend=MemoryBackend(),
+        path="/models/reference",
+        tape=lambda m: list(m.resident.tokens),
+        prefix_tokens=lambda _m, text: list(text.encode()),
+        kv_matches_tape=lambda m: len(m.resident.tokens) <= m.num_ctx,
+        partial_reuse=False,
+        renders_templates=False,
+        one_driver=False,
+        continues_answers=False,
+    )
+
+
+def _llama() -> Engine:
+    pytest.importorskip("llama_cpp")
+    from backends.bundled import bundled_gguf_path
+    from backends.llama import LlamaBackend
+    from backends.tape.model import render_prefix
+
+    return Engine(
+        name="llama",
+        backend=LlamaBackend(),
+        path=str(bundled_gguf_path()),
+        tape=lambda m: list(m.res.tokens),
+        prefix_tokens=lambda m, text: m.tokenize(render_prefix(m.template, text, None)),
+        kv_matches_tape=lambda m: m.llm.n_tokens == len(m.res.tokens) and m.kv_pos_max() == len(m.res.tokens) - 1,
+        vocab_size=49152,
+    )
+
+
+def _openvino() -> Engine:
+    pytest.importorskip("openvino_genai")
+    from backends.bundled import bundled_gguf_path
+    from backends.openvino import OpenVINOBackend
+    from backends.tape.model import render_prefix
+
+    return Engine(
+        name="openvino",
+        backend=OpenVINOBackend(),
+        path=str(bundled_gguf_path()),  # the IR prepared by `make setup` is found by the GGUF's digest
+        tape=lambda m: list(m.res.tokens),
+        prefix_tokens=lambda m, text: m.tokenize(render_prefix(m.template, text, None)),
+        # the pools hold the tape's K/V; at most the tape was computed exactly by prefill
+        kv_matches_tape=lambda m: len(m.res.tokens) <= m.num_ctx and m.exact_len <= len(m.res.tokens),
+        vocab_size=49152,
+    )
+
+
+ENGINES = {"memory": _memory, "llama": _llama, "openvino": _openvino}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("memory"),
+        pytest.param("llama", marks=pytest.mark.llama),
+        pytest.param("openvino", marks=pytest.mark.openvino),
+    ],
+)
+def engine(request: pytest.FixtureRequest) -> Engine:
+    return ENGINES[request.param]()
+
+
+@pytest.fixture(scope="module")
+def model(engine: Engine) -> Iterator[LoadedModel]:
+    m = engine.load()
+    yield m
+    m.close()
+
+
+@pytest.fixture
+def session(model: LoadedModel) -> Iterator[Session]:
+    s = model.open_session()
+    yield s
+    s.close()
+
+
+# --- warm reuse -------------------------------------------------------------------------------------
+def test_warm_turn_equals_cold(engine: Engine, model: LoadedModel, session: Session) -> None:
+    man = manifest(model, "warm-cold")
+    cold_st = session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    assert cold_st.reused_tokens == 0 and cold_st.prefilled_tokens == cold_st.prefix_tokens > 200
+    session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+    first = greedy(session)
+    other = turn(session, man, LONG_PREFIX, "Summarise the design in one sentence.")
+
+    warm_st = session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    assert warm_st.reused_tokens == warm_st.prefix_tokens == cold_st.prefix_tokens
+    assert warm_st.prefilled_tokens == 0 and warm_st.dropped_tokens > 0
+    session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+    assert greedy(session) == first
+    session.prefill_suffix(SuffixInput(text="Summarise the design in one sentence.", manifest=man))
+    assert greedy(session) == other
+
+    fresh = engine.load()  # a cold model computes the same turn from nothing
+    try:
+        cold = fresh.open_session()
+        assert cold.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man)).reused_tokens == 0
+        cold.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+        assert greedy(cold) == first
+    finally:
+        fresh.close()
+
+
+def test_the_same_suffix_again_is_resident(engine: Engine, model: LoadedModel, session: Session) -> None:
+    man = manifest(model, "suffix-again")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    st = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+    answer = greedy(session)
+    again = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+    if engine.partial_reuse:
+        assert again.reused_tokens == again.suffix_tokens == st.suffix_tokens
+    assert again.resident_tokens == st.resident_tokens
+    assert greedy(session) == answer  # logits are recomputed where the engine holds none
+
+
+def test_manifest_gate_forces_recompute(model: LoadedModel, session: Session) -> None:
+    man = manifest(model, "gate")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    assert session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man)).reused_tokens > 0
+    flipped_bos = "add" if man.bos_policy == "none" else "none"
+    for field in ("template_digest", "runtime_digest", "bos_policy", "profile"):
+        other = man.model_copy(update={field: flipped_bos if field == "bos_policy" else "something-else"})
+        st = session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=other))
+        assert st.reused_tokens == 0 and st.prefilled_tokens == st.prefix_tokens, field
+        session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))  # back, recomputed again
+
+
+def test_edited_prefix_reuses_the_token_lcp(engine: Engine, model: LoadedModel, session: Session) -> None:
+    man = manifest(model, "edit")
+    first = LONG_PREFIX + "Current file: src/server.py, opened at line 12 of 480."
+    edited = LONG_PREFIX + "Current file: tests/test_server.py, opened at line 7 of 95."
+    session.ensure_prefix(PrefixInput(text=first, manifest=man))
+    session.prefill_suffix(SuffixInput(text="Fix the bug.", manifest=man))
+    greedy(session, 4)
+    before = len(engine.tape(model))
+    st = session.ensure_prefix(PrefixInput(text=edited, manifest=man))
+    target = engine.prefix_tokens(model, edited)
+    lcp = common_prefix_len(engine.prefix_tokens(model, first), target) if engine.partial_reuse else 0
+    assert 0 < lcp < len(target) or not engine.partial_reuse
+    assert st.reused_tokens == lcp and st.prefilled_tokens == len(target) - lcp
+    assert st.dropped_tokens == before - lcp
+    assert engine.tape(model) == target and engine.kv_matches_tape(model)
+    # the edited prefix answers exactly as a cold run of it does
+    session.prefill_suffix(SuffixInput(text="Fix the bug.", manifest=man))
+    warm = greedy(session)
+    assert turn(session, manifest(model, "edit-cold"), edited, "Fix the bug.") == warm
+
+
+# --- refusals leave the resident context untouched ------------------------------------------------------
+def test_refused_inputs_change_nothing(engine: Engine, model: LoadedModel, session: Session) -> None:
+    man = manifest(model, "refusals")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    session.prefill_suffix(SuffixInput(text="Short question?", manifest=man))
+    before, tape = session.explain_context(), engine.tape(model)
+    refusals: list[tuple[type[Exception], object]] = [
+        (ManifestMismatch, SuffixInput(text="x", manifest=man.model_copy(update={"runtime_digest": "sha256:other"}))),
+        (ContextOverflow, SuffixInput(text="word " * NUM_CTX, manifest=man)),
+        (ContextOverflow, PrefixInput(text="word " * (NUM_CTX + 10), manifest=man)),
+        (ManifestMismatch, PrefixInput(text="x", manifest=man.model_copy(update={"model_digest": "sha256:1"}))),
+        (ManifestMismatch, PrefixInput(text="x", manifest=man.model_copy(update={"backend": "elsewhere"}))),
+    ]
+    if engine.renders_templates:
+        refusals += [
+            (UnsupportedFeature, PrefixInput(text="sys", manifest=man, tools=json.dumps([WEATHER_TOOL]))),
+            (InvalidArgument, PrefixInput(text="sys", manifest=man, tools="{not json")),
+            (InvalidArgument, PrefixInput(text="sys", manifest=man.model_copy(update={"bos_policy": "sometimes"}))),
+        ]
+    for error, request in refusals:
+        with pytest.raises(error):
+            if isinstance(request, PrefixInput):
+                session.ensure_prefix(request)
+            else:
+                assert isinstance(request, SuffixInput)
+                session.prefill_suffix(request)
+        assert session.explain_context() == before, request
+        assert engine.tape(model) == tape and engine.kv_matches_tape(model), request
+    with pytest.raises(UnsupportedFeature):
+        session.decode(DecodeConfig(parser_protocols=["harmony"]))
+    assert greedy(session, 4)  # and the session keeps serving
+
+
+def test_decode_needs_a_resident_prompt(engine: Engine) -> None:
+    m = engine.load(num_ctx=256)
+    try:
+        s = m.open_session()
+        with pytest.raises(InvalidArgument):
+            s.decode(DecodeConfig())
+    finally:
+        m.close()
+    with pytest.raises(SessionClosed):
+        s.ensure_prefix(PrefixInput(text="x", manifest=m.manifest_defaults()))
+    assert m.resident_bytes() == 0
+
+
+def test_backend_mismatch(engine: Engine) -> None:
+    other = "openvino" if engine.name != "openvino" else "llama"
+    with pytest.raises(BackendMismatch):
+        engine.backend.load(OpenSessionRequest(path=engine.path, type=other), lambda _f: None)
+    with pytest.raises(BackendMismatch):
+        engine.backend.describe(OpenSessionRequest(path=engine.path, type=other))
+
+
+# --- decoding ------------------------------------------------------------------------------------------------
+def test_cancel_keeps_the_tape_equal_to_the_kv(engine: Engine, model: LoadedModel, session: Session) -> None:
+    man = manifest(model, "cancel")
+    full = turn(session, man, LONG_PREFIX, "Describe the daemon.")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    session.prefill_suffix(SuffixInput(text="Describe the daemon.", manifest=man))
+    prompt = engine.tape(model)
+    stream = session.decode(DecodeConfig(max_tokens=200, return_token_ids=True))
+    got: list[int] = []
+    for chunk in stream:
+        got += chunk.token_ids
+        if len(got) >= 3:
+            break
+    stream.close()
+    assert got == full[: len(got)]
+    # what was handed out is in the tape and the KV: decoding on continues the same answer
+    assert engine.tape(model) == prompt + got and engine.kv_matches_tape(model)
+    if engine.continues_answers:
+        assert greedy(session, len(full) - len(got)) == full[len(got) :]
+    assert turn(session, man, LONG_PREFIX, "Describe the daemon.") == full
+
+
+def test_a_newer_operation_ends_an_abandoned_stream(engine: Engine, model: LoadedModel, session: Session) -> None:
+    if not engine.one_driver:
+        pytest.skip("the reference has no single KV driver to hand over")
+    man = manifest(model, "abandon")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+    stream = session.decode(DecodeConfig(max_tokens=50))
+    next(stream)
+    st = session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    assert list(stream) == []  # the stream stops instead of writing into the new KV
+    assert len(engine.tape(model)) == st.prefix_tokens and engine.kv_matches_tape(model)
+
+
+def test_sampling_is_seeded(model: LoadedModel, session: Session) -> None:
+    man = manifest(model, "sample")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+
+    def sample(**cfg: object) -> list[int]:
+        session.prefill_suffix(SuffixInput(text="Tell me a story.", manifest=man))
+        return decode(session, 16, **cfg)[0]
+
+    first = sample(temperature=0.9, top_p=0.9, top_k=40, seed=7)
+    assert len(first) > 0 and sample(temperature=0.9, top_p=0.9, top_k=40, seed=7) == first
+
+
+def test_stop_strings_and_usage(engine: Engine, model: LoadedModel, session: Session) -> None:
+    man = manifest(model, "stop")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+    ids, text, last = decode(session, 32)
+    assert last.usage is not None and last.usage.completion_tokens == len(ids) > 0
+    # the tape is the prompt plus every token handed out (an end-of-turn token is not kept)
+    assert last.usage.prompt_tokens + last.usage.completion_tokens == len(engine.tape(model))
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]
+    session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+    _, cut, final = decode(session, 32, stop=[stop])
+    assert final.finish_reason == "stop" and stop not in cut and text.startswith(cut)
+
+
+def test_explain_context_from_another_thread(model: LoadedModel, session: Session) -> None:
+    man = manifest(model, "thread")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    session.prefill_suffix(SuffixInput(text="Describe the daemon.", manifest=man))
+    errors: list[BaseException] = []
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        try:
+            while not stop.is_set():
+                rep = session.explain_context()
+                assert rep.resident_tokens >= rep.prefix_tokens
+                assert model.resident_bytes() > 0
+                seen.append(rep.resident_tokens)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    try:
+        greedy(session, 16)
+    finally:
+        stop.set()
+        t.join()
+    assert not errors and seen
+
+
+# --- sessions and snapshots --------------------------------------------------------------------------------------
+def test_a_closed_session_keeps_the_kv_warm(engine: Engine, model: LoadedModel) -> None:
+    man = manifest(model, "sessions")
+    first = model.open_session()
+    first.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    first.close()
+    with pytest.raises(SessionClosed):
+        first.prefill_suffix(SuffixInput(text="x", manifest=man))
+    second = model.open_session()
+    st = second.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    assert st.reused_tokens == st.prefix_tokens and st.prefilled_tokens == 0
+    third = model.open_session()
+    if engine.one_driver:  # one KV, one driver: the older handle is retired
+        with pytest.raises(SessionClosed):
+            second.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+        assert second.explain_context().closed
+    assert not third.explain_context().closed
+    third.close()
+
+
+def _snapshot_after_suffix(model: LoadedModel, s: Session, profile: str) -> SessionSnapshot:
+    man = manifest(model, profile)
+    s.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    s.prefill_suffix(SuffixInput(text="What does the agent send as the suffix?", manifest=man))
+    return s.snapshot()
+
+
+def test_snapshot_restore_continues_identically(engine: Engine, model: LoadedModel, session: Session) -> None:
+    snap = _snapshot_after_suffix(model, session, "snap")
+    assert snap.backend == engine.name and snap.resident_tokens == len(engine.tape(model))
+    assert snap.resident_token_ids == engine.tape(model)
+    reference = greedy(session, 20)
+    turn(session, manifest(model, "other"), "You are a pirate.", "Say hello.", 8)
+    session.restore(snap)
+    rep = session.explain_context()
+    assert rep.resident_tokens == snap.resident_tokens and rep.prefix_tokens == snap.prefix_tokens
+    assert engine.tape(model) == snap.resident_token_ids and engine.kv_matches_tape(model)
+    assert greedy(session, 20) == reference
+    # the restored prefix is warm for the next turn
+    again = session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=snap.manifest))
+    assert again.reused_tokens == again.prefix_tokens == snap.prefix_tokens
+
+
+def _redigest(snap: SessionSnapshot, state: bytes) -> SessionSnapshot:
+    return snap.model_copy(update={"state": state, "state_digest": "sha256:" + hashlib.sha256(state).hexdigest()})
+
+
+def test_refused_snapshots_leave_the_session_untouched(engine: Engine, model: LoadedModel, session: Session) -> None:
+    snap = _snapshot_after_suffix(model, session, "refuse")
+    reference = greedy(session, 12)
+    session.restore(snap)
+    before, tape = session.explain_context(), engine.tape(model)
+    flipped = bytearray(snap.state)
+    flipped[len(flipped) // 2] ^= 0xFF
+    bad = {
+        "tampered bytes": snap.model_copy(update={"state": bytes(flipped)}),
+        "num_ctx": snap.model_copy(update={"num_ctx": snap.num_ctx * 2}),
+        "counts": snap.model_copy(update={"resident_tokens": snap.resident_tokens + 1}),
+        "prefix past the tape": snap.model_copy(update={"prefix_tokens": snap.resident_tokens + 1}),
+        "other model": snap.model_copy(
+            update={"manifest": snap.manifest.model_copy(update={"model_digest": "sha256:ab"})}
+        ),
+        "backend": snap.model_copy(update={"backend": "elsewhere"}),
+        "garbage state": _redigest(snap, b"garbage" * 10),
+        "short state": _redigest(snap, snap.state[: len(snap.state) // 3]),
+        "vocabulary": snap.model_copy(update={"resident_token_ids": snap.resident_token_ids[:-1] + [engine.vocab_size]}),
+        "state kind": snap.model_copy(update={"state_kind": "mystery"}),
+    }
+    for name, snapshot in bad.items():
+        with pytest.raises(SnapshotRejected):
+            session.restore(snapshot)
+        assert session.explain_context() == before, name
+        assert engine.tape(model) == tape and engine.kv_matches_tape(model), name
+    assert greedy(session, 12) == reference  # the KV is untouched too

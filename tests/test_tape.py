@@ -1,0 +1,435 @@
+"""Unit tests of the tape layer (backends/tape): TapeSession over a toy engine, and the snapshot framing.
+
+The toy engine is a real ``TapeModelBase`` subclass whose "KV" is a list it
+really keeps (one entry per evaluated token) and whose next token is a
+function of the tape, so the session's bookkeeping — LCP reuse, rollback of a
+failed prefill, suffix reconciliation, the decode loop's settle-on-close,
+epochs and finish reasons, the restore preamble — is checked without an engine
+library. The engines run the same layer on real models in tests/test_engines.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import pytest
+
+from backends.tape.model import TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
+from backends.tape.session import DecodeSteps, TapeSession
+from backends.tape.state import frame_state, header_diffs, pack_state, unpack_state
+from contract.errors import (
+    BackendMismatch,
+    ContextOverflow,
+    Internal,
+    InvalidArgument,
+    ManifestMismatch,
+    ModelLoadFailed,
+    SessionClosed,
+    SnapshotRejected,
+)
+from contract.resident import check_model_type
+from contract.types import Config, DecodeConfig, PrefixInput, SessionSnapshot, SuffixInput
+
+MAGIC = b"TOY-TAPE-STATE1\0"
+END = 0  # the toy vocabulary's end-of-generation token
+
+
+class ToyTemplate:
+    """A ChatML-like template; ``stable=False`` renders the system turn differently once a turn follows."""
+
+    digest = "sha256:toy"
+    prompt_format = "chatml"
+    supports_tools = True
+
+    def __init__(self, stable: bool = True) -> None:
+        self.stable = stable
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool, **extra: Any) -> str:
+        out = ""
+        for i, msg in enumerate(messages):
+            tag = msg["role"] if self.stable or len(messages) == 1 or i else "sys"
+            out += f"<{tag}>{msg['content']}</>"
+        if tools:
+            out = f"[{len(tools)} tools]" + out
+        return out + ("<assistant>" if generation else "")
+
+
+class ToySteps:
+    """Greedy "sampling": the next token is the last one + 1 (mod 120), or END after ``stop_after``."""
+
+    def __init__(self, m: ToyModel) -> None:
+        self._m = m
+        self.closed = False
+
+    def start(self) -> None:
+        self._m.starts += 1
+
+    def sample(self) -> int:
+        m = self._m
+        if m.stop_after is not None and m.decoded >= m.stop_after:
+            return END
+        return 32 + (m.res.tokens[-1] + 1) % 90
+
+    def feed(self, token: int) -> None:
+        self._m.evaluate([token])
+        self._m.decoded += 1
+
+    def is_end(self, token: int) -> bool:
+        return token == END
+
+    def piece(self, token: int) -> bytes:
+        return bytes([token])
+
+    def settle(self, token: int) -> None:
+        self.feed(token)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class ToyModel(TapeModelBase):
+    backend_name = "toy"
+
+    def __init__(self, num_ctx: int = 64, template: ToyTemplate | None = None) -> None:
+        super().__init__(
+            path="/toy",
+            digest="sha256:toymodel",
+            config=Config(),
+            num_ctx=num_ctx,
+            resident_bytes=1000,
+            template=template if template is not None else ToyTemplate(),
+            bos_id=1,
+            adds_bos=False,
+        )
+        self.kv: list[int] = []  # what the toy engine has really evaluated
+        self.fail_after: int | None = None  # evaluate raises after this many KV entries
+        self.stop_after: int | None = None
+        self.decoded = 0
+        self.starts = 0
+        self.released = False
+
+    def evaluate(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if self.fail_after is not None and len(self.kv) >= self.fail_after:
+                raise RuntimeError("engine failed mid-prefill")
+            self.kv.append(t)
+            self.res.tokens.append(t)
+
+    # --- TapeModelBase ------------------------------------------------------------------
+    def engine_version(self) -> str:
+        return "toy-1"
+
+    def runtime_identity(self) -> dict[str, Any]:
+        return {"num_ctx": self.num_ctx}
+
+    @property
+    def vocab_size(self) -> int:
+        return 128
+
+    def errors(self, action: str) -> AbstractContextManager[None]:
+        @contextlib.contextmanager
+        def mapped() -> Iterator[None]:
+            try:
+                yield
+            except RuntimeError as exc:
+                raise Internal(f"{action}: {exc}") from exc
+
+        return mapped()
+
+    def _release(self) -> None:
+        self.released = True
+
+    def _encode(self, text: str) -> list[int]:
+        return [min(ord(c), 127) for c in text]
+
+    def prompt_text(self, tokens: list[int]) -> str:
+        return "".join(chr(t) for t in tokens)
+
+    def reusable(self, n: int) -> int:
+        return n
+
+    def set_kv(self, tokens: list[int], keep: int) -> int:
+        self.epoch += 1
+        keep = min(keep, len(tokens), len(self.res.tokens))
+        del self.kv[keep:]
+        self.res.tokens = list(tokens[:keep])
+        self.evaluate(tokens[keep:])
+        return keep
+
+    def clear_kv(self) -> None:
+        self.epoch += 1
+        self.kv.clear()
+        self.res.clear()
+
+    def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
+        if cfg.structured_output.is_set():
+            raise InvalidArgument("the toy engine takes no constraints")
+        return ToySteps(self)
+
+    def export_state(self) -> tuple[bytes, str]:
+        return frame_state(MAGIC, {"n_tokens": len(self.kv)}, bytes(self.kv)), "kv"
+
+    def import_state(self, snap: SessionSnapshot) -> None:
+        header, body = unpack_state(MAGIC, snap.state, "a toy snapshot")
+        if header_diffs(header, {"n_tokens": snap.resident_tokens}):
+            raise SnapshotRejected("toy header disagrees")
+        self.epoch += 1
+        self.kv = list(body)
+        self.res.tokens = list(body)
+
+
+@pytest.fixture
+def model() -> ToyModel:
+    return ToyModel()
+
+
+def tape_equals_kv(m: ToyModel) -> bool:
+    return m.res.tokens == m.kv
+
+
+def prefix(m: ToyModel, text: str, **manifest: str) -> PrefixInput:
+    return PrefixInput(text=text, manifest=m.manifest_defaults().model_copy(update=manifest))
+
+
+def suffix(m: ToyModel, text: str, **kw: Any) -> SuffixInput:
+    return SuffixInput(text=text, manifest=m.manifest_defaults(), **kw)
+
+
+# --- ensure_prefix ---------------------------------------------------------------------------------------
+def test_prefix_reuse_is_the_token_lcp(model: ToyModel) -> None:
+    s = model.open_session()
+    first = s.ensure_prefix(prefix(model, "stable system text"))
+    assert first.reused_tokens == 0 and first.prefilled_tokens == first.prefix_tokens == len("<system>stable system text</>")
+    edited = s.ensure_prefix(prefix(model, "stable system edit"))
+    assert edited.reused_tokens == len("<system>stable system ")
+    assert edited.prefilled_tokens == len("edit</>") and tape_equals_kv(model)
+    other = s.ensure_prefix(prefix(model, "stable system edit", profile="another agent"))
+    assert other.reused_tokens == 0  # the manifest gate: another identity reuses nothing
+
+
+def test_a_failed_prefill_leaves_nothing_half_computed(model: ToyModel) -> None:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "abc"))
+    model.fail_after = 12
+    with pytest.raises(Internal, match="mid-prefill"):
+        s.ensure_prefix(prefix(model, "a much longer system prompt"))
+    assert model.res.tokens == [] and model.kv == [] and model.res.manifest is None
+    model.fail_after = None
+    assert s.ensure_prefix(prefix(model, "abc")).reused_tokens == 0
+
+
+def test_a_failed_suffix_rolls_back_to_the_stable_prefix(model: ToyModel) -> None:
+    s = model.open_session()
+    st = s.ensure_prefix(prefix(model, "sys"))
+    model.fail_after = st.prefix_tokens + 3
+    with pytest.raises(Internal):
+        s.prefill_suffix(suffix(model, "a user turn"))
+    assert model.res.tokens == model.kv and len(model.kv) == st.prefix_tokens == model.res.prefix_len
+
+
+def test_prefix_checks_before_any_change(model: ToyModel) -> None:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    tape = list(model.res.tokens)
+    for bad, error in [
+        (prefix(model, "x" * 100), ContextOverflow),
+        (prefix(model, "sys", bos_policy="maybe"), InvalidArgument),
+        (prefix(model, "sys", backend="llama"), ManifestMismatch),
+        (PrefixInput(text="sys", tools="[1", manifest=model.manifest_defaults()), InvalidArgument),
+    ]:
+        with pytest.raises(error):
+            s.ensure_prefix(bad)
+        assert model.res.tokens == tape and tape_equals_kv(model)
+
+
+# --- prefill_suffix ---------------------------------------------------------------------------------------
+def test_suffix_renders_through_the_template_after_the_prefix(model: ToyModel) -> None:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    st = s.prefill_suffix(suffix(model, "hi"))
+    assert model.prompt_text(model.res.tokens) == "<system>sys</><user>hi</><assistant>"
+    assert st.suffix_tokens == len("<user>hi</><assistant>") and st.reused_tokens == 0
+    again = s.prefill_suffix(suffix(model, "hi there"))
+    assert again.reused_tokens == len("<user>hi")  # the token LCP of the suffix
+    s.prefill_suffix(suffix(model, "<tool>raw</>", render=False))
+    assert model.prompt_text(model.res.tokens).endswith("</><tool>raw</>") and tape_equals_kv(model)
+    with pytest.raises(ManifestMismatch):
+        model.open_session().prefill_suffix(SuffixInput(text="x", manifest=model.manifest_defaults().model_copy(update={"profile": "p"})))
+
+
+def test_a_template_that_is_not_prefix_stable_is_reconciled_by_tokens() -> None:
+    m = ToyModel(template=ToyTemplate(stable=False))
+    s = m.open_session()
+    st = s.ensure_prefix(prefix(m, "sys"))
+    s.prefill_suffix(suffix(m, "hi"))
+    # the system turn now renders as <sys>…: only the common part of the old prefix stays "stable"
+    assert m.prompt_text(m.res.tokens) == "<sys>sys</><user>hi</><assistant>"
+    assert m.res.prefix_len == len("<sys") < st.prefix_tokens and tape_equals_kv(m)
+
+
+def test_suffix_overflow_changes_nothing(model: ToyModel) -> None:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, "hi"))
+    tape = list(model.res.tokens)
+    with pytest.raises(ContextOverflow):
+        s.prefill_suffix(suffix(model, "y" * 64))
+    assert model.res.tokens == tape and tape_equals_kv(model)
+
+
+# --- decode ----------------------------------------------------------------------------------------------------
+def _decoded(s: TapeSession, **cfg: Any) -> tuple[str, str]:
+    chunks = list(s.decode(DecodeConfig(**cfg)))
+    return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+
+def test_finish_reasons_and_usage(model: ToyModel) -> None:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, "hi"))
+    prompt = len(model.res.tokens)
+    chunks = list(s.decode(DecodeConfig(max_tokens=5)))
+    final = chunks[-1]
+    assert final.finish_reason == "length" and final.usage is not None
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (prompt, 5)
+    assert len(model.res.tokens) == prompt + 5 and tape_equals_kv(model)  # the last token was settled
+    model.stop_after = model.decoded + 2
+    assert _decoded(s, max_tokens=10)[1] == "stop"  # END is not evaluated
+    assert model.res.tokens[-1] != END and tape_equals_kv(model)
+    model.stop_after = None
+    text, reason = _decoded(s, max_tokens=200)
+    assert reason == "context_full" and len(model.res.tokens) == model.num_ctx and tape_equals_kv(model)
+    assert text
+
+
+def test_stop_strings_cut_the_text(model: ToyModel) -> None:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, "hi"))
+    full, _ = _decoded(s, max_tokens=8)
+    s.prefill_suffix(suffix(model, "hi"))
+    cut, reason = _decoded(s, max_tokens=8, stop=[full[3:5]])
+    assert reason == "stop" and cut == full[:3]
+
+
+def test_closing_a_stream_settles_the_token_handed_out(model: ToyModel) -> None:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, "hi"))
+    prompt = list(model.res.tokens)
+    stream = s.decode(DecodeConfig(max_tokens=50, return_token_ids=True))
+    got = next(stream).token_ids + next(stream).token_ids
+    stream.close()
+    assert model.res.tokens == prompt + got and tape_equals_kv(model)
+
+
+def test_a_newer_operation_ends_an_abandoned_stream(model: ToyModel) -> None:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, "hi"))
+    stream = s.decode(DecodeConfig(max_tokens=50))
+    next(stream)
+    s.ensure_prefix(prefix(model, "sys"))
+    assert list(stream) == [] and model.res.tokens == model.kv == model.res.tokens[: model.res.prefix_len]
+
+
+def test_decode_refusals_run_before_anything(model: ToyModel) -> None:
+    s = model.open_session()
+    with pytest.raises(InvalidArgument, match="nothing is resident"):
+        s.decode(DecodeConfig())
+    s.ensure_prefix(prefix(model, "sys"))
+    epoch = model.epoch
+    from contract.types import StructuredOutputConfig
+
+    with pytest.raises(InvalidArgument, match="constraints"):
+        s.decode(DecodeConfig(structured_output=StructuredOutputConfig(regex="x")))
+    assert model.epoch == epoch and model.starts == 0
+
+
+# --- sessions, snapshots, lifecycle ----------------------------------------------------------------------------
+def test_a_new_session_retires_the_old_handle(model: ToyModel) -> None:
+    first = model.open_session()
+    first.ensure_prefix(prefix(model, "sys"))
+    second = model.open_session()
+    with pytest.raises(SessionClosed, match="newer session"):
+        first.ensure_prefix(prefix(model, "sys"))
+    assert first.explain_context().closed and not second.explain_context().closed
+    assert second.ensure_prefix(prefix(model, "sys")).prefilled_tokens == 0  # the KV stayed warm
+    model.close()
+    assert model.released and model.resident_bytes() == 0 and model.res.tokens == []
+    with pytest.raises(SessionClosed):
+        model.open_session()
+    model.close()  # idempotent
+
+
+def test_snapshot_restore_and_its_checks(model: ToyModel) -> None:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, "hi"))
+    snap = s.snapshot()
+    assert snap.backend == "toy" and snap.resident_token_ids == model.kv
+    s.ensure_prefix(prefix(model, "other", profile="p"))
+    tape = list(model.res.tokens)
+    for bad in [
+        snap.model_copy(update={"resident_token_ids": snap.resident_token_ids[:-1] + [500]}),  # outside the vocabulary
+        snap.model_copy(update={"manifest": snap.manifest.model_copy(update={"backend": "llama"})}),
+        snap.model_copy(update={"backend": "llama"}),
+    ]:
+        with pytest.raises(SnapshotRejected):
+            s.restore(bad)
+        assert model.res.tokens == tape
+    s.restore(snap)
+    assert model.res.tokens == model.kv == snap.resident_token_ids
+    assert s.explain_context().prefix_tokens == snap.prefix_tokens
+
+
+def test_manifest_defaults_name_the_engine(model: ToyModel) -> None:
+    m = model.manifest_defaults()
+    assert (m.backend, m.backend_version, m.model_digest, m.template_digest) == ("toy", "toy-1", "sha256:toymodel", "sha256:toy")
+    assert m.bos_policy == "none" and m.runtime_digest.startswith("sha256:")
+    declared = ToyModel()
+    declared.config = Config(prompt_template_digest="sha256:else")
+    with pytest.raises(ModelLoadFailed, match="declares template"):
+        declared.check_declared_template()
+
+
+# --- the rules ---------------------------------------------------------------------------------------------------
+def test_rules() -> None:
+    assert resolve_num_ctx(0, 8192, 4096) == 4096 and resolve_num_ctx(0, 2048, 4096) == 2048
+    assert resolve_num_ctx(0, 0, 4096) == 4096 and resolve_num_ctx(100, 8192, 4096) == 100
+    with pytest.raises(InvalidArgument, match="training context"):
+        resolve_num_ctx(9000, 8192, 4096)
+    assert wants_bos("", disabled=False, model_default=True) and not wants_bos("none", disabled=False, model_default=True)
+    assert wants_bos("add", disabled=False, model_default=False) and not wants_bos("add", disabled=True, model_default=True)
+    assert with_bos([5, 6], 1, True) == [1, 5, 6] and with_bos([1, 5], 1, True) == [1, 5] and with_bos([5], 1, False) == [5]
+    with pytest.raises(BackendMismatch):
+        check_model_type("openvino", "llama")
+    check_model_type("", "llama")
+    with pytest.raises(ModelLoadFailed, match="digest"):
+        check_digest("/m", "sha256:a", "sha256:b")
+    check_digest("/m", "", "sha256:b")
+
+
+def test_state_framing() -> None:
+    blob = frame_state(MAGIC, {"a": 1, "b": [2]}, b"body")
+    header, body = unpack_state(MAGIC, blob, "a toy snapshot")
+    assert header == {"a": 1, "b": [2]} and bytes(body) == b"body"
+    out, start = pack_state(MAGIC, {"x": 0}, 3)
+    assert len(out) == start + 3 and bytes(out[:16]) == MAGIC
+    head = json.dumps({"a": 1}).encode()
+    for bad, why in [
+        (b"WRONG-MAGIC-XXXX" + blob[16:], "not a toy snapshot"),
+        (blob[:18], "not a toy snapshot"),
+        (MAGIC + len(head).to_bytes(4, "little") + head[:-2], "truncated"),
+        (MAGIC + (3).to_bytes(4, "little") + b"{x}", "not valid JSON"),
+        (MAGIC + (2).to_bytes(4, "little") + b"[]", "not a JSON object"),
+    ]:
+        with pytest.raises(SnapshotRejected, match=why):
+            unpack_state(MAGIC, bad, "a toy snapshot")
+    assert header_diffs({"n": 1, "k": "x"}, {"n": 2, "k": "x"}) == ["n: snapshot 1 != session 2"]
+    with pytest.raises(ValueError, match="16 bytes"):
+        pack_state(b"short", {})
