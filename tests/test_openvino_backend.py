@@ -176,13 +176,20 @@ def test_greedy_parity_with_genai_pipeline(model: OpenVINOLoadedModel, session: 
     assert ours == theirs
 
 
+#: how far the logits (of ~33 in magnitude) may move when the same tokens are prefilled in other
+#: chunks. On the CPUs this was run on the paged kernels gave bit-identical numbers (AVX-512 with
+#: and without AMX); another ISA's kernels may round differently, so the suite asserts what holds
+#: everywhere — the same greedy token and close logits — and bit-identity only for a literal replay.
+SPLIT_LOGIT_TOLERANCE = 0.05
+
+
 def test_prefill_is_split_invariant(model: OpenVINOLoadedModel) -> None:
-    """The property exact reuse rests on: where a prefill chunk starts does not change any number.
+    """The property exact reuse rests on: where a prefill chunk starts does not change the result.
 
     Checked on the engine directly: the logits after 300 tokens, prefilled in one
     chunk and in assorted splits — pieces of 1, 2 and 3 tokens included, which
-    run padded to a bucket of MIN_PREFILL_ROWS rows — are bit-identical; and the
-    decode kernel (1-token chunks, unpadded) is the one that differs.
+    run padded to a bucket of MIN_PREFILL_ROWS rows — pick the same token and
+    agree within SPLIT_LOGIT_TOLERANCE; replaying a split gives the same bits.
     """
     man = manifest(model, "split")
     s = model.open_session()
@@ -191,16 +198,18 @@ def test_prefill_is_split_invariant(model: OpenVINOLoadedModel) -> None:
     assert len(tokens) == 300
     model.set_kv(tokens, 0)
     one_shot = model.logits_at_end().copy()
-    for cuts in ([150], [8, 16, 299 - 8], [37, 200, 213], [256], [1, 2, 4, 150, 151, 299]):
+
+    def split(cuts: list[int]) -> np.ndarray:
         model.set_kv(tokens[: cuts[0]], 0)
         for a, b in zip(cuts, [*cuts[1:], 300], strict=True):
             assert model.set_kv(tokens[:b], a) == a
-        assert np.array_equal(model.logits_at_end(), one_shot), cuts
-    # the same tokens fed one by one go through the decode kernel: not bit-identical
-    model.set_kv(tokens[:290], 0)
-    for t in tokens[290:]:
-        stepped = model.step(t)
-    assert not np.array_equal(stepped, one_shot)
+        return model.logits_at_end().copy()
+
+    for cuts in ([150], [8, 16, 299 - 8], [37, 200, 213], [256], [1, 2, 4, 150, 151, 299]):
+        logits = split(cuts)
+        assert int(np.argmax(logits)) == int(np.argmax(one_shot)), cuts
+        assert float(np.max(np.abs(logits - one_shot))) <= SPLIT_LOGIT_TOLERANCE, cuts
+        assert np.array_equal(split(cuts), logits), cuts  # the same split replayed: the same bits
     model.clear_kv()  # the tape no longer matches the session's prefix bookkeeping
 
 
