@@ -32,8 +32,7 @@ $(STAMP): pyproject.toml Makefile
 
 # Converted model formats live in .cache/models (not committed); idempotent.
 models:
-	$(PY) -m backends.openvino.prepare
-	$(PY) -m backends.embed_prepare
+	$(VENV)/bin/modeld prepare
 
 run: setup
 	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-llama}

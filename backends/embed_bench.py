@@ -124,8 +124,10 @@ def bench(
     "min_cosine"}}}``. The corpus is repeated to fill the largest batch.
     """
     from contract.types import EmbedRequest
+    from modeld.embedding_slot import EmbeddingSlot
 
-    from .embeddings import EmbeddingSlot, LlamaEmbedder, OpenVINOEmbedder
+    from .llama.embedder import LlamaEmbedder
+    from .openvino.embedder import OpenVINOEmbedder
 
     base = list(texts or BENCH_TEXTS)
     corpus = (base * (max(batch_sizes) // len(base) + 2))[: max(max(batch_sizes) * 2, len(base))]

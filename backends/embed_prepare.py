@@ -159,19 +159,24 @@ def _need(module: str, what: str) -> None:
         )
 
 
+def st_pooling_mode(cfg: dict[str, Any]) -> str:
+    """The pooling a sentence-transformers ``1_Pooling/config.json`` names: mean, cls, last, or "" for another."""
+    for key, mode in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", "last")):
+        if cfg.get(key):
+            return mode
+    return ""
+
+
 def _pooling_from_st(model_dir: Path) -> str:
     """The pooling mode sentence-transformers applies, from ``1_Pooling/config.json``."""
     cfg_path = model_dir / "1_Pooling" / "config.json"
     if not cfg_path.is_file():
         return "mean"
     cfg = json.loads(cfg_path.read_text())
-    if cfg.get("pooling_mode_mean_tokens"):
-        return "mean"
-    if cfg.get("pooling_mode_cls_token"):
-        return "cls"
-    if cfg.get("pooling_mode_lasttoken"):
-        return "last"
-    raise PrepareError(f"unsupported sentence-transformers pooling in {cfg_path}: {cfg}")
+    mode = st_pooling_mode(cfg)
+    if not mode:
+        raise PrepareError(f"unsupported sentence-transformers pooling in {cfg_path}: {cfg}")
+    return mode
 
 
 # --- GGUF through llama.cpp's converter -----------------------------------------------

@@ -8,15 +8,19 @@ and by the shared suite in ``tests/conformance.py``.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from .manifest import ContextManifest
 from .sizing import MemoryPool, ModelFacts
 from .types import (
     ActiveModel,
+    Config,
     ContextReport,
     DaemonStatus,
     DecodeConfig,
+    EmbeddingStatus,
+    EmbedInfo,
     EmbedRequest,
     EmbedResult,
     LoadModelRequest,
@@ -30,6 +34,10 @@ from .types import (
     SuffixStatus,
     UnloadModelRequest,
 )
+
+if TYPE_CHECKING:  # numpy is an engine dependency, not the contract's: annotations only
+    import numpy as np
+    from numpy.typing import NDArray
 
 
 class Session(Protocol):
@@ -142,3 +150,111 @@ class Backend(Protocol):
     def embed(self, req: EmbedRequest) -> EmbedResult: ...
 
     def close(self) -> None: ...
+
+
+# --- the embedding side slot ----------------------------------------------------------------
+
+
+class Embedder(Protocol):
+    """The embedding side slot the daemon's slot service sends ``embed`` to (``modeld.embedding_slot``).
+
+    It holds its own small model next to the generation model and never touches
+    the generation model or its KV.
+    """
+
+    def embed_with_info(self, req: EmbedRequest) -> tuple[EmbedResult, EmbedInfo]: ...
+
+    def status(self) -> EmbeddingStatus:
+        """A snapshot for ``DaemonStatus.embedding``; never waits for a running embed."""
+        ...
+
+    def resident_bytes(self) -> int:
+        """Estimated bytes the loaded embedding model holds (0 when none)."""
+        ...
+
+    def maybe_unload_idle(self) -> bool:
+        """Unload the model when it has been idle long enough; True if it did."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class EmbeddingModelPlan(Protocol):
+    """What the side slot reads of an engine's plan for one embedding model (headers and files only)."""
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def digest(self) -> str: ...
+
+    @property
+    def window(self) -> int:
+        """Max tokens per input, special tokens included."""
+        ...
+
+    @property
+    def pooling(self) -> str:
+        """How token states become one vector: "mean", "cls" or "last"."""
+        ...
+
+    @property
+    def resident_bytes(self) -> int:
+        """Estimate of the loaded model's memory (weights + buffers), offered to the budget check."""
+        ...
+
+    @property
+    def num_threads(self) -> int: ...
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        """Two plans with the same key load the same engine (backend, real path, window, threads)."""
+        ...
+
+
+PlanT = TypeVar("PlanT", bound=EmbeddingModelPlan)
+PlanT_co = TypeVar("PlanT_co", bound=EmbeddingModelPlan, covariant=True)
+
+
+class EmbeddingEngine(Protocol[PlanT_co]):
+    """One loaded embedding model."""
+
+    @property
+    def plan(self) -> PlanT_co: ...
+
+    @property
+    def dims(self) -> int: ...
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Tokens each input takes in the model, special tokens included, without truncation."""
+        ...
+
+    def embed(self, texts: Sequence[str], counts: Sequence[int]) -> NDArray[np.float32]:
+        """Pooled vectors [len(texts), dims] in input order; inputs longer than the window are cut to it.
+
+        ``counts`` is what ``count_tokens`` just returned for the same texts.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+class EngineFactory(Protocol[PlanT]):
+    """What the side slot needs of an engine class: plan a model without loading it, then load it."""
+
+    @property
+    def backend(self) -> str: ...
+
+    def default_path(self) -> Path:
+        """The model a request without ``path`` gets; FileNotFoundError naming the fix when it is missing."""
+        ...
+
+    def plan_for(self, path: Path, config: Config) -> PlanT: ...
+
+    def __call__(self, plan: PlanT) -> EmbeddingEngine[PlanT]: ...

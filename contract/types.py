@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -25,7 +25,9 @@ __all__ = [
     "DecodeConfig",
     "DeviceInfo",
     "EmbedRequest",
+    "EmbedInfo",
     "EmbedResult",
+    "EmbeddingStatus",
     "ErrorInfo",
     "Fence",
     "LoadModelRequest",
@@ -132,6 +134,40 @@ class EmbedResult(_Report):
     tokens: list[int] = Field(default_factory=list)
     #: indices of inputs cut to the model window (only when the request asked to truncate)
     truncated: list[int] = Field(default_factory=list)
+
+
+class EmbedInfo(_Report):
+    """What the embedding side slot knows about one embed beyond the ``EmbedResult`` (not on the wire)."""
+
+    #: tokens per input (special tokens included, before any truncation)
+    tokens: list[int] = Field(default_factory=list)
+    #: indices of inputs cut to the window
+    truncated: list[int] = Field(default_factory=list)
+    window: int = 0
+    #: this call loaded the embedding model
+    loaded_now: bool = False
+    seconds: float = 0.0
+
+
+class EmbeddingStatus(TypedDict):
+    """The embedding side slot in ``DaemonStatus.embedding`` (a plain map on the wire)."""
+
+    backend: str
+    loaded: bool
+    model_name: str
+    path: str
+    digest: str
+    dims: int
+    window: int
+    pooling: str
+    resident_bytes: int
+    #: wall-clock time of the last use (seconds since the epoch), None before the first
+    last_used: float | None
+    idle_s: float | None
+    idle_unload_s: float
+    loads: int
+    embedded_inputs: int
+    last_error: str
 
 
 class LoadModelRequest(_ModelHandle):

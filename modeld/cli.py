@@ -1,4 +1,9 @@
-"""The ``modeld`` console script: ``serve`` runs the daemon, everything else is a client command."""
+"""The ``modeld`` console script: ``serve`` and ``prepare`` run here, everything else is a client command.
+
+Each command's module is imported only when it runs, so a client command never
+loads the daemon (ZeroMQ server, capacity planner) and ``serve`` never loads a
+backend it does not serve.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,15 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "serve":
-        from .__main__ import main as serve_main
+    command, rest = (args[0], args[1:]) if args else ("", [])
+    if command == "serve":
+        from .serve import main as serve_main
 
-        return serve_main(args[1:])
+        return serve_main(rest)
+    if command == "prepare":
+        from .prepare import main as prepare_main
+
+        return prepare_main(rest)
     from runtime.cli import main as client_main
 
     return client_main(args)

@@ -3,8 +3,9 @@
 ``SlotService`` implements the contract's Service and ModelController on top of
 one ``Backend``. It adds what a daemon needs and a backend should not know:
 
-* the SlotState machine and a generation counter bumped on every load, switch
-  and unload, with ``expected_generation`` making load/unload conditional;
+* the SlotState machine (``TRANSITIONS``: every state change is checked against
+  it) and a generation counter bumped on every load, switch and unload, with
+  ``expected_generation`` making load/unload conditional;
 * owner fencing (StaleFence) and backend type checks (BackendMismatch);
 * one session holder at a time (ModelBusy); open_session auto-loads an empty
   slot, a different model needs an explicit load (ModelSwitchRequired);
@@ -24,12 +25,13 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TypeVar
 
 from contract.errors import (
     BackendMismatch,
+    Internal,
     InvalidArgument,
     ModelBusy,
     ModeldError,
@@ -41,7 +43,7 @@ from contract.errors import (
     SlotGenerationStale,
     StaleFence,
 )
-from contract.interfaces import Backend, LoadedModel, Session
+from contract.interfaces import Backend, Embedder, LoadedModel, Session
 from contract.manifest import ContextManifest
 from contract.types import (
     ActiveModel,
@@ -66,22 +68,36 @@ from contract.wire import PROTOCOL_VERSION
 
 DEFAULT_LEASE_S = 30.0
 
-#: plans the memory-fitted request for a load; the default leaves it unchanged
+#: plans the memory-fitted request for a load (``modeld.capacity.make_planner``);
+#: without one the request is loaded as asked and the backend's describe answers
 Planner = Callable[[Backend, OpenSessionRequest, int], ModelInfo]
 
+_T = TypeVar("_T")
 
-class Embedder(Protocol):
-    """The embedding side slot (``backends.embeddings.EmbeddingSlot``)."""
-
-    def embed_with_info(self, req: EmbedRequest) -> tuple[EmbedResult, Any]: ...
-
-    def status(self) -> dict[str, Any]: ...
-
-    def resident_bytes(self) -> int: ...
-
-    def maybe_unload_idle(self) -> bool: ...
-
-    def close(self) -> None: ...
+_S = SlotState
+#: The slot's lifecycle: state -> the states it may move to. ``SlotService._transition``
+#: is the only place ``_state`` changes, and it refuses anything not listed here.
+TRANSITIONS: Mapping[SlotState, frozenset[SlotState]] = {
+    # load, or open_session auto-loading an empty slot
+    _S.EMPTY: frozenset({_S.LOADING, _S.SHUTTING_DOWN}),
+    # Ready on success, Failed when the backend's load raised (a planner refusal
+    # comes before Loading and leaves the state as it was)
+    _S.LOADING: frozenset({_S.READY, _S.FAILED, _S.SHUTTING_DOWN}),
+    # open_session, load of another model, unload
+    _S.READY: frozenset({_S.BUSY, _S.SWITCHING, _S.UNLOADING, _S.SHUTTING_DOWN}),
+    # the holder closed, its lease ran out, or its client vanished
+    _S.BUSY: frozenset({_S.READY, _S.SHUTTING_DOWN}),
+    # the old model is released before the new one loads, so a failed switch leaves nothing
+    _S.SWITCHING: frozenset({_S.READY, _S.FAILED, _S.SHUTTING_DOWN}),
+    _S.UNLOADING: frozenset({_S.EMPTY, _S.SHUTTING_DOWN}),
+    # a new load may be attempted; unload clears the failure
+    _S.FAILED: frozenset({_S.LOADING, _S.EMPTY, _S.SHUTTING_DOWN}),
+    # terminal: the process is exiting (shutdown may run again; it changes nothing)
+    _S.SHUTTING_DOWN: frozenset({_S.SHUTTING_DOWN}),
+    # Nothing reaches LostOwner yet: owner takeover (another instance claiming the
+    # daemon's owner epoch) is the transition that will, from every live state.
+    _S.LOST_OWNER: frozenset({_S.SHUTTING_DOWN}),
+}
 
 
 @dataclass
@@ -176,10 +192,29 @@ class SlotService:
         if self._shutting_down:
             raise ShuttingDown("modeld is shutting down")
 
-    def _set(self, **kw: Any) -> None:
+    def _transition(self, to: SlotState) -> None:
+        """Move the slot to ``to``; the caller holds ``_state_lock`` (fields that change with it change together).
+
+        Leaving ShuttingDown raises ShuttingDown (an operation that raced the
+        shutdown ends with it); any other move not in ``TRANSITIONS`` is a bug in
+        this module and raises Internal.
+        """
+        frm = self._state
+        if to in TRANSITIONS[frm]:
+            self._state = to
+            return
+        if frm is SlotState.SHUTTING_DOWN:
+            raise ShuttingDown("modeld is shutting down")
+        raise Internal(
+            f"invalid slot state transition {frm.value} -> {to.value}; allowed from {frm.value}: "
+            + (", ".join(sorted(s.value for s in TRANSITIONS[frm])) or "none"),
+            state=frm.value,
+            to=to.value,
+        )
+
+    def _set_busy(self, op: str) -> None:
         with self._state_lock:
-            for k, v in kw.items():
-                setattr(self, "_" + k, v)
+            self._busy_op = op
 
     def _matches(self, req: OpenSessionRequest) -> bool:
         cur = self._request
@@ -231,7 +266,10 @@ class SlotService:
             # Memory fit first, before anything is released or allocated.
             info = self._planner(self.backend, req, credit)
             req = req.model_copy(update={"config": req.config.model_copy(update={"num_ctx": info.effective_context})})
-        self._set(state=SlotState.SWITCHING if switching else SlotState.LOADING, busy_op="load", progress=0.0)
+        with self._state_lock:
+            self._transition(SlotState.SWITCHING if switching else SlotState.LOADING)
+            self._busy_op = "load"
+            self._progress = 0.0
         try:
             if self._loaded is not None:
                 self._release_model_locked()
@@ -252,23 +290,28 @@ class SlotService:
             generation=self._generation + 1,
             effective_context=loaded.num_ctx,
         )
-        with self._state_lock:
-            self._loaded = loaded
-            self._request = asked
-            self._active = active
-            self._generation += 1
-            self._state = SlotState.READY
-            self._busy_op = ""
-            self._progress = None
-            self._last_error = ""
+        try:
+            with self._state_lock:
+                self._transition(SlotState.READY)
+                self._loaded = loaded
+                self._request = asked
+                self._active = active
+                self._generation += 1
+                self._busy_op = ""
+                self._progress = None
+                self._last_error = ""
+        except ModeldError:
+            loaded.close()  # refused (a shutdown raced the load): nothing may stay resident unowned
+            raise
         return active
 
     def _on_progress(self, fraction: float) -> None:
-        self._set(progress=max(0.0, min(1.0, float(fraction))))
+        with self._state_lock:
+            self._progress = max(0.0, min(1.0, float(fraction)))
 
     def _fail_locked(self, exc: ModeldError) -> None:
         with self._state_lock:
-            self._state = SlotState.FAILED if self._loaded is None else SlotState.READY
+            self._transition(SlotState.FAILED if self._loaded is None else SlotState.READY)
             self._busy_op = ""
             self._progress = None
             self._last_error = f"{type(exc).__name__}: {exc.message}"
@@ -293,16 +336,19 @@ class SlotService:
                 )
             if self._loaded is None:
                 if self._state is SlotState.FAILED:
-                    self._set(state=SlotState.EMPTY)
+                    with self._state_lock:
+                        self._transition(SlotState.EMPTY)
                 return  # idempotent on an empty slot
             self._reap_locked()
             if self._holder is not None:
                 raise ModelBusy("a session holds the slot; close it before unloading", session_id=self._holder.session_id)
-            self._set(state=SlotState.UNLOADING, busy_op="unload")
+            with self._state_lock:
+                self._transition(SlotState.UNLOADING)
+                self._busy_op = "unload"
             self._release_model_locked()
             with self._state_lock:
+                self._transition(SlotState.EMPTY)
                 self._generation += 1
-                self._state = SlotState.EMPTY
                 self._busy_op = ""
 
     # --- Service ---------------------------------------------------------------------
@@ -333,9 +379,13 @@ class SlotService:
                 owner=req.owner_instance_id,
                 inner=self._loaded.open_session(),
             )
-            with self._state_lock:
-                self._holder = holder
-                self._state = SlotState.BUSY
+            try:
+                with self._state_lock:
+                    self._transition(SlotState.BUSY)
+                    self._holder = holder
+            except ModeldError:
+                holder.inner.close()
+                raise
             return SlotSession(self, holder)
 
     def describe(self, req: OpenSessionRequest) -> ModelInfo:
@@ -429,7 +479,7 @@ class SlotService:
                 if self._holder is holder:
                     self._holder = None
                     if self._state is SlotState.BUSY:
-                        self._state = SlotState.READY
+                        self._transition(SlotState.READY)
 
     def release_session(self, session_id: str) -> None:
         with self._op_lock:
@@ -441,23 +491,23 @@ class SlotService:
         h = self._holder
         return h.session_id if h is not None else ""
 
-    def run_op(self, holder: _Holder, name: str, fn: Callable[[Session], Any]) -> Any:
+    def run_op(self, holder: _Holder, name: str, fn: Callable[[Session], _T]) -> _T:
         with self._op_lock:
             inner = self._holder_for(holder)
             holder.in_operation += 1
-            self._set(busy_op=name)
+            self._set_busy(name)
             try:
                 return fn(inner)
             finally:
                 holder.in_operation -= 1
                 holder.last_seen = time.monotonic()
-                self._set(busy_op="")
+                self._set_busy("")
 
     # --- shutdown ----------------------------------------------------------------------
     def shutdown(self) -> None:
         with self._state_lock:
             self._shutting_down = True
-            self._state = SlotState.SHUTTING_DOWN
+            self._transition(SlotState.SHUTTING_DOWN)
         if self._embedder is not None:
             self._embedder.close()
         with self._op_lock:
@@ -492,13 +542,13 @@ class SlotSession:
         return active.effective_context if active else 0
 
     def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
-        return self._slot.run_op(self._holder, "ensure_prefix", lambda s: s.ensure_prefix(prefix))  # type: ignore[no-any-return]
+        return self._slot.run_op(self._holder, "ensure_prefix", lambda s: s.ensure_prefix(prefix))
 
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
-        return self._slot.run_op(self._holder, "prefill_suffix", lambda s: s.prefill_suffix(suffix))  # type: ignore[no-any-return]
+        return self._slot.run_op(self._holder, "prefill_suffix", lambda s: s.prefill_suffix(suffix))
 
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
-        inner_iter: Generator[StreamChunk, None, None] = self._slot.run_op(self._holder, "decode", lambda s: s.decode(cfg))
+        inner_iter = self._slot.run_op(self._holder, "decode", lambda s: s.decode(cfg))
         return self._stream(inner_iter)
 
     def _stream(self, it: Generator[StreamChunk, None, None]) -> Generator[StreamChunk, None, None]:
@@ -506,7 +556,7 @@ class SlotSession:
         # serialises model work, and a suspended generator must not pin a lock.
         slot, holder = self._slot, self._holder
         holder.in_operation += 1
-        slot._set(busy_op="decode")
+        slot._set_busy("decode")
         try:
             for chunk in it:
                 holder.last_seen = time.monotonic()
@@ -515,7 +565,7 @@ class SlotSession:
             it.close()  # cancels the backend within one token
             holder.in_operation -= 1
             holder.last_seen = time.monotonic()
-            slot._set(busy_op="")
+            slot._set_busy("")
 
     def explain_context(self) -> ContextReport:
         h = self._holder
@@ -525,7 +575,7 @@ class SlotSession:
         return h.inner.explain_context()
 
     def snapshot(self) -> SessionSnapshot:
-        return self._slot.run_op(self._holder, "snapshot", lambda s: s.snapshot())  # type: ignore[no-any-return]
+        return self._slot.run_op(self._holder, "snapshot", lambda s: s.snapshot())
 
     def restore(self, snap: SessionSnapshot) -> None:
         self._slot.run_op(self._holder, "restore", lambda s: s.restore(snap))

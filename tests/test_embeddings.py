@@ -28,7 +28,9 @@ import pytest
 
 from backends.bundled import bundled_gguf_path
 from backends.embed_prepare import default_embedding_gguf, default_embedding_ir
-from backends.embeddings import EmbeddingSlot, LlamaEmbedder, OpenVINOEmbedder, l2_normalize
+from backends.embeddings import l2_normalize
+from backends.llama.embedder import LlamaEmbedder
+from backends.openvino.embedder import OpenVINOEmbedder
 from contract.errors import (
     BackendMismatch,
     ContextOverflow,
@@ -38,6 +40,7 @@ from contract.errors import (
     UnsupportedFeature,
 )
 from contract.types import Config, EmbedRequest
+from modeld.embedding_slot import EmbeddingSlot
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("llama", "openvino")

@@ -1,0 +1,219 @@
+"""The composition root: the only module of modeld that imports a concrete backend.
+
+``build_daemon(options)`` wires what ``modeld serve`` runs: the backend, the
+memory planner, the embedding side slot, the slot service and the daemon with
+its blob store. Each piece has its own builder, and ``build_slot`` /
+``build_daemon`` take a ready backend, so tests pass fakes (the contract's
+``MemoryBackend``) through the same door. Backends are imported inside the
+builders: a memory-backend daemon never loads llama.cpp or OpenVINO.
+
+``prepare_models`` is the same choice for ``modeld prepare``: which converters
+turn the bundled models into the formats the backends serve.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from contract.endpoint import default_endpoint
+from contract.interfaces import Backend, Embedder
+from contract.types import Config, LoadModelRequest
+
+from .blobs import BlobStore
+from .capacity import make_budget_check, make_planner
+from .server import Daemon
+from .slot import DEFAULT_LEASE_S, Planner, SlotService
+
+__all__ = [
+    "BACKENDS",
+    "PREPARE_STEPS",
+    "ServeOptions",
+    "build_backend",
+    "build_daemon",
+    "build_embedder",
+    "build_planner",
+    "build_slot",
+    "default_data_dir",
+    "embed_cache_dir",
+    "model_cache_dir",
+    "prepare_models",
+    "preload_request",
+]
+
+BACKENDS = ("llama", "openvino", "memory")
+#: what ``modeld prepare --only`` accepts
+PREPARE_STEPS = ("openvino", "embed")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The parsed ``modeld serve`` arguments (``modeld.serve``); field names are the argparse names."""
+
+    backend: str = "llama"
+    #: "" or None = the per-user default endpoint
+    endpoint: str | None = None
+    #: model to preload; None = the bundled model for llama/openvino, nothing for memory
+    model: str | None = None
+    model_name: str | None = None
+    num_ctx: int = 0
+    owner: str = ""
+    #: snapshot blobs and state; None = ``default_data_dir()``
+    data_dir: Path | None = None
+    mem_max: str | None = None
+    mem_reserve: str | None = None
+    lease: float = DEFAULT_LEASE_S
+    no_preload: bool = False
+    #: seconds before an idle embedding model is unloaded
+    embed_idle: float = 300.0
+    #: memory backend only: simulated time per generated token
+    memory_token_delay_ms: float = 0.0
+    log_level: str = "INFO"
+
+
+def default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "modeld"
+
+
+def build_backend(opts: ServeOptions) -> Backend:
+    if opts.backend == "memory":
+        from contract.memory import MemoryBackend
+
+        return MemoryBackend(token_delay_s=opts.memory_token_delay_ms / 1000.0)
+    if opts.backend == "llama":
+        from backends.llama import LlamaBackend
+
+        return LlamaBackend()
+    if opts.backend == "openvino":
+        from backends.openvino import OpenVINOBackend
+
+        return OpenVINOBackend()
+    raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def build_planner(opts: ServeOptions) -> Planner:
+    """The memory planner (``modeld.capacity``): --mem-max/--mem-reserve over env over config file."""
+    return make_planner(mem_max=opts.mem_max, mem_reserve=opts.mem_reserve)
+
+
+def build_embedder(opts: ServeOptions, generation_bytes: Callable[[], int]) -> Embedder | None:
+    """The embedding side slot for the backend (none for the memory backend).
+
+    ``generation_bytes`` is what the generation model holds now: the side slot's
+    budget check takes it off --mem-max, which both models share.
+    """
+    if opts.backend == "memory":
+        return None
+    from .embedding_slot import EmbeddingSlot
+
+    check = make_budget_check(opts.mem_max, opts.mem_reserve, other_bytes=generation_bytes)
+    if opts.backend == "llama":
+        from backends.llama.embedder import LlamaEmbedder
+
+        return EmbeddingSlot(LlamaEmbedder, idle_unload_s=opts.embed_idle, budget_check=check)
+    from backends.openvino.embedder import OpenVINOEmbedder
+
+    return EmbeddingSlot(OpenVINOEmbedder, idle_unload_s=opts.embed_idle, budget_check=check)
+
+
+def build_slot(opts: ServeOptions, endpoint: str, backend: Backend | None = None) -> SlotService:
+    """The slot service over ``backend`` (default: the one ``opts`` names), with its planner and side slot."""
+    backend = backend if backend is not None else build_backend(opts)
+    # The side slot's budget check asks the slot what the generation model holds,
+    # and the slot needs the side slot: the check reads the slot through this box.
+    built: list[SlotService] = []
+    embedder = build_embedder(opts, lambda: built[0].generation_resident_bytes() if built else 0)
+    slot = SlotService(
+        backend,
+        owner=opts.owner,
+        lease_s=opts.lease,
+        planner=build_planner(opts),
+        endpoint=endpoint,
+        embedder=embedder,
+    )
+    built.append(slot)
+    return slot
+
+
+def build_daemon(opts: ServeOptions, backend: Backend | None = None) -> Daemon:
+    """The daemon, bound to nothing yet (``Daemon.serve`` binds), with its slot and snapshot blob store."""
+    endpoint = opts.endpoint or default_endpoint()
+    slot = build_slot(opts, endpoint, backend)
+    data_dir = opts.data_dir or default_data_dir()
+    return Daemon(slot, endpoint, BlobStore(data_dir / "blobs"))
+
+
+def preload_request(opts: ServeOptions) -> LoadModelRequest | None:
+    """The model to load at start: ``--model``, else the bundled model for llama/openvino; None for none."""
+    if opts.no_preload:
+        return None
+    model, name = opts.model, opts.model_name
+    if model is None and opts.backend in ("llama", "openvino"):
+        from backends.bundled import BUNDLED_MODEL_NAME, bundled_gguf_path
+
+        model = str(bundled_gguf_path())
+        name = name or BUNDLED_MODEL_NAME
+    if not model:
+        return None
+    return LoadModelRequest(
+        owner_instance_id=opts.owner,
+        model_name=name or Path(model).name,
+        type=opts.backend,
+        path=model,
+        config=Config(num_ctx=opts.num_ctx),
+    )
+
+
+# --- modeld prepare -----------------------------------------------------------------------
+
+
+def model_cache_dir() -> Path:
+    """Where converted models live ($MODELD_MODEL_CACHE, .cache/models in a checkout, ~/.cache/modeld/models)."""
+    from backends.bundled import model_cache_dir as cache_dir
+
+    return cache_dir()
+
+
+def embed_cache_dir() -> Path:
+    """Where the converted embedding models live, inside ``model_cache_dir()``."""
+    from backends.embed_prepare import embed_cache_dir as cache_dir
+
+    return cache_dir()
+
+
+def prepare_models(
+    *,
+    only: str | None = None,
+    gguf: Path | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[Path]:
+    """Convert the bundled models once into what the backends serve; return the output paths.
+
+    * ``openvino``: the bundled GGUF (or ``gguf``) to an OpenVINO IR directory
+      (``backends.openvino.prepare.prepare_ir``);
+    * ``embed``: the bundled embedding model to a GGUF and an OpenVINO IR
+      (``backends.embed_prepare``); ``force`` rebuilds these two.
+
+    ``only`` picks one step (``PREPARE_STEPS``). Each step keeps an output that is
+    already complete, so a second run converts nothing. Raises what the
+    converters raise (OSError, ValueError, RuntimeError) with the reason.
+    """
+    if only is not None and only not in PREPARE_STEPS:
+        raise ValueError(f"unknown preparation step {only!r}; choose one of {', '.join(PREPARE_STEPS)}")
+    out: list[Path] = []
+    if only in (None, "openvino"):
+        from backends.bundled import bundled_gguf_path
+        from backends.openvino.prepare import prepare_ir
+
+        out.append(prepare_ir(gguf if gguf is not None else bundled_gguf_path(), progress=log))
+    if only in (None, "embed"):
+        from backends.embed_prepare import prepare_gguf
+        from backends.embed_prepare import prepare_ir as prepare_embed_ir
+
+        out.append(prepare_gguf(force, log))
+        out.append(prepare_embed_ir(force, log))
+    return out

@@ -1,0 +1,84 @@
+"""``modeld serve``: parse the arguments, build the daemon (``modeld.bootstrap``), serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from .bootstrap import BACKENDS, ServeOptions, build_daemon, preload_request
+from .slot import DEFAULT_LEASE_S
+
+__all__ = ["add_serve_arguments", "build_parser", "main", "serve"]
+
+log = logging.getLogger("modeld")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``modeld serve`` options; their dest names are ``ServeOptions``' fields."""
+    p.add_argument("--endpoint", default=None, help="ipc://PATH or tcp://HOST:PORT (env MODELD_ENDPOINT)")
+    p.add_argument("--backend", choices=BACKENDS, default=os.environ.get("MODELD_BACKEND", "llama"))
+    p.add_argument("--model", default=None, help="model to preload (default: the bundled model for llama/openvino)")
+    p.add_argument("--model-name", default=None, help="logical name of the preloaded model")
+    p.add_argument("--num-ctx", type=int, default=0, help="context window of the preloaded model (0 = memory-fitted)")
+    p.add_argument("--owner", default=os.environ.get("MODELD_OWNER", ""), help="owner instance id for fencing")
+    p.add_argument("--data-dir", type=Path, default=None, help="snapshot blobs and state (default ~/.local/share/modeld)")
+    p.add_argument("--mem-max", default=None, help="memory limit for model + KV, e.g. 8GiB (env MODELD_MEM_MAX)")
+    p.add_argument("--mem-reserve", default=None, help="memory kept free, e.g. 1GiB (env MODELD_MEM_RESERVE)")
+    p.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, help="seconds a silent client keeps its session")
+    p.add_argument("--no-preload", action="store_true", help="start with an empty slot")
+    p.add_argument("--embed-idle", type=float, default=300.0, help="seconds before an idle embedding model is unloaded")
+    p.add_argument(
+        "--memory-token-delay-ms",
+        type=float,
+        default=0.0,
+        help="memory backend only: simulated time per generated token",
+    )
+    p.add_argument("--log-level", default=os.environ.get("MODELD_LOG_LEVEL", "INFO"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modeld serve", description="Serve one model slot over ZeroMQ.")
+    add_serve_arguments(p)
+    return p
+
+
+def serve(opts: ServeOptions) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(opts.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    daemon = build_daemon(opts)
+
+    fired = False
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        nonlocal fired
+        if not fired:  # fire once; a second signal during shutdown is ignored
+            fired = True
+            log.info("received %s", signal.Signals(signum).name)
+            daemon.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    preload = preload_request(opts)
+    if opts.backend == "memory":
+        log.warning("serving the memory reference backend: no inference, byte-length token proxies")
+    if preload is not None:
+        daemon.preload(preload)
+    try:
+        daemon.serve()
+    except RuntimeError as exc:
+        print(f"modeld: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve(ServeOptions(**vars(build_parser().parse_args(argv))))

@@ -1,0 +1,100 @@
+"""The daemon side of the ``modeld`` command: ``serve`` and ``prepare``, and the composition root."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from contract.memory import MemoryBackend
+from contract.types import SlotState
+from modeld.bootstrap import ServeOptions, build_slot, preload_request
+
+from .daemon_proc import ROOT
+
+
+def modeld(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "modeld", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
+    )
+
+
+def test_prepare_help_says_what_it_converts_and_where() -> None:
+    out = modeld("prepare", "--help")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    for words in ("OpenVINO IR", "all-MiniLM-L6-v2", "GGUF", "MODELD_MODEL_CACHE", "converts nothing", "--only"):
+        assert words in text, words
+    assert str(ROOT / ".cache" / "models") in text or "MODELD_MODEL_CACHE" in os.environ
+
+
+def test_prepare_twice_converts_nothing_the_second_time() -> None:
+    # The first run is what `make setup` did already (it converts only what is missing).
+    first = modeld("prepare", timeout=1800)
+    assert first.returncode == 0, first.stderr
+    outputs = [Path(line) for line in first.stdout.splitlines()]
+    assert len(outputs) == 3 and all(p.exists() for p in outputs), first.stdout
+
+    def stamps() -> dict[Path, tuple[int, int]]:
+        files = [f for p in outputs for f in ([p] if p.is_file() else sorted(p.rglob("*")))]
+        return {f: (f.stat().st_mtime_ns, f.stat().st_size) for f in files}
+
+    before = stamps()
+    second = modeld("prepare")
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == first.stdout
+    assert stamps() == before
+
+
+def test_prepare_refuses_a_missing_gguf(tmp_path: Path) -> None:
+    out = modeld("prepare", "--only", "openvino", "--gguf", str(tmp_path / "missing.gguf"))
+    assert out.returncode == 1 and out.stderr.startswith("modeld prepare:") and "missing.gguf" in out.stderr
+
+
+def test_serve_help_and_bad_arguments() -> None:
+    out = modeld("serve", "--help")
+    assert out.returncode == 0 and "--mem-max" in out.stdout and "--backend" in out.stdout
+    bad = modeld("serve", "--backend", "nope")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_the_cli_imports_no_daemon_for_client_commands() -> None:
+    """``modeld status`` and friends never import the daemon, the planner or a backend."""
+    code = (
+        "import sys; import modeld.cli, runtime.cli; "
+        "bad = sorted(m for m in sys.modules if m.startswith(('backends', 'modeld.server', 'modeld.capacity', "
+        "'modeld.bootstrap', 'modeld.__main__'))); print(bad); sys.exit(1 if bad else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_only_the_composition_root_imports_backends() -> None:
+    code = (
+        "import sys, modeld.serve, modeld.prepare, modeld.slot, modeld.embedding_slot, modeld.capacity; "
+        "bad = sorted(m for m in sys.modules if m.startswith('backends')); print(bad); sys.exit(1 if bad else 0)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_bootstrap_takes_a_backend_through_the_same_door(tmp_path: Path) -> None:
+    """The daemon itself is built the same way by every ``modeld serve`` the daemon tests start."""
+    opts = ServeOptions(backend="memory", owner="o")
+    slot = build_slot(opts, f"ipc://{tmp_path / 'm.sock'}", MemoryBackend())
+    st = slot.status()
+    assert (st.backend, st.state, st.owner_instance_id, st.embedding) == ("memory", SlotState.EMPTY, "o", None)
+    assert preload_request(opts) is None  # the memory backend preloads nothing unless asked
+    req = preload_request(ServeOptions(backend="memory", model="/m/x", num_ctx=64))
+    assert req is not None and (req.model_name, req.type, req.config.num_ctx) == ("x", "memory", 64)
+    assert preload_request(ServeOptions(backend="llama", no_preload=True)) is None
+
+
+@pytest.mark.parametrize("backend", ["llama", "openvino"])
+def test_bootstrap_preloads_the_bundled_model(backend: str) -> None:
+    req = preload_request(ServeOptions(backend=backend))
+    assert req is not None and req.model_name == "smollm2-135m-instruct" and req.path.endswith(".gguf")

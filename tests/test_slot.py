@@ -1,0 +1,419 @@
+"""The slot service in process, on the contract's memory backend: no sockets, no daemon.
+
+Every test drives a ``RecordingSlot``, which logs each state change it makes;
+the fixture checks at the end that every change was one ``TRANSITIONS`` allows,
+and ``test_tour_takes_every_reachable_edge`` checks that the table holds no edge
+the slot never takes.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from contract.errors import (
+    BackendMismatch,
+    ContextOverflow,
+    Internal,
+    InvalidArgument,
+    ModelBusy,
+    ModelLoadFailed,
+    ModelNotActive,
+    ModelSwitchRequired,
+    SessionClosed,
+    ShuttingDown,
+    SlotGenerationStale,
+    StaleFence,
+)
+from contract.memory import MAX_NUM_CTX, MemoryBackend
+from contract.types import (
+    Config,
+    DecodeConfig,
+    EmbedRequest,
+    LoadModelRequest,
+    OpenSessionRequest,
+    PrefixInput,
+    SlotState,
+    SuffixInput,
+    UnloadModelRequest,
+)
+from modeld import slot as slot_module
+from modeld.embedding_slot import EmbeddingSlot
+from modeld.slot import TRANSITIONS, SlotService, SlotSession
+
+S = SlotState
+OWNER = "owner-1"
+Edge = tuple[SlotState, SlotState]
+
+
+class RecordingSlot(SlotService):
+    """A SlotService that logs every state change it makes (only ``_transition`` changes state)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self.taken: list[Edge] = []
+        super().__init__(*args, **kw)
+
+    def _transition(self, to: SlotState) -> None:
+        frm = self._state
+        super()._transition(to)
+        self.taken.append((frm, to))
+
+
+@pytest.fixture
+def slot() -> Iterator[RecordingSlot]:
+    s = RecordingSlot(MemoryBackend(), owner=OWNER)
+    yield s
+    assert_in_table(s.taken)
+
+
+def assert_in_table(taken: Sequence[Edge]) -> None:
+    bad = [(a.value, b.value) for a, b in taken if b not in TRANSITIONS[a]]
+    assert not bad, f"transitions outside the table: {bad}"
+
+
+def load(name: str = "a", **kw: Any) -> LoadModelRequest:
+    return LoadModelRequest(owner_instance_id=OWNER, model_name=name, type="memory", path=f"/models/{name}", **kw)
+
+
+def open_req(name: str = "a") -> OpenSessionRequest:
+    return OpenSessionRequest(owner_instance_id=OWNER, model_name=name, type="memory", path=f"/models/{name}")
+
+
+def unload(**kw: Any) -> UnloadModelRequest:
+    return UnloadModelRequest(owner_instance_id=OWNER, **kw)
+
+
+def state(s: SlotService) -> SlotState:
+    return s.status().state
+
+
+def hot_loop(sess: SlotSession, text: str = "You are terse.") -> str:
+    m = sess.manifest_defaults.model_copy(update={"profile": "test-slot"})
+    sess.ensure_prefix(PrefixInput(text=text, manifest=m))
+    sess.prefill_suffix(SuffixInput(text=" Hello.", manifest=m))
+    return "".join(c.text for c in sess.decode(DecodeConfig(max_tokens=4, temperature=0.0)))
+
+
+# --- the table ------------------------------------------------------------------------------------
+
+
+def test_table_names_every_state_and_nothing_reaches_lost_owner() -> None:
+    assert set(TRANSITIONS) == set(SlotState)
+    assert all(nxt <= set(SlotState) for nxt in TRANSITIONS.values())
+    # LostOwner has no incoming transition until owner takeover exists.
+    assert not [frm for frm, nxt in TRANSITIONS.items() if S.LOST_OWNER in nxt]
+    # Shutdown is reachable from everywhere and is terminal.
+    assert all(S.SHUTTING_DOWN in nxt for nxt in TRANSITIONS.values())
+    assert TRANSITIONS[S.SHUTTING_DOWN] == {S.SHUTTING_DOWN}
+
+
+def test_only_transition_assigns_the_state() -> None:
+    """Every state change goes through the one checked function."""
+    tree = ast.parse(inspect.getsource(slot_module))
+    assigners = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                    targets = [node.target]
+                if any(isinstance(t, ast.Attribute) and t.attr == "_state" for t in targets):
+                    assigners.add(fn.name)
+    assert assigners == {"__init__", "_transition"}
+
+
+def test_an_invalid_transition_is_an_internal_error(slot: RecordingSlot) -> None:
+    with slot._state_lock, pytest.raises(Internal) as exc:
+        slot._transition(S.BUSY)
+    assert "Empty -> Busy" in exc.value.message and "Loading" in exc.value.message
+    assert exc.value.details == {"state": "Empty", "to": "Busy"}
+    assert state(slot) is S.EMPTY
+    with slot._state_lock, pytest.raises(Internal):
+        slot._transition(S.LOST_OWNER)
+
+
+# --- load, switch, unload ------------------------------------------------------------------------
+
+
+def test_load_switch_unload(slot: RecordingSlot) -> None:
+    a = slot.load_model(load("a"))
+    assert (a.generation, state(slot), slot.generation) == (1, S.READY, 1)
+    assert slot.load_model(load("a")) == a  # the same model: nothing happens
+    b = slot.load_model(load("b"))
+    assert (b.model_name, b.generation, state(slot)) == ("b", 2, S.READY)
+    slot.unload_model(unload())
+    st = slot.status()
+    assert (st.state, st.generation, st.active, st.busy_operation) == (S.EMPTY, 3, None, "")
+    slot.unload_model(unload())  # idempotent on an empty slot
+    assert slot.generation == 3
+    assert slot.taken == [
+        (S.EMPTY, S.LOADING),
+        (S.LOADING, S.READY),
+        (S.READY, S.SWITCHING),
+        (S.SWITCHING, S.READY),
+        (S.READY, S.UNLOADING),
+        (S.UNLOADING, S.EMPTY),
+    ]
+
+
+def test_expected_generation_makes_load_and_unload_conditional(slot: RecordingSlot) -> None:
+    slot.load_model(load("a"))
+    with pytest.raises(SlotGenerationStale):
+        slot.load_model(load("b", expected_generation=7))
+    with pytest.raises(SlotGenerationStale):
+        slot.unload_model(unload(expected_generation=7))
+    active = slot.status().active
+    assert state(slot) is S.READY and active is not None and active.model_name == "a"
+    slot.load_model(load("b", expected_generation=1))
+    slot.unload_model(unload(expected_generation=2))
+    assert state(slot) is S.EMPTY
+
+
+def test_fence_and_type_checks_change_nothing(slot: RecordingSlot) -> None:
+    slot.load_model(load("a"))
+    before = slot.taken[:]
+    with pytest.raises(StaleFence):
+        slot.load_model(load("b").model_copy(update={"owner_instance_id": "someone-else"}))
+    with pytest.raises(StaleFence):
+        slot.unload_model(UnloadModelRequest(owner_instance_id="someone-else"))
+    with pytest.raises(StaleFence):
+        slot.open_session(open_req("a").model_copy(update={"owner_instance_id": "someone-else"}))
+    with pytest.raises(BackendMismatch):
+        slot.load_model(load("b").model_copy(update={"type": "llama"}))
+    with pytest.raises(InvalidArgument):
+        slot.load_model(load("b").model_copy(update={"path": ""}))
+    assert (state(slot), slot.generation, slot.taken) == (S.READY, 1, before)
+
+
+def test_a_failed_load_is_recoverable(slot: RecordingSlot) -> None:
+    too_big = Config(num_ctx=MAX_NUM_CTX + 1)  # the memory backend refuses it at load
+    with pytest.raises(InvalidArgument):
+        slot.load_model(load("a", config=too_big))
+    st = slot.status()
+    assert (st.state, st.generation, st.busy_operation) == (S.FAILED, 0, "")
+    assert st.last_error.startswith("InvalidArgument:")
+    slot.load_model(load("a"))  # a new load may be attempted
+    st = slot.status()
+    assert (st.state, st.generation, st.last_error) == (S.READY, 1, "")
+    # A failed switch leaves nothing resident (the old model went first); unload clears the failure.
+    with pytest.raises(InvalidArgument):
+        slot.load_model(load("b", config=too_big))
+    assert (state(slot), slot.status().active) == (S.FAILED, None)
+    slot.unload_model(unload())
+    assert state(slot) is S.EMPTY
+    assert (S.SWITCHING, S.FAILED) in slot.taken and (S.FAILED, S.EMPTY) in slot.taken
+
+
+# --- sessions ------------------------------------------------------------------------------------
+
+
+def test_open_close_busy(slot: RecordingSlot) -> None:
+    with pytest.raises(ModelNotActive):
+        slot.open_session(OpenSessionRequest(owner_instance_id=OWNER))
+    sess = slot.open_session(open_req("a"))  # auto-loads the empty slot
+    assert (state(slot), sess.generation, slot.status().session_open) == (S.BUSY, 1, True)
+    assert hot_loop(sess)
+    with pytest.raises(ModelBusy):
+        slot.open_session(open_req("a"))
+    with pytest.raises(ModelBusy):
+        slot.load_model(load("b"))
+    with pytest.raises(ModelBusy):
+        slot.unload_model(unload())
+    with pytest.raises(ModelSwitchRequired):
+        slot.open_session(open_req("b"))  # checked before busy: a switch is explicit
+    sess.close()
+    assert (state(slot), slot.status().session_open, slot.holder_id()) == (S.READY, False, "")
+    with pytest.raises(SessionClosed):
+        sess.ensure_prefix(PrefixInput(text="x"))
+    again = slot.open_session(open_req("a"))  # the model stayed resident: no load
+    assert (state(slot), again.generation) == (S.BUSY, 1)
+    again.close()
+    assert slot.taken.count((S.EMPTY, S.LOADING)) == 1
+    assert slot.taken.count((S.READY, S.BUSY)) == 2 and slot.taken.count((S.BUSY, S.READY)) == 2
+
+
+def test_busy_operation_is_reported_while_a_decode_streams(slot: RecordingSlot) -> None:
+    sess = slot.open_session(open_req("a"))
+    m = sess.manifest_defaults.model_copy(update={"profile": "test-slot"})
+    sess.ensure_prefix(PrefixInput(text="You are terse.", manifest=m))
+    stream = sess.decode(DecodeConfig(max_tokens=8, temperature=0.0))
+    next(stream)
+    assert (state(slot), slot.status().busy_operation) == (S.BUSY, "decode")
+    stream.close()  # abandoning the stream cancels it
+    assert slot.status().busy_operation == ""
+    sess.close()
+
+
+def test_a_switch_leaves_old_handles_closed(slot: RecordingSlot) -> None:
+    sess = slot.open_session(open_req("a"))
+    slot.release_session(sess.session_id)
+    slot.load_model(load("b"))
+    assert (sess.generation, slot.generation) == (1, 2)
+    with pytest.raises(SessionClosed):
+        sess.ensure_prefix(PrefixInput(text="x"))
+    assert sess.explain_context().closed
+
+
+def test_lease_reap_releases_a_silent_holder() -> None:
+    s = RecordingSlot(MemoryBackend(), owner=OWNER, lease_s=0.05)
+    sess = s.open_session(open_req("a"))
+    assert s.reap() is False  # fresh
+    assert s.touch(sess.session_id) and not s.touch("nobody")
+    time.sleep(0.1)
+    assert s.reap() is True
+    assert (state(s), s.holder_id()) == (S.READY, "")
+    with pytest.raises(SessionClosed):
+        sess.ensure_prefix(PrefixInput(text="x"))
+    # An expired holder also gives way to the next caller without a reaper.
+    other = s.open_session(open_req("a"))
+    time.sleep(0.1)
+    s.load_model(load("b"))
+    assert state(s) is S.READY and not s.touch(other.session_id)
+    assert_in_table(s.taken)
+
+
+def test_shutdown_is_terminal(slot: RecordingSlot) -> None:
+    sess = slot.open_session(open_req("a"))
+    slot.shutdown()
+    assert (state(slot), slot.status().active) == (S.SHUTTING_DOWN, None)
+    with pytest.raises(ShuttingDown):
+        slot.load_model(load("a"))
+    with pytest.raises(ShuttingDown):
+        slot.open_session(open_req("a"))
+    with pytest.raises(SessionClosed):
+        sess.ensure_prefix(PrefixInput(text="x"))
+    slot.unload_model(unload())  # nothing resident: still a no-op
+    slot.shutdown()  # again: changes nothing
+    assert state(slot) is S.SHUTTING_DOWN
+    # A load that raced the shutdown ends with ShuttingDown, not with a Ready slot.
+    with slot._state_lock, pytest.raises(ShuttingDown):
+        slot._transition(S.READY)
+
+
+# --- the embedding side slot ---------------------------------------------------------------------
+
+
+class _Plan:
+    def __init__(self, path: Path, window: int) -> None:
+        self.backend, self.path, self.model_name, self.digest = "memory", path, path.name, "sha256:" + "0" * 64
+        self.window, self.pooling, self.resident_bytes, self.num_threads = window, "mean", 1000, 0
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        return (self.backend, str(self.path), self.window, self.num_threads)
+
+
+class _Engine:
+    """Words as tokens; vector i is (len(text), 1, 0): easy to check after normalisation."""
+
+    dims = 3
+
+    def __init__(self, plan: _Plan) -> None:
+        self.plan = plan
+        self.closed = False
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        return [len(t.split()) for t in texts]
+
+    def embed(self, texts: Sequence[str], counts: Sequence[int]) -> np.ndarray:
+        return np.array([[len(t), 1.0, 0.0] for t in texts], dtype=np.float32)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Factory:
+    backend = "memory"
+
+    def __init__(self) -> None:
+        self.engines: list[_Engine] = []
+
+    def default_path(self) -> Path:
+        return Path("/models/embed")
+
+    def plan_for(self, path: Path, config: Config) -> _Plan:
+        return _Plan(path, config.num_ctx or 4)
+
+    def __call__(self, plan: _Plan) -> _Engine:
+        self.engines.append(_Engine(plan))
+        return self.engines[-1]
+
+
+def test_embed_goes_to_the_side_slot_and_never_touches_the_generation_slot() -> None:
+    now = [100.0]
+    factory = _Factory()
+    side = EmbeddingSlot(factory, idle_unload_s=10, budget_check=lambda n: None, clock=lambda: now[0])
+    s = RecordingSlot(MemoryBackend(), owner=OWNER, embedder=side)
+    sess = s.open_session(open_req("a"))
+    taken = s.taken[:]
+    res = s.embed(EmbedRequest(owner_instance_id=OWNER, texts=["one two", "three"]))
+    assert (res.dims, res.tokens, res.truncated, res.model_name) == (3, [2, 1], [], "embed")
+    assert np.allclose(np.linalg.norm(res.vectors, axis=1), 1.0)
+    with pytest.raises(ContextOverflow):
+        s.embed(EmbedRequest(owner_instance_id=OWNER, text="a b c d e"))
+    cut = s.embed(EmbedRequest(owner_instance_id=OWNER, texts=["a b c d e", "f"], truncate=True))
+    assert (cut.tokens, cut.truncated) == ([5, 1], [0])
+    st = s.status()
+    assert (st.state, st.embedding["loaded"], st.embedding["loads"]) == (S.BUSY, True, 1)  # type: ignore[index]
+    assert s.embedding_resident_bytes() == 1000 and s.taken == taken
+    now[0] += 11  # idle past idle_unload_s: the reaper unloads the side slot
+    s.reap()
+    assert s.status().embedding["loaded"] is False and factory.engines[0].closed  # type: ignore[index]
+    assert state(s) is S.BUSY  # the session kept the generation slot
+    sess.close()
+    s.shutdown()
+    with pytest.raises(ModelLoadFailed, match="closed"):
+        side.embed(EmbedRequest(text="x"))
+    assert_in_table(s.taken)
+
+
+# --- the tour ------------------------------------------------------------------------------------
+
+#: edges only a race reaches (a shutdown while a load, switch or unload runs on another
+#: thread), and LostOwner, which nothing reaches yet
+_RACE_ONLY = {(S.LOADING, S.SHUTTING_DOWN), (S.SWITCHING, S.SHUTTING_DOWN), (S.UNLOADING, S.SHUTTING_DOWN)}
+
+
+def test_tour_takes_every_reachable_edge() -> None:
+    """One walk through the slot's life takes every edge of the table that is reachable in order."""
+    taken: set[Edge] = set()
+    too_big = Config(num_ctx=MAX_NUM_CTX + 1)
+
+    def fresh() -> RecordingSlot:
+        return RecordingSlot(MemoryBackend(), owner=OWNER)
+
+    s = fresh()
+    with pytest.raises(InvalidArgument):
+        s.load_model(load("a", config=too_big))  # Empty -> Loading -> Failed
+    s.load_model(load("a"))  # Failed -> Loading -> Ready
+    s.load_model(load("b"))  # Ready -> Switching -> Ready
+    s.open_session(open_req("b")).close()  # Ready -> Busy -> Ready
+    with pytest.raises(InvalidArgument):
+        s.load_model(load("c", config=too_big))  # Ready -> Switching -> Failed
+    s.unload_model(unload())  # Failed -> Empty
+    s.load_model(load("a"))
+    s.unload_model(unload())  # Ready -> Unloading -> Empty
+    taken |= set(s.taken)
+    for prepare in (
+        lambda x: None,  # Empty
+        lambda x: x.load_model(load("a")),  # Ready
+        lambda x: x.open_session(open_req("a")),  # Busy
+        lambda x: pytest.raises(InvalidArgument, x.load_model, load("a", config=too_big)),  # Failed
+    ):
+        s = fresh()
+        prepare(s)
+        s.shutdown()
+        s.shutdown()
+        taken |= set(s.taken)
+
+    assert_in_table(sorted(taken))
+    table = {(a, b) for a, nxt in TRANSITIONS.items() for b in nxt}
+    unreachable = _RACE_ONLY | {(S.LOST_OWNER, S.SHUTTING_DOWN)}
+    assert table - taken == unreachable
