@@ -7,6 +7,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.modeld-setup
+BENCH_STAMP := $(VENV)/.modeld-bench
 
 # llama-cpp-python is an sdist: it compiles llama.cpp once (minutes on 2 cores),
 # then pip's wheel cache makes later installs instant. The multimodal library is
@@ -41,11 +42,16 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check contract runtime modeld backends tests
+	$(VENV)/bin/ruff check contract runtime modeld backends tests benchmarks
 	$(VENV)/bin/mypy
 
-bench: setup
-	$(PY) -m tests.bench $(BENCH_ARGS)
+# The bench extra (llama-cpp-python's server for the peer, sentence-transformers) on top of setup.
+$(BENCH_STAMP): $(STAMP) pyproject.toml Makefile
+	$(PIP) install -q -e '.[bench]'
+	@touch $@
+
+bench: $(BENCH_STAMP)
+	$(PY) -m benchmarks $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

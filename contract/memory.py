@@ -29,10 +29,11 @@ from .errors import (
     StaleFence,
     UnsupportedFeature,
 )
-from .manifest import ContextManifest, byte_hash, canonical_digest
+from .manifest import ContextManifest, byte_hash, canonical_digest, common_prefix_len
 from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type
 from .sizing import MemoryPool, ModelFacts
 from .types import (
+    ChatMessage,
     ContextReport,
     DecodeConfig,
     EmbedRequest,
@@ -45,6 +46,7 @@ from .types import (
     StreamChunk,
     SuffixInput,
     SuffixStatus,
+    check_conversation,
 )
 
 BACKEND_NAME = "memory"
@@ -55,6 +57,24 @@ _WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "omega", "sigma", "theta",
 
 def _tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
+
+
+def _conversation_text(messages: list[ChatMessage]) -> str:
+    """The reference's template: one labelled line per message, then the assistant's turn.
+
+    A reply the reference decoded is the bytes of its text, so a conversation that
+    resends it renders to the same tokens and is reused, as with a real template.
+    """
+    lines = []
+    for msg in messages:
+        if msg.role == "assistant":
+            calls = "".join(f" call {c.function.name}({c.function.arguments})" for c in msg.tool_calls)
+            lines.append(f"assistant: {msg.content or ''}{calls}\n")
+        elif msg.role == "tool":
+            lines.append(f"tool {msg.name} {msg.tool_call_id}: {msg.content}\n")
+        else:
+            lines.append(f"user: {msg.content}\n")
+    return "".join(lines) + "assistant: "
 
 
 class MemoryModel:
@@ -131,23 +151,31 @@ class MemorySession:
             and len(res.tokens) >= res.prefix_len
         )
         res.plan_prefix(prefix.manifest, tokens)  # raises ContextOverflow for an oversize prefix
-        # The reference reuses all or nothing (see module docstring).
+        # The reference reuses all or nothing (see module docstring); on a hit the
+        # previous turn stays behind the prefix for the next suffix to reuse.
         if same:
-            plan = PrefixPlan(keep=len(tokens), tail=[], dropped=len(res.tokens) - len(tokens))
+            plan = PrefixPlan(keep=len(tokens), tail=[], dropped=len(res.live) - len(tokens))
         else:
-            plan = PrefixPlan(keep=0, tail=tokens, dropped=len(res.tokens))
-        res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools)
+            plan = PrefixPlan(keep=0, tail=tokens, dropped=len(res.live))
+        res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools, keep_tail=same)
         return res.prefix_status(plan, (time.perf_counter() - t0) * 1000)
 
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
         res = self._live()
-        tokens = _tokens(suffix.text)
+        check_conversation(suffix.messages)  # a suffix built without validation is checked here too
+        tokens = _tokens(_conversation_text(suffix.messages) if suffix.messages else suffix.text)
         res.check_suffix(suffix.manifest, len(tokens))
-        res.tokens = res.tokens[: res.prefix_len] + tokens
-        return res.suffix_status(len(tokens))
+        target = res.tokens[: res.prefix_len] + tokens
+        # the token LCP with everything resident (the previous turn and reply included)
+        reused = max(0, common_prefix_len(res.tokens, target) - res.prefix_len)
+        res.tokens = target
+        res.live_len = None
+        return res.suffix_status(len(tokens), reused)
 
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         res = self._live()
+        if res.live_len is not None:  # drop the previous turn kept behind the prefix
+            res.tokens, res.live_len = res.live, None
         if cfg.structured_output.is_set():
             raise UnsupportedFeature("the memory backend cannot constrain output")
         if cfg.parser_protocols:
@@ -209,7 +237,7 @@ class MemorySession:
 
     def snapshot(self) -> SessionSnapshot:
         res = self._live()
-        return res.snapshot(BACKEND_NAME, bytes(res.tokens), "kv")
+        return res.snapshot(BACKEND_NAME, bytes(res.live), "kv")
 
     def restore(self, snap: SessionSnapshot) -> None:
         res = self._live()

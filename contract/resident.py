@@ -2,6 +2,12 @@
 
 A backend keeps one ``Resident`` next to its KV: the token tape that is in the
 KV, how much of it is the stable prefix, and the manifest it was computed under.
+
+``tokens`` is what the KV physically holds; ``live`` is the session's context.
+They differ after an ensure_prefix that found its whole prefix resident: the
+contract drops the previous suffix and reply, but their KV is kept (``live_len``
+marks the end of the context) so the next suffix — a conversation resending that
+history — reuses it by token LCP instead of prefilling it again.
 Keeping this in one place makes every backend report PrefixStatus, SuffixStatus,
 ContextReport and snapshot metadata the same way, and refuse the same bad
 restores.
@@ -51,6 +57,13 @@ class Resident:
     stable_text: str = ""
     tools: str = ""
     stable_token_hash: str = ""
+    #: the context is ``tokens[:live_len]``; None: all of ``tokens``
+    live_len: int | None = None
+
+    @property
+    def live(self) -> list[int]:
+        """The session's context (a prefix of ``tokens``, the KV may hold more)."""
+        return self.tokens if self.live_len is None else self.tokens[: self.live_len]
 
     # --- planning ---------------------------------------------------------------
     def plan_prefix(self, manifest: ContextManifest, prefix_tokens: list[int]) -> PrefixPlan:
@@ -65,7 +78,8 @@ class Resident:
             keep = 0
         else:
             keep = common_prefix_len(self.tokens, prefix_tokens)
-        return PrefixPlan(keep=keep, tail=prefix_tokens[keep:], dropped=len(self.tokens) - keep)
+        # keep runs over everything the KV holds; what is dropped is counted on the context
+        return PrefixPlan(keep=keep, tail=prefix_tokens[keep:], dropped=max(0, len(self.live) - keep))
 
     def check_suffix(self, manifest: ContextManifest, n_new: int) -> None:
         if self.manifest is None:
@@ -90,9 +104,14 @@ class Resident:
 
     # --- commits ------------------------------------------------------------------
     def commit_prefix(
-        self, manifest: ContextManifest, tokens: list[int], text: str, tools: str
+        self, manifest: ContextManifest, tokens: list[int], text: str, tools: str, *, keep_tail: bool = False
     ) -> None:
-        self.tokens = list(tokens)
+        """The prefix is now the context; ``keep_tail``: the KV still holds the old tail after it (see ``live``)."""
+        if keep_tail and self.tokens[: len(tokens)] == tokens and len(self.tokens) > len(tokens):
+            self.live_len = len(tokens)
+        else:
+            self.tokens = list(tokens)
+            self.live_len = None
         self.prefix_len = len(tokens)
         self.manifest = manifest
         self.stable_text = text
@@ -101,6 +120,7 @@ class Resident:
 
     def clear(self) -> None:
         self.tokens = []
+        self.live_len = None
         self.prefix_len = 0
         self.manifest = None
         self.stable_text = ""
@@ -110,7 +130,7 @@ class Resident:
     # --- reports ------------------------------------------------------------------
     @property
     def available(self) -> int:
-        return max(0, self.num_ctx - len(self.tokens))
+        return max(0, self.num_ctx - len(self.live))
 
     def manifest_digest(self) -> str:
         return self.manifest.digest() if self.manifest is not None else ""
@@ -121,7 +141,7 @@ class Resident:
             prefilled_tokens=len(plan.tail),
             dropped_tokens=plan.dropped,
             prefix_tokens=self.prefix_len,
-            resident_tokens=len(self.tokens),
+            resident_tokens=len(self.live),
             available_tokens=self.available,
             stable_byte_hash=byte_hash(self.stable_text + self.tools),
             stable_token_hash=self.stable_token_hash,
@@ -133,16 +153,17 @@ class Resident:
         return SuffixStatus(
             suffix_tokens=suffix_tokens,
             prefix_tokens=self.prefix_len,
-            resident_tokens=len(self.tokens),
+            resident_tokens=len(self.live),
             available_tokens=self.available,
             manifest_digest=self.manifest_digest(),
             reused_tokens=reused,
+            prefilled_tokens=max(0, suffix_tokens - reused),
             prefill_ms=prefill_ms,
         )
 
     def report(self, closed: bool) -> ContextReport:
         return ContextReport(
-            resident_tokens=len(self.tokens),
+            resident_tokens=len(self.live),
             prefix_tokens=self.prefix_len,
             num_ctx=self.num_ctx,
             available_tokens=self.available,
@@ -160,10 +181,10 @@ class Resident:
             state_kind=state_kind,
             state_digest="sha256:" + hashlib.sha256(state).hexdigest(),
             backend=backend,
-            resident_tokens=len(self.tokens),
+            resident_tokens=len(self.live),
             prefix_tokens=self.prefix_len,
             num_ctx=self.num_ctx,
-            resident_token_ids=list(self.tokens),
+            resident_token_ids=list(self.live),
             stable_text=self.stable_text,
             prefix_text=self.stable_text,
             tools=self.tools,
@@ -195,6 +216,7 @@ class Resident:
 
     def adopt_snapshot(self, snap: SessionSnapshot) -> None:
         self.tokens = list(snap.resident_token_ids)
+        self.live_len = None
         self.prefix_len = snap.prefix_tokens
         self.manifest = snap.manifest
         self.stable_text = snap.stable_text

@@ -14,10 +14,12 @@ from typing import Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .errors import InvalidArgument
 from .manifest import ContextManifest
 
 __all__ = [
     "ActiveModel",
+    "ChatMessage",
     "Config",
     "ContextManifest",
     "ContextReport",
@@ -87,6 +89,10 @@ class Config(_Request):
     prompt_template_digest: str = ""
     disable_bos: bool = False
     reasoning_format: str = ""
+    #: recompute tokens the model decoded before reusing them in a later prompt, so a
+    #: warm turn answers bit for bit like a cold one (default: reuse them, as every
+    #: serving engine does; decode-step KV differs slightly from a batched prefill's)
+    exact_reuse: bool = False
 
 
 class Fence(_Request):
@@ -262,7 +268,14 @@ class PrefixInput(_Request):
 
 
 class SuffixInput(_Request):
-    """Volatile text appended after the stable prefix, under the same manifest."""
+    """The volatile part after the stable prefix, under the same manifest.
+
+    Either one turn (``text``, with ``role``), or the whole conversation after the
+    leading system messages (``messages``): user turns, the assistant's own
+    replies and tool calls, tool results. The daemon renders it with the model's
+    template and reuses the token LCP of everything already resident, so a
+    request that resends the history plus one new message prefills only that.
+    """
 
     text: str = Field("", max_length=MAX_TEXT_CHARS)
     manifest: ContextManifest = Field(default_factory=ContextManifest)
@@ -271,6 +284,18 @@ class SuffixInput(_Request):
     role: Literal["user", "tool"] = "user"
     #: False: append the raw text with no template rendering (continuation)
     render: bool = True
+    #: the conversation after the stable prefix, oldest first (instead of ``text``)
+    messages: list[ChatMessage] = Field(default_factory=list, max_length=100_000)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> SuffixInput:
+        if self.messages:
+            if self.text:
+                raise InvalidArgument("give the suffix as text or as messages, not both")
+            if not self.render:
+                raise InvalidArgument("messages are rendered by the model's template; render=False takes text")
+            check_conversation(self.messages)
+        return self
 
 
 class PrefixStatus(_Report):
@@ -292,7 +317,10 @@ class SuffixStatus(_Report):
     resident_tokens: int = 0
     available_tokens: int = 0
     manifest_digest: str = ""
+    #: suffix tokens already resident (the LCP with the tape, earlier replies included)
     reused_tokens: int = 0
+    #: suffix tokens computed now (suffix_tokens - reused_tokens)
+    prefilled_tokens: int = 0
     prefill_ms: float = 0.0
 
 
@@ -337,6 +365,51 @@ class ToolCall(_Report):
     id: str = ""
     type: str = "function"
     function: ToolCallFunction = Field(default_factory=ToolCallFunction)
+
+
+class ChatMessage(_Request):
+    """One message of the conversation after the stable prefix (OpenAI's chat shape)."""
+
+    role: Literal["user", "assistant", "tool"]
+    content: str | None = Field(None, max_length=MAX_TEXT_CHARS)
+    #: the assistant's tool calls
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    #: a tool result: the id of the call it answers, and the tool's name
+    tool_call_id: str = ""
+    name: str = ""
+    #: the assistant's reasoning (``<think>``), when the template renders it
+    reasoning: str = ""
+
+
+def check_conversation(messages: list[ChatMessage]) -> None:
+    """Refuse a conversation no template could render faithfully; InvalidArgument naming the message."""
+    open_calls: set[str] = set()
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}] ({msg.role})"
+        if msg.role == "assistant":
+            if not msg.content and not msg.tool_calls and not msg.reasoning:
+                raise InvalidArgument(f"{where} has neither content nor tool calls", index=i)
+            for call in msg.tool_calls:
+                if not call.function.name:
+                    raise InvalidArgument(f"{where} has a tool call without a function name", index=i)
+                if call.id:
+                    open_calls.add(call.id)
+        else:
+            if msg.tool_calls:
+                raise InvalidArgument(f"{where}: only assistant messages carry tool calls", index=i)
+            if msg.content is None:
+                raise InvalidArgument(f"{where} has no content", index=i)
+        if msg.role == "tool":
+            if not msg.tool_call_id:
+                raise InvalidArgument(f"{where} names no tool_call_id", index=i)
+            if msg.tool_call_id not in open_calls:
+                raise InvalidArgument(
+                    f"{where} answers tool call {msg.tool_call_id!r}, which no earlier assistant message made",
+                    index=i,
+                    tool_call_id=msg.tool_call_id,
+                )
+        elif msg.tool_call_id:
+            raise InvalidArgument(f"{where}: only tool messages carry a tool_call_id", index=i)
 
 
 class ErrorInfo(_Report):
@@ -423,3 +496,6 @@ class ContextReport(_Report):
     manifest_digest: str = ""
     manifest: ContextManifest = Field(default_factory=ContextManifest)
     closed: bool = False
+
+
+SuffixInput.model_rebuild()  # ChatMessage is defined after it

@@ -19,9 +19,25 @@ from typing import Any
 
 import pytest
 
-from contract.errors import ContextOverflow, ManifestMismatch, SessionClosed, SnapshotRejected
+from contract.errors import (
+    ContextOverflow,
+    InvalidArgument,
+    ManifestMismatch,
+    SessionClosed,
+    SnapshotRejected,
+    UnsupportedFeature,
+)
 from contract.manifest import ContextManifest
-from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, StreamChunk, SuffixInput
+from contract.types import (
+    ChatMessage,
+    DecodeConfig,
+    OpenSessionRequest,
+    PrefixInput,
+    StreamChunk,
+    SuffixInput,
+    ToolCall,
+    ToolCallFunction,
+)
 
 SYSTEM = (
     "You are a careful coding assistant. The repository is a Python daemon that serves a model over "
@@ -247,7 +263,84 @@ def scenario_close(t: Target) -> dict[str, Any]:
         nxt.close()
 
 
+def _conversation(reply: str) -> list[ChatMessage]:
+    """A tool loop after the system prompt: question, a tool call, its result, the answer, a follow-up."""
+    call = ToolCall(id="call_1", function=ToolCallFunction(name="read_file", arguments='{"path": "modeld/slot.py"}'))
+    return [
+        ChatMessage(role="user", content=TURN_1),
+        ChatMessage(role="assistant", content=None, tool_calls=[call]),
+        ChatMessage(role="tool", content="class SlotService: one model slot, one holder.", tool_call_id="call_1", name="read_file"),
+        ChatMessage(role="assistant", content=reply),
+        ChatMessage(role="user", content=TURN_2),
+    ]
+
+
+def _chat_turn(sess: Any, m: ContextManifest, messages: list[ChatMessage], n: int = 6) -> tuple[Any, str]:
+    sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+    st = sess.prefill_suffix(SuffixInput(messages=messages, manifest=m))
+    text, _ = greedy(sess, n)
+    return st, text
+
+
+def scenario_conversation_append(t: Target) -> dict[str, Any]:
+    """A request that resends the history plus one message prefills only what is new."""
+    sess = t.service.open_session(t.request)
+    try:
+        m = manifest_for(sess, fresh_profile())
+        history = _conversation("It serves one model to one holder.")
+        first, reply = _chat_turn(sess, m, history)
+        assert first.reused_tokens == 0 and first.prefilled_tokens == first.suffix_tokens > 0
+        resident = sess.explain_context().resident_tokens
+        history += [ChatMessage(role="assistant", content=reply), ChatMessage(role="user", content="And the tests?")]
+        second, _ = _chat_turn(sess, m, history)
+        # everything resident before — the model's own reply included — is reused
+        assert second.reused_tokens >= resident - second.prefix_tokens - 1
+        assert second.reused_tokens + second.prefilled_tokens == second.suffix_tokens
+        assert second.prefilled_tokens < first.suffix_tokens
+        return {"first": first.model_dump(exclude={"prefill_ms"}), "second": second.model_dump(exclude={"prefill_ms"})}
+    finally:
+        sess.close()
+
+
+def scenario_conversation_edit(t: Target) -> dict[str, Any]:
+    """Editing an earlier message drops reuse to the edit point; new tools change the prefix; bad messages are refused."""
+    sess = t.service.open_session(t.request)
+    try:
+        m = manifest_for(sess, fresh_profile())
+        history = _conversation("It serves one model to one holder.")
+        first, _ = _chat_turn(sess, m, history)
+        edited = [history[0].model_copy(update={"content": TURN_1 + " Be brief."}), *history[1:]]
+        st, _ = _chat_turn(sess, m, edited)
+        assert 0 < st.reused_tokens < first.suffix_tokens  # up to the edit, not past it
+        assert st.reused_tokens + st.prefilled_tokens == st.suffix_tokens
+        # bad conversations are refused before anything runs; the session keeps serving
+        before = sess.explain_context()
+        for bad in (
+            [ChatMessage(role="assistant", content=None)],
+            [ChatMessage(role="user", content="q"), ChatMessage(role="tool", content="r", tool_call_id="nobody")],
+        ):
+            with pytest.raises(InvalidArgument):
+                sess.prefill_suffix(SuffixInput.model_construct(messages=bad, manifest=m, text="", render=True))
+            assert sess.explain_context().resident_tokens == before.resident_tokens
+        again, _ = _chat_turn(sess, m, edited)
+        assert again.reused_tokens > 0
+        # new tools change the prefix: nothing computed after the old one is reused
+        tools = '[{"type": "function", "function": {"name": "grep", "parameters": {}}}]'
+        try:
+            sess.ensure_prefix(PrefixInput(text=SYSTEM, tools=tools, manifest=m))
+        except UnsupportedFeature:
+            pass  # a template that cannot render tools refuses them (tested per engine)
+        else:
+            changed = sess.prefill_suffix(SuffixInput(messages=edited, manifest=m))
+            assert changed.reused_tokens == 0 and changed.prefilled_tokens == changed.suffix_tokens
+        return {"edited": st.model_dump(exclude={"prefill_ms"})}
+    finally:
+        sess.close()
+
+
 SCENARIOS: dict[str, Callable[[Target], dict[str, Any]]] = {
+    "conversation_append": scenario_conversation_append,
+    "conversation_edit": scenario_conversation_edit,
     "warm_cold": scenario_warm_cold,
     "manifest_change": scenario_manifest_change,
     "suffix_and_decode": scenario_suffix_and_decode,

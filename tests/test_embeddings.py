@@ -2,7 +2,7 @@
 
 The prepared all-MiniLM-L6-v2 (GGUF for llama.cpp, IR for OpenVINO) is checked
 against sentence-transformers' own normalised output. The reference runs in a
-subprocess (``python -m backends.embed_bench --reference``; another interpreter
+subprocess (``python -m benchmarks.embed --reference``; another interpreter
 with ``MODELD_REFERENCE_PYTHON``) so torch never loads into the test process. If
 the prepared models are missing the module fixture runs the preparation, as
 ``make setup`` does; nothing is skipped.
@@ -123,7 +123,7 @@ def reference(prepared: tuple[Path, Path], tmp_path_factory: pytest.TempPathFact
     # max_seq_length 512 = the model's window: the same as sentence-transformers' default (256)
     # for every text here except LONG_TEXT, whose truncated form the truncation test compares
     res = subprocess.run(
-        [python, "-m", "backends.embed_bench", "--reference", str(src), str(dst), "--max-seq-length", "512"],
+        [python, "-m", "benchmarks.embed", "--reference", str(src), str(dst), "--max-seq-length", "512"],
         cwd=ROOT,
         capture_output=True,
         text=True,

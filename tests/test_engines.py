@@ -41,7 +41,7 @@ def _memory() -> Engine:
         name="memory",
         backend=MemoryBackend(),
         path="/models/reference",
-        tape=lambda m: list(m.resident.tokens),
+        tape=lambda m: list(m.resident.live),
         prefix_tokens=lambda _m, text: list(text.encode()),
         kv_matches_tape=lambda m: len(m.resident.tokens) <= m.num_ctx,
         partial_reuse=False,
@@ -61,7 +61,7 @@ def _llama() -> Engine:
         name="llama",
         backend=LlamaBackend(),
         path=str(bundled_gguf_path()),
-        tape=lambda m: list(m.res.tokens),
+        tape=lambda m: list(m.res.live),
         prefix_tokens=lambda m, text: m.tokenize(render_prefix(m.template, text, None)),
         kv_matches_tape=lambda m: m.llm.n_tokens == len(m.res.tokens) and m.kv_pos_max() == len(m.res.tokens) - 1,
         vocab_size=49152,
@@ -78,7 +78,7 @@ def _openvino() -> Engine:
         name="openvino",
         backend=OpenVINOBackend(),
         path=str(bundled_gguf_path()),  # the IR prepared by `make setup` is found by the GGUF's digest
-        tape=lambda m: list(m.res.tokens),
+        tape=lambda m: list(m.res.live),
         prefix_tokens=lambda m, text: m.tokenize(render_prefix(m.template, text, None)),
         # the pools hold the tape's K/V; at most the tape was computed exactly by prefill
         kv_matches_tape=lambda m: len(m.res.tokens) <= m.num_ctx and m.exact_len <= len(m.res.tokens),

@@ -44,6 +44,7 @@ class ToyTemplate:
     digest = "sha256:toy"
     prompt_format = "chatml"
     supports_tools = True
+    source = "{{ toy }}"
 
     def __init__(self, stable: bool = True) -> None:
         self.stable = stable
@@ -149,19 +150,24 @@ class ToyModel(TapeModelBase):
     def prompt_text(self, tokens: list[int]) -> str:
         return "".join(chr(t) for t in tokens)
 
-    def reusable(self, n: int) -> int:
-        return n
+    def token_bytes(self, tokens: list[int]) -> list[bytes]:
+        return [bytes([t]) for t in tokens]
 
     def set_kv(self, tokens: list[int], keep: int) -> int:
         self.epoch += 1
         keep = min(keep, len(tokens), len(self.res.tokens))
         del self.kv[keep:]
         self.res.tokens = list(tokens[:keep])
+        extends_exact = self.exact_len >= keep
+        self.exact_len = min(self.exact_len, keep)
         self.evaluate(tokens[keep:])
+        if extends_exact:  # a prefill computes what a cold prefill computes
+            self.exact_len = len(self.res.tokens)
         return keep
 
     def clear_kv(self) -> None:
         self.epoch += 1
+        self.exact_len = 0
         self.kv.clear()
         self.res.clear()
 
@@ -281,6 +287,68 @@ def test_suffix_overflow_changes_nothing(model: ToyModel) -> None:
     assert model.res.tokens == tape and tape_equals_kv(model)
 
 
+def test_a_prefix_hit_keeps_the_previous_turn_for_the_next_suffix(model: ToyModel) -> None:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    first = s.prefill_suffix(suffix(model, "hi"))
+    turn = list(model.res.tokens)
+    hit = s.ensure_prefix(prefix(model, "sys"))
+    # the contract's view: the context is the prefix again, the turn was dropped ...
+    assert hit.resident_tokens == hit.prefix_tokens and hit.dropped_tokens == first.suffix_tokens
+    assert s.explain_context().resident_tokens == hit.prefix_tokens
+    # ... but its KV was kept, so resending it costs nothing
+    assert model.kv == turn
+    again = s.prefill_suffix(suffix(model, "hi"))
+    assert again.reused_tokens == again.suffix_tokens and again.prefilled_tokens == 0
+    # a decode right after a hit runs on the prefix alone: the kept turn is dropped first
+    s.ensure_prefix(prefix(model, "sys"))
+    chunks = list(s.decode(DecodeConfig(max_tokens=3)))
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == hit.prefix_tokens
+    assert tape_equals_kv(model) and model.res.live == model.res.tokens
+
+
+def test_a_conversation_resent_with_one_more_message_reuses_the_history(model: ToyModel) -> None:
+    from contract.types import ChatMessage
+
+    big = ToyModel(num_ctx=400)
+    s = big.open_session()
+    s.ensure_prefix(prefix(big, "sys"))
+    history = [ChatMessage(role="user", content="q1")]
+    st = s.prefill_suffix(SuffixInput(messages=history, manifest=big.manifest_defaults()))
+    assert st.reused_tokens == 0
+    chunks = list(s.decode(DecodeConfig(max_tokens=4)))
+    reply = "".join(c.text for c in chunks)
+    history += [ChatMessage(role="assistant", content=reply), ChatMessage(role="user", content="q2")]
+    s.ensure_prefix(prefix(big, "sys"))
+    nxt = s.prefill_suffix(SuffixInput(messages=history, manifest=big.manifest_defaults()))
+    # everything up to the end of the reply the model decoded is reused
+    assert nxt.reused_tokens == st.suffix_tokens + len(reply)
+    assert nxt.prefilled_tokens == len("</><user>q2</><assistant>")
+    assert big.prompt_text(big.res.tokens).endswith(f"<assistant>{reply}</><user>q2</><assistant>")
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_decoded_tokens_are_reused_unless_exact(exact: bool) -> None:
+    m = ToyModel(num_ctx=400)
+    m.config = Config(exact_reuse=exact)
+    s = m.open_session()
+    s.ensure_prefix(prefix(m, "sys"))
+    turn = s.prefill_suffix(suffix(m, "hi"))
+    list(s.decode(DecodeConfig(max_tokens=4)))
+    assert m.exact_len == turn.resident_tokens  # the 4 decoded tokens came from one-token steps
+    s.ensure_prefix(prefix(m, "sys"))
+    tail = m.prompt_text(m.res.tokens[m.res.prefix_len :])
+    again = s.prefill_suffix(SuffixInput(text=tail, render=False, manifest=m.manifest_defaults()))
+    assert again.suffix_tokens == turn.suffix_tokens + 4
+    assert (again.reused_tokens, again.prefilled_tokens) == ((turn.suffix_tokens, 4) if exact else (turn.suffix_tokens + 4, 0))
+    assert tape_equals_kv(m)
+    # the reuse rule is part of the runtime identity: KV of one is never reused under the other
+    assert Config(exact_reuse=exact) == m.config
+    other = ToyModel()
+    other.config = Config(exact_reuse=not exact)
+    assert other.manifest_defaults().runtime_digest != m.manifest_defaults().runtime_digest
+
+
 # --- decode ----------------------------------------------------------------------------------------------------
 def _decoded(s: TapeSession, **cfg: Any) -> tuple[str, str]:
     chunks = list(s.decode(DecodeConfig(**cfg)))
@@ -333,8 +401,9 @@ def test_a_newer_operation_ends_an_abandoned_stream(model: ToyModel) -> None:
     s.prefill_suffix(suffix(model, "hi"))
     stream = s.decode(DecodeConfig(max_tokens=50))
     next(stream)
-    s.ensure_prefix(prefix(model, "sys"))
-    assert list(stream) == [] and model.res.tokens == model.kv == model.res.tokens[: model.res.prefix_len]
+    st = s.ensure_prefix(prefix(model, "sys"))
+    assert list(stream) == []  # the stream stopped: nothing was written after the context
+    assert model.res.live == model.res.tokens[: st.prefix_tokens] and model.res.tokens == model.kv
 
 
 def test_decode_refusals_run_before_anything(model: ToyModel) -> None:

@@ -169,7 +169,10 @@ class LlamaLoadedModel(TapeModelBase):
         return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
 
     def prompt_text(self, tokens: list[int]) -> str:
-        return b"".join(self.piece(t, special=True) for t in tokens).decode("utf-8", "replace")
+        return b"".join(self.token_bytes(tokens)).decode("utf-8", "replace")
+
+    def token_bytes(self, tokens: list[int]) -> list[bytes]:
+        return [self.piece(t, special=True) for t in tokens]
 
     def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
         return LlamaSteps(self, build_sampler(self, cfg, grammar_source(cfg.structured_output)))
@@ -204,6 +207,8 @@ class LlamaLoadedModel(TapeModelBase):
         llm.n_tokens = keep
         self.res.tokens = list(tokens[:keep])
         self.logits_live = False
+        extends_exact = self.exact_len >= keep
+        self.exact_len = min(self.exact_len, keep)
         tail = tokens[keep:]
         try:
             if tail:
@@ -214,6 +219,8 @@ class LlamaLoadedModel(TapeModelBase):
         finally:
             # eval advances n_tokens per completed batch; keep the tape equal to it
             self.res.tokens = list(tokens[: llm.n_tokens])
+            if extends_exact:
+                self.exact_len = len(self.res.tokens)
         return keep
 
     @contextlib.contextmanager
@@ -251,6 +258,8 @@ class LlamaLoadedModel(TapeModelBase):
         llm = self._llm
         last = self.res.tokens[-1]
         llm.n_tokens = len(self.res.tokens) - 1
+        # the last cell is recomputed by a one-token step: no longer what a prefill computes
+        self.exact_len = min(self.exact_len, llm.n_tokens)
         try:
             llm.eval([last])  # eval drops the old cell at that position first
         except BaseException:
@@ -258,16 +267,13 @@ class LlamaLoadedModel(TapeModelBase):
             raise
         self.logits_live = True
 
-    def reusable(self, n: int) -> int:
-        """llama.cpp keeps any prefix of the KV exactly."""
-        return n
-
     def clear_kv(self) -> None:
         self.epoch += 1
         with contextlib.suppress(Exception):
             self._llm._ctx.kv_cache_seq_rm(0, 0, -1)
         self._llm.n_tokens = 0
         self.logits_live = False
+        self.exact_len = 0
         self.res.clear()
 
     # --- state bytes --------------------------------------------------------------------------
@@ -304,7 +310,8 @@ class LlamaLoadedModel(TapeModelBase):
 
     # --- snapshots ------------------------------------------------------------------------
     def export_state(self) -> tuple[bytes, str]:
-        return frame_state(STATE_MAGIC, self.state_header(), self.seq_state()), "kv"
+        header = self.state_header() | {"exact_len": self.exact_len}
+        return frame_state(STATE_MAGIC, header, self.seq_state()), "kv"
 
     def import_state(self, snap: SessionSnapshot) -> None:
         if snap.state_kind != "kv":
@@ -327,3 +334,5 @@ class LlamaLoadedModel(TapeModelBase):
                 raise SnapshotRejected("llama.cpp refused the state bytes; the resident context was cleared")
             self._llm.input_ids[:n] = snap.resident_token_ids
             self._llm.n_tokens = n
+            exact = header.get("exact_len", 0)
+            self.exact_len = max(0, min(exact if isinstance(exact, int) else 0, n))

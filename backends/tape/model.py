@@ -47,6 +47,11 @@ class ChatTemplate(Protocol):
         ...
 
     @property
+    def source(self) -> str:
+        """The template's own text (what its digest is of)."""
+        ...
+
+    @property
     def supports_tools(self) -> bool:
         """Whether the template renders a ``tools`` list itself (else tools are refused, never dropped)."""
         ...
@@ -91,6 +96,10 @@ class TapeModel(Protocol):
 
     def prompt_text(self, tokens: list[int]) -> str:
         """Tokens as text, special tokens included."""
+        ...
+
+    def token_bytes(self, tokens: list[int]) -> list[bytes]:
+        """Each token's bytes (special tokens as their text), as the tokenizer spells them."""
         ...
 
     def reusable(self, n: int) -> int:
@@ -230,6 +239,9 @@ class TapeModelBase(ABC):
         #: the generation of the newest session; older session handles are closed
         self.session_gen = 0
         self.closed = False
+        #: the tape's first ``exact_len`` tokens were computed by prefill (not by one-token
+        #: decode steps), so they hold exactly what a cold prefill computes; engines keep it
+        self.exact_len = 0
 
     # --- identity ---------------------------------------------------------------------------
     @property
@@ -248,6 +260,20 @@ class TapeModelBase(ABC):
     def runtime_identity(self) -> dict[str, Any]:
         """The settings that change numerics (and so KV reuse and snapshot validity)."""
 
+    def reuse_identity(self) -> dict[str, Any]:
+        """``runtime_identity`` plus the reuse rule: KV computed under one is never reused under the other."""
+        return self.runtime_identity() | {"exact_reuse": self.config.exact_reuse}
+
+    def reusable(self, n: int) -> int:
+        """How many of ``n`` matching resident tokens are kept.
+
+        All of them by default, tokens the model decoded included (as every serving
+        engine does; a decode step's KV differs slightly in numerics from a batched
+        prefill's). With ``Config.exact_reuse`` only the prefilled ones, so decoded
+        tokens are recomputed and a warm turn answers bit for bit like a cold one.
+        """
+        return min(n, self.exact_len) if self.config.exact_reuse else n
+
     def manifest_defaults(self) -> ContextManifest:
         """The identity a client puts in its ContextManifest for this model."""
         tpl = self.template
@@ -257,7 +283,7 @@ class TapeModelBase(ABC):
             model_digest=self._digest,
             prompt_format=tpl.prompt_format if tpl is not None else "raw",
             template_digest=tpl.digest if tpl is not None else "",
-            runtime_digest=canonical_digest(self.runtime_identity()),
+            runtime_digest=canonical_digest(self.reuse_identity()),
             bos_policy="add" if self.wants_bos("") else "none",
         )
 
@@ -324,7 +350,7 @@ class TapeModelBase(ABC):
     def prompt_text(self, tokens: list[int]) -> str: ...
 
     @abstractmethod
-    def reusable(self, n: int) -> int: ...
+    def token_bytes(self, tokens: list[int]) -> list[bytes]: ...
 
     @abstractmethod
     def set_kv(self, tokens: list[int], keep: int) -> int: ...

@@ -16,7 +16,7 @@ import time
 from collections.abc import Generator
 from typing import Any, Protocol
 
-from contract.errors import InvalidArgument, ManifestMismatch, SessionClosed
+from contract.errors import InvalidArgument, ManifestMismatch, SessionClosed, UnsupportedFeature
 from contract.manifest import ContextManifest, common_prefix_len
 from contract.resident import PrefixPlan, check_manifest_names
 from contract.types import (
@@ -28,14 +28,67 @@ from contract.types import (
     StreamChunk,
     SuffixInput,
     SuffixStatus,
+    check_conversation,
 )
 
+from .conversation import template_messages
 from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix
 from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .state import check_restorable
 
 #: how many trailing resident tokens are decoded to see whether the prompt opened <think>
 _PROMPT_TAIL_TOKENS = 8
+
+
+def _set_kv(m: TapeModel, tokens: list[int], keep: int) -> int:
+    """``m.set_kv``: afterwards the KV holds exactly the context (whatever was kept past it is gone)."""
+    try:
+        return m.set_kv(tokens, keep)
+    finally:
+        m.res.live_len = None
+
+
+def _splice(m: TapeModel, stable: list[int], text: str) -> list[int]:
+    """``stable`` + the tokens of ``text``, keeping resident tokens that spell the same text.
+
+    A model's reply is not always the tokenizer's own spelling of its text (a
+    grammar or sampling can pick "g"+"et" where the tokenizer writes "get"), so a
+    conversation that resends it would lose reuse from the first such token on.
+    Past the token LCP, resident tokens whose bytes continue ``text`` exactly are
+    kept and only the rest is tokenized. The context then holds the same text in
+    the model's own spelling — what every later turn reuses. With exact reuse the
+    tokenizer's spelling is kept, so a warm turn computes what a cold one does.
+    """
+    target = stable + m.tokenize(text)
+    resident = m.res.tokens
+    lcp = common_prefix_len(resident, target)
+    if m.config.exact_reuse or lcp < len(stable) or lcp >= len(resident):
+        return target
+    data = text.encode("utf-8")
+    pos = sum(len(p) for p in m.token_bytes(target[len(stable) : lcp]))
+    k = lcp
+    for piece in m.token_bytes(resident[lcp:]):
+        if not piece or data[pos : pos + len(piece)] != piece:
+            break
+        pos += len(piece)
+        k += 1
+    while k > lcp:  # end on a character boundary: the rest must be text to tokenize
+        try:
+            rest = data[pos:].decode("utf-8")
+            break
+        except UnicodeDecodeError:
+            k -= 1
+            pos -= len(m.token_bytes([resident[k]])[0])
+    if k == lcp:
+        return target
+    return resident[:k] + m.tokenize(rest)
+
+
+def _settle_context(m: TapeModel) -> None:
+    """Drop KV kept past the context (see ``Resident.live``) before decoding or exporting it."""
+    if m.res.live_len is not None:
+        live = list(m.res.live)
+        _set_kv(m, live, len(live))
 
 
 class DecodeSteps(Protocol):
@@ -112,17 +165,23 @@ class TapeSession:
         res = m.res
         stable = res.tokens[: res.prefix_len]
         tpl = m.template
+        if suffix.messages and tpl is None:
+            raise UnsupportedFeature("the model has no chat template to render messages with; send the suffix as text")
         if not suffix.render or tpl is None:
-            return stable + m.tokenize(suffix.text), res.prefix_len
+            return _splice(m, stable, suffix.text), res.prefix_len
         tools = parse_tools(res.tools)
         system = {"role": "system", "content": res.stable_text}
         extra: dict[str, Any] = {}
         if suffix.enable_thinking is not None:
             extra["enable_thinking"] = suffix.enable_thinking
         prefix_text = tpl.render([system], tools, generation=False)
-        full = tpl.render([system, {"role": suffix.role, "content": suffix.text}], tools, generation=True, **extra)
+        if suffix.messages:
+            conversation = template_messages(tpl, res.stable_text, suffix.messages)
+        else:
+            conversation = [system, {"role": suffix.role, "content": suffix.text}]
+        full = tpl.render(conversation, tools, generation=True, **extra)
         if full.startswith(prefix_text):
-            return stable + m.tokenize(full[len(prefix_text) :]), res.prefix_len
+            return _splice(m, stable, full[len(prefix_text) :]), res.prefix_len
         # Not prefix-stable: the stable part renders differently once a turn follows.
         # Reconcile by tokens: whatever of the old prefix still matches stays resident.
         bos_policy = res.manifest.bos_policy if res.manifest is not None else ""
@@ -131,7 +190,7 @@ class TapeSession:
 
     def _output_pipeline(self, m: TapeModel, cfg: DecodeConfig) -> OutputPipeline:
         """Stops, thinking split and tool parsing for one decode pass (call inside ``m.errors``)."""
-        if not m.res.tokens:
+        if not m.res.live:
             raise InvalidArgument("nothing is resident: call ensure_prefix first")
         split, tools = resolve_protocols(
             cfg.parser_protocols,
@@ -141,7 +200,7 @@ class TapeSession:
         return OutputPipeline(
             stops=cfg.stop,
             split_thinking=split,
-            start_in_thinking=split and ends_inside_thinking(m.prompt_text(m.res.tokens[-_PROMPT_TAIL_TOKENS:])),
+            start_in_thinking=split and ends_inside_thinking(m.prompt_text(m.res.live[-_PROMPT_TAIL_TOKENS:])),
             parse_tools=tools,
         )
 
@@ -154,13 +213,20 @@ class TapeSession:
             rendered = render_prefix(m.template, prefix.text, parse_tools(prefix.tools))
             tokens = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
             plan = m.res.plan_prefix(prefix.manifest, tokens)  # ContextOverflow before any change
-        try:
-            with m.errors("ensure_prefix: prefill"):
-                kept = m.set_kv(tokens, m.reusable(plan.keep))
-        except BaseException:
-            m.clear_kv()  # a half-computed prefix is not trusted
-            raise
-        m.res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools)
+        full_hit = m.reusable(plan.keep) == len(tokens)
+        if full_hit and len(m.res.tokens) > len(tokens):
+            # The whole prefix is resident and more after it: keep that KV (the previous
+            # turn and reply) so a suffix resending it reuses it; the context is the prefix.
+            m.epoch += 1  # an open stream must not write after the prefix any more
+            kept = len(tokens)
+        else:
+            try:
+                with m.errors("ensure_prefix: prefill"):
+                    kept = m.set_kv(tokens, m.reusable(plan.keep))
+            except BaseException:
+                m.clear_kv()  # a half-computed prefix is not trusted
+                raise
+        m.res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools, keep_tail=full_hit)
         if kept != plan.keep:
             plan = PrefixPlan(keep=kept, tail=tokens[kept:], dropped=plan.dropped + plan.keep - kept)
         return m.res.prefix_status(plan, (time.perf_counter() - t0) * 1000)
@@ -171,19 +237,21 @@ class TapeSession:
         t0 = time.perf_counter()
         if res.manifest is None:
             raise ManifestMismatch("no prefix is resident: call ensure_prefix first")
+        check_conversation(suffix.messages)  # a suffix built without validation is checked here too
         with m.errors("prefill_suffix"):
             target, prefix_len = self._suffix_target(m, suffix)
             res.check_suffix(suffix.manifest, len(target) - res.prefix_len)
+        # the LCP runs over everything the KV holds: the previous turn and reply included
         keep = m.reusable(common_prefix_len(res.tokens, target))
         try:
             with m.errors("prefill_suffix: prefill"):
-                kept = m.set_kv(target, keep)
+                kept = _set_kv(m, target, keep)
         except BaseException:
             # Back to the stable prefix when it survived (the tape equals what the KV
             # completed); a damaged prefix is dropped so the next turn re-ensures it.
             if len(res.tokens) >= prefix_len:
                 try:
-                    m.set_kv(res.tokens[:prefix_len], prefix_len)
+                    _set_kv(m, res.tokens[:prefix_len], prefix_len)
                     res.prefix_len = prefix_len
                 except Exception:
                     m.clear_kv()
@@ -202,12 +270,14 @@ class TapeSession:
         with m.errors("decode"):
             pipeline = self._output_pipeline(m, cfg)
             steps = m.decode_steps(cfg)
+            _settle_context(m)
         m.epoch += 1  # an older stream must not touch the KV any more
         return self._stream(m, cfg, steps, pipeline, m.epoch)
 
     def snapshot(self) -> SessionSnapshot:
         m = self._live()
         with m.errors("snapshot"):
+            _settle_context(m)
             state, kind = m.export_state()
         return m.res.snapshot(m.backend_name, state, kind)
 

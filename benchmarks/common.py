@@ -1,4 +1,4 @@
-"""Measurement pieces shared by the in-process benches and ``make bench``."""
+"""Measurement pieces shared by the in-process benchmarks and ``python -m benchmarks``."""
 
 from __future__ import annotations
 

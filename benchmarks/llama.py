@@ -12,7 +12,7 @@
 * ``snapshot_save_ms`` / ``snapshot_restore_ms`` vs ``reprefill_ms``: per-sequence
   state save/restore against recomputing the same context, and bytes per token.
 
-Run ``python -m backends.llama_bench`` to print it as JSON.
+Run ``python -m benchmarks.llama`` to print it as JSON.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ import os
 import time
 from typing import Any
 
+from backends.bundled import bundled_gguf_path
+from backends.llama import LlamaBackend, LlamaLoadedModel, open_llama
+from backends.tape.session import TapeSession
+from benchmarks.common import snapshot_vs_reprefill, text_of_tokens
 from contract.types import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
-
-from .bench_common import snapshot_vs_reprefill, text_of_tokens
-from .bundled import bundled_gguf_path
-from .llama import LlamaBackend, LlamaLoadedModel, open_llama
-from .tape.session import TapeSession
 
 
 def _text_of_tokens(model: LlamaLoadedModel, target: int, line: str) -> str:

@@ -3,7 +3,8 @@
 On CPUs with AMX, llama.cpp's extra weight-buffer kernels crash on the bundled
 model (see ``backends.llama.native``). The server cannot switch them off, so this
 launcher gives it the same ``Llama`` class the daemon uses; nothing else of the
-server changes. Usage: ``python -m tests.peer_server --model … --n_ctx … --port …``.
+server changes. Usage: ``python -m benchmarks.peer_server --model … --n_ctx … --port …``
+(the ``bench`` extra installs the server's dependencies).
 """
 
 from __future__ import annotations

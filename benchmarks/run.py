@@ -1,4 +1,4 @@
-"""``make bench``: speed and memory, measured side by side in one run, printed as tables.
+"""``make bench`` (``python -m benchmarks``): speed and memory, measured side by side in one run, printed as tables.
 
 Sections (``--sections`` picks some):
 
@@ -38,11 +38,10 @@ from typing import Any
 
 import psutil
 
-from backends.bench_common import snapshot_vs_reprefill, text_of_tokens
+from benchmarks.common import snapshot_vs_reprefill, text_of_tokens
 from contract.types import Config, DecodeConfig, LoadModelRequest, OpenSessionRequest, PrefixInput, SuffixInput
 from runtime import Client, RemoteSession
-
-from .daemon_proc import ROOT, DaemonProcess
+from tests.daemon_proc import ROOT, DaemonProcess
 
 NUM_CTX = 4096
 PREFIX_LINE = "src/pkg/module_{i}.py: class Handler{i}(Base): def run(self, x): return x * {i}"
@@ -66,7 +65,7 @@ def table(title: str, rows: list[tuple[str, Any, str]]) -> str:
     return "\n".join(lines)
 
 
-# --- token counting (texts of a known length: backends.bench_common.text_of_tokens) ------------------------
+# --- token counting (texts of a known length: benchmarks.common.text_of_tokens) ------------------------
 
 def gguf_token_counter() -> Callable[[str], int]:
     """Count tokens with the bundled model's own tokenizer (vocab only, no weights)."""
@@ -85,7 +84,7 @@ def first_token_ms(sess: RemoteSession, t0: float, client: Client) -> float:
         if chunk.text or chunk.done:
             break
     ms = (time.perf_counter() - t0) * 1000
-    stream.close()  # type: ignore[attr-defined]
+    stream.close()
     # The turn ends when the daemon has put the sampled token into the KV; the next
     # timed turn must not pay for this one's tail.
     while client.status().busy_operation:
@@ -155,12 +154,12 @@ def warm_note(r: dict[str, Any]) -> str:
     return f"median of {runs}; reused {r['warm_reused']}, new suffix {r['warm_suffix_tokens']} tokens"
 
 
-def section_llama(tmp: Path, texts: dict[str, str], peer: dict[str, float]) -> str:
-    from backends import llama_bench
+def section_llama(tmp: Path, texts: dict[str, Any], peer: dict[str, float]) -> str:
+    from benchmarks.llama import measure as measure_in_process
 
     with DaemonProcess(tmp / "llama", "llama", None, "--num-ctx", str(NUM_CTX)) as d:
         r = daemon_turns(d, texts["system"], texts["suffixes"])
-    inproc = llama_bench.measure(num_ctx=NUM_CTX)
+    inproc = measure_in_process(num_ctx=NUM_CTX)
     ratio = r["warm_ttft_ms"] / r["cold_ttft_ms"]
     dec = r["decode_tok_s"] / inproc["plain_decode_tok_s"] if inproc.get("plain_decode_tok_s") else float("nan")
     rows = [
@@ -218,13 +217,13 @@ def _sse_ttft(port: int, system: str, user: str) -> float:
     return ttft
 
 
-def section_peer(tmp: Path, texts: dict[str, str]) -> tuple[str, dict[str, float]]:
+def section_peer(tmp: Path, texts: dict[str, Any]) -> tuple[str, dict[str, float]]:
     from backends.bundled import bundled_gguf_path
 
     port = _free_port()
     log = (tmp / "peer.log").open("wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.peer_server", "--model", str(bundled_gguf_path()), "--n_ctx", str(NUM_CTX),
+        [sys.executable, "-m", "benchmarks.peer_server", "--model", str(bundled_gguf_path()), "--n_ctx", str(NUM_CTX),
          "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT,
     )
@@ -258,7 +257,7 @@ def section_peer(tmp: Path, texts: dict[str, str]) -> tuple[str, dict[str, float
 
 
 # --- OpenVINO -------------------------------------------------------------------------------------------------------
-def section_openvino(tmp: Path, texts: dict[str, str]) -> str:
+def section_openvino(tmp: Path, texts: dict[str, Any]) -> str:
     with DaemonProcess(tmp / "ov", "openvino", None, "--num-ctx", str(NUM_CTX)) as d:
         r = daemon_turns(d, texts["system"], texts["suffixes"])
     rows: list[tuple[str, Any, str]] = [
@@ -272,9 +271,9 @@ def section_openvino(tmp: Path, texts: dict[str, str]) -> str:
         ("snapshot restore ms", r["snapshot_restore_ms"], ""),
         ("re-prefill ms", r["reprefill_ms"], ""),
     ]
-    from backends import openvino_bench
+    from benchmarks.openvino import measure as measure_in_process
 
-    ref = openvino_bench.measure(measure_conversion=False)
+    ref = measure_in_process(measure_conversion=False)
     engine_cold = ref["cold_prefix_ms"] + ref["cold_suffix_ms"]
     rows += [
         ("in-process cold / warm TTFT ms", f"{ref['cold_ttft_ms']:.0f} / {ref['warm_ttft_ms']:.0f}",
@@ -329,9 +328,9 @@ def section_capacity(tmp: Path, backend: str) -> str:
 
 
 def section_embed() -> str:
-    from backends import embed_bench
+    from benchmarks.embed import bench as embeddings_per_second
 
-    r = embed_bench.bench(batch_sizes=(1, 32))
+    r = embeddings_per_second(batch_sizes=(1, 32))
     rows: list[tuple[str, Any, str]] = []
     for engine, e in r["engines"].items():
         for batch, rate in e.get("rate", {}).items():
@@ -342,8 +341,8 @@ def section_embed() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="make bench")
-    p.add_argument("--sections", default="peer,llama,openvino,capacity,embed")
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
+    p.add_argument("--sections", default="peer,llama,openvino,capacity,embed", help="comma-separated, in order")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     os.environ.setdefault("PYTHONPATH", str(ROOT))
@@ -356,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"modeld bench — {psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.1f} GiB, "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n", flush=True)
     extra: dict[str, Any] = {}
+    failed: list[str] = []
     with tempfile.TemporaryDirectory(prefix="modeld-bench-") as tmpd:
         tmp = Path(tmpd)
         for name in sections:
@@ -375,10 +375,15 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_embed(), flush=True)
                 else:
                     print(f"## {name}: unknown section")
+                    failed.append(name)
             except Exception:
+                # the other sections still run; the exit status reports the failure
                 print(f"## {name}: FAILED\n{traceback.format_exc()}", flush=True)
+                failed.append(name)
             print()
-    return 0
+    if failed:
+        print(f"failed sections: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

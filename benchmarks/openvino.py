@@ -1,7 +1,7 @@
 """Measurements of the OpenVINO backend, with openvino-genai's prefix cache for comparison.
 
 ``measure()`` returns a flat dict (milliseconds, tokens per second, bytes); run
-``python -m backends.openvino_bench`` to print it as JSON. The scenario is the
+``python -m benchmarks.openvino`` to print it as JSON. The scenario is the
 agent loop from docs/DESIGN.md: a ~2,000-token stable prefix and ~128-token
 suffixes. "cold" is the first turn on a freshly loaded model; "warm" is the next
 turn with the same prefix and a different suffix. TTFT is ensure_prefix +
@@ -24,14 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from backends.bundled import bundled_gguf_path
+from backends.openvino import OpenVINOBackend, OpenVINOLoadedModel
+from backends.openvino.prepare import prepare_ir
+from backends.tape.model import render_prefix
+from backends.tape.session import TapeSession
 from contract.manifest import ContextManifest
 from contract.types import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
-
-from .bundled import bundled_gguf_path
-from .openvino import OpenVINOBackend, OpenVINOLoadedModel
-from .openvino.prepare import prepare_ir
-from .tape.model import render_prefix
-from .tape.session import TapeSession
 
 __all__ = ["measure"]
 

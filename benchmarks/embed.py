@@ -12,13 +12,13 @@ and returns embeddings/s for each (model load excluded, one warm-up pass first, 
 It also reports each engine's minimum cosine against sentence-transformers on the
 corpus, so a fast-but-wrong engine shows.
 
-``python -m backends.embed_bench`` prints the table (``--json`` for the raw dict,
-``--quick`` for a short run). ``python -m backends.embed_bench --reference IN.json
+``python -m benchmarks.embed`` prints the table (``--json`` for the raw dict,
+``--quick`` for a short run). ``python -m benchmarks.embed --reference IN.json
 OUT.npy`` writes sentence-transformers' normalised vectors for the texts in IN.json:
 the tests call it in a subprocess, so torch never loads into the test process.
 
-sentence-transformers and torch are conversion/test-time tools (the ``convert``/``dev``
-extras), never daemon dependencies: they are imported only inside the functions
+sentence-transformers and torch are conversion/test/benchmark tools (the ``convert``,
+``dev`` and ``bench`` extras), never daemon dependencies: they are imported only inside the functions
 that need them.
 """
 
@@ -75,7 +75,7 @@ def _load_st(max_seq_length: int | None = None) -> Any:
     _offline()
     from sentence_transformers import SentenceTransformer
 
-    from .embed_prepare import source_model_dir
+    from backends.embed_prepare import source_model_dir
 
     model = SentenceTransformer(str(source_model_dir()), device="cpu", local_files_only=True)
     if max_seq_length:
@@ -123,11 +123,10 @@ def bench(
     Returns ``{"texts": n, "batch_sizes": [...], "engines": {name: {"load_s", "rate": {batch: e/s},
     "min_cosine"}}}``. The corpus is repeated to fill the largest batch.
     """
+    from backends.llama.embedder import LlamaEmbedder
+    from backends.openvino.embedder import OpenVINOEmbedder
     from contract.types import EmbedRequest
     from modeld.embedding_slot import EmbeddingSlot
-
-    from .llama.embedder import LlamaEmbedder
-    from .openvino.embedder import OpenVINOEmbedder
 
     base = list(texts or BENCH_TEXTS)
     corpus = (base * (max(batch_sizes) // len(base) + 2))[: max(max(batch_sizes) * 2, len(base))]
@@ -193,7 +192,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m backends.embed_bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.embed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print the raw result as JSON")
     ap.add_argument("--quick", action="store_true", help="a short run (0.5 s per measurement)")
     ap.add_argument("--seconds", type=float, default=3.0, help="time per measurement")
