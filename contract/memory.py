@@ -73,7 +73,7 @@ def _conversation_text(messages: list[ChatMessage]) -> str:
         elif msg.role == "tool":
             lines.append(f"tool {msg.name} {msg.tool_call_id}: {msg.content}\n")
         else:
-            lines.append(f"user: {msg.content}\n")
+            lines.append(f"{msg.role}: {msg.content}\n")
     return "".join(lines) + "assistant: "
 
 

@@ -370,7 +370,9 @@ class ToolCall(_Report):
 class ChatMessage(_Request):
     """One message of the conversation after the stable prefix (OpenAI's chat shape)."""
 
-    role: Literal["user", "assistant", "tool"]
+    #: "system" after the first turn is a mid-conversation instruction (the leading
+    #: system messages are the stable prefix, not part of the conversation)
+    role: Literal["user", "assistant", "tool", "system"]
     content: str | None = Field(None, max_length=MAX_TEXT_CHARS)
     #: the assistant's tool calls
     tool_calls: list[ToolCall] = Field(default_factory=list)

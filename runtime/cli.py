@@ -1,4 +1,4 @@
-"""Client commands of the ``modeld`` CLI: status, load, unload, describe, embed, run.
+"""Client commands of the ``modeld`` CLI: status, load, unload, describe, embed, run, chat.
 
 Every command takes ``--endpoint`` and ``--json``. Human output is an aligned
 table; on failure the exit code is non-zero and stderr names the error class
@@ -27,6 +27,7 @@ from contract.types import (
     UnloadModelRequest,
 )
 
+from .chat_cli import add_chat_arguments, run_chat
 from .client import Client
 
 EXIT_ERROR = 1
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="modeld", description="A local model daemon for coding agents.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("serve", help="run the daemon (see `modeld serve --help`)", add_help=False)
+    sub.add_parser("prepare", help="convert the bundled models once (see `modeld prepare --help`)", add_help=False)
 
     s = sub.add_parser("status", help="show the slot state")
     _common(s)
@@ -94,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=None)
     s.add_argument("--seed", type=int, default=None)
     _model_args(s, path_required=False)
+    _common(s)
+
+    s = sub.add_parser("chat", help="a multi-turn conversation with the loaded model (or --messages-file F --json)")
+    add_chat_arguments(s)
     _common(s)
     return p
 
@@ -265,4 +271,5 @@ _COMMANDS = {
     "describe": _describe,
     "embed": _embed,
     "run": _run,
+    "chat": run_chat,
 }

@@ -147,5 +147,5 @@ def template_messages(template: ChatTemplate, system: str, messages: list[ChatMe
             else:
                 out.append({"role": "user", "content": tool_result_text(msg)})
         else:
-            out.append({"role": "user", "content": msg.content or ""})
+            out.append({"role": msg.role, "content": msg.content or ""})
     return out

@@ -1,0 +1,276 @@
+"""The agent's loop as one call: ``Chat.send(messages)`` and its streaming twin ``Chat.stream``.
+
+A coding agent keeps an OpenAI-shaped message list — system prompt and tools,
+then user turns, the model's replies and tool calls, tool results — and sends
+all of it every turn. ``Chat`` maps that onto the session contract:
+
+* the leading system messages (and ``tools``) are the stable prefix
+  (``ensure_prefix``); everything after them is the conversation
+  (``prefill_suffix(messages=…)``), rendered by the daemon with the model's own
+  template;
+* it keeps one warm session on the loaded model (reopened when the daemon
+  retired it), so each turn prefills only what is new: the daemon reuses the
+  token LCP of everything resident, the model's own earlier replies included;
+* the reply comes back as an assistant message (content, tool calls, reasoning)
+  with the finish reason, token usage (prompt, reused, prefilled, completion)
+  and timing (time to first token, prefill, decode rate).
+
+Messages may be dicts in the OpenAI chat shape or ``contract.ChatMessage``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+from contract.errors import InvalidArgument, SessionClosed
+from contract.types import (
+    ChatMessage,
+    DecodeConfig,
+    OpenSessionRequest,
+    PrefixInput,
+    StreamChunk,
+    SuffixInput,
+    ToolCall,
+    ToolCallFunction,
+)
+
+from .client import Client, RemoteSession
+
+__all__ = ["Chat", "ChatEvent", "ChatResult", "ChatTiming", "ChatUsage", "split_messages"]
+
+#: DecodeConfig fields a chat call may set
+_DECODE_FIELDS = frozenset(DecodeConfig.model_fields)
+
+
+class ChatUsage(BaseModel):
+    """Tokens of one turn: the whole prompt, how much of it was already resident, what was computed."""
+
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class ChatTiming(BaseModel):
+    """Client-side time to first token, the daemon's prefill time and decode rate, the turn's wall time."""
+
+    ttft_ms: float = 0.0
+    prefill_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    total_ms: float = 0.0
+
+
+class ChatResult(BaseModel):
+    """The assistant's reply to one ``Chat.send``."""
+
+    message: ChatMessage
+    finish_reason: str = ""
+    usage: ChatUsage = Field(default_factory=ChatUsage)
+    timing: ChatTiming = Field(default_factory=ChatTiming)
+
+
+class ChatEvent(BaseModel):
+    """One step of ``Chat.stream``: a delta of text, thinking or tool calls; the last one carries the result."""
+
+    text: str = ""
+    thinking: str = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    result: ChatResult | None = None
+
+
+def _content(value: Any) -> str | None:
+    """OpenAI content: a string, None, or a list of parts whose text parts are joined."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if kind != "text":
+                raise InvalidArgument(f"only text content parts are supported, got {kind!r}")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise InvalidArgument(f"message content must be a string or a list of parts, got {type(value).__name__}")
+
+
+def _message(raw: Mapping[str, Any] | ChatMessage) -> ChatMessage:
+    if isinstance(raw, ChatMessage):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise InvalidArgument(f"a message is a mapping or a ChatMessage, got {type(raw).__name__}")
+    calls = []
+    for call in raw.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        args = fn.get("arguments", "")
+        calls.append(
+            ToolCall(
+                id=str(call.get("id") or ""),
+                type=str(call.get("type") or "function"),
+                function=ToolCallFunction(name=str(fn.get("name", "")), arguments=args if isinstance(args, str) else _json(args)),
+            )
+        )
+    try:
+        return ChatMessage(
+            role=raw.get("role"),
+            content=_content(raw.get("content")),
+            tool_calls=calls,
+            tool_call_id=str(raw.get("tool_call_id") or ""),
+            name=str(raw.get("name") or ""),
+            reasoning=str(raw.get("reasoning_content") or raw.get("reasoning") or ""),
+        )
+    except ValidationError as exc:
+        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)]
+        raise InvalidArgument("invalid message: " + "; ".join(problems), problems=problems) from None
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def split_messages(messages: Iterable[Mapping[str, Any] | ChatMessage]) -> tuple[str, list[ChatMessage]]:
+    """The stable prefix (the leading system messages, joined by blank lines) and the conversation after it."""
+    items = []
+    for i, m in enumerate(messages):
+        try:
+            items.append(_message(m))
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"messages[{i}]: {exc.message}", index=i, **exc.details) from None
+    systems: list[str] = []
+    while items and items[0].role == "system":
+        systems.append(items.pop(0).content or "")
+    if not items:
+        raise InvalidArgument("a chat needs at least one message after the system prompt")
+    return "\n\n".join(systems), items
+
+
+def _tools_json(tools: Sequence[Mapping[str, Any]] | str | None) -> str:
+    if not tools:
+        return ""
+    return tools if isinstance(tools, str) else _json(list(tools))
+
+
+class Chat:
+    """One warm chat session on the daemon's loaded model (see the module docstring).
+
+    ``profile`` names the agent in the manifest; ``request`` picks the model (the
+    loaded one by default). Not thread-safe: one Chat per thread of an agent.
+    """
+
+    def __init__(self, client: Client, *, profile: str = "chat", request: OpenSessionRequest | None = None) -> None:
+        self._client = client
+        self._profile = profile
+        self._request = request or OpenSessionRequest()
+        self._session: RemoteSession | None = None
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+
+    def __enter__(self) -> Chat:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> RemoteSession:
+        if self._session is None:
+            self._session = self._client.open_session(self._request)
+        return self._session
+
+    def send(
+        self,
+        messages: Iterable[Mapping[str, Any] | ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | str | None = None,
+        **decode: Any,
+    ) -> ChatResult:
+        """The assistant's reply to ``messages`` (decode options as in ``DecodeConfig``)."""
+        for event in self.stream(messages, tools, **decode):
+            if event.result is not None:
+                return event.result
+        raise SessionClosed("the reply stream ended without a result")
+
+    def stream(
+        self,
+        messages: Iterable[Mapping[str, Any] | ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | str | None = None,
+        **decode: Any,
+    ) -> Generator[ChatEvent, None, None]:
+        """Deltas of the reply as they are decoded; the last event carries the ``ChatResult``.
+
+        Closing the generator early cancels the decode within one token.
+        """
+        unknown = sorted(set(decode) - _DECODE_FIELDS)
+        if unknown:
+            raise InvalidArgument(f"unknown decode options {unknown}", unknown=unknown)
+        system, conversation = split_messages(messages)
+        tools_json = _tools_json(tools)
+        cfg = DecodeConfig(**decode)
+        started = time.perf_counter()
+        try:
+            sess, pre, suf = self._prefill(system, tools_json, conversation)
+        except SessionClosed:
+            self._session = None  # retired by the daemon (lease, switch): one fresh try
+            sess, pre, suf = self._prefill(system, tools_json, conversation)
+        return self._events(sess, cfg, pre.reused_tokens + suf.reused_tokens, pre.prefilled_tokens + suf.prefilled_tokens,
+                            pre.prefill_ms + suf.prefill_ms, started)
+
+    def _prefill(self, system: str, tools: str, conversation: list[ChatMessage]) -> tuple[RemoteSession, Any, Any]:
+        sess = self._open()
+        manifest = sess.manifest(profile=self._profile)
+        pre = sess.ensure_prefix(PrefixInput(text=system, tools=tools, manifest=manifest))
+        suf = sess.prefill_suffix(SuffixInput(messages=conversation, manifest=manifest))
+        return sess, pre, suf
+
+    @staticmethod
+    def _events(
+        sess: RemoteSession, cfg: DecodeConfig, reused: int, prefilled: int, prefill_ms: float, started: float
+    ) -> Generator[ChatEvent, None, None]:
+        text: list[str] = []
+        thinking: list[str] = []
+        calls: list[ToolCall] = []
+        first = 0.0
+        final: StreamChunk | None = None
+        stream = sess.decode(cfg)
+        try:
+            for chunk in stream:
+                if chunk.done:
+                    final = chunk
+                    break
+                if not first and (chunk.text or chunk.thinking or chunk.tool_calls):
+                    first = time.perf_counter()
+                text.append(chunk.text)
+                thinking.append(chunk.thinking)
+                calls += chunk.tool_calls
+                if chunk.text or chunk.thinking or chunk.tool_calls:
+                    yield ChatEvent(text=chunk.text, thinking=chunk.thinking, tool_calls=list(chunk.tool_calls))
+        finally:
+            stream.close()
+        usage = final.usage if final is not None else None
+        content = "".join(text)
+        result = ChatResult(
+            message=ChatMessage(role="assistant", content=content or None, tool_calls=calls, reasoning="".join(thinking)),
+            finish_reason=final.finish_reason if final is not None else "",
+            usage=ChatUsage(
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                reused_tokens=reused,
+                prefilled_tokens=prefilled,
+                completion_tokens=usage.completion_tokens if usage else 0,
+            ),
+            timing=ChatTiming(
+                ttft_ms=(first - started) * 1000 if first else 0.0,
+                prefill_ms=prefill_ms,
+                decode_tokens_per_s=usage.tokens_per_second if usage else 0.0,
+                total_ms=(time.perf_counter() - started) * 1000,
+            ),
+        )
+        yield ChatEvent(result=result)

@@ -1,0 +1,194 @@
+"""The runtime chat API (runtime/chat.py) and ``modeld chat`` (runtime/chat_cli.py), against real daemon processes.
+
+On the memory reference: OpenAI-shaped messages in, the reply and its usage
+out, the history kept warm across turns, bad messages refused while the session
+keeps serving, the CLI driven as a user would (lines piped in; a messages file
+with --json). On the real engines: a six-turn tool conversation on the
+tool-capable fixture through a daemon, and — in exact mode — a cold daemon
+given the same history answers with the same greedy reply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from contract.errors import InvalidArgument
+from contract.types import ChatMessage, Config, LoadModelRequest
+from runtime import Chat, Client
+from runtime.chat import split_messages
+from tests.daemon_proc import ROOT, DaemonProcess
+from tests.fixtures import WEATHER_TOOL, tool_gguf
+
+SYSTEM = {"role": "system", "content": "You are a terse coding assistant."}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "slot.py"}'}}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    d = DaemonProcess(tmp_path_factory.mktemp("chat"), "memory", None, "--model", "/models/ref", "--model-name", "ref")
+    with d:
+        yield d
+
+
+@pytest.fixture
+def client(daemon: DaemonProcess) -> Iterator[Client]:
+    with daemon.client(timeout_s=20.0) as c:
+        yield c
+
+
+def test_split_messages() -> None:
+    system, rest = split_messages(
+        [SYSTEM, {"role": "system", "content": "Second rule."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    )
+    assert system == "You are a terse coding assistant.\n\nSecond rule."
+    assert rest == [ChatMessage(role="user", content="hi")]
+    _, rest = split_messages([{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [CALL]}])
+    assert rest[1].tool_calls[0].function.name == "read_file" and rest[1].tool_calls[0].id == "call_1"
+    for bad in ([SYSTEM], [{"role": "user", "content": [{"type": "image_url"}]}], ["not a message"]):
+        with pytest.raises(InvalidArgument):
+            split_messages(bad)  # type: ignore[arg-type]
+
+
+def test_a_conversation_stays_warm(client: Client) -> None:
+    with Chat(client, profile="warm-chat") as chat:
+        history: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": "What does slot.py do?"}]
+        first = chat.send(history, max_tokens=12)
+        assert first.message.role == "assistant" and first.message.content and first.finish_reason == "length"
+        assert first.usage.reused_tokens == 0 and first.usage.completion_tokens == 12
+        assert first.usage.prompt_tokens == first.usage.prefilled_tokens
+        assert first.timing.ttft_ms > 0 and first.timing.total_ms >= first.timing.ttft_ms
+        history += [
+            {"role": "assistant", "content": first.message.content},
+            {"role": "user", "content": "And server.py?"},
+        ]
+        second = chat.send(history, max_tokens=12)
+        # the whole first turn, the model's own reply included, came from the KV
+        assert second.usage.reused_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+        assert second.usage.prefilled_tokens == second.usage.prompt_tokens - second.usage.reused_tokens
+        assert second.usage.prefilled_tokens < 40
+
+
+def test_tool_calls_and_results_round_trip(client: Client) -> None:
+    with Chat(client, profile="tools-chat") as chat:
+        history = [
+            SYSTEM,
+            {"role": "user", "content": "Read slot.py."},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "name": "read_file", "content": "class SlotService: ..."},
+        ]
+        result = chat.send(history, tools=[WEATHER_TOOL], max_tokens=8)
+        assert result.usage.completion_tokens == 8
+        events = list(chat.stream(history, tools=[WEATHER_TOOL], max_tokens=8))
+        assert events[-1].result is not None
+        assert "".join(e.text for e in events[:-1]) == (events[-1].result.message.content or "")
+
+
+def test_bad_messages_are_refused_and_the_chat_keeps_serving(client: Client) -> None:
+    with Chat(client, profile="bad-chat") as chat:
+        for bad in (
+            [SYSTEM, {"role": "assistant", "content": None}],  # neither content nor tool calls
+            [SYSTEM, {"role": "user", "content": "q"}, {"role": "tool", "tool_call_id": "nobody", "content": "r"}],
+            [SYSTEM, {"role": "wizard", "content": "q"}],
+        ):
+            with pytest.raises(InvalidArgument):
+                chat.send(bad, max_tokens=4)
+        with pytest.raises(InvalidArgument, match="unknown decode options"):
+            chat.send([SYSTEM, {"role": "user", "content": "q"}], max_tokns=4)
+        assert chat.send([SYSTEM, {"role": "user", "content": "still there?"}], max_tokens=4).usage.completion_tokens == 4
+
+
+def _cli(daemon: DaemonProcess, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "modeld", "chat", "--endpoint", daemon.endpoint, *args],
+        input=stdin, capture_output=True, text=True, env=env, cwd=ROOT, timeout=60,
+    )
+
+
+def test_cli_chat_keeps_the_history(daemon: DaemonProcess) -> None:
+    out = _cli(daemon, "--max-tokens", "6", "--profile", "cli-chat", stdin="hello there\nand again\n/system Be brief.\n/clear\nfresh start\n/bye\nnever sent\n")
+    assert out.returncode == 0, out.stderr
+    summaries = [line for line in out.stderr.splitlines() if line.startswith("[reused")]
+    assert len(summaries) == 3, out.stderr
+    assert "[system prompt set]" in out.stderr and "[history cleared]" in out.stderr
+    # the second turn reused the first turn; after /clear nothing of the old history is resent
+    assert summaries[0].startswith("[reused 0,")
+    assert not summaries[1].startswith("[reused 0,")
+    assert len([line for line in out.stdout.splitlines() if line.strip()]) == 3
+
+
+def test_cli_chat_one_shot_json(daemon: DaemonProcess, tmp_path: Path) -> None:
+    messages = tmp_path / "m.json"
+    messages.write_text(json.dumps([SYSTEM, {"role": "user", "content": "Read slot.py."}, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                                    {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]))
+    tools = tmp_path / "t.json"
+    tools.write_text(json.dumps([WEATHER_TOOL]))
+    out = _cli(daemon, "--messages-file", str(messages), "--tools-file", str(tools), "--json", "--max-tokens", "5")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["message"]["role"] == "assistant" and result["usage"]["completion_tokens"] == 5
+    assert set(result["timing"]) == {"ttft_ms", "prefill_ms", "decode_tokens_per_s", "total_ms"}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([SYSTEM, {"role": "tool", "tool_call_id": "x", "content": "r"}]))
+    out = _cli(daemon, "--messages-file", str(bad), "--json")
+    assert out.returncode == 1 and "InvalidArgument" in out.stderr
+
+
+# --- real engines through a daemon ------------------------------------------------------------------------------
+TOOL_SYSTEM = {"role": "system", "content": "You are a weather assistant. Call get_weather for each city, then answer briefly."}
+QUESTIONS = ["What is the weather in Paris?", "Should I take an umbrella?", "And in Oslo?"]
+
+
+def _six_turns(chat: Chat, forced: dict[int, str]) -> list[tuple[list[dict[str, Any]], Any]]:
+    """Six requests of an agent loop; returns what each request sent and what came back."""
+    from backends.tape.conversation import tool_call_text
+    from contract.types import StructuredOutputConfig, ToolCall, ToolCallFunction
+
+    history: list[dict[str, Any]] = [TOOL_SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+    questions = iter(QUESTIONS[1:])
+    turns = []
+    for i in range(6):
+        opts: dict[str, Any] = {"max_tokens": 16}
+        if i in forced:
+            call = ToolCall(function=ToolCallFunction(name="get_weather", arguments=json.dumps({"city": forced[i]})))
+            opts = {"max_tokens": 80, "structured_output": StructuredOutputConfig(grammar="root ::= " + json.dumps(tool_call_text(call)))}
+        sent = list(history)
+        result = chat.send(sent, tools=[WEATHER_TOOL], **opts)
+        turns.append((sent, result))
+        reply: dict[str, Any] = {"role": "assistant", "content": result.message.content}
+        if result.message.tool_calls:
+            reply["tool_calls"] = [dict(c.model_dump(mode="json"), id=f"call_{i}") for c in result.message.tool_calls]
+            history += [reply, {"role": "tool", "tool_call_id": f"call_{i}", "name": "get_weather", "content": '{"temp_c": 12}'}]
+        else:
+            history += [reply, {"role": "user", "content": next(questions, "Thanks.")}]
+    return turns
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [pytest.param("llama", marks=pytest.mark.llama), pytest.param("openvino", marks=pytest.mark.openvino)])
+def test_exact_mode_through_daemons_cold_equals_warm(backend: str, tmp_path: Path) -> None:
+    request = LoadModelRequest(model_name="tools", type=backend, path=str(tool_gguf()), config=Config(num_ctx=2048, exact_reuse=True))
+    with DaemonProcess(tmp_path / "warm", backend, None, "--no-preload") as warm, warm.client(timeout_s=120.0) as c:
+        c.load_model(request)
+        with Chat(c, profile="exact") as chat:
+            turns = _six_turns(chat, forced={0: "Paris", 2: "Oslo"})
+    for i, (_, result) in enumerate(turns[1:], start=1):
+        # from turn 2 on only what is new is prefilled: the history, replies included, is reused
+        assert result.usage.reused_tokens > 0 and result.usage.prefilled_tokens < result.usage.prompt_tokens // 2, i
+    assert any(r.message.tool_calls for _, r in turns)
+    # a cold daemon given the last history answers exactly like the warm one
+    sent, last = turns[-1]
+    with DaemonProcess(tmp_path / "cold", backend, None, "--no-preload") as cold, cold.client(timeout_s=120.0) as c:
+        c.load_model(request)
+        with Chat(c, profile="exact") as chat:
+            again = chat.send(sent, tools=[WEATHER_TOOL], max_tokens=16)
+    assert again.usage.reused_tokens == 0
+    assert again.message.content == last.message.content and again.message.tool_calls == last.message.tool_calls
