@@ -10,6 +10,9 @@ Sections (``--sections`` picks some):
                  longest-common-prefix cache), cold and warm TTFT over HTTP streaming;
 * ``openvino`` – the same daemon turns on the OpenVINO backend, next to
                  openvino-genai's own prefix-cached pipeline;
+* ``agent``    – a ten-turn tool-using conversation through the chat API on both engines,
+                 per-turn TTFT and prefilled tokens, next to llama-cpp-python's server
+                 given the same message lists (``benchmarks.agent``);
 * ``capacity`` – predicted required bytes vs the daemon's measured RSS growth after a
                  load plus a full prefill of the effective context;
 * ``embed``    – embeddings/s, batch 1 and 32, next to sentence-transformers.
@@ -224,6 +227,8 @@ def section_peer(tmp: Path, texts: dict[str, Any]) -> tuple[str, dict[str, float
     log = (tmp / "peer.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.peer_server", "--model", str(bundled_gguf_path()), "--n_ctx", str(NUM_CTX),
+         # the same threads as the daemon's engine (its default is half the cores)
+         "--n_threads", str(os.cpu_count() or 1), "--n_threads_batch", str(os.cpu_count() or 1),
          "--host", "127.0.0.1", "--port", str(port)],
         stdout=log, stderr=subprocess.STDOUT,
     )
@@ -306,7 +311,7 @@ def section_capacity(tmp: Path, backend: str) -> str:
         req = OpenSessionRequest(path=str(bundled_gguf_path()), type=backend, config=Config(num_ctx=NUM_CTX))
         info = c.describe(req)
         rss0 = proc.memory_info().rss
-        c.load_model(LoadModelRequest(**req.model_dump()))
+        c.load_model(LoadModelRequest(**req.model_dump(exclude={"queue_timeout_s"})))
         sess = c.open_session(OpenSessionRequest())
         m = sess.manifest(profile="capacity")
         fill = text_of_tokens(count, info.effective_context - 64, PREFIX_LINE)
@@ -340,9 +345,20 @@ def section_embed() -> str:
     return table(f"embeddings (all-MiniLM-L6-v2, {r['texts']} texts)", rows)
 
 
+def section_agent(tmp: Path, count: Callable[[str], int]) -> str:
+    from benchmarks import agent
+
+    llama = agent.section(tmp, "llama", count, with_peer=True)
+    ov = agent.section(tmp, "openvino", count, with_peer=False)
+    head = "agent trace: 10 turns, ~2k-token system + 3 tools, tool results 100-400 tokens, the model's replies fed back"
+    return table(head + " — llama.cpp backend vs llama-cpp-python's server", llama) + "\n\n" + table(
+        head + " — OpenVINO backend", ov
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,capacity,embed", help="comma-separated, in order")
+    p.add_argument("--sections", default="peer,llama,openvino,agent,capacity,embed", help="comma-separated, in order")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     os.environ.setdefault("PYTHONPATH", str(ROOT))
@@ -373,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_capacity(tmp, "openvino"), flush=True)
                 elif name == "embed":
                     print(section_embed(), flush=True)
+                elif name == "agent":
+                    print(section_agent(tmp, count), flush=True)
                 else:
                     print(f"## {name}: unknown section")
                     failed.append(name)

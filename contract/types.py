@@ -117,6 +117,10 @@ class _ModelHandle(_Request):
 class OpenSessionRequest(_ModelHandle):
     """Ask the owner to open a session for a model (ModelName+Type+Digest is identity)."""
 
+    #: while another session holds the slot, wait up to this long for it, in arrival
+    #: order with other waiting opens, before answering ModelBusy (0: answer at once)
+    queue_timeout_s: float = Field(0.0, ge=0.0, le=3600.0)
+
 
 class EmbedRequest(_ModelHandle):
     """A one-shot embedding of ``text`` (or of each of ``texts``, an extension)."""

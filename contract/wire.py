@@ -22,18 +22,70 @@ message without decoding its body. ``kind`` is one of:
 Large binary payloads (KV snapshot bytes, embedding vectors as little-endian
 float32) travel as separate frames, never inside the msgpack map. msgpack
 extension types are refused (no pickle, ever) and every decode is size-limited.
+
+Two layers, both here: the envelope (``encode_request`` / ``decode_request``,
+``encode_reply`` / ``decode_reply``: frames ↔ ``Message``) and the schemas
+(``encode_body`` / ``decode_body``: a typed message ↔ its map and payload frames,
+as ``contract.messages`` declares them; ``SCHEMAS`` says which schema each
+operation takes and answers). The daemon and the client build and read every
+body through them; neither packs a frame by hand.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ValidationError
 
-from .errors import BadFrame, FrameTooLarge, InvalidArgument, ModeldError, UnknownOperation, UnsupportedProtocolVersion
+from .errors import (
+    BadFrame,
+    FrameTooLarge,
+    InvalidArgument,
+    ModeldError,
+    UnknownOperation,
+    UnsupportedProtocolVersion,
+    from_wire,
+)
+from .messages import (
+    BytesFrame,
+    CancelReply,
+    CancelRequest,
+    CloseReply,
+    DecodeRequest,
+    EmbedReply,
+    EnsurePrefixRequest,
+    F32MatrixFrame,
+    HeartbeatReply,
+    HeartbeatRequest,
+    OpenReply,
+    PrefillSuffixRequest,
+    RestoreRequest,
+    SessionRef,
+    SnapshotReply,
+    SnapshotRequest,
+    StatusRequest,
+    UnloadReply,
+    payload_frame,
+)
+from .types import (
+    ActiveModel,
+    ContextReport,
+    DaemonStatus,
+    EmbedRequest,
+    LoadModelRequest,
+    ModelInfo,
+    OpenSessionRequest,
+    PrefixStatus,
+    StreamChunk,
+    SuffixStatus,
+    UnloadModelRequest,
+)
 
 PROTOCOL = b"MDP1"
 PROTOCOL_VERSION = 1
@@ -72,15 +124,52 @@ class Op(str, enum.Enum):
 
 
 class Kind(str, enum.Enum):
-    OK = "ok"
-    DATA = "data"
-    END = "end"
-    ERROR = "error"
-    HEARTBEAT = "hb"
+    """Kinds of reply; the value is the raw kind frame."""
+
+    OK = "ok"  # the single reply of a unary request
+    DATA = "data"  # one element of a stream
+    END = "end"  # the successful end of a stream
+    ERROR = "error"  # the terminal error of a request or stream
+    HEARTBEAT = "hb"  # the daemon is still working on the request
+
+    @property
+    def terminal(self) -> bool:
+        """Whether this reply is the last one of its request."""
+        return self in (Kind.OK, Kind.END, Kind.ERROR)
 
 
 _OPS = {op.value.encode(): op for op in Op}
 _KINDS = {k.value.encode(): k for k in Kind}
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """The typed bodies of one operation."""
+
+    request: type[BaseModel]
+    #: the body of the ``ok`` reply, or of every ``data``/``end`` element when ``stream``
+    reply: type[BaseModel]
+    stream: bool = False
+
+
+#: operation -> the schema the daemon decodes its request with and answers it in
+SCHEMAS: dict[Op, OpSchema] = {
+    Op.STATUS: OpSchema(StatusRequest, DaemonStatus),
+    Op.LOAD: OpSchema(LoadModelRequest, ActiveModel),
+    Op.UNLOAD: OpSchema(UnloadModelRequest, UnloadReply),
+    Op.DESCRIBE: OpSchema(OpenSessionRequest, ModelInfo),
+    Op.EMBED: OpSchema(EmbedRequest, EmbedReply),
+    Op.OPEN: OpSchema(OpenSessionRequest, OpenReply),
+    Op.ENSURE_PREFIX: OpSchema(EnsurePrefixRequest, PrefixStatus),
+    Op.PREFILL_SUFFIX: OpSchema(PrefillSuffixRequest, SuffixStatus),
+    Op.DECODE: OpSchema(DecodeRequest, StreamChunk, stream=True),
+    Op.CANCEL: OpSchema(CancelRequest, CancelReply),
+    Op.EXPLAIN: OpSchema(SessionRef, ContextReport),
+    Op.SNAPSHOT: OpSchema(SnapshotRequest, SnapshotReply),
+    Op.RESTORE: OpSchema(RestoreRequest, ContextReport),
+    Op.CLOSE: OpSchema(SessionRef, CloseReply),
+    Op.HEARTBEAT: OpSchema(HeartbeatRequest, HeartbeatReply),
+}
 
 
 @dataclass
@@ -148,7 +237,13 @@ def request_id_of(frames: list[bytes]) -> bytes:
     return b""
 
 
-def encode_request(op: Op, request_id: bytes, body: dict[str, Any], payloads: list[bytes] | None = None) -> list[bytes]:
+def encode_request(
+    op: Op, request_id: bytes, body: BaseModel | dict[str, Any], payloads: list[bytes] | None = None
+) -> list[bytes]:
+    """A request's frames: a typed ``body`` with the payload frames it declares, or a raw map and ``payloads``."""
+    if isinstance(body, BaseModel):
+        body, own = encode_body(body)
+        payloads = [*own, *(payloads or [])]
     return [PROTOCOL, op.value.encode(), request_id, pack(body), *(payloads or [])]
 
 
@@ -160,12 +255,39 @@ def decode_request(frames: list[bytes]) -> Message:
     return Message(request_id=bytes(rid), body=unpack(frames[3]), payloads=[bytes(p) for p in frames[4:]], op=op)
 
 
-def encode_reply(kind: Kind, request_id: bytes, body: dict[str, Any] | None = None, payloads: list[bytes] | None = None) -> list[bytes]:
-    return [PROTOCOL, kind.value.encode(), request_id, pack(body or {}), *(payloads or [])]
+def _reply_frames(kind: Kind, request_id: bytes, body: dict[str, Any], payloads: list[bytes]) -> list[bytes]:
+    return [PROTOCOL, kind.value.encode(), request_id, pack(body), *payloads]
+
+
+def encode_reply(kind: Kind, request_id: bytes, body: BaseModel | None = None) -> list[bytes]:
+    """A reply's frames: the typed ``body`` (none for a heartbeat) and the payload frames it declares."""
+    if body is None:
+        return _reply_frames(kind, request_id, {}, [])
+    return _reply_frames(kind, request_id, *encode_body(body))
+
+
+def encode_chunk(request_id: bytes, chunk: StreamChunk) -> list[bytes]:
+    """A decode stream element: ``data`` while it runs, ``end`` for the final (``done``) chunk.
+
+    Usage is only reported by the final chunk, so a ``data`` body leaves it out.
+    """
+    if chunk.done:
+        return encode_reply(Kind.END, request_id, chunk)
+    return _reply_frames(Kind.DATA, request_id, to_body(chunk, exclude={"usage"}), [])
 
 
 def encode_error(request_id: bytes, err: ModeldError) -> list[bytes]:
-    return encode_reply(Kind.ERROR, request_id, err.to_wire())
+    return _reply_frames(Kind.ERROR, request_id, err.to_wire(), [])
+
+
+def error_of(msg: Message) -> ModeldError:
+    """The exception an ``error`` reply carries: the same class the daemon raised."""
+    return from_wire(msg.body)
+
+
+def reply_kind(frames: Sequence[bytes]) -> Kind | None:
+    """The kind of an encoded reply, read from its kind frame without decoding the body."""
+    return _KINDS.get(bytes(frames[1])) if len(frames) > 1 else None
 
 
 def decode_reply(frames: list[bytes]) -> Message:
@@ -176,9 +298,110 @@ def decode_reply(frames: list[bytes]) -> Message:
     return Message(request_id=bytes(rid), body=unpack(frames[3]), payloads=[bytes(p) for p in frames[4:]], kind=kind)
 
 
-def to_body(model: Any, *, exclude: set[str] | None = None) -> dict[str, Any]:
-    """A pydantic model as a msgpack-ready map (enums as values, bytes fields excluded by caller)."""
-    return model.model_dump(mode="json", exclude=exclude)  # type: ignore[no-any-return]
+@functools.cache
+def _bytes_fields(cls: type[BaseModel]) -> frozenset[str]:
+    return frozenset(name for name, f in cls.model_fields.items() if f.annotation in (bytes, bytes | None))
+
+
+def to_body(model: BaseModel, *, exclude: set[str] | None = None) -> dict[str, Any]:
+    """A pydantic model as a msgpack-ready map: enums as values, top-level bytes fields as msgpack bin.
+
+    JSON mode would turn bytes into text (and fail on bytes that are not UTF-8),
+    so those fields are taken as they are.
+    """
+    skip = set(exclude or ())
+    body: dict[str, Any] = model.model_dump(mode="json", exclude=skip | _bytes_fields(type(model)))
+    for name in _bytes_fields(type(model)) - skip:
+        body[name] = getattr(model, name)
+    return body
+
+
+def encode_body(msg: BaseModel) -> tuple[dict[str, Any], list[bytes]]:
+    """A typed message as its map and payload frames (the field its class declares as a frame)."""
+    spec = payload_frame(type(msg))
+    if spec is None:
+        return to_body(msg), []
+    body = to_body(msg, exclude={spec.field})
+    value = getattr(msg, spec.field)
+    if isinstance(spec, F32MatrixFrame):
+        frame = encode_f32_matrix(value)
+        expected = _F32.size * body[spec.rows_field] * body[spec.cols_field]
+    else:
+        if spec.optional and not value:
+            return body, []
+        frame = encode_bytes_frame(value)
+        expected = body[spec.size_field] if spec.size_field else len(frame)
+    if len(frame) != expected:
+        raise ValueError(f"{type(msg).__name__}: a {len(frame)}-byte {spec.field} frame does not match the body's {expected}")
+    return body, [frame]
+
+
+def decode_body(cls: type[_M], msg: Message) -> _M:
+    """A message's map and payload frames as ``cls``.
+
+    A bad field is an ``InvalidArgument`` naming it; payload frames that do not
+    fit the schema (missing, extra, the wrong size, or the field sent inside
+    the map) are a ``BadFrame``.
+    """
+    spec = payload_frame(cls)
+    allowed = 0 if spec is None else 1
+    if len(msg.payloads) > allowed:
+        raise BadFrame(f"{cls.__name__} takes {allowed} payload frame(s), got {len(msg.payloads)}")
+    if spec is None:
+        return parse(cls, msg.body)
+    if spec.field in msg.body:
+        raise BadFrame(f"{cls.__name__}.{spec.field} travels as a payload frame, not in the body")
+    header = parse(cls, msg.body)
+    if not msg.payloads:
+        if isinstance(spec, BytesFrame) and spec.optional:
+            return header
+        raise BadFrame(f"{cls.__name__} needs its {spec.field} payload frame")
+    frame = msg.payloads[0]
+    value: Any
+    if isinstance(spec, F32MatrixFrame):
+        value = decode_f32_matrix(frame, count=getattr(header, spec.rows_field), dims=getattr(header, spec.cols_field))
+    else:
+        value = decode_bytes_frame(frame, size=getattr(header, spec.size_field) if spec.size_field else None)
+    return header.model_copy(update={spec.field: value})
+
+
+# --- payload frames ------------------------------------------------------------------------------------
+_F32 = struct.Struct("<f")
+
+
+def encode_f32_matrix(rows: Sequence[Sequence[float]]) -> bytes:
+    """``rows`` (all the same length) as little-endian float32, row after row."""
+    dims = len(rows[0]) if rows else 0
+    if any(len(r) != dims for r in rows):
+        raise ValueError(f"a float32 matrix needs rows of one length, got {sorted({len(r) for r in rows})}")
+    n = dims * len(rows)
+    if n * _F32.size > MAX_PAYLOAD_BYTES:
+        raise FrameTooLarge(f"{len(rows)}x{dims} float32 values exceed {MAX_PAYLOAD_BYTES} bytes", limit=MAX_PAYLOAD_BYTES)
+    return struct.pack(f"<{n}f", *(x for r in rows for x in r))
+
+
+def decode_f32_matrix(data: bytes, *, dims: int, count: int) -> list[list[float]]:
+    """``count`` rows of ``dims`` float32 values from a frame; a frame of another size is a ``BadFrame``."""
+    if dims < 0 or count < 0:
+        raise BadFrame(f"a float32 matrix of {count}x{dims} is not a shape")
+    if len(data) != _F32.size * dims * count:
+        raise BadFrame(f"a float32 frame of {len(data)} bytes does not hold {count}x{dims} values")
+    flat = struct.unpack(f"<{dims * count}f", data)
+    return [list(flat[i * dims : (i + 1) * dims]) for i in range(count)]
+
+
+def encode_bytes_frame(data: bytes) -> bytes:
+    """Raw bytes as a payload frame (sent as they are, no copy)."""
+    if len(data) > MAX_PAYLOAD_BYTES:
+        raise FrameTooLarge(f"payload of {len(data)} bytes exceeds {MAX_PAYLOAD_BYTES}", limit=MAX_PAYLOAD_BYTES)
+    return data
+
+
+def decode_bytes_frame(data: bytes, *, size: int | None = None) -> bytes:
+    """A raw bytes frame; when ``size`` is given, a frame of another length is a ``BadFrame``."""
+    if size is not None and len(data) != size:
+        raise BadFrame(f"a payload frame of {len(data)} bytes where the body says {size}")
+    return bytes(data)
 
 
 def parse(model_cls: type[_M], body: dict[str, Any]) -> _M:

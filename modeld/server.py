@@ -20,16 +20,18 @@ import errno
 import logging
 import os
 import queue
-import struct
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Generator
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import zmq
+from pydantic import BaseModel
 
 from contract import interrupt, wire
 from contract.endpoint import ipc_path
@@ -37,20 +39,41 @@ from contract.errors import (
     Cancelled,
     Internal,
     InvalidArgument,
+    ModelBusy,
     ModeldError,
     SessionClosed,
     ShuttingDown,
     WireError,
 )
+from contract.messages import (
+    CancelReply,
+    CancelRequest,
+    CloseReply,
+    DecodeRequest,
+    EmbedReply,
+    EnsurePrefixRequest,
+    HeartbeatReply,
+    HeartbeatRequest,
+    OpenReply,
+    PrefillSuffixRequest,
+    RestoreRequest,
+    SessionRef,
+    SnapshotReply,
+    SnapshotRequest,
+    StatusRequest,
+    UnloadReply,
+)
 from contract.types import (
-    DecodeConfig,
+    ActiveModel,
+    ContextReport,
+    DaemonStatus,
     EmbedRequest,
     LoadModelRequest,
+    ModelInfo,
     OpenSessionRequest,
-    PrefixInput,
-    SessionSnapshot,
+    PrefixStatus,
     StreamChunk,
-    SuffixInput,
+    SuffixStatus,
     UnloadModelRequest,
 )
 from contract.wire import Kind, Message, Op
@@ -62,10 +85,21 @@ log = logging.getLogger("modeld.server")
 
 POLL_INTERVAL_MS = 50
 REAP_INTERVAL_S = 0.5
+#: how often the worker looks at waiting opens' deadlines while any wait
+PARKED_POLL_S = 0.05
 LINGER_MS = 500
 SEND_HWM = 100_000
 
 _OUT_ENDPOINT = "inproc://modeld-worker-out"
+
+
+@dataclass
+class _Parked:
+    """An open_session waiting for the slot (see ``Daemon._serve_parked``)."""
+
+    inf: _Inflight
+    msg: Message
+    deadline: float
 
 
 @dataclass
@@ -75,13 +109,6 @@ class _Inflight:
     op: Op
     cancel: threading.Event = field(default_factory=threading.Event)
     last_hb: float = field(default_factory=time.monotonic)
-
-
-def _session_id(body: dict[str, Any]) -> str:
-    sid = body.get("session_id")
-    if not isinstance(sid, str) or not sid:
-        raise InvalidArgument("session_id (a non-empty string) is required")
-    return sid
 
 
 class Daemon:
@@ -97,6 +124,8 @@ class Daemon:
         self._inflight: dict[tuple[bytes, bytes], _Inflight] = {}
         self._inflight_lock = threading.Lock()
         self._sessions: dict[str, SlotSession] = {}
+        #: opens waiting for the slot, oldest first (worker thread only)
+        self._parked: deque[_Parked] = deque()
         self._worker = threading.Thread(target=self._worker_main, name="modeld-worker", daemon=True)
         self._embed_worker = threading.Thread(target=self._embed_main, name="modeld-embed", daemon=True)
         self._bound_ipc: Path | None = None
@@ -223,8 +252,8 @@ class Daemon:
             except zmq.Again:
                 return
             identity, rest = frames[0], frames[1:]
-            kind = rest[1]
-            if kind in (b"ok", b"end", b"error"):
+            kind = wire.reply_kind(rest)
+            if kind is not None and kind.terminal:
                 with self._inflight_lock:
                     self._inflight.pop((identity, rest[2]), None)
             self._send(router, identity, rest)
@@ -249,28 +278,10 @@ class Daemon:
         rid = msg.request_id
         try:
             assert msg.op is not None
-            if msg.op is Op.STATUS:
-                self._send(router, identity, wire.encode_reply(Kind.OK, rid, wire.to_body(self.slot.status())))
-            elif msg.op is Op.CANCEL:
-                target = msg.body.get("request_id")
-                if not isinstance(target, bytes):
-                    raise InvalidArgument("cancel needs request_id (bytes)")
-                with self._inflight_lock:
-                    inf = self._inflight.get((identity, target))
-                if inf is not None:
-                    inf.cancel.set()
-                self._send(router, identity, wire.encode_reply(Kind.OK, rid, {"cancelled": inf is not None}))
-            elif msg.op is Op.HEARTBEAT:
-                ids = msg.body.get("session_ids", [])
-                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-                    raise InvalidArgument("heartbeat needs session_ids (a list of strings)")
-                alive = [sid for sid in ids if self.slot.touch(sid)]
-                self._send(router, identity, wire.encode_reply(Kind.OK, rid, {"alive": alive}))
-            elif msg.op is Op.EXPLAIN:
-                sess = self._sessions.get(_session_id(msg.body))
-                if sess is None:
-                    raise SessionClosed("unknown or closed session")
-                self._send(router, identity, wire.encode_reply(Kind.OK, rid, wire.to_body(sess.explain_context())))
+            answer = _IO_HANDLERS.get(msg.op)
+            if answer is not None:
+                req = wire.decode_body(wire.SCHEMAS[msg.op].request, msg)
+                self._send(router, identity, wire.encode_reply(Kind.OK, rid, answer(self, identity, req)))
             else:
                 if self._stop.is_set():
                     raise ShuttingDown("modeld is shutting down")
@@ -292,15 +303,17 @@ class Daemon:
         try:
             while True:
                 try:
-                    item = self._work.get(timeout=REAP_INTERVAL_S)
+                    item = self._work.get(timeout=PARKED_POLL_S if self._parked else REAP_INTERVAL_S)
                 except queue.Empty:
                     item = None
                 if item is None:
                     if self._stop.is_set():
                         break
                     self._reap()
+                    self._serve_parked(emit)
                     continue
                 self._serve_item(*item, emit)
+                self._serve_parked(emit)
         finally:
             try:
                 self.slot.shutdown()  # the model belongs to this thread: release it here
@@ -328,8 +341,8 @@ class Daemon:
 
         def emit(inf: _Inflight, frames: list[bytes]) -> None:
             if not inf.identity:  # an internal request (preload): log instead of replying
-                if frames[1] == b"error":
-                    log.error("preload failed: %s", wire.unpack(frames[3]).get("message"))
+                if wire.reply_kind(frames) is Kind.ERROR:
+                    log.error("preload failed: %s", wire.error_of(wire.decode_reply(frames)).message)
                 else:
                     log.info("preloaded the model")
                 return
@@ -340,8 +353,50 @@ class Daemon:
     def _serve_item(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
         if self._stop.is_set():
             emit(inf, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
+        elif inf.op is Op.OPEN and self._park(inf, msg):
+            return
         else:
             self._run(inf, msg, emit)
+
+    # --- the queue for the slot ----------------------------------------------------------------
+    def _park(self, inf: _Inflight, msg: Message) -> bool:
+        """Queue an open that would find the slot busy (or others already waiting); False: run it now.
+
+        A request that does not parse, or asks for no waiting, runs now and gets
+        its answer (InvalidArgument, or ModelBusy at once).
+        """
+        try:
+            req = wire.decode_body(OpenSessionRequest, msg)
+        except ModeldError:
+            return False
+        if req.queue_timeout_s <= 0 or (not self._parked and not self.slot.holder_id()):
+            return False
+        self._parked.append(_Parked(inf, msg, time.monotonic() + req.queue_timeout_s))
+        return True
+
+    def _serve_parked(self, emit: _Emit) -> None:
+        """Serve waiting opens in arrival order while the slot is free; answer the expired and the cancelled.
+
+        An open that still finds the slot busy stays first in line. Waiting
+        requests get heartbeats from the IO thread like any running request, and
+        ModelBusy when their queue timeout runs out.
+        """
+        now = time.monotonic()
+        keep: deque[_Parked] = deque()
+        for p in self._parked:
+            if self._stop.is_set():
+                emit(p.inf, wire.encode_error(p.inf.request_id, ShuttingDown("modeld is shutting down")))
+            elif p.inf.cancel.is_set():
+                emit(p.inf, wire.encode_error(p.inf.request_id, Cancelled("the wait for the slot was cancelled")))
+            elif now >= p.deadline:
+                emit(p.inf, wire.encode_error(p.inf.request_id, ModelBusy(
+                    "the slot stayed busy for the whole queue timeout", holder_busy=True, waiting=len(self._parked))))
+            else:
+                keep.append(p)
+        self._parked = keep
+        while self._parked and not self.slot.holder_id() and not self._stop.is_set():
+            p = self._parked.popleft()
+            self._run(p.inf, p.msg, emit)
 
     def _reap(self) -> None:
         if self.slot.reap():
@@ -350,13 +405,20 @@ class Daemon:
         for sid in [s for s in self._sessions if s != live]:
             del self._sessions[sid]
 
-    def _run(self, inf: _Inflight, msg: Message, emit: Callable[[_Inflight, list[bytes]], None]) -> None:
+    def _run(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
+        """Decode the request, run its handler, and emit what it answers: the one place replies are encoded."""
         rid = inf.request_id
         try:
-            handler = _HANDLERS[inf.op]
             # a cancel, a vanished client or shutdown stops a long prefill between engine steps
             with interrupt.interruptible(inf.cancel):
-                handler(self, inf, msg, emit)
+                req = wire.decode_body(wire.SCHEMAS[inf.op].request, msg)
+                stream = _STREAM_HANDLERS.get(inf.op)
+                if stream is not None:
+                    with closing(stream(self, inf, req)) as chunks:
+                        for chunk in chunks:
+                            emit(inf, wire.encode_chunk(rid, chunk))
+                else:
+                    emit(inf, wire.encode_reply(Kind.OK, rid, _HANDLERS[inf.op](self, req)))
         except Cancelled as exc:
             stopped = ShuttingDown("modeld is shutting down; the request was stopped") if self._stop.is_set() else exc
             emit(inf, wire.encode_error(rid, stopped))
@@ -366,71 +428,88 @@ class Daemon:
             log.error("internal error on %s: %s", inf.op.value, traceback.format_exc())
             emit(inf, wire.encode_error(rid, Internal(f"{type(exc).__name__}: {exc}")))
 
-    def _session(self, body: dict[str, Any]) -> SlotSession:
-        sid = _session_id(body)
-        sess = self._sessions.get(sid)
+    def _session(self, ref: SessionRef) -> SlotSession:
+        sess = self._sessions.get(ref.session_id)
         if sess is None:
-            raise SessionClosed("unknown or closed session", session_id=sid)
+            raise SessionClosed("unknown or closed session", session_id=ref.session_id)
         return sess
 
-    # --- handlers (worker thread) -------------------------------------------------------------------
-    def _h_load(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        active = self.slot.load_model(wire.parse(LoadModelRequest, msg.body))
-        emit(inf, wire.encode_reply(Kind.OK, inf.request_id, wire.to_body(active)))
+    # --- handlers answered by the IO thread: cheap, never wait on the model -----------------------------
+    def _io_status(self, identity: bytes, req: StatusRequest) -> DaemonStatus:
+        return self.slot.status()
 
-    def _h_unload(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        self.slot.unload_model(wire.parse(UnloadModelRequest, msg.body))
-        emit(inf, wire.encode_reply(Kind.OK, inf.request_id, {"generation": self.slot.generation}))
+    def _io_cancel(self, identity: bytes, req: CancelRequest) -> CancelReply:
+        with self._inflight_lock:
+            inf = self._inflight.get((identity, req.request_id))
+        if inf is not None:
+            inf.cancel.set()
+        return CancelReply(cancelled=inf is not None)
 
-    def _h_describe(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        info = self.slot.describe(wire.parse(OpenSessionRequest, msg.body))
-        emit(inf, wire.encode_reply(Kind.OK, inf.request_id, wire.to_body(info)))
+    def _io_heartbeat(self, identity: bytes, req: HeartbeatRequest) -> HeartbeatReply:
+        return HeartbeatReply(alive=[sid for sid in req.session_ids if self.slot.touch(sid)])
 
-    def _h_embed(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        req = wire.parse(EmbedRequest, msg.body)
-        res = self.slot.embed(req)
-        vectors = res.vectors or ([res.vector] if res.vector else [])
-        dims = len(vectors[0]) if vectors else 0
-        if any(len(v) != dims for v in vectors):
+    def _io_explain(self, identity: bytes, req: SessionRef) -> ContextReport:
+        return self._session(req).explain_context()
+
+    # --- handlers (worker threads): a typed request in, a typed reply out -----------------------------------
+    def _h_load(self, req: LoadModelRequest) -> ActiveModel:
+        return self.slot.load_model(req)
+
+    def _h_unload(self, req: UnloadModelRequest) -> UnloadReply:
+        self.slot.unload_model(req)
+        return UnloadReply(generation=self.slot.generation)
+
+    def _h_describe(self, req: OpenSessionRequest) -> ModelInfo:
+        return self.slot.describe(req)
+
+    def _h_embed(self, req: EmbedRequest) -> EmbedReply:
+        reply = EmbedReply.of(self.slot.embed(req))
+        if any(len(v) != reply.dims for v in reply.vectors):
             raise Internal("backend returned vectors of different sizes")
-        payload = struct.pack(f"<{dims * len(vectors)}f", *(x for v in vectors for x in v))
-        body = {
-            "dims": dims,
-            "count": len(vectors),
-            "model_name": res.model_name,
-            "digest": res.digest,
-            "tokens": res.tokens,
-            "truncated": res.truncated,
-        }
-        emit(inf, wire.encode_reply(Kind.OK, inf.request_id, body, [payload]))
+        return reply
 
-    def _h_open(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        sess = self.slot.open_session(wire.parse(OpenSessionRequest, msg.body))
+    def _h_open(self, req: OpenSessionRequest) -> OpenReply:
+        sess = self.slot.open_session(req)
         self._sessions[sess.session_id] = sess
         status = self.slot.status()
-        body = {
-            "session_id": sess.session_id,
-            "generation": sess.generation,
-            "num_ctx": sess.num_ctx,
-            "manifest": self.slot.manifest_defaults().identity(),
-            "active": wire.to_body(status.active) if status.active else None,
-        }
-        emit(inf, wire.encode_reply(Kind.OK, inf.request_id, body))
+        return OpenReply(
+            session_id=sess.session_id,
+            generation=sess.generation,
+            num_ctx=sess.num_ctx,
+            manifest=self.slot.manifest_defaults().identity(),
+            active=status.active,
+        )
 
-    def _h_ensure_prefix(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        prefix = wire.parse(PrefixInput, _without(msg.body, "session_id"))
-        sess = self._session(msg.body)
-        emit(inf, wire.encode_reply(Kind.OK, inf.request_id, wire.to_body(sess.ensure_prefix(prefix))))
+    def _h_ensure_prefix(self, req: EnsurePrefixRequest) -> PrefixStatus:
+        return self._session(req).ensure_prefix(req.input)
 
-    def _h_prefill_suffix(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        suffix = wire.parse(SuffixInput, _without(msg.body, "session_id"))
-        sess = self._session(msg.body)
-        emit(inf, wire.encode_reply(Kind.OK, inf.request_id, wire.to_body(sess.prefill_suffix(suffix))))
+    def _h_prefill_suffix(self, req: PrefillSuffixRequest) -> SuffixStatus:
+        return self._session(req).prefill_suffix(req.input)
 
-    def _h_decode(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        cfg = wire.parse(DecodeConfig, _without(msg.body, "session_id"))
-        sess = self._session(msg.body)
-        stream = sess.decode(cfg)
+    def _h_snapshot(self, req: SnapshotRequest) -> SnapshotReply:
+        snap = self._session(req).snapshot()
+        return SnapshotReply.of(snap, state_id=self.blobs.put(snap.state), include_state=req.include_state)
+
+    def _h_restore(self, req: RestoreRequest) -> ContextReport:
+        sess = self._session(req)
+        if req.state is not None:
+            state = req.state
+        elif req.snapshot.state_id:
+            state = self.blobs.get(req.snapshot.state_id)
+        else:
+            raise InvalidArgument("restore needs the state bytes as a payload frame or a state_id")
+        sess.restore(req.snapshot.model_copy(update={"state": state}))
+        return sess.explain_context()
+
+    def _h_close(self, req: SessionRef) -> CloseReply:
+        sess = self._sessions.pop(req.session_id, None)
+        if sess is not None:
+            sess.close()
+        return CloseReply(closed=sess is not None)
+
+    def _s_decode(self, inf: _Inflight, req: DecodeRequest) -> Generator[StreamChunk, None, None]:
+        """The decode stream: its chunks, then exactly one final (``done``) chunk, or an error."""
+        stream = self._session(req).decode(req.input)
         final: StreamChunk | None = None
         try:
             for chunk in stream:
@@ -439,7 +518,7 @@ class Daemon:
                 if chunk.done:
                     final = chunk
                     break
-                emit(inf, wire.encode_reply(Kind.DATA, inf.request_id, wire.to_body(chunk, exclude={"usage"})))
+                yield chunk
         finally:
             stream.close()  # cancels the backend within one token when we stopped early
         if final is None:
@@ -448,44 +527,21 @@ class Daemon:
             final = StreamChunk(done=True, finish_reason="cancelled")
             if not inf.cancel.is_set():
                 raise Cancelled("the stream ended without a final chunk")
-        emit(inf, wire.encode_reply(Kind.END, inf.request_id, wire.to_body(final)))
-
-    def _h_snapshot(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        sess = self._session(msg.body)
-        snap = sess.snapshot()
-        state_id = self.blobs.put(snap.state)
-        body = wire.to_body(snap, exclude={"state"})
-        body["state_id"] = state_id
-        body["state_bytes"] = len(snap.state)
-        payloads = [snap.state] if msg.body.get("include_state") is True else []
-        emit(inf, wire.encode_reply(Kind.OK, inf.request_id, body, payloads))
-
-    def _h_restore(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        sess = self._session(msg.body)
-        raw = msg.body.get("snapshot")
-        if not isinstance(raw, dict):
-            raise InvalidArgument("restore needs snapshot (a map)")
-        snap = wire.parse(SessionSnapshot, {k: v for k, v in raw.items() if k not in ("state", "state_bytes")})
-        if msg.payloads:
-            state = msg.payloads[0]
-        elif snap.state_id:
-            state = self.blobs.get(snap.state_id)
-        else:
-            raise InvalidArgument("restore needs the state bytes as a payload frame or a state_id")
-        sess.restore(snap.model_copy(update={"state": state}))
-        emit(inf, wire.encode_reply(Kind.OK, inf.request_id, wire.to_body(sess.explain_context())))
-
-    def _h_close(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
-        sid = _session_id(msg.body)
-        sess = self._sessions.pop(sid, None)
-        if sess is not None:
-            sess.close()
-        emit(inf, wire.encode_reply(Kind.OK, inf.request_id, {"closed": sess is not None}))
+        yield final
 
 
 _Emit = Callable[[_Inflight, list[bytes]], None]
 
-_HANDLERS: dict[Op, Callable[[Daemon, _Inflight, Message, _Emit], None]] = {
+# Each handler's request type is the one wire.SCHEMAS names for its operation; the
+# dispatch decodes with that schema, so the parameter types here hold at run time.
+_IO_HANDLERS: dict[Op, Callable[[Daemon, bytes, Any], BaseModel]] = {
+    Op.STATUS: Daemon._io_status,
+    Op.CANCEL: Daemon._io_cancel,
+    Op.HEARTBEAT: Daemon._io_heartbeat,
+    Op.EXPLAIN: Daemon._io_explain,
+}
+
+_HANDLERS: dict[Op, Callable[[Daemon, Any], BaseModel]] = {
     Op.LOAD: Daemon._h_load,
     Op.UNLOAD: Daemon._h_unload,
     Op.DESCRIBE: Daemon._h_describe,
@@ -493,15 +549,14 @@ _HANDLERS: dict[Op, Callable[[Daemon, _Inflight, Message, _Emit], None]] = {
     Op.OPEN: Daemon._h_open,
     Op.ENSURE_PREFIX: Daemon._h_ensure_prefix,
     Op.PREFILL_SUFFIX: Daemon._h_prefill_suffix,
-    Op.DECODE: Daemon._h_decode,
     Op.SNAPSHOT: Daemon._h_snapshot,
     Op.RESTORE: Daemon._h_restore,
     Op.CLOSE: Daemon._h_close,
 }
 
-
-def _without(body: dict[str, Any], *keys: str) -> dict[str, Any]:
-    return {k: v for k, v in body.items() if k not in keys}
+_STREAM_HANDLERS: dict[Op, Callable[[Daemon, _Inflight, Any], Generator[StreamChunk, None, None]]] = {
+    Op.DECODE: Daemon._s_decode,
+}
 
 
 def _answers(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> bool:
@@ -510,7 +565,7 @@ def _answers(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> bool:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(endpoint)
-        sock.send_multipart(wire.encode_request(Op.STATUS, b"probe", {}))
+        sock.send_multipart(wire.encode_request(Op.STATUS, b"probe", StatusRequest()))
         return bool(sock.poll(500, zmq.POLLIN))
     finally:
         sock.close(0)

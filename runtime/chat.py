@@ -8,9 +8,12 @@ all of it every turn. ``Chat`` maps that onto the session contract:
   (``ensure_prefix``); everything after them is the conversation
   (``prefill_suffix(messages=…)``), rendered by the daemon with the model's own
   template;
-* it keeps one warm session on the loaded model (reopened when the daemon
-  retired it), so each turn prefills only what is new: the daemon reuses the
-  token LCP of everything resident, the model's own earlier replies included;
+* each turn opens a session on the loaded model and closes it when the reply
+  is done, so other agents (in this process or others) get the slot between
+  turns; they wait for it in arrival order up to ``queue_timeout_s`` (ModelBusy
+  only when that expires). The KV stays resident across sessions, so each turn
+  prefills only what is new: the daemon reuses the token LCP of everything
+  resident, the model's own earlier replies included;
 * the reply comes back as an assistant message (content, tool calls, reasoning)
   with the finish reason, token usage (prompt, reused, prefilled, completion)
   and timing (time to first token, prefill, decode rate).
@@ -61,10 +64,11 @@ class ChatUsage(BaseModel):
 
 
 class ChatTiming(BaseModel):
-    """Client-side time to first token, the daemon's prefill time and decode rate, the turn's wall time."""
+    """Client-side time to first token; the daemon's prefill time, its decode start to the first token, decode rate; wall time."""
 
     ttft_ms: float = 0.0
     prefill_ms: float = 0.0
+    first_token_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
     total_ms: float = 0.0
 
@@ -158,34 +162,37 @@ def _tools_json(tools: Sequence[Mapping[str, Any]] | str | None) -> str:
     return tools if isinstance(tools, str) else _json(list(tools))
 
 
+#: how long a turn waits for the slot while another agent's turn holds it
+DEFAULT_QUEUE_TIMEOUT_S = 120.0
+
+
 class Chat:
-    """One warm chat session on the daemon's loaded model (see the module docstring).
+    """An agent's conversation with the daemon's loaded model (see the module docstring).
 
     ``profile`` names the agent in the manifest; ``request`` picks the model (the
     loaded one by default). Not thread-safe: one Chat per thread of an agent.
     """
 
-    def __init__(self, client: Client, *, profile: str = "chat", request: OpenSessionRequest | None = None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        *,
+        profile: str = "chat",
+        request: OpenSessionRequest | None = None,
+        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+    ) -> None:
         self._client = client
         self._profile = profile
-        self._request = request or OpenSessionRequest()
-        self._session: RemoteSession | None = None
+        self._request = (request or OpenSessionRequest()).model_copy(update={"queue_timeout_s": queue_timeout_s})
 
     def close(self) -> None:
-        if self._session is not None:
-            self._session.close()
-            self._session = None
+        """Nothing is held between turns; kept so a Chat reads like the other handles."""
 
     def __enter__(self) -> Chat:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _open(self) -> RemoteSession:
-        if self._session is None:
-            self._session = self._client.open_session(self._request)
-        return self._session
 
     def send(
         self,
@@ -216,20 +223,16 @@ class Chat:
         tools_json = _tools_json(tools)
         cfg = DecodeConfig(**decode)
         started = time.perf_counter()
+        sess = self._client.open_session(self._request)
         try:
-            sess, pre, suf = self._prefill(system, tools_json, conversation)
-        except SessionClosed:
-            self._session = None  # retired by the daemon (lease, switch): one fresh try
-            sess, pre, suf = self._prefill(system, tools_json, conversation)
+            manifest = sess.manifest(profile=self._profile)
+            pre = sess.ensure_prefix(PrefixInput(text=system, tools=tools_json, manifest=manifest))
+            suf = sess.prefill_suffix(SuffixInput(messages=conversation, manifest=manifest))
+        except BaseException:
+            sess.close()
+            raise
         return self._events(sess, cfg, pre.reused_tokens + suf.reused_tokens, pre.prefilled_tokens + suf.prefilled_tokens,
                             pre.prefill_ms + suf.prefill_ms, started)
-
-    def _prefill(self, system: str, tools: str, conversation: list[ChatMessage]) -> tuple[RemoteSession, Any, Any]:
-        sess = self._open()
-        manifest = sess.manifest(profile=self._profile)
-        pre = sess.ensure_prefix(PrefixInput(text=system, tools=tools, manifest=manifest))
-        suf = sess.prefill_suffix(SuffixInput(messages=conversation, manifest=manifest))
-        return sess, pre, suf
 
     @staticmethod
     def _events(
@@ -255,6 +258,7 @@ class Chat:
                     yield ChatEvent(text=chunk.text, thinking=chunk.thinking, tool_calls=list(chunk.tool_calls))
         finally:
             stream.close()
+            sess.close()  # the slot is free for the next agent; the KV stays resident
         usage = final.usage if final is not None else None
         content = "".join(text)
         result = ChatResult(
@@ -269,6 +273,7 @@ class Chat:
             timing=ChatTiming(
                 ttft_ms=(first - started) * 1000 if first else 0.0,
                 prefill_ms=prefill_ms,
+                first_token_ms=usage.ttft_ms if usage else 0.0,
                 decode_tokens_per_s=usage.tokens_per_second if usage else 0.0,
                 total_ms=(time.perf_counter() - started) * 1000,
             ),

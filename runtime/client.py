@@ -17,19 +17,35 @@ from __future__ import annotations
 
 import itertools
 import os
-import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Generator, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
+from pydantic import BaseModel
 
 from contract import wire
 from contract.endpoint import default_endpoint, ipc_path
-from contract.errors import DaemonTimeout, ModeldError, SessionClosed, Unavailable, from_wire
+from contract.errors import BadFrame, DaemonTimeout, ModeldError, SessionClosed, Unavailable
 from contract.manifest import ContextManifest
+from contract.messages import (
+    CancelRequest,
+    CloseReply,
+    DecodeRequest,
+    EmbedReply,
+    EnsurePrefixRequest,
+    HeartbeatRequest,
+    OpenReply,
+    PrefillSuffixRequest,
+    RestoreRequest,
+    SessionRef,
+    SnapshotReply,
+    SnapshotRequest,
+    StatusRequest,
+    UnloadReply,
+)
 from contract.types import (
     ActiveModel,
     ContextReport,
@@ -50,10 +66,18 @@ from contract.types import (
 )
 from contract.wire import Kind, Message, Op
 
+if TYPE_CHECKING:
+    from contract.types import ChatMessage
+
+    from .chat import ChatEvent, ChatResult
+
 DEFAULT_TIMEOUT_S = 60.0
 LEASE_RENEW_INTERVAL_S = 5.0
 #: how long Client.close() waits for each still-open session to close (then the lease does it)
 CLOSE_ON_EXIT_TIMEOUT_S = 2.0
+
+_R = TypeVar("_R", bound=BaseModel)
+_Fenced = TypeVar("_Fenced", LoadModelRequest, UnloadModelRequest, OpenSessionRequest, EmbedRequest)
 
 
 class Client:
@@ -109,7 +133,8 @@ class Client:
         self._buffers.clear()
         self._abandoned.clear()
 
-    def _send(self, op: Op, body: dict[str, Any], payloads: list[bytes] | None = None) -> bytes:
+    def _send(self, op: Op, body: BaseModel | dict[str, Any], payloads: list[bytes] | None = None) -> bytes:
+        """Send a request (a typed message, or a raw map for hand-made requests); returns its id."""
         rid = self._prefix + next(self._ids).to_bytes(8, "big")
         with self._lock:
             sock = self._socket()
@@ -129,7 +154,7 @@ class Client:
                     if msg.kind is Kind.HEARTBEAT:
                         deadline = time.monotonic() + timeout
                         continue
-                    if msg.kind in (Kind.OK, Kind.END, Kind.ERROR):
+                    if msg.kind is not None and msg.kind.terminal:
                         self._buffers.pop(rid, None)
                     return msg
                 sock = self._socket()
@@ -149,13 +174,20 @@ class Client:
                     continue  # a garbled reply cannot be matched to a request; drop it
                 self._answered = True
                 if msg.request_id in self._abandoned:
-                    if msg.kind in (Kind.OK, Kind.END, Kind.ERROR):
+                    if msg.kind is not None and msg.kind.terminal:
                         self._abandoned.discard(msg.request_id)
                     continue
                 if msg.request_id in self._buffers:
                     self._buffers[msg.request_id].append(msg)
 
-    def _call(self, op: Op, body: dict[str, Any], payloads: list[bytes] | None = None, timeout_s: float | None = None) -> Message:
+    def _call(
+        self,
+        op: Op,
+        body: BaseModel | dict[str, Any],
+        payloads: list[bytes] | None = None,
+        timeout_s: float | None = None,
+    ) -> Message:
+        """Send a request and wait for its reply; an ``error`` reply is raised as the daemon's class."""
         rid = self._send(op, body, payloads)
         try:
             msg = self._recv(rid, timeout_s)
@@ -167,8 +199,12 @@ class Client:
             self._abandon(rid)
             raise
         if msg.kind is Kind.ERROR:
-            raise from_wire(msg.body)
+            raise wire.error_of(msg)
         return msg
+
+    def _request(self, op: Op, req: BaseModel, reply: type[_R], timeout_s: float | None = None) -> _R:
+        """A unary call: the typed request out, its ``ok`` reply read as ``reply``."""
+        return wire.decode_body(reply, self._call(op, req, timeout_s=timeout_s))
 
     def _abandon(self, rid: bytes) -> None:
         with self._lock:
@@ -176,52 +212,62 @@ class Client:
                 self._buffers.pop(rid, None)
                 self._abandoned.add(rid)
                 if self._sock is not None:
-                    self._sock.send_multipart(wire.encode_request(Op.CANCEL, rid + b"c", {"request_id": rid}))
+                    self._sock.send_multipart(wire.encode_request(Op.CANCEL, rid + b"c", CancelRequest(request_id=rid)))
                     self._abandoned.add(rid + b"c")
 
     # --- ModelController ---------------------------------------------------------------------
     def status(self, timeout_s: float | None = None) -> DaemonStatus:
-        return DaemonStatus.model_validate(self._call(Op.STATUS, {}, timeout_s=timeout_s).body)
+        return self._request(Op.STATUS, StatusRequest(), DaemonStatus, timeout_s)
 
     def load_model(self, req: LoadModelRequest) -> ActiveModel:
-        req = self._fenced(req)
-        return ActiveModel.model_validate(self._call(Op.LOAD, wire.to_body(req)).body)
+        return self._request(Op.LOAD, self._fenced(req), ActiveModel)
 
     def unload_model(self, req: UnloadModelRequest | None = None) -> None:
-        req = self._fenced(req or UnloadModelRequest())
-        self._call(Op.UNLOAD, wire.to_body(req))
+        self._request(Op.UNLOAD, self._fenced(req or UnloadModelRequest()), UnloadReply)
 
     # --- Service ---------------------------------------------------------------------------------
     def describe(self, req: OpenSessionRequest) -> ModelInfo:
-        return ModelInfo.model_validate(self._call(Op.DESCRIBE, wire.to_body(self._fenced(req))).body)
+        return self._request(Op.DESCRIBE, self._fenced(req), ModelInfo)
 
     def embed(self, req: EmbedRequest) -> EmbedResult:
-        msg = self._call(Op.EMBED, wire.to_body(self._fenced(req)))
-        dims, count = int(msg.body.get("dims", 0)), int(msg.body.get("count", 0))
-        data = msg.payloads[0] if msg.payloads else b""
-        if len(data) != 4 * dims * count:
-            raise from_wire({"code": 60, "message": f"embedding payload of {len(data)} bytes for {count}x{dims} floats"})
-        flat = struct.unpack(f"<{dims * count}f", data)
-        vectors = [list(flat[i * dims : (i + 1) * dims]) for i in range(count)]
-        return EmbedResult(
-            vector=vectors[0] if vectors and not req.texts else [],
-            vectors=vectors,
-            dims=dims,
-            model_name=str(msg.body.get("model_name", "")),
-            digest=str(msg.body.get("digest", "")),
-            tokens=list(msg.body.get("tokens") or []),
-            truncated=list(msg.body.get("truncated") or []),
-        )
+        reply = self._request(Op.EMBED, self._fenced(req), EmbedReply)
+        return reply.result(single=not req.texts)
 
     def open_session(self, req: OpenSessionRequest) -> RemoteSession:
-        body = self._call(Op.OPEN, wire.to_body(self._fenced(req))).body
-        sess = RemoteSession(self, body)
+        sess = RemoteSession(self, self._request(Op.OPEN, self._fenced(req), OpenReply))
         with self._lock:
             self._sessions[sess.session_id] = sess
         self._ensure_heartbeat()
         return sess
 
-    def _fenced(self, req: Any) -> Any:
+    # --- the agent's loop (runtime.chat) -------------------------------------------------------------
+    def chat(
+        self,
+        messages: Iterable[Mapping[str, Any] | ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | str | None = None,
+        *,
+        profile: str = "chat",
+        **decode: Any,
+    ) -> ChatResult:
+        """One turn of a conversation: the whole message list in, the assistant's reply out (see ``runtime.Chat``)."""
+        from .chat import Chat
+
+        return Chat(self, profile=profile).send(messages, tools, **decode)
+
+    def chat_stream(
+        self,
+        messages: Iterable[Mapping[str, Any] | ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | str | None = None,
+        *,
+        profile: str = "chat",
+        **decode: Any,
+    ) -> Generator[ChatEvent, None, None]:
+        """The streaming twin of ``chat``: deltas, then an event carrying the ChatResult."""
+        from .chat import Chat
+
+        return Chat(self, profile=profile).stream(messages, tools, **decode)
+
+    def _fenced(self, req: _Fenced) -> _Fenced:
         if self.owner and not req.owner_instance_id:
             return req.model_copy(update={"owner_instance_id": self.owner})
         return req
@@ -243,7 +289,7 @@ class Client:
                     ids = list(self._sessions)
                 if not ids:
                     continue
-                sock.send_multipart(wire.encode_request(Op.HEARTBEAT, b"hb", {"session_ids": ids}))
+                sock.send_multipart(wire.encode_request(Op.HEARTBEAT, b"hb", HeartbeatRequest(session_ids=ids)))
                 while sock.poll(0):
                     sock.recv_multipart()  # replies only confirm liveness
         except zmq.ZMQError:
@@ -284,36 +330,41 @@ class Client:
 class RemoteSession:
     """A Session living in the daemon; its id is the handle."""
 
-    def __init__(self, client: Client, open_reply: dict[str, Any]) -> None:
+    def __init__(self, client: Client, opened: OpenReply) -> None:
         self._client = client
-        self.session_id: str = open_reply["session_id"]
-        self.generation: int = int(open_reply.get("generation", 0))
-        self.num_ctx: int = int(open_reply.get("num_ctx", 0))
-        self.manifest_defaults: dict[str, str] = dict(open_reply.get("manifest") or {})
-        active = open_reply.get("active")
-        self.active = ActiveModel.model_validate(active) if active else None
+        self.session_id: str = opened.session_id
+        self.generation: int = opened.generation
+        self.num_ctx: int = opened.num_ctx
+        self.manifest_defaults: dict[str, str] = dict(opened.manifest)
+        self.active: ActiveModel | None = opened.active
         self._closed = False
 
     def manifest(self, **overrides: str) -> ContextManifest:
         """A manifest for this model from the daemon's defaults, with ``overrides`` applied."""
         return ContextManifest(**{**self.manifest_defaults, **overrides})
 
-    def _body(self, extra: dict[str, Any]) -> dict[str, Any]:
+    def _check_open(self) -> None:
         if self._closed:
             raise SessionClosed("session is closed", session_id=self.session_id)
+
+    def _body(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """A raw request map for this session (for hand-made requests; the methods send typed ones)."""
+        self._check_open()
         return {"session_id": self.session_id, **extra}
 
     def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
-        msg = self._client._call(Op.ENSURE_PREFIX, self._body(wire.to_body(prefix)))
-        return PrefixStatus.model_validate(msg.body)
+        self._check_open()
+        return self._client._request(Op.ENSURE_PREFIX, EnsurePrefixRequest.of(self.session_id, prefix), PrefixStatus)
 
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
-        msg = self._client._call(Op.PREFILL_SUFFIX, self._body(wire.to_body(suffix)))
-        return SuffixStatus.model_validate(msg.body)
+        self._check_open()
+        req = PrefillSuffixRequest.of(self.session_id, suffix)
+        return self._client._request(Op.PREFILL_SUFFIX, req, SuffixStatus)
 
     def decode(self, cfg: DecodeConfig | None = None) -> Generator[StreamChunk, None, None]:
         """Stream chunks; abandoning the iterator (break, close, GC) cancels the decode."""
-        rid = self._client._send(Op.DECODE, self._body(wire.to_body(cfg or DecodeConfig())))
+        self._check_open()
+        rid = self._client._send(Op.DECODE, DecodeRequest.of(self.session_id, cfg or DecodeConfig()))
         return self._stream(rid)
 
     def _stream(self, rid: bytes) -> Generator[StreamChunk, None, None]:
@@ -323,8 +374,11 @@ class RemoteSession:
                 msg = self._client._recv(rid)
                 if msg.kind is Kind.ERROR:
                     finished = True
-                    raise from_wire(msg.body)
-                chunk = StreamChunk.model_validate(msg.body)
+                    raise wire.error_of(msg)
+                if msg.kind is not Kind.DATA and msg.kind is not Kind.END:
+                    finished = msg.kind is not None and msg.kind.terminal
+                    raise BadFrame(f"a {msg.kind.value if msg.kind else '?'} reply inside a decode stream")
+                chunk = wire.decode_body(StreamChunk, msg)
                 if msg.kind is Kind.END:
                     finished = True
                     yield chunk
@@ -335,23 +389,23 @@ class RemoteSession:
                 self._client._abandon(rid)
 
     def explain_context(self) -> ContextReport:
-        return ContextReport.model_validate(self._client._call(Op.EXPLAIN, self._body({})).body)
+        self._check_open()
+        return self._client._request(Op.EXPLAIN, SessionRef(session_id=self.session_id), ContextReport)
 
     def snapshot(self, include_state: bool = True) -> SessionSnapshot:
-        msg = self._client._call(Op.SNAPSHOT, self._body({"include_state": include_state}))
-        body = {k: v for k, v in msg.body.items() if k != "state_bytes"}
-        snap = SessionSnapshot.model_validate(body)
-        if msg.payloads:
-            snap = snap.model_copy(update={"state": msg.payloads[0]})
-        return snap
+        """The session's snapshot; without ``include_state`` only its ``state_id`` (the daemon keeps the bytes)."""
+        self._check_open()
+        req = SnapshotRequest(session_id=self.session_id, include_state=include_state)
+        return self._client._request(Op.SNAPSHOT, req, SnapshotReply).snapshot()
 
     def restore(self, snap: SessionSnapshot) -> None:
-        payloads = [snap.state] if snap.state else []
-        self._client._call(Op.RESTORE, self._body({"snapshot": wire.to_body(snap, exclude={"state"})}), payloads)
+        """Restore ``snap``: its state bytes travel as a frame, or the daemon reads the blob of its ``state_id``."""
+        self._check_open()
+        self._client._request(Op.RESTORE, RestoreRequest.of(self.session_id, snap), ContextReport)
 
     def close(self, timeout_s: float | None = None) -> None:
         if self._closed:
             return
         self._closed = True
         self._client._forget(self.session_id)
-        self._client._call(Op.CLOSE, {"session_id": self.session_id}, timeout_s=timeout_s)
+        self._client._request(Op.CLOSE, SessionRef(session_id=self.session_id), CloseReply, timeout_s)

@@ -135,7 +135,7 @@ def test_cli_chat_one_shot_json(daemon: DaemonProcess, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["message"]["role"] == "assistant" and result["usage"]["completion_tokens"] == 5
-    assert set(result["timing"]) == {"ttft_ms", "prefill_ms", "decode_tokens_per_s", "total_ms"}
+    assert set(result["timing"]) == {"ttft_ms", "prefill_ms", "first_token_ms", "decode_tokens_per_s", "total_ms"}
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps([SYSTEM, {"role": "tool", "tool_call_id": "x", "content": "r"}]))
     out = _cli(daemon, "--messages-file", str(bad), "--json")
@@ -192,3 +192,85 @@ def test_exact_mode_through_daemons_cold_equals_warm(backend: str, tmp_path: Pat
             again = chat.send(sent, tools=[WEATHER_TOOL], max_tokens=16)
     assert again.usage.reused_tokens == 0
     assert again.message.content == last.message.content and again.message.tool_calls == last.message.tool_calls
+
+
+# --- the queue for the slot ---------------------------------------------------------------------------------------
+def test_opens_wait_for_the_slot_in_arrival_order(daemon: DaemonProcess) -> None:
+    import threading
+    import time
+
+    from contract.errors import ModelBusy
+    from contract.types import OpenSessionRequest
+
+    order: list[str] = []
+    errors: list[BaseException] = []
+
+    def wait_then_hold(name: str, timeout_s: float) -> None:
+        try:
+            with daemon.client(timeout_s=20.0) as c:
+                s = c.open_session(OpenSessionRequest(queue_timeout_s=timeout_s))
+                order.append(name)
+                time.sleep(0.2)
+                s.close()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with daemon.client(timeout_s=20.0) as holder_client:
+        holder = holder_client.open_session(OpenSessionRequest())
+        with daemon.client(timeout_s=20.0) as other:
+            t0 = time.monotonic()
+            with pytest.raises(ModelBusy):  # no queue asked for: the answer comes at once
+                other.open_session(OpenSessionRequest())
+            assert time.monotonic() - t0 < 2.0
+            t0 = time.monotonic()
+            with pytest.raises(ModelBusy, match="queue timeout"):
+                other.open_session(OpenSessionRequest(queue_timeout_s=0.5))
+            assert 0.45 <= time.monotonic() - t0 < 5.0
+        first = threading.Thread(target=wait_then_hold, args=("first", 10.0))
+        second = threading.Thread(target=wait_then_hold, args=("second", 10.0))
+        first.start()
+        time.sleep(0.3)  # the first is waiting before the second arrives
+        second.start()
+        time.sleep(0.3)
+        assert order == []  # both wait while the holder holds the slot
+        holder.close()
+        first.join(15)
+        second.join(15)
+    assert not errors, errors
+    assert order == ["first", "second"]
+
+
+def test_two_agents_take_turns_without_model_busy(daemon: DaemonProcess) -> None:
+    import threading
+
+    results: dict[str, list[int]] = {"a": [], "b": []}
+    errors: list[BaseException] = []
+
+    def agent(name: str) -> None:
+        try:
+            with daemon.client(timeout_s=30.0) as c, Chat(c, profile=f"agent-{name}") as chat:
+                history: list[dict[str, Any]] = [{"role": "system", "content": f"You are agent {name}."}]
+                for i in range(4):
+                    history.append({"role": "user", "content": f"step {i}"})
+                    result = chat.send(history, max_tokens=8)
+                    results[name].append(result.usage.completion_tokens)
+                    history.append({"role": "assistant", "content": result.message.content})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert results == {"a": [8, 8, 8, 8], "b": [8, 8, 8, 8]}
+
+
+def test_client_chat_and_chat_stream(client: Client) -> None:
+    history = [SYSTEM, {"role": "user", "content": "One line on caching."}]
+    result = client.chat(history, profile="client-chat", max_tokens=6)
+    assert result.usage.completion_tokens == 6 and result.message.content
+    events = list(client.chat_stream(history, profile="client-chat", max_tokens=6))
+    assert events[-1].result is not None and events[-1].result.message.content == result.message.content
+    assert events[-1].result.usage.reused_tokens == result.usage.prompt_tokens  # the same turn again: all resident

@@ -1,0 +1,310 @@
+"""The request and reply schemas of the wire protocol, one pair per operation.
+
+The contract's own types are the bodies wherever they fit (``load`` takes a
+``LoadModelRequest`` and answers an ``ActiveModel``; ``ensure_prefix`` answers a
+``PrefixStatus``; a decode streams ``StreamChunk`` s). This module adds only what
+the wire needs around them: which session a call is for, the small
+acknowledgements, and which field of a message travels as a binary frame after
+the msgpack map instead of inside it (``PayloadFrame``).
+
+Types only: nothing here encodes a frame or touches a socket; ``contract.wire``
+is the codec that reads these declarations. The table of which schema belongs to
+which operation is ``contract.wire.SCHEMAS``.
+
+Requests forbid unknown fields (a misspelt option is an ``InvalidArgument``);
+replies ignore them, so an older client can read a newer daemon. This is the
+policy of ``contract.types``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, TypeVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    StrictBool,
+    StrictBytes,
+    StrictStr,
+    field_serializer,
+    field_validator,
+)
+
+from .types import (
+    ActiveModel,
+    DecodeConfig,
+    EmbedResult,
+    PrefixInput,
+    SessionSnapshot,
+    SuffixInput,
+)
+
+__all__ = [
+    "BytesFrame",
+    "CancelReply",
+    "CancelRequest",
+    "CloseReply",
+    "DecodeRequest",
+    "EmbedReply",
+    "EnsurePrefixRequest",
+    "F32MatrixFrame",
+    "HeartbeatReply",
+    "HeartbeatRequest",
+    "OpenReply",
+    "PayloadFrame",
+    "PrefillSuffixRequest",
+    "RestoreRequest",
+    "SessionId",
+    "SessionRef",
+    "SnapshotReply",
+    "SnapshotRequest",
+    "StatusRequest",
+    "UnloadReply",
+    "payload_frame",
+]
+
+_M = TypeVar("_M", bound=BaseModel)
+
+#: a session handle as the daemon issued it
+SessionId = Annotated[StrictStr, Field(min_length=1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+# --- payload frames ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BytesFrame:
+    """``field`` (bytes, as they are) travels as the payload frame; ``size_field``, if named, is its length."""
+
+    field: str
+    size_field: str = ""
+    #: no frame when the field is empty; a missing frame leaves the field at its default
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class F32MatrixFrame:
+    """``field`` (list[list[float]]) travels as the payload frame: little-endian float32, row after row,
+    ``rows_field`` × ``cols_field`` (fields of the body) in shape. The frame is always sent."""
+
+    field: str
+    rows_field: str
+    cols_field: str
+
+
+PayloadFrame = BytesFrame | F32MatrixFrame
+
+
+def payload_frame(cls: type[BaseModel]) -> PayloadFrame | None:
+    """The payload frame a message class declares (its ``payload_frame`` class attribute), if any."""
+    spec = getattr(cls, "payload_frame", None)
+    return spec if isinstance(spec, BytesFrame | F32MatrixFrame) else None
+
+
+def _narrow(cls: type[_M], model: BaseModel) -> _M:
+    """The ``cls`` part of ``model`` (an instance of a subclass of ``cls``) as a plain ``cls``.
+
+    The values were validated by the very same field definitions, so they are
+    taken as they are rather than validated a second time (a prefix may be a
+    16 Mi-character text).
+    """
+    names = cls.model_fields.keys()
+    return cls.model_construct(
+        _fields_set=model.model_fields_set & names,
+        **{name: getattr(model, name) for name in names},
+    )
+
+
+def _scoped(cls: type[_M], session_id: str, inner: BaseModel) -> _M:
+    """``inner`` (already validated) with ``session_id`` added, as the session-scoped request ``cls``."""
+    return cls.model_construct(
+        _fields_set={"session_id", *inner.model_fields_set},
+        session_id=session_id,
+        **{name: getattr(inner, name) for name in type(inner).model_fields},
+    )
+
+
+# --- requests and replies, in the order of ``wire.Op`` --------------------------------------------
+class StatusRequest(_Request):
+    """``status`` takes no fields."""
+
+
+class UnloadReply(_Reply):
+    """``unload``: the slot generation after the unload."""
+
+    generation: int = 0
+
+
+class EmbedReply(EmbedResult):
+    """``embed``: the result's header in the body, its vectors as one float32 frame (``count`` × ``dims``)."""
+
+    payload_frame: ClassVar[PayloadFrame] = F32MatrixFrame("vectors", rows_field="count", cols_field="dims")
+
+    count: int = 0
+    #: not sent: the client fills it from ``vectors`` for a single-text request
+    vector: list[float] = Field(default_factory=list, exclude=True)
+
+    @classmethod
+    def of(cls, result: EmbedResult) -> EmbedReply:
+        """The reply for a backend's result: one row per input (``vector`` alone is a single row)."""
+        vectors = result.vectors or ([result.vector] if result.vector else [])
+        return cls(
+            vectors=vectors,
+            dims=len(vectors[0]) if vectors else 0,
+            count=len(vectors),
+            model_name=result.model_name,
+            digest=result.digest,
+            tokens=result.tokens,
+            truncated=result.truncated,
+        )
+
+    def result(self, *, single: bool) -> EmbedResult:
+        """The ``EmbedResult`` a caller sees; ``single``: the request used ``text``, not ``texts``."""
+        out = _narrow(EmbedResult, self)
+        if single and self.vectors:
+            out = out.model_copy(update={"vector": self.vectors[0]})
+        return out
+
+
+class OpenReply(_Reply):
+    """``open``: the session handle and what the daemon reports about the model serving it."""
+
+    session_id: str
+    generation: int = 0
+    num_ctx: int = 0
+    #: the model's ``ContextManifest`` identity defaults (field name → value)
+    manifest: dict[str, str] = Field(default_factory=dict)
+    active: ActiveModel | None = None
+
+
+class SessionRef(_Request):
+    """``explain``, ``close``: the session a call is for (also the base of every session-scoped request)."""
+
+    session_id: SessionId
+
+
+class EnsurePrefixRequest(SessionRef, PrefixInput):
+    """``ensure_prefix``: a ``PrefixInput`` and the session it is for, flat in one map."""
+
+    @classmethod
+    def of(cls, session_id: str, prefix: PrefixInput) -> EnsurePrefixRequest:
+        return _scoped(cls, session_id, prefix)
+
+    @property
+    def input(self) -> PrefixInput:
+        return _narrow(PrefixInput, self)
+
+
+class PrefillSuffixRequest(SessionRef, SuffixInput):
+    """``prefill_suffix``: a ``SuffixInput`` and the session it is for, flat in one map."""
+
+    @classmethod
+    def of(cls, session_id: str, suffix: SuffixInput) -> PrefillSuffixRequest:
+        return _scoped(cls, session_id, suffix)
+
+    @property
+    def input(self) -> SuffixInput:
+        return _narrow(SuffixInput, self)
+
+
+class DecodeRequest(SessionRef, DecodeConfig):
+    """``decode``: a ``DecodeConfig`` and the session it is for, flat in one map."""
+
+    @classmethod
+    def of(cls, session_id: str, cfg: DecodeConfig) -> DecodeRequest:
+        return _scoped(cls, session_id, cfg)
+
+    @property
+    def input(self) -> DecodeConfig:
+        return _narrow(DecodeConfig, self)
+
+
+class CancelRequest(_Request):
+    """``cancel``: the id of a running request of the same client."""
+
+    request_id: StrictBytes
+
+
+class CancelReply(_Reply):
+    """``cancel``: whether a running request was found (it then ends with ``Cancelled``)."""
+
+    cancelled: bool = False
+
+
+class SnapshotRequest(SessionRef):
+    """``snapshot``; ``include_state``: also send the state bytes (a frame), not only their ``state_id``."""
+
+    include_state: StrictBool = False
+
+
+class SnapshotReply(SessionSnapshot):
+    """``snapshot``: the snapshot's bookkeeping, the ``state_id`` of its blob in the daemon's store and
+    ``state_bytes``; the state itself follows as a frame only when the request asked for it."""
+
+    payload_frame: ClassVar[PayloadFrame] = BytesFrame("state", size_field="state_bytes", optional=True)
+
+    state_bytes: int = Field(0, ge=0)
+
+    @classmethod
+    def of(cls, snap: SessionSnapshot, *, state_id: str, include_state: bool) -> SnapshotReply:
+        fields = {name: getattr(snap, name) for name in SessionSnapshot.model_fields}
+        fields.update(state_id=state_id, state_bytes=len(snap.state), state=snap.state if include_state else b"")
+        return cls.model_construct(_fields_set=set(fields), **fields)
+
+    def snapshot(self) -> SessionSnapshot:
+        """The ``SessionSnapshot`` a caller sees (``state`` empty unless it was sent)."""
+        return _narrow(SessionSnapshot, self)
+
+
+class RestoreRequest(SessionRef):
+    """``restore``: a snapshot without its state; the state follows as a frame, or the daemon reads
+    the blob ``snapshot.state_id`` names."""
+
+    payload_frame: ClassVar[PayloadFrame] = BytesFrame("state", optional=True)
+
+    snapshot: SessionSnapshot
+    #: the state bytes (the frame); None: restore from ``snapshot.state_id``
+    state: bytes | None = None
+
+    @classmethod
+    def of(cls, session_id: str, snap: SessionSnapshot) -> RestoreRequest:
+        return cls(session_id=session_id, snapshot=snap.model_copy(update={"state": b""}), state=snap.state or None)
+
+    @field_validator("snapshot", mode="before")
+    @classmethod
+    def _state_is_a_frame(cls, v: Any) -> Any:
+        # state bytes inside the map are never read: they come as the frame or from the blob store
+        if isinstance(v, dict):
+            return {k: x for k, x in v.items() if k not in ("state", "state_bytes")}
+        return v
+
+    @field_serializer("snapshot")
+    def _without_state(self, snap: SessionSnapshot, info: SerializationInfo) -> dict[str, Any]:
+        return snap.model_dump(mode=info.mode, exclude={"state"})
+
+
+class CloseReply(_Reply):
+    """``close``: whether the session was open (closing is idempotent)."""
+
+    closed: bool = False
+
+
+class HeartbeatRequest(_Request):
+    """``heartbeat``: renew the leases of these sessions."""
+
+    session_ids: list[StrictStr] = Field(default_factory=list)
+
+
+class HeartbeatReply(_Reply):
+    """``heartbeat``: the sessions whose lease was renewed (the others are gone)."""
+
+    alive: list[str] = Field(default_factory=list)
