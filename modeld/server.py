@@ -12,6 +12,14 @@
   serving. ROUTER_MANDATORY makes a send to a vanished client fail instead of
   being dropped silently, which cancels that client's stream; a session it held
   is released when its lease runs out.
+* An open_session that finds the slot held may wait for it (its
+  ``queue_timeout_s``): the worker keeps such opens in arrival order and serves
+  the first whenever the slot comes free, answering ModelBusy only when a
+  request's own timeout runs out.
+
+A little over the house's ~500 lines: the IO loop, the worker loop and the
+slot queue share the in-flight table and the shutdown sequence, which is
+easier to follow in one place than across modules.
 """
 
 from __future__ import annotations

@@ -97,6 +97,9 @@ tools always differs. Tool support is therefore decided from the template
 source (does it reference ``tools``?) and refused with UnsupportedFeature
 otherwise, instead of silently changing the prompt format.
 
+This module is a little over the house's ~500 lines because the measurements
+above live next to the code they justify; the code itself is ~450 lines.
+
 Threading: the daemon calls everything from one worker thread;
 ``resident_bytes()`` and ``explain_context()`` may run on another and only read
 plain attributes.
