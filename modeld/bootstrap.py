@@ -71,6 +71,11 @@ class ServeOptions:
     #: memory backend only: simulated time per generated token
     memory_token_delay_ms: float = 0.0
     log_level: str = "INFO"
+    #: HOST:PORT of the OpenAI-compatible HTTP front (None: no front)
+    http: str | None = None
+    http_allow_remote: bool = False
+    #: a bearer key the HTTP front requires ("" = none)
+    api_key: str = ""
 
 
 def default_data_dir() -> Path:

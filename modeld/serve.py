@@ -39,6 +39,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="memory backend only: simulated time per generated token",
     )
     p.add_argument("--log-level", default=os.environ.get("MODELD_LOG_LEVEL", "INFO"))
+    p.add_argument(
+        "--http",
+        default=os.environ.get("MODELD_HTTP") or None,
+        metavar="HOST:PORT",
+        help="also serve an OpenAI-compatible HTTP API there, e.g. 127.0.0.1:8377 (env MODELD_HTTP)",
+    )
+    p.add_argument("--http-allow-remote", action="store_true", help="let --http bind a non-loopback address")
+    p.add_argument("--api-key", default=os.environ.get("MODELD_API_KEY", ""), help="bearer key the HTTP API requires (env MODELD_API_KEY)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +62,16 @@ def serve(opts: ServeOptions) -> int:
         stream=sys.stderr,
     )
     daemon = build_daemon(opts)
+    front = None
+    if opts.http:
+        try:
+            from .openai_front import HttpFront, parse_listen  # the `http` extra
+
+            host, port = parse_listen(opts.http)
+            front = HttpFront(daemon.endpoint, host, port, api_key=opts.api_key, allow_remote=opts.http_allow_remote)
+        except (ImportError, ValueError) as exc:
+            print(f"modeld: {exc}", file=sys.stderr)
+            return 2
 
     fired = False
 
@@ -73,10 +91,16 @@ def serve(opts: ServeOptions) -> int:
     if preload is not None:
         daemon.preload(preload)
     try:
+        if front is not None:
+            front.start()
+            print(f"modeld: OpenAI-compatible API at {front.url}", file=sys.stderr, flush=True)
         daemon.serve()
     except RuntimeError as exc:
         print(f"modeld: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if front is not None:
+            front.stop()
     return 0
 
 

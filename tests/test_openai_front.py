@@ -1,0 +1,197 @@
+"""The OpenAI-compatible HTTP front (modeld/openai_front.py), driven by the official ``openai`` SDK against real daemons."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from tests.daemon_proc import ROOT, DaemonProcess  # noqa: E402
+
+SYSTEM = {"role": "system", "content": "You are a terse coding assistant."}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(port: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            c.close()
+        time.sleep(0.1)
+    raise RuntimeError("the HTTP front did not answer")
+
+
+class Front:
+    def __init__(self, tmp: Path, *extra: str, backend: str = "memory") -> None:
+        self.port = _port()
+        model = ["--model", "/models/ref", "--model-name", "ref"] if backend == "memory" else []
+        self.daemon = DaemonProcess(tmp, backend, None, *model, "--http", f"127.0.0.1:{self.port}", *extra)
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> Front:
+        self.daemon.start()
+        _wait_http(self.port)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.daemon.stop()
+
+    def sdk(self, api_key: str = "none") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    with Front(tmp_path_factory.mktemp("front"), "--memory-token-delay-ms", "5") as f:
+        yield f
+
+
+def test_models_and_health(front: Front) -> None:
+    assert [m.id for m in front.sdk().models.list()] == ["ref"]
+    c = http.client.HTTPConnection("127.0.0.1", front.port, timeout=5)
+    try:
+        c.request("GET", "/health")
+        body = json.loads(c.getresponse().read())
+    finally:
+        c.close()
+    assert body["status"] == "ok" and body["model"] == "ref"
+
+
+def test_chat_plain_then_warm(front: Front) -> None:
+    sdk = front.sdk()
+    history = [SYSTEM, {"role": "user", "content": "What does slot.py do?"}]
+    first = sdk.chat.completions.create(model="ref", messages=history, max_tokens=8)
+    msg = first.choices[0].message
+    assert msg.role == "assistant" and msg.content and first.choices[0].finish_reason == "length"
+    assert first.usage is not None and first.usage.completion_tokens == 8
+    assert first.usage.prompt_tokens_details is not None and first.usage.prompt_tokens_details.cached_tokens == 0
+    history += [{"role": "assistant", "content": msg.content}, {"role": "user", "content": "And server.py?"}]
+    second = sdk.chat.completions.create(model="ref", messages=history, max_tokens=8)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    # the whole first request and its reply came from the KV
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens + 8
+
+
+def test_chat_streamed_with_usage(front: Front) -> None:
+    sdk = front.sdk()
+    messages = [SYSTEM, {"role": "user", "content": "Name one cache."}]
+    plain = sdk.chat.completions.create(model="ref", messages=messages, max_tokens=10)
+    stream = sdk.chat.completions.create(model="ref", messages=messages, max_tokens=10, stream=True,
+                                         stream_options={"include_usage": True})
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert text == plain.choices[0].message.content and finish == "length"
+    assert usage is not None and usage.completion_tokens == 10
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
+
+
+def test_tool_turns_are_accepted(front: Front) -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "slot.py"}'}}
+    tool = {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {}}}}
+    out = front.sdk().chat.completions.create(
+        model="ref", tools=[tool], max_tokens=4,
+        messages=[SYSTEM, {"role": "user", "content": "Read slot.py"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "class SlotService: ..."}],
+    )
+    assert out.usage is not None and out.usage.completion_tokens == 4
+
+
+def test_errors_are_openai_errors(front: Front) -> None:
+    sdk = front.sdk()
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="gpt-7", messages=[SYSTEM, {"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError):
+        sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "tool", "tool_call_id": "x", "content": "r"}])
+    with pytest.raises(openai.BadRequestError) as overflow:
+        sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "word " * 5000}])
+    assert overflow.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], n=2)
+    with pytest.raises(openai.BadRequestError):  # the reference cannot constrain output: refused, not ignored
+        sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}],
+                                    response_format={"type": "json_object"})
+    with pytest.raises(openai.BadRequestError):  # the reference has no embedding model
+        sdk.embeddings.create(model="ref", input="hello")
+    # and the front keeps serving
+    assert sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2).choices
+
+
+def test_a_client_that_disconnects_cancels_its_decode(front: Front) -> None:
+    sdk = front.sdk()
+    stream = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "Talk at length."}],
+                                         max_tokens=3000, stream=True)
+    got = 0
+    for _chunk in stream:
+        got += 1
+        if got >= 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 5
+    with front.daemon.client(timeout_s=5.0) as c:
+        while c.status().busy_operation and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not c.status().busy_operation  # at 5 ms a token, 3000 tokens would take 15 s
+    out = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2)
+    assert out.usage is not None and out.usage.completion_tokens == 2
+
+
+def test_api_key(tmp_path: Path) -> None:
+    with Front(tmp_path, "--api-key", "s3cret") as f:
+        with pytest.raises(openai.AuthenticationError):
+            f.sdk("wrong").models.list()
+        assert [m.id for m in f.sdk("s3cret").models.list()] == ["ref"]
+
+
+def test_a_remote_address_needs_an_explicit_flag(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-m", "modeld", "serve", "--backend", "memory", "--endpoint", f"ipc://{tmp_path / 's.sock'}",
+         "--data-dir", str(tmp_path / "data"), "--http", "0.0.0.0:9"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=30,
+    )
+    assert out.returncode == 2 and "--http-allow-remote" in out.stderr
+
+
+@pytest.mark.llama
+def test_embeddings_equal_the_cli(tmp_path: Path) -> None:
+    pytest.importorskip("llama_cpp")
+    with Front(tmp_path, backend="llama") as f:
+        got = f.sdk().embeddings.create(model="x", input=["a KV cache", "a prefix cache"])
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        cli = subprocess.run(
+            [sys.executable, "-m", "modeld", "embed", "--endpoint", f.daemon.endpoint, "--json", "a KV cache", "a prefix cache"],
+            capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+        )
+    assert cli.returncode == 0, cli.stderr
+    import numpy as np
+
+    vectors = np.asarray(json.loads(cli.stdout)["vectors"])
+    assert np.allclose(np.asarray([d.embedding for d in got.data]), vectors, atol=1e-6) and vectors.shape == (2, 384)
