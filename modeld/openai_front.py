@@ -19,10 +19,11 @@ for a missing or wrong ``--api-key``, 404 for an unknown model, 503 with
 Retry-After when the slot stayed busy or the daemon is unavailable.
 
 Supported request fields: model, messages, tools, tool_choice (``auto``;
-``none`` keeps the tools in the prompt and parses no calls), response_format
-(``json_object``, ``json_schema``), temperature, top_p, seed, stop, max_tokens,
-max_completion_tokens, stream, stream_options.include_usage. ``n`` > 1 and a
-``tool_choice`` that forces a call are refused with 400 rather than ignored.
+``none`` keeps the tools in the prompt and parses no calls; ``required`` and a
+named function are enforced by a grammar that admits exactly one call in the
+template's own format), response_format (``json_object``, ``json_schema``),
+temperature, top_p, seed, stop, max_tokens, max_completion_tokens, stream,
+stream_options.include_usage. ``n`` > 1 is refused with 400 rather than ignored.
 """
 
 from __future__ import annotations
@@ -139,10 +140,51 @@ def _decode_options(body: dict[str, Any]) -> dict[str, Any]:
     if choice == "none":
         opts["parser_protocols"] = []
     elif choice not in (None, "auto"):
-        raise ApiError(400, "only tool_choice 'auto' and 'none' are supported yet", param="tool_choice")
+        if "structured_output" in opts:
+            raise ApiError(400, "a forced tool call and a response_format cannot be combined", param="tool_choice")
+        opts["structured_output"] = StructuredOutputConfig(grammar=forced_call_grammar(_forced_names(choice, body.get("tools"))))
     if body.get("n", 1) != 1:
         raise ApiError(400, "n > 1 is not supported: one model slot decodes one reply", param="n")
     return opts
+
+
+#: a JSON object in the spelling the templates render a call's arguments back with (json.dumps defaults)
+_JSON_GBNF = r"""
+object ::= "{" ( string ": " value ( ", " string ": " value )* )? "}"
+array  ::= "[" ( value ( ", " value )* )? "]"
+value  ::= object | array | string | number | "true" | "false" | "null"
+string ::= "\"" ( [^"\\] | "\\" ["\\/bfnrtu] )* "\""
+number ::= "-"? [0-9]+ ( "." [0-9]+ )?
+"""
+
+
+def forced_call_grammar(names: list[str]) -> str:
+    """GBNF for exactly one Hermes tool call to one of ``names`` with a JSON object of arguments.
+
+    It is the form the templates render a call back in, so the next request
+    reuses the decoded call; both engines take GBNF.
+    """
+    alternatives = " | ".join(json.dumps(json.dumps(n)[1:-1]) for n in names)
+    head = json.dumps('<tool_call>\n{"name": "')
+    middle = json.dumps('", "arguments": ')
+    tail = json.dumps("}\n</tool_call>")
+    return f"root ::= {head} name {middle} object {tail}\nname ::= {alternatives}{_JSON_GBNF}"
+
+
+def _forced_names(choice: Any, tools: Any) -> list[str]:
+    """The tool names a ``required`` or named ``tool_choice`` allows."""
+    names = [t.get("function", {}).get("name", "") for t in tools or [] if isinstance(t, dict)]
+    names = [n for n in names if isinstance(n, str) and n]
+    if not names:
+        raise ApiError(400, "tool_choice forces a call but no tools were given", param="tool_choice")
+    if choice == "required":
+        return names
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+        return [str(name)]
+    raise ApiError(400, f"tool_choice {choice!r} is not one of auto, none, required or a named function", param="tool_choice")
 
 
 def _tool_calls(result_calls: list[Any]) -> list[dict[str, Any]]:

@@ -52,7 +52,7 @@ class Front:
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
     def __enter__(self) -> Front:
-        self.daemon.start()
+        self.daemon.start(wait_state=("Ready",))  # the preloaded model is in
         _wait_http(self.port)
         return self
 
@@ -195,3 +195,47 @@ def test_embeddings_equal_the_cli(tmp_path: Path) -> None:
 
     vectors = np.asarray(json.loads(cli.stdout)["vectors"])
     assert np.allclose(np.asarray([d.embedding for d in got.data]), vectors, atol=1e-6) and vectors.shape == (2, 384)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather for a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [pytest.param("llama", marks=pytest.mark.llama), pytest.param("openvino", marks=pytest.mark.openvino)])
+def test_tool_call_round_trip_and_json_schema(backend: str, tmp_path: Path) -> None:
+    """On the tool-capable fixture: a forced call, its result, the answer — each request reusing the previous one."""
+    from tests.fixtures import tool_gguf
+
+    f = Front(tmp_path, "--model", str(tool_gguf()), "--model-name", "tools", "--num-ctx", "2048", backend=backend)
+    with f:
+        sdk = f.sdk()
+        history: list[dict[str, object]] = [
+            {"role": "system", "content": "You are a weather assistant. Use the tools."},
+            {"role": "user", "content": "What is the weather in Paris?"},
+        ]
+        first = sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER], max_tokens=60, temperature=0,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        call = choice.message.tool_calls[0]
+        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+        history += [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "clear"}'},
+        ]
+        second = sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER], max_tokens=24, temperature=0)
+        assert first.usage is not None and second.usage is not None and second.usage.prompt_tokens_details is not None
+        # the first request and the call the model made are reused; the tool result is what is new
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+        history += [{"role": "assistant", "content": second.choices[0].message.content or ""},
+                    {"role": "user", "content": "Give it as JSON."}]
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "temp_c": {"type": "integer"}},
+                  "required": ["city", "temp_c"], "additionalProperties": False}
+        third = sdk.chat.completions.create(model="tools", messages=history, max_tokens=60, temperature=0, tools=[WEATHER],
+                                            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+        data = json.loads(third.choices[0].message.content or "")
+        assert set(data) == {"city", "temp_c"} and isinstance(data["temp_c"], int)
+        with pytest.raises(openai.BadRequestError):  # a forced call of a tool nobody gave
+            sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER],
+                                        tool_choice={"type": "function", "function": {"name": "nope"}})
