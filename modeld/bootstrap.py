@@ -76,6 +76,8 @@ class ServeOptions:
     http_allow_remote: bool = False
     #: a bearer key the HTTP front requires ("" = none)
     api_key: str = ""
+    #: how long an HTTP request waits for the slot while another holds it
+    http_queue_timeout: float = 300.0
 
 
 def default_data_dir() -> Path:

@@ -206,8 +206,11 @@ def _usage(result: ChatResult) -> dict[str, Any]:
 
 
 # --- the app ----------------------------------------------------------------------------------------------
-def create_app(connect: Callable[[], Client], *, api_key: str = "") -> FastAPI:
-    """The FastAPI app; ``connect`` gives a fresh runtime Client (one per request: they are not thread-safe)."""
+def create_app(connect: Callable[[], Client], *, api_key: str = "", queue_timeout_s: float = QUEUE_TIMEOUT_S) -> FastAPI:
+    """The FastAPI app; ``connect`` gives a fresh runtime Client (one per request: they are not thread-safe).
+
+    A request waits up to ``queue_timeout_s`` for the slot while another holds it, then gets 503.
+    """
     app = FastAPI(title="modeld", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(ApiError)
@@ -272,11 +275,13 @@ def create_app(connect: Callable[[], Client], *, api_key: str = "") -> FastAPI:
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return EventSourceResponse(_stream(connect, messages, tools, opts, model, rid, created, include_usage))
+            return EventSourceResponse(
+                _stream(connect, messages, tools, opts, model, rid, created, include_usage, queue_timeout_s)
+            )
 
         def run() -> ChatResult:
             with connect() as c:
-                return Chat(c, profile=PROFILE, queue_timeout_s=QUEUE_TIMEOUT_S).send(messages, tools, **opts)
+                return Chat(c, profile=PROFILE, queue_timeout_s=queue_timeout_s).send(messages, tools, **opts)
 
         try:
             result = await anyio.to_thread.run_sync(run)
@@ -331,7 +336,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
 
 
 async def _stream(connect: Callable[[], Client], messages: list[Any], tools: Any, opts: dict[str, Any], model: str,
-                  rid: str, created: int, include_usage: bool) -> AsyncGenerator[str, None]:
+                  rid: str, created: int, include_usage: bool, queue_timeout_s: float) -> AsyncGenerator[str, None]:
     """The reply as ``chat.completion.chunk`` events; a disconnect closes the decode (it cancels within one token)."""
     client = connect()
     events: Generator[ChatEvent, None, None] | None = None
@@ -343,7 +348,7 @@ async def _stream(connect: Callable[[], Client], messages: list[Any], tools: Any
     try:
         try:
             events = await anyio.to_thread.run_sync(
-                lambda: Chat(client, profile=PROFILE, queue_timeout_s=QUEUE_TIMEOUT_S).stream(messages, tools, **opts))
+                lambda: Chat(client, profile=PROFILE, queue_timeout_s=queue_timeout_s).stream(messages, tools, **opts))
         except ModeldError as exc:
             err = _api_error(exc)
             yield json.dumps({"error": {"message": err.message, "type": err.type, "code": err.code}})
@@ -385,13 +390,24 @@ async def _stream(connect: Callable[[], Client], messages: list[Any], tools: Any
 class HttpFront:
     """The front served by uvicorn on its own thread (``modeld serve --http``)."""
 
-    def __init__(self, endpoint: str, host: str, port: int, *, api_key: str = "", allow_remote: bool = False) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        host: str,
+        port: int,
+        *,
+        api_key: str = "",
+        allow_remote: bool = False,
+        queue_timeout_s: float = QUEUE_TIMEOUT_S,
+    ) -> None:
         if not is_loopback(host) and not allow_remote:
             raise ValueError(
                 f"--http {host}:{port} is not a loopback address; pass --http-allow-remote to serve other machines "
                 "(and set --api-key)"
             )
-        app = create_app(lambda: Client(endpoint, timeout_s=QUEUE_TIMEOUT_S + 60), api_key=api_key)
+        app = create_app(
+            lambda: Client(endpoint, timeout_s=queue_timeout_s + 60), api_key=api_key, queue_timeout_s=queue_timeout_s
+        )
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)

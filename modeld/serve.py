@@ -46,6 +46,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="also serve an OpenAI-compatible HTTP API there, e.g. 127.0.0.1:8377 (env MODELD_HTTP)",
     )
     p.add_argument("--http-allow-remote", action="store_true", help="let --http bind a non-loopback address")
+    p.add_argument("--http-queue-timeout", type=float, default=300.0, metavar="S",
+                   help="seconds an HTTP request waits for a busy slot before 503")
     p.add_argument("--api-key", default=os.environ.get("MODELD_API_KEY", ""), help="bearer key the HTTP API requires (env MODELD_API_KEY)")
 
 
@@ -68,7 +70,8 @@ def serve(opts: ServeOptions) -> int:
             from .openai_front import HttpFront, parse_listen  # the `http` extra
 
             host, port = parse_listen(opts.http)
-            front = HttpFront(daemon.endpoint, host, port, api_key=opts.api_key, allow_remote=opts.http_allow_remote)
+            front = HttpFront(daemon.endpoint, host, port, api_key=opts.api_key, allow_remote=opts.http_allow_remote,
+                              queue_timeout_s=opts.http_queue_timeout)
         except (ImportError, ValueError) as exc:
             print(f"modeld: {exc}", file=sys.stderr)
             return 2

@@ -239,3 +239,29 @@ def test_tool_call_round_trip_and_json_schema(backend: str, tmp_path: Path) -> N
         with pytest.raises(openai.BadRequestError):  # a forced call of a tool nobody gave
             sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER],
                                         tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_a_busy_slot_queues_then_answers_503(tmp_path: Path) -> None:
+    import threading
+
+    from contract.types import OpenSessionRequest
+
+    with Front(tmp_path, "--http-queue-timeout", "1") as f:
+        sdk = f.sdk()
+        messages = [SYSTEM, {"role": "user", "content": "hi"}]
+        with f.daemon.client(timeout_s=10.0) as holder:
+            session = holder.open_session(OpenSessionRequest())  # another agent holds the slot
+            t0 = time.monotonic()
+            with pytest.raises(openai.InternalServerError) as busy:
+                sdk.chat.completions.create(model="ref", messages=messages, max_tokens=2)
+            assert busy.value.status_code == 503 and busy.value.response.headers.get("retry-after") == "1"
+            assert 0.9 <= time.monotonic() - t0 < 10
+            # a request that arrives while the slot is held is served once it is released
+            done: list[int] = []
+            waiter = threading.Thread(target=lambda: done.append(
+                sdk.chat.completions.create(model="ref", messages=messages, max_tokens=2).usage.completion_tokens))  # type: ignore[union-attr]
+            waiter.start()
+            time.sleep(0.3)
+            session.close()
+            waiter.join(10)
+        assert done == [2]
