@@ -3,10 +3,11 @@
 The trace is what a coding agent sends: a ~2k-token system prompt (a repo map)
 with three tools, a question, then per turn the model's own reply fed back —
 every other reply followed by a tool call and its result (100–400 tokens), the
-rest by a user follow-up. The same message lists go through the runtime chat
-API (``runtime.Chat``, over ZeroMQ) and, with the same GGUF and thread count,
-to llama-cpp-python's own OpenAI server (streamed over HTTP, its
-longest-common-prefix cache). The model is the tool-capable fixture (the
+rest by a user follow-up. The trace runs through the runtime chat API
+(``runtime.Chat``, over ZeroMQ); then the same message lists go, with the same
+``openai`` SDK code (streamed), to llama-cpp-python's own OpenAI server (same
+GGUF and thread count, its longest-common-prefix cache) and to a fresh modeld
+through its OpenAI-compatible HTTP front. The model is the tool-capable fixture (the
 bundled weights under a tool-aware template) so both render the tools.
 
 Per turn: time to first token on both sides, and modeld's prefilled tokens
@@ -96,22 +97,38 @@ def cold_reply(d: DaemonProcess, messages: list[dict[str, Any]]) -> str:
         return r.message.content or ""
 
 
-def _peer_ttft(port: int, messages: list[dict[str, Any]]) -> float:
-    body = json.dumps({"messages": messages, "tools": TOOLS, "max_tokens": REPLY_TOKENS, "temperature": 0, "stream": True})
-    t0 = time.perf_counter()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    ttft = float("nan")
-    for raw in resp:
-        line = raw.decode().strip()
-        if line.startswith("data:") and ('"content"' in line or '"tool_calls"' in line) and '"content":null' not in line.replace(" ", ""):
-            ttft = (time.perf_counter() - t0) * 1000
-            break
-    for _ in resp:  # let the reply finish: the peer caches the whole turn, as an agent would wait for it
-        pass
-    conn.close()
-    return ttft
+def sdk_turns(base_url: str, model: str, sent: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
+    """Each message list through the official ``openai`` SDK, streamed: time to first token and usage.
+
+    The same code for modeld's HTTP front and for the peer; a turn's reply is read
+    to the end before the next request, as an agent does.
+    """
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    out: list[dict[str, float]] = []
+    try:
+        for messages in sent:
+            t0 = time.perf_counter()
+            first = float("nan")
+            prompt = cached = float("nan")
+            stream = client.chat.completions.create(
+                model=model, messages=messages, tools=TOOLS, max_tokens=REPLY_TOKENS, temperature=0, stream=True,  # type: ignore[arg-type]
+                stream_options={"include_usage": True},
+            )
+            for chunk in stream:
+                if chunk.choices and first != first:  # NaN: nothing yet
+                    delta = chunk.choices[0].delta
+                    if delta.content or delta.tool_calls:
+                        first = (time.perf_counter() - t0) * 1000
+                if chunk.usage is not None:
+                    prompt = chunk.usage.prompt_tokens
+                    details = chunk.usage.prompt_tokens_details
+                    cached = details.cached_tokens if details is not None and details.cached_tokens is not None else float("nan")
+            out.append({"ttft_ms": first, "prompt": prompt, "cached": cached})
+    finally:
+        client.close()
+    return out
 
 
 def start_peer(tmp: Path, model: Path, n_ctx: int, port: int) -> subprocess.Popen[bytes]:
@@ -140,13 +157,27 @@ def start_peer(tmp: Path, model: Path, n_ctx: int, port: int) -> subprocess.Pope
 def run_peer(tmp: Path, model: Path, n_ctx: int, port: int, sent: list[list[dict[str, Any]]]) -> list[float]:
     proc = start_peer(tmp, model, n_ctx, port)
     try:
-        return [_peer_ttft(port, messages) for messages in sent]
+        return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent)]
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-def summarise(backend: str, rows: list[dict[str, Any]], peer: list[float] | None, differ: int, replayed: int) -> list[tuple[str, Any, str]]:
+def run_front(tmp: Path, backend: str, model: Path, n_ctx: int, port: int, sent: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
+    """The same message lists through modeld's OpenAI front (a fresh daemon: turn 1 is cold again)."""
+    args = ("--model", str(model), "--model-name", "agent", "--num-ctx", str(n_ctx), "--http", f"127.0.0.1:{port}")
+    with DaemonProcess(tmp / f"agent-front-{backend}", backend, None, *args):
+        return sdk_turns(f"http://127.0.0.1:{port}/v1", "agent", sent)
+
+
+def summarise(
+    backend: str,
+    rows: list[dict[str, Any]],
+    peer: list[float] | None,
+    differ: int,
+    replayed: int,
+    front: list[dict[str, float]] | None = None,
+) -> list[tuple[str, Any, str]]:
     """The section's table rows."""
     out: list[tuple[str, Any, str]] = []
     met = 0
@@ -155,6 +186,8 @@ def summarise(backend: str, rows: list[dict[str, Any]], peer: list[float] | None
         ok = k == 0 or r["prefilled"] <= new + 16
         met += ok and k > 0
         peer_note = f"; peer {peer[k]:,.0f} ms" if peer else ""
+        if front:
+            peer_note += f"; modeld over HTTP {front[k]['ttft_ms']:,.0f} ms (cached {front[k]['cached']:.0f})"
         out.append((f"turn {k + 1} TTFT ms", r["ttft_ms"],
                     f"prompt {r['prompt']}, reused {r['reused']}, prefilled {r['prefilled']} (new {new}){peer_note}"))
     warm = [r["ttft_ms"] for r in rows[1:]]
@@ -165,6 +198,10 @@ def summarise(backend: str, rows: list[dict[str, Any]], peer: list[float] | None
         ratio = statistics.median(warm) / peer_warm
         out.append(("median warm-turn TTFT ms (peer)", peer_warm, "llama-cpp-python server, same message lists and threads"))
         out.append(("modeld / peer warm TTFT", ratio, "target <= 0.80 " + ("(met)" if ratio <= 0.8 else "(MISSED)")))
+        if front:
+            sdk_warm = statistics.median(r["ttft_ms"] for r in front[1:])
+            out.append(("median warm-turn TTFT ms (modeld, OpenAI SDK)", sdk_warm,
+                        f"the same SDK code against modeld's HTTP front: {sdk_warm / peer_warm:.3f}x the peer"))
         out.append(("peer turn-1 TTFT ms", peer[0], f"modeld {rows[0]['ttft_ms']:,.0f} ms (both cold)"))
     over = [r["ttft_ms"] / r["engine_ms"] - 1 for r in rows[1:] if r["engine_ms"] > 0]
     if over:
@@ -188,11 +225,16 @@ def section(tmp: Path, backend: str, count: Any, *, turns: int = 10, replay: int
         for k in range(min(replay, turns)):
             differ += cold_reply(d, sent[k]) != rows[k]["reply"]
     peer: list[float] | None = None
+    front: list[dict[str, float]] | None = None
     if with_peer:
-        import socket
+        peer = run_peer(tmp, model, n_ctx, _free_port(), sent)
+        front = run_front(tmp, backend, model, n_ctx, _free_port(), sent)
+    return summarise(backend, rows, peer, differ, min(replay, turns), front)
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        peer = run_peer(tmp, model, n_ctx, port, sent)
-    return summarise(backend, rows, peer, differ, min(replay, turns))
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -425,3 +425,42 @@ class HttpFront:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``modeld http``: the front alone, as its own process, for a daemon at ``--endpoint``."""
+    import argparse
+    import os
+    import signal
+    import sys
+
+    from contract.endpoint import default_endpoint
+
+    p = argparse.ArgumentParser(prog="modeld http", description="Serve the OpenAI-compatible API for a running daemon.")
+    p.add_argument("--endpoint", default=None, help="the daemon (default: env MODELD_ENDPOINT or the per-user ipc socket)")
+    p.add_argument("--http", default=os.environ.get("MODELD_HTTP") or "127.0.0.1:8377", metavar="HOST:PORT")
+    p.add_argument("--http-allow-remote", action="store_true", help="let --http bind a non-loopback address")
+    p.add_argument("--api-key", default=os.environ.get("MODELD_API_KEY", ""), help="bearer key (env MODELD_API_KEY)")
+    p.add_argument("--http-queue-timeout", type=float, default=QUEUE_TIMEOUT_S, metavar="S")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        host, port = parse_listen(args.http)
+        front = HttpFront(args.endpoint or default_endpoint(), host, port, api_key=args.api_key,
+                          allow_remote=args.http_allow_remote, queue_timeout_s=args.http_queue_timeout)
+    except ValueError as exc:
+        print(f"modeld http: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        front.start()
+    except RuntimeError as exc:
+        print(f"modeld http: {exc}", file=sys.stderr)
+        return 1
+    print(f"modeld: OpenAI-compatible API at {front.url}", file=sys.stderr, flush=True)
+    stop.wait()
+    front.stop()
+    return 0
+

@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("serve", help="run the daemon (see `modeld serve --help`)", add_help=False)
     sub.add_parser("prepare", help="convert the bundled models once (see `modeld prepare --help`)", add_help=False)
+    sub.add_parser("http", help="the OpenAI-compatible API alone, for a running daemon (see `modeld http --help`)",
+                   add_help=False)
 
     s = sub.add_parser("status", help="show the slot state")
     _common(s)

@@ -265,3 +265,21 @@ def test_a_busy_slot_queues_then_answers_503(tmp_path: Path) -> None:
             session.close()
             waiter.join(10)
         assert done == [2]
+
+
+def test_the_front_as_its_own_process(tmp_path: Path) -> None:
+    port = _port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with DaemonProcess(tmp_path / "d", "memory", None, "--model", "/models/ref", "--model-name", "ref") as d:
+        front = subprocess.Popen([sys.executable, "-m", "modeld", "http", "--endpoint", d.endpoint, "--http", f"127.0.0.1:{port}"],
+                                 env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            _wait_http(port)
+            sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
+            out = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=3)
+            sdk.close()
+            assert out.usage is not None and out.usage.completion_tokens == 3
+        finally:
+            front.terminate()
+            _, err = front.communicate(timeout=10)
+        assert front.returncode == 0 and "OpenAI-compatible API at" in err.decode()
