@@ -166,8 +166,11 @@ def run_peer(tmp: Path, model: Path, n_ctx: int, port: int, sent: list[list[dict
 def run_front(tmp: Path, backend: str, model: Path, n_ctx: int, port: int, sent: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
     """The same message lists through modeld's OpenAI front (a fresh daemon: turn 1 is cold again)."""
     args = ("--model", str(model), "--model-name", "agent", "--num-ctx", str(n_ctx), "--http", f"127.0.0.1:{port}")
-    with DaemonProcess(tmp / f"agent-front-{backend}", backend, None, *args):
+    d = DaemonProcess(tmp / f"agent-front-{backend}", backend, None, *args).start(wait_state=("Ready",))
+    try:
         return sdk_turns(f"http://127.0.0.1:{port}/v1", "agent", sent)
+    finally:
+        d.stop()
 
 
 def summarise(

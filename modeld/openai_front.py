@@ -229,6 +229,8 @@ def create_app(connect: Callable[[], Client], *, api_key: str = "", queue_timeou
         with connect() as c:
             st = c.status()
         if st.active is None:
+            if st.state.value in ("Loading", "Switching"):
+                raise ApiError(503, "the model is loading", type_="server_error", code="loading", headers={"Retry-After": "1"})
             raise ApiError(404, "no model is loaded (modeld load …)", code="model_not_found")
         return st.active.model_name
 
