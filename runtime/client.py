@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 from collections import deque
 from collections.abc import Generator, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
@@ -80,6 +82,19 @@ _R = TypeVar("_R", bound=BaseModel)
 _Fenced = TypeVar("_Fenced", LoadModelRequest, UnloadModelRequest, OpenSessionRequest, EmbedRequest)
 
 
+def _listening(path: Path) -> bool:
+    """Whether something accepts connections on the unix socket at ``path`` (False: a stale file)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True  # not ours to judge (permissions, a full backlog): ZeroMQ will tell
+    return True
+
+
 class Client:
     """Service + ModelController over ZeroMQ. Safe to share between threads."""
 
@@ -116,6 +131,13 @@ class Client:
             path = ipc_path(self.endpoint)
             if path is not None and not path.exists():
                 raise Unavailable(self._no_daemon(), endpoint=self.endpoint)
+            if path is not None and not _listening(path):
+                # ZeroMQ would queue the request for a listener that never comes: say so now
+                raise Unavailable(
+                    f"no daemon at {self.endpoint}: {path} is a stale socket file left by a daemon that stopped; "
+                    "start `modeld serve` (it replaces the file)",
+                    endpoint=self.endpoint,
+                )
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 0)

@@ -276,3 +276,21 @@ def test_a_unary_reply_inside_a_stream_is_a_bad_frame(scripted: Callable[[Answer
     with pytest.raises(BadFrame, match="inside a decode stream"):
         next(stream)
     assert [m.op for m in peer.requests if m.op is Op.CANCEL] == []  # the stream had ended: nothing to cancel
+
+
+def test_a_stale_socket_file_fails_at_once(tmp_path: Path) -> None:
+    import socket
+    import time
+
+    from contract.errors import Unavailable
+    from runtime import Client
+
+    path = tmp_path / "modeld.sock"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    s.close()  # the file stays, nobody listens: what a killed daemon leaves
+    assert path.exists()
+    t0 = time.monotonic()
+    with Client(f"ipc://{path}", timeout_s=30.0) as c, pytest.raises(Unavailable, match="stale socket file"):
+        c.status()
+    assert time.monotonic() - t0 < 2.0
