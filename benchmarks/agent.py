@@ -19,6 +19,7 @@ history (exact mode answers alike by construction; tested in the suite).
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,36 +133,47 @@ def sdk_turns(base_url: str, model: str, sent: list[list[dict[str, Any]]]) -> li
     return out
 
 
-def start_peer(tmp: Path, model: Path, n_ctx: int, port: int) -> subprocess.Popen[bytes]:
-    threads = str(os.cpu_count() or 1)
-    log = (tmp / f"peer-{port}.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(n_ctx),
-         "--n_threads", threads, "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 120
-    while True:
+@contextlib.contextmanager
+def peer_server(tmp: Path, model: Path, n_ctx: int) -> Iterator[int]:
+    """llama-cpp-python's OpenAI server on a free loopback port, with the daemon's thread count; yields the port."""
+    port = _free_port()
+    threads = str(os.cpu_count() or 1)  # its own default is half the cores
+    with (tmp / f"peer-{port}.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(n_ctx),
+             "--n_threads", threads, "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
         try:
-            c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            c.request("GET", "/v1/models")
-            if c.getresponse().status == 200:
-                return proc
-        except OSError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError(f"llama_cpp.server did not start; see {log.name}")
-        time.sleep(0.3)
+            deadline = time.monotonic() + 120
+            while not _answers(port):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"llama_cpp.server did not start; see {log.name}")
+                time.sleep(0.3)
+            yield port
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
-def run_peer(tmp: Path, model: Path, n_ctx: int, port: int, sent: list[list[dict[str, Any]]]) -> list[float]:
-    proc = start_peer(tmp, model, n_ctx, port)
+def _answers(port: int) -> bool:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
     try:
-        return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent)]
+        c.request("GET", "/v1/models")
+        return c.getresponse().status == 200
+    except OSError:
+        return False
     finally:
-        proc.terminate()
-        proc.wait(30)
+        c.close()
+
+
+def run_peer(tmp: Path, model: Path, n_ctx: int, sent: list[list[dict[str, Any]]]) -> list[float]:
+    with peer_server(tmp, model, n_ctx) as port:
+        return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent)]
 
 
 def run_front(tmp: Path, backend: str, model: Path, n_ctx: int, port: int, sent: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
@@ -230,7 +243,7 @@ def section(tmp: Path, backend: str, count: Any, *, turns: int = 10, replay: int
     peer: list[float] | None = None
     front: list[dict[str, float]] | None = None
     if with_peer:
-        peer = run_peer(tmp, model, n_ctx, _free_port(), sent)
+        peer = run_peer(tmp, model, n_ctx, sent)
         front = run_front(tmp, backend, model, n_ctx, _free_port(), sent)
     return summarise(backend, rows, peer, differ, min(replay, turns), front)
 

@@ -28,7 +28,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -222,35 +221,11 @@ def _sse_ttft(port: int, system: str, user: str) -> float:
 
 def section_peer(tmp: Path, texts: dict[str, Any]) -> tuple[str, dict[str, float]]:
     from backends.bundled import bundled_gguf_path
+    from benchmarks.agent import peer_server
 
-    port = _free_port()
-    log = (tmp / "peer.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.peer_server", "--model", str(bundled_gguf_path()), "--n_ctx", str(NUM_CTX),
-         # the same threads as the daemon's engine (its default is half the cores)
-         "--n_threads", str(os.cpu_count() or 1), "--n_threads_batch", str(os.cpu_count() or 1),
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                c.request("GET", "/v1/models")
-                if c.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("llama_cpp.server did not start")
-            time.sleep(0.3)
+    with peer_server(tmp, bundled_gguf_path(), NUM_CTX) as port:
         cold = _sse_ttft(port, texts["system"], FIRST_TURN)
         warm = statistics.median(_sse_ttft(port, texts["system"], suffix) for suffix in texts["suffixes"])
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
     return table(
         "peer: llama-cpp-python server (python -m llama_cpp.server), same turns over HTTP streaming",
         [

@@ -8,13 +8,14 @@ from pathlib import Path
 import llama_cpp
 
 from contract.errors import ModelLoadFailed, UnsupportedFeature
+from contract.resident import check_model_type
 from contract.sizing import LLAMA_CPP_OVERHEAD, MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
 from ..bundled import model_cache_dir
 from ..digest import file_digest
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
-from ..tape.model import check_digest, check_type
+from ..tape.model import check_digest
 from .model import BACKEND_NAME, LlamaLoadedModel
 from .native import map_errors, open_llama, runtime_version, system_info
 from .options import DEFAULT_NUM_BATCH, LoadOptions, ModelShape, shape_from_scalars
@@ -42,7 +43,7 @@ class LlamaBackend:
         return runtime_version()
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> LlamaLoadedModel:
-        check_type(req.type, BACKEND_NAME)
+        check_model_type(req.type, BACKEND_NAME)
         progress(0.0)
         path = _model_path(req)
         with map_errors(f"loading {req.path}", loading=True):
@@ -73,7 +74,7 @@ class LlamaBackend:
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
         """ModelInfo from GGUF metadata; loads no weights. ``credit_bytes`` is for the memory planner."""
-        check_type(req.type, BACKEND_NAME)
+        check_model_type(req.type, BACKEND_NAME)
         path = _model_path(req)
         with map_errors(f"describing {req.path}", loading=True):
             facts = gguf_facts(path)
@@ -102,7 +103,7 @@ class LlamaBackend:
 
     def model_facts(self, req: OpenSessionRequest) -> ModelFacts:
         """What the daemon's memory planner needs (no weights loaded)."""
-        check_type(req.type, BACKEND_NAME)
+        check_model_type(req.type, BACKEND_NAME)
         path = _model_path(req)
         with map_errors(f"describing {req.path}", loading=True):
             facts = gguf_facts(path)

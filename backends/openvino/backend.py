@@ -10,10 +10,11 @@ import openvino_genai
 import psutil
 
 from contract.errors import Internal, UnsupportedFeature
+from contract.resident import check_model_type
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
-from ..tape.model import check_digest, check_type
+from ..tape.model import check_digest
 from .graph import paged_model
 from .model import BACKEND_NAME, OpenVINOLoadedModel
 from .native import map_errors, runtime_version, type_name
@@ -45,7 +46,7 @@ class OpenVINOBackend:
         return runtime_version()
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> OpenVINOLoadedModel:
-        check_type(req.type, BACKEND_NAME)
+        check_model_type(req.type, BACKEND_NAME)
         progress(0.0)
         with map_errors(f"loading {req.path}", loading=True):
             src = resolve_source(req.path, prepare=True)
@@ -90,7 +91,7 @@ class OpenVINOBackend:
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
         """ModelInfo from the GGUF header or the IR's config.json; converts and compiles nothing."""
-        check_type(req.type, BACKEND_NAME)
+        check_model_type(req.type, BACKEND_NAME)
         with map_errors(f"describing {req.path}", loading=True):
             src = resolve_source(req.path, prepare=False)
             shape = shape_of_source(src)
@@ -133,7 +134,7 @@ class OpenVINOBackend:
 
     def model_facts(self, req: OpenSessionRequest) -> ModelFacts:
         """What the daemon's memory planner needs (nothing converted or compiled)."""
-        check_type(req.type, BACKEND_NAME)
+        check_model_type(req.type, BACKEND_NAME)
         with map_errors(f"describing {req.path}", loading=True):
             shape = shape_of_source(resolve_source(req.path, prepare=False))
         return shape.sizing(req.config.kv_cache_type, req.config.num_batch or DEFAULT_PREFILL_CHUNK)

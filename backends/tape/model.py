@@ -23,7 +23,7 @@ from contract.errors import (
     UnsupportedFeature,
 )
 from contract.manifest import ContextManifest, canonical_digest
-from contract.resident import Resident, check_model_type
+from contract.resident import Resident
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
 if TYPE_CHECKING:
@@ -130,8 +130,6 @@ class TapeModel(Protocol):
 
 
 # --- rules both engines follow ----------------------------------------------------------------------
-check_type = check_model_type  # re-exported: the engines' backends check requests with it
-
 def check_digest(path: str, expected: str, actual: str) -> None:
     """Refuse a model file whose content digest is not the one the request names."""
     if expected and expected != actual:
