@@ -15,6 +15,8 @@ from .manifest import ContextManifest
 from .sizing import MemoryPool, ModelFacts
 from .types import (
     ActiveModel,
+    CacheEntryInfo,
+    CacheStatus,
     Config,
     ContextReport,
     DaemonStatus,
@@ -94,6 +96,44 @@ class ModelController(Protocol):
     def unload_model(self, req: UnloadModelRequest) -> None: ...
 
 
+class StateCache(Protocol):
+    """Where a tape engine keeps the KV states of token prefixes it may need again (the workspace cache).
+
+    Entries are whole ``SessionSnapshot`` s filed under a ``key`` that names
+    everything their state bytes are valid for (engine, model, runtime, the
+    manifest's identity); within a key the token prefix decides what an entry
+    covers. The daemon's implementation is ``modeld.state_cache.StateCacheStore``.
+    """
+
+    def lookup(
+        self, key: str, tokens: Sequence[int], *, min_len: int, max_tokens: int, count_miss: bool = True
+    ) -> tuple[SessionSnapshot, int] | None:
+        """The entry under ``key`` sharing the longest token prefix with ``tokens`` (more than ``min_len``).
+
+        Returns the snapshot (verified, state loaded) and that prefix length, or
+        None. Entries longer than ``max_tokens`` are not considered. A hit is
+        counted, and a miss when ``count_miss`` (a workspace switch that found
+        nothing, not a conversation's new turn).
+        """
+        ...
+
+    def covers(self, key: str, tokens: Sequence[int]) -> bool:
+        """Whether an entry under ``key`` already holds ``tokens`` (as the whole or a prefix of its tape)."""
+        ...
+
+    def put(self, key: str, snap: SessionSnapshot) -> None:
+        """Keep ``snap``; entries under ``key`` whose tokens are a prefix of its tokens are dropped (it covers them)."""
+        ...
+
+    def reject(self, key: str, snap: SessionSnapshot, reason: str) -> None:
+        """Drop an entry the engine refused to restore, and count it."""
+        ...
+
+    def note_restored(self, tokens: int) -> None:
+        """Count tokens a restored entry saved from prefill."""
+        ...
+
+
 class ProgressFn(Protocol):
     def __call__(self, fraction: float) -> None: ...
 
@@ -119,6 +159,30 @@ class LoadedModel(Protocol):
 
     def close(self) -> None:
         """Release the model and its KV; sessions opened on it become closed."""
+        ...
+
+
+class CacheAdmin(Protocol):
+    """The daemon's view of the workspace cache: reports, listing, clearing, memory hand-back."""
+
+    def status(self) -> CacheStatus: ...
+
+    def entries(self) -> list[CacheEntryInfo]: ...
+
+    def clear(self) -> int:
+        """Drop every entry (RAM and disk); returns how many."""
+        ...
+
+    def fit_ram(self, spare_bytes: int) -> None:
+        """After a model load: an automatic RAM budget shrinks to what the planner says is spare."""
+        ...
+
+    def release_ram(self) -> None:
+        """Before a switch or unload: hand RAM back (entries stay on disk when that tier is on)."""
+        ...
+
+    def close(self) -> None:
+        """Finish pending disk writes (bounded) and stop."""
         ...
 
 

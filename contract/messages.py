@@ -35,6 +35,7 @@ from pydantic import (
 
 from .types import (
     ActiveModel,
+    CacheEntryInfo,
     DecodeConfig,
     EmbedResult,
     PrefixInput,
@@ -44,6 +45,10 @@ from .types import (
 
 __all__ = [
     "BytesFrame",
+    "CacheClearReply",
+    "CacheClearRequest",
+    "CacheListReply",
+    "CacheListRequest",
     "CancelReply",
     "CancelRequest",
     "CloseReply",
@@ -308,3 +313,26 @@ class HeartbeatReply(_Reply):
     """``heartbeat``: the sessions whose lease was renewed (the others are gone)."""
 
     alive: list[str] = Field(default_factory=list)
+
+
+class CacheListRequest(_Request):
+    """``cache_list`` takes no fields."""
+
+
+class CacheListReply(_Reply):
+    """``cache_list``: the workspace cache's entries, most recently used first, and its status (None: off)."""
+
+    entries: list[CacheEntryInfo] = Field(default_factory=list)
+    cache: dict[str, Any] | None = None
+
+
+class CacheClearRequest(_Request):
+    """``cache_clear``: drop every workspace cache entry (RAM and disk); fenced like load/unload."""
+
+    owner_instance_id: str = ""
+
+
+class CacheClearReply(_Reply):
+    """``cache_clear``: how many entries were dropped."""
+
+    cleared: int = 0

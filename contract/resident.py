@@ -135,8 +135,9 @@ class Resident:
     def manifest_digest(self) -> str:
         return self.manifest.digest() if self.manifest is not None else ""
 
-    def prefix_status(self, plan: PrefixPlan, prefill_ms: float = 0.0) -> PrefixStatus:
+    def prefix_status(self, plan: PrefixPlan, prefill_ms: float = 0.0, cached: int = 0) -> PrefixStatus:
         return PrefixStatus(
+            cached_tokens=cached,
             reused_tokens=plan.keep,
             prefilled_tokens=len(plan.tail),
             dropped_tokens=plan.dropped,
@@ -149,8 +150,11 @@ class Resident:
             prefill_ms=prefill_ms,
         )
 
-    def suffix_status(self, suffix_tokens: int, reused: int = 0, prefill_ms: float = 0.0) -> SuffixStatus:
+    def suffix_status(
+        self, suffix_tokens: int, reused: int = 0, prefill_ms: float = 0.0, cached: int = 0
+    ) -> SuffixStatus:
         return SuffixStatus(
+            cached_tokens=cached,
             suffix_tokens=suffix_tokens,
             prefix_tokens=self.prefix_len,
             resident_tokens=len(self.live),
@@ -190,6 +194,11 @@ class Resident:
             tools=self.tools,
             manifest=self.manifest or ContextManifest(),
         )
+
+    def tape_snapshot(self, backend: str, state: bytes, state_kind: str) -> SessionSnapshot:
+        """A snapshot of the whole tape (the KV kept past the context too): what the workspace cache keeps."""
+        snap = self.snapshot(backend, state, state_kind)
+        return snap.model_copy(update={"resident_tokens": len(self.tokens), "resident_token_ids": list(self.tokens)})
 
     def validate_snapshot(self, snap: SessionSnapshot, backend: str, model_digest: str) -> None:
         """Refuse a snapshot that this session cannot trust; raises SnapshotRejected."""

@@ -19,6 +19,8 @@ from .manifest import ContextManifest
 
 __all__ = [
     "ActiveModel",
+    "CacheEntryInfo",
+    "CacheStatus",
     "ChatMessage",
     "Config",
     "ContextManifest",
@@ -204,6 +206,46 @@ class ActiveModel(_Report):
     resident_bytes: int = 0
 
 
+class CacheStatus(TypedDict):
+    """The workspace cache in ``DaemonStatus.cache`` (a plain map on the wire)."""
+
+    #: the RAM tier: entries, bytes held, budget (0 = off)
+    ram_entries: int
+    ram_bytes: int
+    ram_budget_bytes: int
+    #: the disk tier: entries, bytes on disk, budget (0 = off), directory
+    disk_entries: int
+    disk_bytes: int
+    disk_budget_bytes: int
+    disk_dir: str
+    #: requests whose resident tape fell short and that asked the cache: restored / not
+    hits: int
+    misses: int
+    hit_rate: float | None
+    #: tokens restored instead of prefilled, since start
+    restored_tokens: int
+    saves: int
+    evictions: int
+    #: entries refused on load (corrupt, foreign or refused by the engine) and dropped
+    rejected: int
+    last_rejection: str
+
+
+class CacheEntryInfo(_Report):
+    """One workspace cache entry, as ``modeld cache ls`` lists it."""
+
+    id: str = ""
+    model_digest: str = ""
+    backend: str = ""
+    tokens: int = 0
+    prefix_tokens: int = 0
+    bytes: int = 0
+    #: "ram", "disk" or "ram+disk"
+    where: str = ""
+    #: wall-clock time of the last use (seconds since the epoch)
+    last_used: float = 0.0
+
+
 class DaemonStatus(_Report):
     owner_instance_id: str = ""
     backend: str = ""
@@ -219,6 +261,8 @@ class DaemonStatus(_Report):
     pid: int = 0
     endpoint: str = ""
     embedding: dict[str, Any] | None = None
+    #: the workspace cache (``CacheStatus``); None when it is off
+    cache: dict[str, Any] | None = None
 
 
 class DeviceInfo(_Report):
@@ -313,6 +357,8 @@ class PrefixStatus(_Report):
     stable_token_hash: str = ""
     manifest_digest: str = ""
     prefill_ms: float = 0.0
+    #: of ``reused_tokens``, how many the workspace cache restored (not resident before the call)
+    cached_tokens: int = 0
 
 
 class SuffixStatus(_Report):
@@ -326,6 +372,8 @@ class SuffixStatus(_Report):
     #: suffix tokens computed now (suffix_tokens - reused_tokens)
     prefilled_tokens: int = 0
     prefill_ms: float = 0.0
+    #: of ``reused_tokens``, how many the workspace cache restored (not resident before the call)
+    cached_tokens: int = 0
 
 
 class StructuredOutputConfig(_Request):

@@ -54,6 +54,10 @@ from .errors import (
 )
 from .messages import (
     BytesFrame,
+    CacheClearReply,
+    CacheClearRequest,
+    CacheListReply,
+    CacheListRequest,
     CancelReply,
     CancelRequest,
     CloseReply,
@@ -121,6 +125,8 @@ class Op(str, enum.Enum):
     RESTORE = "restore"
     CLOSE = "close"
     HEARTBEAT = "heartbeat"
+    CACHE_LIST = "cache_list"
+    CACHE_CLEAR = "cache_clear"
 
 
 class Kind(str, enum.Enum):
@@ -169,6 +175,8 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.RESTORE: OpSchema(RestoreRequest, ContextReport),
     Op.CLOSE: OpSchema(SessionRef, CloseReply),
     Op.HEARTBEAT: OpSchema(HeartbeatRequest, HeartbeatReply),
+    Op.CACHE_LIST: OpSchema(CacheListRequest, CacheListReply),
+    Op.CACHE_CLEAR: OpSchema(CacheClearRequest, CacheClearReply),
 }
 
 

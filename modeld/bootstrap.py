@@ -19,19 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from contract.endpoint import default_endpoint
-from contract.interfaces import Backend, Embedder
+from contract.interfaces import Backend, Embedder, StateCache
 from contract.types import Config, LoadModelRequest
 
 from .blobs import BlobStore
 from .capacity import make_budget_check, make_planner
+from .capacity.sizes import parse_size
 from .server import Daemon
 from .slot import DEFAULT_LEASE_S, Planner, SlotService
+from .state_cache import StateCacheStore
 
 __all__ = [
     "BACKENDS",
     "PREPARE_STEPS",
     "ServeOptions",
     "build_backend",
+    "build_cache",
     "build_daemon",
     "build_embedder",
     "build_planner",
@@ -78,6 +81,11 @@ class ServeOptions:
     api_key: str = ""
     #: how long an HTTP request waits for the slot while another holds it
     http_queue_timeout: float = 300.0
+    #: workspace cache budgets ("auto", a size such as 2GiB, or 0 = off) and its directory
+    #: (None = ``<data dir>/cache``)
+    cache_ram: str = "auto"
+    cache_disk: str = "auto"
+    cache_dir: Path | None = None
 
 
 def default_data_dir() -> Path:
@@ -85,7 +93,19 @@ def default_data_dir() -> Path:
     return Path(base) / "modeld"
 
 
-def build_backend(opts: ServeOptions) -> Backend:
+def build_cache(opts: ServeOptions) -> StateCacheStore | None:
+    """The workspace cache for the tape engines (none for the memory backend, or with both budgets 0)."""
+    if opts.backend == "memory":
+        return None
+    ram = None if opts.cache_ram == "auto" else parse_size(opts.cache_ram)
+    disk = None if opts.cache_disk == "auto" else parse_size(opts.cache_disk)
+    if ram == 0 and disk == 0:
+        return None
+    directory = opts.cache_dir or (opts.data_dir or default_data_dir()) / "cache"
+    return StateCacheStore(directory, ram_budget=ram, disk_budget=disk)
+
+
+def build_backend(opts: ServeOptions, cache: StateCache | None = None) -> Backend:
     if opts.backend == "memory":
         from contract.memory import MemoryBackend
 
@@ -93,11 +113,11 @@ def build_backend(opts: ServeOptions) -> Backend:
     if opts.backend == "llama":
         from backends.llama import LlamaBackend
 
-        return LlamaBackend()
+        return LlamaBackend(cache=cache)
     if opts.backend == "openvino":
         from backends.openvino import OpenVINOBackend
 
-        return OpenVINOBackend()
+        return OpenVINOBackend(cache=cache)
     raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
@@ -126,9 +146,14 @@ def build_embedder(opts: ServeOptions, generation_bytes: Callable[[], int]) -> E
     return EmbeddingSlot(OpenVINOEmbedder, idle_unload_s=opts.embed_idle, budget_check=check)
 
 
-def build_slot(opts: ServeOptions, endpoint: str, backend: Backend | None = None) -> SlotService:
-    """The slot service over ``backend`` (default: the one ``opts`` names), with its planner and side slot."""
-    backend = backend if backend is not None else build_backend(opts)
+def build_slot(
+    opts: ServeOptions, endpoint: str, backend: Backend | None = None, cache: StateCacheStore | None = None
+) -> SlotService:
+    """The slot service over ``backend`` (default: the one ``opts`` names), with its planner, side slot and
+    workspace cache (built from ``opts`` with the backend; a given backend comes with its own ``cache``)."""
+    if backend is None:
+        cache = build_cache(opts)
+        backend = build_backend(opts, cache)
     # The side slot's budget check asks the slot what the generation model holds,
     # and the slot needs the side slot: the check reads the slot through this box.
     built: list[SlotService] = []
@@ -140,6 +165,7 @@ def build_slot(opts: ServeOptions, endpoint: str, backend: Backend | None = None
         planner=build_planner(opts),
         endpoint=endpoint,
         embedder=embedder,
+        cache=cache,
     )
     built.append(slot)
     return slot

@@ -48,6 +48,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-allow-remote", action="store_true", help="let --http bind a non-loopback address")
     p.add_argument("--http-queue-timeout", type=float, default=300.0, metavar="S",
                    help="seconds an HTTP request waits for a busy slot before 503")
+    p.add_argument("--cache-ram", default=os.environ.get("MODELD_CACHE_RAM", "auto"), metavar="SIZE",
+                   help="RAM for the workspace cache of prefix states, e.g. 2GiB; 0 = off; "
+                        "auto = half of what the model leaves spare, at most 4GiB (env MODELD_CACHE_RAM)")
+    p.add_argument("--cache-disk", default=os.environ.get("MODELD_CACHE_DISK", "auto"), metavar="SIZE",
+                   help="disk for the workspace cache (survives restarts), e.g. 8GiB; 0 = off; "
+                        "auto = a quarter of the free space, at most 16GiB (env MODELD_CACHE_DISK)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="workspace cache directory (default DATA_DIR/cache)")
     p.add_argument("--api-key", default=os.environ.get("MODELD_API_KEY", ""), help="bearer key the HTTP API requires (env MODELD_API_KEY)")
 
 
@@ -63,7 +70,11 @@ def serve(opts: ServeOptions) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    daemon = build_daemon(opts)
+    try:
+        daemon = build_daemon(opts)
+    except ValueError as exc:  # a bad size or setting, named by the parser
+        print(f"modeld: {exc}", file=sys.stderr)
+        return 2
     front = None
     if opts.http:
         try:

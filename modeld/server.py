@@ -54,6 +54,10 @@ from contract.errors import (
     WireError,
 )
 from contract.messages import (
+    CacheClearReply,
+    CacheClearRequest,
+    CacheListReply,
+    CacheListRequest,
     CancelReply,
     CancelRequest,
     CloseReply,
@@ -459,6 +463,9 @@ class Daemon:
     def _io_explain(self, identity: bytes, req: SessionRef) -> ContextReport:
         return self._session(req).explain_context()
 
+    def _io_cache_list(self, identity: bytes, req: CacheListRequest) -> CacheListReply:
+        return CacheListReply(entries=self.slot.cache_entries(), cache=self.slot.status().cache)
+
     # --- handlers (worker threads): a typed request in, a typed reply out -----------------------------------
     def _h_load(self, req: LoadModelRequest) -> ActiveModel:
         return self.slot.load_model(req)
@@ -509,6 +516,10 @@ class Daemon:
         sess.restore(req.snapshot.model_copy(update={"state": state}))
         return sess.explain_context()
 
+    def _h_cache_clear(self, req: CacheClearRequest) -> CacheClearReply:
+        # on the worker: no restore reads an entry while it is deleted
+        return CacheClearReply(cleared=self.slot.cache_clear(req.owner_instance_id))
+
     def _h_close(self, req: SessionRef) -> CloseReply:
         sess = self._sessions.pop(req.session_id, None)
         if sess is not None:
@@ -547,6 +558,7 @@ _IO_HANDLERS: dict[Op, Callable[[Daemon, bytes, Any], BaseModel]] = {
     Op.CANCEL: Daemon._io_cancel,
     Op.HEARTBEAT: Daemon._io_heartbeat,
     Op.EXPLAIN: Daemon._io_explain,
+    Op.CACHE_LIST: Daemon._io_cache_list,
 }
 
 _HANDLERS: dict[Op, Callable[[Daemon, Any], BaseModel]] = {
@@ -560,6 +572,7 @@ _HANDLERS: dict[Op, Callable[[Daemon, Any], BaseModel]] = {
     Op.SNAPSHOT: Daemon._h_snapshot,
     Op.RESTORE: Daemon._h_restore,
     Op.CLOSE: Daemon._h_close,
+    Op.CACHE_CLEAR: Daemon._h_cache_clear,
 }
 
 _STREAM_HANDLERS: dict[Op, Callable[[Daemon, _Inflight, Any], Generator[StreamChunk, None, None]]] = {

@@ -47,10 +47,11 @@ from contract.errors import (
     SlotGenerationStale,
     StaleFence,
 )
-from contract.interfaces import Backend, Embedder, LoadedModel, Session
+from contract.interfaces import Backend, CacheAdmin, Embedder, LoadedModel, Session
 from contract.manifest import ContextManifest
 from contract.types import (
     ActiveModel,
+    CacheEntryInfo,
     ContextReport,
     DaemonStatus,
     DecodeConfig,
@@ -127,8 +128,11 @@ class SlotService:
         planner: Planner | None = None,
         endpoint: str = "",
         embedder: Embedder | None = None,
+        cache: CacheAdmin | None = None,
     ) -> None:
         self.backend = backend
+        #: the workspace cache the backend's models save to (status, listing, memory hand-back)
+        self.cache = cache
         self.owner = owner
         self.lease_s = lease_s
         self.endpoint = endpoint
@@ -169,6 +173,7 @@ class SlotService:
                 pid=os.getpid(),
                 endpoint=self.endpoint,
                 embedding=self._embedder.status() if self._embedder is not None else None,
+                cache=dict(self.cache.status()) if self.cache is not None else None,
             )
 
     @property
@@ -264,6 +269,8 @@ class SlotService:
     def _load_locked(self, req: OpenSessionRequest) -> ActiveModel:
         switching = self._loaded is not None
         credit = self._loaded.resident_bytes() if self._loaded is not None else 0
+        if self.cache is not None:
+            credit += self.cache.status()["ram_bytes"]  # handed back before the load (release_ram)
         info: ModelInfo | None = None
         asked = req  # identity for later matching: what the caller asked, not what was planned
         if self._planner is not None:
@@ -277,6 +284,8 @@ class SlotService:
         try:
             if self._loaded is not None:
                 self._release_model_locked()
+            if self.cache is not None:
+                self.cache.release_ram()  # the cache never holds RAM a model load needs
             loaded = self.backend.load(req, self._on_progress)
         except ModeldError as exc:
             self._fail_locked(exc)
@@ -307,6 +316,8 @@ class SlotService:
         except ModeldError:
             loaded.close()  # refused (a shutdown raced the load): nothing may stay resident unowned
             raise
+        if self.cache is not None and info is not None:
+            self.cache.fit_ram(max(0, info.usable_bytes - info.required_bytes))
         return active
 
     def _on_progress(self, fraction: float) -> None:
@@ -327,7 +338,7 @@ class SlotService:
             self._active = None
             self._request = None
         if loaded is not None:
-            loaded.close()
+            loaded.close()  # a tape engine saves its tape to the workspace cache first
 
     def unload_model(self, req: UnloadModelRequest) -> None:
         with self._op_lock:
@@ -350,6 +361,8 @@ class SlotService:
                 self._transition(SlotState.UNLOADING)
                 self._busy_op = "unload"
             self._release_model_locked()
+            if self.cache is not None:
+                self.cache.release_ram()
             with self._state_lock:
                 self._transition(SlotState.EMPTY)
                 self._generation += 1
@@ -519,6 +532,18 @@ class SlotService:
                 self._release_holder(self._holder)
             self._release_model_locked()
             self.backend.close()
+        if self.cache is not None:
+            self.cache.close()  # the tape saved by the release above reaches the disk
+
+    # --- workspace cache ---------------------------------------------------------------
+    def cache_entries(self) -> list[CacheEntryInfo]:
+        return self.cache.entries() if self.cache is not None else []
+
+    def cache_clear(self, owner: str) -> int:
+        """Drop every workspace cache entry; only the owner may (the fence is checked)."""
+        with self._op_lock:
+            self._check_fence(owner)
+            return self.cache.clear() if self.cache is not None else 0
 
 
 class SlotSession:

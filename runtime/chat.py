@@ -15,7 +15,8 @@ all of it every turn. ``Chat`` maps that onto the session contract:
   prefills only what is new: the daemon reuses the token LCP of everything
   resident, the model's own earlier replies included;
 * the reply comes back as an assistant message (content, tool calls, reasoning)
-  with the finish reason, token usage (prompt, reused, prefilled, completion)
+  with the finish reason, token usage (prompt, reused, prefilled, completion; cached: restored by the
+  daemon's workspace cache)
   and timing (time to first token, prefill, decode rate).
 
 Messages may be dicts in the OpenAI chat shape or ``contract.ChatMessage``.
@@ -57,6 +58,8 @@ class ChatUsage(BaseModel):
     reused_tokens: int = 0
     prefilled_tokens: int = 0
     completion_tokens: int = 0
+    #: of ``reused_tokens``, those the daemon's workspace cache restored (the session had switched away)
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -231,12 +234,16 @@ class Chat:
         except BaseException:
             sess.close()
             raise
-        return self._events(sess, cfg, pre.reused_tokens + suf.reused_tokens, pre.prefilled_tokens + suf.prefilled_tokens,
-                            pre.prefill_ms + suf.prefill_ms, started)
+        prompt = ChatUsage(
+            reused_tokens=pre.reused_tokens + suf.reused_tokens,
+            prefilled_tokens=pre.prefilled_tokens + suf.prefilled_tokens,
+            cached_tokens=pre.cached_tokens + suf.cached_tokens,
+        )
+        return self._events(sess, cfg, prompt, pre.prefill_ms + suf.prefill_ms, started)
 
     @staticmethod
     def _events(
-        sess: RemoteSession, cfg: DecodeConfig, reused: int, prefilled: int, prefill_ms: float, started: float
+        sess: RemoteSession, cfg: DecodeConfig, prompt: ChatUsage, prefill_ms: float, started: float
     ) -> Generator[ChatEvent, None, None]:
         text: list[str] = []
         thinking: list[str] = []
@@ -264,11 +271,11 @@ class Chat:
         result = ChatResult(
             message=ChatMessage(role="assistant", content=content or None, tool_calls=calls, reasoning="".join(thinking)),
             finish_reason=final.finish_reason if final is not None else "",
-            usage=ChatUsage(
-                prompt_tokens=usage.prompt_tokens if usage else 0,
-                reused_tokens=reused,
-                prefilled_tokens=prefilled,
-                completion_tokens=usage.completion_tokens if usage else 0,
+            usage=prompt.model_copy(
+                update={
+                    "prompt_tokens": usage.prompt_tokens if usage else 0,
+                    "completion_tokens": usage.completion_tokens if usage else 0,
+                }
             ),
             timing=ChatTiming(
                 ttft_ms=(first - started) * 1000 if first else 0.0,

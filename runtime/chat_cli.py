@@ -56,8 +56,9 @@ def _read_json(path: str) -> Any:
 
 def _summary(result: ChatResult) -> str:
     u, t = result.usage, result.timing
+    cached = f" ({u.cached_tokens} from the workspace cache)" if u.cached_tokens else ""
     return (
-        f"[reused {u.reused_tokens}, prefilled {u.prefilled_tokens} of {u.prompt_tokens} prompt tokens; "
+        f"[reused {u.reused_tokens}{cached}, prefilled {u.prefilled_tokens} of {u.prompt_tokens} prompt tokens; "
         f"{u.completion_tokens} tokens, first after {t.ttft_ms:.0f} ms, {t.decode_tokens_per_s:.1f} tok/s; "
         f"{result.finish_reason}]"
     )

@@ -39,6 +39,14 @@ def _table(rows: list[tuple[str, Any]]) -> str:
     return "\n".join(f"{k.ljust(width)}  {'' if v is None else v}" for k, v in rows)
 
 
+def _size(n: int) -> str:
+    """Bytes in binary units, as people read them (``1.5 GiB``)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False))
 
@@ -100,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(s, path_required=False)
     _common(s)
 
+    s = sub.add_parser("cache", help="the workspace cache of prefix states: ls (list) or clear")
+    s.add_argument("action", choices=("ls", "clear"))
+    _common(s)
+
     s = sub.add_parser("chat", help="a multi-turn conversation with the loaded model (or --messages-file F --json)")
     add_chat_arguments(s)
     _common(s)
@@ -154,9 +166,48 @@ def _status(client: Client, args: argparse.Namespace) -> int:
             ("context", st.active.effective_context),
             ("resident bytes", st.active.resident_bytes),
         ]
+    if st.cache is not None:
+        c = st.cache
+        rate = "-" if c.get("hit_rate") is None else f"{c['hit_rate'] * 100:.0f}%"
+        rows += [
+            ("cache ram", f"{c.get('ram_entries', 0)} entries, {_size(c.get('ram_bytes', 0))} of "
+                          f"{_size(c.get('ram_budget_bytes', 0))}"),
+            ("cache disk", f"{c.get('disk_entries', 0)} entries, {_size(c.get('disk_bytes', 0))} of "
+                           f"{_size(c.get('disk_budget_bytes', 0))}" + (f" in {c['disk_dir']}" if c.get("disk_dir") else "")),
+            ("cache hits", f"{c.get('hits', 0)} of {c.get('hits', 0) + c.get('misses', 0)} switches ({rate}), "
+                           f"{c.get('restored_tokens', 0)} tokens restored"),
+        ]
+        if c.get("rejected"):
+            rows.append(("cache rejected", f"{c['rejected']} (last: {c.get('last_rejection', '')})"))
     if st.last_error:
         rows.append(("last error", st.last_error))
     print(_table(rows))
+    return 0
+
+
+def _cache(client: Client, args: argparse.Namespace) -> int:
+    if args.action == "clear":
+        n = client.cache_clear()
+        if args.json:
+            _print_json({"cleared": n})
+        else:
+            print(f"cleared {n} workspace cache entries")
+        return 0
+    listing = client.cache_list()
+    if args.json:
+        _print_json(listing.model_dump(mode="json"))
+        return 0
+    if listing.cache is None:
+        print("the workspace cache is off (modeld serve --cache-ram 0 --cache-disk 0, or the memory backend)")
+        return 0
+    now = time.time()
+    print(f"{'ID':16}  {'BACKEND':8}  {'TOKENS':>6}  {'PREFIX':>6}  {'SIZE':>9}  {'WHERE':8}  LAST USED")
+    for e in listing.entries:
+        age = max(0.0, now - e.last_used)
+        ago = f"{age:.0f}s ago" if age < 120 else f"{age / 60:.0f}m ago" if age < 7200 else f"{age / 3600:.0f}h ago"
+        print(f"{e.id:16}  {e.backend:8}  {e.tokens:>6}  {e.prefix_tokens:>6}  {_size(e.bytes):>9}  {e.where:8}  {ago}")
+    if not listing.entries:
+        print("(no entries)")
     return 0
 
 
@@ -274,4 +325,5 @@ _COMMANDS = {
     "embed": _embed,
     "run": _run,
     "chat": run_chat,
+    "cache": _cache,
 }

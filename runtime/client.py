@@ -33,6 +33,10 @@ from contract.endpoint import default_endpoint, ipc_path
 from contract.errors import BadFrame, DaemonTimeout, ModeldError, SessionClosed, Unavailable
 from contract.manifest import ContextManifest
 from contract.messages import (
+    CacheClearReply,
+    CacheClearRequest,
+    CacheListReply,
+    CacheListRequest,
     CancelRequest,
     CloseReply,
     DecodeRequest,
@@ -79,7 +83,7 @@ LEASE_RENEW_INTERVAL_S = 5.0
 CLOSE_ON_EXIT_TIMEOUT_S = 2.0
 
 _R = TypeVar("_R", bound=BaseModel)
-_Fenced = TypeVar("_Fenced", LoadModelRequest, UnloadModelRequest, OpenSessionRequest, EmbedRequest)
+_Fenced = TypeVar("_Fenced", LoadModelRequest, UnloadModelRequest, OpenSessionRequest, EmbedRequest, CacheClearRequest)
 
 
 def _listening(path: Path) -> bool:
@@ -246,6 +250,15 @@ class Client:
 
     def unload_model(self, req: UnloadModelRequest | None = None) -> None:
         self._request(Op.UNLOAD, self._fenced(req or UnloadModelRequest()), UnloadReply)
+
+    # --- workspace cache -------------------------------------------------------------------------
+    def cache_list(self) -> CacheListReply:
+        """The workspace cache's entries (most recently used first) and its status (``cache`` is None when off)."""
+        return self._request(Op.CACHE_LIST, CacheListRequest(), CacheListReply)
+
+    def cache_clear(self) -> int:
+        """Drop every workspace cache entry, in RAM and on disk; returns how many (owner-fenced)."""
+        return self._request(Op.CACHE_CLEAR, self._fenced(CacheClearRequest()), CacheClearReply).cleared
 
     # --- Service ---------------------------------------------------------------------------------
     def describe(self, req: OpenSessionRequest) -> ModelInfo:

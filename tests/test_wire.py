@@ -23,6 +23,10 @@ from contract.errors import (
 from contract.manifest import ContextManifest
 from contract.messages import (
     BytesFrame,
+    CacheClearReply,
+    CacheClearRequest,
+    CacheListReply,
+    CacheListRequest,
     CancelReply,
     CancelRequest,
     CloseReply,
@@ -44,6 +48,7 @@ from contract.messages import (
 )
 from contract.types import (
     ActiveModel,
+    CacheEntryInfo,
     ChatMessage,
     Config,
     ContextReport,
@@ -127,6 +132,13 @@ SAMPLES: dict[Op, tuple[BaseModel, BaseModel]] = {
     Op.RESTORE: (RestoreRequest.of("s1", SNAP), ContextReport(resident_tokens=5, prefix_tokens=3, num_ctx=2048)),
     Op.CLOSE: (SessionRef(session_id="s1"), CloseReply(closed=True)),
     Op.HEARTBEAT: (HeartbeatRequest(session_ids=["s1", "s2"]), HeartbeatReply(alive=["s1"])),
+    Op.CACHE_LIST: (
+        CacheListRequest(),
+        CacheListReply(entries=[CacheEntryInfo(id="ab12", backend="llama", tokens=2048, prefix_tokens=1990,
+                                               bytes=47_000_000, where="ram+disk", last_used=1.5)],
+                       cache={"ram_entries": 1, "hits": 3, "hit_rate": 0.75}),
+    ),
+    Op.CACHE_CLEAR: (CacheClearRequest(owner_instance_id="o"), CacheClearReply(cleared=2)),
 }
 
 
@@ -150,7 +162,7 @@ def _message(body: dict[str, Any], payloads: list[bytes] | None = None) -> Messa
 def test_op_and_kind_frames_are_pinned() -> None:
     assert {op.value for op in Op} == {
         "status", "load", "unload", "describe", "embed", "open", "ensure_prefix", "prefill_suffix", "decode",
-        "cancel", "explain", "snapshot", "restore", "close", "heartbeat",
+        "cancel", "explain", "snapshot", "restore", "close", "heartbeat", "cache_list", "cache_clear",
     }
     assert {k.name: k.value for k in Kind} == {"OK": "ok", "DATA": "data", "END": "end", "ERROR": "error", "HEARTBEAT": "hb"}
     assert {k for k in Kind if k.terminal} == {Kind.OK, Kind.END, Kind.ERROR}

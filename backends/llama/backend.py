@@ -8,6 +8,7 @@ from pathlib import Path
 import llama_cpp
 
 from contract.errors import ModelLoadFailed, UnsupportedFeature
+from contract.interfaces import StateCache
 from contract.resident import check_model_type
 from contract.sizing import LLAMA_CPP_OVERHEAD, MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
@@ -39,6 +40,10 @@ class LlamaBackend:
 
     name = BACKEND_NAME
 
+    def __init__(self, cache: StateCache | None = None) -> None:
+        #: the workspace cache every loaded model saves to and restores from (None: none)
+        self.cache = cache
+
     def runtime_version(self) -> str:
         return runtime_version()
 
@@ -69,6 +74,7 @@ class LlamaBackend:
             except BaseException:
                 llm.close()
                 raise
+            model.cache = self.cache
         progress(1.0)
         return model
 

@@ -10,6 +10,7 @@ import openvino_genai
 import psutil
 
 from contract.errors import Internal, UnsupportedFeature
+from contract.interfaces import StateCache
 from contract.resident import check_model_type
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
@@ -31,9 +32,11 @@ class OpenVINOBackend:
 
     name = BACKEND_NAME
 
-    def __init__(self, device: str = "CPU", inference_precision: str = "") -> None:
+    def __init__(self, device: str = "CPU", inference_precision: str = "", cache: StateCache | None = None) -> None:
         self.device = device
         self.inference_precision = inference_precision
+        #: the workspace cache every loaded model saves to and restores from (None: none)
+        self.cache = cache
         self._core: ov.Core | None = None
 
     @property
@@ -86,6 +89,7 @@ class OpenVINOBackend:
             except BaseException:
                 loaded.close()
                 raise
+            loaded.cache = self.cache
         progress(1.0)
         return loaded
 

@@ -22,9 +22,12 @@ from contract.errors import (
     SessionClosed,
     UnsupportedFeature,
 )
+from contract.interfaces import StateCache
 from contract.manifest import ContextManifest, canonical_digest
 from contract.resident import Resident
 from contract.types import Config, DecodeConfig, SessionSnapshot
+
+from .cache import save_tape
 
 if TYPE_CHECKING:
     from .session import DecodeSteps, TapeSession
@@ -76,6 +79,8 @@ class TapeModel(Protocol):
     closed: bool
     session_gen: int
     template: ChatTemplate | None
+    #: the workspace cache the daemon gave the model (None: none)
+    cache: StateCache | None
 
     @property
     def digest(self) -> str: ...
@@ -85,6 +90,10 @@ class TapeModel(Protocol):
 
     @property
     def vocab_size(self) -> int: ...
+
+    def engine_version(self) -> str: ...
+
+    def reuse_identity(self) -> dict[str, Any]: ...
 
     def errors(self, action: str) -> AbstractContextManager[None]:
         """The engine's one translation of foreign exceptions into contract errors."""
@@ -240,6 +249,8 @@ class TapeModelBase(ABC):
         #: the tape's first ``exact_len`` tokens were computed by prefill (not by one-token
         #: decode steps), so they hold exactly what a cold prefill computes; engines keep it
         self.exact_len = 0
+        #: the workspace cache (``backends.tape.cache``); the backend sets it after the load
+        self.cache: StateCache | None = None
 
     # --- identity ---------------------------------------------------------------------------
     @property
@@ -331,6 +342,7 @@ class TapeModelBase(ABC):
     def close(self) -> None:
         if self.closed:
             return
+        save_tape(self)  # an unload or a stop keeps the tape in the workspace cache
         self.closed = True
         self.epoch += 1
         self.res.clear()

@@ -31,6 +31,7 @@ from contract.types import (
     check_conversation,
 )
 
+from .cache import SAVE_MIN_TOKENS, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
 from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix
 from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
@@ -213,6 +214,15 @@ class TapeSession:
             rendered = render_prefix(m.template, prefix.text, parse_tools(prefix.tools))
             tokens = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
             plan = m.res.plan_prefix(prefix.manifest, tokens)  # ContextOverflow before any change
+        cached = 0
+        if m.reusable(plan.keep) < len(tokens) and restore_best(
+            m, prefix.manifest, tokens, m.reusable(plan.keep), count_miss=True
+        ):
+            # A workspace switched back: the cache held more of this prefix than the tape.
+            dropped = plan.dropped
+            plan = m.res.plan_prefix(prefix.manifest, tokens)
+            plan.dropped = dropped
+            cached = m.reusable(plan.keep)
         full_hit = m.reusable(plan.keep) == len(tokens)
         if full_hit and len(m.res.tokens) > len(tokens):
             # The whole prefix is resident and more after it: keep that KV (the previous
@@ -220,6 +230,8 @@ class TapeSession:
             m.epoch += 1  # an open stream must not write after the prefix any more
             kept = len(tokens)
         else:
+            if not cached:
+                save_before_discard(m, m.reusable(plan.keep))
             try:
                 with m.errors("ensure_prefix: prefill"):
                     kept = m.set_kv(tokens, m.reusable(plan.keep))
@@ -229,7 +241,9 @@ class TapeSession:
         m.res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools, keep_tail=full_hit)
         if kept != plan.keep:
             plan = PrefixPlan(keep=kept, tail=tokens[kept:], dropped=plan.dropped + plan.keep - kept)
-        return m.res.prefix_status(plan, (time.perf_counter() - t0) * 1000)
+        if len(plan.tail) >= SAVE_MIN_TOKENS:
+            save_tape(m)  # the end of a freshly computed stable prefix: a save point
+        return m.res.prefix_status(plan, (time.perf_counter() - t0) * 1000, min(cached, kept))
 
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
         m = self._live()
@@ -243,6 +257,17 @@ class TapeSession:
             res.check_suffix(suffix.manifest, len(target) - res.prefix_len)
         # the LCP runs over everything the KV holds: the previous turn and reply included
         keep = m.reusable(common_prefix_len(res.tokens, target))
+        cached = 0
+        if keep < len(target) and m.cache is not None and res.manifest is not None:
+            # another conversation under the same stable prefix may be in the cache
+            context = (res.manifest, res.prefix_len, res.stable_text, res.tools, res.stable_token_hash)
+            covered = restore_best(m, res.manifest, target, keep, count_miss=False)
+            res.manifest, res.prefix_len, res.stable_text, res.tools, res.stable_token_hash = context
+            keep = m.reusable(common_prefix_len(res.tokens, target))
+            if covered:
+                cached = keep
+        if not cached:
+            save_before_discard(m, keep)
         try:
             with m.errors("prefill_suffix: prefill"):
                 kept = _set_kv(m, target, keep)
@@ -262,7 +287,8 @@ class TapeSession:
         # when the engine could not keep a tail and everything was recomputed.
         res.prefix_len = prefix_len
         reused = max(0, kept - prefix_len)
-        return res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000)
+        from_cache = max(0, min(cached, kept) - prefix_len)
+        return res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
 
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         """Stream chunks; closing the generator cancels within one token (see ``_stream``)."""

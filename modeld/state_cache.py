@@ -1,0 +1,481 @@
+"""The workspace cache: KV states of token prefixes the slot may need again, in RAM and on disk.
+
+One slot holds one KV tape. A coding agent alternates prompts (the main agent
+and its sub-agents each have their own system prompt and tools; a user hops
+between repositories), and without a cache every switch re-prefills the whole
+prefix. The tape engines (``backends.tape.cache``) save the tape's state here
+before they discard a long stretch of it, after they prefill a stable prefix,
+and when the model is unloaded; when a request's token LCP with the resident
+tape is shorter than what an entry covers, they restore the entry and prefill
+only the rest.
+
+**Entries and lookup.** An entry is one whole engine state (a
+``SessionSnapshot``: state bytes, the token ids they hold, the manifest) filed
+under a key that names everything the bytes are valid for: engine and version,
+model digest, runtime settings, context size and the manifest's identity
+(template digest, BOS policy …). A lookup takes the entries under the request's
+key and picks the one with the longest token LCP. A flat list of whole states,
+not a token trie or a block hash chain, because an engine restores a state as a
+whole: neither llama.cpp's per-sequence state nor the OpenVINO block pools can
+share blocks between entries, so a trie would save no bytes; and a state that
+extends another replaces it (``put``), so entries do not repeat each other.
+Entries number in the tens (a 2k-token state of the bundled model is ~50 MB)
+and an LCP over each costs microseconds.
+
+**Tiers.** RAM is an LRU under ``ram_budget`` bytes. Every entry is also written
+through to the disk tier by one background thread (so neither a RAM eviction
+nor a shutdown loses it), which is an LRU under ``disk_budget`` bytes. A disk
+file is ``MAGIC | header length | header (JSON) | state | sha256 of all before``,
+mode 0600 in a 0700 directory, named by the entry id (a hash of key and
+tokens). It is verified when it is read: the trailing digest, the id against
+key and tokens, the header against the snapshot schema; a corrupt or foreign
+file is deleted and reported (``rejected``, ``last_rejection``), never restored.
+Budgets of 0 turn a tier off; ``None`` sizes it automatically (RAM from the
+capacity planner's spare memory after each load, disk from the free space).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil  # no stubs in the venv (ignore_missing_imports)
+from pydantic import ValidationError
+
+from contract.manifest import common_prefix_len, token_hash
+from contract.types import CacheEntryInfo, CacheStatus, SessionSnapshot
+
+__all__ = ["AUTO_DISK_CAP", "AUTO_RAM_CAP", "StateCacheStore", "entry_id"]
+
+log = logging.getLogger("modeld.cache")
+
+MAGIC = b"modeld-kvcache1\n"
+_LEN = struct.Struct("<I")
+_DIGEST_BYTES = 32
+#: the largest header a disk entry may have (token ids of a long context as JSON)
+_MAX_HEADER = 64 * 1024 * 1024
+#: automatic budgets: RAM at most this (and half of what the planner leaves spare), disk at most this
+#: (and a quarter of the free space)
+AUTO_RAM_CAP = 4 * 2**30
+AUTO_DISK_CAP = 16 * 2**30
+#: how long ``close`` waits for queued disk writes
+CLOSE_WAIT_S = 20.0
+
+
+def entry_id(key: str, tokens: Sequence[int]) -> str:
+    """An entry's name: sha256 over its key and its token ids (also its file name)."""
+    return hashlib.sha256(f"{key}\n{token_hash(tokens)}".encode()).hexdigest()
+
+
+@dataclass
+class _Entry:
+    id: str
+    key: str
+    tokens: list[int]
+    prefix_tokens: int
+    model_digest: str
+    backend: str
+    #: bytes it holds in RAM (state + token ids), and its file size when on disk
+    nbytes: int
+    last_used: float
+    snap: SessionSnapshot | None = None
+    disk_bytes: int = 0
+    #: a disk write is queued or running
+    writing: bool = False
+
+
+def _ram_bytes(snap: SessionSnapshot) -> int:
+    return len(snap.state) + 8 * len(snap.resident_token_ids) + len(snap.stable_text) + len(snap.tools)
+
+
+class StateCacheStore:
+    """The daemon's ``StateCache`` (for the tape engines) and ``CacheAdmin`` (for the slot and status)."""
+
+    def __init__(self, directory: Path | None, *, ram_budget: int | None = None, disk_budget: int | None = None) -> None:
+        self._dir = directory if disk_budget != 0 else None
+        self._ram_auto = ram_budget is None
+        self._ram_budget = min(AUTO_RAM_CAP, int(psutil.virtual_memory().available) // 4) if ram_budget is None else ram_budget
+        self._disk_budget = 0
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._ram: OrderedDict[str, None] = OrderedDict()  # LRU order of the entries held in RAM
+        self._ram_bytes = 0
+        self._disk_bytes = 0
+        self._hits = self._misses = self._restored = self._saves = self._evictions = self._rejected = 0
+        self._last_rejection = ""
+        self._queue: queue.Queue[_Entry | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._closed = False
+        if self._dir is not None:
+            self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self._dir, 0o700)
+            if disk_budget is None:
+                disk_budget = min(AUTO_DISK_CAP, shutil.disk_usage(self._dir).free // 4)
+            self._disk_budget = disk_budget
+            self._scan()
+            self._writer = threading.Thread(target=self._write_loop, name="modeld-cache-writer", daemon=True)
+            self._writer.start()
+
+    @property
+    def enabled(self) -> bool:
+        return self._ram_budget > 0 or self._dir is not None
+
+    # --- StateCache (the engine's side; the worker thread) -----------------------------------
+    def lookup(
+        self, key: str, tokens: Sequence[int], *, min_len: int, max_tokens: int, count_miss: bool = True
+    ) -> tuple[SessionSnapshot, int] | None:
+        with self._lock:
+            found = [
+                (common_prefix_len(e.tokens, tokens), e.last_used, e)
+                for e in self._entries.values()
+                if e.key == key and len(e.tokens) <= max_tokens
+            ]
+        for lcp, _, entry in sorted((c for c in found if c[0] > min_len), key=lambda c: (-c[0], -c[1])):
+            snap = entry.snap if entry.snap is not None else self._read(entry)
+            if snap is None:
+                continue  # refused and dropped; try the next best
+            with self._lock:
+                self._hits += 1
+                self._touch(entry)
+                if entry.snap is None and entry.id in self._entries:
+                    self._hold_in_ram(entry, snap)
+            return snap, lcp
+        if count_miss:
+            with self._lock:
+                self._misses += 1
+        return None
+
+    def covers(self, key: str, tokens: Sequence[int]) -> bool:
+        n = len(tokens)
+        with self._lock:
+            return any(
+                e.key == key and len(e.tokens) >= n and common_prefix_len(e.tokens, tokens) == n
+                for e in self._entries.values()
+            )
+
+    def put(self, key: str, snap: SessionSnapshot) -> None:
+        tokens = list(snap.resident_token_ids)
+        n = len(tokens)
+        if not self.enabled or self._closed or not tokens:
+            return
+        nbytes = _ram_bytes(snap)
+        with self._lock:
+            for e in self._entries.values():
+                if e.key == key and len(e.tokens) >= n and common_prefix_len(e.tokens, tokens) == n:
+                    self._touch(e)  # already covered: the longer entry restores this too
+                    return
+            for e in [e for e in self._entries.values() if e.key == key and common_prefix_len(e.tokens, tokens) == len(e.tokens)]:
+                self._drop(e)  # the new entry extends it
+            entry = _Entry(
+                id=entry_id(key, tokens),
+                key=key,
+                tokens=tokens,
+                prefix_tokens=snap.prefix_tokens,
+                model_digest=snap.manifest.model_digest,
+                backend=snap.backend,
+                nbytes=nbytes,
+                last_used=time.time(),
+            )
+            kept = False
+            if nbytes <= self._ram_budget:
+                self._entries[entry.id] = entry
+                self._hold_in_ram(entry, snap)
+                kept = True
+            if self._dir is not None and self._writer is not None and nbytes <= self._disk_budget:
+                self._entries[entry.id] = entry
+                entry.writing = True
+                self._queue.put(_Entry(**{**entry.__dict__, "snap": snap}))
+                kept = True
+            if kept:
+                self._saves += 1
+
+    def reject(self, key: str, snap: SessionSnapshot, reason: str) -> None:
+        eid = entry_id(key, snap.resident_token_ids)
+        with self._lock:
+            entry = self._entries.get(eid)
+            if entry is not None:
+                self._drop(entry)
+            self._note_rejection(f"{eid[:12]}: {reason}")
+
+    def note_restored(self, tokens: int) -> None:
+        with self._lock:
+            self._restored += max(0, tokens)
+
+    # --- CacheAdmin (the slot and status; any thread) ---------------------------------------------
+    def status(self) -> CacheStatus:
+        with self._lock:
+            asked = self._hits + self._misses
+            return CacheStatus(
+                ram_entries=len(self._ram),
+                ram_bytes=self._ram_bytes,
+                ram_budget_bytes=self._ram_budget,
+                disk_entries=sum(1 for e in self._entries.values() if e.disk_bytes),
+                disk_bytes=self._disk_bytes,
+                disk_budget_bytes=self._disk_budget,
+                disk_dir=str(self._dir) if self._dir is not None else "",
+                hits=self._hits,
+                misses=self._misses,
+                hit_rate=self._hits / asked if asked else None,
+                restored_tokens=self._restored,
+                saves=self._saves,
+                evictions=self._evictions,
+                rejected=self._rejected,
+                last_rejection=self._last_rejection,
+            )
+
+    def entries(self) -> list[CacheEntryInfo]:
+        with self._lock:
+            out = [
+                CacheEntryInfo(
+                    id=e.id[:16],
+                    model_digest=e.model_digest,
+                    backend=e.backend,
+                    tokens=len(e.tokens),
+                    prefix_tokens=e.prefix_tokens,
+                    bytes=max(e.nbytes if e.snap is not None else 0, e.disk_bytes),
+                    where="+".join(w for w, on in (("ram", e.snap is not None), ("disk", e.disk_bytes > 0 or e.writing)) if on),
+                    last_used=e.last_used,
+                )
+                for e in self._entries.values()
+            ]
+        return sorted(out, key=lambda i: -i.last_used)
+
+    def clear(self) -> int:
+        with self._lock:
+            gone = list(self._entries.values())
+            for e in gone:
+                self._drop(e)
+            return len(gone)
+
+    def fit_ram(self, spare_bytes: int) -> None:
+        if not self._ram_auto:
+            return
+        with self._lock:
+            self._ram_budget = max(0, min(AUTO_RAM_CAP, spare_bytes // 2))
+            self._evict_ram()
+
+    def release_ram(self) -> None:
+        with self._lock:
+            for eid in list(self._ram):
+                self._unhold(self._entries[eid])
+
+    def close(self) -> None:
+        """Finish the queued disk writes (at most ``CLOSE_WAIT_S``), then stop the writer."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join(CLOSE_WAIT_S)
+            if self._writer.is_alive():
+                log.warning("workspace cache: disk writes still running after %.0f s; leaving them", CLOSE_WAIT_S)
+
+    # --- RAM tier (callers hold the lock) --------------------------------------------------------
+    def _touch(self, entry: _Entry) -> None:
+        entry.last_used = time.time()
+        if entry.id in self._ram:
+            self._ram.move_to_end(entry.id)
+        if entry.disk_bytes and self._dir is not None:
+            # the file's mtime carries the LRU order across a restart
+            with contextlib.suppress(OSError):
+                os.utime(self._dir / f"{entry.id}.kv")
+
+    def _hold_in_ram(self, entry: _Entry, snap: SessionSnapshot) -> None:
+        if entry.nbytes > self._ram_budget:
+            return
+        entry.snap = snap
+        self._ram[entry.id] = None
+        self._ram_bytes += entry.nbytes
+        self._evict_ram()
+
+    def _unhold(self, entry: _Entry) -> None:
+        """Take ``entry`` out of RAM; it stays an entry only while it is (or is being written) on disk."""
+        if entry.id in self._ram:
+            del self._ram[entry.id]
+            self._ram_bytes -= entry.nbytes
+        entry.snap = None
+        if not entry.disk_bytes and not entry.writing:
+            self._entries.pop(entry.id, None)
+
+    def _evict_ram(self) -> None:
+        while self._ram_bytes > self._ram_budget and self._ram:
+            entry = self._entries[next(iter(self._ram))]
+            if not entry.disk_bytes and not entry.writing:
+                self._evictions += 1  # gone for good: no disk copy
+            self._unhold(entry)
+
+    def _drop(self, entry: _Entry) -> None:
+        """Forget ``entry`` in both tiers (a queued write of it is skipped)."""
+        self._unhold(entry)
+        self._entries.pop(entry.id, None)
+        entry.writing = False
+        if entry.disk_bytes and self._dir is not None:
+            (self._dir / f"{entry.id}.kv").unlink(missing_ok=True)
+            self._disk_bytes -= entry.disk_bytes
+            entry.disk_bytes = 0
+
+    def _note_rejection(self, why: str) -> None:
+        self._rejected += 1
+        self._last_rejection = why
+        log.warning("workspace cache: refused an entry: %s", why)
+
+    # --- disk tier --------------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._write(item)
+            except Exception as exc:  # a full disk must not stop the daemon: the entry stays RAM-only
+                log.warning("workspace cache: could not write entry %s: %s", item.id[:12], exc)
+                with self._lock:
+                    live = self._entries.get(item.id)
+                    if live is not None:
+                        live.writing = False
+                        if live.snap is None:
+                            self._entries.pop(live.id, None)
+
+    def _write(self, item: _Entry) -> None:
+        assert self._dir is not None and item.snap is not None
+        with self._lock:
+            live = self._entries.get(item.id)
+            if live is None or not live.writing:
+                return  # dropped (or replaced by a longer entry) while queued
+        snap = item.snap
+        header = json.dumps(
+            {"key": item.key, "snapshot": snap.model_dump(mode="json", exclude={"state"}), "state_len": len(snap.state)},
+            separators=(",", ":"),
+        ).encode()
+        digest = hashlib.sha256()
+        path = self._dir / f"{item.id}.kv"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for part in (MAGIC, _LEN.pack(len(header)), header, snap.state):
+                    digest.update(part)
+                    f.write(part)
+                f.write(digest.digest())
+            size = tmp.stat().st_size
+            with self._lock:
+                live = self._entries.get(item.id)
+                if live is None or not live.writing:
+                    tmp.unlink(missing_ok=True)
+                    return
+                os.replace(tmp, path)
+                live.writing = False
+                live.disk_bytes = size
+                self._disk_bytes += size
+                self._prune_disk()
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _prune_disk(self) -> None:
+        """Delete least recently used files until the tier fits its budget (caller holds the lock)."""
+        on_disk = sorted((e for e in self._entries.values() if e.disk_bytes), key=lambda e: e.last_used)
+        for e in on_disk:
+            if self._disk_bytes <= self._disk_budget:
+                break
+            assert self._dir is not None
+            (self._dir / f"{e.id}.kv").unlink(missing_ok=True)
+            self._disk_bytes -= e.disk_bytes
+            e.disk_bytes = 0
+            if e.snap is None:
+                self._entries.pop(e.id, None)
+                self._evictions += 1
+
+    def _read_header(self, path: Path) -> tuple[str, SessionSnapshot, int]:
+        """Key, snapshot bookkeeping (no state) and state length from a file's header; ValueError if not ours."""
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + _LEN.size)
+            if head[: len(MAGIC)] != MAGIC or len(head) != len(MAGIC) + _LEN.size:
+                raise ValueError("not a workspace cache file of this version")
+            (hlen,) = _LEN.unpack(head[len(MAGIC) :])
+            if hlen > _MAX_HEADER:
+                raise ValueError("header too large")
+            raw = f.read(hlen)
+        try:
+            header = json.loads(raw)
+            key, state_len = header["key"], header["state_len"]
+            snap = SessionSnapshot.model_validate(header["snapshot"])
+        except (ValueError, KeyError, TypeError, ValidationError) as exc:
+            raise ValueError(f"header unreadable: {exc}") from exc
+        if not isinstance(key, str) or not isinstance(state_len, int) or state_len < 0:
+            raise ValueError("header fields have the wrong types")
+        if entry_id(key, snap.resident_token_ids) != path.stem:
+            raise ValueError("the file name does not match its key and tokens")
+        expected = len(MAGIC) + _LEN.size + hlen + state_len + _DIGEST_BYTES
+        if path.stat().st_size != expected:
+            raise ValueError(f"file is {path.stat().st_size} bytes; its header implies {expected}")
+        return key, snap, state_len
+
+    def _read(self, entry: _Entry) -> SessionSnapshot | None:
+        """The entry's snapshot from disk, verified; None (entry dropped, rejection counted) if it fails."""
+        assert self._dir is not None
+        path = self._dir / f"{entry.id}.kv"
+        try:
+            key, meta, state_len = self._read_header(path)
+            data = path.read_bytes()
+            if hashlib.sha256(data[:-_DIGEST_BYTES]).digest() != data[-_DIGEST_BYTES:]:
+                raise ValueError("content digest mismatch (the file is corrupt or was changed)")
+            if key != entry.key:
+                raise ValueError("key changed on disk")
+            state = data[-_DIGEST_BYTES - state_len : -_DIGEST_BYTES]
+            snap = meta.model_copy(update={"state": state})
+            if snap.state_digest != "sha256:" + hashlib.sha256(state).hexdigest():
+                raise ValueError("state bytes do not match the snapshot's state_digest")
+        except (OSError, ValueError) as exc:
+            with self._lock:
+                self._drop(entry)
+                self._note_rejection(f"{path.name}: {exc}")
+            return None
+        return snap
+
+    def _scan(self) -> None:
+        """Index the files already in the directory (headers only); drop what is not a valid entry."""
+        assert self._dir is not None
+        me = os.getuid()
+        for path in sorted(self._dir.iterdir()):
+            if ".tmp" in path.suffix:
+                path.unlink(missing_ok=True)  # a write that a crash interrupted
+                continue
+            if path.suffix != ".kv":
+                continue
+            try:
+                st = path.stat()
+                if st.st_uid != me or st.st_mode & 0o077:
+                    raise ValueError(f"mode {st.st_mode & 0o777:o} owner {st.st_uid}: not a private file of this user")
+                key, snap, _ = self._read_header(path)
+            except (OSError, ValueError) as exc:
+                path.unlink(missing_ok=True)
+                self._note_rejection(f"{path.name}: {exc}")
+                continue
+            entry = _Entry(
+                id=path.stem,
+                key=key,
+                tokens=list(snap.resident_token_ids),
+                prefix_tokens=snap.prefix_tokens,
+                model_digest=snap.manifest.model_digest,
+                backend=snap.backend,
+                nbytes=st.st_size,  # the state's RAM size, near enough, until it is read
+                last_used=st.st_mtime,
+                disk_bytes=st.st_size,
+            )
+            self._entries[entry.id] = entry
+            self._disk_bytes += st.st_size
+        with self._lock:
+            self._prune_disk()
