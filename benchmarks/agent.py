@@ -99,7 +99,9 @@ def cold_reply(d: DaemonProcess, messages: list[dict[str, Any]]) -> str:
         return r.message.content or ""
 
 
-def sdk_turns(base_url: str, model: str, sent: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
+def sdk_turns(
+    base_url: str, model: str, sent: list[list[dict[str, Any]]], tools: list[dict[str, Any]] | None = TOOLS
+) -> list[dict[str, float]]:
     """Each message list through the official ``openai`` SDK, streamed: time to first token and usage.
 
     The same code for modeld's HTTP front and for the peer; a turn's reply is read
@@ -114,9 +116,10 @@ def sdk_turns(base_url: str, model: str, sent: list[list[dict[str, Any]]]) -> li
             t0 = time.perf_counter()
             first = float("nan")
             prompt = cached = float("nan")
-            stream = client.chat.completions.create(
-                model=model, messages=messages, tools=TOOLS, max_tokens=REPLY_TOKENS, temperature=0, stream=True,  # type: ignore[arg-type]
-                stream_options={"include_usage": True},
+            extra: dict[str, Any] = {"tools": tools} if tools else {}
+            stream = client.chat.completions.create(  # type: ignore[call-overload]
+                model=model, messages=messages, max_tokens=REPLY_TOKENS, temperature=0, stream=True,
+                stream_options={"include_usage": True}, **extra,
             )
             for chunk in stream:
                 if chunk.choices and first != first:  # NaN: nothing yet
@@ -134,14 +137,16 @@ def sdk_turns(base_url: str, model: str, sent: list[list[dict[str, Any]]]) -> li
 
 
 @contextlib.contextmanager
-def peer_server(tmp: Path, model: Path, n_ctx: int) -> Iterator[int]:
-    """llama-cpp-python's OpenAI server on a free loopback port, with the daemon's thread count; yields the port."""
+def peer_server(tmp: Path, model: Path, n_ctx: int, *extra: str) -> Iterator[int]:
+    """llama-cpp-python's OpenAI server on a free loopback port, with the daemon's thread count; yields the port.
+
+    ``extra``: more server flags (e.g. ``--cache true --cache_type ram``)."""
     port = _free_port()
     threads = str(os.cpu_count() or 1)  # its own default is half the cores
     with (tmp / f"peer-{port}.log").open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(n_ctx),
-             "--n_threads", threads, "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port)],
+             "--n_threads", threads, "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port), *extra],
             stdout=log, stderr=subprocess.STDOUT,
         )
         try:

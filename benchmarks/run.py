@@ -13,6 +13,9 @@ Sections (``--sections`` picks some):
 * ``agent``    – a ten-turn tool-using conversation through the chat API on both engines,
                  per-turn TTFT and prefilled tokens, next to llama-cpp-python's server
                  given the same message lists (``benchmarks.agent``);
+* ``workspaces`` – two and three agents with different system prompts taking turns: the
+                 switched-turn TTFT with the workspace cache, after a daemon restart, and
+                 llama-cpp-python's server without and with its RAM cache (``benchmarks.workspaces``);
 * ``capacity`` – predicted required bytes vs the daemon's measured RSS growth after a
                  load plus a full prefill of the effective context;
 * ``embed``    – embeddings/s, batch 1 and 32, next to sentence-transformers.
@@ -331,9 +334,18 @@ def section_agent(tmp: Path, count: Callable[[str], int]) -> str:
     )
 
 
+def section_workspaces(tmp: Path, count: Callable[[str], int]) -> str:
+    from benchmarks import workspaces
+
+    head = f"alternating workspaces: agents with different ~{workspaces.PROMPT_TOKENS}-token system prompts taking turns"
+    return table(head + " — llama.cpp backend vs llama-cpp-python's server", workspaces.section(tmp, "llama", count, with_peer=True)) + (
+        "\n\n" + table(head + " — OpenVINO backend", workspaces.section(tmp, "openvino", count, with_peer=False))
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,agent,capacity,embed", help="comma-separated, in order")
+    p.add_argument("--sections", default="peer,llama,openvino,agent,workspaces,capacity,embed", help="comma-separated, in order")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     os.environ.setdefault("PYTHONPATH", str(ROOT))
@@ -366,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_embed(), flush=True)
                 elif name == "agent":
                     print(section_agent(tmp, count), flush=True)
+                elif name == "workspaces":
+                    print(section_workspaces(tmp, count), flush=True)
                 else:
                     print(f"## {name}: unknown section")
                     failed.append(name)

@@ -263,6 +263,8 @@ class DaemonStatus(_Report):
     embedding: dict[str, Any] | None = None
     #: the workspace cache (``CacheStatus``); None when it is off
     cache: dict[str, Any] | None = None
+    #: the snapshot blob store: blobs, bytes, max_bytes, max_age_s, pruned
+    blobs: dict[str, Any] | None = None
 
 
 class DeviceInfo(_Report):

@@ -86,6 +86,9 @@ class ServeOptions:
     cache_ram: str = "auto"
     cache_disk: str = "auto"
     cache_dir: Path | None = None
+    #: snapshot blob store limits: a size and an age in days
+    blob_disk: str = "4GiB"
+    blob_max_age_days: float = 7.0
 
 
 def default_data_dir() -> Path:
@@ -176,7 +179,8 @@ def build_daemon(opts: ServeOptions, backend: Backend | None = None) -> Daemon:
     endpoint = opts.endpoint or default_endpoint()
     slot = build_slot(opts, endpoint, backend)
     data_dir = opts.data_dir or default_data_dir()
-    return Daemon(slot, endpoint, BlobStore(data_dir / "blobs"))
+    blobs = BlobStore(data_dir / "blobs", max_bytes=parse_size(opts.blob_disk), max_age_s=opts.blob_max_age_days * 86400)
+    return Daemon(slot, endpoint, blobs)
 
 
 def preload_request(opts: ServeOptions) -> LoadModelRequest | None:

@@ -55,6 +55,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="disk for the workspace cache (survives restarts), e.g. 8GiB; 0 = off; "
                         "auto = a quarter of the free space, at most 16GiB (env MODELD_CACHE_DISK)")
     p.add_argument("--cache-dir", type=Path, default=None, help="workspace cache directory (default DATA_DIR/cache)")
+    p.add_argument("--blob-disk", default="4GiB", metavar="SIZE",
+                   help="disk for snapshot blobs; the least recently used are pruned beyond it")
+    p.add_argument("--blob-max-age-days", type=float, default=7.0, metavar="DAYS",
+                   help="snapshot blobs unused this long are pruned")
     p.add_argument("--api-key", default=os.environ.get("MODELD_API_KEY", ""), help="bearer key the HTTP API requires (env MODELD_API_KEY)")
 
 

@@ -448,7 +448,9 @@ class Daemon:
 
     # --- handlers answered by the IO thread: cheap, never wait on the model -----------------------------
     def _io_status(self, identity: bytes, req: StatusRequest) -> DaemonStatus:
-        return self.slot.status()
+        st = self.slot.status()
+        st.blobs = self.blobs.stats()
+        return st
 
     def _io_cancel(self, identity: bytes, req: CancelRequest) -> CancelReply:
         with self._inflight_lock:

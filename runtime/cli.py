@@ -179,6 +179,10 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         ]
         if c.get("rejected"):
             rows.append(("cache rejected", f"{c['rejected']} (last: {c.get('last_rejection', '')})"))
+    if st.blobs is not None:
+        b = st.blobs
+        rows.append(("snapshot blobs", f"{b.get('blobs', 0)}, {_size(b.get('bytes', 0))} of {_size(b.get('max_bytes', 0))}"
+                                       f" (pruned {b.get('pruned', 0)})"))
     if st.last_error:
         rows.append(("last error", st.last_error))
     print(_table(rows))
