@@ -1,5 +1,5 @@
 # modeld — every target installs what it needs on a fresh machine.
-#   make run    serve the bundled default model (llama.cpp backend), OpenAI API on 127.0.0.1:8377
+#   make run    serve the bundled default model (the faster engine here: --backend auto), OpenAI API on 127.0.0.1:8377
 #   make test   the whole test suite (real llama.cpp and OpenVINO inference)
 
 PYTHON ?= python3
@@ -37,7 +37,7 @@ models:
 
 # The daemon on the bundled model, with the OpenAI-compatible API on loopback (the URL is printed at start).
 run: setup
-	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-llama} --http $${MODELD_HTTP:-127.0.0.1:8377}
+	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-auto} --http $${MODELD_HTTP:-127.0.0.1:8377}
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

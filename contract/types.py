@@ -249,6 +249,8 @@ class CacheEntryInfo(_Report):
 class DaemonStatus(_Report):
     owner_instance_id: str = ""
     backend: str = ""
+    #: why this backend serves ("auto: ..." when the daemon picked it)
+    backend_reason: str = ""
     backend_version: str = ""
     protocol_version: int = 0
     state: SlotState = SlotState.EMPTY

@@ -13,7 +13,10 @@ turn the bundled models into the formats the backends serve.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
+import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +28,14 @@ from contract.types import Config, LoadModelRequest
 from .blobs import BlobStore
 from .capacity import make_budget_check, make_planner
 from .capacity.sizes import parse_size
+from .engine_choice import EngineFacts, choose_backend
 from .server import Daemon
 from .slot import DEFAULT_LEASE_S, Planner, SlotService
 from .state_cache import StateCacheStore
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_CHOICES",
     "PREPARE_STEPS",
     "ServeOptions",
     "build_backend",
@@ -44,9 +49,12 @@ __all__ = [
     "model_cache_dir",
     "prepare_models",
     "preload_request",
+    "resolve_backend",
 ]
 
 BACKENDS = ("llama", "openvino", "memory")
+#: what ``--backend`` accepts: a backend, or ``auto`` (``modeld.engine_choice``)
+BACKEND_CHOICES = ("auto", *BACKENDS)
 #: what ``modeld prepare --only`` accepts
 PREPARE_STEPS = ("openvino", "embed")
 
@@ -55,7 +63,10 @@ PREPARE_STEPS = ("openvino", "embed")
 class ServeOptions:
     """The parsed ``modeld serve`` arguments (``modeld.serve``); field names are the argparse names."""
 
-    backend: str = "llama"
+    #: a BACKENDS name, or "auto" (``resolve_backend`` picks one and says why)
+    backend: str = "auto"
+    #: why ``backend`` was picked when it was "auto" (status shows it)
+    backend_reason: str = ""
     #: "" or None = the per-user default endpoint
     endpoint: str | None = None
     #: model to preload; None = the bundled model for llama/openvino, nothing for memory
@@ -96,6 +107,46 @@ def default_data_dir() -> Path:
     return Path(base) / "modeld"
 
 
+def engine_facts(model: str, num_gpu_layers: int = 0) -> EngineFacts:
+    """The facts ``choose_backend`` needs about this machine and ``model`` (a GGUF file or an IR directory)."""
+    p = Path(model)
+    refusal = ""
+    if p.is_dir():
+        kind = "ir" if (p / "openvino_model.xml").is_file() else "other"
+    else:
+        from backends.gguf_file import gguf_facts, is_gguf
+
+        kind = "gguf" if p.is_file() and is_gguf(p) else "other"
+        if kind == "gguf":
+            from backends.openvino.prepare import ConversionError, check_convertible
+
+            try:
+                check_convertible(gguf_facts(p))
+            except (ConversionError, OSError, ValueError) as exc:
+                refusal = str(exc).removeprefix("openvino-genai cannot convert this GGUF: ")
+    return EngineFacts(
+        machine=platform.machine(),
+        has_openvino=importlib.util.find_spec("openvino_genai") is not None,
+        has_llama=importlib.util.find_spec("llama_cpp") is not None,
+        model_kind=kind,
+        openvino_refusal=refusal,
+        num_gpu_layers=num_gpu_layers,
+    )
+
+
+def resolve_backend(opts: ServeOptions) -> ServeOptions:
+    """``opts`` with ``backend="auto"`` replaced by the engine ``choose_backend`` picks for the preloaded model."""
+    if opts.backend != "auto":
+        return opts
+    model = opts.model
+    if model is None:
+        from backends.bundled import bundled_gguf_path
+
+        model = str(bundled_gguf_path())
+    name, reason = choose_backend(engine_facts(model))
+    return dataclasses.replace(opts, backend=name, backend_reason=f"auto: {reason}")
+
+
 def build_cache(opts: ServeOptions) -> StateCacheStore | None:
     """The workspace cache for the tape engines (none for the memory backend, or with both budgets 0)."""
     if opts.backend == "memory":
@@ -121,7 +172,7 @@ def build_backend(opts: ServeOptions, cache: StateCache | None = None) -> Backen
         from backends.openvino import OpenVINOBackend
 
         return OpenVINOBackend(cache=cache)
-    raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(BACKENDS)}")
+    raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
 
 
 def build_planner(opts: ServeOptions) -> Planner:
@@ -154,6 +205,7 @@ def build_slot(
 ) -> SlotService:
     """The slot service over ``backend`` (default: the one ``opts`` names), with its planner, side slot and
     workspace cache (built from ``opts`` with the backend; a given backend comes with its own ``cache``)."""
+    opts = resolve_backend(opts)
     if backend is None:
         cache = build_cache(opts)
         backend = build_backend(opts, cache)
@@ -169,6 +221,7 @@ def build_slot(
         endpoint=endpoint,
         embedder=embedder,
         cache=cache,
+        backend_reason=opts.backend_reason,
     )
     built.append(slot)
     return slot

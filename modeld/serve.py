@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
-from .bootstrap import BACKENDS, ServeOptions, build_daemon, preload_request
+from .bootstrap import BACKEND_CHOICES, ServeOptions, build_daemon, preload_request, resolve_backend
 from .slot import DEFAULT_LEASE_S
 
 __all__ = ["add_serve_arguments", "build_parser", "main", "serve"]
@@ -21,7 +21,9 @@ log = logging.getLogger("modeld")
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The ``modeld serve`` options; their dest names are ``ServeOptions``' fields."""
     p.add_argument("--endpoint", default=None, help="ipc://PATH or tcp://HOST:PORT (env MODELD_ENDPOINT)")
-    p.add_argument("--backend", choices=BACKENDS, default=os.environ.get("MODELD_BACKEND", "llama"))
+    p.add_argument("--backend", choices=BACKEND_CHOICES, default=os.environ.get("MODELD_BACKEND", "auto"),
+                   help="the engine (env MODELD_BACKEND); auto: OpenVINO on x86-64 for a model it converts "
+                        "(the faster engine here), else llama.cpp; status says which and why")
     p.add_argument("--model", default=None, help="model to preload (default: the bundled model for llama/openvino)")
     p.add_argument("--model-name", default=None, help="logical name of the preloaded model")
     p.add_argument("--num-ctx", type=int, default=0, help="context window of the preloaded model (0 = memory-fitted)")
@@ -74,6 +76,9 @@ def serve(opts: ServeOptions) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    opts = resolve_backend(opts)
+    if opts.backend_reason:
+        log.info("backend %s (%s)", opts.backend, opts.backend_reason)
     try:
         daemon = build_daemon(opts)
     except ValueError as exc:  # a bad size or setting, named by the parser

@@ -129,10 +129,13 @@ class SlotService:
         endpoint: str = "",
         embedder: Embedder | None = None,
         cache: CacheAdmin | None = None,
+        backend_reason: str = "",
     ) -> None:
         self.backend = backend
         #: the workspace cache the backend's models save to (status, listing, memory hand-back)
         self.cache = cache
+        #: why this backend serves (``--backend auto`` says), shown in status
+        self.backend_reason = backend_reason
         self.owner = owner
         self.lease_s = lease_s
         self.endpoint = endpoint
@@ -161,6 +164,7 @@ class SlotService:
             return DaemonStatus(
                 owner_instance_id=self.owner,
                 backend=self.backend.name,
+                backend_reason=self.backend_reason,
                 backend_version=self._backend_version,
                 protocol_version=PROTOCOL_VERSION,
                 state=self._state,

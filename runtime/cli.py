@@ -148,7 +148,7 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         return 0
     rows: list[tuple[str, Any]] = [
         ("endpoint", st.endpoint or client.endpoint),
-        ("backend", f"{st.backend} {st.backend_version}".strip()),
+        ("backend", f"{st.backend} {st.backend_version}".strip() + (f" ({st.backend_reason})" if st.backend_reason else "")),
         ("state", st.state.value),
         ("generation", st.generation),
         ("owner", st.owner_instance_id or "-"),

@@ -1,0 +1,67 @@
+"""``--backend auto`` (``modeld.engine_choice``): the rule on injected machines, and what this machine picks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from modeld.bootstrap import ServeOptions, resolve_backend
+from modeld.engine_choice import EngineFacts, choose_backend
+from tests.daemon_proc import ROOT, DaemonProcess
+
+X86 = EngineFacts(machine="x86_64", has_openvino=True, has_llama=True, model_kind="gguf")
+
+
+@pytest.mark.parametrize(
+    ("change", "backend", "why"),
+    [
+        ({}, "openvino", "faster engine"),
+        ({"machine": "AMD64"}, "openvino", "faster engine"),
+        ({"model_kind": "ir"}, "openvino", "IR directory"),
+        ({"num_gpu_layers": 20}, "llama", "GPU layers"),
+        ({"machine": "aarch64"}, "llama", "aarch64"),
+        ({"has_openvino": False}, "llama", "not installed"),
+        ({"has_llama": False}, "openvino", "llama-cpp-python is not installed"),
+        ({"openvino_refusal": "architecture 'gemma3' is not one of ['llama']"}, "llama", "gemma3"),
+        ({"model_kind": "other"}, "llama", "not a readable GGUF"),
+        ({"model_kind": "ir", "has_openvino": False}, "llama", "not installed"),
+    ],
+)
+def test_the_rule_on_injected_machines(change: dict[str, object], backend: str, why: str) -> None:
+    name, reason = choose_backend(EngineFacts(**{**X86.__dict__, **change}))  # type: ignore[arg-type]
+    assert name == backend and why in reason
+
+
+def test_an_explicit_backend_always_wins() -> None:
+    opts = ServeOptions(backend="llama", model="/nowhere.gguf")
+    assert resolve_backend(opts) is opts
+
+
+def test_auto_on_this_machine_names_the_engine_and_the_reason() -> None:
+    pytest.importorskip("llama_cpp")
+    opts = resolve_backend(ServeOptions(backend="auto"))  # the bundled model
+    assert opts.backend in ("llama", "openvino") and opts.backend_reason.startswith("auto: ")
+    not_a_model = resolve_backend(ServeOptions(backend="auto", model=__file__))
+    assert not_a_model.backend == "llama" and "not a readable GGUF" in not_a_model.backend_reason
+
+
+@pytest.mark.openvino
+def test_a_daemon_started_with_auto_says_which_engine_and_why(tmp_path: Path) -> None:
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("openvino_genai")
+    picked = resolve_backend(ServeOptions(backend="auto"))
+    d = DaemonProcess(tmp_path, "auto", None, "--cache-ram", "0", "--cache-disk", "0").start(wait_state=("Ready",))
+    try:
+        with d.client() as c:
+            st = c.status()
+        assert st.backend == picked.backend and st.backend_reason == picked.backend_reason
+        out = subprocess.run([sys.executable, "-m", "modeld", "status", "--endpoint", d.endpoint],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert f"{picked.backend} " in out.stdout and "(auto: " in out.stdout, out.stdout
+    finally:
+        d.stop()
