@@ -124,7 +124,10 @@ def serve(opts: ServeOptions) -> int:
     finally:
         if front is not None:
             front.stop()
-    return 0
+    if daemon.exit_code:
+        print(f"modeld: could not load the model to serve ({preload.path if preload else ''}): {daemon.preload_error}",
+              file=sys.stderr)
+    return daemon.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

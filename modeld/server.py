@@ -142,11 +142,17 @@ class Daemon:
         self._embed_worker = threading.Thread(target=self._embed_main, name="modeld-embed", daemon=True)
         self._bound_ipc: Path | None = None
         self.ready = threading.Event()
+        #: the preload queued by ``preload`` (its failure stops the daemon)
+        self._preload: _Inflight | None = None
+        #: what ``modeld serve`` exits with: 1 when the model it was told to serve did not load
+        self.exit_code = 0
+        self.preload_error = ""
 
     # --- lifecycle -------------------------------------------------------------------------
     def preload(self, req: LoadModelRequest) -> None:
         """Queue a load on the worker so status shows Loading while it runs."""
         inf = _Inflight(b"", b"preload", Op.LOAD)
+        self._preload = inf
         self._work.put((inf, Message(request_id=b"preload", body=wire.to_body(req), op=Op.LOAD)))
 
     def stop(self) -> None:
@@ -435,10 +441,21 @@ class Daemon:
             stopped = ShuttingDown("modeld is shutting down; the request was stopped") if self._stop.is_set() else exc
             emit(inf, wire.encode_error(rid, stopped))
         except ModeldError as exc:
+            self._check_preload(inf, exc)
             emit(inf, wire.encode_error(rid, exc))
         except Exception as exc:
             log.error("internal error on %s: %s", inf.op.value, traceback.format_exc())
-            emit(inf, wire.encode_error(rid, Internal(f"{type(exc).__name__}: {exc}")))
+            err = Internal(f"{type(exc).__name__}: {exc}")
+            self._check_preload(inf, err)
+            emit(inf, wire.encode_error(rid, err))
+
+    def _check_preload(self, inf: _Inflight, exc: ModeldError) -> None:
+        """The model ``serve --model`` names did not load: stop with exit code 1, so a supervisor sees it."""
+        if inf is self._preload:
+            self.preload_error = f"{type(exc).__name__}: {exc.message}"
+            log.error("the model to serve did not load: %s", self.preload_error)
+            self.exit_code = 1
+            self.stop()
 
     def _session(self, ref: SessionRef) -> SlotSession:
         sess = self._sessions.get(ref.session_id)

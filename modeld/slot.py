@@ -92,7 +92,8 @@ TRANSITIONS: Mapping[SlotState, frozenset[SlotState]] = {
     _S.READY: frozenset({_S.BUSY, _S.SWITCHING, _S.UNLOADING, _S.SHUTTING_DOWN}),
     # the holder closed, its lease ran out, or its client vanished
     _S.BUSY: frozenset({_S.READY, _S.SHUTTING_DOWN}),
-    # the old model is released before the new one loads, so a failed switch leaves nothing
+    # Ready with the new model, or with the old one when the new one failed (kept alongside, or
+    # loaded again); Failed only when the old one could not be loaded again either
     _S.SWITCHING: frozenset({_S.READY, _S.FAILED, _S.SHUTTING_DOWN}),
     _S.UNLOADING: frozenset({_S.EMPTY, _S.SHUTTING_DOWN}),
     # a new load may be attempted; unload clears the failure
@@ -148,6 +149,8 @@ class SlotService:
         self._loaded: LoadedModel | None = None
         self._active: ActiveModel | None = None
         self._request: OpenSessionRequest | None = None
+        #: what was actually loaded (the planned context), to load it again after a failed switch
+        self._planned: OpenSessionRequest | None = None
         self._holder: _Holder | None = None
         self._busy_op = ""
         self._last_error = ""
@@ -271,6 +274,14 @@ class SlotService:
             return self._load_locked(open_req)
 
     def _load_locked(self, req: OpenSessionRequest) -> ActiveModel:
+        """Load ``req``; a switch never leaves the slot without the working model when the new one fails.
+
+        When the planner says the new model fits next to the old one (the same
+        plan as with the old one's memory credited), the new one loads first and
+        the old one is released only after it succeeded. Otherwise the old one is
+        released first, and a failed load brings it back. Only when that fails too
+        is the slot ``Failed`` (``last_error`` names both).
+        """
         switching = self._loaded is not None
         credit = self._loaded.resident_bytes() if self._loaded is not None else 0
         if self.cache is not None:
@@ -279,25 +290,54 @@ class SlotService:
         asked = req  # identity for later matching: what the caller asked, not what was planned
         if self._planner is not None:
             # Memory fit first, before anything is released or allocated.
-            info = self._planner(self.backend, req, credit)
+            try:
+                info = self._planner(self.backend, req, credit)
+            except ModeldError as exc:
+                with self._state_lock:
+                    self._last_error = f"{type(exc).__name__}: {exc.message}"  # nothing changed but the reason
+                raise
             req = req.model_copy(update={"config": req.config.model_copy(update={"num_ctx": info.effective_context})})
+        alongside = switching and self._fits_alongside(asked, info)
         with self._state_lock:
             self._transition(SlotState.SWITCHING if switching else SlotState.LOADING)
             self._busy_op = "load"
             self._progress = 0.0
+        previous = (self._planned, self._request) if switching else None
         try:
-            if self._loaded is not None:
+            if self._loaded is not None and not alongside:
                 self._release_model_locked()
             if self.cache is not None:
                 self.cache.release_ram()  # the cache never holds RAM a model load needs
             loaded = self.backend.load(req, self._on_progress)
-        except ModeldError as exc:
-            self._fail_locked(exc)
-            raise
         except Exception as exc:
-            err = ModelLoadFailed(f"{type(exc).__name__}: {exc}", path=req.path)
-            self._fail_locked(err)
+            err = exc if isinstance(exc, ModeldError) else ModelLoadFailed(f"{type(exc).__name__}: {exc}", path=req.path)
+            if previous is not None and self._loaded is None:
+                self._restore_previous_locked(previous, err)
+            else:
+                self._fail_locked(err)  # the old model never left: Ready, with the reason in last_error
+            if err is exc:
+                raise
             raise err from exc
+        if alongside:
+            self._release_model_locked()  # the new model is ready: now the old one goes
+        return self._install_locked(loaded, req, asked, info)
+
+    def _fits_alongside(self, asked: OpenSessionRequest, with_credit: ModelInfo | None) -> bool:
+        """Whether the planner gives the same plan without the old model's memory (then both fit at once).
+
+        Without a planner nothing says they do not (in-process use on the memory backend).
+        """
+        if self._planner is None or with_credit is None:
+            return True
+        try:
+            alone = self._planner(self.backend, asked, 0)
+        except ModeldError:
+            return False
+        return alone.effective_context == with_credit.effective_context
+
+    def _install_locked(
+        self, loaded: LoadedModel, req: OpenSessionRequest, asked: OpenSessionRequest, info: ModelInfo | None
+    ) -> ActiveModel:
         active = ActiveModel(
             model_name=req.model_name or os.path.basename(req.path),
             type=self.backend.name,
@@ -312,6 +352,7 @@ class SlotService:
                 self._transition(SlotState.READY)
                 self._loaded = loaded
                 self._request = asked
+                self._planned = req
                 self._active = active
                 self._generation += 1
                 self._busy_op = ""
@@ -323,6 +364,25 @@ class SlotService:
         if self.cache is not None and info is not None:
             self.cache.fit_ram(max(0, info.usable_bytes - info.required_bytes))
         return active
+
+    def _restore_previous_locked(
+        self, previous: tuple[OpenSessionRequest | None, OpenSessionRequest | None], err: ModeldError
+    ) -> None:
+        """After a failed switch that had released the old model: load the old one again (a new generation)."""
+        planned, asked = previous
+        if planned is None or asked is None:
+            self._fail_locked(err)
+            return
+        try:
+            loaded = self.backend.load(planned, self._on_progress)
+        except Exception as again:
+            self._fail_locked(err)
+            with self._state_lock:
+                self._last_error += f"; reloading the previous model failed too: {type(again).__name__}: {again}"
+            return
+        self._install_locked(loaded, planned, asked, None)
+        with self._state_lock:
+            self._last_error = f"{type(err).__name__}: {err.message} (the previous model was loaded again)"
 
     def _on_progress(self, fraction: float) -> None:
         with self._state_lock:
@@ -341,6 +401,7 @@ class SlotService:
             self._loaded = None
             self._active = None
             self._request = None
+            self._planned = None
         if loaded is not None:
             loaded.close()  # a tape engine saves its tape to the workspace cache first
 

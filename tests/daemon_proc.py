@@ -87,6 +87,9 @@ class DaemonProcess:
         return self.proc.returncode
 
     def __enter__(self) -> DaemonProcess:
+        """Start the daemon, unless ``start`` already did (``with DaemonProcess(…).start(…) as d``)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -192,6 +192,19 @@ def test_fence_and_type_checks_change_nothing(slot: RecordingSlot) -> None:
     assert (state(slot), slot.generation, slot.taken) == (S.READY, 1, before)
 
 
+class RefusingBackend(MemoryBackend):
+    """The memory backend, refusing to load the paths in ``refuse`` (a file that went bad on disk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse: set[str] = set()
+
+    def load(self, req: OpenSessionRequest, progress: Any) -> Any:
+        if req.path in self.refuse:
+            raise ModelLoadFailed(f"{req.path} is not a model", path=req.path)
+        return super().load(req, progress)
+
+
 def test_a_failed_load_is_recoverable(slot: RecordingSlot) -> None:
     too_big = Config(num_ctx=MAX_NUM_CTX + 1)  # the memory backend refuses it at load
     with pytest.raises(InvalidArgument):
@@ -202,13 +215,62 @@ def test_a_failed_load_is_recoverable(slot: RecordingSlot) -> None:
     slot.load_model(load("a"))  # a new load may be attempted
     st = slot.status()
     assert (st.state, st.generation, st.last_error) == (S.READY, 1, "")
-    # A failed switch leaves nothing resident (the old model went first); unload clears the failure.
+    slot.unload_model(unload())
+    assert state(slot) is S.EMPTY
+
+
+def test_a_failed_switch_keeps_the_model_that_fits_alongside(slot: RecordingSlot) -> None:
+    slot.load_model(load("a"))
     with pytest.raises(InvalidArgument):
-        slot.load_model(load("b", config=too_big))
-    assert (state(slot), slot.status().active) == (S.FAILED, None)
+        slot.load_model(load("b", config=Config(num_ctx=MAX_NUM_CTX + 1)))
+    st = slot.status()
+    assert st.active is not None and st.active.model_name == "a" and (st.state, st.generation) == (S.READY, 1)
+    assert st.last_error.startswith("InvalidArgument:")
+    assert hot_loop(slot.open_session(open_req("a")))  # still serving
+    assert (S.SWITCHING, S.READY) in slot.taken
+
+
+def test_a_failed_switch_that_released_the_old_model_loads_it_again() -> None:
+    backend = RefusingBackend()
+    slot = RecordingSlot(backend, owner=OWNER)
+    slot._fits_alongside = lambda *_a: False  # type: ignore[method-assign]  # room for one model only
+    slot.load_model(load("a"))
+    backend.refuse.add("/models/b")
+    with pytest.raises(ModelLoadFailed):
+        slot.load_model(load("b"))
+    st = slot.status()
+    assert st.active is not None and st.active.model_name == "a" and st.state is S.READY
+    assert st.generation == 2  # loaded again: a new generation
+    assert "ModelLoadFailed" in st.last_error and "previous model was loaded again" in st.last_error
+    sess = slot.open_session(open_req("a"))
+    assert hot_loop(sess)
+    sess.close()
+    # and when the previous model cannot come back either: Failed, both reasons, one unload away
+    backend.refuse.add("/models/a")
+    with pytest.raises(ModelLoadFailed):
+        slot.load_model(load("b"))
+    st = slot.status()
+    assert (st.state, st.active) == (S.FAILED, None)
+    assert "reloading the previous model failed too" in st.last_error
     slot.unload_model(unload())
     assert state(slot) is S.EMPTY
     assert (S.SWITCHING, S.FAILED) in slot.taken and (S.FAILED, S.EMPTY) in slot.taken
+    assert_in_table(slot.taken)
+
+
+def test_fits_alongside_asks_the_planner_without_the_old_models_memory() -> None:
+    plans = {0: 32, 100: 64}
+
+    def planner(_b: Any, req: OpenSessionRequest, credit: int) -> Any:
+        from contract.types import ModelInfo
+
+        return ModelInfo(effective_context=plans[min(credit, 100)])
+
+    slot = SlotService(MemoryBackend(), planner=planner)
+    with_credit = planner(None, load("a"), 100)
+    assert not slot._fits_alongside(load("a"), with_credit)  # a smaller context alone: they do not fit
+    plans[0] = 64
+    assert slot._fits_alongside(load("a"), with_credit)
 
 
 # --- sessions ------------------------------------------------------------------------------------
@@ -389,14 +451,17 @@ def test_tour_takes_every_reachable_edge() -> None:
     def fresh() -> RecordingSlot:
         return RecordingSlot(MemoryBackend(), owner=OWNER)
 
-    s = fresh()
+    backend = RefusingBackend()
+    s = RecordingSlot(backend, owner=OWNER)
+    s._fits_alongside = lambda *_a: False  # type: ignore[method-assign]  # room for one model only
     with pytest.raises(InvalidArgument):
         s.load_model(load("a", config=too_big))  # Empty -> Loading -> Failed
     s.load_model(load("a"))  # Failed -> Loading -> Ready
     s.load_model(load("b"))  # Ready -> Switching -> Ready
     s.open_session(open_req("b")).close()  # Ready -> Busy -> Ready
+    backend.refuse.add("/models/b")
     with pytest.raises(InvalidArgument):
-        s.load_model(load("c", config=too_big))  # Ready -> Switching -> Failed
+        s.load_model(load("c", config=too_big))  # Ready -> Switching -> Failed (b cannot come back)
     s.unload_model(unload())  # Failed -> Empty
     s.load_model(load("a"))
     s.unload_model(unload())  # Ready -> Unloading -> Empty
