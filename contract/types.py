@@ -9,6 +9,7 @@ types ignore unknown fields so an older client can read a newer daemon.
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from typing import Any, Literal, TypedDict
 
@@ -49,6 +50,7 @@ __all__ = [
     "ToolCallFunction",
     "UnloadModelRequest",
     "Usage",
+    "owner_fingerprint",
 ]
 
 KVCacheType = Literal["", "f16", "f32", "q8_0", "q4_0"]
@@ -246,7 +248,15 @@ class CacheEntryInfo(_Report):
     last_used: float = 0.0
 
 
+def owner_fingerprint(owner: str) -> str:
+    """What status shows of an owner id: a short hash a client can compare with its own, never the id itself."""
+    if not owner:
+        return ""
+    return "fp:" + hashlib.sha256(owner.encode()).hexdigest()[:16]
+
+
 class DaemonStatus(_Report):
+    #: the owner's fingerprint (``owner_fingerprint``), "" when the daemon has no owner
     owner_instance_id: str = ""
     backend: str = ""
     #: why this backend serves ("auto: ..." when the daemon picked it)

@@ -104,6 +104,18 @@ MAX_MESSAGE_PART_BYTES = MAX_PAYLOAD_BYTES
 
 HEARTBEAT_INTERVAL_S = 1.0
 
+#: A runtime Client names its sockets ``CLIENT_ID_PREFIX + <24 random hex> + b"/" + role``
+#: (``/m`` requests, ``/h`` lease heartbeats). The daemon binds a session to the peer that
+#: opened it (``peer_key``), so both sockets of that client may use it and nobody else.
+CLIENT_ID_PREFIX = b"rt-"
+
+
+def peer_key(identity: bytes) -> bytes:
+    """The client a ROUTER identity belongs to: a runtime Client's sockets share one; any other peer is its own."""
+    if identity.startswith(CLIENT_ID_PREFIX) and b"/" in identity:
+        return identity.rsplit(b"/", 1)[0]
+    return identity
+
 _M = TypeVar("_M", bound=BaseModel)
 
 

@@ -136,6 +136,10 @@ class Daemon:
         self._inflight: dict[tuple[bytes, bytes], _Inflight] = {}
         self._inflight_lock = threading.Lock()
         self._sessions: dict[str, SlotSession] = {}
+        #: session id -> the peer that opened it (``wire.peer_key``); only that peer may use it
+        self._session_peers: dict[str, bytes] = {}
+        #: the peer of the request a worker thread is running (handlers take only the request)
+        self._caller = threading.local()
         #: opens waiting for the slot, oldest first (worker thread only)
         self._parked: deque[_Parked] = deque()
         self._worker = threading.Thread(target=self._worker_main, name="modeld-worker", daemon=True)
@@ -194,6 +198,8 @@ class Daemon:
     def _bind(self) -> zmq.Socket[bytes]:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # a client that reconnects (after a timeout) keeps its routing id, and so its sessions
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         router.setsockopt(zmq.LINGER, LINGER_MS)
         router.setsockopt(zmq.SNDHWM, SEND_HWM)
         router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_PART_BYTES)
@@ -422,10 +428,12 @@ class Daemon:
         live = self.slot.holder_id()
         for sid in [s for s in self._sessions if s != live]:
             del self._sessions[sid]
+            self._session_peers.pop(sid, None)
 
     def _run(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
         """Decode the request, run its handler, and emit what it answers: the one place replies are encoded."""
         rid = inf.request_id
+        self._caller.peer = wire.peer_key(inf.identity)
         try:
             # a cancel, a vanished client or shutdown stops a long prefill between engine steps
             with interrupt.interruptible(inf.cancel):
@@ -457,9 +465,11 @@ class Daemon:
             self.exit_code = 1
             self.stop()
 
-    def _session(self, ref: SessionRef) -> SlotSession:
+    def _session(self, ref: SessionRef, identity: bytes | None = None) -> SlotSession:
+        """The session ``ref`` names, if the calling peer opened it (another peer's id is as unknown as a wrong one)."""
+        peer = wire.peer_key(identity) if identity is not None else getattr(self._caller, "peer", None)
         sess = self._sessions.get(ref.session_id)
-        if sess is None:
+        if sess is None or peer is None or self._session_peers.get(ref.session_id) != peer:
             raise SessionClosed("unknown or closed session", session_id=ref.session_id)
         return sess
 
@@ -477,10 +487,12 @@ class Daemon:
         return CancelReply(cancelled=inf is not None)
 
     def _io_heartbeat(self, identity: bytes, req: HeartbeatRequest) -> HeartbeatReply:
-        return HeartbeatReply(alive=[sid for sid in req.session_ids if self.slot.touch(sid)])
+        peer = wire.peer_key(identity)
+        mine = [sid for sid in req.session_ids if self._session_peers.get(sid) == peer]
+        return HeartbeatReply(alive=[sid for sid in mine if self.slot.touch(sid)])
 
     def _io_explain(self, identity: bytes, req: SessionRef) -> ContextReport:
-        return self._session(req).explain_context()
+        return self._session(req, identity).explain_context()
 
     def _io_cache_list(self, identity: bytes, req: CacheListRequest) -> CacheListReply:
         return CacheListReply(entries=self.slot.cache_entries(), cache=self.slot.status().cache)
@@ -504,6 +516,7 @@ class Daemon:
 
     def _h_open(self, req: OpenSessionRequest) -> OpenReply:
         sess = self.slot.open_session(req)
+        self._session_peers[sess.session_id] = self._caller.peer
         self._sessions[sess.session_id] = sess
         status = self.slot.status()
         return OpenReply(
@@ -540,7 +553,10 @@ class Daemon:
         return CacheClearReply(cleared=self.slot.cache_clear(req.owner_instance_id))
 
     def _h_close(self, req: SessionRef) -> CloseReply:
+        if self._session_peers.get(req.session_id) != self._caller.peer:
+            return CloseReply(closed=False)  # unknown, or another peer's: nothing is closed or revealed
         sess = self._sessions.pop(req.session_id, None)
+        self._session_peers.pop(req.session_id, None)
         if sess is not None:
             sess.close()
         return CloseReply(closed=sess is not None)

@@ -68,6 +68,7 @@ from contract.types import (
     SuffixInput,
     SuffixStatus,
     UnloadModelRequest,
+    owner_fingerprint,
 )
 from contract.wire import PROTOCOL_VERSION
 
@@ -165,7 +166,7 @@ class SlotService:
             if active is not None and self._loaded is not None:
                 active = active.model_copy(update={"resident_bytes": self._loaded.resident_bytes()})
             return DaemonStatus(
-                owner_instance_id=self.owner,
+                owner_instance_id=owner_fingerprint(self.owner),
                 backend=self.backend.name,
                 backend_reason=self.backend_reason,
                 backend_version=self._backend_version,
@@ -190,11 +191,8 @@ class SlotService:
     # --- checks ----------------------------------------------------------------------
     def _check_fence(self, owner: str) -> None:
         if self.owner and owner != self.owner:
-            raise StaleFence(
-                f"fence {owner!r} does not match the daemon owner {self.owner!r}",
-                expected=self.owner,
-                got=owner,
-            )
+            # the owner id is not repeated back: it would hand the fence to whoever asked
+            raise StaleFence(f"fence {owner!r} does not match the daemon owner", got=owner)
 
     def _check_type(self, type_: str) -> None:
         if type_ not in ("", self.backend.name):
@@ -267,10 +265,7 @@ class SlotService:
                 return self._active
             self._reap_locked()
             if self._holder is not None:
-                raise ModelBusy(
-                    "a session holds the slot; close it before switching models",
-                    session_id=self._holder.session_id,
-                )
+                raise ModelBusy("a session holds the slot; close it before switching models")
             return self._load_locked(open_req)
 
     def _load_locked(self, req: OpenSessionRequest) -> ActiveModel:
@@ -421,7 +416,7 @@ class SlotService:
                 return  # idempotent on an empty slot
             self._reap_locked()
             if self._holder is not None:
-                raise ModelBusy("a session holds the slot; close it before unloading", session_id=self._holder.session_id)
+                raise ModelBusy("a session holds the slot; close it before unloading")
             with self._state_lock:
                 self._transition(SlotState.UNLOADING)
                 self._busy_op = "unload"
@@ -449,7 +444,7 @@ class SlotService:
                     requested=req.model_name or req.path,
                 )
             if self._holder is not None:
-                raise ModelBusy("another session holds the slot", session_id=self._holder.session_id)
+                raise ModelBusy("another session holds the slot")  # whose is nobody else's business
             if self._loaded is None:
                 if not req.path:
                     raise ModelNotActive("no model is loaded and the request names no path")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import socket
 import threading
 import time
@@ -121,6 +122,8 @@ class Client:
         self._abandoned: set[bytes] = set()
         self._ids = itertools.count(1)
         self._prefix = os.urandom(4)
+        #: this client's routing id (``wire.peer_key``): the daemon binds its sessions to it
+        self._routing = wire.CLIENT_ID_PREFIX + secrets.token_hex(12).encode()
         self._answered = False
         self._sessions: dict[str, RemoteSession] = {}
         self._hb_stop = threading.Event()
@@ -145,6 +148,7 @@ class Client:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 0)
+            s.setsockopt(zmq.ROUTING_ID, self._routing + b"/m")  # the same after a reconnect
             s.connect(self.endpoint)
             self._sock = s
         return self._sock
@@ -317,6 +321,7 @@ class Client:
         # Its own socket: ZeroMQ sockets must not be shared between threads.
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self._routing + b"/h")  # the same client: its sessions' leases
         try:
             sock.connect(self.endpoint)
             while not self._hb_stop.wait(self._lease_renew_s):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from contract.memory import MemoryBackend
-from contract.types import SlotState
+from contract.types import SlotState, owner_fingerprint
 from modeld.bootstrap import ServeOptions, build_slot, preload_request
 
 from .daemon_proc import ROOT
@@ -87,7 +87,7 @@ def test_bootstrap_takes_a_backend_through_the_same_door(tmp_path: Path) -> None
     opts = ServeOptions(backend="memory", owner="o")
     slot = build_slot(opts, f"ipc://{tmp_path / 'm.sock'}", MemoryBackend())
     st = slot.status()
-    assert (st.backend, st.state, st.owner_instance_id, st.embedding) == ("memory", SlotState.EMPTY, "o", None)
+    assert (st.backend, st.state, st.owner_instance_id, st.embedding) == ("memory", SlotState.EMPTY, owner_fingerprint("o"), None)
     assert preload_request(opts) is None  # the memory backend preloads nothing unless asked
     req = preload_request(ServeOptions(backend="memory", model="/m/x", num_ctx=64))
     assert req is not None and (req.model_name, req.type, req.config.num_ctx) == ("x", "memory", 64)

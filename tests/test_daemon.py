@@ -37,6 +37,7 @@ from contract.errors import (
     UnsupportedProtocolVersion,
     from_wire,
 )
+from contract.messages import HeartbeatReply, HeartbeatRequest
 from contract.types import (
     Config,
     DecodeConfig,
@@ -46,6 +47,7 @@ from contract.types import (
     SlotState,
     SuffixInput,
     UnloadModelRequest,
+    owner_fingerprint,
 )
 from contract.wire import Kind, Op
 from runtime import Client
@@ -177,7 +179,32 @@ def test_stale_fence(daemon: DaemonProcess, client: Client) -> None:
             intruder.unload_model(UnloadModelRequest(owner_instance_id="owner-B"))
         with pytest.raises(StaleFence):
             intruder.describe(MODEL_A.model_copy(update={"owner_instance_id": "owner-B"}))
-        assert intruder.status().owner_instance_id == OWNER  # status is open to all
+        assert intruder.status().owner_instance_id == owner_fingerprint(OWNER)  # status shows a fingerprint, never the id
+
+
+def test_a_session_belongs_to_the_client_that_opened_it(daemon: DaemonProcess, client: Client) -> None:
+    sess = client.open_session(MODEL_A)
+    m = manifest_for(sess, "owned")
+    sess.ensure_prefix(PrefixInput(text="mine", manifest=m))
+    with daemon.client(timeout_s=20.0, owner=OWNER) as other:
+        # the same owner, another client: the id is as unknown to it as a made-up one
+        for op, body in ((Op.ENSURE_PREFIX, {"text": "x", "manifest": m.model_dump()}), (Op.EXPLAIN, {}),
+                         (Op.SNAPSHOT, {}), (Op.DECODE, {"max_tokens": 2})):
+            with pytest.raises(SessionClosed, match="unknown or closed session"):
+                other._call(op, {"session_id": sess.session_id, **body})
+        assert other._call(Op.CLOSE, {"session_id": sess.session_id}).body == {"closed": False}
+        hb = other._request(Op.HEARTBEAT, HeartbeatRequest(session_ids=[sess.session_id]), HeartbeatReply)
+        assert hb.alive == []
+        with pytest.raises(ModelBusy) as busy:
+            other.open_session(MODEL_A)
+        # no reply names the holder's session or the owner
+        assert sess.session_id not in str(busy.value.to_wire()) and OWNER not in str(busy.value.to_wire())
+    with daemon.client(timeout_s=20.0, owner="intruder") as stranger, pytest.raises(StaleFence) as fence:
+        stranger.open_session(MODEL_A.model_copy(update={"owner_instance_id": "intruder"}))
+    assert OWNER not in str(fence.value.to_wire())
+    assert client.status().owner_instance_id == owner_fingerprint(OWNER) != OWNER
+    assert sess.explain_context().resident_tokens > 0  # the owner's session is untouched
+    sess.close()
 
 
 def test_backend_mismatch_and_not_active(client: Client) -> None:
@@ -396,7 +423,7 @@ def test_second_daemon_on_same_endpoint_refuses(daemon: DaemonProcess, tmp_path:
     )
     assert out.returncode == 1 and "already serving" in out.stderr
     with daemon.client() as c:
-        assert c.status().owner_instance_id == OWNER  # the first one is unharmed
+        assert c.status().owner_instance_id == owner_fingerprint(OWNER)  # the first one is unharmed
 
 
 def test_cli_status_json_and_errors(daemon: DaemonProcess) -> None:
