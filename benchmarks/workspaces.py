@@ -79,7 +79,7 @@ def section(tmp: Path, backend: str, count: Any, *, with_peer: bool) -> list[tup
         order = [k % n for k in range(n * ROUNDS)]
         home = tmp / f"ws-{backend}-{n}"
         args = ("--model", str(model), "--num-ctx", str(N_CTX))
-        with DaemonProcess(home, backend, None, *args) as d:
+        with DaemonProcess(home, backend, None, *args).start(wait_state=("Ready",)) as d:
             sent, rows, histories = run_modeld(d, prompts, order)
         cold = statistics.median(r["ttft_ms"] for r in rows if r["first"])
         switched = [r for r in rows if not r["first"]]
@@ -95,12 +95,15 @@ def section(tmp: Path, backend: str, count: Any, *, with_peer: bool) -> list[tup
         out.append((f"{n} agents: switched / cold", ratio, target + ("(met)" if ratio <= 0.05 else "(MISSED)") if target else ""))
         if n == 2:
             # a restart on the same data directory: agent A's next turn from the disk tier
-            with DaemonProcess(home, backend, None, *args) as d, d.client(timeout_s=600.0) as c, Chat(c, profile="workspaces") as chat:
+            # (the model is loaded before the clock starts: the turn is measured, not the load)
+            restarted = DaemonProcess(home, backend, None, *args).start(wait_state=("Ready",))
+            with restarted as d, d.client(timeout_s=600.0) as c, Chat(c, profile="workspaces") as chat:
                 hist = histories[0] + [{"role": "user", "content": "One more thing: where is the config?"}]
                 r = chat.send(hist, max_tokens=REPLY_TOKENS, temperature=0.0)
             after = r.timing.ttft_ms / cold
             out.append(("after a restart: first turn TTFT ms", r.timing.ttft_ms,
-                        f"cached {r.usage.cached_tokens} of {r.usage.prompt_tokens} prompt tokens; {after:.3f}x cold; "
+                        f"cached {r.usage.cached_tokens}, prefilled {r.usage.prefilled_tokens} of {r.usage.prompt_tokens} "
+                        f"prompt tokens; {after:.3f}x cold; "
                         "target <= 0.10 " + ("(met)" if after <= 0.10 else "(MISSED)")))
         if with_peer:
             plain = _peer(tmp, model, sent)

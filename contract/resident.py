@@ -196,12 +196,33 @@ class Resident:
         )
 
     def tape_snapshot(self, backend: str, state: bytes, state_kind: str) -> SessionSnapshot:
-        """A snapshot of the whole tape (the KV kept past the context too): what the workspace cache keeps."""
-        snap = self.snapshot(backend, state, state_kind)
-        return snap.model_copy(update={"resident_tokens": len(self.tokens), "resident_token_ids": list(self.tokens)})
+        """A snapshot of the whole tape (the KV kept past the context too): what the workspace cache keeps.
 
-    def validate_snapshot(self, snap: SessionSnapshot, backend: str, model_digest: str) -> None:
-        """Refuse a snapshot that this session cannot trust; raises SnapshotRejected."""
+        Its ``state_digest`` is left empty: the cache fills it in when it writes the entry to
+        disk (off the request's path), and a RAM entry never left the process.
+        """
+        return SessionSnapshot(
+            state=state,
+            state_kind=state_kind,
+            backend=backend,
+            resident_tokens=len(self.tokens),
+            prefix_tokens=min(self.prefix_len, len(self.tokens)),
+            num_ctx=self.num_ctx,
+            resident_token_ids=list(self.tokens),
+            stable_text=self.stable_text,
+            prefix_text=self.stable_text,
+            tools=self.tools,
+            manifest=self.manifest or ContextManifest(),
+        )
+
+    def validate_snapshot(
+        self, snap: SessionSnapshot, backend: str, model_digest: str, *, check_digest: bool = True
+    ) -> None:
+        """Refuse a snapshot that this session cannot trust; raises SnapshotRejected.
+
+        ``check_digest=False`` skips hashing the state: for the workspace cache's own
+        entries, whose bytes never left the process or were verified on the way in.
+        """
         problems: list[str] = []
         if snap.backend != backend:
             problems.append(f"snapshot is from backend {snap.backend!r}, this is {backend!r}")
@@ -217,8 +238,7 @@ class Resident:
             problems.append(f"{snap.resident_tokens} tokens do not fit num_ctx {self.num_ctx}")
         if snap.manifest.model_digest and model_digest and snap.manifest.model_digest != model_digest:
             problems.append("snapshot manifest names another model digest")
-        digest = "sha256:" + hashlib.sha256(snap.state).hexdigest()
-        if snap.state_digest != digest:
+        if check_digest and snap.state_digest != "sha256:" + hashlib.sha256(snap.state).hexdigest():
             problems.append("state bytes do not match the snapshot's state_digest")
         if problems:
             raise SnapshotRejected("; ".join(problems), problems=problems)

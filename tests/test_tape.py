@@ -179,7 +179,7 @@ class ToyModel(TapeModelBase):
     def export_state(self) -> tuple[bytes, str]:
         return frame_state(MAGIC, {"n_tokens": len(self.kv)}, bytes(self.kv)), "kv"
 
-    def import_state(self, snap: SessionSnapshot) -> None:
+    def import_state(self, snap: SessionSnapshot, *, backup: bool = True) -> None:
         header, body = unpack_state(MAGIC, snap.state, "a toy snapshot")
         if header_diffs(header, {"n_tokens": snap.resident_tokens}):
             raise SnapshotRejected("toy header disagrees")

@@ -488,7 +488,8 @@ class OpenVINOLoadedModel(TapeModelBase):
             off += 4 * v.shape[0]
         return bytes(out), "kv"
 
-    def import_state(self, snap: SessionSnapshot) -> None:
+    def import_state(self, snap: SessionSnapshot, *, backup: bool = True) -> None:
+        """``backup`` is moot: every check runs before the pools are touched, and a failed copy clears them."""
         tokens = list(snap.resident_token_ids)
         if snap.state_kind == "replay":
             self._replay(snap, tokens)

@@ -129,11 +129,12 @@ class TapeModel(Protocol):
         """The KV as state bytes and their ``state_kind``."""
         ...
 
-    def import_state(self, snap: SessionSnapshot) -> None:
+    def import_state(self, snap: SessionSnapshot, *, backup: bool = True) -> None:
         """Replace the KV with a snapshot already checked by ``Resident.validate_snapshot``.
 
         Refuses (SnapshotRejected) before touching the KV when the bytes do not
-        fit this engine; on a refusal after that, the KV is left unchanged or cleared.
+        fit this engine; on a refusal after that, the KV is left unchanged (when
+        the engine keeps a ``backup`` to put back) or cleared.
         """
         ...
 
@@ -375,4 +376,4 @@ class TapeModelBase(ABC):
     def export_state(self) -> tuple[bytes, str]: ...
 
     @abstractmethod
-    def import_state(self, snap: SessionSnapshot) -> None: ...
+    def import_state(self, snap: SessionSnapshot, *, backup: bool = True) -> None: ...
