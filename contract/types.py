@@ -277,6 +277,12 @@ class DaemonStatus(_Report):
     cache: dict[str, Any] | None = None
     #: the snapshot blob store: blobs, bytes, max_bytes, max_age_s, pruned
     blobs: dict[str, Any] | None = None
+    #: seconds the loaded model has had no session and no operation (None: no model, or a session holds it)
+    idle_s: float | None = None
+    #: the model is unloaded after this long idle (0 = never)
+    idle_unload_s: float = 0.0
+    #: a session with no operation (heartbeats aside) for this long is released (0 = never)
+    session_ttl_s: float = 0.0
 
 
 class DeviceInfo(_Report):

@@ -29,8 +29,9 @@ from .blobs import BlobStore
 from .capacity import make_budget_check, make_planner
 from .capacity.sizes import parse_size
 from .engine_choice import EngineFacts, choose_backend
+from .netsec import check_tcp_exposure, server_keys
 from .server import Daemon
-from .slot import DEFAULT_LEASE_S, Planner, SlotService
+from .slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S, Planner, SlotService
 from .state_cache import StateCacheStore
 
 __all__ = [
@@ -79,6 +80,10 @@ class ServeOptions:
     mem_max: str | None = None
     mem_reserve: str | None = None
     lease: float = DEFAULT_LEASE_S
+    #: seconds without a session or an operation before the chat model is unloaded (0 = never)
+    idle_unload: float = 0.0
+    #: seconds a session may go without an operation (heartbeats aside) before it is released
+    session_ttl: float = DEFAULT_SESSION_TTL_S
     no_preload: bool = False
     #: seconds before an idle embedding model is unloaded
     embed_idle: float = 300.0
@@ -97,6 +102,10 @@ class ServeOptions:
     cache_ram: str = "auto"
     cache_disk: str = "auto"
     cache_dir: Path | None = None
+    #: tcp security (``modeld.netsec``): speak CURVE with the key pair in DATA_DIR/keys, or
+    #: accept an open non-loopback socket
+    curve: bool = False
+    insecure_tcp: bool = False
     #: snapshot blob store limits: a size and an age in days
     blob_disk: str = "4GiB"
     blob_max_age_days: float = 7.0
@@ -222,6 +231,8 @@ def build_slot(
         embedder=embedder,
         cache=cache,
         backend_reason=opts.backend_reason,
+        idle_unload_s=opts.idle_unload,
+        session_ttl_s=opts.session_ttl,
     )
     built.append(slot)
     return slot
@@ -230,10 +241,13 @@ def build_slot(
 def build_daemon(opts: ServeOptions, backend: Backend | None = None) -> Daemon:
     """The daemon, bound to nothing yet (``Daemon.serve`` binds), with its slot and snapshot blob store."""
     endpoint = opts.endpoint or default_endpoint()
-    slot = build_slot(opts, endpoint, backend)
+    check_tcp_exposure(endpoint, curve=opts.curve, insecure=opts.insecure_tcp)  # ValueError before anything starts
     data_dir = opts.data_dir or default_data_dir()
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # snapshots and cached KV: the user's alone
+    curve_keys = server_keys(data_dir) if opts.curve else None
+    slot = build_slot(opts, endpoint, backend)
     blobs = BlobStore(data_dir / "blobs", max_bytes=parse_size(opts.blob_disk), max_age_s=opts.blob_max_age_days * 86400)
-    return Daemon(slot, endpoint, blobs)
+    return Daemon(slot, endpoint, blobs, curve_keys=curve_keys)
 
 
 def preload_request(opts: ServeOptions) -> LoadModelRequest | None:

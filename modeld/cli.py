@@ -1,4 +1,4 @@
-"""The ``modeld`` console script: ``serve``, ``prepare`` and ``http`` run here, everything else is a client command.
+"""The ``modeld`` console script: ``serve``, ``prepare``, ``http`` and ``keys`` run here, everything else is a client command.
 
 Each command's module is imported only when it runs, so a client command never
 loads the daemon (ZeroMQ server, capacity planner) and ``serve`` never loads a
@@ -21,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         from .prepare import main as prepare_main
 
         return prepare_main(rest)
+    if command == "keys":
+        from .netsec import keys_main
+
+        return keys_main(rest)
     if command == "http":
         from .openai_front import main as http_main
 

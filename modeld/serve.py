@@ -11,7 +11,7 @@ from pathlib import Path
 from types import FrameType
 
 from .bootstrap import BACKEND_CHOICES, ServeOptions, build_daemon, preload_request, resolve_backend
-from .slot import DEFAULT_LEASE_S
+from .slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
 
 __all__ = ["add_serve_arguments", "build_parser", "main", "serve"]
 
@@ -33,6 +33,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mem-reserve", default=None, help="memory kept free, e.g. 1GiB (env MODELD_MEM_RESERVE)")
     p.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, help="seconds a silent client keeps its session")
     p.add_argument("--no-preload", action="store_true", help="start with an empty slot")
+    p.add_argument("--idle-unload", type=float, default=0.0, metavar="S",
+                   help="unload the chat model after S seconds with no session and no operation (0 = never)")
+    p.add_argument("--session-ttl", type=float, default=DEFAULT_SESSION_TTL_S, metavar="S",
+                   help="release a session that sent no operation for S seconds, even while its client "
+                        "renews the lease (0 = never; any operation, explain included, refreshes it)")
     p.add_argument("--embed-idle", type=float, default=300.0, help="seconds before an idle embedding model is unloaded")
     p.add_argument(
         "--memory-token-delay-ms",
@@ -57,6 +62,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="disk for the workspace cache (survives restarts), e.g. 8GiB; 0 = off; "
                         "auto = a quarter of the free space, at most 16GiB (env MODELD_CACHE_DISK)")
     p.add_argument("--cache-dir", type=Path, default=None, help="workspace cache directory (default DATA_DIR/cache)")
+    p.add_argument("--curve", action="store_true",
+                   help="tcp endpoints speak ZeroMQ CURVE with the key pair in DATA_DIR/keys (`modeld keys` prints "
+                        "the public key clients need)")
+    p.add_argument("--insecure-tcp", action="store_true",
+                   help="allow a tcp endpoint beyond loopback without CURVE (anyone reaching it controls the daemon)")
     p.add_argument("--blob-disk", default="4GiB", metavar="SIZE",
                    help="disk for snapshot blobs; the least recently used are pruned beyond it")
     p.add_argument("--blob-max-age-days", type=float, default=7.0, metavar="DAYS",
@@ -81,9 +91,11 @@ def serve(opts: ServeOptions) -> int:
         log.info("backend %s (%s)", opts.backend, opts.backend_reason)
     try:
         daemon = build_daemon(opts)
-    except ValueError as exc:  # a bad size or setting, named by the parser
+    except (ValueError, RuntimeError) as exc:  # a bad size or setting, an exposed endpoint, unusable keys
         print(f"modeld: {exc}", file=sys.stderr)
         return 2
+    if opts.insecure_tcp and not opts.curve:
+        log.warning("serving %s without authentication (--insecure-tcp)", daemon.endpoint)
     front = None
     if opts.http:
         try:

@@ -91,6 +91,7 @@ from contract.types import (
 from contract.wire import Kind, Message, Op
 
 from .blobs import BlobStore
+from .netsec import check_runtime_dir, is_default_runtime_dir
 from .slot import SlotService, SlotSession
 
 log = logging.getLogger("modeld.server")
@@ -124,8 +125,12 @@ class _Inflight:
 
 
 class Daemon:
-    def __init__(self, slot: SlotService, endpoint: str, blobs: BlobStore) -> None:
+    def __init__(
+        self, slot: SlotService, endpoint: str, blobs: BlobStore, *, curve_keys: tuple[bytes, bytes] | None = None
+    ) -> None:
         self.slot = slot
+        #: (public, secret) Z85 CURVE keys: the socket then speaks CURVE only (``modeld.netsec``)
+        self._curve_keys = curve_keys
         self.endpoint = endpoint
         self.blobs = blobs
         self._ctx = zmq.Context()
@@ -203,9 +208,15 @@ class Daemon:
         router.setsockopt(zmq.LINGER, LINGER_MS)
         router.setsockopt(zmq.SNDHWM, SEND_HWM)
         router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_MESSAGE_PART_BYTES)
+        if self._curve_keys is not None:
+            router.curve_server = True
+            router.curve_publickey, router.curve_secretkey = self._curve_keys
         path = ipc_path(self.endpoint)
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if is_default_runtime_dir(path.parent):
+                check_runtime_dir(path.parent)  # 0700 and ours, or a clear refusal
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             if path.exists():
                 if _answers(self._ctx, self.endpoint):
                     router.close(0)

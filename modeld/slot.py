@@ -73,6 +73,9 @@ from contract.types import (
 from contract.wire import PROTOCOL_VERSION
 
 DEFAULT_LEASE_S = 30.0
+#: a session whose client keeps renewing its lease but sends no operation is released after this
+#: (seed 000's idle TTL); any operation, ``explain`` included, refreshes it
+DEFAULT_SESSION_TTL_S = 1800.0
 
 #: plans the memory-fitted request for a load (``modeld.capacity.make_planner``);
 #: without one the request is loaded as asked and the backend's describe answers
@@ -114,6 +117,8 @@ class _Holder:
     owner: str
     inner: Session
     last_seen: float = field(default_factory=time.monotonic)
+    #: the end of its last operation (heartbeats do not count): the session TTL runs from here
+    last_op: float = field(default_factory=time.monotonic)
     in_operation: int = 0
     closed: bool = False
 
@@ -132,12 +137,19 @@ class SlotService:
         embedder: Embedder | None = None,
         cache: CacheAdmin | None = None,
         backend_reason: str = "",
+        idle_unload_s: float = 0.0,
+        session_ttl_s: float = DEFAULT_SESSION_TTL_S,
     ) -> None:
         self.backend = backend
         #: the workspace cache the backend's models save to (status, listing, memory hand-back)
         self.cache = cache
         #: why this backend serves (``--backend auto`` says), shown in status
         self.backend_reason = backend_reason
+        #: unload the model after this long without a session or an operation (0 = never)
+        self.idle_unload_s = idle_unload_s
+        #: release a session with no operation for this long, heartbeats or not (0 = never)
+        self.session_ttl_s = session_ttl_s
+        self._last_active = time.monotonic()
         self.owner = owner
         self.lease_s = lease_s
         self.endpoint = endpoint
@@ -182,6 +194,9 @@ class SlotService:
                 endpoint=self.endpoint,
                 embedding=self._embedder.status() if self._embedder is not None else None,
                 cache=dict(self.cache.status()) if self.cache is not None else None,
+                idle_s=None if self._loaded is None or self._holder is not None else round(time.monotonic() - self._last_active, 1),
+                idle_unload_s=self.idle_unload_s,
+                session_ttl_s=self.session_ttl_s,
             )
 
     @property
@@ -353,6 +368,7 @@ class SlotService:
                 self._busy_op = ""
                 self._progress = None
                 self._last_error = ""
+                self._last_active = time.monotonic()
         except ModeldError:
             loaded.close()  # refused (a shutdown raced the load): nothing may stay resident unowned
             raise
@@ -532,23 +548,47 @@ class SlotService:
             return False
 
     def reap(self) -> bool:
-        """Release a holder whose lease expired and an idle embedding model; True when a holder went."""
+        """Release a holder whose lease or TTL expired, unload an idle model; True when a holder went."""
         if self._embedder is not None:
             self._embedder.maybe_unload_idle()
         with self._op_lock:
-            return self._reap_locked()
+            gone = self._reap_locked()
+            self._unload_if_idle_locked()
+            return gone
 
     def _reap_locked(self) -> bool:
         h = self._holder
-        if h is None or h.in_operation or time.monotonic() - h.last_seen <= self.lease_s:
+        if h is None or h.in_operation:
+            return False
+        now = time.monotonic()
+        lease_out = now - h.last_seen > self.lease_s
+        ttl_out = self.session_ttl_s > 0 and now - h.last_op > self.session_ttl_s
+        if not (lease_out or ttl_out):
             return False
         self._release_holder(h)
         return True
+
+    def _unload_if_idle_locked(self) -> None:
+        if not self.idle_unload_s or self._loaded is None or self._holder is not None or self._shutting_down:
+            return
+        if time.monotonic() - self._last_active <= self.idle_unload_s or self._state is not SlotState.READY:
+            return
+        with self._state_lock:
+            self._transition(SlotState.UNLOADING)
+            self._busy_op = "unload"
+        self._release_model_locked()
+        if self.cache is not None:
+            self.cache.release_ram()
+        with self._state_lock:
+            self._transition(SlotState.EMPTY)
+            self._generation += 1
+            self._busy_op = ""
 
     def _release_holder(self, holder: _Holder) -> None:
         if holder.closed:
             return
         holder.closed = True
+        self._last_active = time.monotonic()  # the idle clock starts when the last session goes
         try:
             holder.inner.close()
         finally:
@@ -577,7 +617,7 @@ class SlotService:
                 return fn(inner)
             finally:
                 holder.in_operation -= 1
-                holder.last_seen = time.monotonic()
+                holder.last_seen = holder.last_op = self._last_active = time.monotonic()
                 self._set_busy("")
 
     # --- shutdown ----------------------------------------------------------------------
@@ -657,7 +697,9 @@ class SlotSession:
             slot._set_busy("")
 
     def explain_context(self) -> ContextReport:
+        """The context report; also the no-op that refreshes the session's TTL."""
         h = self._holder
+        h.last_op = time.monotonic()
         if h.closed or self._slot._holder is not h:
             rep = h.inner.explain_context()
             return rep.model_copy(update={"closed": True})

@@ -56,6 +56,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--owner", default=os.environ.get("MODELD_OWNER", ""), help="owner fence (env MODELD_OWNER)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the daemon")
+    p.add_argument("--server-key", default=None,
+                   help="the daemon's CURVE public key for a --curve tcp endpoint (env MODELD_SERVER_KEY)")
 
 
 def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    client = Client(args.endpoint, timeout_s=args.timeout, owner=args.owner)
+    client = Client(args.endpoint, timeout_s=args.timeout, owner=args.owner, server_key=args.server_key)
     try:
         return int(_COMMANDS[args.command](client, args))
     except ModeldError as exc:
@@ -179,6 +181,8 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         ]
         if c.get("rejected"):
             rows.append(("cache rejected", f"{c['rejected']} (last: {c.get('last_rejection', '')})"))
+    if st.idle_s is not None:
+        rows.append(("idle", f"{st.idle_s:.0f} s" + (f" (unloads after {st.idle_unload_s:.0f} s)" if st.idle_unload_s else "")))
     if st.blobs is not None:
         b = st.blobs
         rows.append(("snapshot blobs", f"{b.get('blobs', 0)}, {_size(b.get('bytes', 0))} of {_size(b.get('max_bytes', 0))}"

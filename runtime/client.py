@@ -100,6 +100,10 @@ def _listening(path: Path) -> bool:
     return True
 
 
+#: the daemon's CURVE public key for ``--curve`` tcp endpoints (``modeld keys`` prints it)
+SERVER_KEY_ENV = "MODELD_SERVER_KEY"
+
+
 class Client:
     """Service + ModelController over ZeroMQ. Safe to share between threads."""
 
@@ -110,8 +114,12 @@ class Client:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         owner: str = "",
         lease_renew_s: float = LEASE_RENEW_INTERVAL_S,
+        server_key: str | None = None,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
+        #: the daemon's CURVE public key (``modeld keys``; env MODELD_SERVER_KEY): the sockets then speak CURVE
+        key = server_key if server_key is not None else os.environ.get(SERVER_KEY_ENV, "")
+        self._curve = (key.strip().encode(), *zmq.curve_keypair()) if key else None
         self.timeout_s = timeout_s
         self.owner = owner
         self._lease_renew_s = lease_renew_s
@@ -149,9 +157,14 @@ class Client:
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.ROUTING_ID, self._routing + b"/m")  # the same after a reconnect
+            self._secure(s)
             s.connect(self.endpoint)
             self._sock = s
         return self._sock
+
+    def _secure(self, s: zmq.Socket[bytes]) -> None:
+        if self._curve is not None:
+            s.curve_serverkey, s.curve_publickey, s.curve_secretkey = self._curve
 
     def _no_daemon(self) -> str:
         return f"no daemon at {self.endpoint} — is `modeld serve` running?"
@@ -322,6 +335,7 @@ class Client:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTING_ID, self._routing + b"/h")  # the same client: its sessions' leases
+        self._secure(sock)
         try:
             sock.connect(self.endpoint)
             while not self._hb_stop.wait(self._lease_renew_s):

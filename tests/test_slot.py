@@ -482,3 +482,42 @@ def test_tour_takes_every_reachable_edge() -> None:
     table = {(a, b) for a, nxt in TRANSITIONS.items() for b in nxt}
     unreachable = _RACE_ONLY | {(S.LOST_OWNER, S.SHUTTING_DOWN)}
     assert table - taken == unreachable
+
+
+# --- idle model, idle sessions ---------------------------------------------------------------------
+def test_an_idle_model_is_unloaded_after_idle_unload_s() -> None:
+    s = RecordingSlot(MemoryBackend(), owner=OWNER, idle_unload_s=0.2)
+    s.load_model(load("a"))
+    assert s.status().idle_s is not None and s.status().idle_unload_s == 0.2
+    sess = s.open_session(open_req("a"))
+    time.sleep(0.3)
+    s.reap()
+    assert state(s) is S.BUSY  # a session holds it: never idle
+    sess.close()
+    s.reap()
+    assert state(s) is S.READY  # the idle clock starts at the close
+    time.sleep(0.3)
+    s.reap()
+    st = s.status()
+    assert (st.state, st.generation, st.active, st.idle_s) == (S.EMPTY, 2, None, None)
+    assert_in_table(s.taken)
+    s.open_session(open_req("a")).close()  # the next session loads it again
+    assert state(s) is S.READY
+
+
+def test_a_session_without_operations_is_released_after_its_ttl() -> None:
+    s = RecordingSlot(MemoryBackend(), owner=OWNER, lease_s=60.0, session_ttl_s=0.3)
+    sess = s.open_session(open_req("a"))
+    for _ in range(3):  # the no-op refresh: explain_context, well inside the TTL
+        time.sleep(0.15)
+        assert s.touch(sess.session_id)  # a heartbeat renews the lease, not the TTL
+        sess.explain_context()
+        s.reap()
+    assert state(s) is S.BUSY
+    time.sleep(0.2)
+    assert s.touch(sess.session_id)
+    time.sleep(0.2)
+    s.reap()
+    assert state(s) is S.READY and s.status().session_ttl_s == 0.3
+    with pytest.raises(SessionClosed):
+        sess.ensure_prefix(PrefixInput(text="x", manifest=sess.manifest_defaults))
