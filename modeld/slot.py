@@ -25,6 +25,7 @@ bookkeeping, and splitting them would turn those into a public surface.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -71,6 +72,8 @@ from contract.types import (
     owner_fingerprint,
 )
 from contract.wire import PROTOCOL_VERSION
+
+log = logging.getLogger("modeld")
 
 DEFAULT_LEASE_S = 30.0
 #: a session whose client keeps renewing its lease but sends no operation is released after this
@@ -433,16 +436,7 @@ class SlotService:
             self._reap_locked()
             if self._holder is not None:
                 raise ModelBusy("a session holds the slot; close it before unloading")
-            with self._state_lock:
-                self._transition(SlotState.UNLOADING)
-                self._busy_op = "unload"
-            self._release_model_locked()
-            if self.cache is not None:
-                self.cache.release_ram()
-            with self._state_lock:
-                self._transition(SlotState.EMPTY)
-                self._generation += 1
-                self._busy_op = ""
+            self._unload_locked()
 
     # --- Service ---------------------------------------------------------------------
     def open_session(self, req: OpenSessionRequest) -> SlotSession:
@@ -568,11 +562,8 @@ class SlotService:
         self._release_holder(h)
         return True
 
-    def _unload_if_idle_locked(self) -> None:
-        if not self.idle_unload_s or self._loaded is None or self._holder is not None or self._shutting_down:
-            return
-        if time.monotonic() - self._last_active <= self.idle_unload_s or self._state is not SlotState.READY:
-            return
+    def _unload_locked(self) -> None:
+        """Ready -> Unloading -> Empty: the model goes (its tape to the workspace cache), the generation moves on."""
         with self._state_lock:
             self._transition(SlotState.UNLOADING)
             self._busy_op = "unload"
@@ -583,6 +574,14 @@ class SlotService:
             self._transition(SlotState.EMPTY)
             self._generation += 1
             self._busy_op = ""
+
+    def _unload_if_idle_locked(self) -> None:
+        if not self.idle_unload_s or self._loaded is None or self._holder is not None or self._shutting_down:
+            return
+        if time.monotonic() - self._last_active <= self.idle_unload_s or self._state is not SlotState.READY:
+            return
+        log.info("unloading the model: idle for %.0f s", time.monotonic() - self._last_active)
+        self._unload_locked()
 
     def _release_holder(self, holder: _Holder) -> None:
         if holder.closed:
