@@ -35,7 +35,8 @@ Hierarchy::
     ├── Internal                  (80)
     └── Unavailable               (90)
         ├── DaemonTimeout         (91)
-        └── ShuttingDown          (92)
+        ├── ShuttingDown          (92)
+        └── EngineUnresponsive    (93)
 """
 
 from __future__ import annotations
@@ -242,6 +243,12 @@ class ShuttingDown(Unavailable):
     """The daemon is shutting down and does not take new work."""
 
     code = 92
+
+
+class EngineUnresponsive(Unavailable):
+    """The daemon answers but its model worker has made no progress for too long (wedged); waiting is futile."""
+
+    code = 93
 
 
 def _all_subclasses(cls: type[ModeldError]) -> list[type[ModeldError]]:

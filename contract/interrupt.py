@@ -11,14 +11,27 @@ interrupted, so in-process callers see no difference.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .errors import Cancelled
 
-__all__ = ["check", "current", "interruptible"]
+__all__ = ["beat", "check", "current", "interruptible", "last_beat"]
 
 _scope = threading.local()
+#: when engine work last showed progress (``beat``); the daemon's liveness watch reads it
+_last_beat = [time.monotonic()]
+
+
+def beat() -> None:
+    """Note that the engine is making progress (a prefill chunk, a graph node, a decoded token)."""
+    _last_beat[0] = time.monotonic()
+
+
+def last_beat() -> float:
+    """``time.monotonic()`` of the last ``beat`` (or ``check``)."""
+    return _last_beat[0]
 
 
 @contextmanager
@@ -39,7 +52,8 @@ def current() -> threading.Event | None:
 
 
 def check(action: str) -> None:
-    """Raise Cancelled when this thread's work has been interrupted."""
+    """Raise Cancelled when this thread's work has been interrupted (a check is also a ``beat``)."""
+    _last_beat[0] = time.monotonic()
     event = current()
     if event is not None and event.is_set():
         raise Cancelled(f"{action} was cancelled")

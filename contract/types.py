@@ -283,6 +283,10 @@ class DaemonStatus(_Report):
     idle_unload_s: float = 0.0
     #: a session with no operation (heartbeats aside) for this long is released (0 = never)
     session_ttl_s: float = 0.0
+    #: seconds the model worker has been on one request without progress (None: under a second, or idle)
+    worker_stalled_s: float | None = None
+    #: the worker passed the daemon's wedge time: waiting requests get EngineUnresponsive
+    wedged: bool = False
 
 
 class DeviceInfo(_Report):

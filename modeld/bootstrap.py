@@ -30,7 +30,7 @@ from .capacity import make_budget_check, make_planner
 from .capacity.sizes import parse_size
 from .engine_choice import EngineFacts, choose_backend
 from .netsec import check_tcp_exposure, server_keys
-from .server import Daemon
+from .server import DEFAULT_WEDGE_S, Daemon
 from .slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S, Planner, SlotService
 from .state_cache import StateCacheStore
 
@@ -106,6 +106,9 @@ class ServeOptions:
     #: accept an open non-loopback socket
     curve: bool = False
     insecure_tcp: bool = False
+    #: seconds without progress before the model worker is reported wedged, and whether to exit then
+    wedge_timeout: float = DEFAULT_WEDGE_S
+    exit_when_wedged: bool = False
     #: snapshot blob store limits: a size and an age in days
     blob_disk: str = "4GiB"
     blob_max_age_days: float = 7.0
@@ -247,7 +250,8 @@ def build_daemon(opts: ServeOptions, backend: Backend | None = None) -> Daemon:
     curve_keys = server_keys(data_dir) if opts.curve else None
     slot = build_slot(opts, endpoint, backend)
     blobs = BlobStore(data_dir / "blobs", max_bytes=parse_size(opts.blob_disk), max_age_s=opts.blob_max_age_days * 86400)
-    return Daemon(slot, endpoint, blobs, curve_keys=curve_keys)
+    return Daemon(slot, endpoint, blobs, curve_keys=curve_keys, wedge_s=opts.wedge_timeout,
+                  exit_when_wedged=opts.exit_when_wedged)
 
 
 def preload_request(opts: ServeOptions) -> LoadModelRequest | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import FrameType
 
 from .bootstrap import BACKEND_CHOICES, ServeOptions, build_daemon, preload_request, resolve_backend
+from .server import DEFAULT_WEDGE_S, EXIT_WEDGED
 from .slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
 
 __all__ = ["add_serve_arguments", "build_parser", "main", "serve"]
@@ -62,6 +63,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="disk for the workspace cache (survives restarts), e.g. 8GiB; 0 = off; "
                         "auto = a quarter of the free space, at most 16GiB (env MODELD_CACHE_DISK)")
     p.add_argument("--cache-dir", type=Path, default=None, help="workspace cache directory (default DATA_DIR/cache)")
+    p.add_argument("--wedge-timeout", type=float, default=DEFAULT_WEDGE_S, metavar="S",
+                   help="report the model worker wedged after S seconds without progress: status says so and "
+                        "waiting requests get EngineUnresponsive")
+    p.add_argument("--exit-when-wedged", action="store_true",
+                   help=f"then exit with status {EXIT_WEDGED}, for a supervisor (systemd Restart=) to restart the daemon")
     p.add_argument("--curve", action="store_true",
                    help="tcp endpoints speak ZeroMQ CURVE with the key pair in DATA_DIR/keys (`modeld keys` prints "
                         "the public key clients need)")
@@ -136,8 +142,11 @@ def serve(opts: ServeOptions) -> int:
     finally:
         if front is not None:
             front.stop()
-    if daemon.exit_code:
+    if daemon.preload_error:
         print(f"modeld: could not load the model to serve ({preload.path if preload else ''}): {daemon.preload_error}",
+              file=sys.stderr)
+    elif daemon.exit_code == EXIT_WEDGED:
+        print(f"modeld: the model worker was wedged (no progress for {opts.wedge_timeout:.0f} s); exiting for a restart",
               file=sys.stderr)
     return daemon.exit_code
 

@@ -45,6 +45,7 @@ from contract import interrupt, wire
 from contract.endpoint import ipc_path
 from contract.errors import (
     Cancelled,
+    EngineUnresponsive,
     Internal,
     InvalidArgument,
     ModelBusy,
@@ -98,6 +99,13 @@ log = logging.getLogger("modeld.server")
 
 POLL_INTERVAL_MS = 50
 REAP_INTERVAL_S = 0.5
+#: a model worker that shows no progress (``interrupt.beat``) for this long is wedged; well above any
+#: legitimate step (a prefill chunk, a graph node, a decoded token; a load reports progress too)
+DEFAULT_WEDGE_S = 120.0
+#: how long a stop waits for the model worker before it gives up on a wedged one
+SHUTDOWN_WAIT_S = 10.0
+#: the exit status when ``--exit-when-wedged`` stops a daemon whose worker is wedged
+EXIT_WEDGED = 3
 #: how often the worker looks at waiting opens' deadlines while any wait
 PARKED_POLL_S = 0.05
 LINGER_MS = 500
@@ -122,13 +130,29 @@ class _Inflight:
     op: Op
     cancel: threading.Event = field(default_factory=threading.Event)
     last_hb: float = field(default_factory=time.monotonic)
+    #: the IO thread already gave it its terminal answer (the worker must not run it)
+    answered: bool = False
 
 
 class Daemon:
     def __init__(
-        self, slot: SlotService, endpoint: str, blobs: BlobStore, *, curve_keys: tuple[bytes, bytes] | None = None
+        self,
+        slot: SlotService,
+        endpoint: str,
+        blobs: BlobStore,
+        *,
+        curve_keys: tuple[bytes, bytes] | None = None,
+        wedge_s: float = DEFAULT_WEDGE_S,
+        exit_when_wedged: bool = False,
     ) -> None:
         self.slot = slot
+        #: the model worker is reported wedged after this long without progress
+        self.wedge_s = wedge_s
+        self.exit_when_wedged = exit_when_wedged
+        #: the request the model worker runs now, and since when (IO thread reads them)
+        self._running: _Inflight | None = None
+        self._running_since = 0.0
+        self._wedged = False
         #: (public, secret) Z85 CURVE keys: the socket then speaks CURVE only (``modeld.netsec``)
         self._curve_keys = curve_keys
         self.endpoint = endpoint
@@ -193,6 +217,7 @@ class Daemon:
                             break
                         self._on_message(router, frames)
                 now = time.monotonic()
+                self._watch_worker(router, now)
                 self._heartbeats(router, now)
                 if now - last_reap > REAP_INTERVAL_S:
                     last_reap = now
@@ -245,8 +270,15 @@ class Daemon:
                 pending.append(item)
         self._work.put(None)
         self._embed_work.put(None)
-        self._embed_worker.join(timeout=30)
-        self._worker.join(timeout=30)
+        self._embed_worker.join(timeout=SHUTDOWN_WAIT_S)
+        self._worker.join(timeout=SHUTDOWN_WAIT_S)
+        stuck = self._worker.is_alive() or self._embed_worker.is_alive()
+        if stuck:
+            # A wedged worker holds its socket and the model: the context cannot be terminated
+            # cleanly, and waiting longer helps nobody. Answer what we can and leave.
+            log.error("the model worker did not stop within %.0f s (wedged); exiting without releasing it",
+                      SHUTDOWN_WAIT_S)
+            self.exit_code = self.exit_code or 1
         self._drain_out(router, pull)
         for inf, _msg in pending:
             self._send(router, inf.identity, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
@@ -257,7 +289,8 @@ class Daemon:
             self._send(router, inf.identity, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
         pull.close(0)
         router.close(LINGER_MS)  # sockets first, then the context, or term() can hang
-        self._ctx.term()
+        if not stuck:
+            self._ctx.term()  # (with a wedged worker its socket is still open: term() would hang)
         if self._bound_ipc is not None:
             self._bound_ipc.unlink(missing_ok=True)
         log.info("modeld stopped")
@@ -292,6 +325,51 @@ class Daemon:
                 with self._inflight_lock:
                     self._inflight.pop((identity, rest[2]), None)
             self._send(router, identity, rest)
+
+    def stalled_s(self, now: float | None = None) -> float:
+        """Seconds the model worker has been running one request without progress (0 when idle)."""
+        running = self._running
+        if running is None:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return max(0.0, now - max(self._running_since, interrupt.last_beat()))
+
+    def _watch_worker(self, router: zmq.Socket[bytes], now: float) -> None:
+        """Liveness in tiers: the IO thread answers, and it watches that the model worker progresses.
+
+        A worker stalled past ``wedge_s`` is wedged: status says so, the running
+        request and every request waiting for the worker get EngineUnresponsive
+        naming the stuck operation (their clients stop waiting), and with
+        ``exit_when_wedged`` the daemon stops with EXIT_WEDGED for a supervisor
+        to restart it.
+        """
+        stalled = self.stalled_s(now)
+        running = self._running
+        if stalled < self.wedge_s or running is None:
+            if self._wedged:
+                log.warning("the model worker is making progress again")
+                self._wedged = False
+            return
+        if not self._wedged:
+            self._wedged = True
+            log.error("the model worker has made no progress for %.0f s in %s; it is wedged", stalled, running.op.value)
+            if self.exit_when_wedged:
+                self.exit_code = EXIT_WEDGED
+                self.stop()
+        err = EngineUnresponsive(
+            f"the model worker has made no progress for {stalled:.0f} s in {running.op.value}; "
+            f"restart the daemon (or serve with --exit-when-wedged under a supervisor)",
+            operation=running.op.value,
+            stalled_s=round(stalled, 1),
+        )
+        with self._inflight_lock:
+            stuck = [inf for inf in self._inflight.values() if inf.op is not Op.EMBED and not inf.answered]
+            for inf in stuck:
+                inf.answered = True
+                inf.cancel.set()
+                self._inflight.pop((inf.identity, inf.request_id), None)
+        for inf in stuck:
+            self._send(router, inf.identity, wire.encode_error(inf.request_id, err))
 
     def _heartbeats(self, router: zmq.Socket[bytes], now: float) -> None:
         with self._inflight_lock:
@@ -347,7 +425,11 @@ class Daemon:
                     self._reap()
                     self._serve_parked(emit)
                     continue
-                self._serve_item(*item, emit)
+                self._running, self._running_since = item[0], time.monotonic()
+                try:
+                    self._serve_item(*item, emit)
+                finally:
+                    self._running = None
                 self._serve_parked(emit)
         finally:
             try:
@@ -375,6 +457,7 @@ class Daemon:
         out.connect(_OUT_ENDPOINT)
 
         def emit(inf: _Inflight, frames: list[bytes]) -> None:
+            interrupt.beat()  # a reply or a chunk: the worker is alive
             if not inf.identity:  # an internal request (preload): log instead of replying
                 if wire.reply_kind(frames) is Kind.ERROR:
                     log.error("preload failed: %s", wire.error_of(wire.decode_reply(frames)).message)
@@ -386,6 +469,8 @@ class Daemon:
         return out, emit
 
     def _serve_item(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
+        if inf.answered:
+            return  # the IO thread answered it (the worker was wedged while it waited)
         if self._stop.is_set():
             emit(inf, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
         elif inf.op is Op.OPEN and self._park(inf, msg):
@@ -488,6 +573,9 @@ class Daemon:
     def _io_status(self, identity: bytes, req: StatusRequest) -> DaemonStatus:
         st = self.slot.status()
         st.blobs = self.blobs.stats()
+        stalled = self.stalled_s()
+        st.worker_stalled_s = round(stalled, 1) if stalled >= 1.0 else None
+        st.wedged = self._wedged
         return st
 
     def _io_cancel(self, identity: bytes, req: CancelRequest) -> CancelReply:

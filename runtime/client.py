@@ -100,6 +100,9 @@ def _listening(path: Path) -> bool:
     return True
 
 
+#: a request the daemon holds gets a heartbeat every second; this much silence means the daemon is gone
+LIVENESS_S = 8 * wire.HEARTBEAT_INTERVAL_S
+
 #: the daemon's CURVE public key for ``--curve`` tcp endpoints (``modeld keys`` prints it)
 SERVER_KEY_ENV = "MODELD_SERVER_KEY"
 
@@ -128,6 +131,8 @@ class Client:
         self._sock: zmq.Socket[bytes] | None = None
         self._buffers: dict[bytes, deque[Message]] = {}
         self._abandoned: set[bytes] = set()
+        #: request id -> when a message for it last arrived (liveness while waiting)
+        self._heard: dict[bytes, float] = {}
         self._ids = itertools.count(1)
         self._prefix = os.urandom(4)
         #: this client's routing id (``wire.peer_key``): the daemon binds its sessions to it
@@ -175,6 +180,7 @@ class Client:
             self._sock = None
         self._buffers.clear()
         self._abandoned.clear()
+        self._heard.clear()
 
     def _send(self, op: Op, body: BaseModel | dict[str, Any], payloads: list[bytes] | None = None) -> bytes:
         """Send a request (a typed message, or a raw map for hand-made requests); returns its id."""
@@ -194,11 +200,13 @@ class Client:
                 buf = self._buffers.get(rid)
                 if buf:
                     msg = buf.popleft()
+                    self._heard[rid] = time.monotonic()
                     if msg.kind is Kind.HEARTBEAT:
                         deadline = time.monotonic() + timeout
                         continue
                     if msg.kind is not None and msg.kind.terminal:
                         self._buffers.pop(rid, None)
+                        self._heard.pop(rid, None)
                     return msg
                 sock = self._socket()
                 remaining = deadline - time.monotonic()
@@ -209,6 +217,16 @@ class Client:
                         raise Unavailable(self._no_daemon(), endpoint=self.endpoint)
                     raise DaemonTimeout(f"no reply from {self.endpoint} within {timeout:.1f}s", endpoint=self.endpoint)
                 if not sock.poll(int(min(remaining, 0.25) * 1000) + 1, zmq.POLLIN):
+                    heard = self._heard.get(rid)
+                    if heard is not None and time.monotonic() - heard > LIVENESS_S:
+                        # The daemon heartbeats every request it holds each second, and nothing
+                        # is waiting on the socket: it died (or cannot answer). Say so now.
+                        self._reset()
+                        raise DaemonTimeout(
+                            f"{self.endpoint} stopped answering: no heartbeat for {LIVENESS_S:.0f} s "
+                            "(the daemon exited or was killed?)",
+                            endpoint=self.endpoint,
+                        )
                     continue
                 frames = sock.recv_multipart()
                 try:

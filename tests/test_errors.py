@@ -33,6 +33,7 @@ PINNED = {
     90: "Unavailable",
     91: "DaemonTimeout",
     92: "ShuttingDown",
+    93: "EngineUnresponsive",
 }
 
 

@@ -141,6 +141,7 @@ class LlamaLoadedModel(TapeModelBase):
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
 
     def _should_abort(self, _data: Any) -> bool:
+        interrupt.beat()  # called between graph nodes: a long prefill is visibly alive
         event = self._abort_event
         return event is not None and event.is_set()
 
