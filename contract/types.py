@@ -323,6 +323,9 @@ class ModelInfo(_Report):
     runtime_system_info: str = ""
     supports_gpu_offload: bool = False
     devices: list[DeviceInfo] = Field(default_factory=list)
+    #: the workspace cache: RAM it holds now and its budget (handed back before a model load)
+    cache_ram_bytes: int = 0
+    cache_ram_budget_bytes: int = 0
     # extensions: what the metadata said
     n_layer: int = 0
     n_head_kv: int = 0

@@ -487,9 +487,11 @@ class SlotService:
         if resident is not None and not self._matches(req):
             credit = resident.resident_bytes()  # a switch would release it
         with self._op_lock:
-            if self._planner is not None:
-                return self._planner(self.backend, req, credit)
-            return self.backend.describe(req, credit)
+            info = self._planner(self.backend, req, credit) if self._planner is not None else self.backend.describe(req, credit)
+        if self.cache is not None:
+            c = self.cache.status()
+            info = info.model_copy(update={"cache_ram_bytes": c["ram_bytes"], "cache_ram_budget_bytes": c["ram_budget_bytes"]})
+        return info
 
     def embed(self, req: EmbedRequest) -> EmbedResult:
         """Embeddings from the side slot: never touches the generation model or its KV.

@@ -8,6 +8,7 @@ and its message.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
 import os
@@ -37,6 +38,13 @@ EXIT_USAGE = 2
 def _table(rows: list[tuple[str, Any]]) -> str:
     width = max((len(k) for k, _ in rows), default=0)
     return "\n".join(f"{k.ljust(width)}  {'' if v is None else v}" for k, v in rows)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("modeld")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "(not installed)"
 
 
 def _size(n: int) -> str:
@@ -69,10 +77,13 @@ def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="modeld", description="A local model daemon for coding agents.")
+    p.add_argument("--version", action="version", version=f"modeld {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("serve", help="run the daemon (see `modeld serve --help`)", add_help=False)
     sub.add_parser("prepare", help="convert the bundled models once (see `modeld prepare --help`)", add_help=False)
     sub.add_parser("http", help="the OpenAI-compatible API alone, for a running daemon (see `modeld http --help`)",
+                   add_help=False)
+    sub.add_parser("keys", help="print the daemon's CURVE public key for --curve tcp endpoints (see `modeld keys --help`)",
                    add_help=False)
 
     s = sub.add_parser("status", help="show the slot state")

@@ -98,3 +98,14 @@ def test_bootstrap_takes_a_backend_through_the_same_door(tmp_path: Path) -> None
 def test_bootstrap_preloads_the_bundled_model(backend: str) -> None:
     req = preload_request(ServeOptions(backend=backend))
     assert req is not None and req.model_name == "smollm2-135m-instruct" and req.path.endswith(".gguf")
+
+
+def test_version_and_help_list_every_command() -> None:
+    from tests.daemon_proc import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "modeld", "--version"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("modeld ")
+    out = subprocess.run([sys.executable, "-m", "modeld", "--help"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
+    for command in ("serve", "prepare", "http", "keys", "status", "load", "unload", "describe", "embed", "run", "cache", "chat"):
+        assert f"    {command} " in out.stdout, command

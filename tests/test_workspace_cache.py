@@ -211,6 +211,9 @@ def test_a_restarted_daemon_resumes_warm_and_refuses_a_tampered_entry(daemon_dir
         assert warm.message.content == cold.message.content  # greedy, from the restored KV
         status = _cli(d, "status")
         assert "cache hits" in status.stdout and "1 of 1 switches" in status.stdout, status.stdout
+        with d.client() as c:
+            info = c.describe(OpenSessionRequest())
+        assert info.cache_ram_budget_bytes == 256 * 2**20 and 0 < info.cache_ram_bytes <= info.cache_ram_budget_bytes
 
     data = bytearray(files[0].read_bytes())
     data[len(data) // 2] ^= 0x40  # one flipped bit inside the saved KV
