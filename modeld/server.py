@@ -221,6 +221,7 @@ class Daemon:
                 self._heartbeats(router, now)
                 if now - last_reap > REAP_INTERVAL_S:
                     last_reap = now
+                    self._stop_silent_holder()
                     self._work.put(None)  # a wake-up: the worker reaps expired leases
         finally:
             self._shutdown(router, pull)
@@ -306,6 +307,18 @@ class Daemon:
                 self._peer_gone(identity)
                 return False
             raise
+
+    def _stop_silent_holder(self) -> None:
+        """A holder whose lease ran out mid-operation (a stopped client: its decode streams into a full
+        queue) gets that operation cancelled, so the worker is free to reap it within a token."""
+        sid = self.slot.expired_holder()
+        peer = self._session_peers.get(sid) if sid else None
+        if peer is None:
+            return
+        with self._inflight_lock:
+            for (ident, _rid), inf in self._inflight.items():
+                if wire.peer_key(ident) == peer:
+                    inf.cancel.set()
 
     def _peer_gone(self, identity: bytes) -> None:
         with self._inflight_lock:
@@ -624,6 +637,7 @@ class Daemon:
             num_ctx=sess.num_ctx,
             manifest=self.slot.manifest_defaults().identity(),
             active=status.active,
+            lease_s=self.slot.lease_s,
         )
 
     def _h_ensure_prefix(self, req: EnsurePrefixRequest) -> PrefixStatus:

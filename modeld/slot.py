@@ -543,6 +543,14 @@ class SlotService:
                 return True
             return False
 
+    def expired_holder(self) -> str:
+        """The session id of a holder whose lease has run out, even mid-operation ("" when none)."""
+        with self._state_lock:
+            h = self._holder
+            if h is not None and not h.closed and time.monotonic() - h.last_seen > self.lease_s:
+                return h.session_id
+            return ""
+
     def reap(self) -> bool:
         """Release a holder whose lease or TTL expired, unload an idle model; True when a holder went."""
         if self._embedder is not None:
@@ -684,17 +692,17 @@ class SlotSession:
     def _stream(self, it: Generator[StreamChunk, None, None]) -> Generator[StreamChunk, None, None]:
         # The op lock is not held across yields: the daemon's single worker thread
         # serialises model work, and a suspended generator must not pin a lock.
+        # The chunks do not renew the lease: only the client's own messages (its
+        # heartbeats) do, so a client that stopped reading loses the slot.
         slot, holder = self._slot, self._holder
         holder.in_operation += 1
         slot._set_busy("decode")
         try:
-            for chunk in it:
-                holder.last_seen = time.monotonic()
-                yield chunk
+            yield from it
         finally:
             it.close()  # cancels the backend within one token
             holder.in_operation -= 1
-            holder.last_seen = time.monotonic()
+            holder.last_op = time.monotonic()
             slot._set_busy("")
 
     def explain_context(self) -> ContextReport:

@@ -304,9 +304,12 @@ class Client:
         return reply.result(single=not req.texts)
 
     def open_session(self, req: OpenSessionRequest) -> RemoteSession:
-        sess = RemoteSession(self, self._request(Op.OPEN, self._fenced(req), OpenReply))
+        opened = self._request(Op.OPEN, self._fenced(req), OpenReply)
+        sess = RemoteSession(self, opened)
         with self._lock:
             self._sessions[sess.session_id] = sess
+            if opened.lease_s > 0:  # renew three times per lease: only the client's own messages renew it
+                self._lease_renew_s = min(self._lease_renew_s, opened.lease_s / 3)
         self._ensure_heartbeat()
         return sess
 

@@ -472,3 +472,35 @@ def test_client_close_does_not_wait_out_a_dead_daemon(tmp_path: Path) -> None:
     t0 = time.monotonic()
     c.close()
     assert time.monotonic() - t0 < 20.0  # not the 60 s call timeout
+
+
+def test_a_stopped_client_loses_the_slot_after_its_lease(daemon: DaemonProcess, client: Client) -> None:
+    """SIGSTOP mid-decode (a debugger, a suspended laptop): the chunks it no longer reads do not renew its lease."""
+    script = textwrap.dedent(
+        f"""
+        from runtime import Client
+        from contract.types import *
+        c = Client({daemon.endpoint!r}, owner={OWNER!r}, timeout_s=20)
+        s = c.open_session(OpenSessionRequest.model_validate({MODEL_A.model_dump()!r}))
+        s.ensure_prefix(PrefixInput(text="sys"))
+        s.prefill_suffix(SuffixInput(text="go"))
+        for i, ch in enumerate(s.decode(DecodeConfig(max_tokens=100000))):
+            if i == 3:
+                print("streaming", flush=True)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "streaming"
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        while client.status().session_open:
+            assert time.monotonic() - t0 < 2.0 + 1.5, "a stopped client kept the slot past its lease"
+            time.sleep(0.05)
+        client.open_session(MODEL_A).close()  # the slot serves the next client
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -246,7 +246,7 @@ def test_body_field_names() -> None:
     assert snap["state_bytes"] == len(STATE) and snap["state_id"] == SNAP.state_id
     restore, frames = wire.encode_body(SAMPLES[Op.RESTORE][0])
     assert set(restore) == {"session_id", "snapshot"} and "state" not in restore["snapshot"] and frames == [STATE]
-    assert set(wire.encode_body(SAMPLES[Op.OPEN][1])[0]) == {"session_id", "generation", "num_ctx", "manifest", "active"}
+    assert set(wire.encode_body(SAMPLES[Op.OPEN][1])[0]) == {"session_id", "generation", "num_ctx", "manifest", "active", "lease_s"}
     assert wire.encode_body(SnapshotRequest(session_id="s"))[0] == {"session_id": "s", "include_state": False}
     assert wire.encode_body(CancelRequest(request_id=b"\xff"))[0] == {"request_id": b"\xff"}  # msgpack bin, not text
     assert wire.encode_body(HeartbeatRequest(session_ids=["a"]))[0] == {"session_ids": ["a"]}

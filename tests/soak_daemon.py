@@ -1,0 +1,181 @@
+"""``make soak``: a long run against real daemon processes; memory, descriptors and the slot must stay put.
+
+Two phases:
+
+1. a memory-backend daemon: ``--cycles`` session cycles (open, prefix, suffix,
+   a short decode, close), with vanished clients mixed in — a client process
+   SIGKILLed mid-decode, and one SIGSTOPped while it holds the slot (its lease
+   runs out; it is then killed);
+2. a llama.cpp daemon: ``--turns`` turns of one conversation in one session.
+
+Prints per phase: RSS at the start, the middle and the end, open descriptors at
+the start and the end, how long the slot took to come free after each vanished
+client (the lease is ``LEASE_S``), and errors by class. Exit status 1 when RSS
+grows over 5% from the middle to the end, descriptors grow, or a vanished client
+keeps the slot past its lease + 2 s.
+``python -m tests.soak_daemon [--cycles N] [--turns N] [--skip-llama]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+from contract.errors import ModeldError
+from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+from tests.daemon_proc import ROOT, DaemonProcess
+
+LEASE_S = 2.0
+MODEL = OpenSessionRequest(model_name="soak", type="memory", path="/models/soak")
+
+
+def _vanishing_client(endpoint: str, how: str) -> subprocess.Popen[str]:
+    """A client process that opens a session and streams; the caller then kills or stops it."""
+    script = textwrap.dedent(f"""
+        from runtime import Client
+        from contract.types import *
+        c = Client({endpoint!r}, timeout_s=60)
+        s = c.open_session(OpenSessionRequest(model_name="soak", type="memory", path="/models/soak"))
+        s.ensure_prefix(PrefixInput(text="system"))
+        s.prefill_suffix(SuffixInput(text="go"))
+        for i, ch in enumerate(s.decode(DecodeConfig(max_tokens=100000))):
+            if i == 2:
+                print("streaming", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None
+    proc.stdout.readline()  # "streaming"
+    return proc
+
+
+def _slot_free_after(d: DaemonProcess, proc: subprocess.Popen[str], how: str) -> float:
+    with d.client(timeout_s=30.0) as c:
+        t0 = time.monotonic()
+        if how == "kill":
+            proc.send_signal(signal.SIGKILL)
+        else:
+            proc.send_signal(signal.SIGSTOP)  # alive but silent: its lease must run out
+        while c.status().session_open:
+            if time.monotonic() - t0 > 60:
+                break
+            time.sleep(0.05)
+        free = time.monotonic() - t0
+    proc.kill()
+    proc.wait()
+    if proc.stdout is not None:
+        proc.stdout.close()
+    return free
+
+
+def _usage(d: DaemonProcess) -> tuple[float, int]:
+    assert d.proc is not None
+    p = psutil.Process(d.proc.pid)
+    return p.memory_info().rss / 2**20, p.num_fds()
+
+
+def memory_phase(tmp: Path, cycles: int) -> dict[str, object]:
+    d = DaemonProcess(tmp / "memory", "memory", None, "--model", "/models/soak", "--model-name", "soak",
+                      "--lease", str(LEASE_S), "--memory-token-delay-ms", "1").start(wait_state=("Ready",))
+    errors: collections.Counter[str] = collections.Counter()
+    frees: list[tuple[str, float]] = []
+    try:
+        rss0, fds0 = _usage(d)
+        rss_mid = 0.0
+        with d.client(timeout_s=30.0) as c:
+            for k in range(cycles):
+                if k and k % (cycles // 4 or 1) == 0:
+                    how = "kill" if (k // (cycles // 4 or 1)) % 2 else "stop"
+                    frees.append((how, _slot_free_after(d, _vanishing_client(d.endpoint, how), how)))
+                if k == cycles // 2:
+                    rss_mid = _usage(d)[0]
+                try:
+                    sess = c.open_session(MODEL.model_copy(update={"queue_timeout_s": 30.0}))
+                    try:
+                        sess.ensure_prefix(PrefixInput(text=f"system {k % 7}"))
+                        sess.prefill_suffix(SuffixInput(text=f"turn {k}"))
+                        for _ in sess.decode(DecodeConfig(max_tokens=4)):
+                            pass
+                    finally:
+                        sess.close()
+                except ModeldError as exc:
+                    errors[type(exc).__name__] += 1
+        rss1, fds1 = _usage(d)
+    finally:
+        d.stop()
+    return {"rss": (rss0, rss_mid, rss1), "fds": (fds0, fds1), "frees": frees, "errors": errors, "count": cycles}
+
+
+def llama_phase(tmp: Path, turns: int) -> dict[str, object]:
+    d = DaemonProcess(tmp / "llama", "llama", None, "--num-ctx", "8192").start(wait_state=("Ready",))
+    errors: collections.Counter[str] = collections.Counter()
+    try:
+        rss0, fds0 = _usage(d)
+        rss_mid = 0.0
+        with d.client(timeout_s=120.0) as c:
+            history = [{"role": "system", "content": "You are terse."}]
+            for k in range(turns):
+                if k == turns // 2:
+                    rss_mid = _usage(d)[0]
+                history.append({"role": "user", "content": f"Turn {k}: name a prime number."})
+                if len(history) > 40:  # keep the conversation inside the context
+                    history = history[:1] + history[-20:]
+                try:
+                    r = c.chat(history, max_tokens=8, temperature=0.0)
+                    history.append({"role": "assistant", "content": r.message.content or ""})
+                except ModeldError as exc:
+                    errors[type(exc).__name__] += 1
+                    history.pop()
+        rss1, fds1 = _usage(d)
+    finally:
+        d.stop()
+    return {"rss": (rss0, rss_mid, rss1), "fds": (fds0, fds1), "frees": [], "errors": errors, "count": turns}
+
+
+def _report(name: str, r: dict[str, object]) -> bool:
+    rss0, mid, rss1 = r["rss"]  # type: ignore[misc]
+    fds0, fds1 = r["fds"]  # type: ignore[misc]
+    frees: list[tuple[str, float]] = r["frees"]  # type: ignore[assignment]
+    errors: collections.Counter[str] = r["errors"]  # type: ignore[assignment]
+    growth = (rss1 - mid) / mid if mid else 0.0
+    late = [f for _, f in frees if f > LEASE_S + 2]
+    rows = [
+        (f"{name}: {'cycles' if 'memory' in name else 'turns'}", f"{r['count']:,}"),
+        (f"{name}: RSS start / middle / end", f"{rss0:.1f} / {mid:.1f} / {rss1:.1f} MiB (middle to end {growth * 100:+.1f}%)"),
+        (f"{name}: open descriptors start / end", f"{fds0} / {fds1}"),
+        (f"{name}: errors by class", ", ".join(f"{k} {v}" for k, v in errors.items()) or "none"),
+    ]
+    if frees:
+        rows.append((f"{name}: slot free after a vanished client (lease {LEASE_S:.0f} s)",
+                     ", ".join(f"{how} {f:.1f} s" for how, f in frees)))
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"{k.ljust(width)}  {v}" for k, v in rows), flush=True)
+    return growth <= 0.05 and fds1 <= fds0 + 2 and not late and not errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="make soak", description=__doc__.splitlines()[0])
+    p.add_argument("--cycles", type=int, default=2000)
+    p.add_argument("--turns", type=int, default=300)
+    p.add_argument("--skip-llama", action="store_true")
+    args = p.parse_args(argv)
+    ok = True
+    with tempfile.TemporaryDirectory(prefix="modeld-soak-") as tmp:
+        ok &= _report("memory backend", memory_phase(Path(tmp), args.cycles))
+        if not args.skip_llama:
+            ok &= _report("llama.cpp", llama_phase(Path(tmp), args.turns))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
