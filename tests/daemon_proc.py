@@ -7,10 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 from contract.errors import ModeldError
+from contract.types import OpenSessionRequest
 from runtime import Client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,3 +96,36 @@ class DaemonProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def streaming_client(endpoint: str, model: OpenSessionRequest, *, owner: str = "", then: str = "") -> subprocess.Popen[str]:
+    """A client process that opens a session on ``model`` and streams a long decode.
+
+    After three chunks it prints "streaming" (returned once it did), then runs the
+    Python statement ``then`` (e.g. ``os._exit(0)``: die holding the session) and
+    keeps reading. The caller kills it and closes ``stdout``.
+    """
+    script = textwrap.dedent(
+        f"""
+        import os
+        from runtime import Client
+        from contract.types import *
+        c = Client({endpoint!r}, owner={owner!r}, timeout_s=60)
+        s = c.open_session(OpenSessionRequest.model_validate({model.model_dump()!r}))
+        s.ensure_prefix(PrefixInput(text="sys"))
+        s.prefill_suffix(SuffixInput(text="go"))
+        for i, ch in enumerate(s.decode(DecodeConfig(max_tokens=100000))):
+            if i == 3:
+                print("streaming", flush=True)
+                {then or "pass"}
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "streaming":
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        raise RuntimeError("the streaming client never started streaming")
+    return proc

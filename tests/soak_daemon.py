@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import signal
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -33,30 +31,10 @@ import psutil
 
 from contract.errors import ModeldError
 from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
-from tests.daemon_proc import ROOT, DaemonProcess
+from tests.daemon_proc import DaemonProcess, streaming_client
 
 LEASE_S = 2.0
 MODEL = OpenSessionRequest(model_name="soak", type="memory", path="/models/soak")
-
-
-def _vanishing_client(endpoint: str, how: str) -> subprocess.Popen[str]:
-    """A client process that opens a session and streams; the caller then kills or stops it."""
-    script = textwrap.dedent(f"""
-        from runtime import Client
-        from contract.types import *
-        c = Client({endpoint!r}, timeout_s=60)
-        s = c.open_session(OpenSessionRequest(model_name="soak", type="memory", path="/models/soak"))
-        s.ensure_prefix(PrefixInput(text="system"))
-        s.prefill_suffix(SuffixInput(text="go"))
-        for i, ch in enumerate(s.decode(DecodeConfig(max_tokens=100000))):
-            if i == 2:
-                print("streaming", flush=True)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.stdout is not None
-    proc.stdout.readline()  # "streaming"
-    return proc
 
 
 def _slot_free_after(d: DaemonProcess, proc: subprocess.Popen[str], how: str) -> float:
@@ -96,7 +74,7 @@ def memory_phase(tmp: Path, cycles: int) -> dict[str, object]:
             for k in range(cycles):
                 if k and k % (cycles // 4 or 1) == 0:
                     how = "kill" if (k // (cycles // 4 or 1)) % 2 else "stop"
-                    frees.append((how, _slot_free_after(d, _vanishing_client(d.endpoint, how), how)))
+                    frees.append((how, _slot_free_after(d, streaming_client(d.endpoint, MODEL), how)))
                 if k == cycles // 2:
                     rss_mid = _usage(d)[0]
                 try:

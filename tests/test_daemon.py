@@ -7,7 +7,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from collections.abc import Iterator
@@ -53,7 +52,7 @@ from contract.wire import Kind, Op
 from runtime import Client
 
 from .conformance import manifest_for
-from .daemon_proc import ROOT, DaemonProcess
+from .daemon_proc import ROOT, DaemonProcess, streaming_client
 
 OWNER = "owner-A"
 MODEL_A = OpenSessionRequest(owner_instance_id=OWNER, model_name="a", type="memory", path="/models/a")
@@ -244,24 +243,10 @@ def test_status_answered_while_a_decode_streams(client: Client, daemon: DaemonPr
 
 
 def test_client_killed_mid_decode_releases_the_slot(daemon: DaemonProcess, client: Client) -> None:
-    script = textwrap.dedent(
-        f"""
-        import os, sys
-        from runtime import Client
-        from contract.types import *
-        c = Client({daemon.endpoint!r}, owner={OWNER!r}, timeout_s=20)
-        s = c.open_session(OpenSessionRequest.model_validate({MODEL_A.model_dump()!r}))
-        s.ensure_prefix(PrefixInput(text="sys"))
-        s.prefill_suffix(SuffixInput(text="go"))
-        for i, ch in enumerate(s.decode(DecodeConfig(max_tokens=5000))):
-            if i == 3:
-                print("streaming", flush=True)
-                os._exit(0)   # die without closing anything
-        """
-    )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert "streaming" in proc.stdout, proc.stderr
+    proc = streaming_client(daemon.endpoint, MODEL_A, owner=OWNER, then="os._exit(0)  # die without closing anything")
+    proc.wait(60)
+    assert proc.stdout is not None
+    proc.stdout.close()
     assert client.status().session_open
     deadline = time.monotonic() + 10.0
     while client.status().session_open:
@@ -476,23 +461,8 @@ def test_client_close_does_not_wait_out_a_dead_daemon(tmp_path: Path) -> None:
 
 def test_a_stopped_client_loses_the_slot_after_its_lease(daemon: DaemonProcess, client: Client) -> None:
     """SIGSTOP mid-decode (a debugger, a suspended laptop): the chunks it no longer reads do not renew its lease."""
-    script = textwrap.dedent(
-        f"""
-        from runtime import Client
-        from contract.types import *
-        c = Client({daemon.endpoint!r}, owner={OWNER!r}, timeout_s=20)
-        s = c.open_session(OpenSessionRequest.model_validate({MODEL_A.model_dump()!r}))
-        s.ensure_prefix(PrefixInput(text="sys"))
-        s.prefill_suffix(SuffixInput(text="go"))
-        for i, ch in enumerate(s.decode(DecodeConfig(max_tokens=100000))):
-            if i == 3:
-                print("streaming", flush=True)
-        """
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = streaming_client(daemon.endpoint, MODEL_A, owner=OWNER)
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "streaming"
         proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         while client.status().session_open:
