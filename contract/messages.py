@@ -58,6 +58,8 @@ __all__ = [
     "F32MatrixFrame",
     "HeartbeatReply",
     "HeartbeatRequest",
+    "MetricsReply",
+    "MetricsRequest",
     "OpenReply",
     "PayloadFrame",
     "PrefillSuffixRequest",
@@ -338,3 +340,13 @@ class CacheClearReply(_Reply):
     """``cache_clear``: how many entries were dropped."""
 
     cleared: int = 0
+
+
+class MetricsRequest(_Request):
+    """``metrics`` takes no fields."""
+
+
+class MetricsReply(_Reply):
+    """``metrics``: the daemon's metrics in the Prometheus text format."""
+
+    text: str = ""

@@ -67,6 +67,8 @@ from .messages import (
     F32MatrixFrame,
     HeartbeatReply,
     HeartbeatRequest,
+    MetricsReply,
+    MetricsRequest,
     OpenReply,
     PrefillSuffixRequest,
     RestoreRequest,
@@ -139,6 +141,7 @@ class Op(str, enum.Enum):
     HEARTBEAT = "heartbeat"
     CACHE_LIST = "cache_list"
     CACHE_CLEAR = "cache_clear"
+    METRICS = "metrics"
 
 
 class Kind(str, enum.Enum):
@@ -189,6 +192,7 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.HEARTBEAT: OpSchema(HeartbeatRequest, HeartbeatReply),
     Op.CACHE_LIST: OpSchema(CacheListRequest, CacheListReply),
     Op.CACHE_CLEAR: OpSchema(CacheClearRequest, CacheClearReply),
+    Op.METRICS: OpSchema(MetricsRequest, MetricsReply),
 }
 
 

@@ -58,6 +58,8 @@ from contract.types import EmbedRequest, StructuredOutputConfig
 from runtime import Client
 from runtime.chat import Chat, ChatEvent, ChatResult
 
+from .metrics import CONTENT_TYPE
+
 __all__ = ["HttpFront", "create_app", "parse_listen"]
 
 log = logging.getLogger("modeld.http")
@@ -252,6 +254,20 @@ def create_app(connect: Callable[[], Client], *, api_key: str = "", queue_timeou
             return await anyio.to_thread.run_sync(status)
         except ModeldError as exc:
             raise _api_error(exc) from None
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """The daemon's Prometheus metrics (the same text as `modeld metrics`)."""
+
+        def scrape() -> str:
+            with connect() as c:
+                return c.metrics()
+
+        try:
+            text = await anyio.to_thread.run_sync(scrape)
+        except ModeldError as exc:
+            raise _api_error(exc) from None
+        return Response(text, media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

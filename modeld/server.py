@@ -67,6 +67,8 @@ from contract.messages import (
     EnsurePrefixRequest,
     HeartbeatReply,
     HeartbeatRequest,
+    MetricsReply,
+    MetricsRequest,
     OpenReply,
     PrefillSuffixRequest,
     RestoreRequest,
@@ -92,6 +94,7 @@ from contract.types import (
 from contract.wire import Kind, Message, Op
 
 from .blobs import BlobStore
+from .metrics import Metrics
 from .netsec import check_runtime_dir, is_default_runtime_dir
 from .slot import SlotService, SlotSession
 
@@ -146,6 +149,7 @@ class Daemon:
         exit_when_wedged: bool = False,
     ) -> None:
         self.slot = slot
+        self.metrics = Metrics(slot.status)
         #: the model worker is reported wedged after this long without progress
         self.wedge_s = wedge_s
         self.exit_when_wedged = exit_when_wedged
@@ -408,6 +412,7 @@ class Daemon:
             if answer is not None:
                 req = wire.decode_body(wire.SCHEMAS[msg.op].request, msg)
                 self._send(router, identity, wire.encode_reply(Kind.OK, rid, answer(self, identity, req)))
+                self.metrics.request(msg.op.value)
             else:
                 if self._stop.is_set():
                     raise ShuttingDown("modeld is shutting down")
@@ -552,18 +557,26 @@ class Daemon:
                     with closing(stream(self, inf, req)) as chunks:
                         for chunk in chunks:
                             emit(inf, wire.encode_chunk(rid, chunk))
+                            if chunk.done:
+                                self.metrics.reply(getattr(req, "session_id", ""), chunk)
                 else:
-                    emit(inf, wire.encode_reply(Kind.OK, rid, _HANDLERS[inf.op](self, req)))
+                    reply = _HANDLERS[inf.op](self, req)
+                    emit(inf, wire.encode_reply(Kind.OK, rid, reply))
+                    self.metrics.reply(getattr(req, "session_id", ""), reply)
+            self.metrics.request(inf.op.value)
         except Cancelled as exc:
             stopped = ShuttingDown("modeld is shutting down; the request was stopped") if self._stop.is_set() else exc
+            self.metrics.request(inf.op.value, type(stopped).__name__)
             emit(inf, wire.encode_error(rid, stopped))
         except ModeldError as exc:
             self._check_preload(inf, exc)
+            self.metrics.request(inf.op.value, type(exc).__name__)
             emit(inf, wire.encode_error(rid, exc))
         except Exception as exc:
             log.error("internal error on %s: %s", inf.op.value, traceback.format_exc())
             err = Internal(f"{type(exc).__name__}: {exc}")
             self._check_preload(inf, err)
+            self.metrics.request(inf.op.value, "Internal")
             emit(inf, wire.encode_error(rid, err))
 
     def _check_preload(self, inf: _Inflight, exc: ModeldError) -> None:
@@ -605,6 +618,9 @@ class Daemon:
 
     def _io_explain(self, identity: bytes, req: SessionRef) -> ContextReport:
         return self._session(req, identity).explain_context()
+
+    def _io_metrics(self, identity: bytes, req: MetricsRequest) -> MetricsReply:
+        return MetricsReply(text=self.metrics.text())
 
     def _io_cache_list(self, identity: bytes, req: CacheListRequest) -> CacheListReply:
         return CacheListReply(entries=self.slot.cache_entries(), cache=self.slot.status().cache)
@@ -670,6 +686,7 @@ class Daemon:
             return CloseReply(closed=False)  # unknown, or another peer's: nothing is closed or revealed
         sess = self._sessions.pop(req.session_id, None)
         self._session_peers.pop(req.session_id, None)
+        self.metrics.forget(req.session_id)
         if sess is not None:
             sess.close()
         return CloseReply(closed=sess is not None)
@@ -707,6 +724,7 @@ _IO_HANDLERS: dict[Op, Callable[[Daemon, bytes, Any], BaseModel]] = {
     Op.HEARTBEAT: Daemon._io_heartbeat,
     Op.EXPLAIN: Daemon._io_explain,
     Op.CACHE_LIST: Daemon._io_cache_list,
+    Op.METRICS: Daemon._io_metrics,
 }
 
 _HANDLERS: dict[Op, Callable[[Daemon, Any], BaseModel]] = {

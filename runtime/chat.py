@@ -31,6 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
+from contract import wire
 from contract.errors import InvalidArgument, SessionClosed
 from contract.types import (
     ChatMessage,
@@ -224,7 +225,7 @@ class Chat:
             raise InvalidArgument(f"unknown decode options {unknown}", unknown=unknown)
         system, conversation = split_messages(messages)
         tools_json = _tools_json(tools)
-        cfg = DecodeConfig(**decode)
+        cfg = wire.parse(DecodeConfig, decode)  # a bad option is an InvalidArgument naming it, before anything runs
         started = time.perf_counter()
         sess = self._client.open_session(self._request)
         try:

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(s, path_required=False)
     _common(s)
 
+    s = sub.add_parser("metrics", help="the daemon's metrics in the Prometheus text format")
+    _common(s)
+
     s = sub.add_parser("cache", help="the workspace cache of prefix states: ls (list) or clear")
     s.add_argument("action", choices=("ls", "clear"))
     _common(s)
@@ -201,6 +204,11 @@ def _status(client: Client, args: argparse.Namespace) -> int:
     if st.last_error:
         rows.append(("last error", st.last_error))
     print(_table(rows))
+    return 0
+
+
+def _metrics(client: Client, args: argparse.Namespace) -> int:
+    sys.stdout.write(client.metrics())
     return 0
 
 
@@ -345,4 +353,5 @@ _COMMANDS = {
     "run": _run,
     "chat": run_chat,
     "cache": _cache,
+    "metrics": _metrics,
 }

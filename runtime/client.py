@@ -44,6 +44,8 @@ from contract.messages import (
     EmbedReply,
     EnsurePrefixRequest,
     HeartbeatRequest,
+    MetricsReply,
+    MetricsRequest,
     OpenReply,
     PrefillSuffixRequest,
     RestoreRequest,
@@ -285,6 +287,10 @@ class Client:
 
     def unload_model(self, req: UnloadModelRequest | None = None) -> None:
         self._request(Op.UNLOAD, self._fenced(req or UnloadModelRequest()), UnloadReply)
+
+    def metrics(self) -> str:
+        """The daemon's metrics in the Prometheus text format."""
+        return self._request(Op.METRICS, MetricsRequest(), MetricsReply).text
 
     # --- workspace cache -------------------------------------------------------------------------
     def cache_list(self) -> CacheListReply:

@@ -8,7 +8,8 @@ Two phases:
    runs out; it is then killed);
 2. a llama.cpp daemon: ``--turns`` turns of one conversation in one session.
 
-Prints per phase: RSS at the start, the middle and the end, open descriptors at
+Prints per phase: RSS at the start, the middle and the end (less the bytes the
+workspace cache holds in RAM: those are bounded by its budget, not a leak), open descriptors at
 the start and the end, how long the slot took to come free after each vanished
 client (the lease is ``LEASE_S``), and errors by class. Exit status 1 when RSS
 grows over 5% from the middle to the end, descriptors grow, or a vanished client
@@ -57,9 +58,13 @@ def _slot_free_after(d: DaemonProcess, proc: subprocess.Popen[str], how: str) ->
 
 
 def _usage(d: DaemonProcess) -> tuple[float, int]:
+    """The daemon's RSS less what its workspace cache holds in RAM by design (MiB), and its open descriptors."""
     assert d.proc is not None
     p = psutil.Process(d.proc.pid)
-    return p.memory_info().rss / 2**20, p.num_fds()
+    with d.client(timeout_s=30.0) as c:
+        cache = c.status().cache
+    held = cache["ram_bytes"] if cache else 0
+    return (p.memory_info().rss - held) / 2**20, p.num_fds()
 
 
 def memory_phase(tmp: Path, cycles: int) -> dict[str, object]:
@@ -94,8 +99,8 @@ def memory_phase(tmp: Path, cycles: int) -> dict[str, object]:
     return {"rss": (rss0, rss_mid, rss1), "fds": (fds0, fds1), "frees": frees, "errors": errors, "count": cycles}
 
 
-def llama_phase(tmp: Path, turns: int) -> dict[str, object]:
-    d = DaemonProcess(tmp / "llama", "llama", None, "--num-ctx", "8192").start(wait_state=("Ready",))
+def llama_phase(tmp: Path, turns: int, *extra: str) -> dict[str, object]:
+    d = DaemonProcess(tmp / "llama", "llama", None, "--num-ctx", "8192", *extra).start(wait_state=("Ready",))
     errors: collections.Counter[str] = collections.Counter()
     try:
         rss0, fds0 = _usage(d)
@@ -129,7 +134,8 @@ def _report(name: str, r: dict[str, object]) -> bool:
     late = [f for _, f in frees if f > LEASE_S + 2]
     rows = [
         (f"{name}: {'cycles' if 'memory' in name else 'turns'}", f"{r['count']:,}"),
-        (f"{name}: RSS start / middle / end", f"{rss0:.1f} / {mid:.1f} / {rss1:.1f} MiB (middle to end {growth * 100:+.1f}%)"),
+        (f"{name}: RSS less the cache's RAM, start / middle / end",
+         f"{rss0:.1f} / {mid:.1f} / {rss1:.1f} MiB (middle to end {growth * 100:+.1f}%)"),
         (f"{name}: open descriptors start / end", f"{fds0} / {fds1}"),
         (f"{name}: errors by class", ", ".join(f"{k} {v}" for k, v in errors.items()) or "none"),
     ]
@@ -146,12 +152,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cycles", type=int, default=2000)
     p.add_argument("--turns", type=int, default=300)
     p.add_argument("--skip-llama", action="store_true")
+    p.add_argument("--no-cache", action="store_true", help="the llama.cpp daemon without its workspace cache")
     args = p.parse_args(argv)
     ok = True
     with tempfile.TemporaryDirectory(prefix="modeld-soak-") as tmp:
         ok &= _report("memory backend", memory_phase(Path(tmp), args.cycles))
         if not args.skip_llama:
-            ok &= _report("llama.cpp", llama_phase(Path(tmp), args.turns))
+            extra = ("--cache-ram", "0", "--cache-disk", "0") if args.no_cache else ()
+            ok &= _report("llama.cpp", llama_phase(Path(tmp), args.turns, *extra))
     return 0 if ok else 1
 
 

@@ -36,6 +36,8 @@ from contract.messages import (
     F32MatrixFrame,
     HeartbeatReply,
     HeartbeatRequest,
+    MetricsReply,
+    MetricsRequest,
     OpenReply,
     PrefillSuffixRequest,
     RestoreRequest,
@@ -139,6 +141,7 @@ SAMPLES: dict[Op, tuple[BaseModel, BaseModel]] = {
                        cache={"ram_entries": 1, "hits": 3, "hit_rate": 0.75}),
     ),
     Op.CACHE_CLEAR: (CacheClearRequest(owner_instance_id="o"), CacheClearReply(cleared=2)),
+    Op.METRICS: (MetricsRequest(), MetricsReply(text="# TYPE modeld_requests_total counter\nmodeld_requests_total 1.0\n")),
 }
 
 
@@ -162,7 +165,7 @@ def _message(body: dict[str, Any], payloads: list[bytes] | None = None) -> Messa
 def test_op_and_kind_frames_are_pinned() -> None:
     assert {op.value for op in Op} == {
         "status", "load", "unload", "describe", "embed", "open", "ensure_prefix", "prefill_suffix", "decode",
-        "cancel", "explain", "snapshot", "restore", "close", "heartbeat", "cache_list", "cache_clear",
+        "cancel", "explain", "snapshot", "restore", "close", "heartbeat", "cache_list", "cache_clear", "metrics",
     }
     assert {k.name: k.value for k in Kind} == {"OK": "ok", "DATA": "data", "END": "end", "ERROR": "error", "HEARTBEAT": "hb"}
     assert {k for k in Kind if k.terminal} == {Kind.OK, Kind.END, Kind.ERROR}

@@ -1,0 +1,144 @@
+"""The daemon's Prometheus metrics (``modeld metrics``, the wire op ``metrics``, the HTTP front's ``/metrics``).
+
+Counted by the server as requests are answered (``Metrics.request``,
+``Metrics.reply``), read from the slot at scrape time (``SlotCollector``): the
+state, memory, the workspace cache. Exposed as Prometheus text by
+``prometheus-client``; one registry per daemon, so tests can run several.
+
+| metric | kind | what |
+|---|---|---|
+| ``modeld_requests_total{op}`` | counter | requests answered, by operation |
+| ``modeld_errors_total{op,error}`` | counter | error replies, by operation and error class |
+| ``modeld_prompt_tokens_total{kind}`` | counter | ``reused`` / ``prefilled`` / ``cached`` (restored by the workspace cache) |
+| ``modeld_decoded_tokens_total`` | counter | tokens generated |
+| ``modeld_reuse_ratio`` | gauge | reused / (reused + prefilled) since start |
+| ``modeld_time_to_first_token_seconds`` | histogram | a turn's prefill (prefix + suffix) plus decode to its first token |
+| ``modeld_decode_tokens_per_second`` | histogram | decode rate of each finished decode |
+| ``modeld_slot_state{state}`` | gauge | 1 for the slot's current state |
+| ``modeld_resident_bytes``, ``modeld_process_rss_bytes`` | gauge | the model's bytes; the daemon's RSS |
+| ``modeld_cache_bytes{tier}``, ``modeld_cache_entries{tier}`` | gauge | the workspace cache |
+| ``modeld_cache_lookups_total{result}`` | counter | workspace switches that were restored (``hit``) or not |
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import psutil  # no stubs in the venv (ignore_missing_imports)
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel
+
+from contract.types import DaemonStatus, PrefixStatus, SlotState, StreamChunk, SuffixStatus
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+#: the Prometheus text exposition format
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class SlotCollector(Collector):
+    """What the slot knows at scrape time: state, memory, the workspace cache."""
+
+    def __init__(self, status: Callable[[], DaemonStatus]) -> None:
+        self._status = status
+        self._proc = psutil.Process()
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        st = self._status()
+        state = GaugeMetricFamily("modeld_slot_state", "1 for the slot's current state", labels=["state"])
+        for s in SlotState:
+            state.add_metric([s.value], 1.0 if st.state is s else 0.0)
+        yield state
+        yield GaugeMetricFamily("modeld_resident_bytes", "bytes the loaded model holds (weights, KV, scratch)",
+                                value=float(st.active.resident_bytes if st.active else 0))
+        yield GaugeMetricFamily("modeld_process_rss_bytes", "the daemon's resident set size",
+                                value=float(self._proc.memory_info().rss))
+        c = st.cache
+        if c is not None:
+            size = GaugeMetricFamily("modeld_cache_bytes", "workspace cache bytes", labels=["tier"])
+            count = GaugeMetricFamily("modeld_cache_entries", "workspace cache entries", labels=["tier"])
+            for tier in ("ram", "disk"):
+                size.add_metric([tier], float(c.get(f"{tier}_bytes", 0)))
+                count.add_metric([tier], float(c.get(f"{tier}_entries", 0)))
+            yield size
+            yield count
+            lookups = CounterMetricFamily("modeld_cache_lookups", "workspace switches that asked the cache",
+                                          labels=["result"])
+            lookups.add_metric(["hit"], float(c.get("hits", 0)))
+            lookups.add_metric(["miss"], float(c.get("misses", 0)))
+            yield lookups
+
+
+class _Gauge(Collector):
+    """One gauge whose value is read at scrape time."""
+
+    def __init__(self, name: str, doc: str, value: Callable[[], float]) -> None:
+        self._name, self._doc, self._value = name, doc, value
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self._name, self._doc, value=self._value())
+
+
+class Metrics:
+    """The daemon's counters and histograms, and the text a scrape returns."""
+
+    def __init__(self, status: Callable[[], DaemonStatus]) -> None:
+        self._lock = threading.Lock()
+        self._reused = self._prefilled = 0
+        #: session id -> prefill time of its current turn (ms), added to the decode's first token
+        self._turn_ms: dict[str, float] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("modeld_requests", "requests answered, by operation", ["op"], registry=r)
+        self.errors = Counter("modeld_errors", "error replies, by operation and error class", ["op", "error"], registry=r)
+        self.prompt_tokens = Counter("modeld_prompt_tokens", "prompt tokens by how they were served", ["kind"],
+                                     registry=r)
+        self.decoded = Counter("modeld_decoded_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("modeld_time_to_first_token_seconds",
+                              "a turn's prefill (prefix + suffix) plus its decode up to the first token", registry=r,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        self.rate = Histogram("modeld_decode_tokens_per_second", "decode rate of each finished decode", registry=r,
+                              buckets=(5, 10, 20, 40, 60, 80, 100, 150, 200, 400))
+        r.register(SlotCollector(status))
+        r.register(_Gauge("modeld_reuse_ratio", "reused / (reused + prefilled) prompt tokens since start",
+                          self._reuse_ratio))
+
+    def request(self, op: str, error: str = "") -> None:
+        self.requests.labels(op).inc()
+        if error:
+            self.errors.labels(op, error).inc()
+
+    def reply(self, session_id: str, reply: BaseModel) -> None:
+        """Count what a prefix/suffix status or a final decode chunk says."""
+        if isinstance(reply, PrefixStatus | SuffixStatus):
+            self.prompt_tokens.labels("reused").inc(reply.reused_tokens)
+            self.prompt_tokens.labels("prefilled").inc(reply.prefilled_tokens)
+            self.prompt_tokens.labels("cached").inc(reply.cached_tokens)
+            with self._lock:
+                self._reused += reply.reused_tokens
+                self._prefilled += reply.prefilled_tokens
+                self._turn_ms[session_id] = self._turn_ms.get(session_id, 0.0) + reply.prefill_ms
+        elif isinstance(reply, StreamChunk) and reply.done and reply.usage is not None:
+            u = reply.usage
+            self.decoded.inc(u.completion_tokens)
+            with self._lock:
+                prefill_ms = self._turn_ms.pop(session_id, 0.0)
+            if u.completion_tokens:
+                self.ttft.observe((prefill_ms + u.ttft_ms) / 1000)
+            if u.tokens_per_second > 0:
+                self.rate.observe(u.tokens_per_second)
+
+    def forget(self, session_id: str) -> None:
+        with self._lock:
+            self._turn_ms.pop(session_id, None)
+
+    def text(self) -> str:
+        return generate_latest(self.registry).decode()
+
+    def _reuse_ratio(self) -> float:
+        with self._lock:
+            total = self._reused + self._prefilled
+            return self._reused / total if total else 0.0
