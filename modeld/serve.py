@@ -9,10 +9,12 @@ import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from types import FrameType
 
 from .bootstrap import BACKEND_CHOICES, ServeOptions, build_daemon, preload_request, resolve_backend
+from .sdnotify import notify
 from .server import DEFAULT_WEDGE_S, EXIT_WEDGED
 from .slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
 
@@ -141,6 +143,7 @@ def serve(opts: ServeOptions) -> int:
         if not fired:  # fire once; a second signal during shutdown is ignored
             fired = True
             log.info("received %s", signal.Signals(signum).name)
+            notify("STOPPING=1")
             daemon.stop()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -151,6 +154,14 @@ def serve(opts: ServeOptions) -> int:
         log.warning("serving the memory reference backend: no inference, byte-length token proxies")
     if preload is not None:
         daemon.preload(preload)
+
+    def tell_systemd() -> None:
+        # READY once clients can connect; the model may still be loading (status says)
+        if daemon.ready.wait(timeout=300):
+            loading = f"; loading {preload.model_name}" if preload is not None else ""
+            notify("READY=1", f"STATUS=serving {daemon.endpoint}{loading}", f"MAINPID={os.getpid()}")
+
+    threading.Thread(target=tell_systemd, name="modeld-sd-notify", daemon=True).start()
     try:
         if front is not None:
             front.start()

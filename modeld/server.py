@@ -96,6 +96,7 @@ from contract.wire import Kind, Message, Op
 from .blobs import BlobStore
 from .metrics import Metrics
 from .netsec import check_runtime_dir, is_default_runtime_dir
+from .sdnotify import activated_fd
 from .slot import SlotService, SlotSession
 
 log = logging.getLogger("modeld.server")
@@ -241,6 +242,14 @@ class Daemon:
         if self._curve_keys is not None:
             router.curve_server = True
             router.curve_publickey, router.curve_secretkey = self._curve_keys
+        fd = activated_fd()
+        if fd is not None:
+            # systemd socket activation: the listening socket is already bound (its unit owns
+            # the file and its mode); ZeroMQ takes it over instead of binding a new one
+            router.setsockopt(zmq.USE_FD, fd)
+            router.bind(self.endpoint)
+            log.info("serving the socket systemd passed (fd %d) as %s", fd, self.endpoint)
+            return router
         path = ipc_path(self.endpoint)
         if path is not None:
             if is_default_runtime_dir(path.parent):
