@@ -10,7 +10,8 @@ Hierarchy::
     ModeldError
     ├── OwnerError                      owner epoch / fencing
     │   ├── NotOwner              (10)
-    │   └── StaleFence            (11)
+    │   ├── StaleFence            (11)
+    │   └── LostOwner             (12)
     ├── SessionError                    a session handle or its state
     │   ├── SessionClosed         (20)
     │   ├── ContextOverflow       (21)
@@ -92,6 +93,12 @@ class StaleFence(OwnerError):
     """Stale owner fence token: the fence names another owner; reopen with the current one."""
 
     code = 11
+
+
+class LostOwner(OwnerError):
+    """A newer owner took the daemon over: this owner's sessions were ended and its fence no longer holds."""
+
+    code = 12
 
 
 # --- sessions ----------------------------------------------------------------

@@ -69,6 +69,8 @@ __all__ = [
     "SnapshotReply",
     "SnapshotRequest",
     "StatusRequest",
+    "TakeoverReply",
+    "TakeoverRequest",
     "UnloadReply",
     "payload_frame",
 ]
@@ -350,3 +352,18 @@ class MetricsReply(_Reply):
     """``metrics``: the daemon's metrics in the Prometheus text format."""
 
     text: str = ""
+
+
+class TakeoverRequest(_Request):
+    """``takeover``: become the daemon's owner; ``epoch`` must be higher than the current owner's."""
+
+    owner_instance_id: str = Field(min_length=1)
+    epoch: int = Field(ge=1)
+
+
+class TakeoverReply(_Reply):
+    """``takeover``: the new owner's fingerprint and epoch, and whether a session of the old owner was ended."""
+
+    owner: str = ""
+    epoch: int = 0
+    ended_session: bool = False

@@ -258,6 +258,8 @@ def owner_fingerprint(owner: str) -> str:
 class DaemonStatus(_Report):
     #: the owner's fingerprint (``owner_fingerprint``), "" when the daemon has no owner
     owner_instance_id: str = ""
+    #: the owner epoch: a ``takeover`` needs a higher one
+    owner_epoch: int = 0
     backend: str = ""
     #: why this backend serves ("auto: ..." when the daemon picked it)
     backend_reason: str = ""

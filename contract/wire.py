@@ -76,6 +76,8 @@ from .messages import (
     SnapshotReply,
     SnapshotRequest,
     StatusRequest,
+    TakeoverReply,
+    TakeoverRequest,
     UnloadReply,
     payload_frame,
 )
@@ -142,6 +144,7 @@ class Op(str, enum.Enum):
     CACHE_LIST = "cache_list"
     CACHE_CLEAR = "cache_clear"
     METRICS = "metrics"
+    TAKEOVER = "takeover"
 
 
 class Kind(str, enum.Enum):
@@ -193,6 +196,7 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.CACHE_LIST: OpSchema(CacheListRequest, CacheListReply),
     Op.CACHE_CLEAR: OpSchema(CacheClearRequest, CacheClearReply),
     Op.METRICS: OpSchema(MetricsRequest, MetricsReply),
+    Op.TAKEOVER: OpSchema(TakeoverRequest, TakeoverReply),
 }
 
 

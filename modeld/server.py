@@ -76,6 +76,8 @@ from contract.messages import (
     SnapshotReply,
     SnapshotRequest,
     StatusRequest,
+    TakeoverReply,
+    TakeoverRequest,
     UnloadReply,
 )
 from contract.types import (
@@ -90,6 +92,7 @@ from contract.types import (
     StreamChunk,
     SuffixStatus,
     UnloadModelRequest,
+    owner_fingerprint,
 )
 from contract.wire import Kind, Message, Op
 
@@ -549,8 +552,8 @@ class Daemon:
         if self.slot.reap():
             log.info("released a session whose lease expired")
         live = self.slot.holder_id()
-        for sid in [s for s in self._sessions if s != live]:
-            del self._sessions[sid]
+        for sid in [s for s in self._sessions if s != live and not self.slot.lost(s)]:
+            del self._sessions[sid]  # (a session a takeover ended stays, to answer LostOwner until closed)
             self._session_peers.pop(sid, None)
 
     def _run(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
@@ -686,6 +689,10 @@ class Daemon:
         sess.restore(req.snapshot.model_copy(update={"state": state}))
         return sess.explain_context()
 
+    def _h_takeover(self, req: TakeoverRequest) -> TakeoverReply:
+        ended = self.slot.takeover(req.owner_instance_id, req.epoch)
+        return TakeoverReply(owner=owner_fingerprint(req.owner_instance_id), epoch=req.epoch, ended_session=ended)
+
     def _h_cache_clear(self, req: CacheClearRequest) -> CacheClearReply:
         # on the worker: no restore reads an entry while it is deleted
         return CacheClearReply(cleared=self.slot.cache_clear(req.owner_instance_id))
@@ -696,6 +703,7 @@ class Daemon:
         sess = self._sessions.pop(req.session_id, None)
         self._session_peers.pop(req.session_id, None)
         self.metrics.forget(req.session_id)
+        self.slot.forget_lost(req.session_id)
         if sess is not None:
             sess.close()
         return CloseReply(closed=sess is not None)
@@ -748,6 +756,7 @@ _HANDLERS: dict[Op, Callable[[Daemon, Any], BaseModel]] = {
     Op.RESTORE: Daemon._h_restore,
     Op.CLOSE: Daemon._h_close,
     Op.CACHE_CLEAR: Daemon._h_cache_clear,
+    Op.TAKEOVER: Daemon._h_takeover,
 }
 
 _STREAM_HANDLERS: dict[Op, Callable[[Daemon, _Inflight, Any], Generator[StreamChunk, None, None]]] = {

@@ -38,6 +38,7 @@ from contract.errors import (
     BackendMismatch,
     Internal,
     InvalidArgument,
+    LostOwner,
     ModelBusy,
     ModeldError,
     ModelLoadFailed,
@@ -107,8 +108,9 @@ TRANSITIONS: Mapping[SlotState, frozenset[SlotState]] = {
     _S.FAILED: frozenset({_S.LOADING, _S.EMPTY, _S.SHUTTING_DOWN}),
     # terminal: the process is exiting (shutdown may run again; it changes nothing)
     _S.SHUTTING_DOWN: frozenset({_S.SHUTTING_DOWN}),
-    # Nothing reaches LostOwner yet: owner takeover (another instance claiming the
-    # daemon's owner epoch) is the transition that will, from every live state.
+    # The seed's state for a daemon that lost its owner. A takeover (``takeover``) does not
+    # need it: the daemon keeps serving the new owner; the old owner's session answers
+    # LostOwner by name. Nothing reaches this state.
     _S.LOST_OWNER: frozenset({_S.SHUTTING_DOWN}),
 }
 
@@ -153,6 +155,9 @@ class SlotService:
         #: release a session with no operation for this long, heartbeats or not (0 = never)
         self.session_ttl_s = session_ttl_s
         self._last_active = time.monotonic()
+        #: the owner epoch (``takeover`` needs a higher one) and the sessions a takeover ended
+        self.owner_epoch = 0
+        self._lost: set[str] = set()
         self.owner = owner
         self.lease_s = lease_s
         self.endpoint = endpoint
@@ -182,6 +187,7 @@ class SlotService:
                 active = active.model_copy(update={"resident_bytes": self._loaded.resident_bytes()})
             return DaemonStatus(
                 owner_instance_id=owner_fingerprint(self.owner),
+                owner_epoch=self.owner_epoch,
                 backend=self.backend.name,
                 backend_reason=self.backend_reason,
                 backend_version=self._backend_version,
@@ -520,6 +526,8 @@ class SlotService:
 
     # --- leases and holders ------------------------------------------------------------
     def _holder_for(self, holder: _Holder) -> Session:
+        if holder.session_id in self._lost:
+            raise LostOwner("a newer owner took the daemon over; this session was ended", session_id=holder.session_id)
         if holder.closed:
             raise SessionClosed("session is closed", session_id=holder.session_id)
         if holder.generation != self._generation:
@@ -643,6 +651,34 @@ class SlotService:
             self.backend.close()
         if self.cache is not None:
             self.cache.close()  # the tape saved by the release above reaches the disk
+
+    # --- ownership ----------------------------------------------------------------------
+    def lost(self, session_id: str) -> bool:
+        """Whether a takeover ended this session (it answers LostOwner until closed)."""
+        return session_id in self._lost
+
+    def forget_lost(self, session_id: str) -> None:
+        self._lost.discard(session_id)
+
+    def takeover(self, owner: str, epoch: int) -> bool:
+        """A new owner with a higher epoch fences the old one: its session (if it holds the slot) is
+        ended and answers LostOwner from then on; its fence is refused (StaleFence). Returns whether a
+        session was ended. The model, its KV and the workspace cache stay: the new owner starts warm."""
+        with self._op_lock:
+            if epoch <= self.owner_epoch:
+                raise StaleFence(f"takeover epoch {epoch} is not newer than the daemon's ({self.owner_epoch})",
+                                 epoch=epoch, current=self.owner_epoch)
+            h = self._holder
+            ended = h is not None and h.owner != owner
+            if ended:
+                assert h is not None
+                self._lost.add(h.session_id)
+                self._release_holder(h)
+            with self._state_lock:
+                self.owner = owner
+                self.owner_epoch = epoch
+            log.warning("owner taken over at epoch %d%s", epoch, "; the old owner's session was ended" if ended else "")
+            return ended
 
     # --- workspace cache ---------------------------------------------------------------
     def cache_entries(self) -> list[CacheEntryInfo]:

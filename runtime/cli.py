@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(s, path_required=False)
     _common(s)
 
+    s = sub.add_parser("takeover", help="become the daemon's owner (--owner) at a higher --epoch; the old owner's session ends")
+    s.add_argument("--epoch", type=int, required=True, help="the new owner epoch (higher than status shows)")
+    _common(s)
+
     s = sub.add_parser("metrics", help="the daemon's metrics in the Prometheus text format")
     _common(s)
 
@@ -167,7 +171,7 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         ("backend", f"{st.backend} {st.backend_version}".strip() + (f" ({st.backend_reason})" if st.backend_reason else "")),
         ("state", st.state.value),
         ("generation", st.generation),
-        ("owner", st.owner_instance_id or "-"),
+        ("owner", f"{st.owner_instance_id} (epoch {st.owner_epoch})" if st.owner_instance_id else "-"),
         ("session open", "yes" if st.session_open else "no"),
     ]
     if st.busy_operation:
@@ -204,6 +208,15 @@ def _status(client: Client, args: argparse.Namespace) -> int:
     if st.last_error:
         rows.append(("last error", st.last_error))
     print(_table(rows))
+    return 0
+
+
+def _takeover(client: Client, args: argparse.Namespace) -> int:
+    r = client.takeover(args.epoch)
+    if args.json:
+        _print_json(r.model_dump(mode="json"))
+    else:
+        print(_table([("owner", r.owner), ("epoch", r.epoch), ("ended a session", "yes" if r.ended_session else "no")]))
     return 0
 
 
@@ -354,4 +367,5 @@ _COMMANDS = {
     "chat": run_chat,
     "cache": _cache,
     "metrics": _metrics,
+    "takeover": _takeover,
 }

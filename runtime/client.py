@@ -31,7 +31,7 @@ from pydantic import BaseModel
 
 from contract import wire
 from contract.endpoint import default_endpoint, ipc_path
-from contract.errors import BadFrame, DaemonTimeout, ModeldError, SessionClosed, Unavailable
+from contract.errors import BadFrame, DaemonTimeout, InvalidArgument, ModeldError, SessionClosed, Unavailable
 from contract.manifest import ContextManifest
 from contract.messages import (
     CacheClearReply,
@@ -53,6 +53,8 @@ from contract.messages import (
     SnapshotReply,
     SnapshotRequest,
     StatusRequest,
+    TakeoverReply,
+    TakeoverRequest,
     UnloadReply,
 )
 from contract.types import (
@@ -287,6 +289,17 @@ class Client:
 
     def unload_model(self, req: UnloadModelRequest | None = None) -> None:
         self._request(Op.UNLOAD, self._fenced(req or UnloadModelRequest()), UnloadReply)
+
+    def takeover(self, epoch: int) -> TakeoverReply:
+        """Become the daemon's owner (this client's ``owner``) at ``epoch``, higher than the current owner's.
+
+        The old owner's session, if it holds the slot, is ended (its calls raise
+        LostOwner) and its fence is refused from then on; the model stays loaded.
+        """
+        if not self.owner:
+            raise InvalidArgument("takeover needs the client's owner id (Client(owner=...), --owner, MODELD_OWNER)")
+        req = wire.parse(TakeoverRequest, {"owner_instance_id": self.owner, "epoch": epoch})
+        return self._request(Op.TAKEOVER, req, TakeoverReply)
 
     def metrics(self) -> str:
         """The daemon's metrics in the Prometheus text format."""

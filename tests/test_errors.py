@@ -11,6 +11,7 @@ PINNED = {
     1: "ModeldError",
     10: "NotOwner",
     11: "StaleFence",
+    12: "LostOwner",
     20: "SessionClosed",
     21: "ContextOverflow",
     22: "ManifestMismatch",

@@ -521,3 +521,27 @@ def test_a_session_without_operations_is_released_after_its_ttl() -> None:
     assert state(s) is S.READY and s.status().session_ttl_s == 0.3
     with pytest.raises(SessionClosed):
         sess.ensure_prefix(PrefixInput(text="x", manifest=sess.manifest_defaults))
+
+
+def test_a_takeover_fences_the_old_owner_and_keeps_the_model() -> None:
+    from contract.errors import LostOwner
+
+    s = RecordingSlot(MemoryBackend(), owner=OWNER)
+    sess = s.open_session(open_req("a"))
+    assert hot_loop(sess)
+    with pytest.raises(StaleFence, match="not newer"):
+        s.takeover("owner-2", 0)
+    assert s.takeover("owner-2", 1)  # the old owner's session is ended
+    st = s.status()
+    assert (st.state, st.generation, st.owner_epoch, st.session_open) == (S.READY, 1, 1, False)
+    with pytest.raises(LostOwner):
+        sess.ensure_prefix(PrefixInput(text="x", manifest=sess.manifest_defaults))
+    with pytest.raises(StaleFence):
+        s.open_session(open_req("a"))  # the old fence no longer holds
+    new = s.open_session(open_req("a").model_copy(update={"owner_instance_id": "owner-2"}))
+    assert new.generation == 1  # the same model, still loaded
+    new.close()
+    with pytest.raises(StaleFence):
+        s.takeover("owner-3", 1)  # an epoch is used once
+    assert not s.takeover("owner-3", 2)  # no session held: nothing ended
+    assert_in_table(s.taken)

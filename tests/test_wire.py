@@ -45,6 +45,8 @@ from contract.messages import (
     SnapshotReply,
     SnapshotRequest,
     StatusRequest,
+    TakeoverReply,
+    TakeoverRequest,
     UnloadReply,
     payload_frame,
 )
@@ -141,6 +143,7 @@ SAMPLES: dict[Op, tuple[BaseModel, BaseModel]] = {
                        cache={"ram_entries": 1, "hits": 3, "hit_rate": 0.75}),
     ),
     Op.CACHE_CLEAR: (CacheClearRequest(owner_instance_id="o"), CacheClearReply(cleared=2)),
+    Op.TAKEOVER: (TakeoverRequest(owner_instance_id="o2", epoch=3), TakeoverReply(owner="fp:0123", epoch=3, ended_session=True)),
     Op.METRICS: (MetricsRequest(), MetricsReply(text="# TYPE modeld_requests_total counter\nmodeld_requests_total 1.0\n")),
 }
 
@@ -165,7 +168,7 @@ def _message(body: dict[str, Any], payloads: list[bytes] | None = None) -> Messa
 def test_op_and_kind_frames_are_pinned() -> None:
     assert {op.value for op in Op} == {
         "status", "load", "unload", "describe", "embed", "open", "ensure_prefix", "prefill_suffix", "decode",
-        "cancel", "explain", "snapshot", "restore", "close", "heartbeat", "cache_list", "cache_clear", "metrics",
+        "cancel", "explain", "snapshot", "restore", "close", "heartbeat", "cache_list", "cache_clear", "metrics", "takeover",
     }
     assert {k.name: k.value for k in Kind} == {"OK": "ok", "DATA": "data", "END": "end", "ERROR": "error", "HEARTBEAT": "hb"}
     assert {k for k in Kind if k.terminal} == {Kind.OK, Kind.END, Kind.ERROR}
