@@ -180,20 +180,8 @@ class Resident:
 
     # --- snapshots ----------------------------------------------------------------
     def snapshot(self, backend: str, state: bytes, state_kind: str) -> SessionSnapshot:
-        return SessionSnapshot(
-            state=state,
-            state_kind=state_kind,
-            state_digest="sha256:" + hashlib.sha256(state).hexdigest(),
-            backend=backend,
-            resident_tokens=len(self.live),
-            prefix_tokens=self.prefix_len,
-            num_ctx=self.num_ctx,
-            resident_token_ids=list(self.live),
-            stable_text=self.stable_text,
-            prefix_text=self.stable_text,
-            tools=self.tools,
-            manifest=self.manifest or ContextManifest(),
-        )
+        """The session's context with its state bytes: what a client's ``snapshot`` returns."""
+        return self._snapshot(backend, state, state_kind, self.live, "sha256:" + hashlib.sha256(state).hexdigest())
 
     def tape_snapshot(self, backend: str, state: bytes, state_kind: str) -> SessionSnapshot:
         """A snapshot of the whole tape (the KV kept past the context too): what the workspace cache keeps.
@@ -201,14 +189,20 @@ class Resident:
         Its ``state_digest`` is left empty: the cache fills it in when it writes the entry to
         disk (off the request's path), and a RAM entry never left the process.
         """
+        return self._snapshot(backend, state, state_kind, self.tokens, "")
+
+    def _snapshot(
+        self, backend: str, state: bytes, state_kind: str, tokens: list[int], state_digest: str
+    ) -> SessionSnapshot:
         return SessionSnapshot(
             state=state,
             state_kind=state_kind,
+            state_digest=state_digest,
             backend=backend,
-            resident_tokens=len(self.tokens),
-            prefix_tokens=min(self.prefix_len, len(self.tokens)),
+            resident_tokens=len(tokens),
+            prefix_tokens=min(self.prefix_len, len(tokens)),
             num_ctx=self.num_ctx,
-            resident_token_ids=list(self.tokens),
+            resident_token_ids=list(tokens),
             stable_text=self.stable_text,
             prefix_text=self.stable_text,
             tools=self.tools,

@@ -36,6 +36,9 @@ class BlobStore:
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
         self._pruned = 0
+        #: blobs and bytes on disk, as the last ``prune`` counted them (``stats`` reads these: status is
+        #: polled often, and a directory walk per poll grows with the store)
+        self._count = self._bytes = 0
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(root, 0o700)
         self.prune()
@@ -78,11 +81,15 @@ class BlobStore:
 
     def delete(self, state_id: str) -> bool:
         path = self._path(state_id)
-        try:
-            path.unlink()
+        with self._lock:
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                return False
+            self._count -= 1
+            self._bytes -= size
             return True
-        except FileNotFoundError:
-            return False
 
     def _files(self) -> list[tuple[float, int, Path]]:
         out: list[tuple[float, int, Path]] = []
@@ -110,15 +117,16 @@ class BlobStore:
                 total -= size
                 gone += 1
             self._pruned += gone
+            self._count, self._bytes = len(files) - gone, total
             return gone
 
     def stats(self) -> dict[str, Any]:
         """What ``status`` shows: blobs, bytes, the budget, the age limit, how many were pruned since start."""
-        files = self._files()
-        return {
-            "blobs": len(files),
-            "bytes": sum(size for _, size, _ in files),
-            "max_bytes": self.max_bytes,
-            "max_age_s": self.max_age_s,
-            "pruned": self._pruned,
-        }
+        with self._lock:
+            return {
+                "blobs": self._count,
+                "bytes": self._bytes,
+                "max_bytes": self.max_bytes,
+                "max_age_s": self.max_age_s,
+                "pruned": self._pruned,
+            }

@@ -329,17 +329,17 @@ class Daemon:
         queue) gets that operation cancelled, so the worker is free to reap it within a token."""
         sid = self.slot.expired_holder()
         peer = self._session_peers.get(sid) if sid else None
-        if peer is None:
-            return
+        if peer is not None:
+            self._cancel_peer(peer)
+
+    def _peer_gone(self, identity: bytes) -> None:
+        self._cancel_peer(wire.peer_key(identity))
+
+    def _cancel_peer(self, peer: bytes) -> None:
+        """Cancel every running or queued request of one client (``wire.peer_key``)."""
         with self._inflight_lock:
             for (ident, _rid), inf in self._inflight.items():
                 if wire.peer_key(ident) == peer:
-                    inf.cancel.set()
-
-    def _peer_gone(self, identity: bytes) -> None:
-        with self._inflight_lock:
-            for (ident, _rid), inf in self._inflight.items():
-                if ident == identity:
                     inf.cancel.set()
 
     def _drain_out(self, router: zmq.Socket[bytes], pull: zmq.Socket[bytes]) -> None:

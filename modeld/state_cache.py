@@ -292,7 +292,7 @@ class StateCacheStore:
         if entry.disk_bytes and self._dir is not None:
             # the file's mtime carries the LRU order across a restart
             with contextlib.suppress(OSError):
-                os.utime(self._dir / f"{entry.id}.kv")
+                os.utime(self._path(entry.id))
 
     def _hold_in_ram(self, entry: _Entry, snap: SessionSnapshot) -> None:
         if entry.nbytes > self._ram_budget:
@@ -323,8 +323,16 @@ class StateCacheStore:
         self._unhold(entry)
         self._entries.pop(entry.id, None)
         entry.writing = False
-        if entry.disk_bytes and self._dir is not None:
-            (self._dir / f"{entry.id}.kv").unlink(missing_ok=True)
+        self._delete_file(entry)
+
+    def _path(self, eid: str) -> Path:
+        assert self._dir is not None
+        return self._dir / f"{eid}.kv"
+
+    def _delete_file(self, entry: _Entry) -> None:
+        """Remove the entry's disk copy, if it has one (caller holds the lock)."""
+        if entry.disk_bytes:
+            self._path(entry.id).unlink(missing_ok=True)
             self._disk_bytes -= entry.disk_bytes
             entry.disk_bytes = 0
 
@@ -364,7 +372,7 @@ class StateCacheStore:
         meta["state_digest"] = "sha256:" + hashlib.sha256(snap.state).hexdigest()  # left to this thread by the saver
         header = json.dumps({"key": item.key, "snapshot": meta, "state_len": len(snap.state)}, separators=(",", ":")).encode()
         digest = hashlib.sha256()
-        path = self._dir / f"{item.id}.kv"
+        path = self._path(item.id)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -394,24 +402,30 @@ class StateCacheStore:
         for e in on_disk:
             if self._disk_bytes <= self._disk_budget:
                 break
-            assert self._dir is not None
-            (self._dir / f"{e.id}.kv").unlink(missing_ok=True)
-            self._disk_bytes -= e.disk_bytes
-            e.disk_bytes = 0
+            self._delete_file(e)
             if e.snap is None:
                 self._entries.pop(e.id, None)
                 self._evictions += 1
 
-    def _read_header(self, path: Path) -> tuple[str, SessionSnapshot, int]:
-        """Key, snapshot bookkeeping (no state) and state length from a file's header; ValueError if not ours."""
-        with open(path, "rb") as f:
-            head = f.read(len(MAGIC) + _LEN.size)
-            if head[: len(MAGIC)] != MAGIC or len(head) != len(MAGIC) + _LEN.size:
+    def _read_header(self, path: Path, data: bytes | None = None) -> tuple[str, SessionSnapshot, int]:
+        """Key, snapshot bookkeeping (no state) and state length from a file's header; ValueError if not ours.
+
+        ``data``: the whole file, already read (a restore); else only the header is read (the start-up scan).
+        """
+        head_len = len(MAGIC) + _LEN.size
+        with contextlib.ExitStack() as stack:
+            if data is None:
+                f = stack.enter_context(open(path, "rb"))
+                head = f.read(head_len)
+            else:
+                head = data[:head_len]
+            if head[: len(MAGIC)] != MAGIC or len(head) != head_len:
                 raise ValueError("not a workspace cache file of this version")
             (hlen,) = _LEN.unpack(head[len(MAGIC) :])
             if hlen > _MAX_HEADER:
                 raise ValueError("header too large")
-            raw = f.read(hlen)
+            raw = f.read(hlen) if data is None else data[head_len : head_len + hlen]
+            size = path.stat().st_size if data is None else len(data)
         try:
             header = json.loads(raw)
             key, state_len = header["key"], header["state_len"]
@@ -422,20 +436,19 @@ class StateCacheStore:
             raise ValueError("header fields have the wrong types")
         if entry_id(key, snap.resident_token_ids) != path.stem:
             raise ValueError("the file name does not match its key and tokens")
-        expected = len(MAGIC) + _LEN.size + hlen + state_len + _DIGEST_BYTES
-        if path.stat().st_size != expected:
-            raise ValueError(f"file is {path.stat().st_size} bytes; its header implies {expected}")
+        expected = head_len + hlen + state_len + _DIGEST_BYTES
+        if size != expected:
+            raise ValueError(f"file is {size} bytes; its header implies {expected}")
         return key, snap, state_len
 
     def _read(self, entry: _Entry) -> SessionSnapshot | None:
         """The entry's snapshot from disk, verified; None (entry dropped, rejection counted) if it fails."""
-        assert self._dir is not None
-        path = self._dir / f"{entry.id}.kv"
+        path = self._path(entry.id)
         try:
-            key, meta, state_len = self._read_header(path)
-            data = path.read_bytes()
+            data = path.read_bytes()  # once: the header and the state come from these bytes
             if hashlib.sha256(data[:-_DIGEST_BYTES]).digest() != data[-_DIGEST_BYTES:]:
                 raise ValueError("content digest mismatch (the file is corrupt or was changed)")
+            key, meta, state_len = self._read_header(path, data)
             if key != entry.key:
                 raise ValueError("key changed on disk")
             state = data[-_DIGEST_BYTES - state_len : -_DIGEST_BYTES]
