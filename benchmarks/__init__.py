@@ -10,5 +10,7 @@ Not part of the library: nothing in ``contract``, ``runtime``, ``modeld`` or
 * ``openvino``    – the OpenVINO backend in process, next to openvino-genai's prefix-cached pipeline;
 * ``embed``       – embeddings/s of both side-slot engines next to sentence-transformers
                     (and the sentence-transformers reference vectors the embedding tests compare against);
+* ``ttft``        – time to first token against the new turn's size, cold and warm, both engines and the peer;
+* ``plot``        – the PNG of that section (matplotlib, Agg), drawn from the figures the run measured;
 * ``peer_server`` – llama-cpp-python's OpenAI server, launched with the daemon's ``Llama`` settings.
 """

@@ -10,6 +10,11 @@ from contract.interfaces import Session
 from contract.manifest import ContextManifest
 from contract.types import PrefixInput, SuffixInput
 
+#: the stable prefix's filler: a repository map, one line per module
+PREFIX_LINE = "src/pkg/module_{i}.py: class Handler{i}(Base): def run(self, x): return x * {i}"
+#: a new turn's filler: failing-test output
+SUFFIX_LINE = "test_{i}: AssertionError at line {i} in test_handler_{i}"
+
 
 def text_of_tokens(count: Callable[[str], int], target: int, line: str) -> str:
     """Deterministic filler of about ``target`` tokens (by ``count``), built from numbered lines."""
@@ -23,6 +28,19 @@ def text_of_tokens(count: Callable[[str], int], target: int, line: str) -> str:
     while count("\n".join(lines)) > target and len(lines) > 1:
         lines.pop()
     return "\n".join(lines)
+
+
+def text_of_exact_tokens(count: Callable[[str], int], target: int, line: str, word: str = " ok") -> str:
+    """``text_of_tokens`` topped up one short ``word`` at a time: ``target`` tokens (by ``count``), or one over.
+
+    Lines alone land up to a line short of the target, which matters for a 16-token turn.
+    """
+    text = text_of_tokens(count, target, line)
+    if count(text) > target:  # one line is already too long: the words alone
+        text = word.strip()
+    while count(text) < target:
+        text += word
+    return text
 
 
 def snapshot_vs_reprefill(

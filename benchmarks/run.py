@@ -16,6 +16,10 @@ Sections (``--sections`` picks some):
 * ``workspaces`` – two and three agents with different system prompts taking turns: the
                  switched-turn TTFT with the workspace cache, after a daemon restart, and
                  llama-cpp-python's server without and with its RAM cache (``benchmarks.workspaces``);
+* ``ttft``     – time to first token against the new turn's size (16 to 1,024 tokens after a
+                 ~2,000-token prefix), cold and warm, both engines and llama-cpp-python's server
+                 on the same message lists (``benchmarks.ttft``); drawn to benchmarks/out/ttft.png
+                 (``--docs``: also docs/ttft.png) by ``benchmarks.plot``, figures in ttft.json;
 * ``capacity`` – predicted required bytes vs the daemon's measured RSS growth after a
                  load plus a full prefill of the effective context;
 * ``embed``    – embeddings/s, batch 1 and 32, next to sentence-transformers.
@@ -43,14 +47,12 @@ from typing import Any
 
 import psutil
 
-from benchmarks.common import snapshot_vs_reprefill, text_of_tokens
+from benchmarks.common import PREFIX_LINE, SUFFIX_LINE, snapshot_vs_reprefill, text_of_tokens
 from contract.types import Config, DecodeConfig, LoadModelRequest, OpenSessionRequest, PrefixInput, SuffixInput
 from runtime import Client, RemoteSession
 from tests.daemon_proc import ROOT, DaemonProcess
 
 NUM_CTX = 4096
-PREFIX_LINE = "src/pkg/module_{i}.py: class Handler{i}(Base): def run(self, x): return x * {i}"
-SUFFIX_LINE = "test_{i}: AssertionError at line {i} in test_handler_{i}"
 FIRST_TURN = "Why does Handler7 fail on negative input?"
 
 
@@ -343,9 +345,21 @@ def section_workspaces(tmp: Path, count: Callable[[str], int]) -> str:
     )
 
 
+def section_ttft(tmp: Path, count: Callable[[str], int], *, docs: bool) -> str:
+    from benchmarks import plot, ttft
+
+    r = ttft.section(tmp, count)
+    plot.OUT_DIR.mkdir(parents=True, exist_ok=True)
+    plot.TTFT_JSON.write_text(json.dumps(r, indent=2) + "\n")
+    written = plot.plot_ttft(r, [plot.TTFT_PNG, plot.DOCS_TTFT_PNG] if docs else [plot.TTFT_PNG])
+    head = f"TTFT by new-turn size after a ~{ttft.PREFIX_TOKENS}-token prefix (plot: {', '.join(map(str, written))})"
+    return table(head, ttft.rows(r))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,agent,workspaces,capacity,embed", help="comma-separated, in order")
+    p.add_argument("--sections", default="peer,llama,openvino,agent,workspaces,ttft,capacity,embed", help="comma-separated, in order")
+    p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (the README shows it)")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     os.environ.setdefault("PYTHONPATH", str(ROOT))
@@ -380,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_agent(tmp, count), flush=True)
                 elif name == "workspaces":
                     print(section_workspaces(tmp, count), flush=True)
+                elif name == "ttft":
+                    print(section_ttft(tmp, count, docs=args.docs), flush=True)
                 else:
                     print(f"## {name}: unknown section")
                     failed.append(name)

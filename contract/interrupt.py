@@ -6,6 +6,12 @@ when the client cancels the request, its connection is gone, or the daemon
 shuts down; a backend checks it between units of work (``check``) or hands
 ``current()`` to the engine's own abort hook. Outside a scope nothing is ever
 interrupted, so in-process callers see no difference.
+
+Progress travels the same way: the tape layer opens a ``prefilling`` window
+over the tape positions a prefill computes, the engine reports each finished
+chunk with ``prefilled``, and the daemon's IO thread reads ``prefill_progress``
+for the heartbeats of the request the model worker runs. There is one model
+worker, so there is one window at a time.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from contextlib import contextmanager
 
 from .errors import Cancelled
 
-__all__ = ["beat", "check", "current", "interruptible", "last_beat"]
+__all__ = ["beat", "check", "current", "interruptible", "last_beat", "prefill_progress", "prefilled", "prefilling"]
 
 _scope = threading.local()
 #: when engine work last showed progress (``beat``); the daemon's liveness watch reads it
@@ -32,6 +38,49 @@ def beat() -> None:
 def last_beat() -> float:
     """``time.monotonic()`` of the last ``beat`` (or ``check``)."""
     return _last_beat[0]
+
+
+#: the running prefill as (first, end, reached) tape positions, None when none runs; the model
+#: worker writes it, the IO thread reads it (a tuple is replaced whole, never changed in place)
+_prefill: list[tuple[int, int, int] | None] = [None]
+_prefill_lock = threading.Lock()
+
+
+@contextmanager
+def prefilling(first: int, end: int) -> Iterator[None]:
+    """Inside the block a prefill computes tape positions ``first`` to ``end``; the engine reports with ``prefilled``."""
+    span = (first, end, first) if end > first else None
+    with _prefill_lock:
+        _prefill[0] = span
+    try:
+        yield
+    finally:
+        with _prefill_lock:
+            _prefill[0] = None
+
+
+def prefilled(position: int) -> None:
+    """The engine's KV now holds ``position`` tokens of the running prefill (also a ``beat``).
+
+    Outside a ``prefilling`` window it only beats, so an engine may call it
+    from a hook that also runs for other work.
+    """
+    _last_beat[0] = time.monotonic()
+    if _prefill[0] is None:
+        return
+    with _prefill_lock:
+        span = _prefill[0]
+        if span is not None and position > span[2]:
+            _prefill[0] = (span[0], span[1], min(position, span[1]))
+
+
+def prefill_progress() -> tuple[int, int] | None:
+    """``(done, total)`` tokens of the running prefill, or None when none runs."""
+    span = _prefill[0]
+    if span is None:
+        return None
+    first, end, reached = span
+    return max(0, reached - first), end - first
 
 
 @contextmanager

@@ -36,10 +36,12 @@ __all__ = [
     "ErrorInfo",
     "Fence",
     "LoadModelRequest",
+    "Heartbeat",
     "ModelInfo",
     "OpenSessionRequest",
     "PrefixInput",
     "PrefixStatus",
+    "Progress",
     "SessionSnapshot",
     "SlotState",
     "StreamChunk",
@@ -272,7 +274,9 @@ class DaemonStatus(_Report):
     last_error: str = ""
     load_progress: float | None = None
     session_open: bool = False
+    #: the daemon's process id, and seconds since it started
     pid: int = 0
+    uptime_s: float = 0.0
     endpoint: str = ""
     embedding: dict[str, Any] | None = None
     #: the workspace cache (``CacheStatus``); None when it is off
@@ -289,6 +293,24 @@ class DaemonStatus(_Report):
     worker_stalled_s: float | None = None
     #: the worker passed the daemon's wedge time: waiting requests get EngineUnresponsive
     wedged: bool = False
+
+
+class Progress(_Report):
+    """How far the request the daemon is running has come (a heartbeat carries it)."""
+
+    #: "load" (the model is loading) or "prefill" (prompt tokens are being computed)
+    stage: str = ""
+    #: the share done, 0..1
+    fraction: float = Field(0.0, ge=0.0, le=1.0)
+    #: prefill only: tokens computed so far, and how many the request needs (0 for a load)
+    done: int = Field(0, ge=0)
+    total: int = Field(0, ge=0)
+
+
+class Heartbeat(_Report):
+    """The body of a heartbeat (``hb``) reply: empty, or the running request's progress."""
+
+    progress: Progress | None = None
 
 
 class DeviceInfo(_Report):
@@ -435,6 +457,9 @@ class DecodeConfig(_Request):
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     #: extension: also stream the sampled token ids (for parity checks)
     return_token_ids: bool = False
+    #: extension: prompt-lookup speculative decoding (drafts copied from the context, verified in
+    #: one batch; the output is what plain decoding gives); None = the daemon's default
+    speculative: bool | None = None
 
 
 class ToolCallFunction(_Report):
@@ -510,6 +535,9 @@ class Usage(_Report):
     ttft_ms: float = 0.0
     decode_ms: float = 0.0
     tokens_per_second: float = 0.0
+    #: speculative decoding: draft tokens evaluated, and those the sampled output kept
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class StreamChunk(_Report):
@@ -526,7 +554,15 @@ class StreamChunk(_Report):
 
     @classmethod
     def final(
-        cls, finish_reason: str, prompt_tokens: int, completion_tokens: int, ttft_ms: float, started: float
+        cls,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        ttft_ms: float,
+        started: float,
+        *,
+        drafted: int = 0,
+        accepted: int = 0,
     ) -> StreamChunk:
         """The terminal chunk of a decode that began at ``started`` (a perf_counter reading)."""
         elapsed_ms = (time.perf_counter() - started) * 1000
@@ -539,6 +575,8 @@ class StreamChunk(_Report):
                 ttft_ms=ttft_ms,
                 decode_ms=elapsed_ms,
                 tokens_per_second=completion_tokens / (elapsed_ms / 1000) if elapsed_ms > 0 else 0.0,
+                drafted_tokens=drafted,
+                accepted_tokens=accepted,
             ),
         )
 

@@ -17,7 +17,8 @@ message without decoding its body. ``kind`` is one of:
 * ``error`` – the terminal error of a request or stream (body: code, name,
   message, recoverable, details);
 * ``hb``    – a heartbeat while a long request runs, so the client can tell a
-  slow daemon from a dead one.
+  slow daemon from a dead one; its body is empty, or carries the running
+  request's progress (``types.Heartbeat``, read with ``heartbeat_progress``).
 
 Large binary payloads (KV snapshot bytes, embedding vectors as little-endian
 float32) travel as separate frames, never inside the msgpack map. msgpack
@@ -86,10 +87,12 @@ from .types import (
     ContextReport,
     DaemonStatus,
     EmbedRequest,
+    Heartbeat,
     LoadModelRequest,
     ModelInfo,
     OpenSessionRequest,
     PrefixStatus,
+    Progress,
     StreamChunk,
     SuffixStatus,
     UnloadModelRequest,
@@ -101,6 +104,8 @@ PROTOCOL_VERSION = 1
 MAX_REQUEST_ID_BYTES = 64
 MAX_OP_BYTES = 32
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a 16 Mi-character prompt fits with room to spare
+#: the body of an operation that carries no prompt text (status, load, open, close, …)
+MAX_SMALL_BODY_BYTES = 1024 * 1024
 MAX_PAYLOAD_BYTES = 2 * 1024 * 1024 * 1024 - 1  # snapshot state of a large context
 MAX_PAYLOAD_FRAMES = 4
 #: what the daemon's socket accepts for a whole message part (ZMQ_MAXMSGSIZE)
@@ -276,11 +281,31 @@ def encode_request(
 
 
 def decode_request(frames: list[bytes]) -> Message:
+    """A request's frames as a Message; each operation's own limits are checked before its body is parsed.
+
+    An operation that carries no prompt text takes a body of at most
+    ``MAX_SMALL_BODY_BYTES``, and one that declares no payload frame takes none.
+    """
     op_frame, rid = _check_common(frames)
     op = _OPS.get(bytes(op_frame)) if len(op_frame) <= MAX_OP_BYTES else None
     if op is None:
         raise UnknownOperation(f"unknown operation {bytes(op_frame[:MAX_OP_BYTES])!r}", known=sorted(o.value for o in Op))
+    limit = body_limit(op)
+    if len(frames[3]) > limit:
+        raise FrameTooLarge(f"a {op.value} body of {len(frames[3])} bytes exceeds {limit}", limit=limit, op=op.value)
+    allowed = 0 if payload_frame(SCHEMAS[op].request) is None else 1
+    if len(frames) - 4 > allowed:
+        raise BadFrame(f"{op.value} takes {allowed} payload frame(s), got {len(frames) - 4}", op=op.value)
     return Message(request_id=bytes(rid), body=unpack(frames[3]), payloads=[bytes(p) for p in frames[4:]], op=op)
+
+
+#: operations whose body carries prompt text, tools, a grammar or texts to embed
+_TEXT_OPS = frozenset({Op.ENSURE_PREFIX, Op.PREFILL_SUFFIX, Op.DECODE, Op.EMBED})
+
+
+def body_limit(op: Op) -> int:
+    """The largest body ``op`` accepts."""
+    return MAX_BODY_BYTES if op in _TEXT_OPS else MAX_SMALL_BODY_BYTES
 
 
 def _reply_frames(kind: Kind, request_id: bytes, body: dict[str, Any], payloads: list[bytes]) -> list[bytes]:
@@ -311,6 +336,20 @@ def encode_error(request_id: bytes, err: ModeldError) -> list[bytes]:
 def error_of(msg: Message) -> ModeldError:
     """The exception an ``error`` reply carries: the same class the daemon raised."""
     return from_wire(msg.body)
+
+
+def heartbeat_progress(msg: Message) -> Progress | None:
+    """The progress a heartbeat carries; None for an empty body (older daemons send one) or one that does not parse.
+
+    A heartbeat only keeps a request alive, so a body this client cannot read
+    costs the caller its progress display, never the request.
+    """
+    if not msg.body:
+        return None
+    try:
+        return Heartbeat.model_validate(msg.body).progress
+    except ValidationError:
+        return None
 
 
 def reply_kind(frames: Sequence[bytes]) -> Kind | None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,9 +24,9 @@ from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
 from contract.types import Config, LoadModelRequest
 
-from .blobs import BlobStore
+from . import dirs
+from .blobs import DEFAULT_MAX_BYTES, BlobStore
 from .capacity import make_budget_check, make_planner
-from .capacity.sizes import parse_size
 from .engine_choice import EngineFacts, choose_backend
 from .netsec import check_tcp_exposure, server_keys
 from .server import DEFAULT_WEDGE_S, Daemon
@@ -62,7 +61,10 @@ PREPARE_STEPS = ("openvino", "embed")
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """The parsed ``modeld serve`` arguments (``modeld.serve``); field names are the argparse names."""
+    """The resolved ``modeld serve`` settings (``modeld.settings.ServeSettings.options``); field names are the flags'.
+
+    Sizes are bytes, already parsed; these defaults are the settings' built-in ones.
+    """
 
     #: a BACKENDS name, or "auto" (``resolve_backend`` picks one and says why)
     backend: str = "auto"
@@ -77,8 +79,9 @@ class ServeOptions:
     owner: str = ""
     #: snapshot blobs and state; None = ``default_data_dir()``
     data_dir: Path | None = None
-    mem_max: str | None = None
-    mem_reserve: str | None = None
+    #: --mem-max / --mem-reserve in bytes; None = not set (the memory planner reads its environment and [memory])
+    mem_max: int | None = None
+    mem_reserve: int | None = None
     lease: float = DEFAULT_LEASE_S
     #: seconds without a session or an operation before the chat model is unloaded (0 = never)
     idle_unload: float = 0.0
@@ -97,10 +100,10 @@ class ServeOptions:
     api_key: str = ""
     #: how long an HTTP request waits for the slot while another holds it
     http_queue_timeout: float = 300.0
-    #: workspace cache budgets ("auto", a size such as 2GiB, or 0 = off) and its directory
+    #: workspace cache budgets in bytes (None = auto: the cache sizes them; 0 = off) and its directory
     #: (None = ``<data dir>/cache``)
-    cache_ram: str = "auto"
-    cache_disk: str = "auto"
+    cache_ram: int | None = None
+    cache_disk: int | None = None
     cache_dir: Path | None = None
     #: tcp security (``modeld.netsec``): speak CURVE with the key pair in DATA_DIR/keys, or
     #: accept an open non-loopback socket
@@ -109,14 +112,18 @@ class ServeOptions:
     #: seconds without progress before the model worker is reported wedged, and whether to exit then
     wedge_timeout: float = DEFAULT_WEDGE_S
     exit_when_wedged: bool = False
-    #: snapshot blob store limits: a size and an age in days
-    blob_disk: str = "4GiB"
+    #: snapshot blob store limits: bytes and an age in days
+    blob_disk: int = DEFAULT_MAX_BYTES
     blob_max_age_days: float = 7.0
+    #: the config file the settings came from (None: none); the memory planner reads its [memory] table
+    config_file: Path | None = None
+    #: prompt-lookup speculative decoding unless a request says otherwise (``backends.tape.speculate``)
+    speculative: bool = True
 
 
 def default_data_dir() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "modeld"
+    """``--data-dir`` when not given: ``$XDG_DATA_HOME/modeld``, else ``~/.local/share/modeld`` (``modeld.dirs``)."""
+    return dirs.data_dir()
 
 
 def engine_facts(model: str, num_gpu_layers: int = 0) -> EngineFacts:
@@ -163,12 +170,10 @@ def build_cache(opts: ServeOptions) -> StateCacheStore | None:
     """The workspace cache for the tape engines (none for the memory backend, or with both budgets 0)."""
     if opts.backend == "memory":
         return None
-    ram = None if opts.cache_ram == "auto" else parse_size(opts.cache_ram)
-    disk = None if opts.cache_disk == "auto" else parse_size(opts.cache_disk)
-    if ram == 0 and disk == 0:
+    if opts.cache_ram == 0 and opts.cache_disk == 0:
         return None
     directory = opts.cache_dir or (opts.data_dir or default_data_dir()) / "cache"
-    return StateCacheStore(directory, ram_budget=ram, disk_budget=disk)
+    return StateCacheStore(directory, ram_budget=opts.cache_ram, disk_budget=opts.cache_disk)
 
 
 def build_backend(opts: ServeOptions, cache: StateCache | None = None) -> Backend:
@@ -179,17 +184,17 @@ def build_backend(opts: ServeOptions, cache: StateCache | None = None) -> Backen
     if opts.backend == "llama":
         from backends.llama import LlamaBackend
 
-        return LlamaBackend(cache=cache)
+        return LlamaBackend(cache=cache, speculative=opts.speculative)
     if opts.backend == "openvino":
         from backends.openvino import OpenVINOBackend
 
-        return OpenVINOBackend(cache=cache)
+        return OpenVINOBackend(cache=cache, speculative=opts.speculative)
     raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
 
 
 def build_planner(opts: ServeOptions) -> Planner:
     """The memory planner (``modeld.capacity``): --mem-max/--mem-reserve over env over config file."""
-    return make_planner(mem_max=opts.mem_max, mem_reserve=opts.mem_reserve)
+    return make_planner(mem_max=opts.mem_max, mem_reserve=opts.mem_reserve, config_file=opts.config_file)
 
 
 def build_embedder(opts: ServeOptions, generation_bytes: Callable[[], int]) -> Embedder | None:
@@ -202,7 +207,7 @@ def build_embedder(opts: ServeOptions, generation_bytes: Callable[[], int]) -> E
         return None
     from .embedding_slot import EmbeddingSlot
 
-    check = make_budget_check(opts.mem_max, opts.mem_reserve, other_bytes=generation_bytes)
+    check = make_budget_check(opts.mem_max, opts.mem_reserve, other_bytes=generation_bytes, config_file=opts.config_file)
     if opts.backend == "llama":
         from backends.llama.embedder import LlamaEmbedder
 
@@ -249,7 +254,7 @@ def build_daemon(opts: ServeOptions, backend: Backend | None = None) -> Daemon:
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # snapshots and cached KV: the user's alone
     curve_keys = server_keys(data_dir) if opts.curve else None
     slot = build_slot(opts, endpoint, backend)
-    blobs = BlobStore(data_dir / "blobs", max_bytes=parse_size(opts.blob_disk), max_age_s=opts.blob_max_age_days * 86400)
+    blobs = BlobStore(data_dir / "blobs", max_bytes=opts.blob_disk, max_age_s=opts.blob_max_age_days * 86400)
     return Daemon(slot, endpoint, blobs, curve_keys=curve_keys, wedge_s=opts.wedge_timeout,
                   exit_when_wedged=opts.exit_when_wedged)
 

@@ -2,33 +2,70 @@
 
 Each command's module is imported only when it runs, so a client command never
 loads the daemon (ZeroMQ server, capacity planner) and ``serve`` never loads a
-backend it does not serve.
+backend it does not serve. A plain ``pip install modeld`` is the client; a
+daemon command run there names the extra that installs what it is missing
+instead of ending in a traceback.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+
+EXIT_ERROR = 1
+
+#: top-level modules the daemon commands import that the client install lacks → the extra that brings them
+_EXTRA_OF_MODULE = {
+    "psutil": "server",
+    "prometheus_client": "server",
+    "pydantic_settings": "server",
+    "platformdirs": "server",
+    "fastapi": "http",
+    "starlette": "http",
+    "uvicorn": "http",
+    "sse_starlette": "http",
+    "anyio": "http",
+    "torch": "convert",
+    "transformers": "convert",
+}
+
+
+def _daemon_main(command: str) -> Callable[[list[str]], int]:
+    if command == "serve":
+        from .serve import main as serve_main
+
+        return serve_main
+    if command == "prepare":
+        from .prepare import main as prepare_main
+
+        return prepare_main
+    if command == "keys":
+        from .netsec import keys_main
+
+        return keys_main
+    from .openai_front import main as http_main
+
+    return http_main
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     command, rest = (args[0], args[1:]) if args else ("", [])
-    if command == "serve":
-        from .serve import main as serve_main
-
-        return serve_main(rest)
-    if command == "prepare":
-        from .prepare import main as prepare_main
-
-        return prepare_main(rest)
-    if command == "keys":
-        from .netsec import keys_main
-
-        return keys_main(rest)
-    if command == "http":
-        from .openai_front import main as http_main
-
-        return http_main(rest)
+    if command in ("serve", "prepare", "keys", "http"):
+        try:
+            command_main = _daemon_main(command)
+        except ModuleNotFoundError as exc:
+            extra = _EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
+            if extra is None:  # not a missing extra: a broken install, shown as it is
+                raise
+            print(
+                f"modeld {command}: module {exc.name!r} is not installed: this command needs the project's "
+                f"{extra!r} extra (in the checkout: pip install '.[{extra}]'; `make run` installs the daemon "
+                "with both engines)",
+                file=sys.stderr,
+            )
+            return EXIT_ERROR
+        return command_main(rest)
     from runtime.cli import main as client_main
 
     return client_main(args)

@@ -11,6 +11,7 @@ state, memory, the workspace cache. Exposed as Prometheus text by
 | ``modeld_errors_total{op,error}`` | counter | error replies, by operation and error class |
 | ``modeld_prompt_tokens_total{kind}`` | counter | ``reused`` / ``prefilled`` / ``cached`` (restored by the workspace cache) |
 | ``modeld_decoded_tokens_total`` | counter | tokens generated |
+| ``modeld_draft_tokens_total{result}`` | counter | speculative draft tokens ``accepted`` / ``rejected`` |
 | ``modeld_reuse_ratio`` | gauge | reused / (reused + prefilled) since start |
 | ``modeld_time_to_first_token_seconds`` | histogram | a turn's prefill (prefix + suffix) plus decode to its first token |
 | ``modeld_decode_tokens_per_second`` | histogram | decode rate of each finished decode |
@@ -97,6 +98,8 @@ class Metrics:
         self.prompt_tokens = Counter("modeld_prompt_tokens", "prompt tokens by how they were served", ["kind"],
                                      registry=r)
         self.decoded = Counter("modeld_decoded_tokens", "tokens generated", registry=r)
+        self.drafts = Counter("modeld_draft_tokens", "speculative draft tokens, accepted or rejected", ["result"],
+                              registry=r)
         self.ttft = Histogram("modeld_time_to_first_token_seconds",
                               "a turn's prefill (prefix + suffix) plus its decode up to the first token", registry=r,
                               buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
@@ -124,6 +127,8 @@ class Metrics:
         elif isinstance(reply, StreamChunk) and reply.done and reply.usage is not None:
             u = reply.usage
             self.decoded.inc(u.completion_tokens)
+            self.drafts.labels("accepted").inc(u.accepted_tokens)
+            self.drafts.labels("rejected").inc(u.drafted_tokens - u.accepted_tokens)
             with self._lock:
                 prefill_ms = self._turn_ms.pop(session_id, 0.0)
             if u.completion_tokens:

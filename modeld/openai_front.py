@@ -204,6 +204,11 @@ def _usage(result: ChatResult) -> dict[str, Any]:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.reused_tokens},
+        # OpenAI's names for predicted-output tokens: here, speculative drafts kept and rejected
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.accepted_tokens,
+            "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens,
+        },
     }
 
 

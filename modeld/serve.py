@@ -1,4 +1,4 @@
-"""``modeld serve``: parse the arguments, build the daemon (``modeld.bootstrap``), serve until SIGTERM/SIGINT."""
+"""``modeld serve``: resolve the settings (``modeld.settings``), build the daemon (``modeld.bootstrap``), serve until SIGTERM/SIGINT."""
 
 from __future__ import annotations
 
@@ -12,82 +12,133 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import Any, TextIO
 
-from .bootstrap import BACKEND_CHOICES, ServeOptions, build_daemon, preload_request, resolve_backend
+from contract.endpoint import default_endpoint
+
+from . import dirs
+from .bootstrap import BACKEND_CHOICES, ServeOptions, build_daemon, default_data_dir, preload_request, resolve_backend
+from .capacity.sizes import format_size
 from .sdnotify import notify
-from .server import DEFAULT_WEDGE_S, EXIT_WEDGED
-from .slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
+from .server import EXIT_WEDGED
+from .settings import SIZE_SETTINGS, ServeSettings, SettingsError, env_name, flag_name, load_settings
 
-__all__ = ["add_serve_arguments", "build_parser", "main", "serve"]
+__all__ = ["add_serve_arguments", "build_parser", "load", "main", "serve"]
 
 log = logging.getLogger("modeld")
 
+#: never printed by --help: the HTTP key, and the owner id that is the fence
+_SECRET = ("api_key", "owner")
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``modeld serve`` options; their dest names are ``ServeOptions``' fields."""
-    p.add_argument("--endpoint", default=None, help="ipc://PATH or tcp://HOST:PORT (env MODELD_ENDPOINT)")
-    p.add_argument("--backend", choices=BACKEND_CHOICES, default=os.environ.get("MODELD_BACKEND", "auto"),
-                   help="the engine (env MODELD_BACKEND); auto: OpenVINO on x86-64 for a model it converts "
-                        "(the faster engine here), else llama.cpp; status says which and why")
-    p.add_argument("--model", default=None, help="model to preload (default: the bundled model for llama/openvino)")
-    p.add_argument("--model-name", default=None, help="logical name of the preloaded model")
-    p.add_argument("--num-ctx", type=int, default=0, help="context window of the preloaded model (0 = memory-fitted)")
-    p.add_argument("--owner", default=os.environ.get("MODELD_OWNER", ""), help="owner instance id for fencing")
-    p.add_argument("--data-dir", type=Path, default=None, help="snapshot blobs and state (default ~/.local/share/modeld)")
-    p.add_argument("--mem-max", default=None, help="memory limit for model + KV, e.g. 8GiB (env MODELD_MEM_MAX)")
-    p.add_argument("--mem-reserve", default=None, help="memory kept free, e.g. 1GiB (env MODELD_MEM_RESERVE)")
-    p.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, help="seconds a silent client keeps its session")
-    p.add_argument("--no-preload", action="store_true", help="start with an empty slot")
-    p.add_argument("--idle-unload", type=float, default=0.0, metavar="S",
-                   help="unload the chat model after S seconds with no session and no operation (0 = never)")
-    p.add_argument("--session-ttl", type=float, default=DEFAULT_SESSION_TTL_S, metavar="S",
-                   help="release a session that sent no operation for S seconds, even while its client "
-                        "renews the lease (0 = never; any operation, explain included, refreshes it)")
-    p.add_argument("--embed-idle", type=float, default=300.0, help="seconds before an idle embedding model is unloaded")
-    p.add_argument(
-        "--memory-token-delay-ms",
-        type=float,
-        default=0.0,
-        help="memory backend only: simulated time per generated token",
+
+def _shown(name: str, value: Any) -> str | None:
+    """How ``--help`` shows a setting's current value; None shows nothing (unset, off, or a secret)."""
+    if name in _SECRET:
+        return None
+    if value is None:
+        if name == "config":
+            return str(dirs.config_file())
+        if name == "data_dir":
+            return str(default_data_dir())
+        if name == "endpoint":
+            return default_endpoint()
+        return "auto" if name in ("cache_ram", "cache_disk") else None
+    if isinstance(value, bool):
+        return "on" if value else None
+    if name in SIZE_SETTINGS:
+        return format_size(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value) or None
+
+
+def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | None = None) -> None:
+    """The ``modeld serve`` flags; their dest names are ``ServeSettings``' fields.
+
+    No flag has a default (``argparse.SUPPRESS``): a flag left out takes no part,
+    so the environment and the config file fill it in (``modeld.settings``). The
+    help says what applies without the flag: ``current`` (the settings from the
+    environment and the config file), else the built-in defaults.
+    """
+    shown = current if current is not None else ServeSettings.model_construct()
+
+    def flag(name: str, **kw: Any) -> None:
+        field = ServeSettings.model_fields[name]
+        text = (field.description or "").replace("%", "%%")
+        value = _shown(name, getattr(shown, name))
+        where = f"env {env_name(name)}" if value is None else f"default: {value}; env {env_name(name)}"
+        p.add_argument(flag_name(name), dest=name, default=argparse.SUPPRESS, help=f"{text} ({where})", **kw)
+
+    flag("config", type=Path, metavar="PATH")
+    flag("endpoint")
+    flag("backend", choices=BACKEND_CHOICES)
+    flag("model")
+    flag("model_name")
+    flag("num_ctx", type=int)
+    flag("owner")
+    flag("data_dir", type=Path)
+    flag("mem_max", metavar="SIZE")
+    flag("mem_reserve", metavar="SIZE")
+    flag("lease", type=float, metavar="S")
+    flag("no_preload", action="store_true")
+    flag("idle_unload", type=float, metavar="S")
+    flag("session_ttl", type=float, metavar="S")
+    flag("embed_idle", type=float, metavar="S")
+    flag("memory_token_delay_ms", type=float)
+    flag("log_level")
+    flag("http", metavar="HOST:PORT")
+    flag("http_allow_remote", action="store_true")
+    flag("http_queue_timeout", type=float, metavar="S")
+    flag("cache_ram", metavar="SIZE")
+    flag("cache_disk", metavar="SIZE")
+    flag("cache_dir", type=Path)
+    flag("wedge_timeout", type=float, metavar="S")
+    flag("exit_when_wedged", action="store_true")
+    flag("curve", action="store_true")
+    flag("insecure_tcp", action="store_true")
+    flag("blob_disk", metavar="SIZE")
+    flag("blob_max_age_days", type=float, metavar="DAYS")
+    flag("speculative", choices=("on", "off"))
+    flag("api_key")
+
+
+def build_parser(
+    current: ServeSettings | None = None, note: str = "", config: Path | None = None
+) -> argparse.ArgumentParser:
+    """The ``modeld serve`` parser; its help shows ``current``'s values (``add_serve_arguments``) and ``note``."""
+    config = current.config_file if current is not None else config or dirs.config_file()
+    epilog = (
+        "Each setting comes from its flag, else the environment (MODELD_<SETTING>, e.g. MODELD_CACHE_RAM), "
+        f"else the config file ({config}; TOML, keys are the settings' names, e.g. cache_ram = \"2GiB\"), "
+        "else its built-in default. A default shown is what applies without the flag."
     )
-    p.add_argument("--log-level", default=os.environ.get("MODELD_LOG_LEVEL", "INFO"))
-    p.add_argument(
-        "--http",
-        default=os.environ.get("MODELD_HTTP") or None,
-        metavar="HOST:PORT",
-        help="also serve an OpenAI-compatible HTTP API there, e.g. 127.0.0.1:8377 (env MODELD_HTTP)",
-    )
-    p.add_argument("--http-allow-remote", action="store_true", help="let --http bind a non-loopback address")
-    p.add_argument("--http-queue-timeout", type=float, default=300.0, metavar="S",
-                   help="seconds an HTTP request waits for a busy slot before 503")
-    p.add_argument("--cache-ram", default=os.environ.get("MODELD_CACHE_RAM", "auto"), metavar="SIZE",
-                   help="RAM for the workspace cache of prefix states, e.g. 2GiB; 0 = off; "
-                        "auto = half of what the model leaves spare, at most 4GiB (env MODELD_CACHE_RAM)")
-    p.add_argument("--cache-disk", default=os.environ.get("MODELD_CACHE_DISK", "auto"), metavar="SIZE",
-                   help="disk for the workspace cache (survives restarts), e.g. 8GiB; 0 = off; "
-                        "auto = a quarter of the free space, at most 16GiB (env MODELD_CACHE_DISK)")
-    p.add_argument("--cache-dir", type=Path, default=None, help="workspace cache directory (default DATA_DIR/cache)")
-    p.add_argument("--wedge-timeout", type=float, default=DEFAULT_WEDGE_S, metavar="S",
-                   help="report the model worker wedged after S seconds without progress: status says so and "
-                        "waiting requests get EngineUnresponsive")
-    p.add_argument("--exit-when-wedged", action="store_true",
-                   help=f"then exit with status {EXIT_WEDGED}, for a supervisor (systemd Restart=) to restart the daemon")
-    p.add_argument("--curve", action="store_true",
-                   help="tcp endpoints speak ZeroMQ CURVE with the key pair in DATA_DIR/keys (`modeld keys` prints "
-                        "the public key clients need)")
-    p.add_argument("--insecure-tcp", action="store_true",
-                   help="allow a tcp endpoint beyond loopback without CURVE (anyone reaching it controls the daemon)")
-    p.add_argument("--blob-disk", default="4GiB", metavar="SIZE",
-                   help="disk for snapshot blobs; the least recently used are pruned beyond it")
-    p.add_argument("--blob-max-age-days", type=float, default=7.0, metavar="DAYS",
-                   help="snapshot blobs unused this long are pruned")
-    p.add_argument("--api-key", default=os.environ.get("MODELD_API_KEY", ""), help="bearer key the HTTP API requires (env MODELD_API_KEY)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="modeld serve", description="Serve one model slot over ZeroMQ.")
-    add_serve_arguments(p)
+    if note:
+        epilog += f" The defaults shown are the built-in ones, because: {note}"
+    p = argparse.ArgumentParser(prog="modeld serve", description="Serve one model slot over ZeroMQ.",
+                                epilog=epilog.replace("%", "%%"))
+    add_serve_arguments(p, current)
     return p
+
+
+def load(argv: list[str] | None = None) -> ServeSettings:
+    """The settings for ``argv`` over the environment and the config file; raises SettingsError.
+
+    argparse parses the command line (and exits for ``--help`` or a malformed
+    flag). ``--config`` is read first, so the help shows the defaults of the
+    file it names.
+    """
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    pre.add_argument("--config", type=Path, default=None)
+    try:
+        named = pre.parse_known_args(argv)[0].config
+    except argparse.ArgumentError:  # the full parser says what is wrong
+        named = None
+    try:
+        current, note = load_settings({} if named is None else {"config": named}), ""
+    except SettingsError as exc:
+        current, note = None, str(exc)
+    args = build_parser(current, note, named).parse_args(argv)
+    return load_settings(vars(args))
 
 
 #: glibc's mallopt parameter for the size from which allocations are mmapped
@@ -107,12 +158,21 @@ def _return_large_buffers_to_the_os() -> None:
         ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_FROM_BYTES)
 
 
+def _log_stream() -> TextIO:
+    """The log's own copy of stderr: llama.cpp points fd 2 at /dev/null while it loads a model, which
+    would swallow the load's progress lines (``modeld.slot``)."""
+    try:
+        return os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
+    except (OSError, ValueError, AttributeError):  # no usable fd 2: log where stderr goes
+        return sys.stderr
+
+
 def serve(opts: ServeOptions) -> int:
     _return_large_buffers_to_the_os()
     logging.basicConfig(
         level=getattr(logging, str(opts.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
+        stream=_log_stream(),
     )
     opts = resolve_backend(opts)
     if opts.backend_reason:
@@ -183,4 +243,9 @@ def serve(opts: ServeOptions) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve(ServeOptions(**vars(build_parser().parse_args(argv))))
+    try:
+        settings = load(argv)
+    except SettingsError as exc:
+        print(f"modeld serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings.options())

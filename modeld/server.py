@@ -46,6 +46,7 @@ from contract.endpoint import ipc_path
 from contract.errors import (
     Cancelled,
     EngineUnresponsive,
+    FrameTooLarge,
     Internal,
     InvalidArgument,
     ModelBusy,
@@ -85,10 +86,12 @@ from contract.types import (
     ContextReport,
     DaemonStatus,
     EmbedRequest,
+    Heartbeat,
     LoadModelRequest,
     ModelInfo,
     OpenSessionRequest,
     PrefixStatus,
+    Progress,
     StreamChunk,
     SuffixStatus,
     UnloadModelRequest,
@@ -154,6 +157,8 @@ class Daemon:
     ) -> None:
         self.slot = slot
         self.metrics = Metrics(slot.status)
+        #: status reports the uptime from here
+        self._started = time.monotonic()
         #: the model worker is reported wedged after this long without progress
         self.wedge_s = wedge_s
         self.exit_when_wedged = exit_when_wedged
@@ -400,12 +405,44 @@ class Daemon:
         for inf in stuck:
             self._send(router, inf.identity, wire.encode_error(inf.request_id, err))
 
+    def _check_state_size(self, size: int) -> None:
+        """Refuse state bytes larger than the loaded model's whole resident size before they are queued.
+
+        A snapshot holds at most the model's KV (and a few logits rows), so more than
+        the model's weights and KV together (at least ``MAX_BODY_BYTES``) is not a state
+        of this model; the frame is dropped here instead of being held until the worker
+        reaches it.
+        """
+        loaded = self.slot.generation_resident_bytes()
+        # never below a body's own limit: a model too small to say (the reference) still takes states
+        limit = max(loaded, wire.MAX_BODY_BYTES)
+        if loaded and size > limit:
+            raise FrameTooLarge(
+                f"restore state of {size} bytes exceeds the loaded model's {limit} bytes (weights and KV)",
+                limit=limit,
+            )
+
     def _heartbeats(self, router: zmq.Socket[bytes], now: float) -> None:
         with self._inflight_lock:
             due = [inf for inf in self._inflight.values() if now - inf.last_hb >= wire.HEARTBEAT_INTERVAL_S]
+        running = self._running
+        # only the request the model worker runs has progress; a waiting one gets an empty heartbeat
+        progress = self._progress() if any(inf is running for inf in due) else None
         for inf in due:
             inf.last_hb = now
-            self._send(router, inf.identity, wire.encode_reply(Kind.HEARTBEAT, inf.request_id))
+            body = Heartbeat(progress=progress) if progress is not None and inf is running else None
+            self._send(router, inf.identity, wire.encode_reply(Kind.HEARTBEAT, inf.request_id, body))
+
+    def _progress(self) -> Progress | None:
+        """The running request's progress: its prefill's (``interrupt.prefilling``), else the model load's."""
+        prefill = interrupt.prefill_progress()
+        if prefill is not None:
+            done, total = prefill
+            return Progress(stage="prefill", done=done, total=total, fraction=min(1.0, done / total) if total else 0.0)
+        load = self.slot.load_progress
+        if load is not None:
+            return Progress(stage="load", fraction=load)
+        return None
 
     def _on_message(self, router: zmq.Socket[bytes], frames: list[bytes]) -> None:
         if len(frames) < 2:
@@ -428,6 +465,8 @@ class Daemon:
             else:
                 if self._stop.is_set():
                     raise ShuttingDown("modeld is shutting down")
+                if msg.op is Op.RESTORE and msg.payloads:
+                    self._check_state_size(len(msg.payloads[0]))
                 key = (identity, rid)
                 with self._inflight_lock:
                     if key in self._inflight:
@@ -565,17 +604,20 @@ class Daemon:
             with interrupt.interruptible(inf.cancel):
                 req = wire.decode_body(wire.SCHEMAS[inf.op].request, msg)
                 stream = _STREAM_HANDLERS.get(inf.op)
+                # metrics are counted before the last reply goes out: a client that reads them
+                # after its answer sees its request in them
                 if stream is not None:
                     with closing(stream(self, inf, req)) as chunks:
                         for chunk in chunks:
-                            emit(inf, wire.encode_chunk(rid, chunk))
                             if chunk.done:
                                 self.metrics.reply(getattr(req, "session_id", ""), chunk)
+                                self.metrics.request(inf.op.value)
+                            emit(inf, wire.encode_chunk(rid, chunk))
                 else:
                     reply = _HANDLERS[inf.op](self, req)
-                    emit(inf, wire.encode_reply(Kind.OK, rid, reply))
                     self.metrics.reply(getattr(req, "session_id", ""), reply)
-            self.metrics.request(inf.op.value)
+                    self.metrics.request(inf.op.value)
+                    emit(inf, wire.encode_reply(Kind.OK, rid, reply))
         except Cancelled as exc:
             stopped = ShuttingDown("modeld is shutting down; the request was stopped") if self._stop.is_set() else exc
             self.metrics.request(inf.op.value, type(stopped).__name__)
@@ -611,6 +653,7 @@ class Daemon:
     def _io_status(self, identity: bytes, req: StatusRequest) -> DaemonStatus:
         st = self.slot.status()
         st.blobs = self.blobs.stats()
+        st.uptime_s = round(time.monotonic() - self._started, 1)
         stalled = self.stalled_s()
         st.worker_stalled_s = round(stalled, 1) if stalled >= 1.0 else None
         st.wedged = self._wedged

@@ -404,9 +404,19 @@ class SlotService:
         with self._state_lock:
             self._last_error = f"{type(err).__name__}: {err.message} (the previous model was loaded again)"
 
+    @property
+    def load_progress(self) -> float | None:
+        """The running load's share done, 0..1 (None when no load runs); any thread may read it."""
+        return self._progress
+
     def _on_progress(self, fraction: float) -> None:
+        done = max(0.0, min(1.0, float(fraction)))
         with self._state_lock:
-            self._progress = max(0.0, min(1.0, float(fraction)))
+            before = self._progress
+            self._progress = done
+        # a log line per tenth: what `modeld serve` shows while it preloads (engines report often)
+        if before is not None and int(done * 10) > int(before * 10):
+            log.info("loading the model: %d%%", int(done * 10) * 10)
 
     def _fail_locked(self, exc: ModeldError) -> None:
         with self._state_lock:

@@ -61,6 +61,9 @@ class ChatUsage(BaseModel):
     completion_tokens: int = 0
     #: of ``reused_tokens``, those the daemon's workspace cache restored (the session had switched away)
     cached_tokens: int = 0
+    #: speculative decoding: draft tokens checked, and those the answer kept
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -276,6 +279,8 @@ class Chat:
                 update={
                     "prompt_tokens": usage.prompt_tokens if usage else 0,
                     "completion_tokens": usage.completion_tokens if usage else 0,
+                    "drafted_tokens": usage.drafted_tokens if usage else 0,
+                    "accepted_tokens": usage.accepted_tokens if usage else 0,
                 }
             ),
             timing=ChatTiming(

@@ -6,7 +6,9 @@ whole conversation and prefills only the new message. Commands: ``/clear``
 (forget the history), ``/system TEXT`` (a new system prompt; the history is
 kept), ``/bye`` (or end of input). Ctrl-C while a reply streams stops that
 reply, not the session. After each reply one dim line says how many tokens were
-reused and prefilled, the time to first token and the decode rate.
+reused and prefilled, the time to first token and the decode rate. A cold
+prefill that runs past a couple of seconds shows a progress bar on stderr
+(``runtime.progress``) until the reply starts.
 
 One-shot, for scripts: ``modeld chat --messages-file F [--tools-file T] --json``
 sends the OpenAI-shaped message list in F (a list, or an object with
@@ -24,6 +26,7 @@ from contract.errors import InvalidArgument
 
 from .chat import Chat, ChatResult
 from .client import Client
+from .progress import showing_progress
 
 __all__ = ["add_chat_arguments", "run_chat"]
 
@@ -71,18 +74,19 @@ def _dim(text: str, stream: TextIO) -> str:
 def run_chat(client: Client, args: argparse.Namespace) -> int:
     with Chat(client, profile=args.profile) as chat:
         if args.messages_file:
-            return _one_shot(chat, args)
-        return _repl(chat, args, sys.stdin, sys.stdout, sys.stderr)
+            return _one_shot(client, chat, args)
+        return _repl(client, chat, args, sys.stdin, sys.stdout, sys.stderr)
 
 
-def _one_shot(chat: Chat, args: argparse.Namespace) -> int:
+def _one_shot(client: Client, chat: Chat, args: argparse.Namespace) -> int:
     data = _read_json(args.messages_file)
     messages, tools = (data.get("messages"), data.get("tools")) if isinstance(data, dict) else (data, None)
     if args.tools_file:
         tools = _read_json(args.tools_file)
     if not isinstance(messages, list):
         raise InvalidArgument(f"{args.messages_file} holds no message list")
-    result = chat.send(messages, tools, **_decode_options(args))
+    with showing_progress(client, enabled=not args.json):
+        result = chat.send(messages, tools, **_decode_options(args))
     if args.json:
         print(json.dumps(result.model_dump(mode="json"), indent=2, ensure_ascii=False))
     else:
@@ -94,7 +98,7 @@ def _one_shot(chat: Chat, args: argparse.Namespace) -> int:
     return 0
 
 
-def _repl(chat: Chat, args: argparse.Namespace, stdin: TextIO, out: TextIO, err: TextIO) -> int:
+def _repl(client: Client, chat: Chat, args: argparse.Namespace, stdin: TextIO, out: TextIO, err: TextIO) -> int:
     system = args.system
     history: list[dict[str, Any]] = []
     interactive = stdin.isatty()
@@ -122,7 +126,7 @@ def _repl(chat: Chat, args: argparse.Namespace, stdin: TextIO, out: TextIO, err:
             print(_dim("[commands: /clear, /system TEXT, /bye]", err), file=err)
             continue
         history.append({"role": "user", "content": text})
-        result = _reply(chat, [{"role": "system", "content": system}, *history], args, out, err)
+        result = _reply(client, chat, [{"role": "system", "content": system}, *history], args, out, err)
         if result is None:  # stopped by Ctrl-C: the question stays, the partial answer does not
             continue
         reply: dict[str, Any] = {"role": "assistant", "content": result.message.content or ""}
@@ -132,24 +136,29 @@ def _repl(chat: Chat, args: argparse.Namespace, stdin: TextIO, out: TextIO, err:
     return 0
 
 
-def _reply(chat: Chat, messages: list[dict[str, Any]], args: argparse.Namespace, out: TextIO, err: TextIO) -> ChatResult | None:
-    stream = chat.stream(messages, **_decode_options(args))
+def _reply(
+    client: Client, chat: Chat, messages: list[dict[str, Any]], args: argparse.Namespace, out: TextIO, err: TextIO
+) -> ChatResult | None:
     result: ChatResult | None = None
-    try:
-        for event in stream:
-            if event.result is not None:
-                result = event.result
-                break
-            if event.text:
-                out.write(event.text)
-                out.flush()
-    except KeyboardInterrupt:
-        stream.close()  # cancels the decode within one token
-        out.write("\n")
-        print(_dim("[stopped]", err), file=err)
-        return None
-    finally:
-        stream.close()
+    with showing_progress(client, enabled=not args.json, stream=err) as bar:
+        stream = chat.stream(messages, **_decode_options(args))
+        try:
+            for event in stream:
+                bar.close()  # the prefill is over: the reply streams below it
+                if event.result is not None:
+                    result = event.result
+                    break
+                if event.text:
+                    out.write(event.text)
+                    out.flush()
+        except KeyboardInterrupt:
+            stream.close()  # cancels the decode within one token
+            bar.close()
+            out.write("\n")
+            print(_dim("[stopped]", err), file=err)
+            return None
+        finally:
+            stream.close()
     out.write("\n")
     if result is not None:
         print(_dim(_summary(result), err), file=err)

@@ -1,8 +1,11 @@
-"""Client commands of the ``modeld`` CLI: status, load, unload, describe, embed, run, chat.
+"""Client commands of the ``modeld`` CLI: status, load, unload, describe, embed, run, chat, completion.
 
 Every command takes ``--endpoint`` and ``--json``. Human output is an aligned
 table; on failure the exit code is non-zero and stderr names the error class
-and its message.
+and its message. A load or a cold prefill that runs past a couple of seconds
+shows a progress bar on stderr when it is a terminal (``runtime.progress``);
+``--json`` never does. ``modeld completion bash|zsh`` prints a completion
+script generated from these parsers, ``serve``'s and ``prepare``'s included.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import math
 import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from contract.errors import ModeldError
+from contract.errors import InvalidArgument, ModeldError
 from contract.types import (
     Config,
     DecodeConfig,
@@ -30,6 +34,7 @@ from contract.types import (
 
 from .chat_cli import add_chat_arguments, run_chat
 from .client import Client
+from .progress import showing_progress
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -55,6 +60,21 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _duration(seconds: float) -> str:
+    """A duration as people read it: ``42s``, ``5m 07s``, ``2h 03m``, ``3d 04h``."""
+    s = max(0, int(seconds))
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d {hours:02d}h"
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {s:02d}s"
+    return f"{s}s"
+
+
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False))
 
@@ -75,12 +95,23 @@ def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
     p.add_argument("--num-ctx", type=int, default=0, help="requested context window (0 = memory-fitted)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
+    """The client commands' parser; ``serve`` and friends are names only (``modeld.cli`` runs them).
+
+    ``daemon_parsers`` (name -> that command's own parser) gives those names
+    their options, for the completion script (``completion_parser``).
+    """
     p = argparse.ArgumentParser(prog="modeld", description="A local model daemon for coding agents.")
     p.add_argument("--version", action="version", version=f"modeld {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("serve", help="run the daemon (see `modeld serve --help`)", add_help=False)
-    sub.add_parser("prepare", help="convert the bundled models once (see `modeld prepare --help`)", add_help=False)
+    own = daemon_parsers or {}
+
+    def parents(name: str) -> list[argparse.ArgumentParser]:
+        return [own[name]] if name in own else []
+
+    sub.add_parser("serve", help="run the daemon (see `modeld serve --help`)", add_help=False, parents=parents("serve"))
+    sub.add_parser("prepare", help="convert the bundled models once (see `modeld prepare --help`)", add_help=False,
+                   parents=parents("prepare"))
     sub.add_parser("http", help="the OpenAI-compatible API alone, for a running daemon (see `modeld http --help`)",
                    add_help=False)
     sub.add_parser("keys", help="print the daemon's CURVE public key for --curve tcp endpoints (see `modeld keys --help`)",
@@ -135,7 +166,73 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("chat", help="a multi-turn conversation with the loaded model (or --messages-file F --json)")
     add_chat_arguments(s)
     _common(s)
+
+    s = sub.add_parser("completion", help="print a shell completion script: eval \"$(modeld completion bash)\"")
+    s.add_argument("shell", choices=COMPLETION_SHELLS)
     return p
+
+
+#: the shells ``modeld completion`` writes a script for
+COMPLETION_SHELLS = ("bash", "zsh")
+#: options that name a file or a directory (the shell completes paths there)
+_FILE_OPTIONS = frozenset({"path", "system_file", "messages_file", "tools_file", "model", "gguf"})
+_DIR_OPTIONS = frozenset({"data_dir", "cache_dir"})
+
+
+def completion_parser() -> argparse.ArgumentParser:
+    """The whole command tree for completion: the client commands, and ``serve``'s and ``prepare``'s options.
+
+    Their parsers come from their own modules (so completion follows their
+    options), imported only here: they pull in the daemon's modules, which a
+    client-only install may lack; then those two complete by name only.
+    """
+    try:
+        from modeld.prepare import build_parser as prepare_parser
+        from modeld.serve import build_parser as serve_parser
+    except ImportError:
+        return build_parser()
+    return build_parser({"serve": serve_parser(), "prepare": prepare_parser()})
+
+
+def completion_script(shell: str) -> str:
+    """The completion script for ``shell`` (``COMPLETION_SHELLS``), generated by shtab from ``completion_parser``."""
+    if shell not in COMPLETION_SHELLS:
+        raise InvalidArgument(f"no completion for {shell!r}; one of: {', '.join(COMPLETION_SHELLS)}")
+    try:
+        import shtab
+    except ImportError as exc:
+        raise ImportError(
+            "shell completion needs shtab: pip install 'modeld[cli]' (or pip install shtab==1.13.0)"
+        ) from exc
+    parser = completion_parser()
+    for action in _actions(parser):
+        dest = action.dest
+        if dest in _FILE_OPTIONS:
+            action.complete = shtab.FILE  # type: ignore[attr-defined]  # shtab reads this attribute
+        elif dest in _DIR_OPTIONS:
+            action.complete = shtab.DIRECTORY  # type: ignore[attr-defined]
+    script: str = shtab.complete(parser, shell=shell)
+    return script
+
+
+def _actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Every option of ``parser`` and of its subcommands."""
+    found: list[argparse.Action] = []
+    for action in parser._actions:
+        found.append(action)
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                found += _actions(child)
+    return found
+
+
+def _completion(args: argparse.Namespace) -> int:
+    try:
+        sys.stdout.write(completion_script(args.shell))
+    except ImportError as exc:
+        print(f"modeld: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    if args.command == "completion":  # needs no daemon
+        return _completion(args)
     client = Client(args.endpoint, timeout_s=args.timeout, owner=args.owner, server_key=args.server_key)
     try:
         return int(_COMMANDS[args.command](client, args))
@@ -174,6 +273,10 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         ("owner", f"{st.owner_instance_id} (epoch {st.owner_epoch})" if st.owner_instance_id else "-"),
         ("session open", "yes" if st.session_open else "no"),
     ]
+    if st.pid:
+        rows.append(("pid", st.pid))
+    if st.uptime_s:  # (a daemon from before uptime was reported sends none)
+        rows.append(("uptime", _duration(st.uptime_s)))
     if st.busy_operation:
         rows.append(("busy", st.busy_operation))
     if st.load_progress is not None:
@@ -186,6 +289,8 @@ def _status(client: Client, args: argparse.Namespace) -> int:
             ("context", st.active.effective_context),
             ("resident bytes", st.active.resident_bytes),
         ]
+    if st.embedding is not None:
+        rows += _embedding_rows(st.embedding)
     if st.cache is not None:
         c = st.cache
         rate = "-" if c.get("hit_rate") is None else f"{c['hit_rate'] * 100:.0f}%"
@@ -209,6 +314,25 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         rows.append(("last error", st.last_error))
     print(_table(rows))
     return 0
+
+
+def _embedding_rows(e: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The embedding side slot (``EmbeddingStatus``): its model, when loaded, and its use."""
+    if e.get("loaded"):
+        what = (f"{e.get('model_name') or e.get('path', '')} ({e.get('backend', '')}, {e.get('dims', 0)} dims, "
+                f"window {e.get('window', 0)}), {_size(e.get('resident_bytes', 0))}")
+    else:
+        what = f"not loaded ({e.get('backend', '')}; loads on the first embed)"
+    rows: list[tuple[str, Any]] = [("embedding", what)]
+    use = f"{e.get('embedded_inputs', 0)} inputs embedded, {e.get('loads', 0)} loads"
+    if e.get("idle_s") is not None:
+        use += f"; idle {_duration(e['idle_s'])}"
+        if e.get("idle_unload_s"):
+            use += f" (unloads after {_duration(e['idle_unload_s'])})"
+    rows.append(("embedding use", use))
+    if e.get("last_error"):
+        rows.append(("embedding error", e["last_error"]))
+    return rows
 
 
 def _takeover(client: Client, args: argparse.Namespace) -> int:
@@ -262,7 +386,9 @@ def _handle(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _load(client: Client, args: argparse.Namespace) -> int:
-    active = client.load_model(LoadModelRequest(**_handle(args), expected_generation=args.expected_generation))
+    req = LoadModelRequest(**_handle(args), expected_generation=args.expected_generation)
+    with showing_progress(client, enabled=not args.json):
+        active = client.load_model(req)
     if args.json:
         _print_json(active.model_dump(mode="json"))
     else:
@@ -308,12 +434,17 @@ def _run(client: Client, args: argparse.Namespace) -> int:
     if args.system_file:
         with open(args.system_file, encoding="utf-8") as f:
             system = f.read()
-    sess = client.open_session(OpenSessionRequest(**_handle(args)))
-    t0 = time.perf_counter()  # the turn: prefix, suffix, first token
+    with showing_progress(client, enabled=not args.json):  # an auto-load, the prefills
+        sess = client.open_session(OpenSessionRequest(**_handle(args)))
+        t0 = time.perf_counter()  # the turn: prefix, suffix, first token
+        try:
+            manifest = sess.manifest()
+            pre = sess.ensure_prefix(PrefixInput(text=system or "", manifest=manifest))
+            suf = sess.prefill_suffix(SuffixInput(text=args.prompt, manifest=manifest))
+        except BaseException:
+            sess.close()
+            raise
     try:
-        manifest = sess.manifest()
-        pre = sess.ensure_prefix(PrefixInput(text=system or "", manifest=manifest))
-        suf = sess.prefill_suffix(SuffixInput(text=args.prompt, manifest=manifest))
         cfg = DecodeConfig(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         parts: list[str] = []
         final = None

@@ -4,7 +4,9 @@ A coding agent imports this (``runtime.Client``); it needs only pyzmq, msgpack
 and pydantic. Every call has a timeout: a receive waits behind ``poll``, a
 heartbeat frame from a daemon that is still working pushes the deadline out,
 and silence past it raises ``DaemonTimeout`` (or ``Unavailable`` when nothing
-has ever answered). After a timeout the socket is closed with LINGER=0 and a
+has ever answered). A heartbeat may carry the running request's progress (a
+model load, a prefill): an ``on_progress`` callback, given to the client or to
+one call, receives it. After a timeout the socket is closed with LINGER=0 and a
 fresh one is connected; nothing is resent automatically, since a decode or a
 prefill must never run twice behind the caller's back.
 
@@ -22,7 +24,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -69,6 +71,7 @@ from contract.types import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    Progress,
     SessionSnapshot,
     StreamChunk,
     SuffixInput,
@@ -88,6 +91,8 @@ LEASE_RENEW_INTERVAL_S = 5.0
 CLOSE_ON_EXIT_TIMEOUT_S = 2.0
 
 _R = TypeVar("_R", bound=BaseModel)
+#: receives the progress a daemon's heartbeat carries (about once a second while a load or a prefill runs)
+ProgressCallback = Callable[[Progress], None]
 _Fenced = TypeVar("_Fenced", LoadModelRequest, UnloadModelRequest, OpenSessionRequest, EmbedRequest, CacheClearRequest)
 
 
@@ -122,8 +127,11 @@ class Client:
         owner: str = "",
         lease_renew_s: float = LEASE_RENEW_INTERVAL_S,
         server_key: str | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
+        #: called with the progress of any request of this client (a call's own ``on_progress`` comes first)
+        self.on_progress = on_progress
         #: the daemon's CURVE public key (``modeld keys``; env MODELD_SERVER_KEY): the sockets then speak CURVE
         key = server_key if server_key is not None else os.environ.get(SERVER_KEY_ENV, "")
         self._curve = (key.strip().encode(), *zmq.curve_keypair()) if key else None
@@ -195,11 +203,19 @@ class Client:
             self._buffers[rid] = deque()
         return rid
 
-    def _recv(self, rid: bytes, timeout_s: float | None = None) -> Message:
-        """Next message for ``rid``; heartbeats extend the deadline and are not returned."""
+    def _recv(
+        self, rid: bytes, timeout_s: float | None = None, on_progress: ProgressCallback | None = None
+    ) -> Message:
+        """Next message for ``rid``; heartbeats extend the deadline, hand their progress to the callback, and are
+        not returned."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
+        report = on_progress if on_progress is not None else self.on_progress
+        progress: Progress | None = None
         while True:
+            if progress is not None and report is not None:
+                p, progress = progress, None
+                report(p)  # outside the lock: the callback may take its time (a terminal redraw)
             with self._lock:
                 buf = self._buffers.get(rid)
                 if buf:
@@ -207,6 +223,7 @@ class Client:
                     self._heard[rid] = time.monotonic()
                     if msg.kind is Kind.HEARTBEAT:
                         deadline = time.monotonic() + timeout
+                        progress = wire.heartbeat_progress(msg) if report is not None else None
                         continue
                     if msg.kind is not None and msg.kind.terminal:
                         self._buffers.pop(rid, None)
@@ -251,11 +268,12 @@ class Client:
         body: BaseModel | dict[str, Any],
         payloads: list[bytes] | None = None,
         timeout_s: float | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> Message:
         """Send a request and wait for its reply; an ``error`` reply is raised as the daemon's class."""
         rid = self._send(op, body, payloads)
         try:
-            msg = self._recv(rid, timeout_s)
+            msg = self._recv(rid, timeout_s, on_progress)
         except ModeldError:
             raise
         except BaseException:
@@ -267,9 +285,16 @@ class Client:
             raise wire.error_of(msg)
         return msg
 
-    def _request(self, op: Op, req: BaseModel, reply: type[_R], timeout_s: float | None = None) -> _R:
+    def _request(
+        self,
+        op: Op,
+        req: BaseModel,
+        reply: type[_R],
+        timeout_s: float | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> _R:
         """A unary call: the typed request out, its ``ok`` reply read as ``reply``."""
-        return wire.decode_body(reply, self._call(op, req, timeout_s=timeout_s))
+        return wire.decode_body(reply, self._call(op, req, timeout_s=timeout_s, on_progress=on_progress))
 
     def _abandon(self, rid: bytes) -> None:
         with self._lock:
@@ -284,8 +309,9 @@ class Client:
     def status(self, timeout_s: float | None = None) -> DaemonStatus:
         return self._request(Op.STATUS, StatusRequest(), DaemonStatus, timeout_s)
 
-    def load_model(self, req: LoadModelRequest) -> ActiveModel:
-        return self._request(Op.LOAD, self._fenced(req), ActiveModel)
+    def load_model(self, req: LoadModelRequest, *, on_progress: ProgressCallback | None = None) -> ActiveModel:
+        """Load (or switch to) a model; ``on_progress`` receives the load's progress while it runs."""
+        return self._request(Op.LOAD, self._fenced(req), ActiveModel, on_progress=on_progress)
 
     def unload_model(self, req: UnloadModelRequest | None = None) -> None:
         self._request(Op.UNLOAD, self._fenced(req or UnloadModelRequest()), UnloadReply)
@@ -446,14 +472,17 @@ class RemoteSession:
         self._check_open()
         return {"session_id": self.session_id, **extra}
 
-    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
+    def ensure_prefix(self, prefix: PrefixInput, *, on_progress: ProgressCallback | None = None) -> PrefixStatus:
+        """Make the stable prefix resident; ``on_progress`` receives a cold prefill's progress while it runs."""
         self._check_open()
-        return self._client._request(Op.ENSURE_PREFIX, EnsurePrefixRequest.of(self.session_id, prefix), PrefixStatus)
+        req = EnsurePrefixRequest.of(self.session_id, prefix)
+        return self._client._request(Op.ENSURE_PREFIX, req, PrefixStatus, on_progress=on_progress)
 
-    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
+    def prefill_suffix(self, suffix: SuffixInput, *, on_progress: ProgressCallback | None = None) -> SuffixStatus:
+        """Prefill the turn after the prefix; ``on_progress`` receives the prefill's progress while it runs."""
         self._check_open()
         req = PrefillSuffixRequest.of(self.session_id, suffix)
-        return self._client._request(Op.PREFILL_SUFFIX, req, SuffixStatus)
+        return self._client._request(Op.PREFILL_SUFFIX, req, SuffixStatus, on_progress=on_progress)
 
     def decode(self, cfg: DecodeConfig | None = None) -> Generator[StreamChunk, None, None]:
         """Stream chunks; abandoning the iterator (break, close, GC) cancels the decode."""

@@ -28,6 +28,38 @@ PARAGRAPH = (
 )
 LONG_PREFIX = "You are a careful coding assistant.\n" + PARAGRAPH * 4
 QUESTION = "Which component keeps the model resident?"
+#: an edit task: a code block the answer repeats with a small change (what speculation is for)
+EDIT_CODE = """def load_config(path):
+    with open(path) as handle:
+        lines = handle.read().splitlines()
+    config = {}
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition("=")
+        config[key.strip()] = value.strip()
+    return config
+
+
+def total(values):
+    result = 0
+    for value in values:
+        result += value
+    return result
+
+
+def main():
+    config = load_config("settings.ini")
+    numbers = [int(v) for v in config.get("numbers", "").split(",") if v]
+    print(total(numbers))
+"""
+EDIT_TASK = (
+    "Here is a Python file:\n```python\n" + EDIT_CODE + "```\n"
+    "Rename the function `total` to `sum_values` and return the whole file in a code block."
+)
+#: the same edit as a plain continuation: a model of any size goes on copying the file
+EDIT_CONTINUATION = "```python\n" + EDIT_CODE + "```\nThe same file, with `total` renamed to `sum_values`:\n```python\n"
 
 
 @dataclass
@@ -54,9 +86,19 @@ class Engine:
     continues_answers: bool = True
     #: the largest token id + 1 (a snapshot naming a larger id is foreign)
     vocab_size: int = 256
+    #: decode speculates with prompt-lookup drafts (``DecodeConfig.speculative``)
+    speculates: bool = True
+    #: the distribution after the last resident token, as the engine computed it (None: no logits)
+    last_logits: Callable[[Any], Any] | None = None
 
     def load(self, num_ctx: int = NUM_CTX) -> LoadedModel:
         return self.backend.load(OpenSessionRequest(path=self.path, config=Config(num_ctx=num_ctx)), lambda _f: None)
+
+
+#: on CPU both engines compute a batch of rows with other kernels than a one-token step: logits
+#: differ by up to ~0.75 (measured, llama.cpp and OpenVINO, AVX2 and AVX-512); two tokens whose
+#: logits are closer than this are a near-tie either path may break its own way
+NEAR_TIE = 1.5
 
 
 def manifest(model: LoadedModel, profile: str, **over: str) -> ContextManifest:

@@ -18,13 +18,14 @@ from collections.abc import Iterator
 import pytest
 
 from contract import wire
-from contract.errors import Cancelled, InvalidArgument, ShuttingDown, from_wire
+from contract.errors import Cancelled, FrameTooLarge, InvalidArgument, ShuttingDown, from_wire
 from contract.types import (
     DecodeConfig,
     EmbedRequest,
     OpenSessionRequest,
     PrefixInput,
     SlotState,
+    StreamChunk,
     StructuredOutputConfig,
     SuffixInput,
 )
@@ -33,6 +34,7 @@ from runtime import Client, RemoteSession
 
 from .conformance import SCENARIOS, SYSTEM, TURN_1, Target, fresh_profile, manifest_for
 from .daemon_proc import ROOT, DaemonProcess
+from .engine_kit import EDIT_CONTINUATION
 
 BACKENDS = ["llama", "openvino"]
 
@@ -73,7 +75,9 @@ def test_cancel_returns_slot_to_ready_quickly(backend_daemon: DaemonProcess) -> 
         m = manifest_for(sess, fresh_profile())
         sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
         sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
-        stream = sess.decode(DecodeConfig(max_tokens=500, temperature=0.0))
+        # one token per engine step, so a chunk's interval is a step (a speculative step would yield a
+        # burst of chunks; its cancel is tested in test_speculation_through_the_daemon)
+        stream = sess.decode(DecodeConfig(max_tokens=500, temperature=0.0, speculative=False))
         stamps = []
         for _chunk in stream:
             stamps.append(time.perf_counter())
@@ -94,6 +98,71 @@ def test_cancel_returns_slot_to_ready_quickly(backend_daemon: DaemonProcess) -> 
         assert any(ch.done for ch in sess.decode(DecodeConfig(max_tokens=4)))
         sess.close()
         assert c.status().state is SlotState.READY
+
+
+def _counter(text: str, name: str, result: str) -> float:
+    line = next((x for x in text.splitlines() if x.startswith(f'{name}{{result="{result}"}}')), "")
+    return float(line.split()[-1]) if line else 0.0
+
+
+def test_speculation_through_the_daemon(backend_daemon: DaemonProcess) -> None:
+    """Greedy answers are the same with and without drafts; usage and metrics count them; cancel stops one."""
+    with backend_daemon.client(timeout_s=300.0) as c:
+        sess = c.open_session(OpenSessionRequest())
+        m = manifest_for(sess, fresh_profile())
+
+        def edit(**cfg: object) -> tuple[list[int], StreamChunk]:
+            sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+            sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=m))  # the edit is prefilled anew
+            sess.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=m))
+            chunks = list(sess.decode(DecodeConfig(max_tokens=64, return_token_ids=True, **cfg)))
+            return [t for ch in chunks for t in ch.token_ids], chunks[-1]
+
+        before = c.metrics()
+        plain, plain_final = edit(speculative=False)
+        spec, final = edit()  # the daemon's default: on
+        assert spec == plain and len(plain) == 64
+        assert plain_final.usage is not None and plain_final.usage.drafted_tokens == 0
+        assert final.usage is not None and final.usage.accepted_tokens > 0.5 * final.usage.drafted_tokens > 10
+        after = c.metrics()
+        moved = {kind: _counter(after, "modeld_draft_tokens_total", kind) - _counter(before, "modeld_draft_tokens_total", kind)
+                 for kind in ("accepted", "rejected")}
+        assert moved == {"accepted": final.usage.accepted_tokens,
+                         "rejected": final.usage.drafted_tokens - final.usage.accepted_tokens}
+        # closing the stream mid-speculation stops it; the tape holds what the daemon had streamed
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        sess.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=m))
+        prompt = sess.explain_context().resident_tokens
+        got: list[int] = []
+        stream = sess.decode(DecodeConfig(max_tokens=64, return_token_ids=True))
+        for ch in stream:
+            got += ch.token_ids
+            if len(got) >= 30:
+                break
+        stream.close()  # type: ignore[attr-defined]
+        while c.status().busy_operation:  # the cancel reaches the worker after close returns
+            time.sleep(0.005)
+        assert got == plain[: len(got)]
+        assert prompt + len(got) <= sess.explain_context().resident_tokens < prompt + 64
+        assert edit() == (plain, final) or edit()[0] == plain  # and the session serves on
+        sess.close()
+
+
+def test_restore_state_is_bounded_by_the_model(backend_daemon: DaemonProcess) -> None:
+    """State bytes larger than the loaded model (weights and KV) are refused before the worker sees them."""
+    with backend_daemon.client(timeout_s=120.0) as c:
+        resident = c.status().active.resident_bytes  # type: ignore[union-attr]
+        sess = c.open_session(OpenSessionRequest())
+        m = manifest_for(sess, fresh_profile())
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        snap = sess.snapshot()
+        assert 0 < len(snap.state) < resident
+        with pytest.raises(FrameTooLarge) as exc:
+            sess.restore(snap.model_copy(update={"state": bytes(resident + 1)}))
+        assert exc.value.details["limit"] == resident
+        sess.restore(snap)  # a real state of this model still restores
+        assert sess.explain_context().resident_tokens == snap.resident_tokens
+        sess.close()
 
 
 def test_cli_run_twice_is_warm(backend_daemon: DaemonProcess) -> None:
@@ -220,7 +289,7 @@ def test_interrupted_client_call_cancels_the_prefill(backend_daemon: DaemonProce
         m = manifest_for(sess, fresh_profile())
         real_recv = c._recv
 
-        def interrupted(rid: bytes, timeout_s: float | None = None) -> object:
+        def interrupted(rid: bytes, timeout_s: float | None = None, on_progress: object = None) -> object:
             deadline = time.monotonic() + 60
             while watcher.status().busy_operation != "ensure_prefix" and time.monotonic() < deadline:
                 time.sleep(0.002)

@@ -645,6 +645,7 @@ def test_policy_reads_os_environ_and_modeld_config(tmp_path: Path, monkeypatch: 
 
 def test_policy_default_config_path_may_be_absent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
     assert Policy.load(env={}) == Policy()
     home_cfg = tmp_path / ".config" / "modeld" / "config.toml"
     home_cfg.parent.mkdir(parents=True)

@@ -321,6 +321,14 @@ def test_oversize_frames(daemon: DaemonProcess) -> None:
         assert type(from_wire(_reply(sock, 20000).body)) is FrameTooLarge
         sock.send_multipart([wire.PROTOCOL, b"status", b"many", msgpack.packb({}), *([b"p"] * 9)])
         assert type(from_wire(_reply(sock).body)) is BadFrame
+        # per operation: a status takes a small body and no payload frame at all
+        sock.send_multipart([wire.PROTOCOL, b"status", b"fat", msgpack.packb({"x": "y" * wire.MAX_SMALL_BODY_BYTES})])
+        err = from_wire(_reply(sock, 20000).body)
+        assert type(err) is FrameTooLarge and err.details["op"] == "status"
+        sock.send_multipart([wire.PROTOCOL, b"status", b"extra", msgpack.packb({}), b"\0" * 2**20])
+        assert "status takes 0 payload frame" in from_wire(_reply(sock).body).message
+        sock.send_multipart(wire.encode_request(Op.STATUS, b"ok?", {}))
+        assert _reply(sock).kind is Kind.OK  # still serving
     finally:
         sock.close(0)
 

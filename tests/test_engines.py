@@ -15,7 +15,9 @@ import hashlib
 import json
 import threading
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 
 from contract.errors import (
@@ -28,9 +30,27 @@ from contract.errors import (
     UnsupportedFeature,
 )
 from contract.interfaces import LoadedModel, Session
-from contract.manifest import common_prefix_len
-from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SessionSnapshot, SuffixInput
-from tests.engine_kit import LONG_PREFIX, NUM_CTX, QUESTION, Engine, decode, greedy, manifest, turn
+from contract.manifest import ContextManifest, common_prefix_len
+from contract.types import (
+    DecodeConfig,
+    OpenSessionRequest,
+    PrefixInput,
+    SessionSnapshot,
+    StreamChunk,
+    SuffixInput,
+)
+from tests.engine_kit import (
+    EDIT_CONTINUATION,
+    LONG_PREFIX,
+    NEAR_TIE,
+    NUM_CTX,
+    QUESTION,
+    Engine,
+    decode,
+    greedy,
+    manifest,
+    turn,
+)
 from tests.fixtures import WEATHER_TOOL
 
 
@@ -48,7 +68,16 @@ def _memory() -> Engine:
         renders_templates=False,
         one_driver=False,
         continues_answers=False,
+        speculates=False,
     )
+
+
+def _llama_logits(m: Any) -> Any:
+    import llama_cpp
+    import numpy as np
+
+    row = llama_cpp.llama_get_logits_ith(m.llm.ctx, -1)
+    return np.ctypeslib.as_array(row, shape=(m.vocab_size,)).copy()
 
 
 def _llama() -> Engine:
@@ -65,6 +94,7 @@ def _llama() -> Engine:
         prefix_tokens=lambda m, text: m.tokenize(render_prefix(m.template, text, None)),
         kv_matches_tape=lambda m: m.llm.n_tokens == len(m.res.tokens) and m.kv_pos_max() == len(m.res.tokens) - 1,
         vocab_size=49152,
+        last_logits=_llama_logits,
     )
 
 
@@ -83,6 +113,7 @@ def _openvino() -> Engine:
         # the pools hold the tape's K/V; at most the tape was computed exactly by prefill
         kv_matches_tape=lambda m: len(m.res.tokens) <= m.num_ctx and m.exact_len <= len(m.res.tokens),
         vocab_size=49152,
+        last_logits=lambda m: m.logits_at_end().copy(),
     )
 
 
@@ -302,6 +333,100 @@ def test_stop_strings_and_usage(engine: Engine, model: LoadedModel, session: Ses
     session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
     _, cut, final = decode(session, 32, stop=[stop])
     assert final.finish_reason == "stop" and stop not in cut and text.startswith(cut)
+
+
+# --- speculative decoding ---------------------------------------------------------------------------------
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def _edit_turn(session: Session, man: ContextManifest, n: int, **cfg: Any) -> tuple[list[int], str, StreamChunk]:
+    """The edit as a continuation (a short one first, so the edit's tokens are always prefilled)."""
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    session.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=man))
+    session.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=man))
+    return decode(session, n, **cfg)
+
+
+def _check_same_greedy(engine: Engine, model: LoadedModel, session: Session, man: ContextManifest,
+                       plain: list[int], spec: list[int]) -> None:
+    """Speculation answers as plain decoding does; where they part, plain decoding stood at a near-tie.
+
+    The draft rows are computed in one batch, whose kernels round differently from a
+    one-token step's; every emitted token is still the argmax over the emitted prefix,
+    so the outputs can only part where two tokens are within the kernels' difference.
+    """
+    at = _first_difference(plain, spec)
+    if at is None:
+        assert spec == plain
+        return
+    assert engine.last_logits is not None
+    _edit_turn(session, man, at, speculative=False)  # plain decoding up to the difference
+    logits = engine.last_logits(model)
+    best, runner_up = np.argsort(logits)[-1], np.argsort(logits)[-2]
+    assert (plain[at], spec[at]) == (best, runner_up), f"token {at}: the outputs part outside the top two"
+    margin = float(logits[best] - logits[runner_up])
+    assert margin < NEAR_TIE, f"token {at}: outputs part where plain decoding led by {margin:.2f}"
+
+
+def test_speculation_answers_like_plain_decoding_and_the_next_turn_reuses_it(
+    engine: Engine, model: LoadedModel, session: Session
+) -> None:
+    if not engine.speculates:
+        pytest.skip("the reference does not speculate")
+    man = manifest(model, "speculate")
+    runs = {}
+    for spec in (False, True):
+        ids, text, final = _edit_turn(session, man, 160, speculative=spec)
+        assert engine.kv_matches_tape(model)
+        # the next turn resends the reply: all of it is reused
+        follow = EDIT_CONTINUATION + text + "\n```\nDone."
+        st = session.prefill_suffix(SuffixInput(text=follow, render=False, manifest=man))
+        assert st.reused_tokens >= len(ids) and engine.kv_matches_tape(model)
+        runs[spec] = (ids, final.usage, greedy(session, 12))
+    (plain, plain_usage, plain_next), (spec_ids, usage, spec_next) = runs[False], runs[True]
+    assert plain_usage is not None and plain_usage.drafted_tokens == 0
+    # the answer copies the file: drafts from the prompt were checked and most were kept
+    assert usage is not None and usage.accepted_tokens > 0.5 * usage.drafted_tokens > 10
+    if spec_ids == plain:
+        assert spec_next == plain_next  # the KV the drafts left answers the next turn alike
+    _check_same_greedy(engine, model, session, man, plain, spec_ids)
+
+
+def test_seeded_sampling_speculates_and_repeats(engine: Engine, model: LoadedModel, session: Session) -> None:
+    if not engine.speculates:
+        pytest.skip("the reference does not speculate")
+    man = manifest(model, "speculate-sampled")
+    outs = []
+    for _ in range(2):
+        ids, _, final = _edit_turn(session, man, 80, temperature=0.7, top_k=40, seed=11, speculative=True)
+        outs.append(ids)
+        assert engine.kv_matches_tape(model) and final.usage is not None and final.usage.drafted_tokens > 0
+    # Each token is drawn by the pass's own sampler from its row's distribution, in the
+    # same order as without drafts (exactly so on exact numerics: tests/test_tape.py); a
+    # seed gives the same answer every time.
+    assert outs[0] == outs[1]
+
+
+def test_closing_a_speculating_stream_keeps_what_was_handed_out(
+    engine: Engine, model: LoadedModel, session: Session
+) -> None:
+    if not engine.speculates:
+        pytest.skip("the reference does not speculate")
+    man = manifest(model, "speculate-cancel")
+    full = _edit_turn(session, man, 90, speculative=True)[0]
+    _edit_turn(session, man, 0)
+    prompt = engine.tape(model)
+    stream = session.decode(DecodeConfig(max_tokens=90, return_token_ids=True, speculative=True))
+    got: list[int] = []
+    for chunk in stream:
+        got += chunk.token_ids
+        if len(got) >= 40:
+            break
+    stream.close()
+    assert got == full[: len(got)]
+    # what was handed out is in the tape and the KV, drafts kept past it are not
+    assert engine.tape(model) == prompt + got and engine.kv_matches_tape(model)
 
 
 def test_explain_context_from_another_thread(model: LoadedModel, session: Session) -> None:

@@ -16,10 +16,12 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+import numpy as np
 import pytest
 
 from backends.tape.model import TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
 from backends.tape.session import DecodeSteps, TapeSession
+from backends.tape.speculate import PROBE_EVERY, DraftPolicy, PromptLookup
 from backends.tape.state import frame_state, header_diffs, pack_state, unpack_state
 from contract.errors import (
     BackendMismatch,
@@ -32,7 +34,7 @@ from contract.errors import (
     SnapshotRejected,
 )
 from contract.resident import check_model_type
-from contract.types import Config, DecodeConfig, PrefixInput, SessionSnapshot, SuffixInput
+from contract.types import Config, DecodeConfig, PrefixInput, SessionSnapshot, StreamChunk, SuffixInput
 
 MAGIC = b"TOY-TAPE-STATE1\0"
 END = 0  # the toy vocabulary's end-of-generation token
@@ -60,24 +62,52 @@ class ToyTemplate:
 
 
 class ToySteps:
-    """Greedy "sampling": the next token is the last one + 1 (mod 120), or END after ``stop_after``."""
+    """Greedy "sampling": the next token is the last one + 1 (+2 after a decoded count in ``twists``), or END.
 
-    def __init__(self, m: ToyModel) -> None:
+    ``verify`` computes every row's next token the same way, so a speculative pass
+    must produce exactly what one-token steps produce.
+    """
+
+    def __init__(self, m: ToyModel, cfg: DecodeConfig) -> None:
         self._m = m
         self.closed = False
+        self._ahead: list[tuple[int, int]] = []
+        self._rng = np.random.default_rng(cfg.seed) if cfg.temperature else None
 
     def start(self) -> None:
         self._m.starts += 1
 
-    def sample(self) -> int:
+    def _next(self, last: int, decoded: int) -> int:
         m = self._m
-        if m.stop_after is not None and m.decoded >= m.stop_after:
+        if m.stop_after is not None and decoded >= m.stop_after:
             return END
-        return 32 + (m.res.tokens[-1] + 1) % 90
+        # "sampling": a seeded draw per sampled token, as an engine's sampler draws
+        jitter = int(self._rng.integers(0, 4) == 0) if self._rng is not None else 0
+        return 32 + (last + 1 + (decoded in m.twists) + jitter) % 90
+
+    def sample(self) -> int:
+        return self._next(self._m.res.tokens[-1], self._m.decoded)
 
     def feed(self, token: int) -> None:
         self._m.evaluate([token])
         self._m.decoded += 1
+
+    def verify(self, tokens: list[int]) -> None:
+        m = self._m
+        self._ahead = [(t, m.decoded + i + 1) for i, t in enumerate(tokens)]
+        m.evaluate(tokens)
+        m.decoded += len(tokens)
+        m.verifies.append(list(tokens))
+
+    def sample_row(self, i: int) -> int:
+        return self._next(*self._ahead[i])  # drawn when sampled, as an engine's sampler draws
+
+    def rollback(self, n: int) -> None:
+        m = self._m
+        if n > 0:
+            del m.kv[-n:]
+            del m.res.tokens[-n:]
+            m.decoded -= n
 
     def is_end(self, token: int) -> bool:
         return token == END
@@ -110,6 +140,10 @@ class ToyModel(TapeModelBase):
         self.fail_after: int | None = None  # evaluate raises after this many KV entries
         self.stop_after: int | None = None
         self.decoded = 0
+        #: decoded counts after which the next token skips one (a draft then goes wrong)
+        self.twists: set[int] = set()
+        #: the batches speculative decoding verified
+        self.verifies: list[list[int]] = []
         self.starts = 0
         self.released = False
 
@@ -174,7 +208,7 @@ class ToyModel(TapeModelBase):
     def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
         if cfg.structured_output.is_set():
             raise InvalidArgument("the toy engine takes no constraints")
-        return ToySteps(self)
+        return ToySteps(self, cfg)
 
     def export_state(self) -> tuple[bytes, str]:
         return frame_state(MAGIC, {"n_tokens": len(self.kv)}, bytes(self.kv)), "kv"
@@ -186,6 +220,19 @@ class ToyModel(TapeModelBase):
         self.epoch += 1
         self.kv = list(body)
         self.res.tokens = list(body)
+
+
+class EagerPolicy(DraftPolicy):
+    """Drafts whatever the lookup finds (up to 6 tokens): the toy's steps are too quick to time."""
+
+    def plan(self, available: int, n: int) -> int:
+        return min(available, 6)
+
+
+@pytest.fixture(autouse=True)
+def eager_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The session's speculation mechanics are tested here; the policy's choices in its own tests."""
+    monkeypatch.setattr("backends.tape.session.DraftPolicy", EagerPolicy)
 
 
 @pytest.fixture
@@ -404,6 +451,179 @@ def test_a_newer_operation_ends_an_abandoned_stream(model: ToyModel) -> None:
     st = s.ensure_prefix(prefix(model, "sys"))
     assert list(stream) == []  # the stream stopped: nothing was written after the context
     assert model.res.live == model.res.tokens[: st.prefix_tokens] and model.res.tokens == model.kv
+
+
+# --- speculative decoding (prompt lookup) ---------------------------------------------------------------
+def _shown(model: ToyModel, n: int) -> str:
+    """What plain decoding writes after a turn: the text a later turn shows the model again."""
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, "hi"))
+    return "".join(c.text for c in s.decode(DecodeConfig(max_tokens=n, speculative=False)))
+
+
+def _run(model: ToyModel, text: str, **cfg: Any) -> tuple[list[int], StreamChunk]:
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, "hi"))  # the same turn opener: its continuation is in the prompt
+    s.prefill_suffix(suffix(model, text + "hi"))
+    chunks = list(s.decode(DecodeConfig(return_token_ids=True, **cfg)))
+    return [t for c in chunks for t in c.token_ids], chunks[-1]
+
+
+@pytest.mark.parametrize("twists", [set(), {5, 23, 24, 60}])
+def test_speculation_gives_exactly_the_plain_output(twists: set[int]) -> None:
+    model = ToyModel(num_ctx=1024)
+    shown = _shown(model, 80)
+    model.twists = twists
+    model.decoded = 0
+    plain, plain_final = _run(model, shown, max_tokens=70, speculative=False)
+    plain_tape = list(model.res.tokens)
+    assert not model.verifies
+    model.decoded = 0
+    spec, final = _run(model, shown, max_tokens=70, speculative=True)
+    assert spec == plain and len(spec) == 70
+    assert model.res.tokens == plain_tape and tape_equals_kv(model)
+    assert final.finish_reason == plain_final.finish_reason == "length"
+    assert final.usage is not None and final.usage.completion_tokens == 70
+    # drafts were checked in batches, most of them kept; a twist costs one rejected draft
+    assert model.verifies and final.usage.drafted_tokens >= final.usage.accepted_tokens > (25 if twists else 50)
+    if twists:
+        assert final.usage.accepted_tokens < final.usage.drafted_tokens
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_seeded_sampling_is_the_same_with_and_without_speculation(seed: int) -> None:
+    """Each token is drawn from its own row in the same order: exact numerics give the same tokens."""
+    model = ToyModel(num_ctx=1024)
+    shown = _shown(model, 80)
+    runs = []
+    for spec in (False, True):
+        model.decoded = 0
+        ids, final = _run(model, shown, max_tokens=70, temperature=0.8, seed=seed, speculative=spec)
+        runs.append((ids, list(model.res.tokens), final.usage))
+        assert tape_equals_kv(model)
+    (plain, plain_tape, _), (spec_ids, spec_tape, usage) = runs
+    assert spec_ids == plain and spec_tape == plain_tape
+    assert usage is not None and usage.drafted_tokens > usage.accepted_tokens > 0  # drafts kept and rejected
+
+
+def test_speculation_stops_where_plain_decoding_stops() -> None:
+    model = ToyModel(num_ctx=1024)
+    shown = _shown(model, 80)
+    for cfg in ({"max_tokens": 9}, {"max_tokens": 60}):
+        model.decoded = 0
+        plain, _ = _run(model, shown, speculative=False, **cfg)
+        tape = list(model.res.tokens)
+        model.decoded = 0
+        spec, final = _run(model, shown, speculative=True, **cfg)
+        assert spec == plain and model.res.tokens == tape and tape_equals_kv(model)
+    # END inside a draft: it ends the output and is never evaluated
+    model.decoded, model.stop_after = 0, 17
+    spec, final = _run(model, shown, max_tokens=60, speculative=True)
+    assert final.finish_reason == "stop" and len(spec) == 17
+    assert model.res.tokens[-1] == spec[-1] and tape_equals_kv(model)
+    # a stop string inside a draft cuts the text where plain decoding cuts it
+    model.stop_after = None
+    model.decoded = 0
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, shown + "hi"))
+    text = "".join(c.text for c in s.decode(DecodeConfig(max_tokens=60, stop=[shown[12:15]], speculative=True)))
+    assert text == shown[:12] and tape_equals_kv(model) and model.verifies
+
+
+def test_speculation_never_overfills_the_context() -> None:
+    model = ToyModel(num_ctx=160)
+    shown = _shown(model, 60)
+    model.decoded = 0
+    spec, final = _run(model, shown, max_tokens=500, speculative=True)
+    assert final.finish_reason == "context_full" and len(model.res.tokens) == model.num_ctx
+    assert tape_equals_kv(model) and model.verifies
+
+
+def test_closing_a_speculative_stream_leaves_the_tape_equal_to_the_kv() -> None:
+    model = ToyModel(num_ctx=1024)
+    shown = _shown(model, 80)
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, shown + "hi"))
+    prompt = list(model.res.tokens)
+    stream = s.decode(DecodeConfig(max_tokens=60, return_token_ids=True, speculative=True))
+    got: list[int] = []
+    while not model.verifies:
+        got += next(stream).token_ids
+    got += next(stream).token_ids  # a chunk of the verified step
+    stream.close()
+    # the tape holds what was handed out, as after plain decoding: kept draft tokens not handed out are dropped
+    assert model.res.tokens == prompt + got and tape_equals_kv(model)
+
+
+def test_the_daemon_default_and_the_decode_option() -> None:
+    model = ToyModel(num_ctx=1024)
+    shown = _shown(model, 80)
+    model.speculative = False
+    model.decoded = 0
+    _, final = _run(model, shown, max_tokens=40)
+    assert not model.verifies and final.usage is not None and final.usage.drafted_tokens == 0
+    _, final = _run(model, shown, max_tokens=40, speculative=True)  # the request wins
+    assert model.verifies and final.usage is not None and final.usage.accepted_tokens > 0
+
+
+def test_prompt_lookup_drafts_from_the_latest_longest_match() -> None:
+    look = PromptLookup([1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 6, 7, 2, 3])
+    assert look.propose(3) == ([4, 5, 6], 2)  # "1 2 3" is not the suffix; "2 3" last seen before "4 5 6"
+    assert look.propose(0) == ([], 0) and PromptLookup([5]).propose(4) == ([], 0)
+    look.extend([4])
+    assert look.propose(10) == ([5, 6, 7, 2, 3, 4], 3)  # the longer match wins; never past the tape's end
+    assert PromptLookup([1, 2, 3, 4]).propose(4) == ([], 0)  # no earlier occurrence: no draft
+    look = PromptLookup([7, 8, 7, 8, 7, 8])
+    assert look.propose(2) == ([7, 8], 4)
+
+
+def _policy(step_s: float, check: tuple[float, float], keep: float, n: int = 3) -> DraftPolicy:
+    """A policy that has timed plain steps and checks (c0 + c1 * rows) and seen drafts kept at ``keep``."""
+    policy = DraftPolicy()
+    for _ in range(5):
+        policy.plain_step(step_s)
+    for rows in (3, 5, 9):
+        kept = round(keep * (rows - 1))
+        policy.checked(n, rows - 1, kept, check[0] + check[1] * rows)
+    for _ in range(20):
+        policy.checked(n, 8, round(keep * 8), check[0] + check[1] * 9)
+    return policy
+
+
+def test_the_draft_policy_drafts_only_what_pays() -> None:
+    # llama.cpp-like costs here: a 9.6 ms step, a check 8 ms + 5.5 ms per row
+    copying = _policy(0.0096, (0.008, 0.0055), keep=1.0)
+    assert copying.plan(16, 3) >= 8  # nearly every draft token kept: long drafts
+    assert copying.check_cost(5) == pytest.approx(0.008 + 0.0055 * 5, rel=0.05)
+    chance = _policy(0.0096, (0.008, 0.0055), keep=0.25)
+    assert chance.plan(16, 3) == 0  # prose: a check costs more than the tokens it would keep
+    # cheap rows (a batch costs little more than a step) make even middling drafts pay
+    cheap = _policy(0.0096, (0.009, 0.0004), keep=0.5)
+    assert cheap.plan(16, 3) >= 1
+    assert _policy(0.01, (0.008, 0.0055), keep=1.0).plan(0, 3) == 0  # nothing to draft
+
+
+def test_an_unprofitable_policy_still_probes() -> None:
+    policy = _policy(0.0096, (0.008, 0.0055), keep=0.0)
+    steps = 0
+    while policy.plan(4, 2) == 0:
+        policy.plain_step(0.0096)
+        steps += 1
+    assert steps == PROBE_EVERY
+    assert policy.plan(4, 2) == 1  # a one-token probe
+    policy.checked(2, 1, 1, 0.02)  # kept: the keep rate climbs back
+    assert policy.keep_rate(2) > 0.0
+
+
+def test_a_pass_starts_drafting_from_the_priors() -> None:
+    policy = DraftPolicy()
+    assert policy.plan(8, 4) == 0  # no step timed yet
+    policy.plain_step(0.01)
+    assert policy.plan(8, 4) > 0 and policy.plan(8, 4) >= policy.plan(8, 2)
 
 
 def test_decode_refusals_run_before_anything(model: ToyModel) -> None:

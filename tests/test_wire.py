@@ -402,6 +402,29 @@ def test_bad_reply_frames_are_typed_errors(frames: list[bytes], error: type[Mode
         wire.decode_reply(frames)
 
 
+@pytest.mark.parametrize("op", list(Op))
+def test_each_operation_has_its_own_limits(op: Op) -> None:
+    """Checked on the raw frames, before the body is parsed: a status cannot carry a big body or any frame."""
+    small = op not in (Op.ENSURE_PREFIX, Op.PREFILL_SUFFIX, Op.DECODE, Op.EMBED)
+    assert wire.body_limit(op) == (wire.MAX_SMALL_BODY_BYTES if small else wire.MAX_BODY_BYTES)
+    # a body one byte over the operation's limit (unparsable: it is refused before parsing)
+    big = b"\xc1" * (wire.body_limit(op) + 1) if small else None
+    if big is not None:
+        with pytest.raises(FrameTooLarge) as exc:
+            wire.decode_request([wire.PROTOCOL, op.value.encode(), b"r", big])
+        assert exc.value.details["op"] == op.value and exc.value.details["limit"] == wire.MAX_SMALL_BODY_BYTES
+    takes = wire.payload_frame(wire.SCHEMAS[op].request) is not None
+    extra = [b"x"] * (2 if takes else 1)
+    with pytest.raises(BadFrame, match=f"{op.value} takes {int(takes)} payload frame"):
+        wire.decode_request([wire.PROTOCOL, op.value.encode(), b"r", msgpack.packb({}), *extra])
+
+
+def test_a_prompt_sized_body_passes_where_prompts_travel() -> None:
+    text = "x" * (2 * wire.MAX_SMALL_BODY_BYTES)
+    msg = wire.decode_request(wire.encode_request(Op.ENSURE_PREFIX, b"r", {"session_id": "s", "text": text}))
+    assert msg.op is Op.ENSURE_PREFIX and len(msg.body["text"]) == len(text)
+
+
 def test_unknown_operation_names_the_known_ones() -> None:
     with pytest.raises(UnknownOperation) as exc:
         wire.decode_request([wire.PROTOCOL, b"ok", b"r", msgpack.packb({})])

@@ -40,9 +40,11 @@ class LlamaBackend:
 
     name = BACKEND_NAME
 
-    def __init__(self, cache: StateCache | None = None) -> None:
+    def __init__(self, cache: StateCache | None = None, speculative: bool = True) -> None:
         #: the workspace cache every loaded model saves to and restores from (None: none)
         self.cache = cache
+        #: decode passes speculate unless a request says otherwise (``backends.tape.speculate``)
+        self.speculative = speculative
 
     def runtime_version(self) -> str:
         return runtime_version()
@@ -75,6 +77,7 @@ class LlamaBackend:
                 llm.close()
                 raise
             model.cache = self.cache
+            model.speculative = self.speculative
         progress(1.0)
         return model
 

@@ -141,7 +141,9 @@ class LlamaLoadedModel(TapeModelBase):
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
 
     def _should_abort(self, _data: Any) -> bool:
-        interrupt.beat()  # called between graph nodes: a long prefill is visibly alive
+        # called between graph nodes: a long prefill is visibly alive, and its progress is the
+        # batches eval has finished (it advances n_tokens after each)
+        interrupt.prefilled(self._llm.n_tokens)
         event = self._abort_event
         return event is not None and event.is_set()
 
@@ -251,6 +253,32 @@ class LlamaLoadedModel(TapeModelBase):
         self._llm.eval([token])
         self.res.tokens.append(token)
         self.logits_live = True
+
+    def verify(self, tokens: list[int]) -> None:
+        """Evaluate ``tokens`` in one batch with logits for every row (a speculative draft's check).
+
+        ``Llama.eval`` asks llama.cpp for the last row's logits only, so the batch is
+        built here with all of them; the sampler then reads row ``i`` by its index.
+        """
+        llm = self._llm
+        n_past = llm.n_tokens
+        llm._ctx.kv_cache_seq_rm(-1, n_past, -1)  # as eval does: nothing stale past the tape
+        llm._batch.set_batch(batch=tokens, n_past=n_past, logits_all=True)
+        llm._ctx.decode(llm._batch)
+        llm.input_ids[n_past : n_past + len(tokens)] = tokens
+        llm.n_tokens = n_past + len(tokens)
+        self.res.tokens.extend(tokens)
+        self.logits_live = True
+
+    def rollback(self, n: int) -> None:
+        """Drop the last ``n`` tokens from the KV and the tape (rejected draft tokens)."""
+        if n <= 0:
+            return
+        llm = self._llm
+        llm.n_tokens -= n
+        llm._ctx.kv_cache_seq_rm(0, llm.n_tokens, -1)
+        del self.res.tokens[-n:]
+        self.logits_live = False  # the last row's logits belong to a dropped token
 
     def refresh_logits(self) -> None:
         """Decode the last resident token again so sampling sees live logits."""

@@ -45,6 +45,16 @@ class LlamaSteps:
         with contextlib.suppress(Exception):
             self._m.append(token)  # a failed eval leaves n_tokens and the tape unchanged
 
+    def verify(self, tokens: list[int]) -> None:
+        self._m.verify(tokens)
+
+    def sample_row(self, i: int) -> int:
+        # the batch's output index i is row i: verify asked for logits on every row
+        return int(self._sampler.sample(self._m.llm._ctx, i))
+
+    def rollback(self, n: int) -> None:
+        self._m.rollback(n)
+
     def close(self) -> None:
         self._sampler.close()
 

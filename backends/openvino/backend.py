@@ -32,11 +32,19 @@ class OpenVINOBackend:
 
     name = BACKEND_NAME
 
-    def __init__(self, device: str = "CPU", inference_precision: str = "", cache: StateCache | None = None) -> None:
+    def __init__(
+        self,
+        device: str = "CPU",
+        inference_precision: str = "",
+        cache: StateCache | None = None,
+        speculative: bool = True,
+    ) -> None:
         self.device = device
         self.inference_precision = inference_precision
         #: the workspace cache every loaded model saves to and restores from (None: none)
         self.cache = cache
+        #: decode passes speculate unless a request says otherwise (``backends.tape.speculate``)
+        self.speculative = speculative
         self._core: ov.Core | None = None
 
     @property
@@ -90,6 +98,7 @@ class OpenVINOBackend:
                 loaded.close()
                 raise
             loaded.cache = self.cache
+            loaded.speculative = self.speculative
         progress(1.0)
         return loaded
 

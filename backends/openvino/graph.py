@@ -11,7 +11,7 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from contract.errors import ModelLoadFailed
 
-__all__ = ["MIN_PREFILL_ROWS", "WARM_BUCKETS_UP_TO", "bucket", "paged_model"]
+__all__ = ["MIN_PREFILL_ROWS", "VERIFY_ROWS", "WARM_BUCKETS_UP_TO", "bucket", "paged_model", "verify_rows"]
 
 #: the CPU plugin computes chunks of 1..4 tokens (bf16; 1 token under f32) with other kernels
 #: whose rounding differs; prefill chunks are padded to at least this many rows so every
@@ -21,6 +21,9 @@ MIN_PREFILL_ROWS = 16
 _BUCKET_STEPS = ((256, 16), (1024, 64), (1 << 62, 256))
 #: the largest bucket compiled at load: what warm turns' suffixes use
 WARM_BUCKETS_UP_TO = 256
+#: a speculative draft's check runs padded to one of these row counts (compiled at load), so
+#: drafts of every length share a few kernels instead of compiling one shape each
+VERIFY_ROWS = (4, 8, 16)
 _PAGED_INPUTS = frozenset(
     {
         "input_ids",
@@ -51,7 +54,8 @@ def paged_model(core: ov.Core, xml: Path) -> ov.Model:
     while head.get_type_name() in ("Convert", "Multiply", "Divide", "Tanh", "Add"):
         head = head.input_value(0).get_node()
     if head.get_type_name() == "MatMul":
-        index = ov_ops.parameter([1], ov.Type.i64, name="sample_index")
+        # one row per step, or every row of a speculative draft's check
+        index = ov_ops.parameter(ov.PartialShape([-1]), ov.Type.i64, name="sample_index")
         index.output(0).get_tensor().set_names({"sample_index"})
         # the paged graph lays tokens out on axis 0
         row = ov_ops.gather(head.input_value(0), index, np.array(0, np.int64))
@@ -71,3 +75,11 @@ def bucket(n: int) -> int:
         if n <= limit:
             return max(MIN_PREFILL_ROWS, -(-n // step) * step)
     raise AssertionError("the last bucket step has no limit")
+
+
+def verify_rows(n: int) -> int:
+    """The padded row count a draft check of ``n`` tokens runs with."""
+    for rows in VERIFY_ROWS:
+        if n <= rows:
+            return rows
+    return bucket(n)

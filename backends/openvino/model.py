@@ -126,7 +126,7 @@ from contract.types import Config, DecodeConfig, SessionSnapshot
 from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import pack_state, refuse_diffs, unpack_state
-from .graph import WARM_BUCKETS_UP_TO, bucket
+from .graph import VERIFY_ROWS, WARM_BUCKETS_UP_TO, bucket, verify_rows
 from .guidance import TokenGuide, build_tokenizer, compile_grammar
 from .native import map_errors, runtime_version, type_name
 from .options import LoadOptions, ModelShape
@@ -339,8 +339,10 @@ class OpenVINOLoadedModel(TapeModelBase):
         return OpenVINOSteps(self, Sampler(cfg), guide)
 
     # --- the KV ------------------------------------------------------------------------------
-    def _infer(self, ids: list[int], past: int, *, rows: int = 0) -> np.ndarray:
+    def _infer(self, ids: list[int], past: int, *, rows: int = 0, every_row: bool = False) -> np.ndarray:
         """Run ``ids`` at positions past.. with ``past`` cached tokens; a view of the last one's logits.
+
+        With ``every_row`` the LM head runs on every real row: a [len(ids), vocab] view.
 
         With ``rows`` > len(ids) the chunk is padded (the last token repeated at its
         own position): the padding writes KV cells past the tape, which the next
@@ -360,9 +362,13 @@ class OpenVINOLoadedModel(TapeModelBase):
         req.set_tensor("block_indices", ov.Tensor(np.ascontiguousarray(self._block_table[:n_blocks])))
         req.set_tensor("block_indices_begins", ov.Tensor(np.array([0, n_blocks], np.int32)))
         req.set_tensor("max_context_len", ov.Tensor(np.array(total, np.int32)))
-        req.set_tensor("sample_index", ov.Tensor(np.array([n - 1], np.int64)))
+        index = np.arange(n, dtype=np.int64) if every_row else np.array([n - 1], np.int64)
+        req.set_tensor("sample_index", ov.Tensor(index))
         req.infer()
         out: np.ndarray = req.get_tensor("logits").data
+        if every_row:
+            rows_out: np.ndarray = out.reshape(n, -1)
+            return rows_out
         last: np.ndarray = out[-1, 0]
         return last
 
@@ -400,6 +406,7 @@ class OpenVINOLoadedModel(TapeModelBase):
             interrupt.check("prefill")  # between chunks: a cancel costs at most one chunk
             logits = self._infer(tokens[a:b], a, rows=bucket(b - a))
             self.res.tokens = list(tokens[:b])
+            interrupt.prefilled(b)  # the daemon's heartbeats carry the prefill's progress
             if exact:
                 self.exact_len = b
         if keep < len(tokens):
@@ -420,6 +427,26 @@ class OpenVINOLoadedModel(TapeModelBase):
         self._logits[n + 1] = logits.copy()
         self._step_len = n + 1
         return logits
+
+    def verify(self, tokens: list[int]) -> np.ndarray:
+        """Evaluate ``tokens`` in one padded batch; the logits after each of them (a copy, one row each)."""
+        n = len(self.res.tokens)
+        rows = self._infer(tokens, n, rows=verify_rows(len(tokens)), every_row=True).copy()
+        self.res.tokens.extend(tokens)
+        if self._step_len == n:
+            self._logits.pop(n, None)
+        self._logits[len(self.res.tokens)] = rows[-1]
+        self._step_len = len(self.res.tokens)
+        return rows
+
+    def rollback(self, n: int, logits_at_end: np.ndarray | None = None) -> None:
+        """Drop the last ``n`` tokens (a rejected draft); ``logits_at_end``: the distribution after the rest."""
+        if n <= 0:
+            return
+        self._trim(len(self.res.tokens) - n)
+        if logits_at_end is not None:
+            self._logits[len(self.res.tokens)] = logits_at_end
+            self._step_len = len(self.res.tokens)
 
     def logits_at_end(self) -> np.ndarray:
         """The distribution after the last resident token; re-prefills the last token if none is stored."""
@@ -446,8 +473,9 @@ class OpenVINOLoadedModel(TapeModelBase):
         token = max(self.vocab.bos_id, 0)
         chunk = self.options.prefill_chunk
         shapes = sorted({bucket(k) for k in range(1, min(chunk, WARM_BUCKETS_UP_TO) + 1)} | {bucket(chunk)})
-        for rows in shapes:
+        for rows in sorted(set(shapes) | set(VERIFY_ROWS)):
             self._infer([token], 0, rows=rows)
+        self._infer([token, token], 0, rows=VERIFY_ROWS[0], every_row=True)
         self._infer([token], 1)
 
     def clear_kv(self) -> None:

@@ -50,15 +50,21 @@ class OpenVINOSteps:
         self._sample = sample
         self._guide = guide
         self._logits: np.ndarray | None = None
+        #: the rows of the last draft check (``verify``) and the tape length before it
+        self._rows: np.ndarray | None = None
+        self._base = 0
 
     def start(self) -> None:
         self._logits = self._m.logits_at_end()
 
     def sample(self) -> int:
         assert self._logits is not None, "start() comes first"
+        return self._sample_from(self._logits)
+
+    def _sample_from(self, logits: np.ndarray) -> int:
         if self._guide is None:
-            return self._sample(self._logits)
-        token = self._sample(self._guide.mask(self._logits))
+            return self._sample(logits)
+        token = self._sample(self._guide.mask(logits))
         self._guide.accept(token)
         return token
 
@@ -79,5 +85,22 @@ class OpenVINOSteps:
             # nothing resident can be trusted any more.
             self._m.clear_kv()
 
+    def verify(self, tokens: list[int]) -> None:
+        self._base = len(self._m.res.tokens)
+        self._rows = self._m.verify(tokens)
+
+    def sample_row(self, i: int) -> int:
+        assert self._rows is not None, "verify() comes first"
+        return self._sample_from(self._rows[i])
+
+    def rollback(self, n: int) -> None:
+        if n <= 0:
+            return
+        # row i is the distribution after the verified batch's token i, at tape length base + i + 1
+        row = len(self._m.res.tokens) - n - self._base - 1
+        rows = self._rows
+        self._m.rollback(n, rows[row] if rows is not None and 0 <= row < len(rows) else None)
+
     def close(self) -> None:
         self._logits = None
+        self._rows = None

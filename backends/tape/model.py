@@ -81,6 +81,8 @@ class TapeModel(Protocol):
     template: ChatTemplate | None
     #: the workspace cache the daemon gave the model (None: none)
     cache: StateCache | None
+    #: decode passes speculate (prompt lookup) unless their DecodeConfig says otherwise
+    speculative: bool
 
     @property
     def digest(self) -> str: ...
@@ -252,6 +254,8 @@ class TapeModelBase(ABC):
         self.exact_len = 0
         #: the workspace cache (``backends.tape.cache``); the backend sets it after the load
         self.cache: StateCache | None = None
+        #: the daemon's default for ``DecodeConfig.speculative`` (``backends.tape.speculate``)
+        self.speculative = True
 
     # --- identity ---------------------------------------------------------------------------
     @property

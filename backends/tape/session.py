@@ -16,6 +16,7 @@ import time
 from collections.abc import Generator
 from typing import Any, Protocol
 
+from contract import interrupt
 from contract.errors import InvalidArgument, ManifestMismatch, SessionClosed, UnsupportedFeature
 from contract.manifest import ContextManifest, common_prefix_len
 from contract.resident import PrefixPlan, check_manifest_names
@@ -35,6 +36,7 @@ from .cache import SAVE_MIN_TOKENS, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
 from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix
 from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
+from .speculate import MAX_DRAFT, DraftPolicy, PromptLookup, SpeculationStats
 from .state import check_restorable
 
 #: how many trailing resident tokens are decoded to see whether the prompt opened <think>
@@ -117,6 +119,21 @@ class DecodeSteps(Protocol):
 
     def settle(self, token: int) -> None:
         """On close: evaluate a token already handed out, so the tape equals the KV; never raises."""
+        ...
+
+    def verify(self, tokens: list[int]) -> None:
+        """Evaluate ``tokens`` (a sampled token and a draft) in one batch, appending them to the tape.
+
+        The distribution after each of them is kept for ``sample_row``.
+        """
+        ...
+
+    def sample_row(self, i: int) -> int:
+        """The next token after ``tokens[i]`` of the last ``verify``, from that row's distribution."""
+        ...
+
+    def rollback(self, n: int) -> None:
+        """Drop the last ``n`` tokens (a rejected draft) from the KV and the tape."""
         ...
 
     def close(self) -> None:
@@ -233,7 +250,8 @@ class TapeSession:
             if not cached:
                 save_before_discard(m, m.reusable(plan.keep))
             try:
-                with m.errors("ensure_prefix: prefill"):
+                # the daemon's heartbeats carry how far this prefill has come
+                with m.errors("ensure_prefix: prefill"), interrupt.prefilling(m.reusable(plan.keep), len(tokens)):
                     kept = m.set_kv(tokens, m.reusable(plan.keep))
             except BaseException:
                 m.clear_kv()  # a half-computed prefix is not trusted
@@ -269,7 +287,7 @@ class TapeSession:
         if not cached:
             save_before_discard(m, keep)
         try:
-            with m.errors("prefill_suffix: prefill"):
+            with m.errors("prefill_suffix: prefill"), interrupt.prefilling(keep, len(target)):
                 kept = _set_kv(m, target, keep)
         except BaseException:
             # Back to the stable prefix when it survived (the tape equals what the KV
@@ -318,12 +336,18 @@ class TapeSession:
     def _stream(
         self, m: TapeModel, cfg: DecodeConfig, steps: DecodeSteps, pipeline: OutputPipeline, epoch: int
     ) -> Generator[StreamChunk, None, None]:
-        """The decode loop both engines share; closing the generator cancels within one token.
+        """The decode loop both engines share; closing the generator cancels within one engine step.
 
         A sampled token is yielded first and evaluated when the stream resumes, so a
         chunk reaches the client one engine step earlier; on close ``settle``
         evaluates it, keeping the tape equal to the KV. Any operation that changes
         the KV bumps ``m.epoch``; a stream that sees another epoch stops touching it.
+
+        With speculation (``backends.tape.speculate``) the pending token is evaluated
+        together with a draft looked up in the tape; the rows are sampled in order
+        and the draft is kept as far as the samples agree with it, the rest rolled
+        back before any of the step's chunks is yielded. Closed in the middle of a
+        step's chunks, the stream drops the kept draft tokens not handed out yet.
         """
         start = time.perf_counter()
         res = m.res
@@ -332,6 +356,11 @@ class TapeSession:
         first_ms = 0.0
         finish = ""
         pending: int | None = None
+        speculate = m.speculative if cfg.speculative is None else cfg.speculative
+        lookup: PromptLookup | None = None
+        policy = DraftPolicy()
+        stepped_at: float | None = None  # when this iteration's plain step began (timed for the policy)
+        stats = SpeculationStats()
 
         def still_ours() -> bool:
             return bool(m.epoch == epoch and not m.closed and not self._closed)
@@ -348,8 +377,70 @@ class TapeSession:
                     return  # another operation took the KV; this stream is over
                 if pending is not None:
                     tok, pending = pending, None
+                    draft: list[int] = []
+                    ngram = 0
+                    if speculate and not finish:
+                        if lookup is None:
+                            lookup = PromptLookup(res.tokens)
+                        lookup.extend([tok])
+                        # the draft never passes max_tokens nor fills the context
+                        limit = min(MAX_DRAFT, cfg.max_tokens - produced - 1, m.num_ctx - len(res.tokens) - 2)
+                        draft, ngram = lookup.propose(limit)
+                        draft = draft[: policy.plan(len(draft), ngram)]
+                    step_began = time.perf_counter()
                     with m.errors("decode"):
-                        steps.feed(tok)
+                        if draft:
+                            steps.verify([tok, *draft])
+                        else:
+                            steps.feed(tok)
+                            stepped_at = step_began
+                    if draft:
+                        # (token, its chunk or None, whether the KV holds it), in output order
+                        emitted: list[tuple[int, StreamChunk | None, bool]] = []
+                        accepted = 0
+                        for i in range(len(draft) + 1):
+                            with m.errors("decode"):
+                                token = steps.sample_row(i)
+                            if steps.is_end(token):
+                                finish = "stop"
+                                break
+                            produced += 1
+                            delta = pipeline.feed_bytes(steps.piece(token))
+                            if delta.stopped:
+                                finish = "stop"
+                            chunk = delta.chunk([token] if cfg.return_token_ids else None)
+                            in_kv = i < len(draft) and token == draft[i]
+                            emitted.append((token, chunk if (delta or cfg.return_token_ids) else None, in_kv))
+                            if not in_kv:
+                                break  # the first token the draft did not foresee: evaluated next
+                            accepted += 1
+                            if finish or produced >= cfg.max_tokens:
+                                break
+                        with m.errors("decode"):
+                            steps.rollback(len(draft) - accepted)
+                        assert lookup is not None
+                        lookup.extend(draft[:accepted])
+                        policy.checked(ngram, len(draft), accepted, time.perf_counter() - step_began)
+                        stats.verifies += 1
+                        stats.drafted += len(draft)
+                        stats.accepted += accepted
+                        if not first_ms:
+                            first_ms = (time.perf_counter() - start) * 1000
+                        for j, (token, out, in_kv) in enumerate(emitted):
+                            if out is None:
+                                continue
+                            try:
+                                yield out
+                            except GeneratorExit:
+                                # closed here: keep exactly what was handed out, as plain decoding does
+                                spill = sum(1 for e in emitted[j + 1 :] if e[2])
+                                if spill and still_ours():
+                                    steps.rollback(spill)
+                                pending = None if in_kv else token
+                                raise
+                        last_token, _, last_in_kv = emitted[-1] if emitted else (0, None, True)
+                        pending = None if last_in_kv else last_token
+                        continue
                 if finish:
                     break
                 if produced >= cfg.max_tokens:
@@ -360,6 +451,9 @@ class TapeSession:
                     break
                 with m.errors("decode"):
                     token = steps.sample()
+                if stepped_at is not None:
+                    policy.plain_step(time.perf_counter() - stepped_at)
+                    stepped_at = None
                 if not first_ms:
                     first_ms = (time.perf_counter() - start) * 1000
                 if steps.is_end(token):
@@ -377,7 +471,9 @@ class TapeSession:
                 yield tail.chunk()
             if pipeline.tool_call_count and finish == "stop":
                 finish = "tool_calls"
-            yield StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
+            yield StreamChunk.final(
+                finish, prompt_tokens, produced, first_ms, start, drafted=stats.drafted, accepted=stats.accepted
+            )
         finally:
             if pending is not None and still_ours():
                 steps.settle(pending)

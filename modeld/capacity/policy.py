@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import dirs
 from .sizes import parse_count, parse_fraction, parse_size
 
 __all__ = ["DEFAULT_CONTEXT", "DEFAULT_HEADROOM_FRACTION", "DEFAULT_MIN_CONTEXT", "Policy"]
@@ -75,7 +76,8 @@ class Policy:
           ``MODELD_MEM_HEADROOM``, ``MODELD_MIN_CONTEXT``, ``MODELD_DEFAULT_CONTEXT``;
           empty = not set.
         * config file: ``config_file``, else ``$MODELD_CONFIG``, else
-          ``~/.config/modeld/config.toml`` (only this default may be absent). TOML,
+          ``modeld.dirs.config_file()`` ($XDG_CONFIG_HOME or ~/.config, ``modeld/config.toml``;
+          only this default may be absent). TOML,
           section ``[memory]`` with keys ``max``, ``reserve``, ``headroom``,
           ``min_context``, ``default_context``; an unknown key is an error.
 
@@ -118,7 +120,7 @@ def _read_memory_section(env: Mapping[str, str], config_file: str | os.PathLike[
     elif env.get("MODELD_CONFIG"):
         path = Path(env["MODELD_CONFIG"])
     else:
-        path = Path.home() / ".config" / "modeld" / "config.toml"
+        path = dirs.config_file()  # the file `modeld serve` reads its settings from
     try:
         with path.open("rb") as f:
             doc = tomllib.load(f)

@@ -1,7 +1,9 @@
 """Sizes and the other scalar settings, as the operator writes them.
 
-``parse_size`` reads "60MB", "8GiB", "512k" or a byte count; ``format_size``
-writes bytes back in binary units. The fraction and token-count parsers are the
+``parse_size`` reads "60MB", "8GiB", "512k" or a byte count (``parse_size_or_auto``
+also "auto", for the budgets that have one); ``format_size`` writes bytes back in
+binary units. Every size modeld reads (flags, environment, config file) goes
+through ``parse_size``. The fraction and token-count parsers are the
 Policy's (``policy.py``), kept here so every value-from-text rule is in one place.
 """
 
@@ -11,7 +13,10 @@ import math
 import re
 from decimal import ROUND_FLOOR, Decimal, InvalidOperation
 
-__all__ = ["format_size", "parse_fraction", "parse_count", "parse_size"]
+__all__ = ["AUTO", "format_size", "parse_count", "parse_fraction", "parse_size", "parse_size_or_auto"]
+
+#: what a budget with a computed default accepts instead of a size
+AUTO = "auto"
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -53,6 +58,8 @@ def parse_size(value: str | int) -> int:
         return value
     if not isinstance(value, str):
         raise ValueError(f"invalid size {value!r}: expected a string or an int")
+    if value.strip().startswith("-"):
+        raise ValueError(f"invalid size {value!r}: must be >= 0")
     m = _SIZE_RE.match(value)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
@@ -67,6 +74,13 @@ def parse_size(value: str | int) -> int:
     if _UNITS[unit] == 1 and scaled != scaled.to_integral_value():
         raise ValueError(f"invalid size {value!r}: a byte count must be whole")
     return int(scaled.to_integral_value(rounding=ROUND_FLOOR))
+
+
+def parse_size_or_auto(value: str | int) -> int | None:
+    """``parse_size``, or None for "auto" (any case): the caller computes the size itself."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return None
+    return parse_size(value)
 
 
 def format_size(n: int) -> str:

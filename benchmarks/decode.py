@@ -1,0 +1,180 @@
+"""The decode section of ``make bench``: through the daemon vs in process, plain vs speculative, vs the bandwidth bound.
+
+Per engine, the same three tasks run in process (the backend's own Session,
+no wire) and through a real daemon process (the runtime client over ZeroMQ):
+
+* ``prose``  – a free-text answer (nothing to copy: speculation should cost ~nothing);
+* ``edit``   – a ~300-token Python file with the request to return it with one
+  function renamed, as a chat turn (the agent's edit: the answer repeats the prompt);
+* ``edit (continuation)`` – the same file and change as a plain continuation,
+  which any model size goes on copying (the mechanism's ceiling on this model).
+
+Each task decodes greedily with speculation off and on (``DecodeConfig.speculative``);
+the rate is completion tokens over the decode time the final chunk reports,
+the median of ``REPS`` runs. Printed per engine: daemon / in-process decode,
+speculative / plain on each task with the share of draft tokens kept, and plain
+decode as a fraction of the bandwidth bound: the model's weight bytes read once
+per token at the memory bandwidth measured here (a numpy copy).
+
+Targets (issue: speed): daemon / in-process >= 0.97 on both engines;
+speculative >= 2x plain on the edit task on one engine and >= 1.5x on the other,
+<= 3% slower on prose.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from backends.bundled import bundled_gguf_path
+from contract.interfaces import Session
+from contract.types import (
+    ChatMessage,
+    Config,
+    DecodeConfig,
+    OpenSessionRequest,
+    PrefixInput,
+    StreamChunk,
+    SuffixInput,
+)
+from tests.daemon_proc import DaemonProcess
+from tests.engine_kit import EDIT_CONTINUATION, EDIT_TASK
+
+NUM_CTX = 4096
+REPS = 3
+SYSTEM = "You are a careful coding assistant. Answer directly."
+PROSE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+#: (name, the turn, tokens to decode)
+TASKS: list[tuple[str, SuffixInput, int]] = [
+    ("prose", SuffixInput(messages=[ChatMessage(role="user", content=PROSE)]), 128),
+    ("edit", SuffixInput(messages=[ChatMessage(role="user", content=EDIT_TASK)]), 320),
+    ("edit (continuation)", SuffixInput(text=EDIT_CONTINUATION, render=False), 320),
+]
+
+
+def bandwidth_bytes_per_s() -> float:
+    """Memory bandwidth by a numpy copy of 256 MiB (bytes read + written per second, best of 5)."""
+    src = np.ones(64 * 2**20, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def _turn(sess: Any, manifest: Any, suffix: SuffixInput, n: int, speculative: bool) -> StreamChunk:
+    """One decode of ``suffix`` after the system prompt; a different short turn first, so it is prefilled anew."""
+    sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+    sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=manifest))
+    sess.prefill_suffix(suffix.model_copy(update={"manifest": manifest}))
+    final = None
+    for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0, speculative=speculative)):
+        final = chunk
+    assert final is not None and final.usage is not None
+    return final
+
+
+def _measure(sess: Session | Any, manifest: Any) -> dict[str, dict[str, float]]:
+    """Per task and mode: decode tok/s (median), tokens, and drafted/accepted of the last run."""
+    out: dict[str, dict[str, float]] = {}
+    for name, suffix, n in TASKS:
+        for spec in (False, True):
+            rates, last = [], None
+            for _ in range(REPS):
+                last = _turn(sess, manifest, suffix, n, spec)
+                u = last.usage
+                assert u is not None
+                rates.append(u.completion_tokens / (u.decode_ms / 1000) if u.decode_ms > 0 else 0.0)
+            assert last is not None and last.usage is not None
+            out[f"{name}/{'spec' if spec else 'plain'}"] = {
+                "tok_s": statistics.median(rates),
+                "tokens": last.usage.completion_tokens,
+                "drafted": last.usage.drafted_tokens,
+                "accepted": last.usage.accepted_tokens,
+            }
+    return out
+
+
+def in_process(engine: str, config: Config) -> tuple[dict[str, dict[str, float]], int]:
+    """The tasks on the backend's own Session with the daemon's resolved config; and the model's weight bytes."""
+    req = OpenSessionRequest(path=str(bundled_gguf_path()), config=config)
+    backend: Any
+    if engine == "llama":
+        from backends.llama import LlamaBackend
+
+        backend = LlamaBackend()
+    else:
+        from backends.openvino import OpenVINOBackend
+
+        backend = OpenVINOBackend()
+    weights = int(backend.describe(req).weights_bytes)
+    model = backend.load(req, lambda _f: None)
+    try:
+        sess = model.open_session()
+        manifest = model.manifest_defaults().model_copy(update={"profile": "bench-decode"})
+        return _measure(sess, manifest), weights
+    finally:
+        model.close()
+
+
+def through_daemon(tmp: Path, engine: str) -> tuple[dict[str, dict[str, float]], Config]:
+    """The tasks through a daemon process; and the config it resolved (threads, context) for the in-process run."""
+    d = DaemonProcess(tmp / f"decode-{engine}", engine, None, "--num-ctx", str(NUM_CTX), "--cache-ram", "0",
+                      "--cache-disk", "0")
+    d.start(ready_timeout_s=900, wait_state=("Ready",))
+    try:
+        with d.client(timeout_s=600.0) as c:
+            active = c.status().active
+            assert active is not None
+            sess = c.open_session(OpenSessionRequest())
+            try:
+                return _measure(sess, sess.manifest(profile="bench-decode")), active.config
+            finally:
+                sess.close()
+    finally:
+        d.stop()
+
+
+def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, str]]:
+    remote, config = through_daemon(tmp, engine)
+    local, weights = in_process(engine, config)
+    rows: list[tuple[str, Any, str]] = []
+    plain_local, plain_remote = local["prose/plain"]["tok_s"], remote["prose/plain"]["tok_s"]
+    ratio = plain_remote / plain_local if plain_local else float("nan")
+    rows.append(("decode tok/s, prose, in process / daemon", f"{plain_local:.1f} / {plain_remote:.1f}",
+                 f"daemon / in-process {ratio:.3f}, target >= 0.97 " + ("(met)" if ratio >= 0.97 else "(MISSED)")))
+    for name, _suffix, _n in TASKS:
+        plain, spec = remote[f"{name}/plain"], remote[f"{name}/spec"]
+        speedup = spec["tok_s"] / plain["tok_s"] if plain["tok_s"] else float("nan")
+        kept = f"{spec['accepted']:.0f} of {spec['drafted']:.0f} drafted kept" if spec["drafted"] else "no drafts"
+        target = "target <= 3% slower" if name == "prose" else "target >= 2x (one engine), >= 1.5x (the other)"
+        rows.append((f"{name}: plain / speculative tok/s (daemon)", f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
+                     f"{speedup:.2f}x, {kept}, {spec['tokens']:.0f} tokens; {target}"))
+        lspeed = local[f"{name}/spec"]["tok_s"] / local[f"{name}/plain"]["tok_s"]
+        rows.append((f"{name}: speculative / plain in process", f"{lspeed:.2f}x", ""))
+    bound = bandwidth / weights if weights else float("nan")
+    rows.append(("bandwidth bound tok/s (weights / bandwidth)", f"{bound:.0f}",
+                 f"{weights / 2**20:.0f} MiB of weights at {bandwidth / 2**30:.1f} GiB/s; "
+                 f"plain decode is {plain_remote / bound:.1%} of it"))
+    return rows
+
+
+def main() -> None:  # pragma: no cover - a manual entry point
+    import json
+    import tempfile
+
+    bw = bandwidth_bytes_per_s()
+    with tempfile.TemporaryDirectory() as tmp:
+        for engine in os.environ.get("ENGINES", "llama,openvino").split(","):
+            print(json.dumps({"engine": engine, "rows": section(Path(tmp), engine, bw)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+"""The CLI as a person meets it: progress bars, shell completion, and what status says about the daemon.
+
+Every test drives the real ``modeld`` console script (or the real client)
+against a real daemon process. A progress bar needs an operation that runs for
+seconds: a cold prefill of a long prompt on the bundled model (llama.cpp, in
+small batches so it reports often). Cheap cases use the memory backend.
+A terminal is a pseudo-terminal (``os.openpty``) on the CLI's stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from contract import wire
+from contract.types import Config, Heartbeat, LoadModelRequest, OpenSessionRequest, PrefixInput, Progress
+from contract.wire import Kind
+from runtime.progress import ProgressDisplay
+from tests.daemon_proc import ROOT, DaemonProcess
+
+MODELD = str(Path(sys.executable).parent / "modeld")
+#: the CLI with rich hidden: what a client install without the `cli` extra runs
+MODELD_WITHOUT_RICH = [sys.executable, "-c", "import sys; sys.modules['rich'] = None; "
+                       "from modeld.cli import main; sys.exit(main())"]
+CLI_TIMEOUT_S = 400
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TERM": "xterm-256color", "COLUMNS": "120"}
+    env.pop("MODELD_ENDPOINT", None)
+    return env
+
+
+def run_cli(args: list[str], *, tty: bool, command: list[str] | None = None, stdin: str = "") -> tuple[int, str, str]:
+    """Run the CLI with ``stdin``; its stderr is a pseudo-terminal when ``tty``, else a pipe. Returns (code, stdout, stderr)."""
+    cmd = [*(command or [MODELD]), *args]
+    if not tty:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=CLI_TIMEOUT_S,
+                             input=stdin)
+        return out.returncode, out.stdout, out.stderr
+    master, slave = os.openpty()
+    received = bytearray()
+
+    def drain() -> None:  # a terminal that is not read blocks its writer
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                return
+            if not data:
+                return
+            received.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=slave, env=_env(),
+                                cwd=ROOT, text=True)
+        os.close(slave)
+        stdout, _ = proc.communicate(input=stdin, timeout=CLI_TIMEOUT_S)
+        reader.join(timeout=10)
+    finally:
+        os.close(master)
+    return proc.returncode, stdout, received.decode(errors="replace")
+
+
+# --- shell completion --------------------------------------------------------------------------
+def _complete(script: Path, words: list[str]) -> list[str]:
+    """What bash offers for ``words`` (the last one is being typed), through the generated function."""
+    quoted = " ".join(f"'{w}'" for w in words)
+    probe = (f'source {script}; COMP_WORDS=({quoted}); COMP_CWORD={len(words) - 1}; '
+             f'COMP_LINE="{" ".join(words)}"; COMP_POINT=${{#COMP_LINE}}; _shtab_modeld; printf "%s\\n" "${{COMPREPLY[@]}}"')
+    out = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_completion_bash_is_a_script_bash_accepts_that_completes_commands_and_serve_flags(tmp_path: Path) -> None:
+    code, script, err = run_cli(["completion", "bash"], tty=False)
+    assert code == 0, err
+    assert "serve" in script and "--backend" in script
+    path = tmp_path / "modeld.bash"
+    path.write_text(script)
+    syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+    assert syntax.returncode == 0, syntax.stderr
+    assert {"serve", "status", "chat", "completion"} <= set(_complete(path, ["modeld", ""]))
+    assert _complete(path, ["modeld", "serve", "--back"]) == ["--backend"]  # serve's own parser
+    assert set(_complete(path, ["modeld", "serve", "--backend", ""])) == {"auto", "llama", "openvino", "memory"}
+    assert "--max-tokens" in _complete(path, ["modeld", "run", "--max"])  # a client command's option
+    assert _complete(path, ["modeld", "prepare", "--on"]) == ["--only"]
+
+
+def test_completion_zsh_and_an_unknown_shell() -> None:
+    code, script, err = run_cli(["completion", "zsh"], tty=False)
+    assert code == 0, err
+    assert script.startswith("#compdef modeld") and "--backend" in script
+    if shutil.which("zsh"):
+        check = subprocess.run(["zsh", "-n"], input=script, capture_output=True, text=True, timeout=30)
+        assert check.returncode == 0, check.stderr
+    code, _, err = run_cli(["completion", "fish"], tty=False)
+    assert code == 2 and "invalid choice: 'fish'" in err
+
+
+def test_completion_without_shtab_says_how_to_install_it() -> None:
+    command = [sys.executable, "-c", "import sys; sys.modules['shtab'] = None; from modeld.cli import main; sys.exit(main())"]
+    code, out, err = run_cli(["completion", "bash"], tty=False, command=command)
+    assert code == 1 and out == ""
+    assert "shtab" in err and "pip install 'modeld[cli]'" in err
+
+
+# --- status -------------------------------------------------------------------------------------------
+def _rows(table: str) -> dict[str, str]:
+    """The rows of an aligned two-column table (names may hold spaces; the value column starts where the first
+    row's value does)."""
+    lines = table.splitlines()
+    first = lines[0]
+    name_end = first.index("  ")
+    col = name_end + len(first[name_end:]) - len(first[name_end:].lstrip())
+    return {line[:col].strip(): line[col:] for line in lines}
+
+
+@pytest.fixture(scope="module")
+def memory_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    with DaemonProcess(tmp_path_factory.mktemp("ux-memory"), "memory") as d:
+        yield d
+
+
+def test_status_shows_the_daemon_pid_and_uptime(memory_daemon: DaemonProcess) -> None:
+    assert memory_daemon.proc is not None
+    time.sleep(1.1)  # an uptime of at least a second, whatever else ran first
+    code, out, err = run_cli(["status", "--endpoint", memory_daemon.endpoint], tty=False)
+    assert code == 0, err
+    rows = _rows(out)
+    assert rows["pid"] == str(memory_daemon.proc.pid)
+    assert rows["uptime"].endswith("s") and int(rows["uptime"].split()[-1].rstrip("s")) >= 1
+    code, out, err = run_cli(["status", "--json", "--endpoint", memory_daemon.endpoint], tty=False)
+    assert code == 0, err
+    st = json.loads(out)
+    assert st["pid"] == memory_daemon.proc.pid and st["uptime_s"] >= 1.0
+
+
+def test_load_with_json_prints_only_json(memory_daemon: DaemonProcess) -> None:
+    code, out, err = run_cli(["load", "m", "--type", "memory", "--path", "/models/m", "--json",
+                              "--endpoint", memory_daemon.endpoint], tty=True)
+    assert code == 0, err
+    assert json.loads(out)["model_name"] == "m"
+    assert err == ""
+
+
+# --- the heartbeat's progress on the wire -------------------------------------------------------------
+def test_an_empty_heartbeat_stays_valid_and_a_bad_progress_is_ignored() -> None:
+    empty = wire.decode_reply(wire.encode_reply(Kind.HEARTBEAT, b"r"))
+    assert empty.body == {} and wire.heartbeat_progress(empty) is None
+    p = Progress(stage="prefill", done=3, total=8, fraction=0.375)
+    full = wire.decode_reply(wire.encode_reply(Kind.HEARTBEAT, b"r", Heartbeat(progress=p)))
+    assert wire.heartbeat_progress(full) == p
+    bad = wire.Message(request_id=b"r", body={"progress": {"fraction": 7}}, kind=Kind.HEARTBEAT)
+    assert wire.heartbeat_progress(bad) is None
+
+
+# --- the display's rules, with a terminal stand-in and a clock --------------------------------------------
+class _Terminal:
+    def __init__(self, tty: bool = True) -> None:
+        self.text = ""
+        self.tty = tty
+
+    def write(self, s: str) -> int:
+        self.text += s
+        return len(s)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_the_display_waits_out_its_delay_and_draws_only_on_a_terminal() -> None:
+    now = [0.0]
+    p = Progress(stage="prefill", done=512, total=2048, fraction=0.25)
+    term = _Terminal()
+    with ProgressDisplay(stream=term, clock=lambda: now[0], use_rich=False) as display:  # type: ignore[arg-type]
+        now[0] = 1.9
+        display(p)
+        assert term.text == ""  # a warm turn is over before this: nothing flickers
+        now[0] = 2.1
+        display(p)
+        assert term.text == "modeld: prefill 25% (512/2048 tokens)\n"
+    display(p)  # closed: nothing more
+    assert term.text.count("\n") == 1
+    pipe = _Terminal(tty=False)
+    with ProgressDisplay(stream=pipe, clock=lambda: now[0] + 10, use_rich=False) as display:  # type: ignore[arg-type]
+        now[0] = 100.0
+        display(p)
+    assert pipe.text == ""
+    off = _Terminal()
+    with ProgressDisplay(enabled=False, stream=off, clock=lambda: now[0], use_rich=False) as display:  # type: ignore[arg-type]
+        now[0] = 200.0
+        display(p)
+    assert off.text == ""
+
+
+# --- a cold prefill on the bundled model ------------------------------------------------------------
+NUM_CTX = 4096
+#: small batches: llama.cpp reports progress per batch
+NUM_BATCH = 64
+#: how long a test's cold prefill should run: long enough for a bar (shown from 2 s) and several heartbeats
+PREFILL_TARGET_S = 6.0
+#: about this many tokens per item of ``_long_system``; at least this many items, and no more than fit
+TOKENS_PER_ITEM = 20
+MIN_ITEMS, MAX_ITEMS = 30, 150
+MIN_PREFILL = MIN_ITEMS * TOKENS_PER_ITEM * 3 // 4
+#: what the bar (and the plain lines) show of a prefill, and nothing else prints
+BAR = re.compile(r"\d+/\d+ tokens")
+
+
+def _long_system(tag: str, items: int) -> str:
+    """About ``TOKENS_PER_ITEM * items`` tokens, starting with ``tag`` so that no two tests share a resident prefix."""
+    return f"{tag}. " + " ".join(f"Rule {i}: the {tag} value of item {i} is {i * 7}." for i in range(items))
+
+
+@pytest.fixture(scope="module")
+def llama_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    from backends.bundled import bundled_gguf_path
+
+    d = DaemonProcess(tmp_path_factory.mktemp("ux-llama"), "llama", None, "--cache-ram", "0", "--cache-disk", "0")
+    with d.start(ready_timeout_s=300, wait_state=("Ready",)):
+        with d.client(timeout_s=300) as c:
+            c.load_model(LoadModelRequest(model_name="smol", path=str(bundled_gguf_path()),
+                                          config=Config(num_ctx=NUM_CTX, num_batch=NUM_BATCH)))
+        yield d
+
+
+@pytest.fixture(scope="module")
+def items(llama_daemon: DaemonProcess) -> int:
+    """How many items make a cold prefill of about ``PREFILL_TARGET_S`` on this machine (measured once)."""
+    with llama_daemon.client(timeout_s=300) as c:
+        sess = c.open_session(OpenSessionRequest())
+        t0 = time.monotonic()
+        st = sess.ensure_prefix(PrefixInput(text=_long_system("calibration", MIN_ITEMS), manifest=sess.manifest()))
+        elapsed = time.monotonic() - t0
+        sess.close()
+    rate = st.prefilled_tokens / max(elapsed, 1e-3)
+    return max(MIN_ITEMS, min(MAX_ITEMS, round(PREFILL_TARGET_S * rate / TOKENS_PER_ITEM)))
+
+
+@pytest.mark.llama
+@pytest.mark.slow
+def test_serve_logs_the_preload_progress(llama_daemon: DaemonProcess) -> None:
+    log = llama_daemon.log()
+    preload = log[: log.index("preloaded the model")]  # (the fixture's own load follows it)
+    lines = [line for line in preload.splitlines() if "loading the model:" in line]
+    assert lines, log
+    shares = [int(line.rsplit(" ", 1)[-1].rstrip("%")) for line in lines]
+    assert shares == sorted(shares) and shares[-1] == 100 and all(s % 10 == 0 for s in shares)
+    assert " INFO " in lines[0]
+
+
+@pytest.mark.llama
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_status_of_a_llama_daemon_lists_the_embedding_slot(llama_daemon: DaemonProcess) -> None:
+    code, out, err = run_cli(["status", "--endpoint", llama_daemon.endpoint], tty=False)
+    assert code == 0, err
+    rows = _rows(out)
+    assert rows["embedding"].startswith("not loaded (llama")
+    assert "inputs embedded" in out
+
+
+@pytest.mark.llama
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_cold_prefill_reports_growing_progress_to_the_caller_and_nobody_else(llama_daemon: DaemonProcess, items: int) -> None:
+    seen: list[tuple[float, Progress]] = []
+    waiting: list[Progress] = []
+    with llama_daemon.client(timeout_s=300) as c, llama_daemon.client(timeout_s=300, on_progress=waiting.append) as other:
+        sess = c.open_session(OpenSessionRequest())
+        # another client waits for the slot meanwhile: its heartbeats carry no progress
+        opened: list[object] = []
+        waiter = threading.Thread(target=lambda: opened.append(other.open_session(OpenSessionRequest(queue_timeout_s=600))))
+        waiter.start()
+        t0 = time.monotonic()
+        st = sess.ensure_prefix(PrefixInput(text=_long_system("callback", items), manifest=sess.manifest()),
+                                on_progress=lambda p: seen.append((time.monotonic() - t0, p)))
+        sess.close()
+        waiter.join(timeout=300)
+        assert opened, "the waiting open never got the slot"
+    assert st.prefilled_tokens > MIN_PREFILL
+    dones = [p.done for _, p in seen]
+    assert len(set(dones)) >= 2, seen  # it moved while the client waited
+    assert dones == sorted(dones) and dones[-1] <= st.prefilled_tokens
+    for _, p in seen:
+        assert p.stage == "prefill" and p.total == st.prefilled_tokens
+        assert p.fraction == pytest.approx(p.done / p.total)
+    assert waiting == []
+
+
+def _run_turn(d: DaemonProcess, items: int, tag: str, *extra: str, tty: bool,
+              command: list[str] | None = None) -> tuple[int, str, str]:
+    system = d.tmp / f"{tag}.txt"
+    system.write_text(_long_system(tag, items))
+    return run_cli(["run", "Say hi.", "--system-file", str(system), "--max-tokens", "1", "--endpoint", d.endpoint,
+                    *extra], tty=tty, command=command)
+
+
+@pytest.mark.llama
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_cold_prefill_on_a_terminal_shows_a_bar_and_a_warm_turn_does_not(llama_daemon: DaemonProcess, items: int) -> None:
+    code, out, err = _run_turn(llama_daemon, items, "terminal", tty=True)
+    assert code == 0, err
+    assert "prefill" in err and BAR.search(err) and "%" in err, err
+    assert "\x1b[" in err  # drawn (and erased) in place, not printed as lines
+    assert "[prefix reused" in err  # the turn's summary follows the bar
+    code, out, err = _run_turn(llama_daemon, items, "terminal", tty=True)  # the same prompt again: warm
+    assert code == 0, err
+    assert not BAR.search(err), err
+
+
+@pytest.mark.llama
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_no_bar_with_json_on_a_terminal_nor_on_a_pipe(llama_daemon: DaemonProcess, items: int) -> None:
+    code, out, err = _run_turn(llama_daemon, items, "json", "--json", tty=True)
+    assert code == 0, err
+    assert err == ""
+    assert json.loads(out)["prefix"]["prefilled_tokens"] > MIN_PREFILL
+    code, out, err = _run_turn(llama_daemon, items, "pipe", tty=False)
+    assert code == 0, err
+    assert not BAR.search(err) and "%" not in err, err
+    assert "[prefix reused" in err
+
+
+@pytest.mark.llama
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_without_rich_a_terminal_gets_plain_progress_lines(llama_daemon: DaemonProcess, items: int) -> None:
+    code, out, err = _run_turn(llama_daemon, items, "plain", tty=True, command=MODELD_WITHOUT_RICH)
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("modeld: prefill ")]
+    assert lines, err
+    assert "tokens)" in lines[0] and "\x1b[" not in "".join(lines)
+
+
+
+@pytest.mark.llama
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_chat_shows_the_bar_until_the_reply_starts(llama_daemon: DaemonProcess, items: int) -> None:
+    session = f"/system {_long_system('chat', items)}\nSay hi.\n/bye\n"
+    code, out, err = run_cli(["chat", "--max-tokens", "8", "--endpoint", llama_daemon.endpoint], tty=True, stdin=session)
+    assert code == 0, err
+    assert "prefill" in err and BAR.search(err), err
+    assert err.index("prefill") < err.index("[reused")  # the bar comes first, the turn's summary after it
+    assert out.strip() != ""  # the reply went to stdout, past the bar
