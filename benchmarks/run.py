@@ -13,6 +13,9 @@ Sections (``--sections`` picks some):
 * ``agent``    – a ten-turn tool-using conversation through the chat API on both engines,
                  per-turn TTFT and prefilled tokens, next to llama-cpp-python's server
                  given the same message lists (``benchmarks.agent``);
+* ``decode``   – per engine: decode through the daemon vs in process, plain vs speculative
+                 decoding on prose, an edit and an edit as a continuation, and plain decode
+                 against the bandwidth bound (``benchmarks.decode``);
 * ``workspaces`` – two and three agents with different system prompts taking turns: the
                  switched-turn TTFT with the workspace cache, after a daemon restart, and
                  llama-cpp-python's server without and with its RAM cache (``benchmarks.workspaces``);
@@ -336,6 +339,16 @@ def section_agent(tmp: Path, count: Callable[[str], int]) -> str:
     )
 
 
+def section_decode(tmp: Path) -> str:
+    from benchmarks import decode
+
+    bandwidth = decode.bandwidth_bytes_per_s()
+    head = "decode: through the daemon vs in process, plain vs speculative (prompt lookup)"
+    return "\n\n".join(
+        table(f"{head} — {engine}", decode.section(tmp, engine, bandwidth)) for engine in ("llama", "openvino")
+    )
+
+
 def section_workspaces(tmp: Path, count: Callable[[str], int]) -> str:
     from benchmarks import workspaces
 
@@ -358,7 +371,7 @@ def section_ttft(tmp: Path, count: Callable[[str], int], *, docs: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,agent,workspaces,ttft,capacity,embed", help="comma-separated, in order")
+    p.add_argument("--sections", default="peer,llama,openvino,decode,agent,workspaces,ttft,capacity,embed", help="comma-separated, in order")
     p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (the README shows it)")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -392,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_embed(), flush=True)
                 elif name == "agent":
                     print(section_agent(tmp, count), flush=True)
+                elif name == "decode":
+                    print(section_decode(tmp), flush=True)
                 elif name == "workspaces":
                     print(section_workspaces(tmp, count), flush=True)
                 elif name == "ttft":
