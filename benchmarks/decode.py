@@ -11,7 +11,8 @@ no wire) and through a real daemon process (the runtime client over ZeroMQ):
 
 Each task decodes greedily with speculation off and on (``DecodeConfig.speculative``);
 the rate is completion tokens over the decode time the final chunk reports,
-the median of ``REPS`` runs. Printed per engine: daemon / in-process decode,
+the median of ``REPS`` runs; in-process and daemon runs alternate, so a slow
+spell of the machine lands on both sides. Printed per engine: daemon / in-process decode,
 speculative / plain on each task with the share of draft tokens kept, and plain
 decode as a fraction of the bandwidth bound: the model's weight bytes read once
 per token at the memory bandwidth measured here (a numpy copy).
@@ -32,10 +33,8 @@ from typing import Any
 import numpy as np
 
 from backends.bundled import bundled_gguf_path
-from contract.interfaces import Session
 from contract.types import (
     ChatMessage,
-    Config,
     DecodeConfig,
     OpenSessionRequest,
     PrefixInput,
@@ -81,51 +80,47 @@ def _turn(sess: Any, manifest: Any, suffix: SuffixInput, n: int, speculative: bo
     return final
 
 
-def _measure(sess: Session | Any, manifest: Any) -> dict[str, dict[str, float]]:
-    """Per task and mode: decode tok/s (median), tokens, and drafted/accepted of the last run."""
-    out: dict[str, dict[str, float]] = {}
+def _rate(final: StreamChunk) -> float:
+    u = final.usage
+    assert u is not None
+    return u.completion_tokens / (u.decode_ms / 1000) if u.decode_ms > 0 else 0.0
+
+
+def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per side, task and mode: decode tok/s (median), tokens, and drafted/accepted of the last run.
+
+    The sides take turns run by run (in process, daemon, in process, …), so a
+    slower spell of a shared machine lands on both instead of on one side's block.
+    """
+    rates: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
+    last: dict[str, dict[str, StreamChunk]] = {side: {} for side in sides}
     for name, suffix, n in TASKS:
         for spec in (False, True):
-            rates, last = [], None
+            key = f"{name}/{'spec' if spec else 'plain'}"
             for _ in range(REPS):
-                last = _turn(sess, manifest, suffix, n, spec)
-                u = last.usage
-                assert u is not None
-                rates.append(u.completion_tokens / (u.decode_ms / 1000) if u.decode_ms > 0 else 0.0)
-            assert last is not None and last.usage is not None
-            out[f"{name}/{'spec' if spec else 'plain'}"] = {
-                "tok_s": statistics.median(rates),
-                "tokens": last.usage.completion_tokens,
-                "drafted": last.usage.drafted_tokens,
-                "accepted": last.usage.accepted_tokens,
+                for side, (sess, manifest) in sides.items():
+                    final = _turn(sess, manifest, suffix, n, spec)
+                    rates[side].setdefault(key, []).append(_rate(final))
+                    last[side][key] = final
+    out: dict[str, dict[str, dict[str, float]]] = {side: {} for side in sides}
+    for side in sides:
+        for key, values in rates[side].items():
+            u = last[side][key].usage
+            assert u is not None
+            out[side][key] = {
+                "tok_s": statistics.median(values),
+                "tokens": u.completion_tokens,
+                "drafted": u.drafted_tokens,
+                "accepted": u.accepted_tokens,
             }
     return out
 
 
-def in_process(engine: str, config: Config) -> tuple[dict[str, dict[str, float]], int]:
-    """The tasks on the backend's own Session with the daemon's resolved config; and the model's weight bytes."""
-    req = OpenSessionRequest(path=str(bundled_gguf_path()), config=config)
-    backend: Any
-    if engine == "llama":
-        from backends.llama import LlamaBackend
+def measure_both(tmp: Path, engine: str) -> tuple[dict[str, dict[str, dict[str, float]]], int]:
+    """The tasks in process and through a daemon process, interleaved; and the model's weight bytes.
 
-        backend = LlamaBackend()
-    else:
-        from backends.openvino import OpenVINOBackend
-
-        backend = OpenVINOBackend()
-    weights = int(backend.describe(req).weights_bytes)
-    model = backend.load(req, lambda _f: None)
-    try:
-        sess = model.open_session()
-        manifest = model.manifest_defaults().model_copy(update={"profile": "bench-decode"})
-        return _measure(sess, manifest), weights
-    finally:
-        model.close()
-
-
-def through_daemon(tmp: Path, engine: str) -> tuple[dict[str, dict[str, float]], Config]:
-    """The tasks through a daemon process; and the config it resolved (threads, context) for the in-process run."""
+    The in-process model is loaded with the config the daemon resolved (threads, context).
+    """
     d = DaemonProcess(tmp / f"decode-{engine}", engine, None, "--num-ctx", str(NUM_CTX), "--cache-ram", "0",
                       "--cache-disk", "0")
     d.start(ready_timeout_s=900, wait_state=("Ready",))
@@ -133,18 +128,36 @@ def through_daemon(tmp: Path, engine: str) -> tuple[dict[str, dict[str, float]],
         with d.client(timeout_s=600.0) as c:
             active = c.status().active
             assert active is not None
-            sess = c.open_session(OpenSessionRequest())
+            req = OpenSessionRequest(path=str(bundled_gguf_path()), config=active.config)
+            backend: Any
+            if engine == "llama":
+                from backends.llama import LlamaBackend
+
+                backend = LlamaBackend()
+            else:
+                from backends.openvino import OpenVINOBackend
+
+                backend = OpenVINOBackend()
+            weights = int(backend.describe(req).weights_bytes)
+            model = backend.load(req, lambda _f: None)
+            remote = c.open_session(OpenSessionRequest())
             try:
-                return _measure(sess, sess.manifest(profile="bench-decode")), active.config
+                local = model.open_session()
+                sides = {
+                    "local": (local, model.manifest_defaults().model_copy(update={"profile": "bench-decode"})),
+                    "remote": (remote, remote.manifest(profile="bench-decode")),
+                }
+                return _measure(sides), weights
             finally:
-                sess.close()
+                remote.close()
+                model.close()
     finally:
         d.stop()
 
 
 def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, str]]:
-    remote, config = through_daemon(tmp, engine)
-    local, weights = in_process(engine, config)
+    both, weights = measure_both(tmp, engine)
+    local, remote = both["local"], both["remote"]
     rows: list[tuple[str, Any, str]] = []
     plain_local, plain_remote = local["prose/plain"]["tok_s"], remote["prose/plain"]["tok_s"]
     ratio = plain_remote / plain_local if plain_local else float("nan")
