@@ -365,6 +365,13 @@ class TapeSession:
         def still_ours() -> bool:
             return bool(m.epoch == epoch and not m.closed and not self._closed)
 
+        def output(token: int) -> tuple[StreamChunk | None, bool]:
+            """A sampled token through the output pipeline: its chunk (None: nothing to send yet), and
+            whether a stop string ended the answer there."""
+            delta = pipeline.feed_bytes(steps.piece(token))
+            send = delta or cfg.return_token_ids
+            return (delta.chunk([token] if cfg.return_token_ids else None) if send else None), delta.stopped
+
         try:
             if not still_ours():
                 return  # the KV changed between decode() and the first chunk
@@ -405,12 +412,11 @@ class TapeSession:
                                 finish = "stop"
                                 break
                             produced += 1
-                            delta = pipeline.feed_bytes(steps.piece(token))
-                            if delta.stopped:
+                            chunk, stopped = output(token)
+                            if stopped:
                                 finish = "stop"
-                            chunk = delta.chunk([token] if cfg.return_token_ids else None)
                             in_kv = i < len(draft) and token == draft[i]
-                            emitted.append((token, chunk if (delta or cfg.return_token_ids) else None, in_kv))
+                            emitted.append((token, chunk, in_kv))
                             if not in_kv:
                                 break  # the first token the draft did not foresee: evaluated next
                             accepted += 1
@@ -421,11 +427,8 @@ class TapeSession:
                         assert lookup is not None
                         lookup.extend(draft[:accepted])
                         policy.checked(ngram, len(draft), accepted, time.perf_counter() - step_began)
-                        stats.verifies += 1
                         stats.drafted += len(draft)
                         stats.accepted += accepted
-                        if not first_ms:
-                            first_ms = (time.perf_counter() - start) * 1000
                         for j, (token, out, in_kv) in enumerate(emitted):
                             if out is None:
                                 continue
@@ -461,11 +464,11 @@ class TapeSession:
                     break
                 produced += 1
                 pending = token
-                delta = pipeline.feed_bytes(steps.piece(token))
-                if delta.stopped:
+                chunk, stopped = output(token)
+                if stopped:
                     finish = "stop"
-                if delta or cfg.return_token_ids:
-                    yield delta.chunk([token] if cfg.return_token_ids else None)
+                if chunk is not None:
+                    yield chunk
             tail = pipeline.finish()
             if tail:
                 yield tail.chunk()

@@ -68,11 +68,6 @@ class PromptLookup:
     def extend(self, tokens: list[int]) -> None:
         self.tape.extend(tokens)
 
-    def truncate(self, n: int) -> None:
-        """Forget tokens past ``n`` (rejected draft tokens); index entries past it are dropped lazily."""
-        del self.tape[n:]
-        self._indexed = min(self._indexed, n)
-
     def _index_until(self, end: int) -> None:
         tape, index = self.tape, self._index
         for e in range(self._indexed, end):
@@ -92,9 +87,10 @@ class PromptLookup:
         for n in NGRAM_SIZES:
             if end < n:
                 continue
+            # the tape only grows (rejected draft tokens never enter it), so an entry
+            # always points at a real continuation before the end
             start = self._index.get(tuple(tape[end - n :]))
-            # a stale entry (from before a truncate) may point past the tape or at itself
-            if start is not None and start < end:
+            if start is not None:
                 return tape[start : min(start + limit, end)], n
         return [], 0
 
@@ -120,10 +116,8 @@ class DraftPolicy:
         #: check seconds = c0 + c1 * rows, fitted to ``_checks`` (None: fewer than two row counts)
         self._fit: tuple[float, float] | None = None
         #: per n-gram size: decayed counts of kept draft tokens and of draft tokens tried
-        self._kept = dict.fromkeys(NGRAM_SIZES, 0.0)
-        self._tried = dict.fromkeys(NGRAM_SIZES, 0.0)
-        for n in NGRAM_SIZES:
-            self._kept[n], self._tried[n] = PRIOR_KEPT[n], PRIOR_TRIES
+        self._kept = {n: PRIOR_KEPT[n] for n in NGRAM_SIZES}
+        self._tried = dict.fromkeys(NGRAM_SIZES, PRIOR_TRIES)
         self._since_draft = 0
 
     def keep_rate(self, n: int) -> float:
@@ -185,4 +179,3 @@ class SpeculationStats:
 
     drafted: int = 0
     accepted: int = 0
-    verifies: int = 0
