@@ -458,7 +458,8 @@ class DecodeConfig(_Request):
     #: extension: also stream the sampled token ids (for parity checks)
     return_token_ids: bool = False
     #: extension: prompt-lookup speculative decoding (drafts copied from the context, verified in
-    #: one batch; the output is what plain decoding gives); None = the daemon's default
+    #: one batch; the output is what plain decoding gives); None = the daemon's default, for greedy
+    #: decoding only (a seeded sampled pass then repeats exactly)
     speculative: bool | None = None
 
 

@@ -209,7 +209,7 @@ class ServeSettings(BaseSettings):
     )
     speculative: bool = Field(
         _DEFAULT.speculative,
-        description="speculative decoding by default (a request's `speculative` wins): drafts copied from the "
+        description="speculative decoding of greedy requests by default (a request's `speculative` wins): drafts copied from the "
         "context are checked in one batch, so answers that repeat what the model was shown decode faster",
     )
     # repr=False: the key stays out of logs and tracebacks

@@ -356,7 +356,9 @@ class TapeSession:
         first_ms = 0.0
         finish = ""
         pending: int | None = None
-        speculate = m.speculative if cfg.speculative is None else cfg.speculative
+        # By default only greedy passes speculate: the draft lengths follow timings, and a batch rounds
+        # differently from a one-token step, so a seeded sampled pass would not repeat run to run.
+        speculate = (m.speculative and not cfg.temperature) if cfg.speculative is None else cfg.speculative
         lookup: PromptLookup | None = None
         policy = DraftPolicy()
         stepped_at: float | None = None  # when this iteration's plain step began (timed for the policy)
