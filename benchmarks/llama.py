@@ -94,12 +94,15 @@ def measure(
         prompt = list(model.res.tokens)
         stamps: list[float] = []
         ids: list[int] = []
-        for chunk in s.decode(DecodeConfig(max_tokens=decode_tokens, return_token_ids=True)):
+        counts: list[int] = []
+        # plain decoding, as the loop below (speculation is measured by the decode section)
+        for chunk in s.decode(DecodeConfig(max_tokens=decode_tokens, return_token_ids=True, speculative=False)):
             if chunk.token_ids:
                 stamps.append(time.perf_counter())
+                counts.append(len(chunk.token_ids))
                 ids += chunk.token_ids
         out["decode_tokens"] = len(ids)
-        out["decode_tok_s"] = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+        out["decode_tok_s"] = sum(counts[1:]) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
 
         # the same with llama-cpp-python's own loop
         plain = open_llama(model_path, **model.options.llama_kwargs())

@@ -134,7 +134,7 @@ def measure(
 
         # decode: a prompt that makes this model write at length
         s.prefill_suffix(SuffixInput(text="Write a long, detailed essay about the history of Rome.", manifest=man))
-        chunks = list(s.decode(DecodeConfig(max_tokens=decode_tokens)))
+        chunks = list(s.decode(DecodeConfig(max_tokens=decode_tokens, speculative=False)))  # as the peer pipeline
         usage = chunks[-1].usage
         out["decode_tokens"] = usage.completion_tokens if usage is not None else 0
         out["decode_tok_per_s"] = round(usage.tokens_per_second, 1) if usage is not None else 0.0

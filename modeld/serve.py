@@ -99,6 +99,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | Non
     flag("blob_disk", metavar="SIZE")
     flag("blob_max_age_days", type=float, metavar="DAYS")
     flag("speculative", choices=("on", "off"))
+    flag("stream_interval_ms", type=float, metavar="MS")
     flag("api_key")
 
 

@@ -212,6 +212,11 @@ class ServeSettings(BaseSettings):
         description="speculative decoding of greedy requests by default (a request's `speculative` wins): drafts copied from the "
         "context are checked in one batch, so answers that repeat what the model was shown decode faster",
     )
+    stream_interval_ms: NonNegative = Field(
+        _DEFAULT.stream_interval_ms,
+        description="a decode stream sends at most one frame per this many ms, the tokens decoded meanwhile "
+        "together (fewer wake-ups beside the engine; the first token is never held); 0 = a frame per token",
+    )
     # repr=False: the key stays out of logs and tracebacks
     api_key: str = Field(_DEFAULT.api_key, repr=False, description="bearer key the HTTP API requires")
 

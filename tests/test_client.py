@@ -103,7 +103,9 @@ def test_a_turn_reads_every_reply(sess: RemoteSession) -> None:
     chunks = list(sess.decode(DecodeConfig(max_tokens=5, temperature=0.0, return_token_ids=True)))
     assert all(type(c) is StreamChunk for c in chunks)
     *data, final = chunks
-    assert len(data) == 5 and all(not c.done and c.usage is None and len(c.token_ids) == 1 for c in data)
+    # (a frame carries the tokens decoded within the daemon's stream interval: one or more)
+    assert sum(len(c.token_ids) for c in data) == 5 and all(not c.done and c.usage is None and c.token_ids for c in data)
+    assert "".join(c.text for c in data) == "".join(chr(t) for c in data for t in c.token_ids)
     assert final.done and final.finish_reason == "length"
     assert isinstance(final.usage, Usage) and final.usage.completion_tokens == 5
     rep = sess.explain_context()

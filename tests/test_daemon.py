@@ -234,12 +234,44 @@ def test_status_answered_while_a_decode_streams(client: Client, daemon: DaemonPr
     next(stream)
     t = threading.Thread(target=poll)
     t.start()
-    n = sum(1 for _ in stream)
+    n = sum(len(chunk.text) for chunk in stream)  # (one character is one token of this backend)
     t.join()
     sess.close()
     assert n > 100
     assert "decode" in states, "status was answered while the decode was running"
     assert statistics.median(latencies) < 50.0, latencies
+
+
+def _frames(d: DaemonProcess, max_tokens: int) -> tuple[list[str], int]:
+    """The text of each frame of one greedy decode, and the completion tokens its usage reports."""
+    with d.client(timeout_s=20.0, owner=OWNER) as c:
+        sess = c.open_session(MODEL_A)
+        m = manifest_for(sess, "frames")
+        sess.ensure_prefix(PrefixInput(text="system", manifest=m))
+        sess.prefill_suffix(SuffixInput(text="user", manifest=m))
+        chunks = list(sess.decode(DecodeConfig(max_tokens=max_tokens, temperature=0.0)))
+        sess.close()
+    assert chunks[-1].done and chunks[-1].usage is not None
+    return [ch.text for ch in chunks[:-1]], chunks[-1].usage.completion_tokens
+
+
+def test_decode_frames_are_coalesced_to_the_stream_interval(daemon: DaemonProcess, tmp_path: Path) -> None:
+    """At 5 ms a token, the default 20 ms interval sends several tokens a frame, none lost or reordered;
+    with an interval of 0 each token is its own frame."""
+    frames, produced = _frames(daemon, 200)
+    per_token = DaemonProcess(
+        tmp_path, "memory", None, "--no-preload", "--owner", OWNER, "--memory-token-delay-ms", "5",
+        "--stream-interval-ms", "0",
+    ).start()
+    try:
+        single, produced_single = _frames(per_token, 200)
+    finally:
+        per_token.stop()
+    assert produced == produced_single == 200
+    assert all(len(f) == 1 for f in single) and len(single) == 200
+    assert "".join(frames) == "".join(single)
+    assert len(frames[0]) == 1, "the first token is never held"
+    assert len(frames) < 200 / 2, f"{len(frames)} frames for 200 tokens at 5 ms a token"
 
 
 def test_client_killed_mid_decode_releases_the_slot(daemon: DaemonProcess, client: Client) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from backends.tape.model import TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
 from backends.tape.session import DecodeSteps, TapeSession
-from backends.tape.speculate import PROBE_EVERY, DraftPolicy, PromptLookup
+from backends.tape.speculate import PROBE_EVERY, CheckTiming, DraftPolicy, PromptLookup
 from backends.tape.state import frame_state, header_diffs, pack_state, unpack_state
 from contract.errors import (
     BackendMismatch,
@@ -624,6 +624,33 @@ def test_a_pass_starts_drafting_from_the_priors() -> None:
     assert policy.plan(8, 4) == 0  # no step timed yet
     policy.plain_step(0.01)
     assert policy.plan(8, 4) > 0 and policy.plan(8, 4) >= policy.plan(8, 2)
+
+
+def test_the_priors_trust_a_long_match_and_doubt_a_short_one() -> None:
+    # OpenVINO-like costs measured on an AVX2 machine: a 15 ms step; checks of 2, 4 and 5 rows
+    # took 25, 34 and 45 ms (a check is padded to 4 or 8 rows there)
+    timing = CheckTiming()
+    for _ in range(5):
+        timing.plain_step(0.015)
+    for rows, seconds in ((2, 0.025), (4, 0.034), (5, 0.045)):
+        timing.checked(rows, seconds)
+    policy = DraftPolicy(timing)
+    assert policy.plan(8, 2) == 0  # "of the": prose matches 2 tokens by chance, so only evidence makes it pay
+    assert policy.plan(8, 4) >= 2  # a 4-token match is a copy until shown otherwise
+    policy.checked(2, 1, 1, 0.025)
+    policy.checked(2, 1, 1, 0.025)
+    assert policy.plan(8, 2) >= 1  # 2-gram drafts kept twice: now they pay
+
+
+def test_check_timing_belongs_to_the_model_and_outlives_a_pass() -> None:
+    model = ToyModel(num_ctx=1024)
+    shown = _shown(model, 80)
+    assert model.draft_timing.step_s is not None  # plain passes time their steps too
+    _run(model, shown, max_tokens=40, speculative=True)
+    timing = model.draft_timing
+    assert timing.check_cost(4) > 0 and len(timing._checks) > 0
+    # the next pass starts with these costs: it can size its first draft before timing anything
+    assert DraftPolicy(timing).step_s == timing.step_s
 
 
 def test_decode_refusals_run_before_anything(model: ToyModel) -> None:

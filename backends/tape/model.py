@@ -28,6 +28,7 @@ from contract.resident import Resident
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
 from .cache import save_tape
+from .speculate import CheckTiming
 
 if TYPE_CHECKING:
     from .session import DecodeSteps, TapeSession
@@ -83,6 +84,8 @@ class TapeModel(Protocol):
     cache: StateCache | None
     #: decode passes speculate (prompt lookup) unless their DecodeConfig says otherwise
     speculative: bool
+    #: what plain steps and draft checks cost on this model, timed across its decode passes
+    draft_timing: CheckTiming
 
     @property
     def digest(self) -> str: ...
@@ -256,6 +259,7 @@ class TapeModelBase(ABC):
         self.cache: StateCache | None = None
         #: the daemon's default for ``DecodeConfig.speculative`` (``backends.tape.speculate``)
         self.speculative = True
+        self.draft_timing = CheckTiming()
 
     # --- identity ---------------------------------------------------------------------------
     @property

@@ -360,7 +360,7 @@ class TapeSession:
         # differently from a one-token step, so a seeded sampled pass would not repeat run to run.
         speculate = (m.speculative and not cfg.temperature) if cfg.speculative is None else cfg.speculative
         lookup: PromptLookup | None = None
-        policy = DraftPolicy()
+        policy = DraftPolicy(m.draft_timing)
         stepped_at: float | None = None  # when this iteration's plain step began (timed for the policy)
         stats = SpeculationStats()
 
