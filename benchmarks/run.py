@@ -156,7 +156,7 @@ def daemon_turns(d: DaemonProcess, system: str, suffixes: list[str]) -> dict[str
         stop.set()
         poller.join()
         out["status_p50_ms"] = statistics.median(status_ms) if status_ms else float("nan")
-        out["status_p99_ms"] = statistics.quantiles(status_ms, n=100)[98] if len(status_ms) > 1 else float("nan")
+        out["status_p99_ms"] = statistics.quantiles(status_ms, n=100, method="inclusive")[98] if len(status_ms) > 1 else float("nan")
         out["status_max_ms"] = max(status_ms) if status_ms else float("nan")
         # snapshot save/restore vs recomputing
         out.update(snapshot_vs_reprefill(sess, system, FIRST_TURN, m, sess.manifest(profile="bench-other")))

@@ -29,7 +29,7 @@ from .blobs import DEFAULT_MAX_BYTES, BlobStore
 from .capacity import make_budget_check, make_planner
 from .engine_choice import EngineFacts, choose_backend
 from .netsec import check_tcp_exposure, server_keys
-from .server import DEFAULT_STREAM_INTERVAL_S, DEFAULT_WEDGE_S, Daemon
+from .server import DEFAULT_ENGINE_NICE, DEFAULT_STREAM_INTERVAL_S, DEFAULT_WEDGE_S, Daemon
 from .slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S, Planner, SlotService
 from .state_cache import StateCacheStore
 
@@ -121,6 +121,8 @@ class ServeOptions:
     speculative: bool = True
     #: a decode stream sends at most one frame per this many milliseconds (``modeld.coalesce``; 0 = one per token)
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_S * 1000
+    #: the model workers' threads run this much nicer than the daemon (``modeld.priority``; 0 = the same)
+    engine_nice: int = DEFAULT_ENGINE_NICE
 
 
 def default_data_dir() -> Path:
@@ -258,7 +260,8 @@ def build_daemon(opts: ServeOptions, backend: Backend | None = None) -> Daemon:
     slot = build_slot(opts, endpoint, backend)
     blobs = BlobStore(data_dir / "blobs", max_bytes=opts.blob_disk, max_age_s=opts.blob_max_age_days * 86400)
     return Daemon(slot, endpoint, blobs, curve_keys=curve_keys, wedge_s=opts.wedge_timeout,
-                  exit_when_wedged=opts.exit_when_wedged, stream_interval_s=opts.stream_interval_ms / 1000)
+                  exit_when_wedged=opts.exit_when_wedged, stream_interval_s=opts.stream_interval_ms / 1000,
+                  engine_nice=opts.engine_nice)
 
 
 def preload_request(opts: ServeOptions) -> LoadModelRequest | None:

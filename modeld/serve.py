@@ -100,6 +100,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | Non
     flag("blob_max_age_days", type=float, metavar="DAYS")
     flag("speculative", choices=("on", "off"))
     flag("stream_interval_ms", type=float, metavar="MS")
+    flag("engine_nice", type=int, metavar="N")
     flag("api_key")
 
 

@@ -103,6 +103,7 @@ from .blobs import BlobStore
 from .coalesce import ChunkCoalescer
 from .metrics import Metrics
 from .netsec import check_runtime_dir, is_default_runtime_dir
+from .priority import lower_this_thread
 from .sdnotify import activated_fd
 from .slot import SlotService, SlotSession
 
@@ -118,6 +119,8 @@ SHUTDOWN_WAIT_S = 10.0
 #: a decode stream's frames at most this often: at ~100 tokens/s a frame per token cost ~6% of decode
 #: speed on 2 cores, and 20 ms is shorter than a frame of a 60 Hz screen (``modeld.coalesce``)
 DEFAULT_STREAM_INTERVAL_S = 0.020
+#: how much nicer the model workers (and the engine threads they start) run than the IO thread
+DEFAULT_ENGINE_NICE = 10
 #: the exit status when ``--exit-when-wedged`` stops a daemon whose worker is wedged
 EXIT_WEDGED = 3
 #: how often the worker looks at waiting opens' deadlines while any wait
@@ -159,10 +162,13 @@ class Daemon:
         wedge_s: float = DEFAULT_WEDGE_S,
         exit_when_wedged: bool = False,
         stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
+        engine_nice: int = DEFAULT_ENGINE_NICE,
     ) -> None:
         self.slot = slot
         #: a decode stream sends at most one frame per this many seconds (``modeld.coalesce``)
         self.stream_interval_s = stream_interval_s
+        #: the model workers run this much nicer than the IO thread (``modeld.priority``)
+        self.engine_nice = engine_nice
         self.metrics = Metrics(slot.status)
         #: status reports the uptime from here
         self._started = time.monotonic()
@@ -488,6 +494,7 @@ class Daemon:
 
     # --- worker thread ---------------------------------------------------------------------------
     def _worker_main(self) -> None:
+        lower_this_thread(self.engine_nice)  # before the engine creates its threads: they inherit it
         out, emit = self._emitter()
         try:
             while True:
@@ -515,6 +522,7 @@ class Daemon:
             out.close(0)
 
     def _embed_main(self) -> None:
+        lower_this_thread(self.engine_nice)
         out, emit = self._emitter()
         try:
             while True:

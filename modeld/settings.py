@@ -217,6 +217,14 @@ class ServeSettings(BaseSettings):
         description="a decode stream sends at most one frame per this many ms, the tokens decoded meanwhile "
         "together (fewer wake-ups beside the engine; the first token is never held); 0 = a frame per token",
     )
+    engine_nice: int = Field(
+        _DEFAULT.engine_nice,
+        ge=0,
+        le=19,
+        description="the model's threads run this much nicer than the daemon (Linux), so status, cancel and "
+        "heartbeats are answered within milliseconds while a decode keeps every core busy; competing programs "
+        "then take the larger share of the cores; 0 = the daemon's own priority",
+    )
     # repr=False: the key stays out of logs and tracebacks
     api_key: str = Field(_DEFAULT.api_key, repr=False, description="bearer key the HTTP API requires")
 

@@ -129,3 +129,16 @@ def streaming_client(endpoint: str, model: OpenSessionRequest, *, owner: str = "
         proc.stdout.close()
         raise RuntimeError("the streaming client never started streaming")
     return proc
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """Linux: each thread of process ``pid`` (by thread id) and its nice value, from /proc."""
+    out: dict[int, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+        # after "(comm)": state is field 3, nice field 19 (proc(5))
+        out[int(tid)] = int(stat[stat.rindex(")") + 2 :].split()[16])
+    return out

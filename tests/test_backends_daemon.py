@@ -33,7 +33,7 @@ from contract.wire import Kind, Op
 from runtime import Client, RemoteSession
 
 from .conformance import SCENARIOS, SYSTEM, TURN_1, Target, fresh_profile, manifest_for
-from .daemon_proc import ROOT, DaemonProcess
+from .daemon_proc import ROOT, DaemonProcess, thread_nices
 from .engine_kit import EDIT_CONTINUATION
 
 BACKENDS = ["llama", "openvino"]
@@ -75,8 +75,8 @@ def test_cancel_returns_slot_to_ready_quickly(backend_daemon: DaemonProcess) -> 
         m = manifest_for(sess, fresh_profile())
         sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
         sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
-        # one token per engine step, so a chunk's interval is a step (a speculative step would yield a
-        # burst of chunks; its cancel is tested in test_speculation_through_the_daemon)
+        # one token per engine step, so a frame's interval is at least a step (a frame carries the steps
+        # of its 20 ms; a speculative step would yield a burst: its cancel is tested below)
         stream = sess.decode(DecodeConfig(max_tokens=500, temperature=0.0, speculative=False))
         stamps = []
         for _chunk in stream:
@@ -98,6 +98,27 @@ def test_cancel_returns_slot_to_ready_quickly(backend_daemon: DaemonProcess) -> 
         assert any(ch.done for ch in sess.decode(DecodeConfig(max_tokens=4)))
         sess.close()
         assert c.status().state is SlotState.READY
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
+def test_the_engine_threads_run_nicer_than_the_io_thread(backend_daemon: DaemonProcess) -> None:
+    """The model worker lowers its priority before the engine starts its threads, so they inherit it,
+    and the IO thread (the process's main thread) keeps the daemon's."""
+    with backend_daemon.client(timeout_s=120.0) as c:
+        sess = c.open_session(OpenSessionRequest())
+        m = manifest_for(sess, fresh_profile())
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
+        assert any(ch.done for ch in sess.decode(DecodeConfig(max_tokens=4)))
+        sess.close()
+    assert backend_daemon.proc is not None
+    pid = backend_daemon.proc.pid
+    nices = thread_nices(pid)
+    io = nices[pid]
+    lowered = [tid for tid, nice in nices.items() if nice == io + 10]
+    # the model worker, the embedding worker and at least one thread of the engine's own pool
+    assert len(lowered) >= 3, nices
+    assert all(nice in (io, io + 10) for nice in nices.values()), nices
 
 
 def _counter(text: str, name: str, result: str) -> float:
