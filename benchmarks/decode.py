@@ -11,8 +11,9 @@ no wire) and through a real daemon process (the runtime client over ZeroMQ):
 
 Each task decodes greedily with speculation off and on (``DecodeConfig.speculative``);
 the rate is completion tokens over the decode time the final chunk reports,
-the median of ``REPS`` runs; in-process and daemon runs alternate, so a slow
-spell of the machine lands on both sides. Printed per engine: daemon / in-process decode,
+the median of ``REPS`` rounds; a round runs every task, mode and side once
+(in process and through the daemon alternating), so a slow spell of the
+machine lands on all of them. Printed per engine: daemon / in-process decode,
 speculative / plain on each task with the share of draft tokens kept, and plain
 decode as a fraction of the bandwidth bound: the model's weight bytes read once
 per token at the memory bandwidth measured here (a numpy copy).
@@ -45,7 +46,9 @@ from tests.daemon_proc import DaemonProcess
 from tests.engine_kit import EDIT_CONTINUATION, EDIT_TASK
 
 NUM_CTX = 4096
-REPS = 3
+#: repetitions of every (task, mode, side); a round runs each once, so a slow spell of a shared
+#: machine spreads over all of them instead of landing on one block
+REPS = 5
 SYSTEM = "You are a careful coding assistant. Answer directly."
 PROSE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 #: (name, the turn, tokens to decode)
@@ -94,10 +97,10 @@ def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str,
     """
     rates: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     last: dict[str, dict[str, StreamChunk]] = {side: {} for side in sides}
-    for name, suffix, n in TASKS:
-        for spec in (False, True):
-            key = f"{name}/{'spec' if spec else 'plain'}"
-            for _ in range(REPS):
+    for _ in range(REPS):
+        for name, suffix, n in TASKS:
+            for spec in (False, True):
+                key = f"{name}/{'spec' if spec else 'plain'}"
                 for side, (sess, manifest) in sides.items():
                     final = _turn(sess, manifest, suffix, n, spec)
                     rates[side].setdefault(key, []).append(_rate(final))

@@ -637,9 +637,9 @@ def test_the_priors_trust_a_long_match_and_doubt_a_short_one() -> None:
     policy = DraftPolicy(timing)
     assert policy.plan(8, 2) == 0  # "of the": prose matches 2 tokens by chance, so only evidence makes it pay
     assert policy.plan(8, 4) >= 2  # a 4-token match is a copy until shown otherwise
-    policy.checked(2, 1, 1, 0.025)
-    policy.checked(2, 1, 1, 0.025)
-    assert policy.plan(8, 2) >= 1  # 2-gram drafts kept twice: now they pay
+    for _ in range(3):
+        policy.checked(2, 3, 3, 0.034)
+    assert policy.plan(8, 2) >= 1  # 2-gram drafts kept whole three times: now they pay
 
 
 def test_check_timing_belongs_to_the_model_and_outlives_a_pass() -> None:

@@ -39,11 +39,15 @@ NGRAM_SIZES = (4, 3, 2)
 #: the longest draft checked at once
 MAX_DRAFT = 16
 #: prior chance a draft token is kept, per n-gram size (as PRIOR_KEPT / PRIOR_TRIES), until checks tell:
-#: 0.9, 0.7 and 0.45. A copy soon matches 4 tokens and goes on; prose matches 2 tokens by chance
-#: ("of the", "in a"), and a check of 2 rows costs 1.6-2 plain steps on both engines here, so a
-#: 2-gram drafts only after it was seen kept (0 of 23 kept on prose with a 0.7 prior: 6% slower)
+#: 0.9, 0.5 and 0.35. A copy soon matches 4 tokens and goes on; prose matches 2 or 3 tokens by
+#: chance ("of the", "in the middle"), and a check costs 1.6-3 plain steps on both engines here, so
+#: short matches draft only after they were seen kept (with 0.8 / 0.7 priors prose on OpenVINO
+#: drafted 16-23 tokens and kept none: 6-12% slower)
 PRIOR_TRIES = 4.0
-PRIOR_KEPT = {4: 3.6, 3: 2.8, 2: 1.8}
+PRIOR_KEPT = {4: 3.6, 3: 2.0, 2: 1.4}
+#: a draft must promise this many times a plain step's tokens per second: the estimates are noisy,
+#: and a marginal win is not worth a likely loss
+MIN_GAIN = 1.1
 #: how fast old checks fade from the keep rate (per check)
 DECAY = 0.8
 #: a check's extra row, in plain steps, until two row counts were timed
@@ -155,7 +159,7 @@ class DraftPolicy:
     (per n-gram size, recent checks of this pass weighing most, from priors that
     trust a long match and doubt a short one), ``k`` tokens keep
     ``p (1 - p^k) / (1 - p)`` on average. The policy drafts the ``k`` that yields
-    the most tokens per second, and only when that beats a plain step; when
+    the most tokens per second, and only when that beats a plain step by ``MIN_GAIN``; when
     nothing pays it still probes a one-token draft every ``PROBE_EVERY`` tokens,
     so it notices when a copy starts.
     """
@@ -183,7 +187,7 @@ class DraftPolicy:
         if self.step_s is None or available <= 0:
             return 0
         p = min(self.keep_rate(n), 0.999)
-        best_k, best_rate = 0, 1.0 / self.step_s
+        best_k, best_rate = 0, MIN_GAIN / self.step_s
         for k in range(1, min(available, MAX_DRAFT) + 1):
             kept = p * (1 - p**k) / (1 - p)
             rate = (kept + 1) / self.check_cost(k + 1)
