@@ -5,9 +5,10 @@ OpenVINO's TBB threads spin between steps). When the IO thread wakes — a
 status, a cancel, a heartbeat, a decode frame to forward — it must take a core
 from them, and at equal priority the scheduler may let it wait for the running
 thread's slice: on 2 cores during a llama.cpp decode, status took p50 1.3 ms,
-p90 4.7 ms, p99 9.0 ms. With the model worker 10 nicer (its engine threads are
-created by it and inherit that): p90 1.6 ms, p99 3.9 ms, and the decode rate
-did not move measurably (``make bench``'s llama section measures both).
+p90 4.0-4.7 ms, p99 6.3-9.0 ms. With the model worker 10 nicer (its engine
+threads are created by it and inherit that): p90 1.5 ms, p99 3.9-5.5 ms; the
+decode rate did not move beyond the noise (daemon / in process side by side in
+one run: llama.cpp 0.978 at equal priority vs 0.957 niced, OpenVINO 1.001 vs 1.078).
 
 The cost: when other programs on the machine compete for the cores (a build
 beside the agent), the engine gets the smaller share. ``--engine-nice 0``
