@@ -68,7 +68,8 @@ def fresh_profile() -> str:
 def greedy(sess: Any, n: int) -> tuple[str, StreamChunk]:
     parts: list[str] = []
     final: StreamChunk | None = None
-    for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0)):
+    # plain decoding: the same code path every run (see tests.engine_kit.greedy)
+    for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0, speculative=False)):
         if chunk.done:
             final = chunk
         else:

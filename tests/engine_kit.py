@@ -113,7 +113,11 @@ def decode(session: Session, n: int, **cfg: Any) -> tuple[list[int], str, Stream
 
 
 def greedy(session: Session, n: int = 16) -> list[int]:
-    return decode(session, n)[0]
+    """Plain greedy tokens: the same code path every run. With drafts, which tokens a batch computes
+    follows live timings, and a batch rounds differently from a one-token step, so two histories
+    (warm and cold, restored and uninterrupted) could part at a near-tie; speculation's own equality
+    is tested with that rule (``test_engines``)."""
+    return decode(session, n, speculative=False)[0]
 
 
 def turn(session: Session, man: ContextManifest, prefix: str, suffix: str, n: int = 16) -> list[int]:
