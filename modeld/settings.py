@@ -46,6 +46,7 @@ from pydantic_settings import SettingsError as _SourceError
 from . import dirs
 from .bootstrap import BACKEND_CHOICES, ServeOptions
 from .capacity.sizes import parse_size, parse_size_or_auto
+from .priority import MAX_NICE
 from .server import EXIT_WEDGED
 
 __all__ = [
@@ -220,7 +221,7 @@ class ServeSettings(BaseSettings):
     engine_nice: int = Field(
         _DEFAULT.engine_nice,
         ge=0,
-        le=19,
+        le=MAX_NICE,
         description="the model's threads run this much nicer than the daemon (Linux), so status, cancel and "
         "heartbeats are answered within milliseconds while a decode keeps every core busy; competing programs "
         "then take the larger share of the cores; 0 = the daemon's own priority",

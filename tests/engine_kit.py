@@ -12,7 +12,7 @@ and ``Session`` exactly as the daemon drives them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +110,17 @@ def decode(session: Session, n: int, **cfg: Any) -> tuple[list[int], str, Stream
     chunks = list(session.decode(DecodeConfig(max_tokens=n, return_token_ids=True, **cfg)))
     assert chunks[-1].done
     return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
+
+
+def take(stream: Generator[StreamChunk, None, None], n: int) -> list[int]:
+    """The token ids of a decode stream until at least ``n`` arrived; then the stream is closed (a cancel)."""
+    got: list[int] = []
+    for chunk in stream:
+        got += chunk.token_ids
+        if len(got) >= n:
+            break
+    stream.close()
+    return got
 
 
 def greedy(session: Session, n: int = 16) -> list[int]:

@@ -34,7 +34,7 @@ from runtime import Client, RemoteSession
 
 from .conformance import SCENARIOS, SYSTEM, TURN_1, Target, fresh_profile, manifest_for
 from .daemon_proc import ROOT, DaemonProcess, thread_nices
-from .engine_kit import EDIT_CONTINUATION
+from .engine_kit import EDIT_CONTINUATION, take
 
 BACKENDS = ["llama", "openvino"]
 
@@ -154,13 +154,7 @@ def test_speculation_through_the_daemon(backend_daemon: DaemonProcess) -> None:
         sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
         sess.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=m))
         prompt = sess.explain_context().resident_tokens
-        got: list[int] = []
-        stream = sess.decode(DecodeConfig(max_tokens=64, return_token_ids=True))
-        for ch in stream:
-            got += ch.token_ids
-            if len(got) >= 30:
-                break
-        stream.close()  # type: ignore[attr-defined]
+        got = take(sess.decode(DecodeConfig(max_tokens=64, return_token_ids=True)), 30)
         while c.status().busy_operation:  # the cancel reaches the worker after close returns
             time.sleep(0.005)
         assert got == plain[: len(got)]

@@ -49,6 +49,7 @@ from tests.engine_kit import (
     decode,
     greedy,
     manifest,
+    take,
     turn,
 )
 from tests.fixtures import WEATHER_TOOL
@@ -279,13 +280,7 @@ def test_cancel_keeps_the_tape_equal_to_the_kv(engine: Engine, model: LoadedMode
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
     session.prefill_suffix(SuffixInput(text="Describe the daemon.", manifest=man))
     prompt = engine.tape(model)
-    stream = session.decode(DecodeConfig(max_tokens=200, return_token_ids=True))
-    got: list[int] = []
-    for chunk in stream:
-        got += chunk.token_ids
-        if len(got) >= 3:
-            break
-    stream.close()
+    got = take(session.decode(DecodeConfig(max_tokens=200, return_token_ids=True)), 3)
     assert got == full[: len(got)]
     # what was handed out is in the tape and the KV: decoding on continues the same answer
     assert engine.tape(model) == prompt + got and engine.kv_matches_tape(model)
@@ -422,13 +417,7 @@ def test_closing_a_speculating_stream_keeps_what_was_handed_out(
     full = _edit_turn(session, man, 90, speculative=True)[0]
     _edit_turn(session, man, 0)
     prompt = engine.tape(model)
-    stream = session.decode(DecodeConfig(max_tokens=90, return_token_ids=True, speculative=True))
-    got: list[int] = []
-    for chunk in stream:
-        got += chunk.token_ids
-        if len(got) >= 40:
-            break
-    stream.close()
+    got = take(session.decode(DecodeConfig(max_tokens=90, return_token_ids=True, speculative=True)), 40)
     assert got == full[: len(got)]
     # what was handed out is in the tape and the KV, drafts kept past it are not
     assert engine.tape(model) == prompt + got and engine.kv_matches_tape(model)

@@ -20,9 +20,10 @@ the same tokens either way, up to the engine's numerics (a batch may round its
 last bits differently from one-token steps).
 
 The draft length adapts (``DraftPolicy``) to what a check costs on this engine
-and machine, measured as the pass runs, and to how often recent drafts were
-kept: it drafts only when the expected tokens per second beat a plain step, so
-free prose — where matches are chance — costs at most an occasional probe.
+and machine (``CheckTiming``, measured across the model's decode passes) and to
+how often this pass's recent drafts were kept: it drafts only when the expected
+tokens per second beat a plain step by ``MIN_GAIN``, so free prose — where
+matches are chance — costs at most an occasional probe.
 """
 
 from __future__ import annotations
