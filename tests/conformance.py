@@ -68,8 +68,8 @@ def fresh_profile() -> str:
 def greedy(sess: Any, n: int) -> tuple[str, StreamChunk]:
     parts: list[str] = []
     final: StreamChunk | None = None
-    # plain decoding: the same code path every run (see tests.engine_kit.greedy)
-    for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0, speculative=False)):
+    # the daemon's default (drafts on greedy passes): the same tape gives the same tokens (tests.engine_kit.greedy)
+    for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0)):
         if chunk.done:
             final = chunk
         else:

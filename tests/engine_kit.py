@@ -124,11 +124,10 @@ def take(stream: Generator[StreamChunk, None, None], n: int) -> list[int]:
 
 
 def greedy(session: Session, n: int = 16) -> list[int]:
-    """Plain greedy tokens: the same code path every run. With drafts, which tokens a batch computes
-    follows live timings, and a batch rounds differently from a one-token step, so two histories
-    (warm and cold, restored and uninterrupted) could part at a near-tie; speculation's own equality
-    is tested with that rule (``test_engines``)."""
-    return decode(session, n, speculative=False)[0]
+    """Greedy tokens as the daemon decodes them by default: with prompt-lookup drafts, whose lengths
+    follow the tape alone, so the same tape gives the same batches, hence the same tokens (warm and
+    cold, restored and uninterrupted)."""
+    return decode(session, n)[0]
 
 
 def turn(session: Session, man: ContextManifest, prefix: str, suffix: str, n: int = 16) -> list[int]:

@@ -396,8 +396,8 @@ def test_seeded_sampling_repeats_and_speculates_when_asked(
     man = manifest(model, "speculate-sampled")
     outs = []
     for _ in range(2):
-        # by default a sampled pass does not speculate: the draft lengths follow timings and a
-        # batch rounds differently from a one-token step, so drafts would make seeds drift
+        # by default a sampled pass does not speculate: a batch rounds differently from a one-token
+        # step, so drafts would make a seed's answer drift from what it gave without them
         ids, _, final = _edit_turn(session, man, 80, temperature=0.7, top_k=40, seed=11)
         outs.append(ids)
         assert engine.kv_matches_tape(model) and final.usage is not None and final.usage.drafted_tokens == 0
@@ -406,6 +406,29 @@ def test_seeded_sampling_repeats_and_speculates_when_asked(
     # tests/test_tape.py), and the tape stays the KV's
     _, _, final = _edit_turn(session, man, 80, temperature=0.7, top_k=40, seed=11, speculative=True)
     assert engine.kv_matches_tape(model) and final.usage is not None and final.usage.drafted_tokens > 0
+
+
+def test_draft_costs_are_measured_at_load_and_kept_for_the_next_load(
+    engine: Engine, model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The policy's cost table is measured once per model and machine; a reload drafts as before."""
+    if not engine.speculates:
+        pytest.skip("the reference does not speculate")
+    from backends.tape import draft_costs
+
+    costs = model.draft_costs  # type: ignore[attr-defined]
+    # a batch of rows costs more than one step, and more rows never cost less
+    assert costs.cost(1) == 1.0 and 1.0 < costs.cost(2) and costs.table() == sorted(costs.table())
+
+    def no_measuring(_m: object) -> None:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(draft_costs, "measure", no_measuring)
+    again = engine.load()
+    try:
+        assert again.draft_costs == costs  # type: ignore[attr-defined]
+    finally:
+        again.close()
 
 
 def test_closing_a_speculating_stream_keeps_what_was_handed_out(

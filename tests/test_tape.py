@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from backends.tape import draft_costs as costs_mod
 from backends.tape.model import TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
 from backends.tape.session import DecodeSteps, TapeSession
-from backends.tape.speculate import PROBE_EVERY, CheckTiming, DraftPolicy, PromptLookup
+from backends.tape.speculate import MAX_DRAFT, PROBE_EVERY, CheckCosts, DraftPolicy, PromptLookup
 from backends.tape.state import frame_state, header_diffs, pack_state, unpack_state
 from contract.errors import (
     BackendMismatch,
@@ -223,7 +224,7 @@ class ToyModel(TapeModelBase):
 
 
 class EagerPolicy(DraftPolicy):
-    """Drafts whatever the lookup finds (up to 6 tokens): the toy's steps are too quick to time."""
+    """Drafts whatever the lookup finds (up to 6 tokens), so every mechanics test drafts at every chance."""
 
     def plan(self, available: int, n: int) -> int:
         return min(available, 6)
@@ -581,76 +582,131 @@ def test_prompt_lookup_drafts_from_the_latest_longest_match() -> None:
     assert look.propose(2) == ([7, 8], 4)
 
 
-def _policy(step_s: float, check: tuple[float, float], keep: float, n: int = 3) -> DraftPolicy:
-    """A policy that has timed plain steps and checks (c0 + c1 * rows) and seen drafts kept at ``keep``."""
-    policy = DraftPolicy()
-    for _ in range(5):
-        policy.plain_step(step_s)
-    for rows in (3, 5, 9):
-        kept = round(keep * (rows - 1))
-        policy.checked(n, rows - 1, kept, check[0] + check[1] * rows)
-    for _ in range(20):
-        policy.checked(n, 8, round(keep * 8), check[0] + check[1] * 9)
+#: measured on this AVX2 machine (``backends.tape.draft_costs``): a llama.cpp check of a Q4_1 model
+#: costs ~0.5 of a step per row; an OpenVINO check is padded to 4, 8 or 16 rows and costs little more
+LLAMA_LIKE = CheckCosts.from_points({1: 1.0, 2: 1.7, 4: 2.7, 8: 4.7, 16: 8.4}, lambda r: r)
+OPENVINO_LIKE = CheckCosts.from_points({1: 1.0, 4: 1.4, 8: 1.8, 16: 2.3}, lambda r: 4 if r <= 4 else 8 if r <= 8 else 16)
+
+
+def _policy(costs: CheckCosts, keep: float, n: int = 3) -> DraftPolicy:
+    """A policy over ``costs`` that has seen its drafts kept at ``keep``."""
+    policy = DraftPolicy(costs)
+    for i in range(40):  # one-token drafts, kept in the share ``keep``
+        policy.checked(n, 1, int((i + 1) * keep) - int(i * keep))
+    assert policy.keep_rate(n) == pytest.approx(keep, abs=0.15)
     return policy
 
 
+def test_a_cost_table_interpolates_and_follows_the_padding() -> None:
+    assert LLAMA_LIKE.cost(1) == 1.0 and LLAMA_LIKE.cost(3) == pytest.approx(2.2)
+    assert LLAMA_LIKE.cost(12) == pytest.approx(6.55) and LLAMA_LIKE.cost(MAX_DRAFT + 1) == pytest.approx(8.4)
+    # a padded engine: 2 to 4 rows cost what 4 do, 5 to 8 what 8 do; one row is the plain step
+    assert OPENVINO_LIKE.cost(1) == 1.0
+    assert OPENVINO_LIKE.cost(2) == OPENVINO_LIKE.cost(4) == pytest.approx(1.4)
+    assert OPENVINO_LIKE.cost(5) == OPENVINO_LIKE.cost(8) == pytest.approx(1.8)
+    assert CheckCosts(LLAMA_LIKE.table()) == LLAMA_LIKE != OPENVINO_LIKE
+    for bad in ([1.0] * MAX_DRAFT, [1.0] * MAX_DRAFT + [0.0]):
+        with pytest.raises(ValueError, match="positive entries"):
+            CheckCosts(bad)
+
+
 def test_the_draft_policy_drafts_only_what_pays() -> None:
-    # llama.cpp-like costs here: a 9.6 ms step, a check 8 ms + 5.5 ms per row
-    copying = _policy(0.0096, (0.008, 0.0055), keep=1.0)
+    copying = _policy(LLAMA_LIKE, keep=1.0)
     assert copying.plan(16, 3) >= 8  # nearly every draft token kept: long drafts
-    assert copying.check_cost(5) == pytest.approx(0.008 + 0.0055 * 5, rel=0.05)
-    chance = _policy(0.0096, (0.008, 0.0055), keep=0.25)
-    assert chance.plan(16, 3) == 0  # prose: a check costs more than the tokens it would keep
+    assert _policy(LLAMA_LIKE, keep=0.25).plan(16, 3) == 0  # prose: a check costs more than it keeps
     # cheap rows (a batch costs little more than a step) make even middling drafts pay
-    cheap = _policy(0.0096, (0.009, 0.0004), keep=0.5)
-    assert cheap.plan(16, 3) >= 1
-    assert _policy(0.01, (0.008, 0.0055), keep=1.0).plan(0, 3) == 0  # nothing to draft
+    assert _policy(OPENVINO_LIKE, keep=0.5).plan(16, 3) >= 1
+    assert _policy(LLAMA_LIKE, keep=0.5).plan(16, 3) == 0
+    assert copying.plan(0, 3) == 0  # nothing to draft
 
 
 def test_an_unprofitable_policy_still_probes() -> None:
-    policy = _policy(0.0096, (0.008, 0.0055), keep=0.0)
+    policy = _policy(LLAMA_LIKE, keep=0.0)
     steps = 0
     while policy.plan(4, 2) == 0:
-        policy.plain_step(0.0096)
+        policy.plain_step()
         steps += 1
     assert steps == PROBE_EVERY
     assert policy.plan(4, 2) == 1  # a one-token probe
-    policy.checked(2, 1, 1, 0.02)  # kept: the keep rate climbs back
+    policy.checked(2, 1, 1)  # kept: the keep rate climbs back
     assert policy.keep_rate(2) > 0.0
 
 
-def test_a_pass_starts_drafting_from_the_priors() -> None:
-    policy = DraftPolicy()
-    assert policy.plan(8, 4) == 0  # no step timed yet
-    policy.plain_step(0.01)
-    assert policy.plan(8, 4) > 0 and policy.plan(8, 4) >= policy.plan(8, 2)
-
-
 def test_the_priors_trust_a_long_match_and_doubt_a_short_one() -> None:
-    # OpenVINO-like costs measured on an AVX2 machine: a 15 ms step; checks of 2, 4 and 5 rows
-    # took 25, 34 and 45 ms (a check is padded to 4 or 8 rows there)
-    timing = CheckTiming()
-    for _ in range(5):
-        timing.plain_step(0.015)
-    for rows, seconds in ((2, 0.025), (4, 0.034), (5, 0.045)):
-        timing.checked(rows, seconds)
-    policy = DraftPolicy(timing)
+    # OpenVINO costs as once timed mid-answer on this machine: a check of 2, 4 and 5 rows cost 1.7,
+    # 2.3 and 3.0 plain steps (padded to 4, 4 and 8 rows)
+    timed = CheckCosts.from_points({1: 1.0, 4: 2.3, 8: 3.0, 16: 4.0}, lambda r: 4 if r <= 4 else 8 if r <= 8 else 16)
+    for costs in (timed, OPENVINO_LIKE, LLAMA_LIKE, CheckCosts.prior()):
+        policy = DraftPolicy(costs)
+        assert policy.plan(8, 4) >= 2, costs  # a 4-token match is a copy until shown otherwise
+    policy = DraftPolicy(timed)
     assert policy.plan(8, 2) == 0  # "of the": prose matches 2 tokens by chance, so only evidence makes it pay
-    assert policy.plan(8, 4) >= 2  # a 4-token match is a copy until shown otherwise
     for _ in range(3):
-        policy.checked(2, 3, 3, 0.034)
+        policy.checked(2, 3, 3)
     assert policy.plan(8, 2) >= 1  # 2-gram drafts kept whole three times: now they pay
 
 
-def test_check_timing_belongs_to_the_model_and_outlives_a_pass() -> None:
+def test_drafts_follow_the_tape_never_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same tape gives the same drafts, the same batches and the same answer, however long steps took."""
+    monkeypatch.setattr("backends.tape.session.DraftPolicy", DraftPolicy)  # the real policy, not the eager one
+    runs = []
+    for clock in (None, iter(np.cumsum(np.random.default_rng(7).exponential(0.05, 100_000)).tolist())):
+        if clock is not None:
+            monkeypatch.setattr("time.perf_counter", lambda c=clock: next(c))  # steps now take 0-0.5 s at random
+        model = ToyModel(num_ctx=1024)
+        shown = _shown(model, 80)
+        model.decoded = 0
+        ids, final = _run(model, shown, max_tokens=70, speculative=True)
+        assert final.usage is not None
+        runs.append((ids, model.verifies, final.usage.drafted_tokens, final.usage.accepted_tokens))
+    assert runs[0] == runs[1]
+    assert runs[0][1] and runs[0][3] > 30  # it did draft
+
+
+def _fixed_measure(calls: list[str]) -> Any:
+    def measure(m: Any) -> dict[int, float]:
+        calls.append(m.digest)
+        return {1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0, 16: 5.0}
+
+    return measure
+
+
+def test_draft_costs_are_measured_once_per_model_and_kept_on_disk(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(costs_mod, "measure", _fixed_measure(calls))
+    first = costs_mod.draft_costs(ToyModel(num_ctx=1024), tmp_path)
+    assert calls == ["sha256:toymodel"] and first.cost(2) == 1.5 and first.cost(3) == 1.75
+    # a restart (a new model object of the same identity) reads the table: the same drafts as before
+    assert costs_mod.draft_costs(ToyModel(num_ctx=2048), tmp_path) == first and len(calls) == 1
+    other = ToyModel(num_ctx=1024)
+    other._digest = "sha256:other"
+    costs_mod.draft_costs(other, tmp_path)
+    assert calls == ["sha256:toymodel", "sha256:other"]  # another model is measured
+    assert len(json.loads((tmp_path / costs_mod.FILE_NAME).read_text())) == 2
+    # a damaged file, a malformed entry or no directory at all only mean measuring again
+    (tmp_path / costs_mod.FILE_NAME).write_text("{not json")
+    assert costs_mod.draft_costs(ToyModel(num_ctx=1024), tmp_path) == first and len(calls) == 3
+    key = costs_mod.cost_key(ToyModel(num_ctx=1024))
+    (tmp_path / costs_mod.FILE_NAME).write_text(json.dumps({key: [1.0, -2.0]}))
+    assert costs_mod.draft_costs(ToyModel(num_ctx=1024), tmp_path) == first and len(calls) == 4
+    assert costs_mod.draft_costs(ToyModel(num_ctx=1024), None) == first and len(calls) == 5
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert costs_mod.draft_costs(ToyModel(num_ctx=1024), blocked / "sub") == first and len(calls) == 6
+    # a context too small for a full draft's check keeps the prior table and measures nothing
+    assert costs_mod.draft_costs(ToyModel(num_ctx=16), tmp_path) == CheckCosts.prior() and len(calls) == 6
+
+
+def test_measuring_draft_costs_leaves_nothing_resident() -> None:
     model = ToyModel(num_ctx=1024)
-    shown = _shown(model, 80)
-    assert model.draft_timing.step_s is not None  # plain passes time their steps too
-    _run(model, shown, max_tokens=40, speculative=True)
-    timing = model.draft_timing
-    assert timing.check_cost(4) > 0 and len(timing._checks) > 0
-    # the next pass starts with these costs: it can size its first draft before timing anything
-    assert DraftPolicy(timing).step_s == timing.step_s
+    points = costs_mod.measure(model, reps=1)
+    assert sorted(points) == [1, 2, 4, 8, MAX_DRAFT + 1] and points[1] == 1.0
+    assert all(p > 0 for p in points.values())
+    assert model.res.tokens == [] and model.kv == [] and model.exact_len == 0
+    # every check was the pending token repeated, rolled back after
+    assert {len(v) for v in model.verifies} == {2, 4, 8, MAX_DRAFT + 1}
 
 
 def test_decode_refusals_run_before_anything(model: ToyModel) -> None:

@@ -16,6 +16,7 @@ from contract.types import EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequ
 from ..bundled import model_cache_dir
 from ..digest import file_digest
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
+from ..tape.draft_costs import draft_costs
 from ..tape.model import check_digest
 from .model import BACKEND_NAME, LlamaLoadedModel
 from .native import map_errors, open_llama, runtime_version, system_info
@@ -73,6 +74,8 @@ class LlamaBackend:
                     llm, path=str(path), digest=digest, shape=shape, options=options, config=req.config
                 )
                 model.check_declared_template()
+                if self.speculative:
+                    model.draft_costs = draft_costs(model, model_cache_dir())
             except BaseException:
                 llm.close()
                 raise

@@ -15,6 +15,8 @@ from contract.resident import check_model_type
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
+from ..bundled import model_cache_dir
+from ..tape.draft_costs import draft_costs
 from ..tape.model import check_digest
 from .graph import paged_model
 from .model import BACKEND_NAME, OpenVINOLoadedModel
@@ -94,6 +96,8 @@ class OpenVINOBackend:
             try:
                 loaded.check_declared_template()
                 loaded.warm_up()
+                if self.speculative:
+                    loaded.draft_costs = draft_costs(loaded, model_cache_dir())
             except BaseException:
                 loaded.close()
                 raise

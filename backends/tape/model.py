@@ -28,7 +28,7 @@ from contract.resident import Resident
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
 from .cache import save_tape
-from .speculate import CheckTiming
+from .speculate import CheckCosts
 
 if TYPE_CHECKING:
     from .session import DecodeSteps, TapeSession
@@ -84,8 +84,8 @@ class TapeModel(Protocol):
     cache: StateCache | None
     #: decode passes speculate (prompt lookup) unless their DecodeConfig says otherwise
     speculative: bool
-    #: what plain steps and draft checks cost on this model, timed across its decode passes
-    draft_timing: CheckTiming
+    #: what a draft's check costs on this model, in plain steps (measured once, then fixed)
+    draft_costs: CheckCosts
 
     @property
     def digest(self) -> str: ...
@@ -118,6 +118,10 @@ class TapeModel(Protocol):
 
     def reusable(self, n: int) -> int:
         """How many of ``n`` matching resident tokens the engine can keep exactly (<= n)."""
+        ...
+
+    def check_rows(self, n: int) -> int:
+        """The row count a batch of ``n`` tokens checked at once really runs with (>= n)."""
         ...
 
     def set_kv(self, tokens: list[int], keep: int) -> int:
@@ -259,7 +263,8 @@ class TapeModelBase(ABC):
         self.cache: StateCache | None = None
         #: the daemon's default for ``DecodeConfig.speculative`` (``backends.tape.speculate``)
         self.speculative = True
-        self.draft_timing = CheckTiming()
+        #: measured at load by the backend (``backends.tape.draft_costs``) when it speculates
+        self.draft_costs = CheckCosts.prior()
 
     # --- identity ---------------------------------------------------------------------------
     @property
@@ -291,6 +296,10 @@ class TapeModelBase(ABC):
         tokens are recomputed and a warm turn answers bit for bit like a cold one.
         """
         return min(n, self.exact_len) if self.config.exact_reuse else n
+
+    def check_rows(self, n: int) -> int:
+        """``n``: an engine that pads checks to compiled shapes says so here."""
+        return n
 
     def manifest_defaults(self) -> ContextManifest:
         """The identity a client puts in its ContextManifest for this model."""

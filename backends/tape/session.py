@@ -356,12 +356,12 @@ class TapeSession:
         first_ms = 0.0
         finish = ""
         pending: int | None = None
-        # By default only greedy passes speculate: the draft lengths follow timings, and a batch rounds
-        # differently from a one-token step, so a seeded sampled pass would not repeat run to run.
+        # By default only greedy passes speculate: a batch rounds differently from a one-token step, so a
+        # seeded sampled pass would part from what the same seed gave without drafts wherever its draw
+        # falls near a boundary between two tokens, and a sampled pass has a boundary at every token.
         speculate = (m.speculative and not cfg.temperature) if cfg.speculative is None else cfg.speculative
         lookup: PromptLookup | None = None
-        policy = DraftPolicy(m.draft_timing)
-        stepped_at: float | None = None  # when this iteration's plain step began (timed for the policy)
+        policy = DraftPolicy(m.draft_costs)
         stats = SpeculationStats()
 
         def still_ours() -> bool:
@@ -396,13 +396,12 @@ class TapeSession:
                         limit = min(MAX_DRAFT, cfg.max_tokens - produced - 1, m.num_ctx - len(res.tokens) - 2)
                         draft, ngram = lookup.propose(limit)
                         draft = draft[: policy.plan(len(draft), ngram)]
-                    step_began = time.perf_counter()
                     with m.errors("decode"):
                         if draft:
                             steps.verify([tok, *draft])
                         else:
                             steps.feed(tok)
-                            stepped_at = step_began
+                            policy.plain_step()
                     if draft:
                         # (token, its chunk or None, whether the KV holds it), in output order
                         emitted: list[tuple[int, StreamChunk | None, bool]] = []
@@ -428,7 +427,7 @@ class TapeSession:
                             steps.rollback(len(draft) - accepted)
                         assert lookup is not None
                         lookup.extend(draft[:accepted])
-                        policy.checked(ngram, len(draft), accepted, time.perf_counter() - step_began)
+                        policy.checked(ngram, len(draft), accepted)
                         stats.drafted += len(draft)
                         stats.accepted += accepted
                         for j, (token, out, in_kv) in enumerate(emitted):
@@ -456,9 +455,6 @@ class TapeSession:
                     break
                 with m.errors("decode"):
                     token = steps.sample()
-                if stepped_at is not None:
-                    policy.plain_step(time.perf_counter() - stepped_at)
-                    stepped_at = None
                 if not first_ms:
                     first_ms = (time.perf_counter() - start) * 1000
                 if steps.is_end(token):

@@ -20,25 +20,26 @@ the same tokens either way, up to the engine's numerics (a batch may round its
 last bits differently from one-token steps).
 
 The draft length adapts (``DraftPolicy``) to what a check costs on this engine
-and machine (``CheckTiming``, measured across the model's decode passes) and to
-how often this pass's recent drafts were kept: it drafts only when the expected
-tokens per second beat a plain step by ``MIN_GAIN``, so free prose — where
-matches are chance — costs at most an occasional probe.
+and machine (``CheckCosts``, measured once per model and machine and fixed, so
+drafts follow the tape alone) and to how often this pass's recent drafts were
+kept: it drafts only when the expected tokens per step beat a plain step by
+``MIN_GAIN``, so free prose — where matches are chance — costs at most an
+occasional probe.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CheckTiming", "DraftPolicy", "PromptLookup", "SpeculationStats"]
+__all__ = ["CheckCosts", "DraftPolicy", "PromptLookup", "SpeculationStats"]
 
 #: n-gram sizes matched, longest first: a longer match predicts better
 NGRAM_SIZES = (4, 3, 2)
-#: the longest draft checked at once
-MAX_DRAFT = 16
+#: the longest draft checked at once (with the pending token, 16 rows: a shape engines compile)
+MAX_DRAFT = 15
 #: prior chance a draft token is kept, per n-gram size (as PRIOR_KEPT / PRIOR_TRIES), until checks tell:
 #: 0.9, 0.5 and 0.35. A copy soon matches 4 tokens and goes on; prose matches 2 or 3 tokens by
 #: chance ("of the", "in the middle"), and a check costs 1.6-3 plain steps on both engines here, so
@@ -51,10 +52,8 @@ PRIOR_KEPT = {4: 3.6, 3: 2.0, 2: 1.4}
 MIN_GAIN = 1.1
 #: how fast old checks fade from the keep rate (per check)
 DECAY = 0.8
-#: a check's extra row, in plain steps, until two row counts were timed
+#: a check's extra row, in plain steps, while a model's costs are not measured
 PRIOR_ROW_COST = 0.25
-#: timed checks the cost fit uses
-CHECK_SAMPLES = 32
 #: when drafting does not pay, a one-token draft is still tried after this many plain steps
 PROBE_EVERY = 64
 
@@ -103,107 +102,103 @@ class PromptLookup:
         return [], 0
 
 
-class CheckTiming:
-    """What a plain step and a check of ``rows`` rows cost on this engine and machine, as measured.
+class CheckCosts:
+    """What a check of ``rows`` rows costs on this engine and machine, in plain one-token steps.
 
-    One per loaded model (``TapeModelBase.draft_timing``): the costs belong to the
-    engine, the weights and the CPU, not to one answer, so a pass starts from what
-    earlier passes timed, and its first draft can be sized before it has timed a
-    check of its own.
+    One table per loaded model (``TapeModelBase.draft_costs``), measured once
+    (``backends.tape.draft_costs``) and fixed from then on: the policy's choices
+    then depend on the tape alone, so the same tape gives the same drafts, the
+    same batches and the same numbers — a warm answer equals a cold one, and a
+    restarted daemon answers as before, also with speculation on. Costs timed as
+    the model decodes would follow the machine's noise into the answers.
     """
 
-    def __init__(self) -> None:
-        #: seconds of a plain step (a moving average; None until one was timed)
-        self.step_s: float | None = None
-        self._checks: deque[tuple[int, float]] = deque(maxlen=CHECK_SAMPLES)
-        #: check seconds = c0 + c1 * rows, fitted to ``_checks`` (None: fewer than two row counts)
-        self._fit: tuple[float, float] | None = None
+    __slots__ = ("_costs",)
 
-    def plain_step(self, seconds: float) -> None:
-        self.step_s = seconds if self.step_s is None else 0.8 * self.step_s + 0.2 * seconds
+    def __init__(self, costs: list[float]) -> None:
+        if len(costs) != MAX_DRAFT + 1 or any(c <= 0 for c in costs):
+            raise ValueError(f"a cost table has {MAX_DRAFT + 1} positive entries (rows 1..{MAX_DRAFT + 1})")
+        #: costs[r - 1]: a check of r rows (costs[0] is the plain step itself: 1.0)
+        self._costs = tuple(costs)
 
-    def checked(self, rows: int, seconds: float) -> None:
-        self._checks.append((rows, seconds))
-        self._refit()
+    @classmethod
+    def from_points(cls, points: dict[int, float], padded: Callable[[int], int]) -> CheckCosts:
+        """The table from costs timed at a few row counts: ``padded(r)`` is the row count a check
+        of ``r`` rows really runs with (an engine padding to compiled shapes rounds up), and
+        counts between two timed ones are interpolated."""
+        xs = sorted(points)
+        ys = [points[x] for x in xs]
+        return cls([float(np.interp(padded(r) if r > 1 else 1, xs, ys)) for r in range(1, MAX_DRAFT + 2)])
 
-    def check_cost(self, rows: int) -> float:
-        """Seconds a check of ``rows`` rows is expected to take (a plain step must have been timed)."""
-        assert self.step_s is not None
-        if self._fit is not None:
-            c0, c1 = self._fit
-            return max(c0 + c1 * rows, self.step_s)
-        if self._checks:
-            # one row count seen so far: its mean, and another row costing PRIOR_ROW_COST steps
-            seen, mean = self._checks[-1][0], sum(t for _, t in self._checks) / len(self._checks)
-            return max(mean + PRIOR_ROW_COST * self.step_s * (rows - seen), self.step_s)
-        return self.step_s * (1.0 + PRIOR_ROW_COST * rows)
+    @classmethod
+    def prior(cls) -> CheckCosts:
+        """Used until a model's costs were measured: every extra row costs ``PRIOR_ROW_COST`` steps."""
+        return cls([1.0 + PRIOR_ROW_COST * (r - 1) for r in range(1, MAX_DRAFT + 2)])
 
-    def _refit(self) -> None:
-        """A least-squares line through the timed checks, once two row counts were seen."""
-        xs = np.array([r for r, _ in self._checks], float)
-        if len(set(xs.tolist())) < 2:
-            self._fit = None
-            return
-        ys = np.array([t for _, t in self._checks], float)
-        c1, c0 = np.polyfit(xs, ys, 1)
-        self._fit = (float(c0), max(float(c1), 0.0))
+    def cost(self, rows: int) -> float:
+        """A check of ``rows`` rows (1..MAX_DRAFT + 1), in plain steps."""
+        return self._costs[rows - 1]
+
+    def table(self) -> list[float]:
+        return list(self._costs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CheckCosts) and other._costs == self._costs
+
+    def __hash__(self) -> int:
+        return hash(self._costs)
+
+    def __repr__(self) -> str:
+        return f"CheckCosts({', '.join(f'{r}: {c:.2f}' for r, c in enumerate(self._costs, 1))})"
 
 
 class DraftPolicy:
     """When to draft and how long, from what a draft's check costs here and how often drafts are kept.
 
-    A plain step yields one token in ``step_s``. A check of ``k`` draft tokens runs
-    ``k + 1`` rows in ``c0 + c1 * (k + 1)`` seconds (``CheckTiming``, fitted to the
-    checks this model ran: an engine's batch kernels cost per row very differently
-    from its one-token step, e.g. ~0.6 of a step per row on llama.cpp here) and
-    yields the kept tokens plus one. With ``p`` the chance a draft token is kept
-    (per n-gram size, recent checks of this pass weighing most, from priors that
-    trust a long match and doubt a short one), ``k`` tokens keep
-    ``p (1 - p^k) / (1 - p)`` on average. The policy drafts the ``k`` that yields
-    the most tokens per second, and only when that beats a plain step by ``MIN_GAIN``; when
-    nothing pays it still probes a one-token draft every ``PROBE_EVERY`` tokens,
-    so it notices when a copy starts.
+    A plain step yields one token for one step of cost. A check of ``k`` draft
+    tokens runs ``k + 1`` rows for ``costs.cost(k + 1)`` steps (``CheckCosts``: an
+    engine's batch kernels cost per row very differently from its one-token step,
+    e.g. ~0.5 of a step per row on llama.cpp here) and yields the kept tokens plus
+    one. With ``p`` the chance a draft token is kept (per n-gram size, recent
+    checks of this pass weighing most, from priors that trust a long match and
+    doubt a short one), ``k`` tokens keep ``p (1 - p^k) / (1 - p)`` on average. The
+    policy drafts the ``k`` that yields the most tokens per step, and only when
+    that beats a plain step by ``MIN_GAIN``; when nothing pays it still probes a
+    one-token draft every ``PROBE_EVERY`` tokens, so it notices when a copy starts.
+
+    Every input is a count of tokens or the fixed cost table, never a clock: a
+    pass's drafts are a function of its tape.
     """
 
-    def __init__(self, timing: CheckTiming | None = None) -> None:
-        self.timing = timing if timing is not None else CheckTiming()
+    def __init__(self, costs: CheckCosts | None = None) -> None:
+        self.costs = costs if costs is not None else CheckCosts.prior()
         #: per n-gram size: decayed counts of kept draft tokens and of draft tokens tried
         self._kept = {n: PRIOR_KEPT[n] for n in NGRAM_SIZES}
         self._tried = dict.fromkeys(NGRAM_SIZES, PRIOR_TRIES)
         self._since_draft = 0
 
-    @property
-    def step_s(self) -> float | None:
-        return self.timing.step_s
-
     def keep_rate(self, n: int) -> float:
         return self._kept[n] / self._tried[n]
 
-    def check_cost(self, rows: int) -> float:
-        """Seconds a check of ``rows`` rows is expected to take."""
-        return self.timing.check_cost(rows)
-
     def plan(self, available: int, n: int) -> int:
         """How many of the ``available`` draft tokens (found by an ``n``-gram) to check now; 0: a plain step."""
-        if self.step_s is None or available <= 0:
+        if available <= 0:
             return 0
         p = min(self.keep_rate(n), 0.999)
-        best_k, best_rate = 0, MIN_GAIN / self.step_s
+        best_k, best_rate = 0, MIN_GAIN
         for k in range(1, min(available, MAX_DRAFT) + 1):
             kept = p * (1 - p**k) / (1 - p)
-            rate = (kept + 1) / self.check_cost(k + 1)
+            rate = (kept + 1) / self.costs.cost(k + 1)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0 and self._since_draft >= PROBE_EVERY:
             best_k = 1  # a probe: is the answer copying now?
         return best_k
 
-    def plain_step(self, seconds: float) -> None:
-        self.timing.plain_step(seconds)
+    def plain_step(self) -> None:
         self._since_draft += 1
 
-    def checked(self, n: int, drafted: int, kept: int, seconds: float) -> None:
-        self.timing.checked(drafted + 1, seconds)
+    def checked(self, n: int, drafted: int, kept: int) -> None:
         tried = kept + (1 if kept < drafted else 0)  # tokens compared until the first mismatch
         self._kept[n] = DECAY * self._kept[n] + kept
         self._tried[n] = DECAY * self._tried[n] + tried

@@ -1,0 +1,180 @@
+"""Measuring what a draft's check costs on a loaded model, once per model and machine.
+
+The draft policy (``backends.tape.speculate``) needs what a check of ``r`` rows
+costs against a plain one-token step. That depends on the engine, its format's
+batch kernels, the thread count and the CPU: ~0.5 of a step per extra row for
+llama.cpp on a Q4_1 model here, but a flat cost up to each compiled shape for
+OpenVINO. It is timed at load, on a short throwaway context, and then fixed:
+
+* **Fixed, so answers repeat.** With costs timed live, which tokens a batch
+  computes would follow the machine's noise, and a batch rounds differently from
+  a one-token step, so a warm answer could part from a cold one at a near-tie.
+  With a fixed table the drafts are a function of the tape.
+* **Kept on disk** (``draft-costs.json`` in the model cache directory), keyed by
+  the engine, its version, the model digest, the settings that change its
+  kernels (threads, precisions; not the context size) and the CPU, so a
+  restarted daemon drafts exactly as before and pays no second measurement. A
+  missing, unreadable or unwritable file only means measuring again.
+
+Each row count is timed ``REPS`` times, interleaved, after one untimed round
+(first use of a shape allocates), and the median is taken; costs are kept in
+plain steps, rounded to a hundredth.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from contract.manifest import canonical_digest
+from contract.types import DecodeConfig
+
+from .speculate import MAX_DRAFT, CheckCosts
+
+if TYPE_CHECKING:
+    from .model import TapeModel
+    from .session import DecodeSteps
+
+__all__ = ["FILE_NAME", "cost_key", "draft_costs", "measure"]
+
+log = logging.getLogger("modeld.speculate")
+
+#: bump when the measurement changes, so tables measured the old way are not reused
+METHOD_VERSION = 1
+#: the check sizes timed; others are interpolated (the largest is a full draft's check)
+TIMED_ROWS = (2, 4, 8, MAX_DRAFT + 1)
+#: timed rounds per row count (the median is kept)
+REPS = 5
+#: tokens of context the checks run on
+CONTEXT_TOKENS = 64
+#: the text the throwaway context is made of
+_FILLER = (
+    "def area(width, height):\n    return width * height\n\n"
+    "The function above multiplies two numbers and returns the result to its caller. "
+)
+FILE_NAME = "draft-costs.json"
+
+
+def cost_key(m: TapeModel) -> str:
+    """What a cost table is valid for: the engine and its kernels' settings, the model and the CPU."""
+    identity = {k: v for k, v in m.reuse_identity().items() if k not in ("num_ctx", "exact_reuse")}
+    return canonical_digest(
+        {
+            "method": METHOD_VERSION,
+            "backend": m.backend_name,
+            "engine": m.engine_version(),
+            "model": m.digest,
+            "runtime": identity,
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+        }
+    )
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what the platform module says."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:
+    """The model's check costs: from ``cache_dir`` when measured before, else measured (and stored).
+
+    Runs on a model with nothing resident (at load, before any session): it
+    prefills a short throwaway context and clears the KV again.
+    """
+    if m.num_ctx < m.check_rows(max(TIMED_ROWS)) + 2:
+        return CheckCosts.prior()  # a context this small leaves drafts little room anyway
+    key = cost_key(m)
+    stored = _load(cache_dir).get(key)
+    if stored is not None:
+        try:
+            costs = CheckCosts(stored)
+        except (TypeError, ValueError):
+            log.warning("ignoring a malformed draft cost table in %s", cache_dir)
+        else:
+            log.info("draft check costs (in plain steps, kept from an earlier load): %s", costs)
+            return costs
+    t0 = time.perf_counter()
+    points = measure(m)
+    costs = CheckCosts.from_points(points, m.check_rows)
+    costs = CheckCosts([round(c, 2) for c in costs.table()])
+    log.info("draft check costs measured in %.2f s (in plain steps): %s", time.perf_counter() - t0, costs)
+    if cache_dir is not None:
+        table = _load(cache_dir)
+        table[key] = costs.table()
+        _save(cache_dir, table)
+    return costs
+
+
+def measure(m: TapeModel, reps: int = REPS) -> dict[int, float]:
+    """Seconds of a check of each timed row count, over a plain step's: {rows: steps}, 1 -> 1.0."""
+    rows = sorted({m.check_rows(r) for r in TIMED_ROWS})
+    filler = m.tokenize(_FILLER)
+    context = (filler * (CONTEXT_TOKENS // max(len(filler), 1) + 1))[:CONTEXT_TOKENS]
+    context = context[: max(1, min(CONTEXT_TOKENS, m.num_ctx - max(rows) - 1))]
+    m.set_kv(context, 0)
+    steps = m.decode_steps(DecodeConfig(max_tokens=1, temperature=0.0))
+    times: dict[int, list[float]] = {r: [] for r in [1, *rows]}
+    try:
+        steps.start()
+        token = steps.sample()
+        for rep in range(reps + 1):
+            for r in times:
+                seconds = _time_check(steps, token, r)
+                if rep:  # the first round is untimed: a new shape allocates
+                    times[r].append(seconds)
+    finally:
+        steps.close()
+        m.clear_kv()
+    step = statistics.median(times[1])
+    return {r: statistics.median(t) / step for r, t in times.items()}
+
+
+def _time_check(steps: DecodeSteps, token: int, rows: int) -> float:
+    """Seconds to evaluate ``rows`` rows and sample each, as the decode loop does; rolled back after."""
+    t0 = time.perf_counter()
+    if rows == 1:
+        steps.feed(token)
+        steps.sample()
+    else:
+        steps.verify([token] * rows)
+        for i in range(rows):
+            steps.sample_row(i)
+    seconds = time.perf_counter() - t0
+    steps.rollback(rows)
+    return seconds
+
+
+def _load(cache_dir: Path | None) -> dict[str, list[float]]:
+    if cache_dir is None:
+        return {}
+    try:
+        data = json.loads((cache_dir / FILE_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _save(cache_dir: Path, table: dict[str, list[float]]) -> None:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir / f"{FILE_NAME}.{os.getpid()}"
+        tmp.write_text(json.dumps(table, indent=0, sort_keys=True))
+        os.replace(tmp, cache_dir / FILE_NAME)
+    except OSError as exc:
+        # measuring again at the next load is always correct
+        log.warning("could not keep the draft cost table in %s: %s", cache_dir, exc)
+
