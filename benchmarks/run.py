@@ -303,7 +303,10 @@ def section_openvino(tmp: Path, texts: dict[str, Any]) -> str:
 # --- capacity ---------------------------------------------------------------------------------------------------------
 def section_capacity(tmp: Path, backend: str) -> str:
     count = gguf_token_counter()
-    with DaemonProcess(tmp / f"cap-{backend}", backend, None, "--no-preload") as d, d.client(timeout_s=900.0) as c:
+    # The workspace cache is off: its RAM tier keeps a copy of a saved prefix's state (~93 MB for this
+    # prefix) under its own budget (--cache-ram), which is not the model's and would count here.
+    with DaemonProcess(tmp / f"cap-{backend}", backend, None, "--no-preload", "--cache-ram", "0", "--cache-disk", "0") as d, \
+            d.client(timeout_s=900.0) as c:
         from backends.bundled import bundled_gguf_path
 
         assert d.proc is not None

@@ -605,6 +605,9 @@ def test_a_cost_table_interpolates_and_follows_the_padding() -> None:
     assert OPENVINO_LIKE.cost(2) == OPENVINO_LIKE.cost(4) == pytest.approx(1.4)
     assert OPENVINO_LIKE.cost(5) == OPENVINO_LIKE.cost(8) == pytest.approx(1.8)
     assert CheckCosts(LLAMA_LIKE.table()) == LLAMA_LIKE != OPENVINO_LIKE
+    # noisy timings: a check never costs less than a plain step, nor more rows less than fewer
+    noisy = CheckCosts.from_points({1: 1.0, 2: 0.9, 4: 2.0, 8: 1.8, 16: 3.0}, lambda r: r)
+    assert noisy.cost(2) == 1.0 and noisy.cost(8) == noisy.cost(6) == 2.0 and noisy.cost(12) == pytest.approx(2.5)
     for bad in ([1.0] * MAX_DRAFT, [1.0] * MAX_DRAFT + [0.0]):
         with pytest.raises(ValueError, match="positive entries"):
             CheckCosts(bad)

@@ -125,9 +125,10 @@ class CheckCosts:
     def from_points(cls, points: dict[int, float], padded: Callable[[int], int]) -> CheckCosts:
         """The table from costs timed at a few row counts: ``padded(r)`` is the row count a check
         of ``r`` rows really runs with (an engine padding to compiled shapes rounds up), and
-        counts between two timed ones are interpolated."""
+        counts between two timed ones are interpolated. A check is taken to cost at least a
+        plain step, and more rows never less than fewer (timing noise could say otherwise)."""
         xs = sorted(points)
-        ys = [points[x] for x in xs]
+        ys = np.maximum.accumulate(np.maximum([points[x] for x in xs], 1.0))
         return cls([float(np.interp(padded(r) if r > 1 else 1, xs, ys)) for r in range(1, MAX_DRAFT + 2)])
 
     @classmethod
