@@ -92,6 +92,7 @@ from contract.types import (
     OpenSessionRequest,
     PrefixStatus,
     Progress,
+    SlotState,
     StreamChunk,
     SuffixStatus,
     UnloadModelRequest,
@@ -203,6 +204,9 @@ class Daemon:
         self.ready = threading.Event()
         #: the preload queued by ``preload`` (its failure stops the daemon)
         self._preload: _Inflight | None = None
+        #: the preload is queued and has not answered yet: until the worker takes it, the slot itself
+        #: still says Empty, and a client polling right after the start must not read "no model"
+        self._preload_queued = False
         #: what ``modeld serve`` exits with: 1 when the model it was told to serve did not load
         self.exit_code = 0
         self.preload_error = ""
@@ -212,6 +216,7 @@ class Daemon:
         """Queue a load on the worker so status shows Loading while it runs."""
         inf = _Inflight(b"", b"preload", Op.LOAD)
         self._preload = inf
+        self._preload_queued = True
         self._work.put((inf, Message(request_id=b"preload", body=wire.to_body(req), op=Op.LOAD)))
 
     def stop(self) -> None:
@@ -543,6 +548,7 @@ class Daemon:
         def emit(inf: _Inflight, frames: list[bytes]) -> None:
             interrupt.beat()  # a reply or a chunk: the worker is alive
             if not inf.identity:  # an internal request (preload): log instead of replying
+                self._preload_queued = False
                 if wire.reply_kind(frames) is Kind.ERROR:
                     log.error("preload failed: %s", wire.error_of(wire.decode_reply(frames)).message)
                 else:
@@ -673,6 +679,8 @@ class Daemon:
     # --- handlers answered by the IO thread: cheap, never wait on the model -----------------------------
     def _io_status(self, identity: bytes, req: StatusRequest) -> DaemonStatus:
         st = self.slot.status()
+        if self._preload_queued and st.state is SlotState.EMPTY:
+            st.state, st.busy_operation = SlotState.LOADING, st.busy_operation or Op.LOAD.value
         st.blobs = self.blobs.stats()
         st.uptime_s = round(time.monotonic() - self._started, 1)
         stalled = self.stalled_s()

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from contract.memory import MemoryBackend
+from contract.messages import StatusRequest
 from contract.types import SlotState, owner_fingerprint
-from modeld.bootstrap import ServeOptions, build_slot, preload_request
+from modeld.bootstrap import ServeOptions, build_daemon, build_slot, preload_request
 
-from .daemon_proc import ROOT
+from .daemon_proc import ROOT, DaemonProcess
 
 
 def modeld(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -92,6 +93,26 @@ def test_bootstrap_takes_a_backend_through_the_same_door(tmp_path: Path) -> None
     req = preload_request(ServeOptions(backend="memory", model="/m/x", num_ctx=64))
     assert req is not None and (req.model_name, req.type, req.config.num_ctx) == ("x", "memory", 64)
     assert preload_request(ServeOptions(backend="llama", no_preload=True)) is None
+
+
+def test_a_queued_preload_reads_as_loading_before_the_worker_takes_it(tmp_path: Path) -> None:
+    """Right after ``serve`` starts, the slot is still Empty while its preload waits for the worker; status
+    must not tell a client polling for readiness that there is no model (the bench and supervisors poll)."""
+    opts = ServeOptions(backend="memory", model="/m/x", num_ctx=64, data_dir=tmp_path / "data",
+                        endpoint=f"ipc://{tmp_path / 'm.sock'}")
+    daemon = build_daemon(opts, MemoryBackend())
+    try:
+        assert daemon._io_status(b"", StatusRequest()).state is SlotState.EMPTY
+        req = preload_request(opts)
+        assert req is not None
+        daemon.preload(req)
+        st = daemon._io_status(b"", StatusRequest())  # the worker has not started: nothing has run
+        assert (st.state, st.busy_operation) == (SlotState.LOADING, "load")
+    finally:
+        daemon._ctx.term()  # never served: nothing else holds its ZeroMQ context
+    with DaemonProcess(tmp_path / "proc", "memory", None, "--model", "/m/x", "--num-ctx", "64") as d, d.client() as c:
+        # start() returns at the first Ready or Empty: with a preload it is Ready (Empty would be a lie)
+        assert c.status().state is SlotState.READY
 
 
 @pytest.mark.parametrize("backend", ["llama", "openvino"])
