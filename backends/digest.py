@@ -12,8 +12,10 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 _CHUNK = 4 * 1024 * 1024
+DIGESTS_FILE = "digests.json"
 _lock = threading.Lock()
 _memo: dict[tuple[str, int, int], str] = {}
 
@@ -57,20 +59,28 @@ def files_digest(paths: list[Path], cache_dir: Path | None = None) -> str:
 
 
 def _load_disk(cache_dir: Path | None) -> dict[str, str]:
-    if cache_dir is None:
-        return {}
-    try:
-        data = json.loads((cache_dir / "digests.json").read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return load_json_map(cache_dir / DIGESTS_FILE) if cache_dir is not None else {}
 
 
 def _save_disk(cache_dir: Path, data: dict[str, str]) -> None:
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache_dir / f"digests.json.{os.getpid()}"
-        tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
-        os.replace(tmp, cache_dir / "digests.json")
+        save_json_map(cache_dir / DIGESTS_FILE, data)
     except OSError:
         pass  # the cache is an optimisation; hashing again is always correct
+
+
+def load_json_map(path: Path) -> dict[str, Any]:
+    """A JSON object kept in the model cache; {} when missing, unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_json_map(path: Path, data: dict[str, Any]) -> None:
+    """Replace ``path`` with ``data`` atomically (a reader sees the old file or the new one); raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
+    os.replace(tmp, path)

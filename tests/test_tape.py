@@ -582,10 +582,15 @@ def test_prompt_lookup_drafts_from_the_latest_longest_match() -> None:
     assert look.propose(2) == ([7, 8], 4)
 
 
+def _ov_padded(rows: int) -> int:
+    """OpenVINO's check shapes (``backends.openvino.graph.verify_rows``, not imported: no engine here)."""
+    return 4 if rows <= 4 else 8 if rows <= 8 else 16
+
+
 #: measured on this AVX2 machine (``backends.tape.draft_costs``): a llama.cpp check of a Q4_1 model
 #: costs ~0.5 of a step per row; an OpenVINO check is padded to 4, 8 or 16 rows and costs little more
 LLAMA_LIKE = CheckCosts.from_points({1: 1.0, 2: 1.7, 4: 2.7, 8: 4.7, 16: 8.4}, lambda r: r)
-OPENVINO_LIKE = CheckCosts.from_points({1: 1.0, 4: 1.4, 8: 1.8, 16: 2.3}, lambda r: 4 if r <= 4 else 8 if r <= 8 else 16)
+OPENVINO_LIKE = CheckCosts.from_points({1: 1.0, 4: 1.4, 8: 1.8, 16: 2.3}, _ov_padded)
 
 
 def _policy(costs: CheckCosts, keep: float, n: int = 3) -> DraftPolicy:
@@ -638,7 +643,7 @@ def test_an_unprofitable_policy_still_probes() -> None:
 def test_the_priors_trust_a_long_match_and_doubt_a_short_one() -> None:
     # OpenVINO costs as once timed mid-answer on this machine: a check of 2, 4 and 5 rows cost 1.7,
     # 2.3 and 3.0 plain steps (padded to 4, 4 and 8 rows)
-    timed = CheckCosts.from_points({1: 1.0, 4: 2.3, 8: 3.0, 16: 4.0}, lambda r: 4 if r <= 4 else 8 if r <= 8 else 16)
+    timed = CheckCosts.from_points({1: 1.0, 4: 2.3, 8: 3.0, 16: 4.0}, _ov_padded)
     for costs in (timed, OPENVINO_LIKE, LLAMA_LIKE, CheckCosts.prior()):
         policy = DraftPolicy(costs)
         assert policy.plan(8, 4) >= 2, costs  # a 4-token match is a copy until shown otherwise

@@ -25,17 +25,17 @@ kept in plain steps, rounded to a hundredth.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from contract.manifest import canonical_digest
 from contract.types import DecodeConfig
 
+from ..digest import load_json_map, save_json_map
 from .speculate import MAX_DRAFT, CheckCosts
 
 if TYPE_CHECKING:
@@ -124,8 +124,8 @@ def measure(m: TapeModel, reps: int = REPS) -> dict[int, float]:
     """Seconds of a check of each timed row count, over a plain step's: {rows: steps}, 1 -> 1.0."""
     rows = sorted({m.check_rows(r) for r in TIMED_ROWS})
     filler = m.tokenize(_FILLER)
-    context = (filler * (CONTEXT_TOKENS // max(len(filler), 1) + 1))[:CONTEXT_TOKENS]
-    context = context[: max(1, min(CONTEXT_TOKENS, m.num_ctx - max(rows) - 1))]
+    n = max(1, min(CONTEXT_TOKENS, m.num_ctx - max(rows) - 1))
+    context = (filler * (n // max(len(filler), 1) + 1))[:n]
     m.set_kv(context, 0)
     steps = m.decode_steps(DecodeConfig(max_tokens=1, temperature=0.0))
     times: dict[int, list[float]] = {r: [] for r in [1, *rows]}
@@ -159,22 +159,13 @@ def _time_check(steps: DecodeSteps, token: int, rows: int) -> float:
     return seconds
 
 
-def _load(cache_dir: Path | None) -> dict[str, list[float]]:
-    if cache_dir is None:
-        return {}
-    try:
-        data = json.loads((cache_dir / FILE_NAME).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+def _load(cache_dir: Path | None) -> dict[str, Any]:
+    return load_json_map(cache_dir / FILE_NAME) if cache_dir is not None else {}
 
 
-def _save(cache_dir: Path, table: dict[str, list[float]]) -> None:
+def _save(cache_dir: Path, table: dict[str, Any]) -> None:
     try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        tmp = cache_dir / f"{FILE_NAME}.{os.getpid()}"
-        tmp.write_text(json.dumps(table, indent=0, sort_keys=True))
-        os.replace(tmp, cache_dir / FILE_NAME)
+        save_json_map(cache_dir / FILE_NAME, table)
     except OSError as exc:
         # measuring again at the next load is always correct
         log.warning("could not keep the draft cost table in %s: %s", cache_dir, exc)
