@@ -70,7 +70,7 @@ def _save_disk(cache_dir: Path, data: dict[str, str]) -> None:
 
 
 def load_json_map(path: Path) -> dict[str, Any]:
-    """A JSON object kept in the model cache; {} when missing, unreadable or not an object."""
+    """A JSON object from a file; {} when missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -13,7 +12,7 @@ from contract.errors import ModeldError, ModelLoadFailed, UnsupportedFeature
 from contract.types import Config
 
 from ..bundled import model_cache_dir
-from ..digest import files_digest
+from ..digest import files_digest, load_json_map
 from ..embed_prepare import IR_MARKER_FILE, default_embedding_ir, st_pooling_mode
 from ..embeddings import MIB, EmbeddingPlan, model_name_for, plan_threads, plan_window
 
@@ -36,14 +35,6 @@ class OpenVINOEmbedder:
     @classmethod
     def default_path(cls) -> Path:
         return default_embedding_ir()
-
-    @staticmethod
-    def _read_json(path: Path) -> dict[str, Any]:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
 
     @classmethod
     def plan_for(cls, path: Path, config: Config) -> EmbeddingPlan:
@@ -82,8 +73,8 @@ class OpenVINOEmbedder:
                 "(re-export the encoder returning only last_hidden_state, as backends.embed_prepare does)",
                 path=str(ir),
             )
-        marker = cls._read_json(ir / IR_MARKER_FILE)
-        hf = cls._read_json(ir / "config.json")
+        marker = load_json_map(ir / IR_MARKER_FILE)
+        hf = load_json_map(ir / "config.json")
         pooling = str(marker.get("pooling") or cls._st_pooling(ir) or "mean")
         if pooling not in ("mean", "cls", "last"):
             raise UnsupportedFeature(f"{ir}: pooling {pooling!r} is not supported", path=str(ir))
@@ -124,7 +115,7 @@ class OpenVINOEmbedder:
 
     @staticmethod
     def _st_pooling(ir: Path) -> str:
-        return st_pooling_mode(OpenVINOEmbedder._read_json(ir / "1_Pooling" / "config.json"))
+        return st_pooling_mode(load_json_map(ir / "1_Pooling" / "config.json"))
 
     @classmethod
     def estimate_bytes(cls, weights: int, n_embd: int, n_layer: int, n_head: int, n_ff: int, n_ctx: int) -> int:
