@@ -14,9 +14,19 @@ the rate is completion tokens over the decode time the final chunk reports,
 the median of ``REPS`` rounds; a round runs every task, mode and side once
 (in process and through the daemon alternating), so a slow spell of the
 machine lands on all of them. Printed per engine: daemon / in-process decode,
-speculative / plain on each task with the share of draft tokens kept, and plain
+speculative / plain on each task (the median over rounds of the two rates
+measured in the same round) with the share of draft tokens kept, and plain
 decode as a fraction of the bandwidth bound: the model's weight bytes read once
 per token at the memory bandwidth measured here (a numpy copy).
+
+Daemon / in-process decode is read from every plain decode, not from prose
+alone: each (round, task) gives a pair run back to back, so the two sides of a
+pair share the machine's mood. Two estimates are printed (``daemon_ratio``):
+the median of the pairs' ratios, and the ratio of each side's fastest round
+(per task, then the geometric mean over tasks). A VM's slow spells only ever
+add time, and come and go within seconds (one pair's ratio here ranges
+0.82–1.11 with nothing changed), so the fastest rounds are the steadier view
+of what the daemon itself costs; the median says what a turn saw typically.
 
 Targets (issue: speed): daemon / in-process >= 0.97 on both engines;
 speculative >= 2x plain on the edit task on one engine and >= 1.5x on the other,
@@ -89,29 +99,49 @@ def _rate(final: StreamChunk) -> float:
     return u.completion_tokens / (u.decode_ms / 1000) if u.decode_ms > 0 else 0.0
 
 
-def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per side, task and mode: decode tok/s (median), tokens, and drafted/accepted of the last run.
+def paired_median(numerator: list[float], denominator: list[float]) -> float:
+    """The median over rounds of one rate over another measured in the same round."""
+    ratios = [a / b for a, b in zip(numerator, denominator, strict=True) if b > 0]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
+def daemon_ratio(local: dict[str, list[float]], remote: dict[str, list[float]]) -> tuple[float, float, int]:
+    """Daemon / in-process decode from rates by key (task/mode) and round: (median of the paired
+    ratios, geometric mean over keys of fastest daemon round / fastest in-process round, pairs)."""
+    pairs = [r / lo for key in local for lo, r in zip(local[key], remote[key], strict=True) if lo > 0]
+    best = [max(remote[key]) / max(local[key]) for key in local if max(local[key]) > 0]
+    if not pairs or not best:
+        return float("nan"), float("nan"), 0
+    return statistics.median(pairs), float(np.exp(np.mean(np.log(best)))), len(pairs)
+
+
+def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per side, task and mode: decode tok/s (median, and every round's in ``rates``), tokens, and
+    drafted/accepted of the last run.
 
     The sides take turns run by run (in process, daemon, in process, …), so a
-    slower spell of a shared machine lands on both instead of on one side's block.
+    slower spell of a shared machine lands on both instead of on one side's block;
+    odd rounds reverse the order within each pair, so neither side always runs second.
     """
     rates: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     last: dict[str, dict[str, StreamChunk]] = {side: {} for side in sides}
-    for _ in range(REPS):
+    for rep in range(REPS):
+        order = list(sides.items()) if rep % 2 == 0 else list(reversed(sides.items()))
         for name, suffix, n in TASKS:
             for spec in (False, True):
                 key = f"{name}/{'spec' if spec else 'plain'}"
-                for side, (sess, manifest) in sides.items():
+                for side, (sess, manifest) in order:
                     final = _turn(sess, manifest, suffix, n, spec)
                     rates[side].setdefault(key, []).append(_rate(final))
                     last[side][key] = final
-    out: dict[str, dict[str, dict[str, float]]] = {side: {} for side in sides}
+    out: dict[str, dict[str, dict[str, Any]]] = {side: {} for side in sides}
     for side in sides:
         for key, values in rates[side].items():
             u = last[side][key].usage
             assert u is not None
             out[side][key] = {
                 "tok_s": statistics.median(values),
+                "rates": values,
                 "tokens": u.completion_tokens,
                 "drafted": u.drafted_tokens,
                 "accepted": u.accepted_tokens,
@@ -119,7 +149,7 @@ def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str,
     return out
 
 
-def measure_both(tmp: Path, engine: str) -> tuple[dict[str, dict[str, dict[str, float]]], int]:
+def measure_both(tmp: Path, engine: str) -> tuple[dict[str, dict[str, dict[str, Any]]], int]:
     """The tasks in process and through a daemon process, interleaved; and the model's weight bytes.
 
     The in-process model is loaded with the config the daemon resolved (threads, context).
@@ -163,17 +193,20 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
     local, remote = both["local"], both["remote"]
     rows: list[tuple[str, Any, str]] = []
     plain_local, plain_remote = local["prose/plain"]["tok_s"], remote["prose/plain"]["tok_s"]
-    ratio = plain_remote / plain_local if plain_local else float("nan")
-    rows.append(("decode tok/s, prose, in process / daemon", f"{plain_local:.1f} / {plain_remote:.1f}",
-                 f"daemon / in-process {ratio:.3f}, target >= 0.97 " + ("(met)" if ratio >= 0.97 else "(MISSED)")))
+    rows.append(("decode tok/s, prose, in process / daemon", f"{plain_local:.1f} / {plain_remote:.1f}", "medians"))
+    plain = [key for key in local if key.endswith("/plain")]
+    median, fastest, n = daemon_ratio({k: local[k]["rates"] for k in plain}, {k: remote[k]["rates"] for k in plain})
+    verdict = "(met)" if min(median, fastest) >= 0.97 else "(MISSED)"
+    rows.append(("daemon / in-process decode, plain", f"{median:.3f} / {fastest:.3f}",
+                 f"median of {n} back-to-back pairs / fastest rounds; target >= 0.97 {verdict}"))
     for name, _suffix, _n in TASKS:
         plain, spec = remote[f"{name}/plain"], remote[f"{name}/spec"]
-        speedup = spec["tok_s"] / plain["tok_s"] if plain["tok_s"] else float("nan")
+        speedup = paired_median(spec["rates"], plain["rates"])
         kept = f"{spec['accepted']:.0f} of {spec['drafted']:.0f} drafted kept" if spec["drafted"] else "no drafts"
         target = "target <= 3% slower" if name == "prose" else "target >= 2x (one engine), >= 1.5x (the other)"
         rows.append((f"{name}: plain / speculative tok/s (daemon)", f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
                      f"{speedup:.2f}x, {kept}, {spec['tokens']:.0f} tokens; {target}"))
-        lspeed = local[f"{name}/spec"]["tok_s"] / local[f"{name}/plain"]["tok_s"]
+        lspeed = paired_median(local[f"{name}/spec"]["rates"], local[f"{name}/plain"]["rates"])
         rows.append((f"{name}: speculative / plain in process", f"{lspeed:.2f}x", ""))
     bound = bandwidth / weights if weights else float("nan")
     rows.append(("bandwidth bound tok/s (weights / bandwidth)", f"{bound:.0f}",
