@@ -130,7 +130,8 @@ def greedy(session: Session, n: int = 16) -> list[int]:
     return decode(session, n)[0]
 
 
-def turn(session: Session, man: ContextManifest, prefix: str, suffix: str, n: int = 16) -> list[int]:
+def turn(session: Session, man: ContextManifest, prefix: str, suffix: str, n: int = 16, **cfg: Any) -> list[int]:
+    """A prefix, a suffix and ``n`` tokens decoded (greedy, as the daemon decodes by default, unless ``cfg``)."""
     session.ensure_prefix(PrefixInput(text=prefix, manifest=man))
     session.prefill_suffix(SuffixInput(text=suffix, manifest=man))
-    return greedy(session, n)
+    return decode(session, n, **cfg)[0]

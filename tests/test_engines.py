@@ -275,18 +275,21 @@ def test_backend_mismatch(engine: Engine) -> None:
 
 # --- decoding ------------------------------------------------------------------------------------------------
 def test_cancel_keeps_the_tape_equal_to_the_kv(engine: Engine, model: LoadedModel, session: Session) -> None:
+    # one-token steps throughout: an answer decoded in one pass and one cancelled and decoded on
+    # would batch different draft rows, and a bf16 engine rounds a batch apart from a step
+    plain = {"speculative": False}
     man = manifest(model, "cancel")
-    full = turn(session, man, LONG_PREFIX, "Describe the daemon.")
+    full = turn(session, man, LONG_PREFIX, "Describe the daemon.", **plain)
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
     session.prefill_suffix(SuffixInput(text="Describe the daemon.", manifest=man))
     prompt = engine.tape(model)
-    got = take(session.decode(DecodeConfig(max_tokens=200, return_token_ids=True)), 3)
+    got = take(session.decode(DecodeConfig(max_tokens=200, return_token_ids=True, **plain)), 3)
     assert got == full[: len(got)]
     # what was handed out is in the tape and the KV: decoding on continues the same answer
     assert engine.tape(model) == prompt + got and engine.kv_matches_tape(model)
     if engine.continues_answers:
-        assert greedy(session, len(full) - len(got)) == full[len(got) :]
-    assert turn(session, man, LONG_PREFIX, "Describe the daemon.") == full
+        assert decode(session, len(full) - len(got), **plain)[0] == full[len(got) :]
+    assert turn(session, man, LONG_PREFIX, "Describe the daemon.", **plain) == full
 
 
 def test_a_newer_operation_ends_an_abandoned_stream(engine: Engine, model: LoadedModel, session: Session) -> None:
@@ -355,11 +358,17 @@ def _check_same_greedy(engine: Engine, model: LoadedModel, session: Session, man
     if at is None:
         assert spec == plain
         return
-    assert engine.last_logits is not None
     _edit_turn(session, man, at, speculative=False)  # plain decoding up to the difference
+    _assert_near_tie(engine, model, at, plain, spec)
+
+
+def _assert_near_tie(engine: Engine, model: LoadedModel, at: int, plain: list[int], other: list[int]) -> None:
+    """The resident logits (plain decoding's, before token ``at``) rank ``plain[at]`` first and
+    ``other[at]`` second, within the kernels' difference."""
+    assert engine.last_logits is not None
     logits = engine.last_logits(model)
     best, runner_up = np.argsort(logits)[-1], np.argsort(logits)[-2]
-    assert (plain[at], spec[at]) == (best, runner_up), f"token {at}: the outputs part outside the top two"
+    assert (plain[at], other[at]) == (best, runner_up), f"token {at}: the outputs part outside the top two"
     margin = float(logits[best] - logits[runner_up])
     assert margin < NEAR_TIE, f"token {at}: outputs part where plain decoding led by {margin:.2f}"
 
@@ -371,20 +380,29 @@ def test_speculation_answers_like_plain_decoding_and_the_next_turn_reuses_it(
         pytest.skip("the reference does not speculate")
     man = manifest(model, "speculate")
     runs = {}
+    follows = {}
     for spec in (False, True):
         ids, text, final = _edit_turn(session, man, 160, speculative=spec)
         assert engine.kv_matches_tape(model)
         # the next turn resends the reply: all of it is reused
-        follow = EDIT_CONTINUATION + text + "\n```\nDone."
-        st = session.prefill_suffix(SuffixInput(text=follow, render=False, manifest=man))
+        follows[spec] = SuffixInput(text=EDIT_CONTINUATION + text + "\n```\nDone.", render=False, manifest=man)
+        st = session.prefill_suffix(follows[spec])
         assert st.reused_tokens >= len(ids) and engine.kv_matches_tape(model)
-        runs[spec] = (ids, final.usage, greedy(session, 12))
+        # the next turn decodes plain on both sides: only the KV the answer left differs
+        runs[spec] = (ids, final.usage, decode(session, 12, speculative=False)[0])
     (plain, plain_usage, plain_next), (spec_ids, usage, spec_next) = runs[False], runs[True]
     assert plain_usage is not None and plain_usage.drafted_tokens == 0
     # the answer copies the file: drafts from the prompt were checked and most were kept
     assert usage is not None and usage.accepted_tokens > 0.5 * usage.drafted_tokens > 10
-    if spec_ids == plain:
-        assert spec_next == plain_next  # the KV the drafts left answers the next turn alike
+    at = _first_difference(plain_next, spec_next) if spec_ids == plain else None
+    if at is not None:
+        # the KV the drafts left answers the next turn alike up to a near-tie: the answer's
+        # cells were computed by a check's rows, which bf16 kernels round apart from one-token steps
+        _edit_turn(session, man, 160, speculative=False)
+        session.prefill_suffix(follows[False])
+        if at:
+            decode(session, at, speculative=False)
+        _assert_near_tie(engine, model, at, plain_next, spec_next)
     _check_same_greedy(engine, model, session, man, plain, spec_ids)
 
 
