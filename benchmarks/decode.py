@@ -28,6 +28,14 @@ add time, and come and go within seconds (one pair's ratio here ranges
 0.82–1.11 with nothing changed), so the fastest rounds are the steadier view
 of what the daemon itself costs; the median says what a turn saw typically.
 
+On llama.cpp the edit chat turn also goes to the peer, llama-cpp-python's own
+OpenAI server (same GGUF, threads and messages, streamed over HTTP), plain and
+with its prompt-lookup drafts (``--draft_model prompt-lookup-decoding``, 4 and
+its default 10 tokens per draft), the servers taking turns round by round
+(``peer_rates``). Its rate is streamed chunks (one per token there) over the
+time from the first to the last, so compare its speculative / plain with ours,
+not its absolute rate with the daemon's engine-timed one.
+
 Targets (issue: speed): daemon / in-process >= 0.97 on both engines;
 speculative >= 2x plain on the edit task on one engine and >= 1.5x on the other,
 <= 3% slower on prose.
@@ -35,6 +43,9 @@ speculative >= 2x plain on the edit task on one engine and >= 1.5x on the other,
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import os
 import statistics
 import time
@@ -44,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from backends.bundled import bundled_gguf_path
+from benchmarks.agent import peer_server
 from contract.types import (
     ChatMessage,
     DecodeConfig,
@@ -67,6 +79,10 @@ TASKS: list[tuple[str, SuffixInput, int]] = [
     ("edit", SuffixInput(messages=[ChatMessage(role="user", content=EDIT_TASK)]), 320),
     ("edit (continuation)", SuffixInput(text=EDIT_CONTINUATION, render=False), 320),
 ]
+#: the peer's prompt-lookup draft lengths compared (``--draft_model_num_pred_tokens``; 10 is its default)
+PEER_DRAFTS = (4, 10)
+#: rounds of the peer's servers taking turns on the edit turn
+PEER_REPS = 3
 
 
 def bandwidth_bytes_per_s() -> float:
@@ -188,6 +204,62 @@ def measure_both(tmp: Path, engine: str) -> tuple[dict[str, dict[str, dict[str, 
         d.stop()
 
 
+def _peer_decode(port: int, messages: list[dict[str, str]], n: int) -> float:
+    """One streamed chat completion from the peer's server; decode tok/s between its first and last chunk."""
+    body = json.dumps({"messages": messages, "max_tokens": n, "temperature": 0, "stream": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    stamps: list[float] = []
+    try:
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"the peer answered {resp.status}: {resp.read()[:200]!r}")
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[5:]).get("choices") or [{}]
+            if choices[0].get("delta", {}).get("content"):
+                stamps.append(time.perf_counter())
+    finally:
+        conn.close()
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else 0.0
+
+
+def peer_rates(tmp: Path, rounds: int = PEER_REPS) -> dict[str, list[float]]:
+    """The edit chat turn through llama-cpp-python's own server, plain and with its prompt-lookup
+    drafts of each length in ``PEER_DRAFTS``: one server each, taking turns round by round
+    (decode tok/s per round, keyed ``plain`` and ``lookup N``)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": EDIT_TASK}]
+    n = next(n for name, _s, n in TASKS if name == "edit")
+    flags = {"plain": ()} | {
+        f"lookup {k}": ("--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", str(k))
+        for k in PEER_DRAFTS
+    }
+    rates: dict[str, list[float]] = {key: [] for key in flags}
+    with contextlib.ExitStack() as stack:
+        ports = {key: stack.enter_context(peer_server(tmp, bundled_gguf_path(), NUM_CTX, *f)) for key, f in flags.items()}
+        for port in ports.values():
+            _peer_decode(port, messages, 8)  # the prompt prefilled once; every round after reuses it
+        for rep in range(rounds):
+            order = list(ports.items()) if rep % 2 == 0 else list(reversed(ports.items()))
+            for key, port in order:
+                rates[key].append(_peer_decode(port, messages, n))
+    return rates
+
+
+def peer_rows(rates: dict[str, list[float]], ours: float) -> list[tuple[str, Any, str]]:
+    """The peer's rows: its rates, and its speculative / plain next to the daemon's (``ours``)."""
+    plain = rates["plain"]
+    speedups = ", ".join(f"{key} {paired_median(values, plain):.2f}x" for key, values in rates.items() if key != "plain")
+    return [(
+        "edit: the peer's plain / " + " / ".join(k for k in rates if k != "plain") + " tok/s",
+        " / ".join(f"{statistics.median(v):.1f}" for v in rates.values()),
+        f"llama-cpp-python's server, same turn, model and threads (median of {len(plain)}); "
+        f"its speculative / plain: {speedups}; modeld's: {ours:.2f}x",
+    )]
+
+
 def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, str]]:
     both, weights = measure_both(tmp, engine)
     local, remote = both["local"], both["remote"]
@@ -208,6 +280,9 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
                      f"{speedup:.2f}x, {kept}, {spec['tokens']:.0f} tokens; {target}"))
         lspeed = paired_median(local[f"{name}/spec"]["rates"], local[f"{name}/plain"]["rates"])
         rows.append((f"{name}: speculative / plain in process", f"{lspeed:.2f}x", ""))
+    if engine == "llama":
+        ours = paired_median(remote["edit/spec"]["rates"], remote["edit/plain"]["rates"])
+        rows += peer_rows(peer_rates(tmp), ours)
     bound = bandwidth / weights if weights else float("nan")
     rows.append(("bandwidth bound tok/s (weights / bandwidth)", f"{bound:.0f}",
                  f"{weights / 2**20:.0f} MiB of weights at {bandwidth / 2**30:.1f} GiB/s; "
