@@ -271,9 +271,10 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
     verdict = "(met)" if min(median, fastest) >= 0.97 else "(MISSED)"
     rows.append(("daemon / in-process decode, plain", f"{median:.3f} / {fastest:.3f}",
                  f"median of {n} back-to-back pairs / fastest rounds; target >= 0.97 {verdict}"))
+    speedups: dict[str, float] = {}
     for name, _suffix, _n in TASKS:
         plain, spec = remote[f"{name}/plain"], remote[f"{name}/spec"]
-        speedup = paired_median(spec["rates"], plain["rates"])
+        speedup = speedups[name] = paired_median(spec["rates"], plain["rates"])
         kept = f"{spec['accepted']:.0f} of {spec['drafted']:.0f} drafted kept" if spec["drafted"] else "no drafts"
         target = "target <= 3% slower" if name == "prose" else "target >= 2x (one engine), >= 1.5x (the other)"
         rows.append((f"{name}: plain / speculative tok/s (daemon)", f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
@@ -281,8 +282,7 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
         lspeed = paired_median(local[f"{name}/spec"]["rates"], local[f"{name}/plain"]["rates"])
         rows.append((f"{name}: speculative / plain in process", f"{lspeed:.2f}x", ""))
     if engine == "llama":
-        ours = paired_median(remote["edit/spec"]["rates"], remote["edit/plain"]["rates"])
-        rows += peer_rows(peer_rates(tmp), ours)
+        rows += peer_rows(peer_rates(tmp), speedups["edit"])
     bound = bandwidth / weights if weights else float("nan")
     rows.append(("bandwidth bound tok/s (weights / bandwidth)", f"{bound:.0f}",
                  f"{weights / 2**20:.0f} MiB of weights at {bandwidth / 2**30:.1f} GiB/s; "
