@@ -6,6 +6,11 @@ client. On a machine with as many cores as engine threads, each wake-up takes
 a core from the engine in the middle of a step, and its other threads wait for
 it at the next barrier; at ~100 tokens/s one frame per token cost about 6% of
 decode speed on 2 cores (measured with ``make bench``'s decode section).
+Measured per frame there: ~110 µs of the daemon's IO thread and ~200 µs of the
+client (receive, decode, validate), so even a frame per 20 ms took ~2% of a
+core beside the engine, and OpenVINO, whose two threads meet at every
+operation, lost about twice that (~3.5%); at one frame per 50 ms (the
+default) neither engine decodes measurably slower than in process.
 
 So the worker sends a chunk at once when the last frame went out at least
 ``interval_s`` ago (the first chunk always goes at once: time to first token is

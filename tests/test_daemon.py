@@ -256,7 +256,7 @@ def _frames(d: DaemonProcess, max_tokens: int) -> tuple[list[str], int]:
 
 
 def test_decode_frames_are_coalesced_to_the_stream_interval(daemon: DaemonProcess, tmp_path: Path) -> None:
-    """At 5 ms a token, the default 20 ms interval sends several tokens a frame, none lost or reordered;
+    """At 5 ms a token, the default 50 ms interval sends several tokens a frame, none lost or reordered;
     with an interval of 0 each token is its own frame."""
     frames, produced = _frames(daemon, 200)
     per_token = DaemonProcess(
