@@ -1,12 +1,48 @@
-"""The bench's daemon / in-process estimates (``benchmarks.decode.daemon_ratio``)."""
+"""The bench's daemon / in-process estimates (``benchmarks.decode.short_pairs`` and ``daemon_ratio``)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from benchmarks.decode import daemon_ratio, paired_median
+from benchmarks.decode import SHORT_TOKENS, TASKS, daemon_ratio, paired_median, short_pairs
+from contract.manifest import ContextManifest
+from contract.types import DecodeConfig, StreamChunk, Usage
+
+
+class _Timed:
+    """A session whose decodes take ``ms_per_token`` each, and that logs which side ran when."""
+
+    def __init__(self, side: str, ms_per_token: list[float], log: list[str]) -> None:
+        self.side, self.ms, self.log = side, list(ms_per_token), log
+
+    def ensure_prefix(self, _prefix: Any) -> None:
+        pass
+
+    def prefill_suffix(self, _suffix: Any) -> None:
+        pass
+
+    def decode(self, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+        assert cfg.temperature == 0.0 and cfg.speculative is False
+        self.log.append(self.side)
+        yield StreamChunk(done=True, usage=Usage(completion_tokens=cfg.max_tokens,
+                                                 decode_ms=cfg.max_tokens * self.ms.pop(0)))
+
+
+def test_short_pairs_alternate_which_side_runs_first_and_give_one_ratio_each() -> None:
+    log: list[str] = []
+    sides = {
+        "local": (_Timed("local", [10.0, 10.0, 20.0, 10.0], log), ContextManifest()),
+        "remote": (_Timed("remote", [10.0, 12.5, 20.0, 8.0], log), ContextManifest()),
+    }
+    ratios = short_pairs(sides, pairs=4)
+    assert log == ["local", "remote", "remote", "local"] * 2
+    # a slow spell (pair 3) slows both sides of its pair and leaves their ratio alone
+    assert ratios == pytest.approx([1.0, 0.8, 1.0, 1.25])
+    assert SHORT_TOKENS < TASKS[0][2]  # the prose answer runs on past it: no pair stops early on one side
 
 
 def test_pairs_are_matched_by_round_and_the_fastest_rounds_by_task() -> None:
