@@ -111,7 +111,7 @@ def _turn(sess: Any, manifest: Any, suffix: SuffixInput, n: int, speculative: bo
     sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
     sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=manifest))
     sess.prefill_suffix(suffix.model_copy(update={"manifest": manifest}))
-    final = None
+    final: StreamChunk | None = None
     for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0, speculative=speculative)):
         final = chunk
     assert final is not None and final.usage is not None
@@ -297,8 +297,9 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
     rows.append(("daemon / in-process decode, plain", f"{short:.3f}",
                  f"median of {len(shorts)} back-to-back pairs of {SHORT_TOKENS}-token decodes (quartiles "
                  f"{q1:.3f}-{q3:.3f}); target >= 0.97 {verdict}"))
-    plain = [key for key in local if key.endswith("/plain")]
-    median, fastest, n = daemon_ratio({k: local[k]["rates"] for k in plain}, {k: remote[k]["rates"] for k in plain})
+    plain_keys = [key for key in local if key.endswith("/plain")]
+    median, fastest, n = daemon_ratio({k: local[k]["rates"] for k in plain_keys},
+                                      {k: remote[k]["rates"] for k in plain_keys})
     rows.append(("daemon / in-process decode, the tasks' pairs", f"{median:.3f} / {fastest:.3f}",
                  f"median of {n} pairs of the tasks below / fastest rounds (seconds to minutes apart: noisier)"))
     speedups: dict[str, float] = {}
