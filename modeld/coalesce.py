@@ -10,7 +10,8 @@ Measured per frame there: ~110 µs of the daemon's IO thread and ~200 µs of the
 client (receive, decode, validate), so even a frame per 20 ms took ~2% of a
 core beside the engine, and OpenVINO, whose two threads meet at every
 operation, lost about twice that (~3.5%); at one frame per 50 ms (the
-default) neither engine decodes measurably slower than in process.
+default) llama.cpp decodes within noise of in process and OpenVINO ~2% slower
+(0.957-0.983 in the bench's short pairs).
 
 So the worker sends a chunk at once when the last frame went out at least
 ``interval_s`` ago (the first chunk always goes at once: time to first token is

@@ -119,7 +119,8 @@ DEFAULT_WEDGE_S = 120.0
 SHUTDOWN_WAIT_S = 10.0
 #: a decode stream's frames at most this often (``modeld.coalesce``): on 2 cores at ~100 tokens/s a frame
 #: per token cost llama.cpp ~5% of its decode speed, and a frame per 20 ms still cost OpenVINO (bf16) ~3.5%;
-#: at 50 ms both decode as fast as in process, and 20 updates a second still read as a smooth stream
+#: at 50 ms llama.cpp is within noise of in process and OpenVINO ~2% off, and 20 updates a second still
+#: read as a smooth stream
 DEFAULT_STREAM_INTERVAL_S = 0.050
 #: how much nicer the model workers (and the engine threads they start) run than the IO thread
 DEFAULT_ENGINE_NICE = 10

@@ -15,6 +15,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -59,7 +60,7 @@ from contract.types import (  # noqa: E402
     StructuredOutputConfig,
     SuffixInput,
 )
-from tests.engine_kit import LONG_PREFIX, NUM_CTX, PARAGRAPH  # noqa: E402
+from tests.engine_kit import LONG_PREFIX, NUM_CTX, PARAGRAPH, decode  # noqa: E402
 from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 
 pytestmark = pytest.mark.openvino
@@ -102,10 +103,8 @@ def manifest(m: OpenVINOLoadedModel, profile: str = "", **over: str) -> ContextM
     return m.manifest_defaults().model_copy(update={"profile": profile, **over})
 
 
-def greedy(s: TapeSession, n: int = 24, **cfg: object) -> list[int]:
-    chunks = list(s.decode(DecodeConfig(max_tokens=n, return_token_ids=True, **cfg)))  # type: ignore[arg-type]
-    assert chunks[-1].done
-    return [t for c in chunks for t in c.token_ids]
+def greedy(s: TapeSession, n: int = 24, **cfg: Any) -> list[int]:
+    return decode(s, n, **cfg)[0]
 
 
 def turn(s: TapeSession, man: ContextManifest, prefix: str, suffix: str, n: int = 24) -> list[int]:
@@ -422,9 +421,9 @@ FILE_SCHEMA = {
 }
 
 
-def constrained(s: TapeSession, so: StructuredOutputConfig, n: int = 80, **cfg: object) -> tuple[str, list[int], str]:
-    chunks = list(s.decode(DecodeConfig(max_tokens=n, return_token_ids=True, structured_output=so, **cfg)))  # type: ignore[arg-type]
-    return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1].finish_reason
+def constrained(s: TapeSession, so: StructuredOutputConfig, n: int = 80, **cfg: Any) -> tuple[str, list[int], str]:
+    ids, text, final = decode(s, n, structured_output=so, **cfg)
+    return text, ids, final.finish_reason
 
 
 @pytest.mark.parametrize(
@@ -489,15 +488,10 @@ def test_grammar_output_follows_the_grammar(model: OpenVINOLoadedModel, session:
             session.ensure_prefix(PrefixInput(text="You are terse.", manifest=man))
             session.prefill_suffix(SuffixInput(text="How many tests passed? Answer in one line.", manifest=man))
             base = list(model.res.tokens)
-            chunks = list(
-                session.decode(
-                    DecodeConfig(max_tokens=40, return_token_ids=True, structured_output=StructuredOutputConfig(grammar=grammar), **cfg)  # type: ignore[arg-type]
-                )
-            )
-            text = "".join(c.text for c in chunks)
+            text, ids, finish = constrained(session, StructuredOutputConfig(grammar=grammar), 40, **cfg)
             assert re.fullmatch(pattern, text), (grammar, cfg, text)
-            assert chunks[-1].finish_reason == "stop"
-            assert model.res.tokens == base + [t for c in chunks for t in c.token_ids]
+            assert finish == "stop"
+            assert model.res.tokens == base + ids
 
 
 def test_constraint_and_stop_and_length(model: OpenVINOLoadedModel, session: TapeSession) -> None:
