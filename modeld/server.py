@@ -28,6 +28,7 @@ import errno
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -110,7 +111,8 @@ from .slot import SlotService, SlotSession
 
 log = logging.getLogger("modeld.server")
 
-POLL_INTERVAL_MS = 50
+#: the IO thread wakes at least this often for its timers (lease reaping, the wedge watch); otherwise it
+#: sleeps until a frame, a heartbeat that is due or a stop wakes it: an idle daemon wakes twice a second
 REAP_INTERVAL_S = 0.5
 #: a model worker that shows no progress (``interrupt.beat``) for this long is wedged; well above any
 #: legitimate step (a prefill chunk, a graph node, a decoded token; a load reports progress too)
@@ -188,6 +190,10 @@ class Daemon:
         self.blobs = blobs
         self._ctx = zmq.Context()
         self._stop = threading.Event()
+        #: ``stop`` writes a byte here so the IO thread, asleep until its next timer, stops at once
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._work: queue.Queue[tuple[_Inflight, Message] | None] = queue.Queue()
         # Embeddings have their own thread and model, so they run while a decode streams.
         self._embed_work: queue.Queue[tuple[_Inflight, Message] | None] = queue.Queue()
@@ -224,6 +230,10 @@ class Daemon:
     def stop(self) -> None:
         """Ask the daemon to stop; safe from signal handlers and other threads, idempotent."""
         self._stop.set()
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # a wake-up is already pending (the buffer is full), or the daemon has shut down
 
     def serve(self) -> None:
         router = self._bind()
@@ -236,10 +246,14 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
+        wake = self._wake_r.fileno()
+        poller.register(wake, zmq.POLLIN)  # (a plain descriptor: poll reports it by its number)
         last_reap = time.monotonic()
         try:
             while not self._stop.is_set():
-                events = dict(poller.poll(POLL_INTERVAL_MS))
+                events = dict(poller.poll(self._sleep_ms(last_reap)))
+                if wake in events:
+                    self._drain_wake()
                 if pull in events:
                     self._drain_out(router, pull)
                 if router in events:
@@ -258,6 +272,24 @@ class Daemon:
                     self._work.put(None)  # a wake-up: the worker reaps expired leases
         finally:
             self._shutdown(router, pull)
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _sleep_ms(self, last_reap: float) -> int:
+        """How long the IO thread may sleep: until the next reap, or sooner when a heartbeat is due."""
+        due = last_reap + REAP_INTERVAL_S
+        with self._inflight_lock:
+            if self._inflight:
+                due = min(due, min(inf.last_hb for inf in self._inflight.values()) + wire.HEARTBEAT_INTERVAL_S)
+        # (+1: poll rounds down to whole milliseconds, and waking a hair early only loops once more)
+        return max(0, int((due - time.monotonic()) * 1000) + 1)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except BlockingIOError:
+            pass
 
     def _bind(self) -> zmq.Socket[bytes]:
         router = self._ctx.socket(zmq.ROUTER)
@@ -378,6 +410,13 @@ class Daemon:
             if kind is not None and kind.terminal:
                 with self._inflight_lock:
                     self._inflight.pop((identity, rest[2]), None)
+            elif kind is Kind.DATA:
+                # a stream's frame tells its client the daemon is alive as well as a heartbeat
+                # would: the next heartbeat is due a full interval after it, not while data flows
+                with self._inflight_lock:
+                    inf = self._inflight.get((identity, rest[2]))
+                    if inf is not None:
+                        inf.last_hb = time.monotonic()
             self._send(router, identity, rest)
 
     def stalled_s(self, now: float | None = None) -> float:
@@ -506,7 +545,8 @@ class Daemon:
         try:
             while True:
                 try:
-                    item = self._work.get(timeout=PARKED_POLL_S if self._parked else REAP_INTERVAL_S)
+                    # (unparked, it sleeps until work comes: the IO thread wakes it every REAP_INTERVAL_S)
+                    item = self._work.get(timeout=PARKED_POLL_S if self._parked else None)
                 except queue.Empty:
                     item = None
                 if item is None:

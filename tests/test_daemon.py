@@ -274,6 +274,65 @@ def test_decode_frames_are_coalesced_to_the_stream_interval(daemon: DaemonProces
     assert len(frames) < 200 / 2, f"{len(frames)} frames for 200 tokens at 5 ms a token"
 
 
+def test_a_stream_sending_data_gets_no_heartbeats_between_its_frames(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A data frame already tells the client the daemon is alive: while frames flow (every 50 ms here),
+    a heartbeat is due only a whole interval after the last frame, so none arrives beside them."""
+    heard: list[tuple[float, Kind | None]] = []
+    decode_reply = wire.decode_reply
+
+    def recording(frames: list[bytes]) -> wire.Message:
+        msg = decode_reply(frames)
+        heard.append((time.monotonic(), msg.kind))
+        return msg
+
+    sess = client.open_session(MODEL_A)
+    m = manifest_for(sess, "heartbeats")
+    sess.ensure_prefix(PrefixInput(text="system", manifest=m))
+    sess.prefill_suffix(SuffixInput(text="user", manifest=m))
+    monkeypatch.setattr(wire, "decode_reply", recording)
+    n = sum(len(chunk.text) for chunk in sess.decode(DecodeConfig(max_tokens=500)))  # 5 ms a token: ~2.5 s
+    monkeypatch.undo()
+    sess.close()
+    assert n == 500
+    data = [t for t, kind in heard if kind is Kind.DATA]
+    assert data[-1] - data[0] > 2 * wire.HEARTBEAT_INTERVAL_S, "the stream must outlast two heartbeat intervals"
+    for i, (t, kind) in enumerate(heard):
+        if kind is Kind.HEARTBEAT and i > 0:
+            # (only a stall of the daemon longer than the interval may leave room for one)
+            assert t - heard[i - 1][0] > wire.HEARTBEAT_INTERVAL_S / 2, f"a heartbeat between data frames: {heard}"
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread wake-ups from /proc (Linux)")
+def test_an_idle_daemon_sleeps_until_its_next_timer(tmp_path: Path) -> None:
+    """With nothing to do, the IO thread (the main thread of ``modeld serve``) wakes for its timers only
+    (the lease reaper, every half second), not on a short poll, and the model worker only when woken."""
+    from modeld.server import REAP_INTERVAL_S
+
+    d = DaemonProcess(tmp_path, "memory", None, "--no-preload").start()
+    try:
+        assert d.proc is not None
+        tasks = Path(f"/proc/{d.proc.pid}/task")
+
+        def wakeups() -> int:
+            total = 0
+            for task in tasks.iterdir():
+                status = (task / "status").read_text()
+                total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+            return total
+
+        time.sleep(1.0)  # (past the start: the sd-notify thread ends, the log settles)
+        before, t0 = wakeups(), time.monotonic()
+        time.sleep(3.0)
+        woke, slept = wakeups() - before, time.monotonic() - t0
+    finally:
+        d.stop()
+    # the IO thread's reap and the worker it wakes: two wake-ups each per interval (a 50 ms poll was 20 a second)
+    expected = 2 * slept / REAP_INTERVAL_S
+    assert woke <= expected + 6, f"{woke} wake-ups in {slept:.1f} s idle (timers alone: {expected:.0f})"
+
+
 def test_client_killed_mid_decode_releases_the_slot(daemon: DaemonProcess, client: Client) -> None:
     proc = streaming_client(daemon.endpoint, MODEL_A, owner=OWNER, then="os._exit(0)  # die without closing anything")
     proc.wait(60)
