@@ -9,9 +9,10 @@ decode speed on 2 cores (measured with ``make bench``'s decode section).
 Measured per frame there: ~110 µs of the daemon's IO thread and ~200 µs of the
 client (receive, decode, validate), so even a frame per 20 ms took ~2% of a
 core beside the engine, and OpenVINO, whose two threads meet at every
-operation, lost about twice that (~3.5%); at one frame per 50 ms (the
-default) llama.cpp decodes within noise of in process and OpenVINO ~2% slower
-(0.957-0.983 in the bench's short pairs).
+operation, lost about twice that (~3.5%). At one frame per 50 ms (the
+default) both engines decode within ~1% of in process (the bench's short
+pairs with the load order balanced: llama.cpp 0.993, OpenVINO 0.982-0.988;
+no frames at all until the end read 0.997 beside 0.991 at 50 ms).
 
 So the worker sends a chunk at once when the last frame went out at least
 ``interval_s`` ago (the first chunk always goes at once: time to first token is

@@ -121,8 +121,7 @@ DEFAULT_WEDGE_S = 120.0
 SHUTDOWN_WAIT_S = 10.0
 #: a decode stream's frames at most this often (``modeld.coalesce``): on 2 cores at ~100 tokens/s a frame
 #: per token cost llama.cpp ~5% of its decode speed, and a frame per 20 ms still cost OpenVINO (bf16) ~3.5%;
-#: at 50 ms llama.cpp is within noise of in process and OpenVINO ~2% off, and 20 updates a second still
-#: read as a smooth stream
+#: at 50 ms both are within ~1% of in process, and 20 updates a second still read as a smooth stream
 DEFAULT_STREAM_INTERVAL_S = 0.050
 #: how much nicer the model workers (and the engine threads they start) run than the IO thread
 DEFAULT_ENGINE_NICE = 10
@@ -190,10 +189,9 @@ class Daemon:
         self.blobs = blobs
         self._ctx = zmq.Context()
         self._stop = threading.Event()
-        #: ``stop`` writes a byte here so the IO thread, asleep until its next timer, stops at once
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        #: while ``serve`` runs: the socket pair ``stop`` writes a byte into, so that the IO thread, asleep
+        #: until its next timer, stops at once
+        self._wake: tuple[socket.socket, socket.socket] | None = None
         self._work: queue.Queue[tuple[_Inflight, Message] | None] = queue.Queue()
         # Embeddings have their own thread and model, so they run while a decode streams.
         self._embed_work: queue.Queue[tuple[_Inflight, Message] | None] = queue.Queue()
@@ -230,12 +228,26 @@ class Daemon:
     def stop(self) -> None:
         """Ask the daemon to stop; safe from signal handlers and other threads, idempotent."""
         self._stop.set()
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:
-            pass  # a wake-up is already pending (the buffer is full), or the daemon has shut down
+        wake = self._wake
+        if wake is not None:
+            try:
+                wake[1].send(b"\0")
+            except OSError:
+                pass  # a wake-up is already pending (the buffer is full), or serve has just closed it
 
     def serve(self) -> None:
+        wake_r, wake_w = socket.socketpair()
+        wake_r.setblocking(False)
+        wake_w.setblocking(False)
+        self._wake = (wake_r, wake_w)
+        try:
+            self._serve(wake_r)
+        finally:
+            self._wake = None
+            wake_r.close()
+            wake_w.close()
+
+    def _serve(self, wake_r: socket.socket) -> None:
         router = self._bind()
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(_OUT_ENDPOINT)
@@ -246,14 +258,14 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
-        wake = self._wake_r.fileno()
+        wake = wake_r.fileno()
         poller.register(wake, zmq.POLLIN)  # (a plain descriptor: poll reports it by its number)
         last_reap = time.monotonic()
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(self._sleep_ms(last_reap)))
                 if wake in events:
-                    self._drain_wake()
+                    _drain(wake_r)
                 if pull in events:
                     self._drain_out(router, pull)
                 if router in events:
@@ -272,8 +284,6 @@ class Daemon:
                     self._work.put(None)  # a wake-up: the worker reaps expired leases
         finally:
             self._shutdown(router, pull)
-            self._wake_r.close()
-            self._wake_w.close()
 
     def _sleep_ms(self, last_reap: float) -> int:
         """How long the IO thread may sleep: until the next reap, or sooner when a heartbeat is due."""
@@ -283,13 +293,6 @@ class Daemon:
                 due = min(due, min(inf.last_hb for inf in self._inflight.values()) + wire.HEARTBEAT_INTERVAL_S)
         # (+1: poll rounds down to whole milliseconds, and waking a hair early only loops once more)
         return max(0, int((due - time.monotonic()) * 1000) + 1)
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_r.recv(64):
-                pass
-        except BlockingIOError:
-            pass
 
     def _bind(self) -> zmq.Socket[bytes]:
         router = self._ctx.socket(zmq.ROUTER)
@@ -876,6 +879,15 @@ _HANDLERS: dict[Op, Callable[[Daemon, Any], BaseModel]] = {
 _STREAM_HANDLERS: dict[Op, Callable[[Daemon, _Inflight, Any], Generator[StreamChunk, None, None]]] = {
     Op.DECODE: Daemon._s_decode,
 }
+
+
+def _drain(sock: socket.socket) -> None:
+    """Read a non-blocking socket until it is empty."""
+    try:
+        while sock.recv(64):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _answers(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> bool:
