@@ -247,7 +247,6 @@ def measure_both(tmp: Path, engine: str) -> tuple[dict[str, dict[str, dict[str, 
                 with d.client(timeout_s=600.0) as c2:
                     remote = c2.open_session(OpenSessionRequest())
                     sides = {"local": local, "remote": (remote, remote.manifest(profile="bench-decode"))}
-                    _turn(remote, sides["remote"][1], TASKS[0][1], 16, False)  # (its first decode, untimed)
                     shorts["daemon second"] = short_pairs(sides, SHORT_PAIRS // 2)
                     remote.close()
                 return both, shorts, weights

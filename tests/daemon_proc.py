@@ -142,3 +142,16 @@ def thread_nices(pid: int) -> dict[int, int]:
         # after "(comm)": state is field 3, nice field 19 (proc(5))
         out[int(tid)] = int(stat[stat.rindex(")") + 2 :].split()[16])
     return out
+
+
+def voluntary_switches(pid: int) -> int:
+    """Linux: how many times the threads of process ``pid`` have slept and woken (``voluntary_ctxt_switches``
+    summed over its live threads, from /proc)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+        total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total

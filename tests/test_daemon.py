@@ -52,7 +52,7 @@ from contract.wire import Kind, Op
 from runtime import Client
 
 from .conformance import manifest_for
-from .daemon_proc import ROOT, DaemonProcess, streaming_client
+from .daemon_proc import ROOT, DaemonProcess, streaming_client, voluntary_switches
 
 OWNER = "owner-A"
 MODEL_A = OpenSessionRequest(owner_instance_id=OWNER, model_name="a", type="memory", path="/models/a")
@@ -313,19 +313,10 @@ def test_an_idle_daemon_sleeps_until_its_next_timer(tmp_path: Path) -> None:
     d = DaemonProcess(tmp_path, "memory", None, "--no-preload").start()
     try:
         assert d.proc is not None
-        tasks = Path(f"/proc/{d.proc.pid}/task")
-
-        def wakeups() -> int:
-            total = 0
-            for task in tasks.iterdir():
-                status = (task / "status").read_text()
-                total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
-            return total
-
         time.sleep(1.0)  # (past the start: the sd-notify thread ends, the log settles)
-        before, t0 = wakeups(), time.monotonic()
+        before, t0 = voluntary_switches(d.proc.pid), time.monotonic()
         time.sleep(3.0)
-        woke, slept = wakeups() - before, time.monotonic() - t0
+        woke, slept = voluntary_switches(d.proc.pid) - before, time.monotonic() - t0
     finally:
         d.stop()
     # the IO thread's reap and the worker it wakes: two wake-ups each per interval (a 50 ms poll was 20 a second)
