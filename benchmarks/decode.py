@@ -67,6 +67,7 @@ from backends.bundled import bundled_gguf_path
 from benchmarks.agent import peer_server
 from contract.types import (
     ChatMessage,
+    Config,
     DecodeConfig,
     OpenSessionRequest,
     PrefixInput,
@@ -96,6 +97,9 @@ PEER_REPS = 3
 SHORT_PAIRS = 40
 #: tokens each of those decodes (a prose answer runs longer than this)
 SHORT_TOKENS = 96
+#: llama.cpp's KV layout whose kernels give a token the same logits alone or as a row of a check
+#: (flash attention over a quantized cache: README, Speculative decoding), so drafts cannot change an answer
+EXACT_LAYOUT: dict[str, Any] = {"flash_attn": True, "kv_cache_type": "q8_0"}
 
 
 def bandwidth_bytes_per_s() -> float:
@@ -112,14 +116,36 @@ def bandwidth_bytes_per_s() -> float:
 
 def _turn(sess: Any, manifest: Any, suffix: SuffixInput, n: int, speculative: bool) -> StreamChunk:
     """One decode of ``suffix`` after the system prompt; a different short turn first, so it is prefilled anew."""
+    return _answer(sess, manifest, suffix, n, speculative)[0]
+
+
+def _answer(sess: Any, manifest: Any, suffix: SuffixInput, n: int, speculative: bool) -> tuple[StreamChunk, list[int]]:
+    """``_turn``, and the answer's token ids."""
     sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
     sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=manifest))
     sess.prefill_suffix(suffix.model_copy(update={"manifest": manifest}))
     final: StreamChunk | None = None
-    for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0, speculative=speculative)):
+    ids: list[int] = []
+    for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0, speculative=speculative,
+                                          return_token_ids=True)):
+        ids += chunk.token_ids
         final = chunk
     assert final is not None and final.usage is not None
-    return final
+    return final, ids
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two answers part (one ending early counts), None if equal."""
+    at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if at is None and len(a) != len(b):
+        at = min(len(a), len(b))
+    return at
+
+
+def same_answer(plain: list[int], spec: list[int]) -> str:
+    """Whether the speculative answer is the plain one, token for token; where they part if not."""
+    at = first_difference(plain, spec)
+    return "the same answer" if at is None else f"ANSWERS PART at token {at} of {len(plain)}"
 
 
 def _rate(final: StreamChunk) -> float:
@@ -160,8 +186,8 @@ def short_pairs(sides: dict[str, tuple[Any, Any]], pairs: int = SHORT_PAIRS, tok
 
 
 def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
-    """Per side, task and mode: decode tok/s (median, and every round's in ``rates``), tokens, and
-    drafted/accepted of the last run.
+    """Per side, task and mode: decode tok/s (median, and every round's in ``rates``), tokens,
+    drafted/accepted and the answer's token ids (``ids``) of the last run.
 
     The sides take turns run by run (in process, daemon, in process, …), so a
     slower spell of a shared machine lands on both instead of on one side's block;
@@ -169,15 +195,17 @@ def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str,
     """
     rates: dict[str, dict[str, list[float]]] = {side: {} for side in sides}
     last: dict[str, dict[str, StreamChunk]] = {side: {} for side in sides}
+    answers: dict[str, dict[str, list[int]]] = {side: {} for side in sides}
     for rep in range(REPS):
         order = list(sides.items()) if rep % 2 == 0 else list(reversed(sides.items()))
         for name, suffix, n in TASKS:
             for spec in (False, True):
                 key = f"{name}/{'spec' if spec else 'plain'}"
                 for side, (sess, manifest) in order:
-                    final = _turn(sess, manifest, suffix, n, spec)
+                    final, ids = _answer(sess, manifest, suffix, n, spec)
                     rates[side].setdefault(key, []).append(_rate(final))
                     last[side][key] = final
+                    answers[side][key] = ids
     out: dict[str, dict[str, dict[str, Any]]] = {side: {} for side in sides}
     for side in sides:
         for key, values in rates[side].items():
@@ -189,6 +217,7 @@ def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str,
                 "tokens": u.completion_tokens,
                 "drafted": u.drafted_tokens,
                 "accepted": u.accepted_tokens,
+                "ids": answers[side][key],
             }
     return out
 
@@ -312,6 +341,28 @@ def peer_rows(rates: dict[str, list[float]], ours: float) -> list[tuple[str, Any
     )]
 
 
+def exact_layout_rows() -> list[tuple[str, Any, str]]:
+    """The tasks in process on llama.cpp with its row-invariant KV layout (``EXACT_LAYOUT``), plain vs speculative."""
+    from backends.llama import LlamaBackend
+
+    req = OpenSessionRequest(path=str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX, **EXACT_LAYOUT))
+    model = LlamaBackend().load(req, lambda _f: None)
+    try:
+        side = (model.open_session(), model.manifest_defaults().model_copy(update={"profile": "bench-exact"}))
+        got = _measure({"local": side})["local"]
+    finally:
+        model.close()
+    rows: list[tuple[str, Any, str]] = []
+    for name, _suffix, _n in TASKS:
+        plain, spec = got[f"{name}/plain"], got[f"{name}/spec"]
+        kept = f"{spec['accepted']:.0f} of {spec['drafted']:.0f} drafted kept" if spec["drafted"] else "no drafts"
+        rows.append((f"{name}: plain / speculative tok/s, flash attention + q8_0 KV (in process)",
+                     f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
+                     f"{paired_median(spec['rates'], plain['rates']):.2f}x, {kept}, {spec['tokens']:.0f} tokens, "
+                     f"{same_answer(plain['ids'], spec['ids'])}"))
+    return rows
+
+
 def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, str]]:
     both, shorts, weights = measure_both(tmp, engine)
     local, remote = both["local"], both["remote"]
@@ -340,10 +391,12 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
         kept = f"{spec['accepted']:.0f} of {spec['drafted']:.0f} drafted kept" if spec["drafted"] else "no drafts"
         target = "target <= 3% slower" if name == "prose" else "target >= 2x (one engine), >= 1.5x (the other)"
         rows.append((f"{name}: plain / speculative tok/s (daemon)", f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
-                     f"{speedup:.2f}x, {kept}, {spec['tokens']:.0f} tokens; {target}"))
+                     f"{speedup:.2f}x, {kept}, {spec['tokens']:.0f} tokens, "
+                     f"{same_answer(plain['ids'], spec['ids'])}; {target}"))
         lspeed = paired_median(local[f"{name}/spec"]["rates"], local[f"{name}/plain"]["rates"])
         rows.append((f"{name}: speculative / plain in process", f"{lspeed:.2f}x", ""))
     if engine == "llama":
+        rows += exact_layout_rows()
         rows += peer_rows(peer_rates(tmp), speedups["edit"])
     bound = bandwidth / weights if weights else float("nan")
     rows.append(("bandwidth bound tok/s (weights / bandwidth)", f"{bound:.0f}",

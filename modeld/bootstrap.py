@@ -22,7 +22,7 @@ from pathlib import Path
 
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
-from contract.types import Config, LoadModelRequest
+from contract.types import Config, KVCacheType, LoadModelRequest
 
 from . import dirs
 from .blobs import DEFAULT_MAX_BYTES, BlobStore
@@ -76,6 +76,9 @@ class ServeOptions:
     model: str | None = None
     model_name: str | None = None
     num_ctx: int = 0
+    #: llama.cpp's attention kernel and KV cache type for the preloaded model ("": the engine's default)
+    flash_attn: bool = False
+    kv_cache_type: KVCacheType = ""
     owner: str = ""
     #: snapshot blobs and state; None = ``default_data_dir()``
     data_dir: Path | None = None
@@ -281,7 +284,7 @@ def preload_request(opts: ServeOptions) -> LoadModelRequest | None:
         model_name=name or Path(model).name,
         type=opts.backend,
         path=model,
-        config=Config(num_ctx=opts.num_ctx),
+        config=Config(num_ctx=opts.num_ctx, flash_attn=opts.flash_attn, kv_cache_type=opts.kv_cache_type),
     )
 
 

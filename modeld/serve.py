@@ -12,9 +12,10 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, TextIO, get_args
 
 from contract.endpoint import default_endpoint
+from contract.types import KVCacheType
 
 from . import dirs
 from .bootstrap import BACKEND_CHOICES, ServeOptions, build_daemon, default_data_dir, preload_request, resolve_backend
@@ -29,6 +30,8 @@ log = logging.getLogger("modeld")
 
 #: never printed by --help: the HTTP key, and the owner id that is the fence
 _SECRET = ("api_key", "owner")
+#: the KV cache types a flag can name ("" is the unset default)
+KV_CACHE_TYPES = [t for t in get_args(KVCacheType) if t]
 
 
 def _shown(name: str, value: Any) -> str | None:
@@ -75,6 +78,8 @@ def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | Non
     flag("model")
     flag("model_name")
     flag("num_ctx", type=int)
+    flag("flash_attn", action="store_true")
+    flag("kv_cache_type", choices=KV_CACHE_TYPES)
     flag("owner")
     flag("data_dir", type=Path)
     flag("mem_max", metavar="SIZE")

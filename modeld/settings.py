@@ -43,6 +43,8 @@ from pydantic_settings import (
 )
 from pydantic_settings import SettingsError as _SourceError
 
+from contract.types import KVCacheType
+
 from . import dirs
 from .bootstrap import BACKEND_CHOICES, ServeOptions
 from .capacity.sizes import parse_size, parse_size_or_auto
@@ -144,6 +146,15 @@ class ServeSettings(BaseSettings):
     )
     model_name: str | None = Field(_DEFAULT.model_name, description="logical name of the preloaded model")
     num_ctx: int = Field(_DEFAULT.num_ctx, ge=0, description="context window of the preloaded model (0 = memory-fitted)")
+    flash_attn: bool = Field(
+        _DEFAULT.flash_attn,
+        description="llama.cpp: flash attention for the preloaded model (a quantized KV cache needs it)",
+    )
+    kv_cache_type: KVCacheType = Field(
+        _DEFAULT.kv_cache_type,
+        description="llama.cpp: KV cache type of the preloaded model, f16 when unset; with --flash-attn, q8_0 "
+        "makes a token's logits the same alone or in a batch, so speculation and reuse never change an answer",
+    )
     owner: str = Field(_DEFAULT.owner, description="owner instance id for fencing")
     data_dir: OptionalPath = Field(_DEFAULT.data_dir, description="snapshot blobs and state")
     mem_max: SizeOrUnset = Field(_DEFAULT.mem_max, description="memory limit for model + KV, e.g. 8GiB")

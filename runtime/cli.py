@@ -18,13 +18,14 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, get_args
 
 from contract.errors import InvalidArgument, ModeldError
 from contract.types import (
     Config,
     DecodeConfig,
     EmbedRequest,
+    KVCacheType,
     LoadModelRequest,
     OpenSessionRequest,
     PrefixInput,
@@ -93,6 +94,10 @@ def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
     p.add_argument("--type", default="", help="backend type: llama | openvino | memory")
     p.add_argument("--digest", default="", help="expected content digest (sha256:…)")
     p.add_argument("--num-ctx", type=int, default=0, help="requested context window (0 = memory-fitted)")
+    p.add_argument("--flash-attn", action="store_true", help="llama.cpp: flash attention (a quantized KV cache needs it)")
+    p.add_argument("--kv-cache-type", default="", choices=[t for t in get_args(KVCacheType) if t],
+                   help="llama.cpp: KV cache type (default f16); with --flash-attn, q8_0 makes a token's logits the "
+                   "same alone or in a batch, so speculation and reuse never change an answer")
 
 
 def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
@@ -381,7 +386,7 @@ def _handle(args: argparse.Namespace) -> dict[str, Any]:
         "type": args.type,
         "digest": args.digest,
         "path": os.path.abspath(args.path) if args.path and args.type != "memory" else args.path,
-        "config": Config(num_ctx=args.num_ctx),
+        "config": Config(num_ctx=args.num_ctx, flash_attn=args.flash_attn, kv_cache_type=args.kv_cache_type),
     }
 
 

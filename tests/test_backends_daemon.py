@@ -163,6 +163,40 @@ def test_speculation_through_the_daemon(backend_daemon: DaemonProcess) -> None:
         sess.close()
 
 
+def test_a_llama_daemon_with_the_row_invariant_layout_answers_alike_with_drafts(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """``--flash-attn --kv-cache-type q8_0`` reach the preloaded model; with that layout a 320-token edit
+    answers the same, token for token, with and without drafts (the bench's edit, past 512 keys)."""
+    d = DaemonProcess(tmp_path_factory.mktemp("row-invariant"), "llama", None, "--num-ctx", "2048",
+                      "--flash-attn", "--kv-cache-type", "q8_0")
+    d.start(ready_timeout_s=600, wait_state=("Ready",))
+    try:
+        with d.client(timeout_s=300.0) as c:
+            active = c.status().active
+            assert active is not None and (active.config.flash_attn, active.config.kv_cache_type) == (True, "q8_0")
+            sess = c.open_session(OpenSessionRequest())
+            m = manifest_for(sess, fresh_profile())
+
+            system = SYSTEM + "\n" + "\n".join(LONG_SYSTEM.splitlines()[1:16])  # ~450 tokens
+
+            def edit(speculative: bool) -> tuple[list[int], StreamChunk]:
+                sess.ensure_prefix(PrefixInput(text=system, manifest=m))
+                sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=m))
+                sess.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=m))
+                assert sess.explain_context().resident_tokens > 512
+                chunks = list(sess.decode(DecodeConfig(max_tokens=320, return_token_ids=True, speculative=speculative)))
+                return [t for ch in chunks for t in ch.token_ids], chunks[-1]
+
+            plain, _ = edit(False)
+            spec, final = edit(True)
+            assert final.usage is not None and final.usage.accepted_tokens > 0.5 * final.usage.drafted_tokens > 20
+            assert spec == plain and len(plain) > 150
+            sess.close()
+    finally:
+        d.stop()
+
+
 def test_restore_state_is_bounded_by_the_model(backend_daemon: DaemonProcess) -> None:
     """State bytes larger than the loaded model (weights and KV) are refused before the worker sees them."""
     with backend_daemon.client(timeout_s=120.0) as c:

@@ -93,6 +93,8 @@ def test_bootstrap_takes_a_backend_through_the_same_door(tmp_path: Path) -> None
     req = preload_request(ServeOptions(backend="memory", model="/m/x", num_ctx=64))
     assert req is not None and (req.model_name, req.type, req.config.num_ctx) == ("x", "memory", 64)
     assert preload_request(ServeOptions(backend="llama", no_preload=True)) is None
+    req = preload_request(ServeOptions(backend="llama", flash_attn=True, kv_cache_type="q8_0"))
+    assert req is not None and (req.config.flash_attn, req.config.kv_cache_type) == (True, "q8_0")
 
 
 def test_a_queued_preload_reads_as_loading_before_the_worker_takes_it(tmp_path: Path) -> None:

@@ -157,6 +157,17 @@ def test_load_with_json_prints_only_json(memory_daemon: DaemonProcess) -> None:
     assert err == ""
 
 
+def test_load_passes_the_attention_kernel_and_kv_cache_type(memory_daemon: DaemonProcess) -> None:
+    code, out, err = run_cli(["load", "m", "--type", "memory", "--path", "/models/m", "--flash-attn",
+                              "--kv-cache-type", "q8_0", "--json", "--endpoint", memory_daemon.endpoint], tty=False)
+    assert code == 0, err
+    config = json.loads(out)["config"]
+    assert (config["flash_attn"], config["kv_cache_type"]) == (True, "q8_0")
+    code, _, err = run_cli(["load", "m", "--type", "memory", "--path", "/models/m", "--kv-cache-type", "q5_1",
+                            "--endpoint", memory_daemon.endpoint], tty=False)
+    assert code == 2 and "invalid choice: 'q5_1'" in err
+
+
 # --- the heartbeat's progress on the wire -------------------------------------------------------------
 def test_an_empty_heartbeat_stays_valid_and_a_bad_progress_is_ignored() -> None:
     empty = wire.decode_reply(wire.encode_reply(Kind.HEARTBEAT, b"r"))

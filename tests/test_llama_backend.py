@@ -47,6 +47,7 @@ from contract.types import (  # noqa: E402
     StructuredOutputConfig,
     SuffixInput,
 )
+from tests.engine_kit import EDIT_CONTINUATION, LONG_PREFIX  # noqa: E402
 from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 
 pytestmark = pytest.mark.llama
@@ -341,6 +342,48 @@ def test_decode_stops_at_context_full(backend: LlamaBackend, model_path: Path, m
         small.close()
     with pytest.raises(SessionClosed):
         s.ensure_prefix(PrefixInput(text="x", manifest=man))
+
+
+# --- the row-invariant layout: flash attention over a q8_0 KV cache ---------------------------------------------
+
+
+@pytest.mark.parametrize("layout", [{"flash_attn": True, "kv_cache_type": "q8_0"}], ids=["fa-q8_0"])
+def test_a_row_invariant_layout_makes_drafts_and_reuse_exact(
+    backend: LlamaBackend, model_path: Path, layout: dict[str, object]
+) -> None:
+    """Flash attention over a quantized cache runs every row, alone or in any batch, through the same
+    kernels, so a check's rows and a prefill's compute what one-token steps compute: the answer with
+    drafts is the plain one token for token, and a warm turn reusing it answers as a cold prefill. The
+    context passes 512 keys, where a one-token step over an f16 cache takes another attention path."""
+    cfg = Config(num_ctx=NUM_CTX, **layout)  # type: ignore[arg-type]
+    m = backend.load(OpenSessionRequest(path=str(model_path), config=cfg), lambda f: None)
+    try:
+        man = m.manifest_defaults()
+        s = m.open_session()
+
+        def edit(**kw: object) -> tuple[list[int], str, StreamChunk]:
+            s.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man))
+            s.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=man))  # the edit is prefilled anew
+            s.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=man))
+            assert s.explain_context().resident_tokens > 512
+            return greedy(s, 240, **kw)
+
+        plain, text, plain_final = edit(speculative=False)
+        spec, _, final = edit(speculative=True)
+        assert plain_final.usage is not None and plain_final.usage.drafted_tokens == 0
+        assert final.usage is not None and final.usage.accepted_tokens > 0.5 * final.usage.drafted_tokens > 20
+        assert spec == plain and len(plain) > 150
+        # the next turn resends the answer (decoded one token at a time, or kept from checks) and asks on
+        follow = SuffixInput(text=EDIT_CONTINUATION + text + "\n```\nWhat changed?", render=False, manifest=man)
+        reused = s.prefill_suffix(follow).reused_tokens
+        warm, _, _ = greedy(s, 48, speculative=False)
+        s.ensure_prefix(PrefixInput(text="Something else entirely.", manifest=man))  # nothing of it stays
+        s.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man))
+        assert s.prefill_suffix(follow).reused_tokens < reused
+        cold, _, _ = greedy(s, 48, speculative=False)
+        assert warm == cold
+    finally:
+        m.close()
 
 
 # --- sessions and snapshots --------------------------------------------------------------------------------------

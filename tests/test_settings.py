@@ -145,6 +145,8 @@ def test_an_empty_variable_is_unset(config_home: Path, monkeypatch: pytest.Monke
         ("MODELD_HTTP", "127.0.0.1:8377", "http", "127.0.0.1:8377"),
         ("MODELD_API_KEY", "k", "api_key", "k"),
         ("MODELD_LOG_LEVEL", "debug", "log_level", "DEBUG"),
+        ("MODELD_KV_CACHE_TYPE", "q8_0", "kv_cache_type", "q8_0"),
+        ("MODELD_FLASH_ATTN", "true", "flash_attn", True),
     ],
 )
 def test_the_documented_variables_keep_their_meaning(
@@ -195,6 +197,7 @@ def test_a_named_config_file_must_exist(config_home: Path, tmp_path: Path, monke
         ("session_ttl = 'soon'\n", r"session_ttl \(config file .*config.toml\): Input should be a valid number"),
         ("lease = -1\n", r"lease \(config file .*\): Input should be greater than 0"),
         ("backend = 'gpu'\n", "backend .*unknown backend 'gpu'; choose one of auto, llama, openvino, memory"),
+        ("kv_cache_type = 'q5_1'\n", r"kv_cache_type \(config file .*\): Input should be '', 'f16', 'f32', 'q8_0' or 'q4_0'"),
         ("memory = 3\n", r"\[memory\] must be a table"),
         ("config = 'other.toml'\n", "cannot be set inside"),
         ("lease = [\n", "not valid TOML"),
