@@ -44,6 +44,15 @@ its default 10 tokens per draft), the servers taking turns round by round
 time from the first to the last, so compare its speculative / plain with ours,
 not its absolute rate with the daemon's engine-timed one.
 
+Each speculative figure says whether the speculative answer is the plain one,
+token for token (``same_answer``): in the engines' default layouts a check's
+batch rounds differently from a one-token step, an answer can part from the
+plain one at a near-tie, and a ratio of two different answers' rates measures
+how copyable each is as much as what speculation gives. On llama.cpp the tasks
+also run through a daemon serving flash attention over a q8_0 cache (``EXACT_LAYOUT``),
+where every row computes what a one-token step does and the answers are the
+same (``exact_layout_rows``).
+
 Targets (issue: speed): daemon / in-process >= 0.97 on both engines;
 speculative >= 2x plain on the edit task on one engine and >= 1.5x on the other,
 <= 3% slower on prose.
@@ -67,7 +76,6 @@ from backends.bundled import bundled_gguf_path
 from benchmarks.agent import peer_server
 from contract.types import (
     ChatMessage,
-    Config,
     DecodeConfig,
     OpenSessionRequest,
     PrefixInput,
@@ -99,7 +107,7 @@ SHORT_PAIRS = 40
 SHORT_TOKENS = 96
 #: llama.cpp's KV layout whose kernels give a token the same logits alone or as a row of a check
 #: (flash attention over a quantized cache: README, Speculative decoding), so drafts cannot change an answer
-EXACT_LAYOUT: dict[str, Any] = {"flash_attn": True, "kv_cache_type": "q8_0"}
+EXACT_LAYOUT = ("--flash-attn", "--kv-cache-type", "q8_0")
 
 
 def bandwidth_bytes_per_s() -> float:
@@ -230,8 +238,8 @@ def order_balanced(first: list[float], second: list[float]) -> float:
     return math.sqrt(statistics.median(first) * statistics.median(second))
 
 
-def _daemon(tmp: Path, engine: str, name: str) -> DaemonProcess:
-    d = DaemonProcess(tmp / name, engine, None, "--num-ctx", str(NUM_CTX), "--cache-ram", "0", "--cache-disk", "0")
+def _daemon(tmp: Path, engine: str, name: str, *flags: str) -> DaemonProcess:
+    d = DaemonProcess(tmp / name, engine, None, "--num-ctx", str(NUM_CTX), "--cache-ram", "0", "--cache-disk", "0", *flags)
     return d.start(ready_timeout_s=900, wait_state=("Ready",))
 
 
@@ -341,22 +349,23 @@ def peer_rows(rates: dict[str, list[float]], ours: float) -> list[tuple[str, Any
     )]
 
 
-def exact_layout_rows() -> list[tuple[str, Any, str]]:
-    """The tasks in process on llama.cpp with its row-invariant KV layout (``EXACT_LAYOUT``), plain vs speculative."""
-    from backends.llama import LlamaBackend
-
-    req = OpenSessionRequest(path=str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX, **EXACT_LAYOUT))
-    model = LlamaBackend().load(req, lambda _f: None)
+def exact_layout_rows(tmp: Path) -> list[tuple[str, Any, str]]:
+    """The tasks through a llama.cpp daemon serving the row-invariant layout (``EXACT_LAYOUT``), plain vs speculative."""
+    d = _daemon(tmp, "llama", "decode-llama-exact", *EXACT_LAYOUT)
     try:
-        side = (model.open_session(), model.manifest_defaults().model_copy(update={"profile": "bench-exact"}))
-        got = _measure({"local": side})["local"]
+        with d.client(timeout_s=600.0) as c:
+            active = c.status().active
+            assert active is not None and active.config.flash_attn and active.config.kv_cache_type == "q8_0"
+            sess = c.open_session(OpenSessionRequest())
+            got = _measure({"remote": (sess, sess.manifest(profile="bench-exact"))})["remote"]
+            sess.close()
     finally:
-        model.close()
+        d.stop()
     rows: list[tuple[str, Any, str]] = []
     for name, _suffix, _n in TASKS:
         plain, spec = got[f"{name}/plain"], got[f"{name}/spec"]
         kept = f"{spec['accepted']:.0f} of {spec['drafted']:.0f} drafted kept" if spec["drafted"] else "no drafts"
-        rows.append((f"{name}: plain / speculative tok/s, flash attention + q8_0 KV (in process)",
+        rows.append((f"{name}: plain / speculative tok/s, flash attention + q8_0 KV (daemon)",
                      f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
                      f"{paired_median(spec['rates'], plain['rates']):.2f}x, {kept}, {spec['tokens']:.0f} tokens, "
                      f"{same_answer(plain['ids'], spec['ids'])}"))
@@ -396,7 +405,7 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
         lspeed = paired_median(local[f"{name}/spec"]["rates"], local[f"{name}/plain"]["rates"])
         rows.append((f"{name}: speculative / plain in process", f"{lspeed:.2f}x", ""))
     if engine == "llama":
-        rows += exact_layout_rows()
+        rows += exact_layout_rows(tmp)
         rows += peer_rows(peer_rates(tmp), speedups["edit"])
     bound = bandwidth / weights if weights else float("nan")
     rows.append(("bandwidth bound tok/s (weights / bandwidth)", f"{bound:.0f}",

@@ -195,7 +195,8 @@ def section_llama(tmp: Path, texts: dict[str, Any], peer: dict[str, float]) -> s
         ("warm / cold", ratio, "target <= 0.100 " + ("(met)" if ratio <= 0.1 else "(MISSED)")),
         ("decode tok/s (daemon)", r["decode_tok_s"], "128 greedy tokens, streamed"),
         ("decode tok/s (llama-cpp-python in process)", inproc["plain_decode_tok_s"], "Llama.generate on the same context"),
-        ("daemon / in-process decode", dec, "target >= 0.95 " + ("(met)" if dec >= 0.95 else "(MISSED)")),
+        ("daemon / in-process decode", dec, "one decode each, seconds apart: a VM's drift moves it by 10-20%; the "
+         "decode section's paired, load-order balanced figure is the one to judge (target >= 0.97)"),
         ("snapshot save ms", r["snapshot_save_ms"], f"{r['snapshot_tokens']} tokens, {r['snapshot_bytes']:,} bytes incl. transfer"),
         ("snapshot restore ms", r["snapshot_restore_ms"], "bytes sent back over the wire"),
         ("re-prefill ms", r["reprefill_ms"], "recomputing the same context instead"),

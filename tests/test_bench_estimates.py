@@ -8,7 +8,16 @@ from typing import Any
 
 import pytest
 
-from benchmarks.decode import SHORT_TOKENS, TASKS, daemon_ratio, order_balanced, paired_median, short_pairs
+from benchmarks.decode import (
+    SHORT_TOKENS,
+    TASKS,
+    daemon_ratio,
+    first_difference,
+    order_balanced,
+    paired_median,
+    same_answer,
+    short_pairs,
+)
 from contract.manifest import ContextManifest
 from contract.types import DecodeConfig, StreamChunk, Usage
 
@@ -85,3 +94,11 @@ def test_a_speedup_pairs_the_rates_of_one_round() -> None:
     spec = [110.0, 110.0, 55.0, 100.0, 50.0]
     assert paired_median(spec, plain) == pytest.approx(1.1)
     assert paired_median([], []) != paired_median([], [])  # nan
+
+
+def test_a_speculative_figure_says_where_its_answer_parts_from_the_plain_one() -> None:
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None and same_answer([1, 2, 3], [1, 2, 3]) == "the same answer"
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert same_answer([1, 2, 3], [1, 5, 3]) == "ANSWERS PART at token 1 of 3"
+    assert first_difference([1, 2, 3], [1, 2]) == 2  # one ending early parts too
+    assert first_difference([], [4]) == 0

@@ -347,35 +347,47 @@ def test_decode_stops_at_context_full(backend: LlamaBackend, model_path: Path, m
 # --- the row-invariant layout: flash attention over a q8_0 KV cache ---------------------------------------------
 
 
-@pytest.mark.parametrize("layout", [{"flash_attn": True, "kv_cache_type": "q8_0"}], ids=["fa-q8_0"])
+@pytest.mark.parametrize("exact_reuse", [False, True], ids=["reuse", "exact_reuse"])
 def test_a_row_invariant_layout_makes_drafts_and_reuse_exact(
-    backend: LlamaBackend, model_path: Path, layout: dict[str, object]
+    backend: LlamaBackend, model_path: Path, exact_reuse: bool
 ) -> None:
     """Flash attention over a quantized cache runs every row, alone or in any batch, through the same
     kernels, so a check's rows and a prefill's compute what one-token steps compute: the answer with
-    drafts is the plain one token for token, and a warm turn reusing it answers as a cold prefill. The
-    context passes 512 keys, where a one-token step over an f16 cache takes another attention path."""
-    cfg = Config(num_ctx=NUM_CTX, **layout)  # type: ignore[arg-type]
+    drafts is the plain one token for token, sampled ones too, and a warm turn reusing it answers as a
+    cold prefill (``exact_reuse`` then has nothing to recompute). The context passes 512 keys, where a
+    one-token step over an f16 cache takes another attention path."""
+    cfg = Config(num_ctx=NUM_CTX, flash_attn=True, kv_cache_type="q8_0", exact_reuse=exact_reuse)
     m = backend.load(OpenSessionRequest(path=str(model_path), config=cfg), lambda f: None)
+    assert m.rows_exact
     try:
         man = m.manifest_defaults()
         s = m.open_session()
+        asked = 0  # the suffix's tokens before the answer
 
         def edit(**kw: object) -> tuple[list[int], str, StreamChunk]:
-            s.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man))
+            nonlocal asked
+            prefix = s.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man)).prefix_tokens
             s.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=man))  # the edit is prefilled anew
             s.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=man))
-            assert s.explain_context().resident_tokens > 512
+            resident = s.explain_context().resident_tokens
+            assert resident > 512
+            asked = resident - prefix
             return greedy(s, 240, **kw)
 
+        # a seeded sampled pass drafts by default here, and draws what it draws without drafts
+        sampled = {spec: edit(temperature=0.7, top_k=40, seed=11, speculative=spec) for spec in (False, None)}
+        assert sampled[None][2].usage is not None and sampled[None][2].usage.drafted_tokens > 0
+        assert sampled[None][0] == sampled[False][0]
         plain, text, plain_final = edit(speculative=False)
         spec, _, final = edit(speculative=True)
         assert plain_final.usage is not None and plain_final.usage.drafted_tokens == 0
         assert final.usage is not None and final.usage.accepted_tokens > 0.5 * final.usage.drafted_tokens > 20
         assert spec == plain and len(plain) > 150
-        # the next turn resends the answer (decoded one token at a time, or kept from checks) and asks on
+        # the next turn resends the answer (decoded one token at a time, or kept from checks) and asks on:
+        # the decoded tokens are reused (of the suffix), with exact_reuse too
         follow = SuffixInput(text=EDIT_CONTINUATION + text + "\n```\nWhat changed?", render=False, manifest=man)
         reused = s.prefill_suffix(follow).reused_tokens
+        assert reused > asked + len(plain) // 2
         warm, _, _ = greedy(s, 48, speculative=False)
         s.ensure_prefix(PrefixInput(text="Something else entirely.", manifest=man))  # nothing of it stays
         s.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man))

@@ -133,6 +133,7 @@ class LlamaLoadedModel(TapeModelBase):
             bos_id=bos_id,
             adds_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)),
         )
+        self.rows_exact = options.rows_exact
         #: the logits buffer holds the distribution after the last resident token
         self.logits_live = False
         #: set while a prefill runs inside contract.interrupt.interruptible(...)

@@ -84,6 +84,8 @@ class TapeModel(Protocol):
     cache: StateCache | None
     #: decode passes speculate (prompt lookup) unless their DecodeConfig says otherwise
     speculative: bool
+    #: the engine computes every row as a one-token step does, alone or in any batch
+    rows_exact: bool
     #: what a draft's check costs on this model, in plain steps (measured once, then fixed)
     draft_costs: CheckCosts
 
@@ -265,6 +267,10 @@ class TapeModelBase(ABC):
         self.speculative = True
         #: measured at load by the backend (``backends.tape.draft_costs``) when it speculates
         self.draft_costs = CheckCosts.prior()
+        #: the engine's kernels compute a token's row the same alone, in a draft's check or in a
+        #: prefill of any split (a backend sets it for a layout where they do): drafts then never
+        #: change an answer, sampled ones included, and decoded tokens hold what a prefill computes
+        self.rows_exact = False
 
     # --- identity ---------------------------------------------------------------------------
     @property
@@ -293,9 +299,11 @@ class TapeModelBase(ABC):
         All of them by default, tokens the model decoded included (as every serving
         engine does; a decode step's KV differs slightly in numerics from a batched
         prefill's). With ``Config.exact_reuse`` only the prefilled ones, so decoded
-        tokens are recomputed and a warm turn answers bit for bit like a cold one.
+        tokens are recomputed and a warm turn answers bit for bit like a cold one —
+        unless the engine's rows are exact (``rows_exact``): a decoded token's KV is
+        then what a prefill computes, and recomputing it would change nothing.
         """
-        return min(n, self.exact_len) if self.config.exact_reuse else n
+        return min(n, self.exact_len) if self.config.exact_reuse and not self.rows_exact else n
 
     def check_rows(self, n: int) -> int:
         """``n``: an engine that pads checks to compiled shapes says so here."""

@@ -359,7 +359,9 @@ class TapeSession:
         # By default only greedy passes speculate: a batch rounds differently from a one-token step, so a
         # seeded sampled pass would part from what the same seed gave without drafts wherever its draw
         # falls near a boundary between two tokens, and a sampled pass has a boundary at every token.
-        speculate = (m.speculative and not cfg.temperature) if cfg.speculative is None else cfg.speculative
+        # Where the engine's rows are exact (``rows_exact``) a batch rounds as a step does: sampled too.
+        default = m.speculative and (not cfg.temperature or m.rows_exact)
+        speculate = default if cfg.speculative is None else cfg.speculative
         lookup: PromptLookup | None = None
         policy = DraftPolicy(m.draft_costs)
         stats = SpeculationStats()
