@@ -133,7 +133,7 @@ def default_data_dir() -> Path:
     return dirs.data_dir()
 
 
-def engine_facts(model: str, num_gpu_layers: int = 0) -> EngineFacts:
+def engine_facts(model: str, num_gpu_layers: int = 0, llama_settings: str = "") -> EngineFacts:
     """The facts ``choose_backend`` needs about this machine and ``model`` (a GGUF file or an IR directory)."""
     p = Path(model)
     refusal = ""
@@ -157,7 +157,16 @@ def engine_facts(model: str, num_gpu_layers: int = 0) -> EngineFacts:
         model_kind=kind,
         openvino_refusal=refusal,
         num_gpu_layers=num_gpu_layers,
+        llama_settings=llama_settings,
     )
+
+
+def llama_only_settings(opts: ServeOptions) -> str:
+    """The flags among ``opts`` that only llama.cpp serves ("" for none): ``auto`` then picks it."""
+    given = ["--flash-attn"] if opts.flash_attn else []
+    if opts.kv_cache_type in ("q8_0", "q4_0"):
+        given.append(f"--kv-cache-type {opts.kv_cache_type}")
+    return " and ".join(given)
 
 
 def resolve_backend(opts: ServeOptions) -> ServeOptions:
@@ -169,7 +178,7 @@ def resolve_backend(opts: ServeOptions) -> ServeOptions:
         from backends.bundled import bundled_gguf_path
 
         model = str(bundled_gguf_path())
-    name, reason = choose_backend(engine_facts(model))
+    name, reason = choose_backend(engine_facts(model, llama_settings=llama_only_settings(opts)))
     return dataclasses.replace(opts, backend=name, backend_reason=f"auto: {reason}")
 
 

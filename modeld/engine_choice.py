@@ -9,7 +9,7 @@ speculation); an agent's turns are prefill-bound, so the rule stands. So on an
 x86-64 CPU, a model OpenVINO can serve (an IR directory, or a GGUF its reader
 converts: ``backends.openvino.prepare.check_convertible``) goes to OpenVINO.
 llama.cpp takes everything else: GPU layers asked for (the OpenVINO backend here
-serves the CPU), another CPU architecture (not measured), a GGUF OpenVINO
+serves the CPU), llama.cpp's flash attention or a quantized KV cache asked for, another CPU architecture (not measured), a GGUF OpenVINO
 cannot convert, or OpenVINO not installed. An explicit ``--backend`` always wins.
 
 The rule is a pure function of ``EngineFacts`` so it is tested on injected
@@ -42,6 +42,8 @@ class EngineFacts:
     #: for a GGUF: "" when OpenVINO can convert it, else why not
     openvino_refusal: str = ""
     num_gpu_layers: int = 0
+    #: llama.cpp-only settings asked for (e.g. "--kv-cache-type q8_0"); "" for none
+    llama_settings: str = ""
 
 
 def choose_backend(f: EngineFacts) -> tuple[str, str]:
@@ -56,6 +58,8 @@ def choose_backend(f: EngineFacts) -> tuple[str, str]:
         return "openvino", "llama-cpp-python is not installed"
     if f.num_gpu_layers > 0:
         return "llama", f"{f.num_gpu_layers} GPU layers were asked for; the OpenVINO backend serves the CPU"
+    if f.llama_settings:
+        return "llama", f"{f.llama_settings} asked for: llama.cpp settings the OpenVINO backend does not offer"
     if f.machine.lower() not in X86_64:
         return "llama", f"CPU architecture {f.machine!r}: OpenVINO is measured faster on x86-64 only"
     if f.model_kind != "gguf":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from modeld.bootstrap import ServeOptions, resolve_backend
+from modeld.bootstrap import ServeOptions, llama_only_settings, resolve_backend
 from modeld.engine_choice import EngineFacts, choose_backend
 from tests.daemon_proc import ROOT, DaemonProcess
 
@@ -23,6 +23,7 @@ X86 = EngineFacts(machine="x86_64", has_openvino=True, has_llama=True, model_kin
         ({"machine": "AMD64"}, "openvino", "faster engine"),
         ({"model_kind": "ir"}, "openvino", "IR directory"),
         ({"num_gpu_layers": 20}, "llama", "GPU layers"),
+        ({"llama_settings": "--flash-attn and --kv-cache-type q8_0"}, "llama", "--kv-cache-type q8_0 asked for"),
         ({"machine": "aarch64"}, "llama", "aarch64"),
         ({"has_openvino": False}, "llama", "not installed"),
         ({"has_llama": False}, "openvino", "llama-cpp-python is not installed"),
@@ -39,6 +40,14 @@ def test_the_rule_on_injected_machines(change: dict[str, object], backend: str, 
 def test_an_explicit_backend_always_wins() -> None:
     opts = ServeOptions(backend="llama", model="/nowhere.gguf")
     assert resolve_backend(opts) is opts
+
+
+def test_llama_only_settings_are_named_for_auto() -> None:
+    assert llama_only_settings(ServeOptions()) == ""
+    assert llama_only_settings(ServeOptions(kv_cache_type="f16")) == ""  # OpenVINO serves an f16 cache too
+    assert llama_only_settings(ServeOptions(flash_attn=True, kv_cache_type="q8_0")) == (
+        "--flash-attn and --kv-cache-type q8_0")
+    assert llama_only_settings(ServeOptions(kv_cache_type="q4_0")) == "--kv-cache-type q4_0"
 
 
 def test_auto_on_this_machine_names_the_engine_and_the_reason() -> None:
