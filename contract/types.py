@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -56,6 +56,10 @@ __all__ = [
 ]
 
 KVCacheType = Literal["", "f16", "f32", "q8_0", "q4_0"]
+#: the types a flag or setting can name ("" is the backend's default, given by leaving it unset)
+KV_CACHE_TYPES: tuple[str, ...] = tuple(t for t in get_args(KVCacheType) if t)
+#: the quantized ones: llama.cpp needs flash attention for them, and the OpenVINO backend does not offer them
+QUANTIZED_KV_CACHE_TYPES = ("q8_0", "q4_0")
 MAX_TEXT_CHARS = 16 * 1024 * 1024
 
 

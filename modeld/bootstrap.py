@@ -22,7 +22,7 @@ from pathlib import Path
 
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
-from contract.types import Config, KVCacheType, LoadModelRequest
+from contract.types import QUANTIZED_KV_CACHE_TYPES, Config, KVCacheType, LoadModelRequest
 
 from . import dirs
 from .blobs import DEFAULT_MAX_BYTES, BlobStore
@@ -164,7 +164,7 @@ def engine_facts(model: str, num_gpu_layers: int = 0, llama_settings: str = "") 
 def llama_only_settings(opts: ServeOptions) -> str:
     """The flags among ``opts`` that only llama.cpp serves ("" for none): ``auto`` then picks it."""
     given = ["--flash-attn"] if opts.flash_attn else []
-    if opts.kv_cache_type in ("q8_0", "q4_0"):
+    if opts.kv_cache_type in QUANTIZED_KV_CACHE_TYPES:
         given.append(f"--kv-cache-type {opts.kv_cache_type}")
     return " and ".join(given)
 

@@ -9,8 +9,9 @@ speculation); an agent's turns are prefill-bound, so the rule stands. So on an
 x86-64 CPU, a model OpenVINO can serve (an IR directory, or a GGUF its reader
 converts: ``backends.openvino.prepare.check_convertible``) goes to OpenVINO.
 llama.cpp takes everything else: GPU layers asked for (the OpenVINO backend here
-serves the CPU), llama.cpp's flash attention or a quantized KV cache asked for, another CPU architecture (not measured), a GGUF OpenVINO
-cannot convert, or OpenVINO not installed. An explicit ``--backend`` always wins.
+serves the CPU), llama.cpp's flash attention or a quantized KV cache asked for,
+another CPU architecture (not measured), a GGUF OpenVINO cannot convert, or
+OpenVINO not installed. An explicit ``--backend`` always wins.
 
 The rule is a pure function of ``EngineFacts`` so it is tested on injected
 machines; ``modeld.bootstrap.engine_facts`` gathers the facts of this one.

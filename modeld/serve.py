@@ -12,10 +12,10 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO, get_args
+from typing import Any, TextIO
 
 from contract.endpoint import default_endpoint
-from contract.types import KVCacheType
+from contract.types import KV_CACHE_TYPES
 
 from . import dirs
 from .bootstrap import BACKEND_CHOICES, ServeOptions, build_daemon, default_data_dir, preload_request, resolve_backend
@@ -30,8 +30,6 @@ log = logging.getLogger("modeld")
 
 #: never printed by --help: the HTTP key, and the owner id that is the fence
 _SECRET = ("api_key", "owner")
-#: the KV cache types a flag can name ("" is the unset default)
-KV_CACHE_TYPES = [t for t in get_args(KVCacheType) if t]
 
 
 def _shown(name: str, value: Any) -> str | None:

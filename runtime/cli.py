@@ -18,14 +18,14 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from typing import Any, get_args
+from typing import Any
 
 from contract.errors import InvalidArgument, ModeldError
 from contract.types import (
+    KV_CACHE_TYPES,
     Config,
     DecodeConfig,
     EmbedRequest,
-    KVCacheType,
     LoadModelRequest,
     OpenSessionRequest,
     PrefixInput,
@@ -95,7 +95,7 @@ def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
     p.add_argument("--digest", default="", help="expected content digest (sha256:…)")
     p.add_argument("--num-ctx", type=int, default=0, help="requested context window (0 = memory-fitted)")
     p.add_argument("--flash-attn", action="store_true", help="llama.cpp: flash attention (a quantized KV cache needs it)")
-    p.add_argument("--kv-cache-type", default="", choices=[t for t in get_args(KVCacheType) if t],
+    p.add_argument("--kv-cache-type", default="", choices=KV_CACHE_TYPES,
                    help="llama.cpp: KV cache type (default f16); with --flash-attn, q8_0 makes a token's logits the "
                    "same alone or in a batch, so speculation and reuse never change an answer")
 

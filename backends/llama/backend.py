@@ -11,7 +11,7 @@ from contract.errors import ModelLoadFailed, UnsupportedFeature
 from contract.interfaces import StateCache
 from contract.resident import check_model_type
 from contract.sizing import LLAMA_CPP_OVERHEAD, MemoryPool, ModelFacts, kv_bytes_per_token
-from contract.types import EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
+from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
 from ..bundled import model_cache_dir
 from ..digest import file_digest
@@ -125,7 +125,7 @@ class LlamaBackend:
             kv_cache_type=kv_type,
             n_batch=req.config.num_batch or DEFAULT_NUM_BATCH,
             # A quantized V cache turns flash attention on (see LoadOptions).
-            flash_attn=req.config.flash_attn or kv_type in ("q8_0", "q4_0"),
+            flash_attn=req.config.flash_attn or kv_type in QUANTIZED_KV_CACHE_TYPES,
             overhead=LLAMA_CPP_OVERHEAD,
         )
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from contract.errors import InvalidArgument
 from contract.sizing import ModelFacts
-from contract.types import Config
+from contract.types import QUANTIZED_KV_CACHE_TYPES, Config
 
 from ..gguf_file import GGUFFacts
 from ..tape.model import resolve_num_ctx
@@ -83,7 +83,7 @@ class LoadOptions:
     def resolve(cls, cfg: Config, facts: ModelShape) -> LoadOptions:
         num_ctx = resolve_num_ctx(cfg.num_ctx, facts.n_ctx_train, DEFAULT_NUM_CTX)
         kv = cfg.kv_cache_type or "f16"
-        if kv in ("q8_0", "q4_0"):
+        if kv in QUANTIZED_KV_CACHE_TYPES:
             if not cfg.flash_attn:
                 # llama.cpp refuses a quantized V cache without flash attention and
                 # only says "Failed to create llama_context".
@@ -121,7 +121,7 @@ class LoadOptions:
         5 to 1,900 tokens of context, one token at a time, in checks of 2 to 48 rows and
         one-shot (0.98-1.18 apart in the default layout). GPU kernels are not covered.
         """
-        return self.flash_attn and self.kv_cache_type in ("q8_0", "q4_0") and self.num_gpu_layers == 0
+        return self.flash_attn and self.kv_cache_type in QUANTIZED_KV_CACHE_TYPES and self.num_gpu_layers == 0
 
     def llama_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
