@@ -122,24 +122,23 @@ def bandwidth_bytes_per_s() -> float:
     return 2 * src.nbytes / best
 
 
-def _turn(sess: Any, manifest: Any, suffix: SuffixInput, n: int, speculative: bool) -> StreamChunk:
-    """One decode of ``suffix`` after the system prompt; a different short turn first, so it is prefilled anew."""
-    return _answer(sess, manifest, suffix, n, speculative)[0]
+def _turn(sess: Any, manifest: Any, suffix: SuffixInput, n: int, speculative: bool,
+          ids: list[int] | None = None) -> StreamChunk:
+    """One decode of ``suffix`` after the system prompt; a different short turn first, so it is prefilled anew.
 
-
-def _answer(sess: Any, manifest: Any, suffix: SuffixInput, n: int, speculative: bool) -> tuple[StreamChunk, list[int]]:
-    """``_turn``, and the answer's token ids."""
+    The answer's token ids are appended to ``ids`` when given (only then are they asked for: the
+    short pairs time the plain stream)."""
     sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
     sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=manifest))
     sess.prefill_suffix(suffix.model_copy(update={"manifest": manifest}))
     final: StreamChunk | None = None
-    ids: list[int] = []
-    for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0, speculative=speculative,
-                                          return_token_ids=True)):
-        ids += chunk.token_ids
+    cfg = DecodeConfig(max_tokens=n, temperature=0.0, speculative=speculative, return_token_ids=ids is not None)
+    for chunk in sess.decode(cfg):
+        if ids is not None:
+            ids += chunk.token_ids
         final = chunk
     assert final is not None and final.usage is not None
-    return final, ids
+    return final
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -148,6 +147,13 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     if at is None and len(a) != len(b):
         at = min(len(a), len(b))
     return at
+
+
+def speculation_note(plain: dict[str, Any], spec: dict[str, Any], speedup: float) -> str:
+    """What a speculative row says beside its rates: the speedup, the drafts kept, the answer's length,
+    and whether it is the plain answer (``plain``/``spec``: one task's entries of ``_measure``)."""
+    kept = f"{spec['accepted']:.0f} of {spec['drafted']:.0f} drafted kept" if spec["drafted"] else "no drafts"
+    return f"{speedup:.2f}x, {kept}, {spec['tokens']:.0f} tokens, {same_answer(plain['ids'], spec['ids'])}"
 
 
 def same_answer(plain: list[int], spec: list[int]) -> str:
@@ -210,10 +216,10 @@ def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str,
             for spec in (False, True):
                 key = f"{name}/{'spec' if spec else 'plain'}"
                 for side, (sess, manifest) in order:
-                    final, ids = _answer(sess, manifest, suffix, n, spec)
+                    answers[side][key] = []
+                    final = _turn(sess, manifest, suffix, n, spec, answers[side][key])
                     rates[side].setdefault(key, []).append(_rate(final))
                     last[side][key] = final
-                    answers[side][key] = ids
     out: dict[str, dict[str, dict[str, Any]]] = {side: {} for side in sides}
     for side in sides:
         for key, values in rates[side].items():
@@ -364,11 +370,9 @@ def exact_layout_rows(tmp: Path) -> list[tuple[str, Any, str]]:
     rows: list[tuple[str, Any, str]] = []
     for name, _suffix, _n in TASKS:
         plain, spec = got[f"{name}/plain"], got[f"{name}/spec"]
-        kept = f"{spec['accepted']:.0f} of {spec['drafted']:.0f} drafted kept" if spec["drafted"] else "no drafts"
         rows.append((f"{name}: plain / speculative tok/s, flash attention + q8_0 KV (daemon)",
                      f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
-                     f"{paired_median(spec['rates'], plain['rates']):.2f}x, {kept}, {spec['tokens']:.0f} tokens, "
-                     f"{same_answer(plain['ids'], spec['ids'])}"))
+                     speculation_note(plain, spec, paired_median(spec["rates"], plain["rates"]))))
     return rows
 
 
@@ -397,11 +401,9 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
     for name, _suffix, _n in TASKS:
         plain, spec = remote[f"{name}/plain"], remote[f"{name}/spec"]
         speedup = speedups[name] = paired_median(spec["rates"], plain["rates"])
-        kept = f"{spec['accepted']:.0f} of {spec['drafted']:.0f} drafted kept" if spec["drafted"] else "no drafts"
         target = "target <= 3% slower" if name == "prose" else "target >= 2x (one engine), >= 1.5x (the other)"
         rows.append((f"{name}: plain / speculative tok/s (daemon)", f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
-                     f"{speedup:.2f}x, {kept}, {spec['tokens']:.0f} tokens, "
-                     f"{same_answer(plain['ids'], spec['ids'])}; {target}"))
+                     f"{speculation_note(plain, spec, speedup)}; {target}"))
         lspeed = paired_median(local[f"{name}/spec"]["rates"], local[f"{name}/plain"]["rates"])
         rows.append((f"{name}: speculative / plain in process", f"{lspeed:.2f}x", ""))
     if engine == "llama":

@@ -35,7 +35,7 @@ class _Timed:
         pass
 
     def decode(self, cfg: DecodeConfig) -> Iterator[StreamChunk]:
-        assert cfg.temperature == 0.0 and cfg.speculative is False
+        assert cfg.temperature == 0.0 and cfg.speculative is False and not cfg.return_token_ids
         self.log.append(self.side)
         yield StreamChunk(done=True, usage=Usage(completion_tokens=cfg.max_tokens,
                                                  decode_ms=cfg.max_tokens * self.ms.pop(0)))
