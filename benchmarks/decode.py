@@ -53,6 +53,11 @@ also run through a daemon serving flash attention over a q8_0 cache (``EXACT_LAY
 where every row computes what a one-token step does and the answers are the
 same (``exact_layout_rows``).
 
+Agents send long prompts, and what a check costs against a step grows with the
+context on some engines (``backends.tape.speculate.CheckCosts``), so the prose
+task also runs in process after a system prompt of ``LONG_PROMPT_TOKENS`` tokens
+(a repository map), plain and speculative (``long_prompt_rows``).
+
 Targets (issue: speed): daemon / in-process >= 0.97 on both engines;
 speculative >= 2x plain on the edit task on one engine and >= 1.5x on the other,
 <= 3% slower on prose.
@@ -74,8 +79,10 @@ import numpy as np
 
 from backends.bundled import bundled_gguf_path
 from benchmarks.agent import peer_server
+from benchmarks.common import PREFIX_LINE, text_of_tokens
 from contract.types import (
     ChatMessage,
+    Config,
     DecodeConfig,
     OpenSessionRequest,
     PrefixInput,
@@ -108,6 +115,8 @@ SHORT_TOKENS = 96
 #: llama.cpp's KV layout whose kernels give a token the same logits alone or as a row of a check
 #: (flash attention over a quantized cache: README, Speculative decoding), so drafts cannot change an answer
 EXACT_LAYOUT = ("--flash-attn", "--kv-cache-type", "q8_0")
+#: the agent-length system prompt the prose task also runs after (``long_prompt_rows``)
+LONG_PROMPT_TOKENS = 3000
 
 
 def bandwidth_bytes_per_s() -> float:
@@ -123,12 +132,12 @@ def bandwidth_bytes_per_s() -> float:
 
 
 def _turn(sess: Any, manifest: Any, suffix: SuffixInput, n: int, speculative: bool,
-          ids: list[int] | None = None) -> StreamChunk:
+          ids: list[int] | None = None, system: str = SYSTEM) -> StreamChunk:
     """One decode of ``suffix`` after the system prompt; a different short turn first, so it is prefilled anew.
 
     The answer's token ids are appended to ``ids`` when given (only then are they asked for: the
     short pairs time the plain stream)."""
-    sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
+    sess.ensure_prefix(PrefixInput(text=system, manifest=manifest))
     sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=manifest))
     sess.prefill_suffix(suffix.model_copy(update={"manifest": manifest}))
     final: StreamChunk | None = None
@@ -267,15 +276,7 @@ def measure_both(tmp: Path, engine: str) -> tuple[dict[str, dict[str, dict[str, 
             active = c.status().active
             assert active is not None
             req = OpenSessionRequest(path=str(bundled_gguf_path()), config=active.config)
-            backend: Any
-            if engine == "llama":
-                from backends.llama import LlamaBackend
-
-                backend = LlamaBackend()
-            else:
-                from backends.openvino import OpenVINOBackend
-
-                backend = OpenVINOBackend()
+            backend = _backend(engine)
             weights = int(backend.describe(req).weights_bytes)
             model = backend.load(req, lambda _f: None)
             remote = c.open_session(OpenSessionRequest())
@@ -355,6 +356,48 @@ def peer_rows(rates: dict[str, list[float]], ours: float) -> list[tuple[str, Any
     )]
 
 
+def _backend(engine: str) -> Any:
+    if engine == "llama":
+        from backends.llama import LlamaBackend
+
+        return LlamaBackend()
+    from backends.openvino import OpenVINOBackend
+
+    return OpenVINOBackend()
+
+
+def long_prompt_rows(engine: str) -> list[tuple[str, Any, str]]:
+    """The prose task in process after a ``LONG_PROMPT_TOKENS``-token system prompt, plain and
+    speculative taking turns round by round."""
+    req = OpenSessionRequest(path=str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX))
+    model = _backend(engine).load(req, lambda _f: None)
+    try:
+        count = lambda text: len(model.tokenize(text))  # noqa: E731 - a one-line measure
+        system = SYSTEM + "\nRepository map:\n" + text_of_tokens(count, LONG_PROMPT_TOKENS, PREFIX_LINE)
+        sess = model.open_session()
+        manifest = model.manifest_defaults().model_copy(update={"profile": "bench-long"})
+        name, suffix, n = TASKS[0]
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        last: dict[bool, dict[str, Any]] = {}
+        for rep in range(REPS):
+            for spec in (False, True) if rep % 2 == 0 else (True, False):
+                ids: list[int] = []
+                final = _turn(sess, manifest, suffix, n, spec, ids, system)
+                assert final.usage is not None
+                rates[spec].append(_rate(final))
+                last[spec] = {"tokens": final.usage.completion_tokens, "drafted": final.usage.drafted_tokens,
+                              "accepted": final.usage.accepted_tokens, "ids": ids}
+        context = len(model.res.tokens)
+    finally:
+        model.close()
+    speedup = paired_median(rates[True], rates[False])
+    note = speculation_note(last[False] | {"rates": rates[False]}, last[True] | {"rates": rates[True]}, speedup)
+    return [(f"{name} after a {LONG_PROMPT_TOKENS:,}-token prompt: plain / speculative tok/s (in process)",
+             f"{statistics.median(rates[False]):.1f} / {statistics.median(rates[True]):.1f}",
+             f"{note}; ~{context:,} tokens of context at the end; "
+             "target <= 3% slower")]
+
+
 def exact_layout_rows(tmp: Path) -> list[tuple[str, Any, str]]:
     """The tasks through a llama.cpp daemon serving the row-invariant layout (``EXACT_LAYOUT``), plain vs speculative."""
     d = _daemon(tmp, "llama", "decode-llama-exact", *EXACT_LAYOUT)
@@ -406,6 +449,7 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
                      f"{speculation_note(plain, spec, speedup)}; {target}"))
         lspeed = paired_median(local[f"{name}/spec"]["rates"], local[f"{name}/plain"]["rates"])
         rows.append((f"{name}: speculative / plain in process", f"{lspeed:.2f}x", ""))
+    rows += long_prompt_rows(engine)
     if engine == "llama":
         rows += exact_layout_rows(tmp)
         rows += peer_rows(peer_rates(tmp), speedups["edit"])

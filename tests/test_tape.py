@@ -226,7 +226,7 @@ class ToyModel(TapeModelBase):
 class EagerPolicy(DraftPolicy):
     """Drafts whatever the lookup finds (up to 6 tokens), so every mechanics test drafts at every chance."""
 
-    def plan(self, available: int, n: int) -> int:
+    def plan(self, available: int, n: int, context: int = 0) -> int:
         return min(available, 6)
 
 
@@ -616,6 +616,24 @@ def test_a_cost_table_interpolates_and_follows_the_padding() -> None:
     for bad in ([1.0] * MAX_DRAFT, [1.0] * MAX_DRAFT + [0.0]):
         with pytest.raises(ValueError, match="positive entries"):
             CheckCosts(bad)
+    for growth in ([0.0] * MAX_DRAFT, [0.0] * MAX_DRAFT + [-0.1], [0.0] * MAX_DRAFT + [float("nan")]):
+        with pytest.raises(ValueError, match="growth"):
+            CheckCosts(LLAMA_LIKE.table(), growth)
+
+
+def test_a_cost_table_grows_with_the_context_as_measured() -> None:
+    # OpenVINO here: a 16-row check cost 1.6 steps after 64 tokens and 2.2 after 2,048
+    longer = {1: 1.0, 4: 1.3, 8: 1.6, 16: 2.2}
+    costs = CheckCosts.from_points({1: 1.0, 4: 1.1, 8: 1.2, 16: 1.6}, _ov_padded, longer, 2000)
+    assert costs.cost(16) == pytest.approx(1.6) and costs.cost(16, 2000) == pytest.approx(2.2)
+    assert costs.cost(16, 4000) == pytest.approx(2.8)  # past the longer measurement: extrapolated
+    assert costs.cost(3, 1000) == pytest.approx(1.2) and costs.cost(1, 9000) == 1.0  # a step is the unit
+    assert costs.growth()[MAX_DRAFT] == pytest.approx(0.3) and costs != OPENVINO_LIKE
+    # a check measured cheaper at the longer context is not extrapolated to get cheaper still
+    flat = CheckCosts.from_points({1: 1.0, 16: 7.4}, lambda r: r, {1: 1.0, 16: 7.0}, 2000)
+    assert flat.cost(16, 8000) == flat.cost(16) == pytest.approx(7.4)
+    assert CheckCosts(costs.table(), costs.growth()) == costs and hash(CheckCosts(costs.table(), costs.growth())) == hash(costs)
+    assert "per 1,000 tokens" in repr(costs) and "per 1,000" not in repr(flat)
 
 
 def test_the_draft_policy_drafts_only_what_pays() -> None:
@@ -626,6 +644,11 @@ def test_the_draft_policy_drafts_only_what_pays() -> None:
     assert _policy(OPENVINO_LIKE, keep=0.5).plan(16, 3) >= 1
     assert _policy(LLAMA_LIKE, keep=0.5).plan(16, 3) == 0
     assert copying.plan(0, 3) == 0  # nothing to draft
+    # the same middling drafts after an agent's long prompt, where a check costs more: no longer
+    growing = CheckCosts(OPENVINO_LIKE.table(), [0.0] + [0.3] * MAX_DRAFT)
+    assert _policy(growing, keep=0.5).plan(16, 3) >= 1
+    assert _policy(growing, keep=0.5).plan(16, 3, context=3000) == 0
+    assert _policy(growing, keep=1.0).plan(16, 3, context=3000) >= 8  # a copy still pays
 
 
 def test_an_unprofitable_policy_still_probes() -> None:
@@ -672,9 +695,12 @@ def test_drafts_follow_the_tape_never_the_clock(monkeypatch: pytest.MonkeyPatch)
 
 
 def _fixed_measure(calls: list[str]) -> Any:
-    def measure(m: Any) -> dict[int, float]:
-        calls.append(m.digest)
-        return {1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0, 16: 5.0}
+    def measure(m: Any, context: int = costs_mod.CONTEXT_TOKENS) -> dict[int, float]:
+        if context == costs_mod.CONTEXT_TOKENS:
+            calls.append(m.digest)
+            return {1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0, 16: 5.0}
+        calls.append(f"{m.digest} after {context}")
+        return {1: 1.0, 2: 2.0, 4: 2.5, 8: 3.5, 16: 5.5}
 
     return measure
 
@@ -684,37 +710,59 @@ def test_draft_costs_are_measured_once_per_model_and_kept_on_disk(
 ) -> None:
     calls: list[str] = []
     monkeypatch.setattr(costs_mod, "measure", _fixed_measure(calls))
-    first = costs_mod.draft_costs(ToyModel(num_ctx=1024), tmp_path)
-    assert calls == ["sha256:toymodel"] and first.cost(2) == 1.5 and first.cost(3) == 1.75
+    first = costs_mod.draft_costs(ToyModel(num_ctx=4096), tmp_path)
+    # timed after a short context and after LONG_CONTEXT_TOKENS: how a check's cost grows with the context
+    long = costs_mod.LONG_CONTEXT_TOKENS
+    assert calls == ["sha256:toymodel", f"sha256:toymodel after {long}"]
+    assert first.cost(2) == 1.5 and first.cost(3) == 1.75
+    span = long - costs_mod.CONTEXT_TOKENS
+    assert first.cost(2, span) == pytest.approx(2.0, abs=0.01) and first.cost(16, span) == pytest.approx(5.5, abs=0.01)
     # a restart (a new model object of the same identity) reads the table: the same drafts as before
-    assert costs_mod.draft_costs(ToyModel(num_ctx=2048), tmp_path) == first and len(calls) == 1
+    assert costs_mod.draft_costs(ToyModel(num_ctx=2048), tmp_path) == first and len(calls) == 2
     other = ToyModel(num_ctx=1024)
     other._digest = "sha256:other"
     costs_mod.draft_costs(other, tmp_path)
-    assert calls == ["sha256:toymodel", "sha256:other"]  # another model is measured
+    # another model is measured; a window smaller than LONG_CONTEXT_TOKENS is measured as full as it goes
+    assert calls[2:] == ["sha256:other", f"sha256:other after {1024 - MAX_DRAFT - 2}"]
     assert len(json.loads((tmp_path / costs_mod.FILE_NAME).read_text())) == 2
     # a damaged file, a malformed entry or no directory at all only mean measuring again
+    del calls[:]
     (tmp_path / costs_mod.FILE_NAME).write_text("{not json")
-    assert costs_mod.draft_costs(ToyModel(num_ctx=1024), tmp_path) == first and len(calls) == 3
-    key = costs_mod.cost_key(ToyModel(num_ctx=1024))
-    (tmp_path / costs_mod.FILE_NAME).write_text(json.dumps({key: [1.0, -2.0]}))
-    assert costs_mod.draft_costs(ToyModel(num_ctx=1024), tmp_path) == first and len(calls) == 4
-    assert costs_mod.draft_costs(ToyModel(num_ctx=1024), None) == first and len(calls) == 5
+    assert costs_mod.draft_costs(ToyModel(num_ctx=4096), tmp_path) == first and len(calls) == 2
+    key = costs_mod.cost_key(ToyModel(num_ctx=4096))
+    for malformed in ([1.0, -2.0], {"costs": first.table()}, {"costs": first.table(), "growth": [-1.0] * 16}):
+        (tmp_path / costs_mod.FILE_NAME).write_text(json.dumps({key: malformed}))
+        del calls[:]
+        assert costs_mod.draft_costs(ToyModel(num_ctx=4096), tmp_path) == first and len(calls) == 2
+    del calls[:]
+    assert costs_mod.draft_costs(ToyModel(num_ctx=4096), None) == first and len(calls) == 2
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert costs_mod.draft_costs(ToyModel(num_ctx=1024), blocked / "sub") == first and len(calls) == 6
+    assert costs_mod.draft_costs(ToyModel(num_ctx=4096), blocked / "sub") == first and len(calls) == 4
+    # a window too small for a longer measurement: the short one alone, no growth
+    del calls[:]
+    small = costs_mod.draft_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), None)
+    assert calls == ["sha256:toymodel"] and small.growth() == [0.0] * (MAX_DRAFT + 1)
     # a context too small for a full draft's check keeps the prior table and measures nothing
-    assert costs_mod.draft_costs(ToyModel(num_ctx=16), tmp_path) == CheckCosts.prior() and len(calls) == 6
+    assert costs_mod.draft_costs(ToyModel(num_ctx=16), tmp_path) == CheckCosts.prior() and len(calls) == 1
 
 
-def test_measuring_draft_costs_leaves_nothing_resident() -> None:
+def test_measuring_draft_costs_leaves_nothing_resident(monkeypatch: pytest.MonkeyPatch) -> None:
     model = ToyModel(num_ctx=1024)
+    prefilled: list[int] = []
+    set_kv = model.set_kv
+    monkeypatch.setattr(model, "set_kv", lambda tokens, keep: prefilled.append(len(tokens)) or set_kv(tokens, keep))
     points = costs_mod.measure(model, reps=1)
     assert sorted(points) == [1, 2, 4, 8, MAX_DRAFT + 1] and points[1] == 1.0
     assert all(p > 0 for p in points.values())
     assert model.res.tokens == [] and model.kv == [] and model.exact_len == 0
     # every check was the pending token repeated, rolled back after
     assert {len(v) for v in model.verifies} == {2, 4, 8, MAX_DRAFT + 1}
+    # after a longer context, as long as the window leaves room for a full draft's check
+    costs_mod.measure(model, reps=1, context=700)
+    costs_mod.measure(model, reps=1, context=5000)
+    assert prefilled == [costs_mod.CONTEXT_TOKENS, 700, 1024 - MAX_DRAFT - 2]
+    assert model.res.tokens == [] and model.kv == []
 
 
 def test_decode_refusals_run_before_anything(model: ToyModel) -> None:

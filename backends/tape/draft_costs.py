@@ -4,7 +4,12 @@ The draft policy (``backends.tape.speculate``) needs what a check of ``r`` rows
 costs against a plain one-token step. That depends on the engine, its format's
 batch kernels, the thread count and the CPU: ~0.5 of a step per extra row for
 llama.cpp on a Q4_1 model here, but a flat cost up to each compiled shape for
-OpenVINO. It is timed at load, on a short throwaway context, and then fixed:
+OpenVINO. It also changes with the context's length (``CheckCosts``): on this
+machine an OpenVINO check of 16 rows costs 1.6 steps after 64 tokens and 2.7
+after 4,000, so a table timed on a short context alone let free prose after an
+agent's 3,000-token prompt draft at a loss (6.6% slower than plain). It is
+timed at load on a short throwaway context and again on a longer one
+(``LONG_CONTEXT_TOKENS``, when the context window has room), and then fixed:
 
 * **Fixed, so answers repeat.** With costs timed live, which tokens a batch
   computes would follow the machine's noise, and a batch rounds differently from
@@ -47,13 +52,18 @@ __all__ = ["FILE_NAME", "cost_key", "draft_costs", "measure"]
 log = logging.getLogger("modeld.speculate")
 
 #: bump when the measurement changes, so tables measured the old way are not reused
-METHOD_VERSION = 2
+METHOD_VERSION = 3
 #: the check sizes timed; others are interpolated (the largest is a full draft's check)
 TIMED_ROWS = (2, 4, 8, MAX_DRAFT + 1)
 #: timed rounds per row count (the fastest is kept)
 REPS = 5
 #: tokens of context the checks run on
 CONTEXT_TOKENS = 64
+#: and the longer context they run on again, for how their cost grows with the context (an
+#: agent's prompt is thousands of tokens); a smaller window measures at what it holds, from
+#: ``MIN_LONG_CONTEXT_TOKENS`` on (below that, growth is not measured)
+LONG_CONTEXT_TOKENS = 2048
+MIN_LONG_CONTEXT_TOKENS = 512
 #: the text the throwaway context is made of
 _FILLER = (
     "def area(width, height):\n    return width * height\n\n"
@@ -94,39 +104,47 @@ def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:
     """The model's check costs: from ``cache_dir`` when measured before, else measured (and stored).
 
     Runs on a model with nothing resident (at load, before any session): it
-    prefills a short throwaway context and clears the KV again.
+    prefills a throwaway context (a short one, then a longer one) and clears the
+    KV again. The longer one costs a prefill of ``LONG_CONTEXT_TOKENS`` tokens
+    once per model and machine (~3 s on OpenVINO, ~11 s on llama.cpp here).
     """
-    if m.num_ctx < m.check_rows(max(TIMED_ROWS)) + 2:
+    rows = m.check_rows(max(TIMED_ROWS))
+    if m.num_ctx < rows + 2:
         return CheckCosts.prior()  # a context this small leaves drafts little room anyway
     key = cost_key(m)
     stored = _load(cache_dir).get(key)
     if stored is not None:
         try:
-            costs = CheckCosts(stored)
-        except (TypeError, ValueError):
+            costs = CheckCosts(stored["costs"], stored["growth"])
+        except (TypeError, ValueError, KeyError, IndexError):
             log.warning("ignoring a malformed draft cost table in %s", cache_dir)
         else:
             log.info("draft check costs (in plain steps, kept from an earlier load): %s", costs)
             return costs
     t0 = time.perf_counter()
-    points = measure(m)
-    costs = CheckCosts.from_points(points, m.check_rows)
-    costs = CheckCosts([round(c, 2) for c in costs.table()])
+    short = measure(m)
+    longer: dict[int, float] | None = None
+    tokens = min(LONG_CONTEXT_TOKENS, m.num_ctx - rows - 1)
+    if tokens >= MIN_LONG_CONTEXT_TOKENS:
+        longer = measure(m, context=tokens)
+    costs = CheckCosts.from_points(short, m.check_rows, longer, tokens - CONTEXT_TOKENS)
+    costs = CheckCosts([round(c, 2) for c in costs.table()], [round(g, 3) for g in costs.growth()])
     log.info("draft check costs measured in %.2f s (in plain steps): %s", time.perf_counter() - t0, costs)
     if cache_dir is not None:
         table = _load(cache_dir)
-        table[key] = costs.table()
+        table[key] = {"costs": costs.table(), "growth": costs.growth()}
         _save(cache_dir, table)
     return costs
 
 
-def measure(m: TapeModel, reps: int = REPS) -> dict[int, float]:
-    """Seconds of a check of each timed row count, over a plain step's: {rows: steps}, 1 -> 1.0."""
+def measure(m: TapeModel, reps: int = REPS, context: int = CONTEXT_TOKENS) -> dict[int, float]:
+    """Seconds of a check of each timed row count after ``context`` tokens, over a plain step's
+    there: {rows: steps}, 1 -> 1.0."""
     rows = sorted({m.check_rows(r) for r in TIMED_ROWS})
     filler = m.tokenize(_FILLER)
-    n = max(1, min(CONTEXT_TOKENS, m.num_ctx - max(rows) - 1))
-    context = (filler * (n // max(len(filler), 1) + 1))[:n]
-    m.set_kv(context, 0)
+    n = max(1, min(context, m.num_ctx - max(rows) - 1))
+    context_tokens = (filler * (n // max(len(filler), 1) + 1))[:n]
+    m.set_kv(context_tokens, 0)
     steps = m.decode_steps(DecodeConfig(max_tokens=1, temperature=0.0))
     times: dict[int, list[float]] = {r: [] for r in [1, *rows]}
     try:

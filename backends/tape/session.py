@@ -397,7 +397,7 @@ class TapeSession:
                         # the draft never passes max_tokens nor fills the context
                         limit = min(MAX_DRAFT, cfg.max_tokens - produced - 1, m.num_ctx - len(res.tokens) - 2)
                         draft, ngram = lookup.propose(limit)
-                        draft = draft[: policy.plan(len(draft), ngram)]
+                        draft = draft[: policy.plan(len(draft), ngram, len(res.tokens))]
                     with m.errors("decode"):
                         if draft:
                             steps.verify([tok, *draft])

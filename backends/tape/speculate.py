@@ -29,7 +29,7 @@ occasional probe.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -103,7 +103,8 @@ class PromptLookup:
 
 
 class CheckCosts:
-    """What a check of ``rows`` rows costs on this engine and machine, in plain one-token steps.
+    """What a check of ``rows`` rows costs on this engine and machine, in plain one-token steps,
+    at a given length of context.
 
     One table per loaded model (``TapeModelBase.draft_costs``), measured once
     (``backends.tape.draft_costs``) and fixed from then on: the policy's choices
@@ -111,55 +112,96 @@ class CheckCosts:
     same batches and the same numbers — a warm answer equals a cold one, and a
     restarted daemon answers as before, also with speculation on. Costs timed as
     the model decodes would follow the machine's noise into the answers.
+
+    What a check costs against a step changes with the context: a step's
+    attention over the context is one row, a check's is one per row, and an
+    engine may take a slower attention kernel for several rows than for one.
+    Measured here (in steps, 16-row check): OpenVINO 1.6 at 64 tokens, 2.2 at
+    2,000, 2.7 at 4,000; llama.cpp 7.4 to 7.0 (flat) in its default layout, 7.8 to
+    13.6 with flash attention over a q8_0 cache. So a table has ``costs`` (at a
+    short context) and ``growth``: plain steps added per 1,000 tokens of context,
+    per row count, from a second measurement at a longer context. Growth is never
+    below 0: a check is not assumed to get cheaper than it was measured, and
+    past the longer measurement it is extrapolated linearly.
     """
 
-    __slots__ = ("_costs",)
+    __slots__ = ("_costs", "_growth")
 
-    def __init__(self, costs: list[float]) -> None:
-        if len(costs) != MAX_DRAFT + 1 or any(c <= 0 for c in costs):
-            raise ValueError(f"a cost table has {MAX_DRAFT + 1} positive entries (rows 1..{MAX_DRAFT + 1})")
-        #: costs[r - 1]: a check of r rows (costs[0] is the plain step itself: 1.0)
-        self._costs = tuple(costs)
+    def __init__(self, costs: Sequence[float], growth: Sequence[float] | None = None) -> None:
+        size = MAX_DRAFT + 1
+        if len(costs) != size or any(not c > 0 for c in costs):
+            raise ValueError(f"a cost table has {size} positive entries (rows 1..{size})")
+        growth = [0.0] * size if growth is None else list(growth)
+        if len(growth) != size or any(not 0 <= g < float("inf") for g in growth):
+            raise ValueError(f"a cost table's growth has {size} entries >= 0 (rows 1..{size})")
+        #: costs[r - 1]: a check of r rows at a short context (costs[0] is the plain step itself: 1.0)
+        self._costs = tuple(float(c) for c in costs)
+        #: growth[r - 1]: what a check of r rows adds per 1,000 tokens of context (growth[0]: 0)
+        self._growth = tuple(float(g) for g in growth)
 
     @classmethod
-    def from_points(cls, points: dict[int, float], padded: Callable[[int], int]) -> CheckCosts:
+    def from_points(
+        cls,
+        points: dict[int, float],
+        padded: Callable[[int], int],
+        longer: dict[int, float] | None = None,
+        tokens: int = 0,
+    ) -> CheckCosts:
         """The table from costs timed at a few row counts: ``padded(r)`` is the row count a check
         of ``r`` rows really runs with (an engine padding to compiled shapes rounds up), and
         counts between two timed ones are interpolated. A check is taken to cost at least a
-        plain step, and more rows never less than fewer (timing noise could say otherwise)."""
+        plain step, and more rows never less than fewer (timing noise could say otherwise).
+        ``longer``: the same rows timed with ``tokens`` more tokens of context; the growth."""
+        short = cls._interpolated(points, padded)
+        if not longer or tokens <= 0:
+            return cls(short)
+        long = cls._interpolated(longer, padded)
+        growth = [max(0.0, (b - a) * 1000 / tokens) for a, b in zip(short, long, strict=True)]
+        growth[0] = 0.0  # a plain step is the unit at every context
+        return cls(short, growth)
+
+    @staticmethod
+    def _interpolated(points: dict[int, float], padded: Callable[[int], int]) -> list[float]:
         xs = sorted(points)
         ys = np.maximum.accumulate(np.maximum([points[x] for x in xs], 1.0))
-        return cls([float(np.interp(padded(r) if r > 1 else 1, xs, ys)) for r in range(1, MAX_DRAFT + 2)])
+        return [float(np.interp(padded(r) if r > 1 else 1, xs, ys)) for r in range(1, MAX_DRAFT + 2)]
 
     @classmethod
     def prior(cls) -> CheckCosts:
         """Used until a model's costs were measured: every extra row costs ``PRIOR_ROW_COST`` steps."""
         return cls([1.0 + PRIOR_ROW_COST * (r - 1) for r in range(1, MAX_DRAFT + 2)])
 
-    def cost(self, rows: int) -> float:
-        """A check of ``rows`` rows (1..MAX_DRAFT + 1), in plain steps."""
-        return self._costs[rows - 1]
+    def cost(self, rows: int, context: int = 0) -> float:
+        """A check of ``rows`` rows (1..MAX_DRAFT + 1) after ``context`` tokens, in plain steps."""
+        return self._costs[rows - 1] + self._growth[rows - 1] * context / 1000
 
     def table(self) -> list[float]:
         return list(self._costs)
 
+    def growth(self) -> list[float]:
+        return list(self._growth)
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CheckCosts) and other._costs == self._costs
+        return isinstance(other, CheckCosts) and (other._costs, other._growth) == (self._costs, self._growth)
 
     def __hash__(self) -> int:
-        return hash(self._costs)
+        return hash((self._costs, self._growth))
 
     def __repr__(self) -> str:
-        return f"CheckCosts({', '.join(f'{r}: {c:.2f}' for r, c in enumerate(self._costs, 1))})"
+        rows = ", ".join(f"{r}: {c:.2f}" for r, c in enumerate(self._costs, 1))
+        if not any(self._growth):
+            return f"CheckCosts({rows})"
+        return f"CheckCosts({rows}; per 1,000 tokens of context: {', '.join(f'+{g:.2f}' for g in self._growth[1:])})"
 
 
 class DraftPolicy:
     """When to draft and how long, from what a draft's check costs here and how often drafts are kept.
 
     A plain step yields one token for one step of cost. A check of ``k`` draft
-    tokens runs ``k + 1`` rows for ``costs.cost(k + 1)`` steps (``CheckCosts``: an
-    engine's batch kernels cost per row very differently from its one-token step,
-    e.g. ~0.5 of a step per row on llama.cpp here) and yields the kept tokens plus
+    tokens runs ``k + 1`` rows for ``costs.cost(k + 1, context)`` steps (``CheckCosts``:
+    an engine's batch kernels cost per row very differently from its one-token
+    step, e.g. ~0.5 of a step per row on llama.cpp here, and a long context makes
+    some engines' checks dearer still) and yields the kept tokens plus
     one. With ``p`` the chance a draft token is kept (per n-gram size, recent
     checks of this pass weighing most, from priors that trust a long match and
     doubt a short one), ``k`` tokens keep ``p (1 - p^k) / (1 - p)`` on average. The
@@ -167,8 +209,8 @@ class DraftPolicy:
     that beats a plain step by ``MIN_GAIN``; when nothing pays it still probes a
     one-token draft every ``PROBE_EVERY`` tokens, so it notices when a copy starts.
 
-    Every input is a count of tokens or the fixed cost table, never a clock: a
-    pass's drafts are a function of its tape.
+    Every input is a count of tokens (the context's length among them) or the
+    fixed cost table, never a clock: a pass's drafts are a function of its tape.
     """
 
     def __init__(self, costs: CheckCosts | None = None) -> None:
@@ -181,15 +223,16 @@ class DraftPolicy:
     def keep_rate(self, n: int) -> float:
         return self._kept[n] / self._tried[n]
 
-    def plan(self, available: int, n: int) -> int:
-        """How many of the ``available`` draft tokens (found by an ``n``-gram) to check now; 0: a plain step."""
+    def plan(self, available: int, n: int, context: int = 0) -> int:
+        """How many of the ``available`` draft tokens (found by an ``n``-gram) to check now after
+        ``context`` resident tokens; 0: a plain step."""
         if available <= 0:
             return 0
         p = min(self.keep_rate(n), 0.999)
         best_k, best_rate = 0, MIN_GAIN
         for k in range(1, min(available, MAX_DRAFT) + 1):
             kept = p * (1 - p**k) / (1 - p)
-            rate = (kept + 1) / self.costs.cost(k + 1)
+            rate = (kept + 1) / self.costs.cost(k + 1, context)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0 and self._since_draft >= PROBE_EVERY:
