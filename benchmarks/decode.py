@@ -208,9 +208,10 @@ def short_pairs(sides: dict[str, tuple[Any, Any]], pairs: int = SHORT_PAIRS, tok
     return ratios
 
 
-def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+def _measure(sides: dict[str, tuple[Any, Any]], tasks: list[tuple[str, SuffixInput, int]] = TASKS,
+             system: str = SYSTEM) -> dict[str, dict[str, dict[str, Any]]]:
     """Per side, task and mode: decode tok/s (median, and every round's in ``rates``), tokens,
-    drafted/accepted and the answer's token ids (``ids``) of the last run.
+    drafted/accepted and the answer's token ids (``ids``) of the last run (``tasks`` after ``system``).
 
     The sides take turns run by run (in process, daemon, in process, …), so a
     slower spell of a shared machine lands on both instead of on one side's block;
@@ -221,12 +222,12 @@ def _measure(sides: dict[str, tuple[Any, Any]]) -> dict[str, dict[str, dict[str,
     answers: dict[str, dict[str, list[int]]] = {side: {} for side in sides}
     for rep in range(REPS):
         order = list(sides.items()) if rep % 2 == 0 else list(reversed(sides.items()))
-        for name, suffix, n in TASKS:
+        for name, suffix, n in tasks:
             for spec in (False, True):
                 key = f"{name}/{'spec' if spec else 'plain'}"
                 for side, (sess, manifest) in order:
                     answers[side][key] = []
-                    final = _turn(sess, manifest, suffix, n, spec, answers[side][key])
+                    final = _turn(sess, manifest, suffix, n, spec, answers[side][key], system)
                     rates[side].setdefault(key, []).append(_rate(final))
                     last[side][key] = final
     out: dict[str, dict[str, dict[str, Any]]] = {side: {} for side in sides}
@@ -368,7 +369,7 @@ def _backend(engine: str) -> Any:
 
 def long_prompt_rows(engine: str) -> list[tuple[str, Any, str]]:
     """The prose task in process after a ``LONG_PROMPT_TOKENS``-token system prompt, plain and
-    speculative taking turns round by round."""
+    speculative, ``REPS`` rounds (``_measure``)."""
     req = OpenSessionRequest(path=str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX))
     model = _backend(engine).load(req, lambda _f: None)
     try:
@@ -376,26 +377,16 @@ def long_prompt_rows(engine: str) -> list[tuple[str, Any, str]]:
         system = SYSTEM + "\nRepository map:\n" + text_of_tokens(count, LONG_PROMPT_TOKENS, PREFIX_LINE)
         sess = model.open_session()
         manifest = model.manifest_defaults().model_copy(update={"profile": "bench-long"})
-        name, suffix, n = TASKS[0]
-        rates: dict[bool, list[float]] = {False: [], True: []}
-        last: dict[bool, dict[str, Any]] = {}
-        for rep in range(REPS):
-            for spec in (False, True) if rep % 2 == 0 else (True, False):
-                ids: list[int] = []
-                final = _turn(sess, manifest, suffix, n, spec, ids, system)
-                assert final.usage is not None
-                rates[spec].append(_rate(final))
-                last[spec] = {"tokens": final.usage.completion_tokens, "drafted": final.usage.drafted_tokens,
-                              "accepted": final.usage.accepted_tokens, "ids": ids}
+        got = _measure({"local": (sess, manifest)}, TASKS[:1], system)["local"]
         context = len(model.res.tokens)
     finally:
         model.close()
-    speedup = paired_median(rates[True], rates[False])
-    note = speculation_note(last[False] | {"rates": rates[False]}, last[True] | {"rates": rates[True]}, speedup)
+    name = TASKS[0][0]
+    plain, spec = got[f"{name}/plain"], got[f"{name}/spec"]
+    note = speculation_note(plain, spec, paired_median(spec["rates"], plain["rates"]))
     return [(f"{name} after a {LONG_PROMPT_TOKENS:,}-token prompt: plain / speculative tok/s (in process)",
-             f"{statistics.median(rates[False]):.1f} / {statistics.median(rates[True]):.1f}",
-             f"{note}; ~{context:,} tokens of context at the end; "
-             "target <= 3% slower")]
+             f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
+             f"{note}; ~{context:,} tokens of context at the end; target <= 3% slower")]
 
 
 def exact_layout_rows(tmp: Path) -> list[tuple[str, Any, str]]:
