@@ -103,6 +103,12 @@ class Config(_Request):
     #: warm turn answers bit for bit like a cold one (default: reuse them, as every
     #: serving engine does; decode-step KV differs slightly from a batched prefill's)
     exact_reuse: bool = False
+    #: compute every decoded token as a prefill computes it, so a token's logits are the same
+    #: alone, in a draft's check or in any prefill: drafts (sampled ones too) and reused replies
+    #: never change an answer. OpenVINO pads each decode step to a prefill's kernels (a step
+    #: costs more as the context grows); llama.cpp's steps are exact with flash_attn over a
+    #: q8_0/q4_0 cache, and it refuses the setting without that layout
+    exact_decode: bool = False
 
 
 class Fence(_Request):

@@ -79,6 +79,8 @@ class ServeOptions:
     #: llama.cpp's attention kernel and KV cache type for the preloaded model ("": the engine's default)
     flash_attn: bool = False
     kv_cache_type: KVCacheType = ""
+    #: decoded tokens computed as a prefill computes them (``contract.types.Config.exact_decode``)
+    exact_decode: bool = False
     owner: str = ""
     #: snapshot blobs and state; None = ``default_data_dir()``
     data_dir: Path | None = None
@@ -293,7 +295,12 @@ def preload_request(opts: ServeOptions) -> LoadModelRequest | None:
         model_name=name or Path(model).name,
         type=opts.backend,
         path=model,
-        config=Config(num_ctx=opts.num_ctx, flash_attn=opts.flash_attn, kv_cache_type=opts.kv_cache_type),
+        config=Config(
+            num_ctx=opts.num_ctx,
+            flash_attn=opts.flash_attn,
+            kv_cache_type=opts.kv_cache_type,
+            exact_decode=opts.exact_decode,
+        ),
     )
 
 

@@ -155,6 +155,12 @@ class ServeSettings(BaseSettings):
         description="llama.cpp: KV cache type of the preloaded model, f16 when unset; with --flash-attn, q8_0 "
         "makes a token's logits the same alone or in a batch, so speculation and reuse never change an answer",
     )
+    exact_decode: bool = Field(
+        _DEFAULT.exact_decode,
+        description="compute every decoded token as a prefill computes it, so drafts (sampled ones too) and "
+        "reused replies never change an answer; OpenVINO: a decode step then costs more over a long context "
+        "(1.9x at 2,000 tokens, 2.5x at 4,000); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)",
+    )
     owner: str = Field(_DEFAULT.owner, description="owner instance id for fencing")
     data_dir: OptionalPath = Field(_DEFAULT.data_dir, description="snapshot blobs and state")
     mem_max: SizeOrUnset = Field(_DEFAULT.mem_max, description="memory limit for model + KV, e.g. 8GiB")

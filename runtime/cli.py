@@ -98,6 +98,10 @@ def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
     p.add_argument("--kv-cache-type", default="", choices=KV_CACHE_TYPES,
                    help="llama.cpp: KV cache type (default f16); with --flash-attn, q8_0 makes a token's logits the "
                    "same alone or in a batch, so speculation and reuse never change an answer")
+    p.add_argument("--exact-decode", action="store_true",
+                   help="compute every decoded token as a prefill computes it, so drafts and reused replies never "
+                   "change an answer (OpenVINO: slower decode over a long context; llama.cpp: needs --flash-attn "
+                   "--kv-cache-type q8_0)")
 
 
 def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
@@ -294,6 +298,13 @@ def _status(client: Client, args: argparse.Namespace) -> int:
             ("context", st.active.effective_context),
             ("resident bytes", st.active.resident_bytes),
         ]
+        cfg = st.active.config
+        chosen = [name for name, on in (("flash attention", cfg.flash_attn),
+                                        (f"KV cache {cfg.kv_cache_type}", bool(cfg.kv_cache_type)),
+                                        ("exact decode", cfg.exact_decode),
+                                        ("exact reuse", cfg.exact_reuse)) if on]
+        if chosen:
+            rows.append(("settings", ", ".join(chosen)))
     if st.embedding is not None:
         rows += _embedding_rows(st.embedding)
     if st.cache is not None:
@@ -386,7 +397,8 @@ def _handle(args: argparse.Namespace) -> dict[str, Any]:
         "type": args.type,
         "digest": args.digest,
         "path": os.path.abspath(args.path) if args.path and args.type != "memory" else args.path,
-        "config": Config(num_ctx=args.num_ctx, flash_attn=args.flash_attn, kv_cache_type=args.kv_cache_type),
+        "config": Config(num_ctx=args.num_ctx, flash_attn=args.flash_attn, kv_cache_type=args.kv_cache_type,
+                         exact_decode=args.exact_decode),
     }
 
 

@@ -112,6 +112,47 @@ def decode(session: Session, n: int, **cfg: Any) -> tuple[list[int], str, Stream
     return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
 
 
+def check_exact_rows(session: Session, man: ContextManifest, n: int = 240) -> SuffixInput:
+    """What a model whose rows are exact (``rows_exact``) answers, on an edit past 512 keys.
+
+    A seeded sampled pass drafts by default and draws what it draws without drafts; a greedy answer
+    with drafts is the plain one token for token; the next turn resends the answer and asks on, reusing
+    the decoded tokens (with ``exact_reuse`` too), and answers as it does after a cold prefill. Returns
+    that next turn's suffix, resident (a cold prefill's KV) when this returns.
+    """
+    asked = 0  # the suffix's tokens before the answer
+
+    def edit(**cfg: Any) -> tuple[list[int], str, StreamChunk]:
+        nonlocal asked
+        prefix = session.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man)).prefix_tokens
+        session.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=man))  # the edit is prefilled anew
+        session.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=man))
+        resident = session.explain_context().resident_tokens
+        assert resident > 512
+        asked = resident - prefix
+        return decode(session, n, **cfg)
+
+    sampled = {spec: edit(temperature=0.7, top_k=40, seed=11, speculative=spec) for spec in (False, None)}
+    drafted = sampled[None][2].usage
+    assert drafted is not None and drafted.drafted_tokens > 0
+    assert sampled[None][0] == sampled[False][0]
+    plain, text, plain_final = edit(speculative=False)
+    spec, _, final = edit(speculative=True)
+    assert plain_final.usage is not None and plain_final.usage.drafted_tokens == 0
+    assert final.usage is not None and final.usage.accepted_tokens > 0.5 * final.usage.drafted_tokens > 20
+    assert spec == plain and len(plain) > 150
+    # the answer was decoded one token at a time or kept from checks: reused all the same
+    follow = SuffixInput(text=EDIT_CONTINUATION + text + "\n```\nWhat changed?", render=False, manifest=man)
+    reused = session.prefill_suffix(follow).reused_tokens
+    assert reused > asked + len(plain) // 2
+    warm = decode(session, 48, speculative=False)[0]
+    session.ensure_prefix(PrefixInput(text="Something else entirely.", manifest=man))  # nothing of it stays
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man))
+    assert session.prefill_suffix(follow).reused_tokens < reused
+    assert decode(session, 48, speculative=False)[0] == warm
+    return follow
+
+
 def take(stream: Generator[StreamChunk, None, None], n: int) -> list[int]:
     """The token ids of a decode stream until at least ``n`` arrived; then the stream is closed (a cancel)."""
     got: list[int] = []

@@ -163,18 +163,34 @@ def test_speculation_through_the_daemon(backend_daemon: DaemonProcess) -> None:
         sess.close()
 
 
-def test_a_llama_daemon_with_the_row_invariant_layout_answers_alike_with_drafts(
-    tmp_path_factory: pytest.TempPathFactory,
+@pytest.mark.parametrize(
+    ("backend", "flags", "settings"),
+    [
+        ("llama", ("--flash-attn", "--kv-cache-type", "q8_0", "--exact-decode"),
+         "flash attention, KV cache q8_0, exact decode"),
+        ("openvino", ("--exact-decode",), "exact decode"),
+    ],
+)
+def test_a_daemon_with_exact_rows_answers_alike_with_drafts(
+    tmp_path_factory: pytest.TempPathFactory, backend: str, flags: tuple[str, ...], settings: str
 ) -> None:
-    """``--flash-attn --kv-cache-type q8_0`` reach the preloaded model; with that layout a 320-token edit
+    """``--exact-decode`` (llama.cpp: with the layout whose rows are exact, flash attention over a
+    q8_0 cache) reaches the preloaded model and status names the settings; then a 320-token edit
     answers the same, token for token, with and without drafts (the bench's edit, past 512 keys)."""
-    d = DaemonProcess(tmp_path_factory.mktemp("row-invariant"), "llama", None, "--num-ctx", "2048",
-                      "--flash-attn", "--kv-cache-type", "q8_0")
+    d = DaemonProcess(tmp_path_factory.mktemp("exact-rows"), backend, None, "--num-ctx", "2048", *flags)
     d.start(ready_timeout_s=600, wait_state=("Ready",))
     try:
+        out = subprocess.run([sys.executable, "-m", "modeld", "status", "--endpoint", d.endpoint],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT, check=True,
+                             env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+        shown = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("settings ")]
+        assert shown == [settings], out
         with d.client(timeout_s=300.0) as c:
             active = c.status().active
-            assert active is not None and (active.config.flash_attn, active.config.kv_cache_type) == (True, "q8_0")
+            assert active is not None
+            assert active.config.exact_decode
+            assert (active.config.flash_attn, active.config.kv_cache_type) == (
+                ("--flash-attn" in flags, "q8_0") if backend == "llama" else (False, ""))
             sess = c.open_session(OpenSessionRequest())
             m = manifest_for(sess, fresh_profile())
 

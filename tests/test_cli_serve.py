@@ -95,6 +95,9 @@ def test_bootstrap_takes_a_backend_through_the_same_door(tmp_path: Path) -> None
     assert preload_request(ServeOptions(backend="llama", no_preload=True)) is None
     req = preload_request(ServeOptions(backend="llama", flash_attn=True, kv_cache_type="q8_0"))
     assert req is not None and (req.config.flash_attn, req.config.kv_cache_type) == (True, "q8_0")
+    assert not req.config.exact_decode
+    req = preload_request(ServeOptions(backend="openvino", exact_decode=True))
+    assert req is not None and req.config.exact_decode
 
 
 def test_a_queued_preload_reads_as_loading_before_the_worker_takes_it(tmp_path: Path) -> None:

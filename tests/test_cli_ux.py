@@ -159,10 +159,14 @@ def test_load_with_json_prints_only_json(memory_daemon: DaemonProcess) -> None:
 
 def test_load_passes_the_attention_kernel_and_kv_cache_type(memory_daemon: DaemonProcess) -> None:
     code, out, err = run_cli(["load", "m", "--type", "memory", "--path", "/models/m", "--flash-attn",
-                              "--kv-cache-type", "q8_0", "--json", "--endpoint", memory_daemon.endpoint], tty=False)
+                              "--kv-cache-type", "q8_0", "--exact-decode", "--json",
+                              "--endpoint", memory_daemon.endpoint], tty=False)
     assert code == 0, err
     config = json.loads(out)["config"]
-    assert (config["flash_attn"], config["kv_cache_type"]) == (True, "q8_0")
+    assert (config["flash_attn"], config["kv_cache_type"], config["exact_decode"]) == (True, "q8_0", True)
+    code, out, err = run_cli(["status", "--endpoint", memory_daemon.endpoint], tty=False)
+    assert code == 0, err
+    assert "flash attention, KV cache q8_0, exact decode" in out
     code, _, err = run_cli(["load", "m", "--type", "memory", "--path", "/models/m", "--kv-cache-type", "q5_1",
                             "--endpoint", memory_daemon.endpoint], tty=False)
     assert code == 2 and "invalid choice: 'q5_1'" in err

@@ -47,7 +47,7 @@ from contract.types import (  # noqa: E402
     StructuredOutputConfig,
     SuffixInput,
 )
-from tests.engine_kit import EDIT_CONTINUATION, LONG_PREFIX  # noqa: E402
+from tests.engine_kit import check_exact_rows  # noqa: E402
 from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 
 pytestmark = pytest.mark.llama
@@ -172,6 +172,12 @@ def test_backend_mismatch_and_invalid_config(backend: LlamaBackend, model_path: 
         backend.load(OpenSessionRequest(path=str(model_path), config=Config(kv_cache_type="q4_0")), lambda f: None)
     with pytest.raises(InvalidArgument, match="training context"):
         backend.load(OpenSessionRequest(path=str(model_path), config=Config(num_ctx=100_000)), lambda f: None)
+    # exact decoding is the layout whose rows are exact; a request without it is refused, not re-laid out
+    for layout in ({}, {"flash_attn": True}, {"flash_attn": True, "kv_cache_type": "f16"},
+                   {"flash_attn": True, "kv_cache_type": "q8_0", "num_gpu_layers": -1}):
+        with pytest.raises(UnsupportedFeature, match="exact_decode on llama.cpp needs .* flash_attn=true"):
+            backend.load(OpenSessionRequest(path=str(model_path), config=Config(exact_decode=True, **layout)),
+                         lambda f: None)
     with pytest.raises(UnsupportedFeature):
         backend.embed(EmbedRequest(text="x"))
 
@@ -360,40 +366,7 @@ def test_a_row_invariant_layout_makes_drafts_and_reuse_exact(
     m = backend.load(OpenSessionRequest(path=str(model_path), config=cfg), lambda f: None)
     assert m.rows_exact
     try:
-        man = m.manifest_defaults()
-        s = m.open_session()
-        asked = 0  # the suffix's tokens before the answer
-
-        def edit(**kw: object) -> tuple[list[int], str, StreamChunk]:
-            nonlocal asked
-            prefix = s.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man)).prefix_tokens
-            s.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=man))  # the edit is prefilled anew
-            s.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=man))
-            resident = s.explain_context().resident_tokens
-            assert resident > 512
-            asked = resident - prefix
-            return greedy(s, 240, **kw)
-
-        # a seeded sampled pass drafts by default here, and draws what it draws without drafts
-        sampled = {spec: edit(temperature=0.7, top_k=40, seed=11, speculative=spec) for spec in (False, None)}
-        assert sampled[None][2].usage is not None and sampled[None][2].usage.drafted_tokens > 0
-        assert sampled[None][0] == sampled[False][0]
-        plain, text, plain_final = edit(speculative=False)
-        spec, _, final = edit(speculative=True)
-        assert plain_final.usage is not None and plain_final.usage.drafted_tokens == 0
-        assert final.usage is not None and final.usage.accepted_tokens > 0.5 * final.usage.drafted_tokens > 20
-        assert spec == plain and len(plain) > 150
-        # the next turn resends the answer (decoded one token at a time, or kept from checks) and asks on:
-        # the decoded tokens are reused (of the suffix), with exact_reuse too
-        follow = SuffixInput(text=EDIT_CONTINUATION + text + "\n```\nWhat changed?", render=False, manifest=man)
-        reused = s.prefill_suffix(follow).reused_tokens
-        assert reused > asked + len(plain) // 2
-        warm, _, _ = greedy(s, 48, speculative=False)
-        s.ensure_prefix(PrefixInput(text="Something else entirely.", manifest=man))  # nothing of it stays
-        s.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man))
-        assert s.prefill_suffix(follow).reused_tokens < reused
-        cold, _, _ = greedy(s, 48, speculative=False)
-        assert warm == cold
+        check_exact_rows(m.open_session(), m.manifest_defaults())
     finally:
         m.close()
 

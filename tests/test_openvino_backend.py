@@ -25,7 +25,7 @@ ov_genai = pytest.importorskip("openvino_genai")
 
 from backends.bundled import bundled_gguf_path  # noqa: E402
 from backends.openvino import BACKEND_NAME, OpenVINOBackend, OpenVINOLoadedModel  # noqa: E402
-from backends.openvino.graph import MIN_PREFILL_ROWS, bucket  # noqa: E402
+from backends.openvino.graph import EXACT_STEP_ROWS, MIN_PREFILL_ROWS, bucket  # noqa: E402
 from backends.openvino.model import STATE_MAGIC  # noqa: E402
 from backends.openvino.native import map_errors  # noqa: E402
 from backends.openvino.prepare import (  # noqa: E402
@@ -60,7 +60,7 @@ from contract.types import (  # noqa: E402
     StructuredOutputConfig,
     SuffixInput,
 )
-from tests.engine_kit import LONG_PREFIX, NUM_CTX, PARAGRAPH, decode  # noqa: E402
+from tests.engine_kit import LONG_PREFIX, NUM_CTX, PARAGRAPH, check_exact_rows, decode  # noqa: E402
 from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 
 pytestmark = pytest.mark.openvino
@@ -292,6 +292,34 @@ def test_f32_precision_is_exact_too(ir_dir: Path) -> None:
 
 
 # --- decode ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("exact_reuse", [False, True], ids=["reuse", "exact_reuse"])
+def test_exact_decode_makes_drafts_and_reuse_exact(model: OpenVINOLoadedModel, ir_dir: Path, exact_reuse: bool) -> None:
+    """``exact_decode`` pads every decode step to the fewest rows that take a prefill's kernels on this
+    CPU (measured at load) and every check to at least as many: a decoded token's logits are a
+    prefill's bit for bit, the answer with drafts is the plain one token for token (a seeded sampled
+    one too, which then drafts by default), and a warm turn reusing the answer answers as a cold
+    prefill (``exact_reuse`` then has nothing to recompute). The context passes 512 keys."""
+    cfg = Config(num_ctx=NUM_CTX, exact_decode=True, exact_reuse=exact_reuse)
+    m = OpenVINOBackend().load(OpenSessionRequest(path=str(ir_dir), config=cfg), lambda _f: None)
+    try:
+        assert m.rows_exact and m.runtime_identity()["exact_decode"] is True
+        assert not model.rows_exact and model.runtime_identity()["exact_decode"] is False
+        assert m.runtime_identity() != model.runtime_identity()  # KV and snapshots of one never serve the other
+        assert model.step_rows == 1 and m.step_rows in (*EXACT_STEP_ROWS, MIN_PREFILL_ROWS)
+        assert all(m.check_rows(n) >= m.step_rows for n in range(1, 17))
+        s = m.open_session()
+        check_exact_rows(s, m.manifest_defaults())
+        # the last decoded token, recomputed as a prefill chunk: the same bits
+        n = len(m.res.tokens)
+        stepped = m.logits_at_end().copy()
+        assert m.set_kv(list(m.res.tokens), n - 1) == n - 1
+        assert np.array_equal(m.logits_at_end(), stepped)
+        snap = s.snapshot()
+        # a snapshot of the exact decode is refused by a model decoding the default way
+        with pytest.raises(SnapshotRejected, match="exact_decode"):
+            model.open_session().restore(snap.model_copy(update={"manifest": model.manifest_defaults()}))
+    finally:
+        m.close()
 
 
 # --- snapshots (the engine half; what every engine does is in tests/test_engines.py) -------------------------

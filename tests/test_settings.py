@@ -147,6 +147,7 @@ def test_an_empty_variable_is_unset(config_home: Path, monkeypatch: pytest.Monke
         ("MODELD_LOG_LEVEL", "debug", "log_level", "DEBUG"),
         ("MODELD_KV_CACHE_TYPE", "q8_0", "kv_cache_type", "q8_0"),
         ("MODELD_FLASH_ATTN", "true", "flash_attn", True),
+        ("MODELD_EXACT_DECODE", "1", "exact_decode", True),
     ],
 )
 def test_the_documented_variables_keep_their_meaning(

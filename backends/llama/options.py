@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from contract.errors import InvalidArgument
+from contract.errors import InvalidArgument, UnsupportedFeature
 from contract.sizing import ModelFacts
 from contract.types import QUANTIZED_KV_CACHE_TYPES, Config
 
@@ -98,7 +98,7 @@ class LoadOptions:
                         kv_cache_type=kv,
                     )
         num_batch = min(cfg.num_batch or DEFAULT_NUM_BATCH, num_ctx)
-        return cls(
+        options = cls(
             num_ctx=num_ctx,
             num_batch=num_batch,
             num_threads=cfg.num_threads or (os.cpu_count() or 1),
@@ -108,6 +108,19 @@ class LoadOptions:
             extra_bufts=extra_bufts_default(),
             tensor_split=tuple(cfg.tensor_split),
         )
+        if cfg.exact_decode and not options.rows_exact:
+            # the layout decides it; choosing one behind the request's back would make the
+            # active config say something other than what runs
+            raise UnsupportedFeature(
+                "exact_decode on llama.cpp needs the layout whose rows are exact: flash_attn=true with "
+                f"kv_cache_type {' or '.join(QUANTIZED_KV_CACHE_TYPES)} on the CPU "
+                "(modeld serve --flash-attn --kv-cache-type q8_0); this request has "
+                f"flash_attn={str(cfg.flash_attn).lower()}, kv_cache_type {kv!r}, num_gpu_layers {cfg.num_gpu_layers}",
+                flash_attn=cfg.flash_attn,
+                kv_cache_type=kv,
+                num_gpu_layers=cfg.num_gpu_layers,
+            )
+        return options
 
     @property
     def rows_exact(self) -> bool:

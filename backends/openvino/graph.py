@@ -11,7 +11,15 @@ from openvino._offline_transformations import paged_attention_transformation
 
 from contract.errors import ModelLoadFailed
 
-__all__ = ["MIN_PREFILL_ROWS", "VERIFY_ROWS", "WARM_BUCKETS_UP_TO", "bucket", "paged_model", "verify_rows"]
+__all__ = [
+    "EXACT_STEP_ROWS",
+    "MIN_PREFILL_ROWS",
+    "VERIFY_ROWS",
+    "WARM_BUCKETS_UP_TO",
+    "bucket",
+    "paged_model",
+    "verify_rows",
+]
 
 #: the CPU plugin computes chunks of 1..4 tokens (bf16; 1 token under f32) with other kernels
 #: whose rounding differs; prefill chunks are padded to at least this many rows so every
@@ -24,6 +32,14 @@ WARM_BUCKETS_UP_TO = 256
 #: a speculative draft's check runs padded to one of these row counts (compiled at load), so
 #: drafts of every length share a few kernels instead of compiling one shape each
 VERIFY_ROWS = (4, 8, 16)
+#: with ``Config.exact_decode`` a decode step runs padded to the first of these row counts whose
+#: logits equal a prefill's bit for bit, measured at load (``OpenVINOLoadedModel.warm_up``), else to
+#: ``MIN_PREFILL_ROWS``, which a prefill uses itself. Which kernels a row count takes depends on the
+#: CPU: here (AVX-512, no AMX) 2 rows already do, at 40 to 6,000 tokens of context, bf16 and f32;
+#: on an AMX CPU chunks under 5 tokens were measured to round apart. Over a long past those kernels
+#: cost more than a one-row step's: here a 2-row step is 1.05x a one-row step at 300 tokens of
+#: context, ~1.4-1.85x at 2,000, ~1.6-2.5x at 4,000 (run to run), a 5-row one ~1.7x and ~1.85x
+EXACT_STEP_ROWS = (2, 3, 4, 5, 8)
 _PAGED_INPUTS = frozenset(
     {
         "input_ids",

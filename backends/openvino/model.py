@@ -41,7 +41,17 @@ drive the graph with one ``InferRequest``; block ``i`` holds positions
     (``exact_len``): the prompt recomputes them as a chunk;
   - then, exact_reuse or not, warm output equals cold output for a full prefix
     hit, a partially reused (edited) prefix and a partially reused suffix alike
-    (tested), and the prefill chunk size does not enter the runtime digest.
+    (tested), and the prefill chunk size does not enter the runtime digest;
+  - with ``Config.exact_decode`` a decode step runs padded to the fewest rows
+    that take a prefill's kernels on this CPU (measured at load, see
+    ``graph.EXACT_STEP_ROWS``; 2 here) and a draft's check to at least as many:
+    their logits equal a prefill's bit for bit (measured here at 40 to 6,000
+    tokens of context, bf16 and f32, for steps of 2 rows and checks of 4, 8 and
+    16). The model is then ``rows_exact``: drafts never change an answer, sampled
+    ones included, and a decoded token's KV is what a prefill would compute. The
+    price is decode speed over a long past (a 2-row step costs 1.05x a one-row
+    step at 300 tokens of context, 1.4-1.85x at 2,000, 1.6-2.5x at 4,000, run to
+    run), so it is a setting, not the default.
 
   The stateful graph driven directly (``VariableState`` trimming) was measured
   first and dropped: its numerics depend on where a chunk starts (logits moved
@@ -126,7 +136,7 @@ from contract.types import Config, DecodeConfig, SessionSnapshot
 from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import pack_state, refuse_diffs, unpack_state
-from .graph import VERIFY_ROWS, WARM_BUCKETS_UP_TO, bucket, verify_rows
+from .graph import EXACT_STEP_ROWS, MIN_PREFILL_ROWS, VERIFY_ROWS, WARM_BUCKETS_UP_TO, bucket, verify_rows
 from .guidance import TokenGuide, build_tokenizer, compile_grammar
 from .native import map_errors, runtime_version, type_name
 from .options import LoadOptions, ModelShape
@@ -239,6 +249,10 @@ class OpenVINOLoadedModel(TapeModelBase):
             bos_id=self.vocab.bos_id,
             adds_bos=self._tokenizer_adds_bos(),
         )
+        #: a decode step's row count: padded, a step takes a prefill's kernels (``Config.exact_decode``;
+        #: ``warm_up`` measures the fewest rows that do, and a prefill's smallest chunk does by definition)
+        self.step_rows = MIN_PREFILL_ROWS if options.exact_decode else 1
+        self.rows_exact = options.exact_decode
 
     def _allocate_cache(self, compiled: ov.CompiledModel, num_ctx: int) -> None:
         """One K and one V block pool per layer, sized for num_ctx, owned by us.
@@ -291,6 +305,7 @@ class OpenVINOLoadedModel(TapeModelBase):
             "block_size": self.block_size,
             "num_ctx": self.options.num_ctx,
             "num_threads": self.options.num_threads,
+            "exact_decode": self.options.exact_decode,
         }
 
     @property
@@ -418,7 +433,7 @@ class OpenVINOLoadedModel(TapeModelBase):
     def step(self, token: int) -> np.ndarray:
         """Evaluate one sampled token into the KV and the tape; its logits (a view)."""
         n = len(self.res.tokens)
-        logits = self._infer([token], n)
+        logits = self._infer([token], n, rows=self.step_rows)
         self.res.tokens.append(token)
         # Prefill ends stay (a full prefix hit or a restore samples from them); the
         # previous step's entry is spent.
@@ -429,13 +444,16 @@ class OpenVINOLoadedModel(TapeModelBase):
         return logits
 
     def check_rows(self, n: int) -> int:
-        """A check runs padded to a compiled shape (``verify_rows``): 2 to 4 rows cost the same."""
-        return verify_rows(n)
+        """A check runs padded to a compiled shape (``verify_rows``): 2 to 4 rows cost the same.
+
+        Never fewer rows than a step: with exact decode a check's rows then take a prefill's kernels too.
+        """
+        return max(verify_rows(n), self.step_rows)
 
     def verify(self, tokens: list[int]) -> np.ndarray:
         """Evaluate ``tokens`` in one padded batch; the logits after each of them (a copy, one row each)."""
         n = len(self.res.tokens)
-        rows = self._infer(tokens, n, rows=verify_rows(len(tokens)), every_row=True).copy()
+        rows = self._infer(tokens, n, rows=self.check_rows(len(tokens)), every_row=True).copy()
         self.res.tokens.extend(tokens)
         if self._step_len == n:
             self._logits.pop(n, None)
@@ -474,13 +492,36 @@ class OpenVINOLoadedModel(TapeModelBase):
         The CPU plugin compiles kernels for each new shape (~20-35 ms each here),
         which would otherwise land in the turns' prefill time.
         """
+        if self.options.exact_decode:
+            self.step_rows = self._exact_step_rows()
         token = max(self.vocab.bos_id, 0)
         chunk = self.options.prefill_chunk
         shapes = sorted({bucket(k) for k in range(1, min(chunk, WARM_BUCKETS_UP_TO) + 1)} | {bucket(chunk)})
         for rows in sorted(set(shapes) | set(VERIFY_ROWS)):
             self._infer([token], 0, rows=rows)
-        self._infer([token, token], 0, rows=VERIFY_ROWS[0], every_row=True)
-        self._infer([token], 1)
+        self._infer([token, token], 0, rows=self.check_rows(2), every_row=True)
+        self._infer([token], 1, rows=self.step_rows)
+
+    def _exact_step_rows(self) -> int:
+        """The fewest rows (of ``EXACT_STEP_ROWS``) a decode step can run with and compute what a prefill does.
+
+        Measured on this CPU: one token after ~600 (a past over 512 keys), computed as
+        a prefill's smallest chunk and padded to each candidate; different kernels
+        round apart (by up to ~1.1 here), so equal bits mean the prefill's kernels.
+        Falls back to ``MIN_PREFILL_ROWS``, which is a prefill chunk. Leaves nothing resident.
+        """
+        text = "".join(f"value_{i} = compute({i}, step={i % 7})\n" for i in range(80))
+        ids = self._encode(text)[: max(2, min(600, self.num_ctx // 2))]
+        past = len(ids) - 1
+        try:
+            self.set_kv(ids[:past], 0)
+            reference = self._infer(ids[past:], past, rows=MIN_PREFILL_ROWS).copy()
+            for rows in EXACT_STEP_ROWS:
+                if np.array_equal(self._infer(ids[past:], past, rows=rows), reference):
+                    return rows
+            return MIN_PREFILL_ROWS
+        finally:
+            self.clear_kv()
 
     def clear_kv(self) -> None:
         self.epoch += 1

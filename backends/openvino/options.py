@@ -193,6 +193,8 @@ class LoadOptions:
     num_threads: int  # 0 = OpenVINO's default
     kv_precision: str
     inference_precision: str  # "" = the device default (resolved after compiling)
+    #: decode steps run padded to a prefill's kernels (``graph.EXACT_STEP_ROWS``)
+    exact_decode: bool = False
 
     @classmethod
     def resolve(cls, cfg: Config, shape: ModelShape, inference_precision: str) -> LoadOptions:
@@ -214,6 +216,7 @@ class LoadOptions:
             num_threads=cfg.num_threads,
             kv_precision=KV_PRECISIONS[cfg.kv_cache_type],
             inference_precision=inference_precision,
+            exact_decode=cfg.exact_decode,
         )
 
     def compile_config(self) -> dict[str, Any]:
