@@ -48,15 +48,17 @@ Each speculative figure says whether the speculative answer is the plain one,
 token for token (``same_answer``): in the engines' default layouts a check's
 batch rounds differently from a one-token step, an answer can part from the
 plain one at a near-tie, and a ratio of two different answers' rates measures
-how copyable each is as much as what speculation gives. On llama.cpp the tasks
-also run through a daemon serving flash attention over a q8_0 cache (``EXACT_LAYOUT``),
-where every row computes what a one-token step does and the answers are the
-same (``exact_layout_rows``).
+how copyable each is as much as what speculation gives. The tasks also run
+through a daemon serving exact decode (``EXACT_DECODE``: on llama.cpp with
+flash attention over a q8_0 cache), where every row computes what a one-token
+step does and the answers are the same (``exact_decode_rows``), with what the
+mode costs plain decoding.
 
 Agents send long prompts, and what a check costs against a step grows with the
 context on some engines (``backends.tape.speculate.CheckCosts``), so the prose
 task also runs in process after a system prompt of ``LONG_PROMPT_TOKENS`` tokens
-(a repository map), plain and speculative (``long_prompt_rows``).
+(a repository map), plain and speculative, by default and with exact decode,
+whose steps cost more over a long past on OpenVINO (``long_prompt_rows``).
 
 Targets (issue: speed): daemon / in-process >= 0.97 on both engines;
 speculative >= 2x plain on the edit task on one engine and >= 1.5x on the other,
@@ -72,6 +74,7 @@ import math
 import os
 import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +115,13 @@ PEER_REPS = 3
 SHORT_PAIRS = 40
 #: tokens each of those decodes (a prose answer runs longer than this)
 SHORT_TOKENS = 96
-#: llama.cpp's KV layout whose kernels give a token the same logits alone or as a row of a check
-#: (flash attention over a quantized cache: README, Speculative decoding), so drafts cannot change an answer
-EXACT_LAYOUT = ("--flash-attn", "--kv-cache-type", "q8_0")
+#: the Config of exact decode per engine (README, Speculative decoding): a token's logits are the same
+#: alone or as a row of a check, so drafts cannot change an answer; llama.cpp takes it with flash
+#: attention over a quantized cache, whose kernels are exact
+EXACT_DECODE: dict[str, dict[str, Any]] = {
+    "llama": {"flash_attn": True, "kv_cache_type": "q8_0", "exact_decode": True},
+    "openvino": {"exact_decode": True},
+}
 #: the agent-length system prompt the prose task also runs after (``long_prompt_rows``)
 LONG_PROMPT_TOKENS = 3000
 
@@ -367,46 +374,72 @@ def _backend(engine: str) -> Any:
     return OpenVINOBackend()
 
 
+def exact_flags(engine: str) -> tuple[str, ...]:
+    """``EXACT_DECODE`` as ``modeld serve`` flags."""
+    flags: list[str] = []
+    for key, value in EXACT_DECODE[engine].items():
+        flag = "--" + key.replace("_", "-")
+        flags += [flag] if value is True else [flag, str(value)]
+    return tuple(flags)
+
+
+def _token_count(model: Any, text: str) -> int:
+    return len(model.tokenize(text))
+
+
 def long_prompt_rows(engine: str) -> list[tuple[str, Any, str]]:
     """The prose task in process after a ``LONG_PROMPT_TOKENS``-token system prompt, plain and
-    speculative, ``REPS`` rounds (``_measure``)."""
-    req = OpenSessionRequest(path=str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX))
-    model = _backend(engine).load(req, lambda _f: None)
-    try:
-        count = lambda text: len(model.tokenize(text))  # noqa: E731 - a one-line measure
-        system = SYSTEM + "\nRepository map:\n" + text_of_tokens(count, LONG_PROMPT_TOKENS, PREFIX_LINE)
-        sess = model.open_session()
-        manifest = model.manifest_defaults().model_copy(update={"profile": "bench-long"})
-        got = _measure({"local": (sess, manifest)}, TASKS[:1], system)["local"]
-        context = len(model.res.tokens)
-    finally:
-        model.close()
+    speculative, ``REPS`` rounds (``_measure``): by default, then with exact decode."""
+    rows: list[tuple[str, Any, str]] = []
     name = TASKS[0][0]
-    plain, spec = got[f"{name}/plain"], got[f"{name}/spec"]
-    note = speculation_note(plain, spec, paired_median(spec["rates"], plain["rates"]))
-    return [(f"{name} after a {LONG_PROMPT_TOKENS:,}-token prompt: plain / speculative tok/s (in process)",
-             f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
-             f"{note}; ~{context:,} tokens of context at the end; target <= 3% slower")]
+    default_plain = 0.0
+    for mode, settings in (("", {}), ("exact decode", EXACT_DECODE[engine])):
+        req = OpenSessionRequest(path=str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX, **settings))
+        model = _backend(engine).load(req, lambda _f: None)
+        try:
+            count = partial(_token_count, model)
+            system = SYSTEM + "\nRepository map:\n" + text_of_tokens(count, LONG_PROMPT_TOKENS, PREFIX_LINE)
+            sess = model.open_session()
+            manifest = model.manifest_defaults().model_copy(update={"profile": "bench-long"})
+            got = _measure({"local": (sess, manifest)}, TASKS[:1], system)["local"]
+            context = len(model.res.tokens)
+        finally:
+            model.close()
+        plain, spec = got[f"{name}/plain"], got[f"{name}/spec"]
+        note = speculation_note(plain, spec, paired_median(spec["rates"], plain["rates"]))
+        if mode:
+            note += f"; plain decode {plain['tok_s'] / default_plain:.2f}x the default's"
+        default_plain = default_plain or plain["tok_s"]
+        rows.append((f"{name} after a {LONG_PROMPT_TOKENS:,}-token prompt: plain / speculative tok/s "
+                     f"({mode + ', ' if mode else ''}in process)", f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
+                     f"{note}; ~{context:,} tokens of context at the end; target <= 3% slower"))
+    return rows
 
 
-def exact_layout_rows(tmp: Path) -> list[tuple[str, Any, str]]:
-    """The tasks through a llama.cpp daemon serving the row-invariant layout (``EXACT_LAYOUT``), plain vs speculative."""
-    d = _daemon(tmp, "llama", "decode-llama-exact", *EXACT_LAYOUT)
+def exact_decode_rows(tmp: Path, engine: str, default: dict[str, dict[str, Any]]) -> list[tuple[str, Any, str]]:
+    """The tasks through a daemon serving exact decode (``EXACT_DECODE``), plain vs speculative, and its
+    plain rates against ``default`` (the default daemon's figures)."""
+    d = _daemon(tmp, engine, f"decode-{engine}-exact", *exact_flags(engine))
     try:
         with d.client(timeout_s=600.0) as c:
             active = c.status().active
-            assert active is not None and active.config.flash_attn and active.config.kv_cache_type == "q8_0"
+            assert active is not None
+            assert {key: getattr(active.config, key) for key in EXACT_DECODE[engine]} == EXACT_DECODE[engine]
             sess = c.open_session(OpenSessionRequest())
             got = _measure({"remote": (sess, sess.manifest(profile="bench-exact"))})["remote"]
             sess.close()
     finally:
         d.stop()
     rows: list[tuple[str, Any, str]] = []
+    costs = []
     for name, _suffix, _n in TASKS:
         plain, spec = got[f"{name}/plain"], got[f"{name}/spec"]
-        rows.append((f"{name}: plain / speculative tok/s, flash attention + q8_0 KV (daemon)",
+        rows.append((f"{name}: plain / speculative tok/s, exact decode (daemon)",
                      f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
                      speculation_note(plain, spec, paired_median(spec["rates"], plain["rates"]))))
+        costs.append(f"{name} {plain['tok_s'] / default[f'{name}/plain']['tok_s']:.2f}")
+    rows.append(("plain decode, exact / default (daemon)", ", ".join(costs),
+                 "medians of two daemons run one after the other (noisier than a pair)"))
     return rows
 
 
@@ -441,8 +474,8 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
         lspeed = paired_median(local[f"{name}/spec"]["rates"], local[f"{name}/plain"]["rates"])
         rows.append((f"{name}: speculative / plain in process", f"{lspeed:.2f}x", ""))
     rows += long_prompt_rows(engine)
+    rows += exact_decode_rows(tmp, engine, remote)
     if engine == "llama":
-        rows += exact_layout_rows(tmp)
         rows += peer_rows(peer_rates(tmp), speedups["edit"])
     bound = bandwidth / weights if weights else float("nan")
     rows.append(("bandwidth bound tok/s (weights / bandwidth)", f"{bound:.0f}",

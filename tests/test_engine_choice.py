@@ -45,6 +45,7 @@ def test_an_explicit_backend_always_wins() -> None:
 def test_llama_only_settings_are_named_for_auto() -> None:
     assert llama_only_settings(ServeOptions()) == ""
     assert llama_only_settings(ServeOptions(kv_cache_type="f16")) == ""  # OpenVINO serves an f16 cache too
+    assert llama_only_settings(ServeOptions(exact_decode=True)) == ""  # and decodes exactly too
     assert llama_only_settings(ServeOptions(flash_attn=True, kv_cache_type="q8_0")) == (
         "--flash-attn and --kv-cache-type q8_0")
     assert llama_only_settings(ServeOptions(kv_cache_type="q4_0")) == "--kv-cache-type q4_0"
