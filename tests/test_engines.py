@@ -439,7 +439,7 @@ def test_draft_costs_are_measured_at_load_and_kept_for_the_next_load(
     # measured (or read) at load and kept under the model's key, in plain steps, more rows never cheaper
     kept = json.loads((model_cache_dir() / draft_costs.FILE_NAME).read_text())
     entry = kept[draft_costs.cost_key(model)]  # type: ignore[arg-type]
-    assert costs.table() == entry["costs"] and costs.growth() == entry["growth"]
+    assert costs.table() == entry["costs"] and costs.growth() == entry["growth"] and costs.switch() == entry["switch"]
     assert costs.cost(1) == 1.0 and costs.table() == sorted(costs.table())
     # and how they grow with the context, measured after LONG_CONTEXT_TOKENS (never shrinking)
     assert costs.growth()[0] == 0.0 and min(costs.growth()) >= 0.0

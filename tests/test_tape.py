@@ -619,6 +619,15 @@ def test_a_cost_table_interpolates_and_follows_the_padding() -> None:
     for growth in ([0.0] * MAX_DRAFT, [0.0] * MAX_DRAFT + [-0.1], [0.0] * MAX_DRAFT + [float("nan")]):
         with pytest.raises(ValueError, match="growth"):
             CheckCosts(LLAMA_LIKE.table(), growth)
+    for switch in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="switch"):
+            CheckCosts(LLAMA_LIKE.table(), switch=switch)
+    switching = CheckCosts(OPENVINO_LIKE.table(), switch=0.6)
+    assert switching != OPENVINO_LIKE and switching.switch() == 0.6 and OPENVINO_LIKE.switch() == 0.0
+    assert switching == CheckCosts(OPENVINO_LIKE.table(), None, 0.6) and hash(switching) != hash(OPENVINO_LIKE)
+    assert "row count: 0.60" in repr(switching) and "row count" not in repr(OPENVINO_LIKE)
+    # a switch measured below 0 is timing noise: none
+    assert CheckCosts.from_points({1: 1.0, 16: 2.0}, lambda r: r, switch=-0.05).switch() == 0.0
 
 
 def test_a_cost_table_grows_with_the_context_as_measured() -> None:
@@ -649,6 +658,22 @@ def test_the_draft_policy_drafts_only_what_pays() -> None:
     assert _policy(growing, keep=0.5).plan(16, 3) >= 1
     assert _policy(growing, keep=0.5).plan(16, 3, context=3000) == 0
     assert _policy(growing, keep=1.0).plan(16, 3, context=3000) >= 8  # a copy still pays
+
+
+def test_the_policy_charges_a_run_of_checks_its_changes_of_row_count() -> None:
+    """Into a check after plain steps and back out costs two changes of row count (OpenVINO here: ~0.6 of
+    a step each); a check that follows a check changes nothing, so a copy's back-to-back checks do not pay
+    them again."""
+    switching = CheckCosts(OPENVINO_LIKE.table(), switch=0.6)
+    for costs, lone in ((OPENVINO_LIKE, True), (switching, False)):
+        policy = _policy(costs, keep=0.5)
+        policy.plain_step()  # the last evaluation was a step: a check now starts a run
+        assert (policy.plan(16, 3) >= 1) is lone, costs
+        policy.checked(3, 1, 1)  # ... and in the middle of a run, the same drafts pay either way
+        assert policy.plan(16, 3) >= 1, costs
+    copying = _policy(switching, keep=1.0)
+    copying.plain_step()
+    assert copying.plan(16, 3) >= 8  # a copy pays for its way in and out
 
 
 def test_an_unprofitable_policy_still_probes() -> None:
@@ -695,12 +720,12 @@ def test_drafts_follow_the_tape_never_the_clock(monkeypatch: pytest.MonkeyPatch)
 
 
 def _fixed_measure(calls: list[str]) -> Any:
-    def measure(m: Any, context: int = costs_mod.CONTEXT_TOKENS) -> dict[int, float]:
+    def measure(m: Any, context: int = costs_mod.CONTEXT_TOKENS) -> tuple[dict[int, float], float]:
         if context == costs_mod.CONTEXT_TOKENS:
             calls.append(m.digest)
-            return {1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0, 16: 5.0}
+            return {1: 1.0, 2: 1.5, 4: 2.0, 8: 3.0, 16: 5.0}, 0.4
         calls.append(f"{m.digest} after {context}")
-        return {1: 1.0, 2: 2.0, 4: 2.5, 8: 3.5, 16: 5.5}
+        return {1: 1.0, 2: 2.0, 4: 2.5, 8: 3.5, 16: 5.5}, 0.9
 
     return measure
 
@@ -714,7 +739,7 @@ def test_draft_costs_are_measured_once_per_model_and_kept_on_disk(
     # timed after a short context and after LONG_CONTEXT_TOKENS: how a check's cost grows with the context
     long = costs_mod.LONG_CONTEXT_TOKENS
     assert calls == ["sha256:toymodel", f"sha256:toymodel after {long}"]
-    assert first.cost(2) == 1.5 and first.cost(3) == 1.75
+    assert first.cost(2) == 1.5 and first.cost(3) == 1.75 and first.switch() == 0.4  # the short context's
     span = long - costs_mod.CONTEXT_TOKENS
     assert first.cost(2, span) == pytest.approx(2.0, abs=0.01) and first.cost(16, span) == pytest.approx(5.5, abs=0.01)
     # a restart (a new model object of the same identity) reads the table: the same drafts as before
@@ -730,7 +755,9 @@ def test_draft_costs_are_measured_once_per_model_and_kept_on_disk(
     (tmp_path / costs_mod.FILE_NAME).write_text("{not json")
     assert costs_mod.draft_costs(ToyModel(num_ctx=4096), tmp_path) == first and len(calls) == 2
     key = costs_mod.cost_key(ToyModel(num_ctx=4096))
-    for malformed in ([1.0, -2.0], {"costs": first.table()}, {"costs": first.table(), "growth": [-1.0] * 16}):
+    for malformed in ([1.0, -2.0], {"costs": first.table()}, {"costs": first.table(), "growth": [-1.0] * 16},
+                      {"costs": first.table(), "growth": first.growth()},  # measured before the switch was
+                      {"costs": first.table(), "growth": first.growth(), "switch": "fast"}):
         (tmp_path / costs_mod.FILE_NAME).write_text(json.dumps({key: malformed}))
         del calls[:]
         assert costs_mod.draft_costs(ToyModel(num_ctx=4096), tmp_path) == first and len(calls) == 2
@@ -752,7 +779,7 @@ def test_measuring_draft_costs_leaves_nothing_resident(monkeypatch: pytest.Monke
     prefilled: list[int] = []
     set_kv = model.set_kv
     monkeypatch.setattr(model, "set_kv", lambda tokens, keep: prefilled.append(len(tokens)) or set_kv(tokens, keep))
-    points = costs_mod.measure(model, reps=1)
+    points, _ = costs_mod.measure(model, reps=1)
     assert sorted(points) == [1, 2, 4, 8, MAX_DRAFT + 1] and points[1] == 1.0
     assert all(p > 0 for p in points.values())
     assert model.res.tokens == [] and model.kv == [] and model.exact_len == 0
@@ -763,6 +790,26 @@ def test_measuring_draft_costs_leaves_nothing_resident(monkeypatch: pytest.Monke
     costs_mod.measure(model, reps=1, context=5000)
     assert prefilled == [costs_mod.CONTEXT_TOKENS, 700, 1024 - MAX_DRAFT - 2]
     assert model.res.tokens == [] and model.kv == []
+
+
+def test_measuring_draft_costs_times_a_change_of_row_count_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an engine whose evaluation costs 1 + 0.1 a row, and 2 more when the row count differs from the last
+    one's (as OpenVINO prepares its graph again), a check costs its rows and the change is timed apart."""
+    model = ToyModel(num_ctx=1024)
+    clock = {"now": 0.0, "rows": 0}
+    evaluate = model.evaluate
+
+    def timed(tokens: list[int]) -> None:
+        rows = len(tokens)
+        clock["now"] += 1.0 + 0.1 * (rows - 1) + (2.0 if rows != clock["rows"] else 0.0)
+        clock["rows"] = rows
+        evaluate(tokens)
+
+    monkeypatch.setattr(model, "evaluate", timed)
+    monkeypatch.setattr(costs_mod.time, "perf_counter", lambda: clock["now"])
+    points, switch = costs_mod.measure(model, reps=2)
+    assert points == pytest.approx({1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7, MAX_DRAFT + 1: 2.5})
+    assert switch == pytest.approx(2.0)
 
 
 def test_decode_refusals_run_before_anything(model: ToyModel) -> None:

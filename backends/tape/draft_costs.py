@@ -26,6 +26,13 @@ Each row count is timed ``REPS`` times, interleaved, after one untimed round
 noise only ever adds time (medians of 5 still swung a 16-row OpenVINO check
 between 1.7 and 2.5 steps here; the fastest, between 2.2 and 2.5). Costs are
 kept in plain steps, rounded to a hundredth.
+
+A check is timed twice in a row, after a plain step: the first pays for the
+change of row count, the second does not, and the step after it pays again.
+The difference is the table's ``switch`` (``CheckCosts``): on OpenVINO here
+~5 ms of a ~8-10 ms step each way, which a table of checks timed only after
+other shapes hid in both the check and the step it was divided by (a 4-row
+check read 1.04-1.19 steps where, after a step and back, it cost ~2.3).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,7 +60,7 @@ __all__ = ["FILE_NAME", "cost_key", "draft_costs", "measure"]
 log = logging.getLogger("modeld.speculate")
 
 #: bump when the measurement changes, so tables measured the old way are not reused
-METHOD_VERSION = 3
+METHOD_VERSION = 4
 #: the check sizes timed; others are interpolated (the largest is a full draft's check)
 TIMED_ROWS = (2, 4, 8, MAX_DRAFT + 1)
 #: timed rounds per row count (the fastest is kept)
@@ -115,51 +123,64 @@ def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:
     stored = _load(cache_dir).get(key)
     if stored is not None:
         try:
-            costs = CheckCosts(stored["costs"], stored["growth"])
+            costs = CheckCosts(stored["costs"], stored["growth"], stored["switch"])
         except (TypeError, ValueError, KeyError, IndexError):
             log.warning("ignoring a malformed draft cost table in %s", cache_dir)
         else:
             log.info("draft check costs (in plain steps, kept from an earlier load): %s", costs)
             return costs
     t0 = time.perf_counter()
-    short = measure(m)
+    short, switch = measure(m)
     longer: dict[int, float] | None = None
     tokens = min(LONG_CONTEXT_TOKENS, m.num_ctx - rows - 1)
     if tokens >= MIN_LONG_CONTEXT_TOKENS:
-        longer = measure(m, context=tokens)
-    costs = CheckCosts.from_points(short, m.check_rows, longer, tokens - CONTEXT_TOKENS)
-    costs = CheckCosts([round(c, 2) for c in costs.table()], [round(g, 3) for g in costs.growth()])
+        longer, _ = measure(m, context=tokens)
+    costs = CheckCosts.from_points(short, m.check_rows, longer, tokens - CONTEXT_TOKENS, switch)
+    costs = CheckCosts(
+        [round(c, 2) for c in costs.table()], [round(g, 3) for g in costs.growth()], round(costs.switch(), 3)
+    )
     log.info("draft check costs measured in %.2f s (in plain steps): %s", time.perf_counter() - t0, costs)
     if cache_dir is not None:
         table = _load(cache_dir)
-        table[key] = {"costs": costs.table(), "growth": costs.growth()}
+        table[key] = {"costs": costs.table(), "growth": costs.growth(), "switch": costs.switch()}
         _save(cache_dir, table)
     return costs
 
 
-def measure(m: TapeModel, reps: int = REPS, context: int = CONTEXT_TOKENS) -> dict[int, float]:
-    """Seconds of a check of each timed row count after ``context`` tokens, over a plain step's
-    there: {rows: steps}, 1 -> 1.0."""
+def measure(m: TapeModel, reps: int = REPS, context: int = CONTEXT_TOKENS) -> tuple[dict[int, float], float]:
+    """What a check of each timed row count costs after ``context`` tokens, in plain steps there
+    ({rows: steps}, 1 -> 1.0; each timed after a check of its own size), and what the evaluation
+    after a change of row count loses (the switch, in steps: the mean of the way into a check
+    after a step and the way back)."""
     rows = sorted({m.check_rows(r) for r in TIMED_ROWS})
     filler = m.tokenize(_FILLER)
     n = max(1, min(context, m.num_ctx - max(rows) - 1))
     context_tokens = (filler * (n // max(len(filler), 1) + 1))[:n]
     m.set_kv(context_tokens, 0)
     steps = m.decode_steps(DecodeConfig(max_tokens=1, temperature=0.0))
-    times: dict[int, list[float]] = {r: [] for r in [1, *rows]}
+    same: dict[int, list[float]] = {r: [] for r in [1, *rows]}
+    into: dict[int, list[float]] = {r: [] for r in rows}
+    back: dict[int, list[float]] = {r: [] for r in rows}
     try:
         steps.start()
         token = steps.sample()
         for rep in range(reps + 1):
-            for r in times:
-                seconds = _time_check(steps, token, r)
+            for r in rows:
+                _time_check(steps, token, 1)
+                timed = [_time_check(steps, token, k) for k in (1, r, r, 1)]
                 if rep:  # the first round is untimed: a new shape allocates
-                    times[r].append(seconds)
+                    same[1].append(timed[0])
+                    into[r].append(timed[1])
+                    same[r].append(timed[2])
+                    back[r].append(timed[3])
     finally:
         steps.close()
         m.clear_kv()
-    step = min(times[1])
-    return {r: min(t) / step for r, t in times.items()}
+    step = min(same[1])
+    switch = statistics.median(
+        (min(into[r]) - min(same[r]) + min(back[r]) - step) / 2 for r in rows
+    )
+    return {r: min(t) / step for r, t in same.items()}, switch / step
 
 
 def _time_check(steps: DecodeSteps, token: int, rows: int) -> float:

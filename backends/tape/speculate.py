@@ -123,21 +123,32 @@ class CheckCosts:
     per row count, from a second measurement at a longer context. Growth is never
     below 0: a check is not assumed to get cheaper than it was measured, and
     past the longer measurement it is extrapolated linearly.
+
+    And what changing the row count costs: ``switch``, in plain steps, paid by the
+    evaluation after every change (a check after a step, a step after a check).
+    OpenVINO's CPU plugin prepares every node of the graph again when an input's
+    shape changes: ~5 ms a change here, against a ~8-10 ms step, so a lone check
+    costs its rows plus ~1.2 steps of changing shape twice. The costs themselves
+    are what a check costs after one of the same size (``draft_costs`` times both).
     """
 
-    __slots__ = ("_costs", "_growth")
+    __slots__ = ("_costs", "_growth", "_switch")
 
-    def __init__(self, costs: Sequence[float], growth: Sequence[float] | None = None) -> None:
+    def __init__(self, costs: Sequence[float], growth: Sequence[float] | None = None, switch: float = 0.0) -> None:
         size = MAX_DRAFT + 1
         if len(costs) != size or any(not c > 0 for c in costs):
             raise ValueError(f"a cost table has {size} positive entries (rows 1..{size})")
         growth = [0.0] * size if growth is None else list(growth)
         if len(growth) != size or any(not 0 <= g < float("inf") for g in growth):
             raise ValueError(f"a cost table's growth has {size} entries >= 0 (rows 1..{size})")
+        if not 0 <= switch < float("inf"):
+            raise ValueError(f"a cost table's switch is a number of steps >= 0, not {switch!r}")
         #: costs[r - 1]: a check of r rows at a short context (costs[0] is the plain step itself: 1.0)
         self._costs = tuple(float(c) for c in costs)
         #: growth[r - 1]: what a check of r rows adds per 1,000 tokens of context (growth[0]: 0)
         self._growth = tuple(float(g) for g in growth)
+        #: what the evaluation after a change of row count loses, in plain steps
+        self._switch = float(switch)
 
     @classmethod
     def from_points(
@@ -146,19 +157,22 @@ class CheckCosts:
         padded: Callable[[int], int],
         longer: dict[int, float] | None = None,
         tokens: int = 0,
+        switch: float = 0.0,
     ) -> CheckCosts:
         """The table from costs timed at a few row counts: ``padded(r)`` is the row count a check
         of ``r`` rows really runs with (an engine padding to compiled shapes rounds up), and
         counts between two timed ones are interpolated. A check is taken to cost at least a
         plain step, and more rows never less than fewer (timing noise could say otherwise).
-        ``longer``: the same rows timed with ``tokens`` more tokens of context; the growth."""
+        ``longer``: the same rows timed with ``tokens`` more tokens of context; the growth.
+        ``switch``: what a change of row count costs (below 0, timing noise, is 0)."""
         short = cls._interpolated(points, padded)
+        switch = max(0.0, switch)
         if not longer or tokens <= 0:
-            return cls(short)
+            return cls(short, switch=switch)
         long = cls._interpolated(longer, padded)
         growth = [max(0.0, (b - a) * 1000 / tokens) for a, b in zip(short, long, strict=True)]
         growth[0] = 0.0  # a plain step is the unit at every context
-        return cls(short, growth)
+        return cls(short, growth, switch)
 
     @staticmethod
     def _interpolated(points: dict[int, float], padded: Callable[[int], int]) -> list[float]:
@@ -181,17 +195,26 @@ class CheckCosts:
     def growth(self) -> list[float]:
         return list(self._growth)
 
+    def switch(self) -> float:
+        """What the evaluation after a change of row count loses, in plain steps."""
+        return self._switch
+
+    def _key(self) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+        return self._costs, self._growth, self._switch
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CheckCosts) and (other._costs, other._growth) == (self._costs, self._growth)
+        return isinstance(other, CheckCosts) and other._key() == self._key()
 
     def __hash__(self) -> int:
-        return hash((self._costs, self._growth))
+        return hash(self._key())
 
     def __repr__(self) -> str:
-        rows = ", ".join(f"{r}: {c:.2f}" for r, c in enumerate(self._costs, 1))
-        if not any(self._growth):
-            return f"CheckCosts({rows})"
-        return f"CheckCosts({rows}; per 1,000 tokens of context: {', '.join(f'+{g:.2f}' for g in self._growth[1:])})"
+        text = ", ".join(f"{r}: {c:.2f}" for r, c in enumerate(self._costs, 1))
+        if any(self._growth):
+            text += f"; per 1,000 tokens of context: {', '.join(f'+{g:.2f}' for g in self._growth[1:])}"
+        if self._switch:
+            text += f"; a change of row count: {self._switch:.2f}"
+        return f"CheckCosts({text})"
 
 
 class DraftPolicy:
@@ -202,7 +225,11 @@ class DraftPolicy:
     an engine's batch kernels cost per row very differently from its one-token
     step, e.g. ~0.5 of a step per row on llama.cpp here, and a long context makes
     some engines' checks dearer still) and yields the kept tokens plus
-    one. With ``p`` the chance a draft token is kept (per n-gram size, recent
+    one. Changing the row count costs ``costs.switch()`` on the evaluation after
+    it, twice for a run of checks (into the first, out after the last): the
+    first check after plain steps is charged both, and a check following a
+    check nothing, so a lone check in prose is priced as what it costs and a
+    copy's checks, run back to back, as theirs. With ``p`` the chance a draft token is kept (per n-gram size, recent
     checks of this pass weighing most, from priors that trust a long match and
     doubt a short one), ``k`` tokens keep ``p (1 - p^k) / (1 - p)`` on average. The
     policy drafts the ``k`` that yields the most tokens per step, and only when
@@ -219,6 +246,8 @@ class DraftPolicy:
         self._kept = {n: PRIOR_KEPT[n] for n in NGRAM_SIZES}
         self._tried = dict.fromkeys(NGRAM_SIZES, PRIOR_TRIES)
         self._since_draft = 0
+        #: the last evaluation was a check (the row count changes only when a run of them ends)
+        self._checking = False
 
     def keep_rate(self, n: int) -> float:
         return self._kept[n] / self._tried[n]
@@ -230,9 +259,10 @@ class DraftPolicy:
             return 0
         p = min(self.keep_rate(n), 0.999)
         best_k, best_rate = 0, MIN_GAIN
+        switching = 0.0 if self._checking else 2 * self.costs.switch()
         for k in range(1, min(available, MAX_DRAFT) + 1):
             kept = p * (1 - p**k) / (1 - p)
-            rate = (kept + 1) / self.costs.cost(k + 1, context)
+            rate = (kept + 1) / (self.costs.cost(k + 1, context) + switching)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0 and self._since_draft >= PROBE_EVERY:
@@ -241,12 +271,14 @@ class DraftPolicy:
 
     def plain_step(self) -> None:
         self._since_draft += 1
+        self._checking = False
 
     def checked(self, n: int, drafted: int, kept: int) -> None:
         tried = kept + (1 if kept < drafted else 0)  # tokens compared until the first mismatch
         self._kept[n] = DECAY * self._kept[n] + kept
         self._tried[n] = DECAY * self._tried[n] + tried
         self._since_draft = 0
+        self._checking = True
 
 
 @dataclass
