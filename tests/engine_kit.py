@@ -112,13 +112,13 @@ def decode(session: Session, n: int, **cfg: Any) -> tuple[list[int], str, Stream
     return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
 
 
-def check_exact_rows(session: Session, man: ContextManifest, n: int = 240) -> SuffixInput:
+def check_exact_rows(session: Session, man: ContextManifest, n: int = 240) -> None:
     """What a model whose rows are exact (``rows_exact``) answers, on an edit past 512 keys.
 
     A seeded sampled pass drafts by default and draws what it draws without drafts; a greedy answer
     with drafts is the plain one token for token; the next turn resends the answer and asks on, reusing
-    the decoded tokens (with ``exact_reuse`` too), and answers as it does after a cold prefill. Returns
-    that next turn's suffix, resident (a cold prefill's KV) when this returns.
+    the decoded tokens (with ``exact_reuse`` too), and answers as it does after a cold prefill (which
+    is what stays resident).
     """
     asked = 0  # the suffix's tokens before the answer
 
@@ -150,7 +150,6 @@ def check_exact_rows(session: Session, man: ContextManifest, n: int = 240) -> Su
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man))
     assert session.prefill_suffix(follow).reused_tokens < reused
     assert decode(session, 48, speculative=False)[0] == warm
-    return follow
 
 
 def take(stream: Generator[StreamChunk, None, None], n: int) -> list[int]:
