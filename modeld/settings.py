@@ -159,7 +159,7 @@ class ServeSettings(BaseSettings):
         _DEFAULT.exact_decode,
         description="compute every decoded token as a prefill computes it, so drafts (sampled ones too) and "
         "reused replies never change an answer; OpenVINO: a decode step then costs more over a long context "
-        "(1.9x at 2,000 tokens, 2.5x at 4,000); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)",
+        "(up to 1.85x at 2,000 tokens, 2.5x at 4,000); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)",
     )
     owner: str = Field(_DEFAULT.owner, description="owner instance id for fencing")
     data_dir: OptionalPath = Field(_DEFAULT.data_dir, description="snapshot blobs and state")

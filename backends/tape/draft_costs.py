@@ -166,7 +166,8 @@ def measure(m: TapeModel, reps: int = REPS, context: int = CONTEXT_TOKENS) -> tu
         token = steps.sample()
         for rep in range(reps + 1):
             for r in rows:
-                _time_check(steps, token, 1)
+                # each run ends on a step, so the next one's first step follows a step (the first
+                # round, untimed, follows the prefill)
                 timed = [_time_check(steps, token, k) for k in (1, r, r, 1)]
                 if rep:  # the first round is untimed: a new shape allocates
                     same[1].append(timed[0])

@@ -229,12 +229,13 @@ class DraftPolicy:
     it, twice for a run of checks (into the first, out after the last): the
     first check after plain steps is charged both, and a check following a
     check nothing, so a lone check in prose is priced as what it costs and a
-    copy's checks, run back to back, as theirs. With ``p`` the chance a draft token is kept (per n-gram size, recent
-    checks of this pass weighing most, from priors that trust a long match and
-    doubt a short one), ``k`` tokens keep ``p (1 - p^k) / (1 - p)`` on average. The
-    policy drafts the ``k`` that yields the most tokens per step, and only when
-    that beats a plain step by ``MIN_GAIN``; when nothing pays it still probes a
-    one-token draft every ``PROBE_EVERY`` tokens, so it notices when a copy starts.
+    copy's checks, run back to back, as theirs. With ``p`` the chance a draft
+    token is kept (per n-gram size, recent checks of this pass weighing most,
+    from priors that trust a long match and doubt a short one), ``k`` tokens
+    keep ``p (1 - p^k) / (1 - p)`` on average. The policy drafts the ``k`` that
+    yields the most tokens per step, and only when that beats a plain step by
+    ``MIN_GAIN``; when nothing pays it still probes a one-token draft every
+    ``PROBE_EVERY`` tokens, so it notices when a copy starts.
 
     Every input is a count of tokens (the context's length among them) or the
     fixed cost table, never a clock: a pass's drafts are a function of its tape.
