@@ -54,6 +54,12 @@ flash attention over a q8_0 cache), where every row computes what a one-token
 step does and the answers are the same (``exact_decode_rows``), with what the
 mode costs plain decoding.
 
+One prose turn is one answer, and a ratio of five rounds moves by +-5% run to run
+here, wider than the 3% prose is judged by. So what speculation costs free text
+is also measured in process on eight prose prompts (``prose_prompt_rows``),
+plain and speculative back to back in balanced order, and judged over the
+answers that had nothing to copy.
+
 Agents send long prompts, and what a check costs against a step grows with the
 context on some engines (``backends.tape.speculate.CheckCosts``), so the prose
 task also runs in process after a system prompt of ``LONG_PROMPT_TOKENS`` tokens
@@ -124,6 +130,21 @@ EXACT_DECODE: dict[str, dict[str, Any]] = {
 }
 #: the agent-length system prompt the prose task also runs after (``long_prompt_rows``)
 LONG_PROMPT_TOKENS = 3000
+#: free-text turns with nothing given to copy, for what speculation costs prose (``prose_prompt_rows``)
+PROSE_PROMPTS = (
+    PROSE,
+    "Explain how a hash map handles collisions, in plain words.",
+    "Describe what a code reviewer should look for in a pull request.",
+    "Write a commit message for a change that adds retry logic to an HTTP client.",
+    "Why do databases use write-ahead logs? Answer in a few paragraphs.",
+    "Summarize the trade-offs between threads and async IO in Python.",
+    "Write a short poem about debugging late at night.",
+    "What should a new contributor read first in a large open source project?",
+)
+#: rounds of four runs per prompt (two pairs each; P S S P and S P P S by turns)
+PROSE_ROUNDS = 4
+#: a prose answer whose drafts kept fewer than this share of its tokens had nothing to copy
+COPY_SHARE = 0.1
 
 
 def bandwidth_bytes_per_s() -> float:
@@ -416,6 +437,82 @@ def long_prompt_rows(engine: str) -> list[tuple[str, Any, str]]:
     return rows
 
 
+def prose_pairs(sess: Any, manifest: Any, prompts: tuple[str, ...] = PROSE_PROMPTS, rounds: int = PROSE_ROUNDS,
+                tokens: int = 128) -> list[dict[str, Any]]:
+    """Each prompt decoded plain (P) and speculative (S) in ``rounds`` rounds of P S S P and S P P S by
+    turns, each run paired with its neighbour: a drift of the machine's speed lands on both sides of a
+    pair, and each mode runs in each position equally often. Per prompt: the pairs' speculative / plain
+    ``ratios``, the speculative answer's ``kept`` and ``drafted`` tokens and whether it ``copied``
+    itself (kept ``COPY_SHARE`` of its tokens or more), and whether both modes gave the ``same`` answer."""
+    answers: list[dict[str, Any]] = []
+    for text in prompts:
+        suffix = SuffixInput(messages=[ChatMessage(role="user", content=text)])
+        ids: dict[bool, list[int]] = {False: [], True: []}
+        ratios: list[float] = []
+        usage = None
+        for rnd in range(rounds):
+            order = (False, True, True, False) if rnd % 2 == 0 else (True, False, False, True)
+            rate: dict[int, float] = {}
+            for i, spec in enumerate(order):
+                # the answers' ids are asked for in the first pair only (both modes alike)
+                final = _turn(sess, manifest, suffix, tokens, spec, ids[spec] if rnd == 0 and i < 2 else None)
+                rate[i] = _rate(final)
+                if spec:
+                    usage = final.usage
+            spec_first = order[0]
+            for x, y in ((0, 1), (3, 2)):  # (the pair's first run, its second)
+                s_i, p_i = (x, y) if spec_first else (y, x)
+                ratios.append(rate[s_i] / rate[p_i] if rate[p_i] > 0 else float("nan"))
+        assert usage is not None
+        answers.append({"ratios": ratios, "kept": usage.accepted_tokens, "drafted": usage.drafted_tokens,
+                        "copied": usage.accepted_tokens >= COPY_SHARE * usage.completion_tokens,
+                        "same": first_difference(ids[False], ids[True]) is None})
+    return answers
+
+
+def prose_rows(answers: list[dict[str, Any]]) -> list[tuple[str, Any, str]]:
+    """The table's rows for ``prose_pairs``: judged over the answers that had nothing to copy."""
+    name = f"prose, {len(answers)} prompts: speculative / plain (in process)"
+    shown = "; ".join(
+        f"{statistics.median(a['ratios']):.3f} ({a['kept']}/{a['drafted']} kept"
+        f"{', copies itself' if a['copied'] else ''}{'' if a['same'] else ', answers part'})"
+        for a in answers
+    )
+    every = statistics.median(r for a in answers for r in a["ratios"])
+    judged = [r for a in answers if not a["copied"] for r in a["ratios"]]
+    if not judged:
+        return [(name, "n/a", f"every answer copied itself (all pairs {every:.3f}): {shown}")]
+    median = statistics.median(judged)
+    worst = min(statistics.median(a["ratios"]) for a in answers if not a["copied"])
+    verdict = "met" if median >= 0.97 else "MISSED"
+    return [
+        (name, f"{median:.3f}",
+         f"median of {len(judged)} back-to-back pairs over the {sum(not a['copied'] for a in answers)} answers "
+         f"with nothing to copy (quartiles {np.quantile(judged, 0.25):.3f}-{np.quantile(judged, 0.75):.3f}; "
+         f"worst answer's median {worst:.3f}); target >= 0.97 ({verdict})"),
+        ("  per prompt: median of its pairs (drafts)", f"all {every:.3f}", shown),
+    ]
+
+
+def prose_prompt_rows(engine: str) -> list[tuple[str, Any, str]]:
+    """What speculation costs free text, in process: ``PROSE_PROMPTS`` through ``prose_pairs``.
+
+    One prose turn's ratio over five rounds moved by +-5% run to run here, wider than the 3% it is
+    judged by, and back-to-back plain runs of one prompt ranged 78-106 tok/s; over eight answers and
+    their pairs a single answer's luck (a lone draft at a chance match) shows as what it is. A small
+    model's prose often repeats itself, which drafts then copy: the judged figure is over the answers
+    that had nothing to copy; the rest are shown beside it.
+    """
+    req = OpenSessionRequest(path=str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX))
+    model = _backend(engine).load(req, lambda _f: None)
+    try:
+        manifest = model.manifest_defaults().model_copy(update={"profile": "bench-prose"})
+        answers = prose_pairs(model.open_session(), manifest, tokens=TASKS[0][2])
+    finally:
+        model.close()
+    return prose_rows(answers)
+
+
 def exact_decode_rows(tmp: Path, engine: str, default: dict[str, dict[str, Any]]) -> list[tuple[str, Any, str]]:
     """The tasks through a daemon serving exact decode (``EXACT_DECODE``), plain vs speculative, and its
     plain rates against ``default`` (the default daemon's figures)."""
@@ -468,11 +565,13 @@ def section(tmp: Path, engine: str, bandwidth: float) -> list[tuple[str, Any, st
     for name, _suffix, _n in TASKS:
         plain, spec = remote[f"{name}/plain"], remote[f"{name}/spec"]
         speedup = speedups[name] = paired_median(spec["rates"], plain["rates"])
-        target = "target <= 3% slower" if name == "prose" else "target >= 2x (one engine), >= 1.5x (the other)"
+        target = ("one answer; the target (<= 3% slower) is judged on the prose prompts below" if name == "prose"
+                  else "target >= 2x (one engine), >= 1.5x (the other)")
         rows.append((f"{name}: plain / speculative tok/s (daemon)", f"{plain['tok_s']:.1f} / {spec['tok_s']:.1f}",
                      f"{speculation_note(plain, spec, speedup)}; {target}"))
         lspeed = paired_median(local[f"{name}/spec"]["rates"], local[f"{name}/plain"]["rates"])
         rows.append((f"{name}: speculative / plain in process", f"{lspeed:.2f}x", ""))
+    rows += prose_prompt_rows(engine)
     rows += long_prompt_rows(engine)
     rows += exact_decode_rows(tmp, engine, remote)
     if engine == "llama":

@@ -15,6 +15,8 @@ from benchmarks.decode import (
     first_difference,
     order_balanced,
     paired_median,
+    prose_pairs,
+    prose_rows,
     same_answer,
     short_pairs,
 )
@@ -102,3 +104,57 @@ def test_a_speculative_figure_says_where_its_answer_parts_from_the_plain_one() -
     assert same_answer([1, 2, 3], [1, 5, 3]) == "ANSWERS PART at token 1 of 3"
     assert first_difference([1, 2, 3], [1, 2]) == 2  # one ending early parts too
     assert first_difference([], [4]) == 0
+
+
+class _Prose:
+    """A session whose decodes take the next of ``ms`` per token, with a fixed answer per mode and
+    ``kept`` draft tokens per prompt (each prompt runs ``runs`` decodes); it logs the modes it ran."""
+
+    def __init__(self, ms: list[float], kept: list[int], answers: dict[bool, list[int]], runs: int) -> None:
+        self.ms, self.kept, self.answers, self.runs = list(ms), list(kept), answers, runs
+        self.log: list[str] = []
+
+    def ensure_prefix(self, _prefix: Any) -> None:
+        pass
+
+    def prefill_suffix(self, _suffix: Any) -> None:
+        pass
+
+    def decode(self, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+        spec = bool(cfg.speculative)
+        kept = self.kept[len(self.log) // self.runs] if spec else 0
+        self.log.append("S" if spec else "P")
+        ids = self.answers[spec] if cfg.return_token_ids else []
+        yield StreamChunk(done=True, token_ids=ids, usage=Usage(
+            completion_tokens=cfg.max_tokens, decode_ms=cfg.max_tokens * self.ms.pop(0),
+            drafted_tokens=2 * kept, accepted_tokens=kept))
+
+
+def test_prose_pairs_balance_the_order_and_judge_only_answers_with_nothing_to_copy() -> None:
+    # prompt 0: speculative 2% slower, a slow spell over the whole second round; prompt 1 copies
+    # itself (60 of 128 kept) and runs twice as fast; prompt 2: 6% slower
+    ms = [10.0, 10.2, 10.2, 10.0] + [20.4, 20.0, 20.0, 20.4] \
+        + [10.0, 5.0, 5.0, 10.0] + [5.0, 10.0, 10.0, 5.0] \
+        + [10.0, 10.6, 10.6, 10.0] + [10.6, 10.0, 10.0, 10.6]
+    sess = _Prose(ms, kept=[0, 60, 1], answers={False: [1, 2, 3], True: [1, 2, 3]}, runs=8)
+    answers = prose_pairs(sess, ContextManifest(), prompts=("a", "b", "c"), rounds=2, tokens=128)
+    assert sess.log == list("PSSPSPPS") * 3
+    assert [a["copied"] for a in answers] == [False, True, False]
+    assert answers[0]["ratios"] == pytest.approx([10 / 10.2] * 4)  # the slow spell cancels within its pairs
+    assert answers[1]["ratios"] == pytest.approx([2.0] * 4)
+    assert all(a["same"] for a in answers)
+    rows = prose_rows(answers)
+    # judged over prompts 0 and 2 only: 0.980 x4 and 0.943 x4
+    assert rows[0][1] == f"{(10 / 10.2 + 10 / 10.6) / 2:.3f}"
+    assert "8 back-to-back pairs over the 2 answers with nothing to copy" in rows[0][2]
+    assert "worst answer's median 0.943" in rows[0][2] and "(MISSED)" in rows[0][2]
+    assert "copies itself" in rows[1][2]
+
+
+def test_prose_pairs_say_where_answers_part_and_when_nothing_is_left_to_judge() -> None:
+    sess = _Prose([10.0] * 4, kept=[100], answers={False: [1, 2, 3], True: [1, 2, 4]}, runs=4)
+    answers = prose_pairs(sess, ContextManifest(), prompts=("a",), rounds=1, tokens=128)
+    assert answers[0]["same"] is False and answers[0]["copied"] is True
+    rows = prose_rows(answers)
+    assert rows == [(rows[0][0], "n/a", rows[0][2])] and "every answer copied itself" in rows[0][2]
+    assert "answers part" in rows[0][2]
