@@ -56,7 +56,7 @@ mode costs plain decoding.
 
 One prose turn is one answer, and a ratio of five rounds moves by +-5% run to run
 here, wider than the 3% prose is judged by. So what speculation costs free text
-is also measured in process on eight prose prompts (``prose_prompt_rows``),
+is also measured in process on twelve prose prompts (``prose_prompt_rows``),
 plain and speculative back to back in balanced order, and judged over the
 answers that had nothing to copy.
 
@@ -140,6 +140,10 @@ PROSE_PROMPTS = (
     "Summarize the trade-offs between threads and async IO in Python.",
     "Write a short poem about debugging late at night.",
     "What should a new contributor read first in a large open source project?",
+    "Explain what a race condition is and how to avoid one.",
+    "Describe the difference between a process and a thread.",
+    "Give advice to someone learning their first programming language.",
+    "Explain why unit tests are useful, with an example of what they catch.",
 )
 #: rounds of four runs per prompt (two pairs each; P S S P and S P P S by turns)
 PROSE_ROUNDS = 4
@@ -498,7 +502,7 @@ def prose_prompt_rows(engine: str) -> list[tuple[str, Any, str]]:
     """What speculation costs free text, in process: ``PROSE_PROMPTS`` through ``prose_pairs``.
 
     One prose turn's ratio over five rounds moved by +-5% run to run here, wider than the 3% it is
-    judged by, and back-to-back plain runs of one prompt ranged 78-106 tok/s; over eight answers and
+    judged by, and back-to-back plain runs of one prompt ranged 78-106 tok/s; over twelve answers and
     their pairs a single answer's luck (a lone draft at a chance match) shows as what it is. A small
     model's prose often repeats itself, which drafts then copy: the judged figure is over the answers
     that had nothing to copy; the rest are shown beside it.
