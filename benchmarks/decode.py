@@ -456,17 +456,16 @@ def prose_pairs(sess: Any, manifest: Any, prompts: tuple[str, ...] = PROSE_PROMP
         usage = None
         for rnd in range(rounds):
             order = (False, True, True, False) if rnd % 2 == 0 else (True, False, False, True)
-            rate: dict[int, float] = {}
+            rates: list[float] = []
             for i, spec in enumerate(order):
                 # the answers' ids are asked for in the first pair only (both modes alike)
                 final = _turn(sess, manifest, suffix, tokens, spec, ids[spec] if rnd == 0 and i < 2 else None)
-                rate[i] = _rate(final)
+                rates.append(_rate(final))
                 if spec:
                     usage = final.usage
-            spec_first = order[0]
-            for x, y in ((0, 1), (3, 2)):  # (the pair's first run, its second)
-                s_i, p_i = (x, y) if spec_first else (y, x)
-                ratios.append(rate[s_i] / rate[p_i] if rate[p_i] > 0 else float("nan"))
+            for a, b in ((0, 1), (2, 3)):  # neighbours: one speculative run and one plain
+                spec_rate, plain_rate = (rates[a], rates[b]) if order[a] else (rates[b], rates[a])
+                ratios.append(spec_rate / plain_rate if plain_rate > 0 else float("nan"))
         assert usage is not None
         answers.append({"ratios": ratios, "kept": usage.accepted_tokens, "drafted": usage.drafted_tokens,
                         "copied": usage.accepted_tokens >= COPY_SHARE * usage.completion_tokens,
