@@ -25,7 +25,13 @@ ov_genai = pytest.importorskip("openvino_genai")
 
 from backends.bundled import bundled_gguf_path  # noqa: E402
 from backends.openvino import BACKEND_NAME, OpenVINOBackend, OpenVINOLoadedModel  # noqa: E402
-from backends.openvino.graph import EXACT_STEP_ROWS, MIN_PREFILL_ROWS, bucket  # noqa: E402
+from backends.openvino.graph import (  # noqa: E402
+    BATCH_GRAPH_MAX_WEIGHTS,
+    EXACT_STEP_ROWS,
+    MIN_PREFILL_ROWS,
+    bucket,
+    wants_batch_graph,
+)
 from backends.openvino.model import STATE_MAGIC  # noqa: E402
 from backends.openvino.native import map_errors  # noqa: E402
 from backends.openvino.prepare import (  # noqa: E402
@@ -36,6 +42,7 @@ from backends.openvino.prepare import (  # noqa: E402
     is_complete_ir,
     prepare_ir,
 )
+from backends.tape.draft_costs import cost_key  # noqa: E402
 from backends.tape.session import TapeSession  # noqa: E402
 from backends.tape.state import unpack_state  # noqa: E402
 from contract.errors import (  # noqa: E402
@@ -212,6 +219,72 @@ def test_prefill_is_split_invariant(model: OpenVINOLoadedModel) -> None:
         assert float(np.max(np.abs(logits - one_shot))) <= SPLIT_LOGIT_TOLERANCE, cuts
         assert np.array_equal(split(cuts), logits), cuts  # the same split replayed: the same bits
     model.clear_kv()  # the tape no longer matches the session's prefix bookkeeping
+
+
+def _engine_trace(m: OpenVINOLoadedModel, tokens: list[int]) -> list[np.ndarray]:
+    """Logits along a speculative decode's path on the engine: a prefill, two steps, a 6-token check,
+    a rollback of 4 of it, a step after the kept rows, a 15-token check, and a 1-token warm tail."""
+    m.set_kv(tokens[:200], 0)
+    out = [m.logits_at_end().copy()]
+    out += [m.step(t).copy() for t in tokens[200:202]]
+    out.append(m.verify(tokens[202:208]))
+    m.rollback(4)
+    out.append(m.step(tokens[204]).copy())
+    out.append(m.verify(tokens[205:220]))
+    m.set_kv(tokens[:221], 220)
+    out.append(m.logits_at_end().copy())
+    m.clear_kv()
+    return out
+
+
+def test_batch_graph_rule() -> None:
+    assert wants_batch_graph(True, 92 * 1024 * 1024)  # the bundled model
+    assert wants_batch_graph(True, BATCH_GRAPH_MAX_WEIGHTS)
+    assert not wants_batch_graph(True, BATCH_GRAPH_MAX_WEIGHTS + 1)  # too big to copy for ~4.5 ms a change
+    assert not wants_batch_graph(False, 92 * 1024 * 1024)  # never drafts: its row count never changes mid-decode
+    assert not wants_batch_graph(True, 0)
+    assert wants_batch_graph(True, 92 * 1024 * 1024, "CPU") and not wants_batch_graph(True, 92 * 1024 * 1024, "GPU.0")
+
+
+def test_batch_graph_takes_prefills_and_checks_and_computes_what_one_graph_does(
+    model: OpenVINOLoadedModel, backend: OpenVINOBackend, ir_dir: Path
+) -> None:
+    """The bundled model drafts and is small, so it is compiled twice over one set of block pools:
+    decode steps run on one graph, prefill chunks and checks on the other (the shapes each request
+    last ran show it), and the numbers are those of a model compiled once (no drafts, one graph),
+    bit for bit, along a speculative decode's path. The copy is counted in resident_bytes and in
+    describe's plan, and its cost table is kept apart."""
+    req = OpenSessionRequest(path=str(ir_dir), config=Config(num_ctx=NUM_CTX))
+    single = OpenVINOBackend(speculative=False)
+    one = single.load(req, lambda _f: None)
+    try:
+        assert model.batch_graph and not one.batch_graph
+        assert model.runtime_identity() == one.runtime_identity()  # the same numbers: KV and snapshots carry over
+        assert cost_key(model) != cost_key(one)
+        copy = model.shape.weights_bytes
+        assert model.resident_bytes() - one.resident_bytes() == copy
+        assert backend.describe(req).overhead_bytes - single.describe(req).overhead_bytes == copy
+        assert backend.model_facts(req).overhead.fixed_bytes - single.model_facts(req).overhead.fixed_bytes == copy
+
+        tokens = model.tokenize(LONG_PREFIX + PARAGRAPH)[:240]
+        assert len(tokens) == 240
+        model.clear_kv()
+        two_graphs = _engine_trace(model, tokens)
+        assert np.array_equal(two_graphs[-1], _engine_trace(model, tokens)[-1])  # replayed: the same bits
+        for a, b in zip(two_graphs, _engine_trace(one, tokens), strict=True):
+            assert np.array_equal(a, b)
+        model.set_kv(tokens[:40], 0)
+        model.step(tokens[40])
+        steps, batch = model._step_req, model._batch_req
+        assert steps is not batch and one._step_req is one._batch_req
+        assert list(steps.get_tensor("input_ids").shape) == [model.step_rows]
+        assert list(batch.get_tensor("input_ids").shape) == [bucket(40)]
+        model.verify(tokens[41:44])
+        assert list(steps.get_tensor("input_ids").shape) == [model.step_rows]
+        assert list(batch.get_tensor("input_ids").shape) == [model.check_rows(3)]
+        model.clear_kv()
+    finally:
+        one.close()
 
 
 # --- reuse -------------------------------------------------------------------------------------------

@@ -65,6 +65,15 @@ drive the graph with one ``InferRequest``; block ``i`` holds positions
   (multiples of 16 rows up to 256, of 64 up to 1,024, then of 256) — the padding
   rows land in KV cells past the tape, which the next step overwrites — and
   the buckets a warm turn uses are compiled at load (``warm_up``, ~1 s).
+* Two graphs. The CPU plugin prepares every node of a graph again when its
+  row count changes (~4.5 ms each way here, half a step of the bundled model;
+  two infer requests of one compiled model share that graph), and speculative
+  decoding changes it twice per draft: a step of 1 row, a check of 4-16, a step
+  again. So a model that drafts and is small (``graph.wants_batch_graph``) is
+  compiled twice over the same block pools: decode steps run on one graph,
+  prefill chunks and checks on the other, and neither changes shape between
+  steps. Both compile the same kernels for a shape, so the numbers are the same
+  (tested); the copy's memory is counted in ``resident_bytes`` and the plan.
 * Logits: the LM head is computed for one row per step, the last real one
   (a ``sample_index`` input, as GenAI's gather-before-matmul does); the
   last-position logits of every prefill are kept per tape length, so a full
@@ -213,6 +222,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         self,
         *,
         compiled: ov.CompiledModel,
+        batch_compiled: ov.CompiledModel | None = None,
         tokenizer: openvino_genai.Tokenizer,
         ir: Path,
         digest: str,
@@ -225,8 +235,14 @@ class OpenVINOLoadedModel(TapeModelBase):
         self.shape = shape
         self.options = options
         self.device = device
-        self._compiled = compiled
-        self._req = compiled.create_infer_request()
+        #: decode steps run on ``compiled``; prefill chunks and draft checks on ``batch_compiled``
+        #: when there is one (see "Two graphs" in the module docstring), else on the same request
+        self._compiled = [compiled] if batch_compiled is None else [compiled, batch_compiled]
+        self._step_req = compiled.create_infer_request()
+        self._batch_req = self._step_req if batch_compiled is None else batch_compiled.create_infer_request()
+        #: the batch graph's own compiled copy (counted in ``resident_bytes``; it changes a check's cost,
+        #: not its numbers: both graphs compile the same kernels for a shape)
+        self.batch_graph = batch_compiled is not None
         self.inference_precision = type_name(compiled.get_property("INFERENCE_PRECISION_HINT"))
         self._allocate_cache(compiled, options.num_ctx)
         self.tok = tokenizer
@@ -244,7 +260,7 @@ class OpenVINOLoadedModel(TapeModelBase):
             num_ctx=options.num_ctx,
             resident_bytes=shape.weights_bytes
             + self.cache_bytes
-            + shape.overhead_bytes(options.num_ctx, options.prefill_chunk),
+            + shape.overhead_bytes(options.num_ctx, options.prefill_chunk, batch_graph=self.batch_graph),
             template=OpenVINOTemplate(tokenizer, source) if source else None,
             bos_id=self.vocab.bos_id,
             adds_bos=self._tokenizer_adds_bos(),
@@ -279,7 +295,8 @@ class OpenVINOLoadedModel(TapeModelBase):
         self._views: list[np.ndarray] = []
         for p in pools:
             tensor = ov.Tensor(p.get_element_type(), [self._n_blocks, *dims[0]])
-            self._req.set_tensor(p.get_any_name(), tensor)
+            for req in {id(r): r for r in (self._step_req, self._batch_req)}.values():
+                req.set_tensor(p.get_any_name(), tensor)  # one pool, written in place by either graph
             # a byte view of the pool: snapshots copy whole blocks, whatever the element type
             self._views.append(tensor.data.view(np.uint8).reshape(self._n_blocks, -1))
         self._block_bytes = int(self._views[0].shape[1])
@@ -308,6 +325,10 @@ class OpenVINOLoadedModel(TapeModelBase):
             "exact_decode": self.options.exact_decode,
         }
 
+    def cost_identity(self) -> dict[str, Any]:
+        """With the batch graph a change of row count costs less (``graph.BATCH_GRAPH_MAX_WEIGHTS``)."""
+        return {"batch_graph": self.batch_graph}
+
     @property
     def vocab_size(self) -> int:
         return self.vocab.size
@@ -318,8 +339,8 @@ class OpenVINOLoadedModel(TapeModelBase):
     def _release(self) -> None:
         self._logits.clear()
         self._views = []
-        del self._req
-        del self._compiled
+        del self._step_req, self._batch_req
+        self._compiled.clear()
 
     def _tokenizer_adds_bos(self) -> bool:
         bos = self.vocab.bos_id
@@ -354,10 +375,13 @@ class OpenVINOLoadedModel(TapeModelBase):
         return OpenVINOSteps(self, Sampler(cfg), guide)
 
     # --- the KV ------------------------------------------------------------------------------
-    def _infer(self, ids: list[int], past: int, *, rows: int = 0, every_row: bool = False) -> np.ndarray:
+    def _infer(
+        self, ids: list[int], past: int, *, rows: int = 0, every_row: bool = False, step: bool = False
+    ) -> np.ndarray:
         """Run ``ids`` at positions past.. with ``past`` cached tokens; a view of the last one's logits.
 
-        With ``every_row`` the LM head runs on every real row: a [len(ids), vocab] view.
+        With ``every_row`` the LM head runs on every real row: a [len(ids), vocab] view. A decode
+        ``step`` runs on the step graph, anything else on the batch graph (the same one without it).
 
         With ``rows`` > len(ids) the chunk is padded (the last token repeated at its
         own position): the padding writes KV cells past the tape, which the next
@@ -369,7 +393,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         n_blocks = -(-total // self.block_size)
         positions = np.arange(past, total, dtype=np.int64)
         positions[n:] = past + n - 1  # stays inside the model's position range
-        req = self._req
+        req = self._step_req if step else self._batch_req
         req.set_tensor("input_ids", ov.Tensor(np.asarray(ids + ids[-1:] * (width - n), np.int64)))
         req.set_tensor("position_ids", ov.Tensor(positions))
         req.set_tensor("past_lens", ov.Tensor(np.array([past], np.int32)))
@@ -433,7 +457,7 @@ class OpenVINOLoadedModel(TapeModelBase):
     def step(self, token: int) -> np.ndarray:
         """Evaluate one sampled token into the KV and the tape; its logits (a view)."""
         n = len(self.res.tokens)
-        logits = self._infer([token], n, rows=self.step_rows)
+        logits = self._infer([token], n, rows=self.step_rows, step=True)
         self.res.tokens.append(token)
         # Prefill ends stay (a full prefix hit or a restore samples from them); the
         # previous step's entry is spent.
@@ -500,7 +524,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         for rows in sorted(set(shapes) | set(VERIFY_ROWS)):
             self._infer([token], 0, rows=rows)
         self._infer([token, token], 0, rows=self.check_rows(2), every_row=True)
-        self._infer([token], 1, rows=self.step_rows)
+        self._infer([token], 1, rows=self.step_rows, step=True)
 
     def _exact_step_rows(self) -> int:
         """The fewest rows (of ``EXACT_STEP_ROWS``) a decode step can run with and compute what a prefill does.
@@ -517,7 +541,7 @@ class OpenVINOLoadedModel(TapeModelBase):
             self.set_kv(ids[:past], 0)
             reference = self._infer(ids[past:], past, rows=MIN_PREFILL_ROWS).copy()
             for rows in EXACT_STEP_ROWS:
-                if np.array_equal(self._infer(ids[past:], past, rows=rows), reference):
+                if np.array_equal(self._infer(ids[past:], past, rows=rows, step=True), reference):
                     return rows
             return MIN_PREFILL_ROWS
         finally:

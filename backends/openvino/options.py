@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from ..bundled import model_cache_dir
 from ..digest import file_digest, files_digest
 from ..gguf_file import is_gguf, read_gguf
 from ..tape.model import resolve_num_ctx
-from .graph import MIN_PREFILL_ROWS
+from .graph import MIN_PREFILL_ROWS, wants_batch_graph
 from .prepare import IR_FILES, ir_dir_for, is_complete_ir, prepare_ir
 
 DEFAULT_NUM_CTX = 4096
@@ -44,8 +44,12 @@ class ModelShape:
     head_dim: int
     weights_bytes: int
 
-    def sizing(self, kv_precision: str, n_batch: int = DEFAULT_PREFILL_CHUNK) -> ModelFacts:
-        """The shape as the sizing module's facts (f16 and bf16 caches cost the same two bytes an element)."""
+    def sizing(self, kv_precision: str, n_batch: int = DEFAULT_PREFILL_CHUNK, *, batch_graph: bool = False) -> ModelFacts:
+        """The shape as the sizing module's facts (f16 and bf16 caches cost the same two bytes an element);
+        with ``batch_graph`` the overhead holds the second compiled graph (``graph.wants_batch_graph``)."""
+        overhead = OPENVINO_OVERHEAD
+        if batch_graph:
+            overhead = replace(overhead, fixed_bytes=overhead.fixed_bytes + self.batch_graph_bytes())
         return ModelFacts(
             n_ctx_train=self.n_ctx_train or DEFAULT_NUM_CTX,
             n_layer=self.n_layer,
@@ -56,12 +60,19 @@ class ModelShape:
             kv_cache_type="f32" if kv_precision == "f32" else "f16",
             n_batch=n_batch,
             n_head=self.n_head,
-            overhead=OPENVINO_OVERHEAD,
+            overhead=overhead,
         )
 
-    def overhead_bytes(self, num_ctx: int, prefill_chunk: int) -> int:
-        """Prefill scratch beyond weights and KV: an estimate, see ``_SCRATCH_BYTES_PER_TOKEN``."""
-        return min(prefill_chunk, num_ctx) * _SCRATCH_BYTES_PER_TOKEN
+    def overhead_bytes(self, num_ctx: int, prefill_chunk: int, *, batch_graph: bool = False) -> int:
+        """Prefill scratch beyond weights and KV (an estimate, see ``_SCRATCH_BYTES_PER_TOKEN``), and the
+        batch graph when there is one."""
+        copy = self.batch_graph_bytes() if batch_graph else 0
+        return min(prefill_chunk, num_ctx) * _SCRATCH_BYTES_PER_TOKEN + copy
+
+    def batch_graph_bytes(self) -> int:
+        """What the batch graph adds, counted as the weights again: the bundled model's 92 MB IR added
+        49 MB compiled and 65 MB once run (unique set size), the rest staying shared file pages."""
+        return self.weights_bytes
 
 
 _shape_cache: dict[tuple[str, int, int], ModelShape] = {}
@@ -195,9 +206,13 @@ class LoadOptions:
     inference_precision: str  # "" = the device default (resolved after compiling)
     #: decode steps run padded to a prefill's kernels (``graph.EXACT_STEP_ROWS``)
     exact_decode: bool = False
+    #: a second compiled graph runs prefills and draft checks (``graph.wants_batch_graph``)
+    batch_graph: bool = False
 
     @classmethod
-    def resolve(cls, cfg: Config, shape: ModelShape, inference_precision: str) -> LoadOptions:
+    def resolve(
+        cls, cfg: Config, shape: ModelShape, inference_precision: str, *, speculative: bool = False, device: str = "CPU"
+    ) -> LoadOptions:
         num_ctx = resolve_num_ctx(cfg.num_ctx, shape.n_ctx_train, DEFAULT_NUM_CTX)
         if cfg.kv_cache_type not in KV_PRECISIONS:
             raise UnsupportedFeature(
@@ -217,6 +232,7 @@ class LoadOptions:
             kv_precision=KV_PRECISIONS[cfg.kv_cache_type],
             inference_precision=inference_precision,
             exact_decode=cfg.exact_decode,
+            batch_graph=wants_batch_graph(speculative, shape.weights_bytes, device),
         )
 
     def compile_config(self) -> dict[str, Any]:

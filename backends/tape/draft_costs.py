@@ -30,9 +30,11 @@ kept in plain steps, rounded to a hundredth.
 A check is timed twice in a row, after a plain step: the first pays for the
 change of row count, the second does not, and the step after it pays again.
 The difference is the table's ``switch`` (``CheckCosts``): on OpenVINO here
-~5 ms of a ~8-10 ms step each way, which a table of checks timed only after
-other shapes hid in both the check and the step it was divided by (a 4-row
-check read 1.04-1.19 steps where, after a step and back, it cost ~2.3).
+~5 ms of a ~8-10 ms step each way on one graph (0.62 steps; 0.28 with the
+batch graph, ``backends.openvino.graph.wants_batch_graph``), which a table of
+checks timed only after other shapes hid in both the check and the step it was
+divided by (a 4-row check read 1.04-1.19 steps where, after a step and back,
+it cost ~2.3).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ FILE_NAME = "draft-costs.json"
 def cost_key(m: TapeModel) -> str:
     """What a cost table is valid for: the engine and its kernels' settings, the model and the CPU."""
     identity = {k: v for k, v in m.reuse_identity().items() if k not in ("num_ctx", "exact_reuse")}
+    identity |= m.cost_identity()
     return canonical_digest(
         {
             "method": METHOD_VERSION,

@@ -102,6 +102,8 @@ class TapeModel(Protocol):
 
     def reuse_identity(self) -> dict[str, Any]: ...
 
+    def cost_identity(self) -> dict[str, Any]: ...
+
     def errors(self, action: str) -> AbstractContextManager[None]:
         """The engine's one translation of foreign exceptions into contract errors."""
         ...
@@ -292,6 +294,11 @@ class TapeModelBase(ABC):
     def reuse_identity(self) -> dict[str, Any]:
         """``runtime_identity`` plus the reuse rule: KV computed under one is never reused under the other."""
         return self.runtime_identity() | {"exact_reuse": self.config.exact_reuse}
+
+    def cost_identity(self) -> dict[str, Any]:
+        """Settings that change what a draft's check costs but not its numbers (none by default): part of
+        the key a measured cost table is kept under (``backends.tape.draft_costs``)."""
+        return {}
 
     def reusable(self, n: int) -> int:
         """How many of ``n`` matching resident tokens are kept.
