@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openvino as ov
 import openvino_genai
@@ -81,12 +83,7 @@ class OpenVINOBackend:
                     kv_cache_type="f32",
                     inference_precision=hint,
                 )
-            xml = src.ir / "openvino_model.xml"
-            compiled = self.core.compile_model(paged_model(self.core, xml), self.device, options.compile_config())
-            batch = None
-            if options.batch_graph:
-                # read again: compiling one ov.Model twice held more memory (+70 MB against +49 MB)
-                batch = self.core.compile_model(paged_model(self.core, xml), self.device, options.compile_config())
+            compiled, batch = self._compile(src.ir / "openvino_model.xml", options)
             progress(0.9)
             tokenizer = openvino_genai.Tokenizer(str(src.ir))
             loaded = OpenVINOLoadedModel(
@@ -112,6 +109,23 @@ class OpenVINOBackend:
             loaded.speculative = self.speculative
         progress(1.0)
         return loaded
+
+    def _compile(self, xml: Path, options: LoadOptions) -> tuple[ov.CompiledModel, ov.CompiledModel | None]:
+        """The paged graph compiled for the device, and the batch graph when the options want one.
+
+        The two compile at once (``ov.Core`` is thread-safe): 1.9 s here against 1.6 s for one
+        and 4.0-4.3 s one after the other. Each reads the IR itself: compiling one ``ov.Model``
+        twice held more memory (+70 MB against +49 MB for the bundled model).
+        """
+
+        def compile_one(_: int) -> ov.CompiledModel:
+            return self.core.compile_model(paged_model(self.core, xml), self.device, options.compile_config())
+
+        if not options.batch_graph:
+            return compile_one(0), None
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="modeld-compile") as pool:
+            step, batch = pool.map(compile_one, range(2))
+        return step, batch
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
         """ModelInfo from the GGUF header or the IR's config.json; converts and compiles nothing."""
