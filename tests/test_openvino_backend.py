@@ -261,7 +261,7 @@ def test_batch_graph_takes_prefills_and_checks_and_computes_what_one_graph_does(
         assert model.batch_graph and not one.batch_graph
         assert model.runtime_identity() == one.runtime_identity()  # the same numbers: KV and snapshots carry over
         assert cost_key(model) != cost_key(one)
-        copy = model.shape.weights_bytes
+        copy = 2 * model.shape.weights_bytes
         assert model.resident_bytes() - one.resident_bytes() == copy
         assert backend.describe(req).overhead_bytes - single.describe(req).overhead_bytes == copy
         assert backend.model_facts(req).overhead.fixed_bytes - single.model_facts(req).overhead.fixed_bytes == copy

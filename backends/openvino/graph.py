@@ -48,10 +48,11 @@ EXACT_STEP_ROWS = (2, 3, 4, 5, 8)
 #: count changes (two requests of one compiled model share its graph): ~4.5 ms each way here,
 #: against a ~9 ms step of the bundled model, so a lone 16-row check cost 2.31 + 2 x 0.62 steps.
 #: With a graph per role the change of row count measured 0.28 steps instead of 0.62. The copy
-#: costs memory (+49 MB compiled, +65 MB once run, for the bundled model's 92 MB of weights;
-#: counted as its weights again) while the ~4.5 ms is the same whatever the model's size, so it
-#: pays on small models, whose steps are short, and not on one whose weights are gigabytes.
-BATCH_GRAPH_MAX_WEIGHTS = 512 * 1024 * 1024
+#: costs memory (160 MB for the bundled model's 92 MB of weights, after a 4k prefill and a decode;
+#: counted as twice the weights, ``ModelShape.batch_graph_bytes``) while the ~4.5 ms is the same
+#: whatever the model's size, so it pays on small models, whose steps are short (half a step of
+#: the bundled model's), and not on one whose weights take a gigabyte.
+BATCH_GRAPH_MAX_WEIGHTS = 256 * 1024 * 1024
 _PAGED_INPUTS = frozenset(
     {
         "input_ids",
