@@ -293,9 +293,10 @@ class OpenVINOLoadedModel(TapeModelBase):
         self.cache_names = [p.get_any_name() for p in pools]
         self._cache_dims = dims[0]
         self._views: list[np.ndarray] = []
+        requests = (self._step_req, self._batch_req) if self.batch_graph else (self._step_req,)
         for p in pools:
             tensor = ov.Tensor(p.get_element_type(), [self._n_blocks, *dims[0]])
-            for req in {id(r): r for r in (self._step_req, self._batch_req)}.values():
+            for req in requests:
                 req.set_tensor(p.get_any_name(), tensor)  # one pool, written in place by either graph
             # a byte view of the pool: snapshots copy whole blocks, whatever the element type
             self._views.append(tensor.data.view(np.uint8).reshape(self._n_blocks, -1))
