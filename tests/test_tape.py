@@ -22,7 +22,15 @@ import pytest
 from backends.tape import draft_costs as costs_mod
 from backends.tape.model import TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
 from backends.tape.session import DecodeSteps, TapeSession
-from backends.tape.speculate import MAX_DRAFT, PROBE_EVERY, CheckCosts, DraftPolicy, PromptLookup
+from backends.tape.speculate import (
+    MATCH_CLASSES,
+    MAX_DRAFT,
+    PROBE_EVERY,
+    CheckCosts,
+    DraftPolicy,
+    PromptLookup,
+    match_class,
+)
 from backends.tape.state import frame_state, header_diffs, pack_state, unpack_state
 from contract.errors import (
     BackendMismatch,
@@ -576,10 +584,23 @@ def test_prompt_lookup_drafts_from_the_latest_longest_match() -> None:
     assert look.propose(3) == ([4, 5, 6], 2)  # "1 2 3" is not the suffix; "2 3" last seen before "4 5 6"
     assert look.propose(0) == ([], 0) and PromptLookup([5]).propose(4) == ([], 0)
     look.extend([4])
-    assert look.propose(10) == ([5, 6, 7, 2, 3, 4], 3)  # the longer match wins; never past the tape's end
+    assert look.propose(6) == ([5, 6, 7, 2, 3, 4], 3)  # the longer match wins
+    # a source closer to the end than the draft is long: the tape repeats itself, and so does the draft
+    assert look.propose(10) == ([5, 6, 7, 2, 3, 4, 5, 6, 7, 2], 3)
+    assert PromptLookup([9, 1, 2, 3, 1, 2, 3]).propose(7) == ([1, 2, 3, 1, 2, 3, 1], 3)
     assert PromptLookup([1, 2, 3, 4]).propose(4) == ([], 0)  # no earlier occurrence: no draft
     look = PromptLookup([7, 8, 7, 8, 7, 8])
     assert look.propose(2) == ([7, 8], 4)
+
+
+def test_prompt_lookup_says_how_long_the_match_runs_back() -> None:
+    # a 4-gram match is followed back: here 6 tokens agree before the draft's source and the tape's end
+    look = PromptLookup([5, 1, 2, 3, 4, 5, 6, 7, 9, 0, 2, 3, 4, 5, 6, 7])
+    assert look.propose(2) == ([9, 0], 6)
+    # ... up to the last match class, however long the copy
+    copy = list(range(100, 140))
+    assert PromptLookup(copy + [1] + copy).propose(3) == ([1, 100, 101], MATCH_CLASSES[-1])
+    assert [match_class(m) for m in (2, 3, 4, 5, 7, 8, 15, 16)] == [2, 3, 4, 5, 5, 8, 8, 16]
 
 
 def _ov_padded(rows: int) -> int:
@@ -694,12 +715,30 @@ def test_the_priors_trust_a_long_match_and_doubt_a_short_one() -> None:
     timed = CheckCosts.from_points({1: 1.0, 4: 2.3, 8: 3.0, 16: 4.0}, _ov_padded)
     for costs in (timed, OPENVINO_LIKE, LLAMA_LIKE, CheckCosts.prior()):
         policy = DraftPolicy(costs)
-        assert policy.plan(8, 4) >= 2, costs  # a 4-token match is a copy until shown otherwise
+        assert policy.plan(8, 8) >= 2, costs  # 8 tokens matched: a copy until shown otherwise
+        assert policy.plan(16, 16) >= policy.plan(16, 8), costs  # the longer the match, the longer the draft
+    # a bare 4-token match drafts where rows are cheap, not where a row costs half a step
+    assert DraftPolicy(OPENVINO_LIKE).plan(8, 4) >= 2 and DraftPolicy(LLAMA_LIKE).plan(8, 4) == 0
     policy = DraftPolicy(timed)
     assert policy.plan(8, 2) == 0  # "of the": prose matches 2 tokens by chance, so only evidence makes it pay
     for _ in range(3):
         policy.checked(2, 3, 3)
     assert policy.plan(8, 2) >= 1  # 2-gram drafts kept whole three times: now they pay
+
+
+def test_a_short_match_missing_leaves_the_long_matches_trusted() -> None:
+    """Each class of match length keeps its own rate: an answer whose first 4-gram drafts miss still
+    drafts the long copies after them (one rate for every 4-gram match once stopped them for good)."""
+    policy = DraftPolicy(LLAMA_LIKE)
+    before = policy.plan(16, 16)
+    for _ in range(3):
+        policy.checked(4, 6, 0)
+        policy.checked(5, 6, 1)
+    assert policy.keep_rate(4) < 0.4 and policy.plan(16, 5) == 0
+    assert policy.plan(16, 16) == before >= 4 and policy.keep_rate(40) == policy.keep_rate(16)
+    for _ in range(3):
+        policy.checked(16, 15, 0)  # ... until the long ones miss too
+    assert policy.plan(16, 16) < before
 
 
 def test_drafts_follow_the_tape_never_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:

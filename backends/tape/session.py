@@ -389,15 +389,15 @@ class TapeSession:
                 if pending is not None:
                     tok, pending = pending, None
                     draft: list[int] = []
-                    ngram = 0
+                    matched = 0
                     if speculate and not finish:
                         if lookup is None:
                             lookup = PromptLookup(res.tokens)
                         lookup.extend([tok])
                         # the draft never passes max_tokens nor fills the context
                         limit = min(MAX_DRAFT, cfg.max_tokens - produced - 1, m.num_ctx - len(res.tokens) - 2)
-                        draft, ngram = lookup.propose(limit)
-                        draft = draft[: policy.plan(len(draft), ngram, len(res.tokens))]
+                        draft, matched = lookup.propose(limit)
+                        draft = draft[: policy.plan(len(draft), matched, len(res.tokens))]
                     with m.errors("decode"):
                         if draft:
                             steps.verify([tok, *draft])
@@ -429,7 +429,7 @@ class TapeSession:
                             steps.rollback(len(draft) - accepted)
                         assert lookup is not None
                         lookup.extend(draft[:accepted])
-                        policy.checked(ngram, len(draft), accepted)
+                        policy.checked(matched, len(draft), accepted)
                         stats.drafted += len(draft)
                         stats.accepted += accepted
                         for j, (token, out, in_kv) in enumerate(emitted):

@@ -34,19 +34,28 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CheckCosts", "DraftPolicy", "PromptLookup", "SpeculationStats"]
+__all__ = ["CheckCosts", "DraftPolicy", "PromptLookup", "SpeculationStats", "match_class"]
 
-#: n-gram sizes matched, longest first: a longer match predicts better
+#: n-gram sizes looked up, longest first: a longer match predicts better
 NGRAM_SIZES = (4, 3, 2)
 #: the longest draft checked at once (with the pending token, 16 rows: a shape engines compile)
 MAX_DRAFT = 15
-#: prior chance a draft token is kept, per n-gram size (as PRIOR_KEPT / PRIOR_TRIES), until checks tell:
-#: 0.9, 0.5 and 0.35. A copy soon matches 4 tokens and goes on; prose matches 2 or 3 tokens by
-#: chance ("of the", "in the middle"), and a check costs 1.6-3 plain steps on both engines here, so
-#: short matches draft only after they were seen kept (with 0.8 / 0.7 priors prose on OpenVINO
-#: drafted 16-23 tokens and kept none: 6-12% slower)
+#: how far back a match is followed past its n-gram (``PromptLookup.propose``), and the classes of
+#: match length a pass keeps its own keep rate for: a match of ``m`` tokens is in the class of the
+#: largest entry <= m. A 2- or 3-token match is the whole n-gram; a 4-gram match that goes on back
+#: 5, 8 or 16 tokens is ever more surely a copy under way
+MATCH_CLASSES = (2, 3, 4, 5, 8, 16)
+#: prior chance a draft token is kept, per match class (weighing PRIOR_TRIES tokens), until checks
+#: tell. Measured over the bundled model's answers on both engines (edits, continuations, prose):
+#: drafts from a 2-, 3- and bare 4-token match kept ~0.6-0.8 of the tokens tried, from 8 tokens or
+#: more 0.94-0.98. Prose matches 2 or 3 tokens by chance ("of the", "in the middle") and a check
+#: costs 1.2-8 plain steps here, so short matches draft only after they were seen kept (with 0.8 /
+#: 0.7 priors prose on OpenVINO drafted 16-23 tokens and kept none: 6-12% slower). One n-gram rate
+#: for every 4-gram match let a bare 4-gram's miss early in an answer stop the drafts of the long
+#: copies after it (llama.cpp: three prose answers that repeat themselves ran at 0.97 where drafts
+#: by match class ran them at 1.2-1.4)
+PRIOR_KEEP = {2: 0.35, 3: 0.5, 4: 0.75, 5: 0.8, 8: 0.9, 16: 0.95}
 PRIOR_TRIES = 4.0
-PRIOR_KEPT = {4: 3.6, 3: 2.0, 2: 1.4}
 #: a draft must promise this many times a plain step's tokens per second: the estimates are noisy,
 #: and a marginal win is not worth a likely loss
 MIN_GAIN = 1.1
@@ -84,7 +93,11 @@ class PromptLookup:
         self._indexed = max(self._indexed, end)
 
     def propose(self, limit: int) -> tuple[list[int], int]:
-        """Up to ``limit`` tokens that followed the latest earlier occurrence of the tape's last n-gram, and n."""
+        """Up to ``limit`` tokens that followed the latest earlier occurrence of the tape's last n-gram,
+        and how many tokens that occurrence matches the tape's end by (the n-gram's ``n``, followed
+        back to at most ``MATCH_CLASSES[-1]``); ``([], 0)`` when nothing matches. Where the
+        occurrence is closer to the end than ``limit``, the tape is repeating itself, and the draft
+        goes on repeating it."""
         tape = self.tape
         end = len(tape)
         if limit <= 0 or end < 2:
@@ -98,8 +111,26 @@ class PromptLookup:
             # always points at a real continuation before the end
             start = self._index.get(tuple(tape[end - n :]))
             if start is not None:
-                return tape[start : min(start + limit, end)], n
+                matched = n
+                while (
+                    matched < MATCH_CLASSES[-1]
+                    and start > matched
+                    and tape[start - matched - 1] == tape[end - matched - 1]
+                ):
+                    matched += 1
+                draft = tape[start : min(start + limit, end)]
+                # a source within ``limit`` of the end repeats with period end - start: so does the draft
+                # (a loop of a few tokens, a row of separators)
+                period = end - start
+                while len(draft) < limit:
+                    draft.append(draft[len(draft) - period])
+                return draft, matched
         return [], 0
+
+
+def match_class(matched: int) -> int:
+    """The class (``MATCH_CLASSES``) of a match of ``matched`` tokens."""
+    return max((c for c in MATCH_CLASSES if c <= matched), default=MATCH_CLASSES[0])
 
 
 class CheckCosts:
@@ -230,8 +261,10 @@ class DraftPolicy:
     first check after plain steps is charged both, and a check following a
     check nothing, so a lone check in prose is priced as what it costs and a
     copy's checks, run back to back, as theirs. With ``p`` the chance a draft
-    token is kept (per n-gram size, recent checks of this pass weighing most,
-    from priors that trust a long match and doubt a short one), ``k`` tokens
+    token is kept (per class of match length, ``match_class``: recent checks of
+    this pass weighing most, from priors that trust a long match and doubt a
+    short one, and a miss after a short match leaving the long ones' rate
+    alone), ``k`` tokens
     keep ``p (1 - p^k) / (1 - p)`` on average. The policy drafts the ``k`` that
     yields the most tokens per step, and only when that beats a plain step by
     ``MIN_GAIN``; when nothing pays it still probes a one-token draft every
@@ -243,22 +276,24 @@ class DraftPolicy:
 
     def __init__(self, costs: CheckCosts | None = None) -> None:
         self.costs = costs if costs is not None else CheckCosts.prior()
-        #: per n-gram size: decayed counts of kept draft tokens and of draft tokens tried
-        self._kept = {n: PRIOR_KEPT[n] for n in NGRAM_SIZES}
-        self._tried = dict.fromkeys(NGRAM_SIZES, PRIOR_TRIES)
+        #: per match class: decayed counts of kept draft tokens and of draft tokens tried
+        self._kept = {c: PRIOR_KEEP[c] * PRIOR_TRIES for c in MATCH_CLASSES}
+        self._tried = dict.fromkeys(MATCH_CLASSES, PRIOR_TRIES)
         self._since_draft = 0
         #: the last evaluation was a check (the row count changes only when a run of them ends)
         self._checking = False
 
-    def keep_rate(self, n: int) -> float:
-        return self._kept[n] / self._tried[n]
+    def keep_rate(self, matched: int) -> float:
+        """The chance a token drafted from a match of ``matched`` tokens is kept, as this pass has seen."""
+        c = match_class(matched)
+        return self._kept[c] / self._tried[c]
 
-    def plan(self, available: int, n: int, context: int = 0) -> int:
-        """How many of the ``available`` draft tokens (found by an ``n``-gram) to check now after
-        ``context`` resident tokens; 0: a plain step."""
+    def plan(self, available: int, matched: int, context: int = 0) -> int:
+        """How many of the ``available`` draft tokens (from a match of ``matched`` tokens,
+        ``PromptLookup.propose``) to check now after ``context`` resident tokens; 0: a plain step."""
         if available <= 0:
             return 0
-        p = min(self.keep_rate(n), 0.999)
+        p = min(self.keep_rate(matched), 0.999)
         best_k, best_rate = 0, MIN_GAIN
         switching = 0.0 if self._checking else 2 * self.costs.switch()
         for k in range(1, min(available, MAX_DRAFT) + 1):
@@ -274,10 +309,12 @@ class DraftPolicy:
         self._since_draft += 1
         self._checking = False
 
-    def checked(self, n: int, drafted: int, kept: int) -> None:
+    def checked(self, matched: int, drafted: int, kept: int) -> None:
+        """A check of ``drafted`` tokens from a match of ``matched`` tokens kept ``kept`` of them."""
+        c = match_class(matched)
         tried = kept + (1 if kept < drafted else 0)  # tokens compared until the first mismatch
-        self._kept[n] = DECAY * self._kept[n] + kept
-        self._tried[n] = DECAY * self._tried[n] + tried
+        self._kept[c] = DECAY * self._kept[c] + kept
+        self._tried[c] = DECAY * self._tried[c] + tried
         self._since_draft = 0
         self._checking = True
 
