@@ -126,6 +126,11 @@ def _counter(text: str, name: str, result: str) -> float:
     return float(line.split()[-1]) if line else 0.0
 
 
+#: tokens a pass closed after 30 may decode: the bundled model's continuation of the edit runs all of
+#: them on both engines (measured), so a tape shorter than that was stopped by the cancel
+LONG_PASS = 1024
+
+
 def test_speculation_through_the_daemon(backend_daemon: DaemonProcess) -> None:
     """Greedy answers are the same with and without drafts; usage and metrics count them; cancel stops one."""
     with backend_daemon.client(timeout_s=300.0) as c:
@@ -150,15 +155,18 @@ def test_speculation_through_the_daemon(backend_daemon: DaemonProcess) -> None:
                  for kind in ("accepted", "rejected")}
         assert moved == {"accepted": final.usage.accepted_tokens,
                          "rejected": final.usage.drafted_tokens - final.usage.accepted_tokens}
-        # closing the stream mid-speculation stops it; the tape holds what the daemon had streamed
+        # closing the stream mid-speculation stops it; the tape holds what the daemon had streamed. The
+        # pass may run far longer than what is taken: a copy drafts 15 tokens a check from its first
+        # token, so 64 tokens can be decoded before a cancel sent after 30 reaches the worker
         sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
         sess.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=m))
         prompt = sess.explain_context().resident_tokens
-        got = take(sess.decode(DecodeConfig(max_tokens=64, return_token_ids=True)), 30)
+        got = take(sess.decode(DecodeConfig(max_tokens=LONG_PASS, return_token_ids=True)), 30)
         while c.status().busy_operation:  # the cancel reaches the worker after close returns
             time.sleep(0.005)
-        assert got == plain[: len(got)]
-        assert prompt + len(got) <= sess.explain_context().resident_tokens < prompt + 64
+        seen = min(len(got), len(plain))
+        assert got[:seen] == plain[:seen]
+        assert prompt + len(got) <= sess.explain_context().resident_tokens < prompt + LONG_PASS
         assert edit() == (plain, final) or edit()[0] == plain  # and the session serves on
         sess.close()
 
