@@ -163,15 +163,20 @@ def bandwidth_bytes_per_s() -> float:
     return 2 * src.nbytes / best
 
 
+def prefill_turn(sess: Any, manifest: Any, suffix: SuffixInput, system: str = SYSTEM) -> None:
+    """The system prompt, a different short turn (so ``suffix`` is prefilled anew), then ``suffix``."""
+    sess.ensure_prefix(PrefixInput(text=system, manifest=manifest))
+    sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=manifest))
+    sess.prefill_suffix(suffix.model_copy(update={"manifest": manifest}))
+
+
 def _turn(sess: Any, manifest: Any, suffix: SuffixInput, n: int, speculative: bool,
           ids: list[int] | None = None, system: str = SYSTEM) -> StreamChunk:
     """One decode of ``suffix`` after the system prompt; a different short turn first, so it is prefilled anew.
 
     The answer's token ids are appended to ``ids`` when given (only then are they asked for: the
     short pairs time the plain stream)."""
-    sess.ensure_prefix(PrefixInput(text=system, manifest=manifest))
-    sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=manifest))
-    sess.prefill_suffix(suffix.model_copy(update={"manifest": manifest}))
+    prefill_turn(sess, manifest, suffix, system)
     final: StreamChunk | None = None
     cfg = DecodeConfig(max_tokens=n, temperature=0.0, speculative=speculative, return_token_ids=ids is not None)
     for chunk in sess.decode(cfg):

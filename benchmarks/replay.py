@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.tape.speculate import MAX_DRAFT, CheckCosts, DraftPolicy, PromptLookup
+from backends.tape.speculate import CheckCosts, DraftPolicy, PromptLookup, draft_limit
 
 __all__ = ["Recorded", "Replayed", "oracle", "record", "replay"]
 
@@ -57,8 +57,12 @@ class Replayed:
     checks: list[list[int]] = field(default_factory=list)
 
     def speedup(self, answer: list[int]) -> float:
-        """Plain decoding's cost over this one (plain evaluates every token of the answer but the first)."""
-        return (len(answer) - 1) / self.cost if self.cost > 0 else 1.0
+        return speedup(answer, self.cost)
+
+
+def speedup(answer: list[int], cost: float) -> float:
+    """Plain decoding's cost of ``answer`` over ``cost`` (plain evaluates every token but the first)."""
+    return (len(answer) - 1) / cost if cost > 0 else 1.0
 
 
 def _kept(draft: list[int], answer: list[int], after: int) -> int:
@@ -67,11 +71,6 @@ def _kept(draft: list[int], answer: list[int], after: int) -> int:
     while kept < len(draft) and after + 1 + kept < len(answer) and draft[kept] == answer[after + 1 + kept]:
         kept += 1
     return kept
-
-
-def _limit(rec: Recorded, produced: int, num_ctx: int, context: int) -> int:
-    """The decode loop's cap on a draft: never past max_tokens nor the context window."""
-    return min(MAX_DRAFT, rec.max_tokens - produced - 1, num_ctx - context - 2)
 
 
 def replay(rec: Recorded, costs: CheckCosts, num_ctx: int,
@@ -89,7 +88,7 @@ def replay(rec: Recorded, costs: CheckCosts, num_ctx: int,
         tok = answer[j]
         lookup.extend([tok])
         context = len(rec.prompt) + j
-        draft, matched = lookup.propose(_limit(rec, j + 1, num_ctx, context))
+        draft, matched = lookup.propose(draft_limit(rec.max_tokens, j + 1, num_ctx, context))
         draft = draft[: pol.plan(len(draft), matched, context)]
         if not draft:
             out.cost += 1.0 + (costs.switch() if checking else 0.0)
@@ -123,7 +122,7 @@ def oracle(rec: Recorded, costs: CheckCosts, num_ctx: int) -> float:
     drafts: list[list[int]] = []
     for j in range(n - 1):
         lookup.extend([answer[j]])
-        drafts.append(lookup.propose(_limit(rec, j + 1, num_ctx, len(rec.prompt) + j))[0])
+        drafts.append(lookup.propose(draft_limit(rec.max_tokens, j + 1, num_ctx, len(rec.prompt) + j))[0])
     sw = costs.switch()
     # best[j][c]: the cost from pending token j on; c: the last evaluation was a check
     best = [[0.0, sw] for _ in range(n)]
@@ -143,8 +142,8 @@ def record(engine: str, exact: bool = False) -> dict[str, Any]:  # pragma: no co
     """Each decode task and prose prompt of ``benchmarks.decode`` answered plainly, in process, on
     the bundled model (with exact decode's settings when ``exact``), and the model's cost table."""
     from backends.bundled import bundled_gguf_path
-    from benchmarks.decode import EXACT_DECODE, NUM_CTX, PROSE_PROMPTS, SYSTEM, TASKS, _backend
-    from contract.types import ChatMessage, Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+    from benchmarks.decode import EXACT_DECODE, NUM_CTX, PROSE_PROMPTS, TASKS, _backend, prefill_turn
+    from contract.types import ChatMessage, Config, DecodeConfig, OpenSessionRequest, SuffixInput
 
     settings = EXACT_DECODE[engine] if exact else {}
     req = OpenSessionRequest(path=str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX, **settings))
@@ -156,9 +155,7 @@ def record(engine: str, exact: bool = False) -> dict[str, Any]:  # pragma: no co
                                for i, text in enumerate(PROSE_PROMPTS[1:], 2)]
         recs: list[Recorded] = []
         for name, suffix, n in turns:
-            sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=manifest))
-            sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=manifest))
-            sess.prefill_suffix(suffix.model_copy(update={"manifest": manifest}))
+            prefill_turn(sess, manifest, suffix)
             prompt = list(model.res.tokens)
             ids: list[int] = []
             for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0, speculative=False,
@@ -179,8 +176,7 @@ def show(data: dict[str, Any]) -> list[str]:
     for raw in data["recs"]:
         rec = Recorded(**raw)
         got = replay(rec, costs, data["num_ctx"])
-        best = oracle(rec, costs, data["num_ctx"])
-        ideal = (len(rec.answer) - 1) / best if best > 0 else 1.0
+        ideal = speedup(rec.answer, oracle(rec, costs, data["num_ctx"]))
         lines.append(f"  {rec.name:24} {len(rec.answer):4} tokens  policy {got.speedup(rec.answer):.3f}x "
                      f"({got.kept} of {got.drafted} kept)  oracle {ideal:.3f}x")
     return lines

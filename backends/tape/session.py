@@ -36,7 +36,7 @@ from .cache import SAVE_MIN_TOKENS, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
 from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix
 from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
-from .speculate import MAX_DRAFT, DraftPolicy, PromptLookup, SpeculationStats
+from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
 from .state import check_restorable
 
 #: how many trailing resident tokens are decoded to see whether the prompt opened <think>
@@ -394,8 +394,7 @@ class TapeSession:
                         if lookup is None:
                             lookup = PromptLookup(res.tokens)
                         lookup.extend([tok])
-                        # the draft never passes max_tokens nor fills the context
-                        limit = min(MAX_DRAFT, cfg.max_tokens - produced - 1, m.num_ctx - len(res.tokens) - 2)
+                        limit = draft_limit(cfg.max_tokens, produced, m.num_ctx, len(res.tokens))
                         draft, matched = lookup.propose(limit)
                         draft = draft[: policy.plan(len(draft), matched, len(res.tokens))]
                     with m.errors("decode"):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CheckCosts", "DraftPolicy", "PromptLookup", "SpeculationStats", "match_class"]
+__all__ = ["CheckCosts", "DraftPolicy", "PromptLookup", "SpeculationStats", "draft_limit", "match_class"]
 
 #: n-gram sizes looked up, longest first: a longer match predicts better
 NGRAM_SIZES = (4, 3, 2)
@@ -126,6 +126,13 @@ class PromptLookup:
                     draft.append(draft[len(draft) - period])
                 return draft, matched
         return [], 0
+
+
+def draft_limit(max_tokens: int, produced: int, num_ctx: int, context: int) -> int:
+    """The longest draft after ``produced`` tokens of ``max_tokens``, with ``context`` tokens resident
+    in a window of ``num_ctx``: it never passes max_tokens nor fills the context (the pending token
+    and the one sampled after the draft need their places)."""
+    return min(MAX_DRAFT, max_tokens - produced - 1, num_ctx - context - 2)
 
 
 def match_class(matched: int) -> int:
