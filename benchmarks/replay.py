@@ -14,7 +14,7 @@ ratios of two policies compare like with like and cost no engine time.
 ``oracle`` is the least cost of the same answer knowing it in advance, drafting
 from the same lookup: how much any policy over these drafts could still gain.
 
-    python -m benchmarks.replay record llama rec-llama.json [--exact]
+    python -m benchmarks.replay record llama rec-llama.json [--exact] [--model PATH]
     python -m benchmarks.replay show rec-llama.json [more.json ...]
 
 ``tests/test_replay.py`` checks that a replay drafts what the session's decode
@@ -31,9 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backends.tape.speculate import CheckCosts, DraftPolicy, PromptLookup, draft_limit
+from backends.tape.speculate import MATCH_CLASSES, CheckCosts, DraftPolicy, PromptLookup, draft_limit
 
-__all__ = ["Recorded", "Replayed", "oracle", "record", "replay"]
+__all__ = ["Recorded", "Replayed", "copies_known", "oracle", "record", "replay"]
+
+#: a draft the answer agrees with for this many tokens is a copy (``copies_known``)
+COPY_RUN = 8
 
 
 @dataclass
@@ -74,12 +77,13 @@ def _kept(draft: list[int], answer: list[int], after: int) -> int:
 
 
 def replay(rec: Recorded, costs: CheckCosts, num_ctx: int,
-           policy: Callable[[CheckCosts], DraftPolicy] = DraftPolicy) -> Replayed:
+           policy: Callable[[CheckCosts], DraftPolicy] = DraftPolicy,
+           lookup_of: Callable[[Recorded], PromptLookup] = lambda rec: PromptLookup(rec.prompt)) -> Replayed:
     """Walk ``rec``'s answer as ``TapeSession``'s decode loop would with ``policy``, pricing each
     evaluation from ``costs``: 1 a plain step, ``costs.cost(rows, context)`` a check, and
     ``costs.switch()`` on the evaluation after every change of row count."""
     pol = policy(costs)
-    lookup = PromptLookup(rec.prompt)
+    lookup = lookup_of(rec)
     answer = rec.answer
     out = Replayed(cost=0.0)
     checking = False
@@ -110,6 +114,29 @@ def replay(rec: Recorded, costs: CheckCosts, num_ctx: int,
     return out
 
 
+class _KnownCopies(PromptLookup):
+    """The lookup, but a match whose draft the answer goes on to follow for ``COPY_RUN`` tokens or
+    more says it matched as far as a long match does: the policy trusts every copy from its start."""
+
+    def __init__(self, rec: Recorded) -> None:
+        super().__init__(rec.prompt)
+        self._rec = rec
+
+    def propose(self, limit: int) -> tuple[list[int], int]:
+        draft, matched = super().propose(limit)
+        pending = len(self.tape) - len(self._rec.prompt) - 1  # the answer's index of the tape's last token
+        if draft and _kept(draft, self._rec.answer, pending) >= COPY_RUN:
+            matched = MATCH_CLASSES[-1]
+        return draft, matched
+
+
+def copies_known(rec: Recorded, costs: CheckCosts, num_ctx: int) -> Replayed:
+    """The policy told which matches start a copy (a draft the answer follows for ``COPY_RUN`` tokens
+    or more), however short the match: what knowing when a copy starts could gain, beside what
+    knowing where each copy ends too (``oracle``) could."""
+    return replay(rec, costs, num_ctx, lookup_of=_KnownCopies)
+
+
 def oracle(rec: Recorded, costs: CheckCosts, num_ctx: int) -> float:
     """The least cost of ``rec``'s answer, in plain steps, choosing each draft's length knowing the
     answer (the drafts are the lookup's: the tape before each token is the answer's, whatever was
@@ -138,47 +165,52 @@ def oracle(rec: Recorded, costs: CheckCosts, num_ctx: int) -> float:
     return best[0][0]
 
 
-def record(engine: str, exact: bool = False) -> dict[str, Any]:  # pragma: no cover - runs an engine
+def record(engine: str, exact: bool = False, model: str | None = None) -> dict[str, Any]:  # pragma: no cover
     """Each decode task and prose prompt of ``benchmarks.decode`` answered plainly, in process, on
-    the bundled model (with exact decode's settings when ``exact``), and the model's cost table."""
+    ``model`` (a GGUF path; the bundled model by default) with exact decode's settings when
+    ``exact``, and the cost table the model measured at load."""
     from backends.bundled import bundled_gguf_path
     from benchmarks.decode import EXACT_DECODE, NUM_CTX, PROSE_PROMPTS, TASKS, _backend, prefill_turn
     from contract.types import ChatMessage, Config, DecodeConfig, OpenSessionRequest, SuffixInput
 
     settings = EXACT_DECODE[engine] if exact else {}
-    req = OpenSessionRequest(path=str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX, **settings))
-    model = _backend(engine).load(req, lambda _f: None)
+    req = OpenSessionRequest(path=model or str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX, **settings))
+    loaded = _backend(engine).load(req, lambda _f: None)
     try:
-        sess = model.open_session()
-        manifest = model.manifest_defaults().model_copy(update={"profile": "bench-replay"})
+        sess = loaded.open_session()
+        manifest = loaded.manifest_defaults().model_copy(update={"profile": "bench-replay"})
         turns = list(TASKS) + [(f"prose prompt {i}", SuffixInput(messages=[ChatMessage(role="user", content=text)]), 128)
                                for i, text in enumerate(PROSE_PROMPTS[1:], 2)]
         recs: list[Recorded] = []
         for name, suffix, n in turns:
             prefill_turn(sess, manifest, suffix)
-            prompt = list(model.res.tokens)
+            prompt = list(loaded.res.tokens)
             ids: list[int] = []
             for chunk in sess.decode(DecodeConfig(max_tokens=n, temperature=0.0, speculative=False,
                                                   return_token_ids=True)):
                 ids += chunk.token_ids
             recs.append(Recorded(name, prompt, ids, n))
-        costs = model.draft_costs
-        return {"engine": engine, "exact": exact, "num_ctx": model.num_ctx, "recs": [asdict(r) for r in recs],
+        costs = loaded.draft_costs
+        return {"engine": engine, "exact": exact, "model": req.path, "num_ctx": loaded.num_ctx,
+                "recs": [asdict(r) for r in recs],
                 "costs": costs.table(), "growth": costs.growth(), "switch": costs.switch()}
     finally:
-        model.close()
+        loaded.close()
 
 
 def show(data: dict[str, Any]) -> list[str]:
-    """A line per recorded answer: the current policy's speedup and kept drafts, and the oracle's."""
+    """A line per recorded answer: the current policy's speedup and kept drafts, the policy's told
+    where copies start (``copies_known``), and the oracle's."""
     costs = CheckCosts(data["costs"], data["growth"], data["switch"])
-    lines = [f"{data['engine']}{' (exact decode)' if data['exact'] else ''}: {costs}"]
+    model = f", {Path(data['model']).name}" if data.get("model") else ""
+    lines = [f"{data['engine']}{' (exact decode)' if data['exact'] else ''}{model}: {costs}"]
     for raw in data["recs"]:
         rec = Recorded(**raw)
         got = replay(rec, costs, data["num_ctx"])
+        known = copies_known(rec, costs, data["num_ctx"]).speedup(rec.answer)
         ideal = speedup(rec.answer, oracle(rec, costs, data["num_ctx"]))
         lines.append(f"  {rec.name:24} {len(rec.answer):4} tokens  policy {got.speedup(rec.answer):.3f}x "
-                     f"({got.kept} of {got.drafted} kept)  oracle {ideal:.3f}x")
+                     f"({got.kept} of {got.drafted} kept)  copy starts known {known:.3f}x  oracle {ideal:.3f}x")
     return lines
 
 
@@ -189,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - a manual e
     rec.add_argument("engine", choices=("llama", "openvino"))
     rec.add_argument("out", type=Path)
     rec.add_argument("--exact", action="store_true", help="with exact decode's settings")
+    rec.add_argument("--model", help="a GGUF file to answer with (default: the bundled model)")
     shown = sub.add_parser("show", help="replay the current policy over recorded tapes")
     shown.add_argument("files", type=Path, nargs="+")
     args = parser.parse_args(argv)
     if args.command == "record":
-        args.out.write_text(json.dumps(record(args.engine, args.exact)))
+        args.out.write_text(json.dumps(record(args.engine, args.exact, args.model)))
         return 0
     for path in args.files:
         print("\n".join(show(json.loads(path.read_text()))))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backends.tape.speculate import CheckCosts, DraftPolicy
-from benchmarks.replay import Recorded, oracle, replay
+from benchmarks.replay import Recorded, Replayed, copies_known, oracle, replay
 from contract.types import DecodeConfig
 from tests.test_tape import LLAMA_LIKE, OPENVINO_LIKE, ToyModel, _shown, prefix, suffix
 
@@ -76,3 +76,25 @@ def test_a_replay_prices_checks_at_their_context_and_each_change_of_row_count() 
     # into the first check and out after the last: a change of row count each
     assert got.cost == pytest.approx(GROWING.cost(5, len(prompt)) + GROWING.cost(4, len(prompt) + 5) + 2 * 0.2)
     assert got.speedup(rec.answer) == pytest.approx(9 / got.cost)
+
+
+def test_told_where_copies_start_the_policy_drafts_from_a_copys_first_token() -> None:
+    costs = LLAMA_LIKE
+    source = list(range(100, 160))
+    # the answer copies the source, puts 3 new tokens in place of 2 at token 30, and copies on: after
+    # the edit the lookup matches 2 tokens, then 3, ..., and the policy waits for a longer match
+    answer = source[4:30] + [900, 901, 902] + source[32:]
+    rec = Recorded("edit", [1, *source, 2, *source[:4]], answer, len(answer))
+    policy, known = replay(rec, costs, 1024), copies_known(rec, costs, 1024)
+
+    def first_check_after_the_edit(got: Replayed) -> int:
+        return min(answer.index(check[0]) for check in got.checks if answer.index(check[0]) > answer.index(902))
+
+    # "902 132" matches nothing; "132 133" is the first 2-token match, and told it is a copy the
+    # policy drafts there
+    assert first_check_after_the_edit(known) == answer.index(133)
+    assert first_check_after_the_edit(policy) > answer.index(133)
+    assert oracle(rec, costs, 1024) <= known.cost < policy.cost
+    # a draft is a copy by what the answer does, not by the match: prose stays plain
+    fresh = Recorded("prose", [1, 2, 3], list(range(200, 260)), 60)
+    assert copies_known(fresh, costs, 1024).checks == []
