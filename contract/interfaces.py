@@ -31,6 +31,7 @@ from .types import (
     PrefixInput,
     PrefixStatus,
     SessionSnapshot,
+    SpeculationStatus,
     StreamChunk,
     SuffixInput,
     SuffixStatus,
@@ -155,6 +156,10 @@ class LoadedModel(Protocol):
 
     def manifest_defaults(self) -> ContextManifest:
         """The runtime identity a client puts in its ContextManifest for this model (no content hashes)."""
+        ...
+
+    def speculation(self) -> SpeculationStatus | None:
+        """How the model drafts (its check costs, drafts kept so far); None: its engine does not draft."""
         ...
 
     def close(self) -> None:

@@ -43,6 +43,7 @@ from .types import (
     PrefixInput,
     PrefixStatus,
     SessionSnapshot,
+    SpeculationStatus,
     StreamChunk,
     SuffixInput,
     SuffixStatus,
@@ -106,6 +107,10 @@ class MemoryModel:
 
     def resident_bytes(self) -> int:
         return len(self.resident.tokens)
+
+    def speculation(self) -> SpeculationStatus | None:
+        """None: the reference model computes no logits to check a draft with."""
+        return None
 
     def manifest_defaults(self) -> ContextManifest:
         """The identity a client puts in its ContextManifest for this model."""

@@ -44,6 +44,7 @@ __all__ = [
     "Progress",
     "SessionSnapshot",
     "SlotState",
+    "SpeculationStatus",
     "StreamChunk",
     "StructuredOutputConfig",
     "SuffixInput",
@@ -220,6 +221,24 @@ class ActiveModel(_Report):
     resident_bytes: int = 0
 
 
+class SpeculationStatus(_Report):
+    """How the loaded model speculates (``DaemonStatus.speculation``; README, Speculative decoding)."""
+
+    #: greedy decodes draft unless a request says otherwise (``modeld serve --speculative``)
+    enabled: bool = False
+    #: the check costs were measured on this machine (when the model first loaded; otherwise drafts a
+    #: request asks for are priced by a prior)
+    measured: bool = False
+    #: what a check of 2, 4, 8 and 16 rows costs after a short context, in one-token steps (keys: rows,
+    #: as text, a map key msgpack and JSON both take)
+    check_costs: dict[str, float] = Field(default_factory=dict)
+    #: the steps a 16-row check adds per 1,000 tokens of context
+    check_growth_per_1k: float = 0.0
+    #: draft tokens checked, and those the sampled output kept, since the model loaded
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 class CacheStatus(TypedDict):
     """The workspace cache in ``DaemonStatus.cache`` (a plain map on the wire)."""
 
@@ -303,6 +322,8 @@ class DaemonStatus(_Report):
     worker_stalled_s: float | None = None
     #: the worker passed the daemon's wedge time: waiting requests get EngineUnresponsive
     wedged: bool = False
+    #: how the loaded model speculates; None: no model, or its engine does not draft
+    speculation: SpeculationStatus | None = None
 
 
 class Progress(_Report):

@@ -185,6 +185,7 @@ class SlotService:
             active = self._active
             if active is not None and self._loaded is not None:
                 active = active.model_copy(update={"resident_bytes": self._loaded.resident_bytes()})
+            speculation = self._loaded.speculation() if self._loaded is not None else None
             return DaemonStatus(
                 owner_instance_id=owner_fingerprint(self.owner),
                 owner_epoch=self.owner_epoch,
@@ -206,6 +207,7 @@ class SlotService:
                 idle_s=None if self._loaded is None or self._holder is not None else round(time.monotonic() - self._last_active, 1),
                 idle_unload_s=self.idle_unload_s,
                 session_ttl_s=self.session_ttl_s,
+                speculation=speculation,
             )
 
     @property

@@ -29,6 +29,7 @@ from contract.types import (
     LoadModelRequest,
     OpenSessionRequest,
     PrefixInput,
+    SpeculationStatus,
     SuffixInput,
     UnloadModelRequest,
 )
@@ -305,6 +306,8 @@ def _status(client: Client, args: argparse.Namespace) -> int:
                                         ("exact reuse", cfg.exact_reuse)) if on]
         if chosen:
             rows.append(("settings", ", ".join(chosen)))
+    if st.speculation is not None:
+        rows += _speculation_rows(st.speculation)
     if st.embedding is not None:
         rows += _embedding_rows(st.embedding)
     if st.cache is not None:
@@ -330,6 +333,21 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         rows.append(("last error", st.last_error))
     print(_table(rows))
     return 0
+
+
+def _speculation_rows(sp: SpeculationStatus) -> list[tuple[str, Any]]:
+    """How the loaded model drafts: the default, what a check costs here, and the drafts kept so far."""
+    what = "on for greedy decodes" if sp.enabled else "off unless a request asks"
+    if sp.check_costs:
+        rows = " / ".join(sp.check_costs)
+        steps = " / ".join(f"{c:.2f}" for c in sp.check_costs.values())
+        what += f"; a check of {rows} rows costs {steps} one-token steps"
+        if sp.check_growth_per_1k:
+            what += f" (16 rows: +{sp.check_growth_per_1k:.2f} per 1,000 tokens of context)"
+        what += ", measured on this machine" if sp.measured else ", a prior (not measured)"
+    kept = (f"{sp.accepted_tokens} of {sp.drafted_tokens} drafted tokens kept "
+            f"({sp.accepted_tokens / sp.drafted_tokens:.0%})" if sp.drafted_tokens else "none drafted yet")
+    return [("speculation", what), ("drafts", kept)]
 
 
 def _embedding_rows(e: Mapping[str, Any]) -> list[tuple[str, Any]]:

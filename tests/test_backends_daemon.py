@@ -144,17 +144,25 @@ def test_speculation_through_the_daemon(backend_daemon: DaemonProcess) -> None:
             chunks = list(sess.decode(DecodeConfig(max_tokens=64, return_token_ids=True, **cfg)))
             return [t for ch in chunks for t in ch.token_ids], chunks[-1]
 
-        before = c.metrics()
+        before, drafts_before = c.metrics(), c.status().speculation
         plain, plain_final = edit(speculative=False)
         spec, final = edit()  # the daemon's default: on
         assert spec == plain and len(plain) == 64
         assert plain_final.usage is not None and plain_final.usage.drafted_tokens == 0
         assert final.usage is not None and final.usage.accepted_tokens > 0.5 * final.usage.drafted_tokens > 10
-        after = c.metrics()
+        after, drafts_after = c.metrics(), c.status().speculation
         moved = {kind: _counter(after, "modeld_draft_tokens_total", kind) - _counter(before, "modeld_draft_tokens_total", kind)
                  for kind in ("accepted", "rejected")}
         assert moved == {"accepted": final.usage.accepted_tokens,
                          "rejected": final.usage.drafted_tokens - final.usage.accepted_tokens}
+        # status shows the costs the drafts were priced by, measured at load, and counts the drafts
+        assert drafts_before is not None and drafts_after is not None
+        assert drafts_after.enabled and drafts_after.measured
+        costs = drafts_after.check_costs
+        assert list(costs) == ["2", "4", "8", "16"] and 1.0 <= costs["2"] <= costs["4"] <= costs["8"] <= costs["16"]
+        assert (drafts_after.drafted_tokens - drafts_before.drafted_tokens,
+                drafts_after.accepted_tokens - drafts_before.accepted_tokens) == (
+                    final.usage.drafted_tokens, final.usage.accepted_tokens)
         # closing the stream mid-speculation stops it; the tape holds what the daemon had streamed. The
         # pass may run far longer than what is taken: a copy drafts 15 tokens a check from its first
         # token, so 64 tokens can be decoded before a cancel sent after 30 reaches the worker
@@ -193,6 +201,9 @@ def test_a_daemon_with_exact_rows_answers_alike_with_drafts(
                              env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
         shown = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("settings ")]
         assert shown == [settings], out
+        speculation = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("speculation ")]
+        assert len(speculation) == 1 and speculation[0].startswith("on for greedy decodes; a check of 2 / 4 / 8 / 16 rows")
+        assert speculation[0].endswith("measured on this machine"), out
         with d.client(timeout_s=300.0) as c:
             active = c.status().active
             assert active is not None

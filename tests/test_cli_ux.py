@@ -23,8 +23,17 @@ from pathlib import Path
 import pytest
 
 from contract import wire
-from contract.types import Config, Heartbeat, LoadModelRequest, OpenSessionRequest, PrefixInput, Progress
+from contract.types import (
+    Config,
+    Heartbeat,
+    LoadModelRequest,
+    OpenSessionRequest,
+    PrefixInput,
+    Progress,
+    SpeculationStatus,
+)
 from contract.wire import Kind
+from runtime.cli import _speculation_rows
 from runtime.progress import ProgressDisplay
 from tests.daemon_proc import ROOT, DaemonProcess
 
@@ -143,6 +152,7 @@ def test_status_shows_the_daemon_pid_and_uptime(memory_daemon: DaemonProcess) ->
     rows = _rows(out)
     assert rows["pid"] == str(memory_daemon.proc.pid)
     assert rows["uptime"].endswith("s") and int(rows["uptime"].split()[-1].rstrip("s")) >= 1
+    assert "speculation" not in rows  # the reference model computes no logits to check a draft with
     code, out, err = run_cli(["status", "--json", "--endpoint", memory_daemon.endpoint], tty=False)
     assert code == 0, err
     st = json.loads(out)
@@ -290,6 +300,25 @@ def test_the_status_of_a_llama_daemon_lists_the_embedding_slot(llama_daemon: Dae
     rows = _rows(out)
     assert rows["embedding"].startswith("not loaded (llama")
     assert "inputs embedded" in out
+    assert rows["speculation"].startswith("on for greedy decodes; a check of 2 / 4 / 8 / 16 rows costs ")
+    assert rows["speculation"].endswith(", measured on this machine")
+    assert rows["drafts"] == "none drafted yet" or " drafted tokens kept (" in rows["drafts"]
+
+
+def test_status_says_how_the_model_drafts() -> None:
+    on = SpeculationStatus(enabled=True, measured=True, check_costs={"2": 1.81, "4": 2.72, "8": 4.58, "16": 8.23},
+                           check_growth_per_1k=1.35, drafted_tokens=266, accepted_tokens=236)
+    assert _speculation_rows(on) == [
+        ("speculation", "on for greedy decodes; a check of 2 / 4 / 8 / 16 rows costs 1.81 / 2.72 / 4.58 / 8.23 "
+                        "one-token steps (16 rows: +1.35 per 1,000 tokens of context), measured on this machine"),
+        ("drafts", "236 of 266 drafted tokens kept (89%)"),
+    ]
+    off = SpeculationStatus(check_costs={"2": 1.25, "16": 4.75})
+    assert _speculation_rows(off) == [
+        ("speculation", "off unless a request asks; a check of 2 / 16 rows costs 1.25 / 4.75 one-token steps, "
+                        "a prior (not measured)"),
+        ("drafts", "none drafted yet"),
+    ]
 
 
 @pytest.mark.llama

@@ -501,6 +501,29 @@ def test_speculation_gives_exactly_the_plain_output(twists: set[int]) -> None:
         assert final.usage.accepted_tokens < final.usage.drafted_tokens
 
 
+def test_the_model_shows_its_check_costs_and_counts_every_pass_s_drafts() -> None:
+    model = ToyModel(num_ctx=1024)
+    model.draft_costs = LLAMA_LIKE
+    shown = _shown(model, 80)
+    before = model.speculation()
+    assert (before.enabled, before.measured, before.drafted_tokens, before.accepted_tokens) == (True, False, 0, 0)
+    assert before.check_costs == {str(r): round(LLAMA_LIKE.cost(r), 2) for r in (2, 4, 8, 16)}
+    assert before.check_growth_per_1k == 0.0
+    model.twists = {5, 23}
+    usages = []
+    for spec in (True, False, True):
+        _, final = _run(model, shown, max_tokens=70, speculative=spec)
+        assert final.usage is not None
+        usages.append(final.usage)
+    after = model.speculation()
+    # the totals are every pass's usage added up: a plain pass adds nothing, a rejected draft counts as drafted
+    assert after.drafted_tokens == sum(u.drafted_tokens for u in usages) > after.accepted_tokens
+    assert after.accepted_tokens == sum(u.accepted_tokens for u in usages) > 0
+    assert usages[1].drafted_tokens == 0
+    model.speculative = False
+    assert not model.speculation().enabled
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_seeded_sampling_is_the_same_with_and_without_speculation(seed: int) -> None:
     """Each token is drawn from its own row in the same order: exact numerics give the same tokens."""

@@ -76,6 +76,7 @@ class LlamaBackend:
                 model.check_declared_template()
                 if self.speculative:
                     model.draft_costs = draft_costs(model, model_cache_dir())
+                    model.draft_costs_measured = True
             except BaseException:
                 llm.close()
                 raise

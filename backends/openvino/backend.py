@@ -102,6 +102,7 @@ class OpenVINOBackend:
                 loaded.warm_up()
                 if self.speculative:
                     loaded.draft_costs = draft_costs(loaded, model_cache_dir())
+                    loaded.draft_costs_measured = True
             except BaseException:
                 loaded.close()
                 raise

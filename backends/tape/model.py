@@ -25,16 +25,18 @@ from contract.errors import (
 from contract.interfaces import StateCache
 from contract.manifest import ContextManifest, canonical_digest
 from contract.resident import Resident
-from contract.types import Config, DecodeConfig, SessionSnapshot
+from contract.types import Config, DecodeConfig, SessionSnapshot, SpeculationStatus
 
 from .cache import save_tape
-from .speculate import CheckCosts
+from .speculate import MAX_DRAFT, CheckCosts, SpeculationStats
 
 if TYPE_CHECKING:
     from .session import DecodeSteps, TapeSession
 
 #: ContextManifest.bos_policy values: the model's default, always add, never add
 BOS_POLICIES = ("", "add", "none")
+#: the check sizes ``status`` shows the costs of (a check of 16 rows is the pending token and MAX_DRAFT)
+STATUS_CHECK_ROWS = (2, 4, 8, MAX_DRAFT + 1)
 
 
 class ChatTemplate(Protocol):
@@ -88,6 +90,8 @@ class TapeModel(Protocol):
     rows_exact: bool
     #: what a draft's check costs on this model, in plain steps (measured once, then fixed)
     draft_costs: CheckCosts
+    #: draft tokens checked and kept by every decode pass since the load (``speculation``)
+    drafts: SpeculationStats
 
     @property
     def digest(self) -> str: ...
@@ -269,6 +273,9 @@ class TapeModelBase(ABC):
         self.speculative = True
         #: measured at load by the backend (``backends.tape.draft_costs``) when it speculates
         self.draft_costs = CheckCosts.prior()
+        self.draft_costs_measured = False
+        #: draft tokens checked and kept by every decode pass since the load
+        self.drafts = SpeculationStats()
         #: the engine's kernels compute a token's row the same alone, in a draft's check or in a
         #: prefill of any split (a backend sets it for a layout where they do): drafts then never
         #: change an answer, sampled ones included, and decoded tokens hold what a prefill computes
@@ -315,6 +322,19 @@ class TapeModelBase(ABC):
     def check_rows(self, n: int) -> int:
         """``n``: an engine that pads checks to compiled shapes says so here."""
         return n
+
+    def speculation(self) -> SpeculationStatus:
+        """How this model drafts: the daemon's default, the check costs its drafts are priced by, and
+        the draft tokens kept so far (``DaemonStatus.speculation``)."""
+        costs = self.draft_costs
+        return SpeculationStatus(
+            enabled=self.speculative,
+            measured=self.draft_costs_measured,
+            check_costs={str(rows): round(costs.cost(rows), 2) for rows in STATUS_CHECK_ROWS},
+            check_growth_per_1k=round(costs.growth()[MAX_DRAFT], 2),
+            drafted_tokens=self.drafts.drafted,
+            accepted_tokens=self.drafts.accepted,
+        )
 
     def manifest_defaults(self) -> ContextManifest:
         """The identity a client puts in its ContextManifest for this model."""

@@ -431,6 +431,8 @@ class TapeSession:
                         policy.checked(matched, len(draft), accepted)
                         stats.drafted += len(draft)
                         stats.accepted += accepted
+                        m.drafts.drafted += len(draft)
+                        m.drafts.accepted += accepted
                         for j, (token, out, in_kv) in enumerate(emitted):
                             if out is None:
                                 continue
