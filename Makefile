@@ -76,6 +76,19 @@ $(BENCH_STAMP): $(STAMP) $(DEPS)
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
+# The real coding agents (OpenCode, Codex, Claude Code, Qwen Code, aider, mini-swe-agent, llm) run headless
+# and offline against a private daemon (AGENTS_ARGS="--only codex,aider --timeout 120"). The agents are
+# installed at pinned versions into .cache/agents (npm and one venv each, never .venv), once.
+AGENTS_STAMP := .cache/agents/.make-installed
+
+$(AGENTS_STAMP): $(RUN_STAMP) benchmarks/agents/install.py
+	$(PY) -m benchmarks.agents --install-only
+	@touch $@
+
+.PHONY: agents
+agents: $(RUN_STAMP) $(AGENTS_STAMP)
+	$(PY) -m benchmarks.agents $(AGENTS_ARGS)
+
 # Generated hostile frames against a real daemon process (FUZZ_ARGS="--examples N --backend llama").
 fuzz: setup
 	$(PY) -m tests.fuzz_daemon $(FUZZ_ARGS)

@@ -206,3 +206,24 @@ def _parse_gguf_scalars(buf: mmap.mmap) -> dict[str, Any]:
         if off > len(buf):
             raise IndexError("metadata runs past the end of the file")
     return out
+
+
+#: GGUF keys a model's publisher sets for its recommended sampling (llama.cpp reads the same keys)
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+}
+
+
+def recommended_sampling(scalars: dict[str, Any]) -> dict[str, float | int]:
+    """The sampling a GGUF's publisher recommends (``general.sampling.*``), by ``DecodeConfig`` field name."""
+    found: dict[str, float | int] = {}
+    for key, name in _SAMPLING_KEYS.items():
+        value = scalars.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        found[name] = int(value) if name == "top_k" else float(value)
+    return found
+

@@ -242,15 +242,32 @@ def section(tmp: Path, backend: str, count: Any, *, turns: int = 10, replay: int
     n_ctx = 8192
     with DaemonProcess(tmp / f"agent-{backend}", backend, None, "--model", str(model), "--num-ctx", str(n_ctx)) as d:
         sent, rows = run_modeld(d, count, system, turns)
+        written_trace = _disk_written(d)
         differ = 0
         for k in range(min(replay, turns)):
             differ += cold_reply(d, sent[k]) != rows[k]["reply"]
+        written_all = _disk_written(d)
+    cache_dir = d.tmp / "data" / "cache"
+    on_disk = sum(p.stat().st_size for p in cache_dir.glob("*.kv")) if cache_dir.is_dir() else 0
     peer: list[float] | None = None
     front: list[dict[str, float]] | None = None
     if with_peer:
         peer = run_peer(tmp, model, n_ctx, sent)
         front = run_front(tmp, backend, model, n_ctx, _free_port(), sent)
-    return summarise(backend, rows, peer, differ, min(replay, turns), front)
+    out = summarise(backend, rows, peer, differ, min(replay, turns), front)
+    out.append(("workspace cache disk writes per turn", f"{written_trace / turns / 2**20:.1f} MiB",
+                 f"during the {turns}-turn trace (one conversation); with {min(replay, turns)} cold replays of other "
+                 f"conversations {written_all / 2**20:.1f} MiB in all; after the stop {on_disk / 2**20:.1f} MiB on disk"))
+    return out
+
+
+def _disk_written(d: DaemonProcess) -> int:
+    """Bytes the daemon process has written so far (``write_chars``: its cache files, blobs and log lines; the
+    same count whatever the cache's policy, so policies compare)."""
+    import psutil
+
+    assert d.proc is not None
+    return int(psutil.Process(d.proc.pid).io_counters().write_chars)
 
 
 def _free_port() -> int:

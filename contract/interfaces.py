@@ -30,11 +30,13 @@ from .types import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    SamplingParams,
     SessionSnapshot,
     SpeculationStatus,
     StreamChunk,
     SuffixInput,
     SuffixStatus,
+    TokenCount,
     UnloadModelRequest,
 )
 
@@ -61,6 +63,13 @@ class Session(Protocol):
         """Stream generated text; the last chunk has ``done=True``.
 
         Closing the iterator early cancels generation within one token.
+        """
+        ...
+
+    def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:
+        """What ``prefix`` then ``suffix`` would leave resident, in tokens, with the window they must fit in.
+
+        Nothing resident changes: a client checks a prompt fits before any prefill.
         """
         ...
 
@@ -156,6 +165,10 @@ class LoadedModel(Protocol):
 
     def manifest_defaults(self) -> ContextManifest:
         """The runtime identity a client puts in its ContextManifest for this model (no content hashes)."""
+        ...
+
+    def sampling_defaults(self) -> SamplingParams:
+        """The sampling a request that sets none gets (the model's recommendation, else the documented defaults)."""
         ...
 
     def speculation(self) -> SpeculationStatus | None:

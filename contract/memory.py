@@ -33,6 +33,7 @@ from .manifest import ContextManifest, byte_hash, canonical_digest, common_prefi
 from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type
 from .sizing import MemoryPool, ModelFacts
 from .types import (
+    DEFAULT_SAMPLING,
     ChatMessage,
     ContextReport,
     DecodeConfig,
@@ -42,11 +43,13 @@ from .types import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    SamplingParams,
     SessionSnapshot,
     SpeculationStatus,
     StreamChunk,
     SuffixInput,
     SuffixStatus,
+    TokenCount,
     check_conversation,
 )
 
@@ -111,6 +114,10 @@ class MemoryModel:
     def speculation(self) -> SpeculationStatus | None:
         """None: the reference model computes no logits to check a draft with."""
         return None
+
+    def sampling_defaults(self) -> SamplingParams:
+        """The documented defaults (the reference model has no metadata recommending others)."""
+        return DEFAULT_SAMPLING
 
     def manifest_defaults(self) -> ContextManifest:
         """The identity a client puts in its ContextManifest for this model."""
@@ -177,6 +184,20 @@ class MemorySession:
         res.live_len = None
         return res.suffix_status(len(tokens), reused)
 
+    def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:
+        res = self._live()
+        check_manifest_names(prefix.manifest, BACKEND_NAME, self._model.digest)
+        check_conversation(suffix.messages)
+        stable = _tokens(prefix.text + prefix.tools)
+        target = stable + _tokens(_conversation_text(suffix.messages) if suffix.messages else suffix.text)
+        compatible = res.manifest is not None and prefix.manifest.compatible_with(res.manifest)
+        return TokenCount(
+            prompt_tokens=len(target),
+            prefix_tokens=len(stable),
+            num_ctx=res.num_ctx,
+            resident_tokens=common_prefix_len(res.tokens, target) if compatible else 0,
+        )
+
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         res = self._live()
         if res.live_len is not None:  # drop the previous turn kept behind the prefix
@@ -206,8 +227,15 @@ class MemorySession:
         first_ms = 0.0
         pending = ""
         held = ""
-        while produced < cfg.max_tokens:
+        matched = ""
+        # with no limit the reply ends after a few words, as a model's end of generation does
+        words_left = rng.randint(8, 40) if cfg.max_tokens is None else -1
+        while cfg.max_tokens is None or produced < cfg.max_tokens:
             if not pending:
+                if words_left == 0:
+                    finish = "stop"
+                    break
+                words_left -= 1
                 pending = rng.choice(_WORDS) + " "
             char, pending = pending[0], pending[1:]  # one ASCII byte is one token
             if len(res.tokens) + 1 > res.num_ctx:
@@ -222,7 +250,7 @@ class MemorySession:
             if not first_ms:
                 first_ms = (time.perf_counter() - start) * 1000
             held += char
-            hit = min((held.find(s) for s in cfg.stop if s and s in held), default=-1)
+            hit, matched = min(((held.find(s), s) for s in cfg.stop if s and s in held), default=(-1, ""))
             if hit >= 0:
                 finish = "stop"
                 held = held[:hit]
@@ -234,7 +262,9 @@ class MemorySession:
                 yield StreamChunk(text=out, token_ids=[ord(c) for c in out] if cfg.return_token_ids else [])
         if held:
             yield StreamChunk(text=held, token_ids=[ord(c) for c in held] if cfg.return_token_ids else [])
-        yield StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
+        final = StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
+        final.stop_sequence = matched
+        yield final
 
     def explain_context(self) -> ContextReport:
         closed = self._closed or self._model.closed

@@ -39,6 +39,7 @@ from .types import (
     DecodeConfig,
     EmbedResult,
     PrefixInput,
+    SamplingParams,
     SessionSnapshot,
     SuffixInput,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "CancelReply",
     "CancelRequest",
     "CloseReply",
+    "CountTokensRequest",
     "DecodeRequest",
     "EmbedReply",
     "EnsurePrefixRequest",
@@ -195,6 +197,9 @@ class OpenReply(_Reply):
     active: ActiveModel | None = None
     #: the session's lease: a client that sends no heartbeat or request for this long loses it
     lease_s: float = 0.0
+    #: what a request that sets no sampling parameter should get on this model (``runtime.Chat`` fills
+    #: unset fields from it; the session contract itself decodes greedily when none is set)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
 
 
 class SessionRef(_Request):
@@ -225,6 +230,13 @@ class PrefillSuffixRequest(SessionRef, SuffixInput):
     @property
     def input(self) -> SuffixInput:
         return _narrow(SuffixInput, self)
+
+
+class CountTokensRequest(SessionRef):
+    """``count_tokens``: what a prefix and a suffix come to on the session's model; the KV is not touched."""
+
+    prefix: PrefixInput
+    suffix: SuffixInput
 
 
 class DecodeRequest(SessionRef, DecodeConfig):

@@ -33,6 +33,7 @@ __all__ = [
     "EmbedInfo",
     "EmbedResult",
     "EmbeddingStatus",
+    "DEFAULT_SAMPLING",
     "ErrorInfo",
     "Fence",
     "LoadModelRequest",
@@ -42,6 +43,7 @@ __all__ = [
     "PrefixInput",
     "PrefixStatus",
     "Progress",
+    "SamplingParams",
     "SessionSnapshot",
     "SlotState",
     "SpeculationStatus",
@@ -49,6 +51,7 @@ __all__ = [
     "StructuredOutputConfig",
     "SuffixInput",
     "SuffixStatus",
+    "TokenCount",
     "ToolCall",
     "ToolCallFunction",
     "UnloadModelRequest",
@@ -251,6 +254,8 @@ class CacheStatus(TypedDict):
     disk_bytes: int
     disk_budget_bytes: int
     disk_dir: str
+    #: bytes written to the disk tier since the daemon started
+    disk_written_bytes: int
     #: requests whose resident tape fell short and that asked the cache: restored / not
     hits: int
     misses: int
@@ -324,6 +329,8 @@ class DaemonStatus(_Report):
     wedged: bool = False
     #: how the loaded model speculates; None: no model, or its engine does not draft
     speculation: SpeculationStatus | None = None
+    #: what a request that sets no sampling parameter gets on the loaded model (None: no model)
+    sampling: SamplingParams | None = None
 
 
 class Progress(_Report):
@@ -458,6 +465,22 @@ class SuffixStatus(_Report):
     cached_tokens: int = 0
 
 
+class TokenCount(_Report):
+    """What a prompt (a prefix and a suffix) comes to on the loaded model, computed without touching the KV."""
+
+    #: the whole prompt: what ``ensure_prefix`` + ``prefill_suffix`` would leave resident
+    prompt_tokens: int = 0
+    prefix_tokens: int = 0
+    num_ctx: int = 0
+    #: of ``prompt_tokens``, how many are resident now under a compatible manifest (a warm turn's reuse)
+    resident_tokens: int = 0
+
+    @property
+    def room(self) -> int:
+        """Tokens left for the reply."""
+        return self.num_ctx - self.prompt_tokens
+
+
 class StructuredOutputConfig(_Request):
     """A backend-typed constraint on generation: exactly one of the fields."""
 
@@ -476,11 +499,49 @@ class StructuredOutputConfig(_Request):
         return bool(self.json_schema or self.grammar or self.regex)
 
 
+class SamplingParams(_Report):
+    """Sampling settings: what a model recommends, or what a client fills unset fields of a request with.
+
+    None leaves a field to the next source; ``source`` says where the values came
+    from ("model": the GGUF's ``general.sampling.*`` keys, "default": the daemon's
+    documented defaults, "settings": ``modeld serve --temperature``).
+    """
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    source: str = ""
+
+    def fill(self, cfg: DecodeConfig) -> DecodeConfig:
+        """``cfg`` with its unset sampling fields taken from these (a greedy ``cfg`` is left greedy)."""
+        if cfg.temperature == 0.0:
+            return cfg
+        update = {
+            name: getattr(self, name)
+            for name in ("temperature", "top_k", "top_p", "min_p")
+            if getattr(cfg, name) is None and getattr(self, name) is not None
+        }
+        return cfg.model_copy(update=update) if update else cfg
+
+
+#: what a request that sets no sampling parameter gets when the model recommends none (llama-server's
+#: and Ollama's defaults): sampled, not greedy
+DEFAULT_SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, source="default")
+
+
 class DecodeConfig(_Request):
-    max_tokens: int = Field(256, ge=0, le=1_000_000)
+    #: None: until the end of generation or the context's end (a limit past the context's end is a
+    #: cap: the pass stops there with finish reason "length")
+    max_tokens: int | None = Field(None, ge=0, le=100_000_000)
+    #: None or 0: greedy (the session contract is deterministic unless asked otherwise; ``runtime.Chat``
+    #: fills unset fields from the model's recommended sampling, ``OpenReply.sampling``)
     temperature: float | None = Field(None, ge=0.0, le=10.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    #: None or 0: no top-k cut
+    top_k: int | None = Field(None, ge=0)
+    #: None or 0: no min-p cut (tokens below min_p times the top token's probability are dropped)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     parser_protocols: list[str] = Field(default_factory=list)
@@ -582,6 +643,8 @@ class StreamChunk(_Report):
     error: ErrorInfo | None = None
     done: bool = False
     finish_reason: str = ""  # "stop" | "length" | "cancelled" | "tool_calls" | "error"
+    #: the final chunk of a pass a stop string ended: that string
+    stop_sequence: str = ""
     usage: Usage | None = None
 
     @classmethod

@@ -62,6 +62,7 @@ from .messages import (
     CancelReply,
     CancelRequest,
     CloseReply,
+    CountTokensRequest,
     DecodeRequest,
     EmbedReply,
     EnsurePrefixRequest,
@@ -95,6 +96,7 @@ from .types import (
     Progress,
     StreamChunk,
     SuffixStatus,
+    TokenCount,
     UnloadModelRequest,
 )
 
@@ -150,6 +152,7 @@ class Op(str, enum.Enum):
     CACHE_CLEAR = "cache_clear"
     METRICS = "metrics"
     TAKEOVER = "takeover"
+    COUNT_TOKENS = "count_tokens"
 
 
 class Kind(str, enum.Enum):
@@ -202,6 +205,7 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.CACHE_CLEAR: OpSchema(CacheClearRequest, CacheClearReply),
     Op.METRICS: OpSchema(MetricsRequest, MetricsReply),
     Op.TAKEOVER: OpSchema(TakeoverRequest, TakeoverReply),
+    Op.COUNT_TOKENS: OpSchema(CountTokensRequest, TokenCount),
 }
 
 
@@ -300,7 +304,7 @@ def decode_request(frames: list[bytes]) -> Message:
 
 
 #: operations whose body carries prompt text, tools, a grammar or texts to embed
-_TEXT_OPS = frozenset({Op.ENSURE_PREFIX, Op.PREFILL_SUFFIX, Op.DECODE, Op.EMBED})
+_TEXT_OPS = frozenset({Op.ENSURE_PREFIX, Op.PREFILL_SUFFIX, Op.DECODE, Op.EMBED, Op.COUNT_TOKENS})
 
 
 def body_limit(op: Op) -> int:

@@ -19,6 +19,7 @@ import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
@@ -105,6 +106,18 @@ class ServeOptions:
     api_key: str = ""
     #: how long an HTTP request waits for the slot while another holds it
     http_queue_timeout: float = 300.0
+    #: the largest HTTP request body, in bytes (413 past it)
+    http_max_body: int = 32 * 1024 * 1024
+    #: HTTP requests naming a model the daemon does not serve: refused (404) instead of served by the loaded one
+    strict_model_names: bool = False
+    #: Messages API: keep a system block that only carries a client's per-request billing header
+    keep_billing_header: bool = False
+    #: NAME=MODEL: HTTP requests for NAME are served by MODEL
+    alias: tuple[str, ...] = ()
+    #: the temperature of requests that set no sampling parameter (None: the model's recommendation)
+    temperature: float | None = None
+    #: "plain" or "json" (one JSON object per log line)
+    log_format: Literal["plain", "json"] = "plain"
     #: workspace cache budgets in bytes (None = auto: the cache sizes them; 0 = off) and its directory
     #: (None = ``<data dir>/cache``)
     cache_ram: int | None = None
@@ -259,6 +272,7 @@ def build_slot(
         backend_reason=opts.backend_reason,
         idle_unload_s=opts.idle_unload,
         session_ttl_s=opts.session_ttl,
+        default_temperature=opts.temperature,
     )
     built.append(slot)
     return slot

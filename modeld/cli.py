@@ -43,7 +43,7 @@ def _daemon_main(command: str) -> Callable[[list[str]], int]:
         from .netsec import keys_main
 
         return keys_main
-    from .openai_front import main as http_main
+    from .front import main as http_main
 
     return http_main
 

@@ -19,6 +19,7 @@ state, memory, the workspace cache. Exposed as Prometheus text by
 | ``modeld_resident_bytes``, ``modeld_process_rss_bytes`` | gauge | the model's bytes; the daemon's RSS |
 | ``modeld_cache_bytes{tier}``, ``modeld_cache_entries{tier}`` | gauge | the workspace cache |
 | ``modeld_cache_lookups_total{result}`` | counter | workspace switches that were restored (``hit``) or not |
+| ``modeld_cache_disk_written_bytes_total`` | counter | bytes the workspace cache wrote to disk |
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class SlotCollector(Collector):
             lookups.add_metric(["hit"], float(c.get("hits", 0)))
             lookups.add_metric(["miss"], float(c.get("misses", 0)))
             yield lookups
+            yield CounterMetricFamily("modeld_cache_disk_written_bytes", "bytes the workspace cache wrote to disk",
+                                      value=float(c.get("disk_written_bytes", 0)))
 
 
 class _Gauge(Collector):

@@ -20,6 +20,7 @@ from contract.types import KV_CACHE_TYPES
 from . import dirs
 from .bootstrap import BACKEND_CHOICES, ServeOptions, build_daemon, default_data_dir, preload_request, resolve_backend
 from .capacity.sizes import format_size
+from .logs import setup_logging
 from .sdnotify import notify
 from .server import EXIT_WEDGED
 from .settings import SIZE_SETTINGS, ServeSettings, SettingsError, env_name, flag_name, load_settings
@@ -46,6 +47,8 @@ def _shown(name: str, value: Any) -> str | None:
         return "auto" if name in ("cache_ram", "cache_disk") else None
     if isinstance(value, bool):
         return "on" if value else None
+    if isinstance(value, tuple):
+        return ", ".join(value) or None
     if name in SIZE_SETTINGS:
         return format_size(value)
     if isinstance(value, float):
@@ -93,6 +96,12 @@ def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | Non
     flag("http", metavar="HOST:PORT")
     flag("http_allow_remote", action="store_true")
     flag("http_queue_timeout", type=float, metavar="S")
+    flag("http_max_body", metavar="SIZE")
+    flag("strict_model_names", action="store_true")
+    flag("keep_billing_header", action="store_true")
+    flag("alias", action="append", metavar="NAME=MODEL")
+    flag("temperature", type=float, metavar="T")
+    flag("log_format", choices=("plain", "json"))
     flag("cache_ram", metavar="SIZE")
     flag("cache_disk", metavar="SIZE")
     flag("cache_dir", type=Path)
@@ -175,11 +184,7 @@ def _log_stream() -> TextIO:
 
 def serve(opts: ServeOptions) -> int:
     _return_large_buffers_to_the_os()
-    logging.basicConfig(
-        level=getattr(logging, str(opts.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=_log_stream(),
-    )
+    setup_logging(opts.log_level, opts.log_format, _log_stream())
     opts = resolve_backend(opts)
     if opts.backend_reason:
         log.info("backend %s (%s)", opts.backend, opts.backend_reason)
@@ -193,11 +198,13 @@ def serve(opts: ServeOptions) -> int:
     front = None
     if opts.http:
         try:
-            from .openai_front import HttpFront, parse_listen  # the `http` extra
+            from .front import HttpFront, parse_aliases, parse_listen  # the `http` extra
 
             host, port = parse_listen(opts.http)
             front = HttpFront(daemon.endpoint, host, port, api_key=opts.api_key, allow_remote=opts.http_allow_remote,
-                              queue_timeout_s=opts.http_queue_timeout)
+                              queue_timeout_s=opts.http_queue_timeout, aliases=parse_aliases(opts.alias),
+                              strict_model_names=opts.strict_model_names, max_body_bytes=opts.http_max_body,
+                              data_dir=opts.data_dir or default_data_dir(), keep_billing_header=opts.keep_billing_header)
         except (ImportError, ValueError) as exc:
             print(f"modeld: {exc}", file=sys.stderr)
             return 2
@@ -231,7 +238,7 @@ def serve(opts: ServeOptions) -> int:
     try:
         if front is not None:
             front.start()
-            print(f"modeld: OpenAI-compatible API at {front.url}", file=sys.stderr, flush=True)
+            print(f"modeld: HTTP APIs (OpenAI-compatible) at {front.url}", file=sys.stderr, flush=True)
         daemon.serve()
     except RuntimeError as exc:
         print(f"modeld: {exc}", file=sys.stderr)

@@ -64,6 +64,7 @@ from contract.messages import (
     CancelReply,
     CancelRequest,
     CloseReply,
+    CountTokensRequest,
     DecodeRequest,
     EmbedReply,
     EnsurePrefixRequest,
@@ -96,6 +97,7 @@ from contract.types import (
     SlotState,
     StreamChunk,
     SuffixStatus,
+    TokenCount,
     UnloadModelRequest,
     owner_fingerprint,
 )
@@ -783,6 +785,7 @@ class Daemon:
             manifest=self.slot.manifest_defaults().identity(),
             active=status.active,
             lease_s=self.slot.lease_s,
+            sampling=self.slot.sampling_defaults(),
         )
 
     def _h_ensure_prefix(self, req: EnsurePrefixRequest) -> PrefixStatus:
@@ -790,6 +793,9 @@ class Daemon:
 
     def _h_prefill_suffix(self, req: PrefillSuffixRequest) -> SuffixStatus:
         return self._session(req).prefill_suffix(req.input)
+
+    def _h_count_tokens(self, req: CountTokensRequest) -> TokenCount:
+        return self._session(req).count_tokens(req.prefix, req.suffix)
 
     def _h_snapshot(self, req: SnapshotRequest) -> SnapshotReply:
         snap = self._session(req).snapshot()
@@ -869,6 +875,7 @@ _HANDLERS: dict[Op, Callable[[Daemon, Any], BaseModel]] = {
     Op.OPEN: Daemon._h_open,
     Op.ENSURE_PREFIX: Daemon._h_ensure_prefix,
     Op.PREFILL_SUFFIX: Daemon._h_prefill_suffix,
+    Op.COUNT_TOKENS: Daemon._h_count_tokens,
     Op.SNAPSHOT: Daemon._h_snapshot,
     Op.RESTORE: Daemon._h_restore,
     Op.CLOSE: Daemon._h_close,

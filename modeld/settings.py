@@ -30,13 +30,14 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, ValidationError
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
     InitSettingsSource,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -70,7 +71,7 @@ CONFIG_ENV = ENV_PREFIX + "CONFIG"
 #: the config file's table for the memory planner; passed over here, checked there
 MEMORY_TABLE = "memory"
 #: the settings that are sizes ("8GiB", "512MB", bytes; "auto" for the cache budgets)
-SIZE_SETTINGS = ("mem_max", "mem_reserve", "cache_ram", "cache_disk", "blob_disk")
+SIZE_SETTINGS = ("mem_max", "mem_reserve", "cache_ram", "cache_disk", "blob_disk", "http_max_body")
 
 _DEFAULT = ServeOptions()
 
@@ -108,6 +109,21 @@ def _log_level(value: str) -> str:
     return level
 
 
+def _aliases(value: Any) -> Any:
+    # a variable or a flag given once: NAME=MODEL[,NAME=MODEL…]
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    return value
+
+
+def _check_aliases(value: tuple[str, ...]) -> tuple[str, ...]:
+    for item in value:
+        name, sep, target = item.partition("=")
+        if not sep or not name.strip() or not target.strip():
+            raise ValueError(f"an alias is NAME=MODEL, got {item!r}")
+    return value
+
+
 def _expand_user(value: Path | None) -> Path | None:
     # a shell expands "~" on the command line, nothing does in a variable or the file
     return value.expanduser() if value is not None else None
@@ -121,6 +137,8 @@ SizeOrAuto = Annotated[int | None, BeforeValidator(_size_or_auto)]
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 OptionalPath = Annotated[Path | None, AfterValidator(_expand_user)]
+#: NAME=MODEL pairs: a list in the config file, comma-separated in the variable
+Aliases = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_aliases), AfterValidator(_check_aliases)]
 
 
 class ServeSettings(BaseSettings):
@@ -189,6 +207,30 @@ class ServeSettings(BaseSettings):
     http_allow_remote: bool = Field(_DEFAULT.http_allow_remote, description="let --http bind a non-loopback address")
     http_queue_timeout: NonNegative = Field(
         _DEFAULT.http_queue_timeout, description="seconds an HTTP request waits for a busy slot before 503"
+    )
+    http_max_body: Size = Field(
+        _DEFAULT.http_max_body, description="largest HTTP request body; a larger one is refused with 413 unread"
+    )
+    strict_model_names: bool = Field(
+        _DEFAULT.strict_model_names,
+        description="refuse (404) an HTTP request naming a model the daemon does not serve, instead of serving it "
+        "with the loaded model (agents hard-code model names)",
+    )
+    keep_billing_header: bool = Field(
+        _DEFAULT.keep_billing_header,
+        description="Messages API: keep a system block that only carries a client's billing header (Claude Code "
+        "rewrites it every request, so by default it is left out of the prompt to keep the prefix warm)",
+    )
+    alias: Aliases = Field(
+        _DEFAULT.alias, description="NAME=MODEL: HTTP requests for model NAME are served by MODEL (repeatable)"
+    )
+    temperature: Annotated[float | None, Field(ge=0.0, le=10.0)] = Field(
+        _DEFAULT.temperature,
+        description="temperature of requests that set no sampling parameter (default: the model's recommended "
+        "sampling, else 0.8 with top-k 40, top-p 0.95, min-p 0.05); 0 = greedy, which speculative decoding needs",
+    )
+    log_format: Literal["plain", "json"] = Field(
+        _DEFAULT.log_format, description="plain lines, or one JSON object per line (access-log fields as keys)"
     )
     cache_ram: SizeOrAuto = Field(
         _DEFAULT.cache_ram,

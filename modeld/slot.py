@@ -52,6 +52,7 @@ from contract.errors import (
 from contract.interfaces import Backend, CacheAdmin, Embedder, LoadedModel, Session
 from contract.manifest import ContextManifest
 from contract.types import (
+    DEFAULT_SAMPLING,
     ActiveModel,
     CacheEntryInfo,
     ContextReport,
@@ -64,11 +65,13 @@ from contract.types import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    SamplingParams,
     SessionSnapshot,
     SlotState,
     StreamChunk,
     SuffixInput,
     SuffixStatus,
+    TokenCount,
     UnloadModelRequest,
     owner_fingerprint,
 )
@@ -144,8 +147,11 @@ class SlotService:
         backend_reason: str = "",
         idle_unload_s: float = 0.0,
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+        default_temperature: float | None = None,
     ) -> None:
         self.backend = backend
+        #: ``modeld serve --temperature``: the temperature of requests that set none (None: the model's)
+        self.default_temperature = default_temperature
         #: the workspace cache the backend's models save to (status, listing, memory hand-back)
         self.cache = cache
         #: why this backend serves (``--backend auto`` says), shown in status
@@ -208,6 +214,7 @@ class SlotService:
                 idle_unload_s=self.idle_unload_s,
                 session_ttl_s=self.session_ttl_s,
                 speculation=speculation,
+                sampling=self.sampling_defaults() if self._loaded is not None else None,
             )
 
     @property
@@ -531,6 +538,15 @@ class SlotService:
         loaded = self._loaded
         return loaded.resident_bytes() if loaded is not None else 0
 
+    def sampling_defaults(self) -> SamplingParams:
+        """What a request that sets no sampling parameter gets: the loaded model's recommendation, else the
+        documented defaults; ``--temperature`` overrides the temperature (0: greedy)."""
+        loaded = self._loaded
+        found = loaded.sampling_defaults() if loaded is not None else DEFAULT_SAMPLING
+        if self.default_temperature is not None:
+            found = found.model_copy(update={"temperature": self.default_temperature, "source": "settings"})
+        return found
+
     def manifest_defaults(self) -> ContextManifest:
         """The loaded model's runtime identity (an empty manifest when the slot is empty)."""
         loaded = self._loaded
@@ -732,6 +748,9 @@ class SlotSession:
 
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
         return self._slot.run_op(self._holder, "prefill_suffix", lambda s: s.prefill_suffix(suffix))
+
+    def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:
+        return self._slot.run_op(self._holder, "count_tokens", lambda s: s.count_tokens(prefix, suffix))
 
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         inner_iter = self._slot.run_op(self._holder, "decode", lambda s: s.decode(cfg))

@@ -22,9 +22,17 @@ extends another replaces it (``put``), so entries do not repeat each other.
 Entries number in the tens (a 2k-token state of the bundled model is ~50 MB)
 and an LCP over each costs microseconds.
 
-**Tiers.** RAM is an LRU under ``ram_budget`` bytes. Every entry is also written
-through to the disk tier by one background thread (so neither a RAM eviction
-nor a shutdown loses it), which is an LRU under ``disk_budget`` bytes. A disk
+**Tiers.** RAM is an LRU under ``ram_budget`` bytes. The disk tier, an LRU
+under ``disk_budget`` bytes, is written back, not through: an entry is written
+by one background thread when RAM evicts it (or when it never fitted in RAM),
+and the entries still only in RAM are written when the cache closes (an unload
+or a stop), newest first. So a conversation that keeps extending one tape
+writes nothing while it runs, and only a state that could be restored later
+costs disk bandwidth; a daemon killed outright loses the RAM tier's entries
+that were not written yet. A state fewer than ``WRITE_MIN_GAIN_TOKENS`` past a
+file that holds its start is not written: RAM keeps the longer state (its
+restore is exact), the disk the file (whose restore spares nearly all the
+prefill). A disk
 file is ``MAGIC | header length | header (JSON) | state | sha256 of all before``,
 mode 0600 in a 0700 directory, named by the entry id (a hash of key and
 tokens). It is verified when it is read: the trailing digest, the id against
@@ -72,6 +80,8 @@ AUTO_RAM_CAP = 4 * 2**30
 AUTO_DISK_CAP = 16 * 2**30
 #: how long ``close`` waits for queued disk writes
 CLOSE_WAIT_S = 20.0
+#: an entry is written to disk only when it holds at least this many tokens more than a file already holds
+WRITE_MIN_GAIN_TOKENS = 256
 #: the disk writer's niceness (Linux schedules threads one by one)
 WRITER_NICE = 10
 
@@ -116,6 +126,8 @@ class StateCacheStore:
         self._ram_bytes = 0
         self._disk_bytes = 0
         self._hits = self._misses = self._restored = self._saves = self._evictions = self._rejected = 0
+        #: bytes written to the disk tier since start
+        self._written = 0
         self._last_rejection = ""
         self._queue: queue.Queue[_Entry | None] = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -179,7 +191,10 @@ class StateCacheStore:
                     self._touch(e)  # already covered: the longer entry restores this too
                     return
             for e in [e for e in self._entries.values() if e.key == key and common_prefix_len(e.tokens, tokens) == len(e.tokens)]:
-                self._drop(e)  # the new entry extends it
+                if e.disk_bytes and n - len(e.tokens) < WRITE_MIN_GAIN_TOKENS:
+                    self._unhold(e)  # the new entry extends it by a few tokens: RAM keeps the new, disk the old
+                else:
+                    self._drop(e)  # the new entry extends it
             entry = _Entry(
                 id=entry_id(key, tokens),
                 key=key,
@@ -195,10 +210,8 @@ class StateCacheStore:
                 self._entries[entry.id] = entry
                 self._hold_in_ram(entry, snap)
                 kept = True
-            if self._dir is not None and self._writer is not None and nbytes <= self._disk_budget:
+            elif self._queue_write(entry, snap):  # too large for RAM: straight to disk
                 self._entries[entry.id] = entry
-                entry.writing = True
-                self._queue.put(_Entry(**{**entry.__dict__, "snap": snap}))
                 kept = True
             if kept:
                 self._saves += 1
@@ -227,6 +240,7 @@ class StateCacheStore:
                 disk_bytes=self._disk_bytes,
                 disk_budget_bytes=self._disk_budget,
                 disk_dir=str(self._dir) if self._dir is not None else "",
+                disk_written_bytes=self._written,
                 hits=self._hits,
                 misses=self._misses,
                 hit_rate=self._hits / asked if asked else None,
@@ -269,15 +283,25 @@ class StateCacheStore:
             self._evict_ram()
 
     def release_ram(self) -> None:
+        """Hand the RAM tier back (before a model load); its entries are written to disk first where it takes them."""
         with self._lock:
             for eid in list(self._ram):
-                self._unhold(self._entries[eid])
+                entry = self._entries[eid]
+                if entry.snap is not None:
+                    self._queue_write(entry, entry.snap)
+                self._unhold(entry)
 
     def close(self) -> None:
-        """Finish the queued disk writes (at most ``CLOSE_WAIT_S``), then stop the writer."""
+        """Write the entries only RAM holds (newest first), finish the queued disk writes (at most
+        ``CLOSE_WAIT_S`` in all), then stop the writer."""
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            for eid in reversed(self._ram):
+                entry = self._entries[eid]
+                if entry.snap is not None:
+                    self._queue_write(entry, entry.snap)
         if self._writer is not None:
             self._queue.put(None)
             self._writer.join(CLOSE_WAIT_S)
@@ -314,9 +338,24 @@ class StateCacheStore:
     def _evict_ram(self) -> None:
         while self._ram_bytes > self._ram_budget and self._ram:
             entry = self._entries[next(iter(self._ram))]
-            if not entry.disk_bytes and not entry.writing:
+            if entry.snap is not None and not self._queue_write(entry, entry.snap):
                 self._evictions += 1  # gone for good: no disk copy
             self._unhold(entry)
+
+    def _queue_write(self, entry: _Entry, snap: SessionSnapshot) -> bool:
+        """Queue ``entry``'s disk write unless it is on disk or queued already; False when the disk tier cannot
+        take it (off, or the entry is larger than its budget). Caller holds the lock."""
+        if entry.disk_bytes or entry.writing:
+            return True
+        if self._dir is None or self._writer is None or entry.nbytes > self._disk_budget:
+            return False
+        n = len(entry.tokens)
+        if any(o.key == entry.key and o.id != entry.id and o.disk_bytes and len(o.tokens) > n - WRITE_MIN_GAIN_TOKENS
+               and common_prefix_len(o.tokens, entry.tokens) == len(o.tokens) for o in self._entries.values()):
+            return True  # a file holds all but a few of its tokens: restoring that one spares nearly all the prefill
+        entry.writing = True
+        self._queue.put(_Entry(**{**entry.__dict__, "snap": snap}))
+        return True
 
     def _drop(self, entry: _Entry) -> None:
         """Forget ``entry`` in both tiers (a queued write of it is skipped)."""
@@ -391,6 +430,7 @@ class StateCacheStore:
                 live.writing = False
                 live.disk_bytes = size
                 self._disk_bytes += size
+                self._written += size
                 self._prune_disk()
         except BaseException:
             tmp.unlink(missing_ok=True)

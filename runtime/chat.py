@@ -32,7 +32,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 
 from contract import wire
-from contract.errors import InvalidArgument, SessionClosed
+from contract.errors import ContextOverflow, InvalidArgument, SessionClosed
 from contract.types import (
     ChatMessage,
     DecodeConfig,
@@ -40,13 +40,14 @@ from contract.types import (
     PrefixInput,
     StreamChunk,
     SuffixInput,
+    TokenCount,
     ToolCall,
     ToolCallFunction,
 )
 
 from .client import Client, RemoteSession
 
-__all__ = ["Chat", "ChatEvent", "ChatResult", "ChatTiming", "ChatUsage", "split_messages"]
+__all__ = ["Chat", "ChatEvent", "ChatResult", "ChatTiming", "ChatTurn", "ChatUsage", "split_messages"]
 
 #: DecodeConfig fields a chat call may set
 _DECODE_FIELDS = frozenset(DecodeConfig.model_fields)
@@ -85,6 +86,8 @@ class ChatResult(BaseModel):
 
     message: ChatMessage
     finish_reason: str = ""
+    #: the stop string that ended the reply ("" when none did)
+    stop_sequence: str = ""
     usage: ChatUsage = Field(default_factory=ChatUsage)
     timing: ChatTiming = Field(default_factory=ChatTiming)
 
@@ -177,7 +180,9 @@ class Chat:
     """An agent's conversation with the daemon's loaded model (see the module docstring).
 
     ``profile`` names the agent in the manifest; ``request`` picks the model (the
-    loaded one by default). Not thread-safe: one Chat per thread of an agent.
+    loaded one by default). ``model_sampling``: a turn that sets no sampling
+    parameter gets the model's recommended sampling (``OpenReply.sampling``);
+    False leaves it greedy. Not thread-safe: one Chat per thread of an agent.
     """
 
     def __init__(
@@ -187,10 +192,12 @@ class Chat:
         profile: str = "chat",
         request: OpenSessionRequest | None = None,
         queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
+        model_sampling: bool = True,
     ) -> None:
         self._client = client
         self._profile = profile
         self._request = (request or OpenSessionRequest()).model_copy(update={"queue_timeout_s": queue_timeout_s})
+        self._model_sampling = model_sampling
 
     def close(self) -> None:
         """Nothing is held between turns; kept so a Chat reads like the other handles."""
@@ -221,7 +228,29 @@ class Chat:
     ) -> Generator[ChatEvent, None, None]:
         """Deltas of the reply as they are decoded; the last event carries the ``ChatResult``.
 
-        Closing the generator early cancels the decode within one token.
+        Everything that can be refused is refused before this returns (``begin``);
+        closing the generator early cancels the decode within one token.
+        """
+        return self.begin(messages, tools, **decode).events()
+
+    def begin(
+        self,
+        messages: Iterable[Mapping[str, Any] | ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | str | None = None,
+        *,
+        check_fit: bool = True,
+        enable_thinking: bool | None = None,
+        **decode: Any,
+    ) -> ChatTurn:
+        """Take the slot for one turn and check the prompt fits; nothing is prefilled yet.
+
+        Raises what a turn can be refused for before any work: a bad message or
+        option (InvalidArgument), the slot staying busy (ModelBusy), and a prompt
+        that leaves no room in the context window (ContextOverflow, with the
+        prompt's real size; ``check_fit=False`` only counts, for a caller that
+        asks what a prompt comes to). The returned turn holds the slot until its
+        ``events()`` end or it is closed. ``enable_thinking`` is the template's
+        reasoning switch (None: the template's default).
         """
         unknown = sorted(set(decode) - _DECODE_FIELDS)
         if unknown:
@@ -233,8 +262,61 @@ class Chat:
         sess = self._client.open_session(self._request)
         try:
             manifest = sess.manifest(profile=self._profile)
-            pre = sess.ensure_prefix(PrefixInput(text=system, tools=tools_json, manifest=manifest))
-            suf = sess.prefill_suffix(SuffixInput(messages=conversation, manifest=manifest))
+            prefix = PrefixInput(text=system, tools=tools_json, manifest=manifest)
+            suffix = SuffixInput(messages=conversation, manifest=manifest, enable_thinking=enable_thinking)
+            count = sess.count_tokens(prefix, suffix)
+            if check_fit and count.prompt_tokens >= count.num_ctx:
+                raise ContextOverflow(
+                    f"the prompt is {count.prompt_tokens} tokens but the model's context window is {count.num_ctx} "
+                    "tokens (prompt and reply together); shorten the conversation or serve a larger context",
+                    prompt_tokens=count.prompt_tokens,
+                    num_ctx=count.num_ctx,
+                )
+            if self._model_sampling:
+                cfg = sess.sampling.fill(cfg)
+        except BaseException:
+            sess.close()
+            raise
+        return ChatTurn(sess, prefix, suffix, cfg, count, started)
+
+
+class ChatTurn:
+    """One turn that holds the slot: counted and checked (``Chat.begin``), prefilled and decoded by ``events``."""
+
+    def __init__(
+        self, sess: RemoteSession, prefix: PrefixInput, suffix: SuffixInput, cfg: DecodeConfig, count: TokenCount,
+        started: float,
+    ) -> None:
+        self._sess = sess
+        self._prefix = prefix
+        self._suffix = suffix
+        self.cfg = cfg
+        #: the prompt's size on the model and the window (before any prefill)
+        self.count = count
+        self._started = started
+        self._used = False
+
+    @property
+    def model_name(self) -> str:
+        """The loaded model that serves the turn."""
+        active = self._sess.active
+        return active.model_name if active is not None else ""
+
+    def close(self) -> None:
+        """Give the slot back without running the turn (a no-op once ``events`` ran)."""
+        if not self._used:
+            self._used = True
+            self._sess.close()
+
+    def events(self) -> Generator[ChatEvent, None, None]:
+        """Prefill what is new, then the reply's deltas; the last event carries the ``ChatResult``."""
+        if self._used:
+            raise SessionClosed("this turn already ran")
+        self._used = True
+        sess = self._sess
+        try:
+            pre = sess.ensure_prefix(self._prefix)
+            suf = sess.prefill_suffix(self._suffix)
         except BaseException:
             sess.close()
             raise
@@ -243,52 +325,53 @@ class Chat:
             prefilled_tokens=pre.prefilled_tokens + suf.prefilled_tokens,
             cached_tokens=pre.cached_tokens + suf.cached_tokens,
         )
-        return self._events(sess, cfg, prompt, pre.prefill_ms + suf.prefill_ms, started)
+        return _events(sess, self.cfg, prompt, pre.prefill_ms + suf.prefill_ms, self._started)
 
-    @staticmethod
-    def _events(
-        sess: RemoteSession, cfg: DecodeConfig, prompt: ChatUsage, prefill_ms: float, started: float
-    ) -> Generator[ChatEvent, None, None]:
-        text: list[str] = []
-        thinking: list[str] = []
-        calls: list[ToolCall] = []
-        first = 0.0
-        final: StreamChunk | None = None
-        stream = sess.decode(cfg)
-        try:
-            for chunk in stream:
-                if chunk.done:
-                    final = chunk
-                    break
-                if not first and (chunk.text or chunk.thinking or chunk.tool_calls):
-                    first = time.perf_counter()
-                text.append(chunk.text)
-                thinking.append(chunk.thinking)
-                calls += chunk.tool_calls
-                if chunk.text or chunk.thinking or chunk.tool_calls:
-                    yield ChatEvent(text=chunk.text, thinking=chunk.thinking, tool_calls=list(chunk.tool_calls))
-        finally:
-            stream.close()
-            sess.close()  # the slot is free for the next agent; the KV stays resident
-        usage = final.usage if final is not None else None
-        content = "".join(text)
-        result = ChatResult(
-            message=ChatMessage(role="assistant", content=content or None, tool_calls=calls, reasoning="".join(thinking)),
-            finish_reason=final.finish_reason if final is not None else "",
-            usage=prompt.model_copy(
-                update={
-                    "prompt_tokens": usage.prompt_tokens if usage else 0,
-                    "completion_tokens": usage.completion_tokens if usage else 0,
-                    "drafted_tokens": usage.drafted_tokens if usage else 0,
-                    "accepted_tokens": usage.accepted_tokens if usage else 0,
-                }
-            ),
-            timing=ChatTiming(
-                ttft_ms=(first - started) * 1000 if first else 0.0,
-                prefill_ms=prefill_ms,
-                first_token_ms=usage.ttft_ms if usage else 0.0,
-                decode_tokens_per_s=usage.tokens_per_second if usage else 0.0,
-                total_ms=(time.perf_counter() - started) * 1000,
-            ),
-        )
-        yield ChatEvent(result=result)
+
+def _events(
+    sess: RemoteSession, cfg: DecodeConfig, prompt: ChatUsage, prefill_ms: float, started: float
+) -> Generator[ChatEvent, None, None]:
+    text: list[str] = []
+    thinking: list[str] = []
+    calls: list[ToolCall] = []
+    first = 0.0
+    final: StreamChunk | None = None
+    stream = sess.decode(cfg)
+    try:
+        for chunk in stream:
+            if chunk.done:
+                final = chunk
+                break
+            if not first and (chunk.text or chunk.thinking or chunk.tool_calls):
+                first = time.perf_counter()
+            text.append(chunk.text)
+            thinking.append(chunk.thinking)
+            calls += chunk.tool_calls
+            if chunk.text or chunk.thinking or chunk.tool_calls:
+                yield ChatEvent(text=chunk.text, thinking=chunk.thinking, tool_calls=list(chunk.tool_calls))
+    finally:
+        stream.close()
+        sess.close()  # the slot is free for the next agent; the KV stays resident
+    usage = final.usage if final is not None else None
+    content = "".join(text)
+    result = ChatResult(
+        message=ChatMessage(role="assistant", content=content or None, tool_calls=calls, reasoning="".join(thinking)),
+        finish_reason=final.finish_reason if final is not None else "",
+        stop_sequence=final.stop_sequence if final is not None else "",
+        usage=prompt.model_copy(
+            update={
+                "prompt_tokens": usage.prompt_tokens if usage else 0,
+                "completion_tokens": usage.completion_tokens if usage else 0,
+                "drafted_tokens": usage.drafted_tokens if usage else 0,
+                "accepted_tokens": usage.accepted_tokens if usage else 0,
+            }
+        ),
+        timing=ChatTiming(
+            ttft_ms=(first - started) * 1000 if first else 0.0,
+            prefill_ms=prefill_ms,
+            first_token_ms=usage.ttft_ms if usage else 0.0,
+            decode_tokens_per_s=usage.tokens_per_second if usage else 0.0,
+            total_ms=(time.perf_counter() - started) * 1000,
+        ),
+    )
+    yield ChatEvent(result=result)

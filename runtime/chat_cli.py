@@ -38,8 +38,9 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--messages-file", default=None, help="one-shot: a JSON message list (or {messages, tools}) to answer")
     p.add_argument("--tools-file", default=None, help="one-shot: a JSON list of tool definitions")
     p.add_argument("--profile", default="chat", help="the agent's name in the context manifest")
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--max-tokens", type=int, default=None, help="limit each reply (default: until it ends; Ctrl-C stops one)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy (default: the model's recommended sampling)")
     p.add_argument("--seed", type=int, default=None)
 
 

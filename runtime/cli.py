@@ -29,6 +29,7 @@ from contract.types import (
     LoadModelRequest,
     OpenSessionRequest,
     PrefixInput,
+    SamplingParams,
     SpeculationStatus,
     SuffixInput,
     UnloadModelRequest,
@@ -156,8 +157,9 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     g = s.add_mutually_exclusive_group()
     g.add_argument("--system", default=None)
     g.add_argument("--system-file", default=None)
-    s.add_argument("--max-tokens", type=int, default=256)
-    s.add_argument("--temperature", type=float, default=None)
+    s.add_argument("--max-tokens", type=int, default=None, help="limit the reply (default: until it ends)")
+    s.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy (default: the model's recommended sampling, see `modeld status`)")
     s.add_argument("--seed", type=int, default=None)
     _model_args(s, path_required=False)
     _common(s)
@@ -306,6 +308,8 @@ def _status(client: Client, args: argparse.Namespace) -> int:
                                         ("exact reuse", cfg.exact_reuse)) if on]
         if chosen:
             rows.append(("settings", ", ".join(chosen)))
+    if st.sampling is not None:
+        rows.append(("sampling", _sampling_row(st.sampling)))
     if st.speculation is not None:
         rows += _speculation_rows(st.speculation)
     if st.embedding is not None:
@@ -333,6 +337,19 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         rows.append(("last error", st.last_error))
     print(_table(rows))
     return 0
+
+
+def _sampling_row(sp: SamplingParams) -> str:
+    """What a request that sets no sampling parameter gets, and where that came from."""
+    if sp.temperature == 0:
+        what = "greedy"
+    else:
+        parts = [f"temperature {sp.temperature:g}" if sp.temperature is not None else "temperature -"]
+        parts += [f"{name.replace('_', '-')} {value:g}" for name in ("top_k", "top_p", "min_p")
+                  if (value := getattr(sp, name)) is not None]
+        what = ", ".join(parts)
+    where = {"model": "the model's recommendation", "default": "the defaults", "settings": "--temperature"}
+    return f"{what} when a request sets none ({where.get(sp.source, sp.source or 'unset')})"
 
 
 def _speculation_rows(sp: SpeculationStatus) -> list[tuple[str, Any]]:
@@ -480,7 +497,7 @@ def _run(client: Client, args: argparse.Namespace) -> int:
             sess.close()
             raise
     try:
-        cfg = DecodeConfig(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+        cfg = sess.sampling.fill(DecodeConfig(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed))
         parts: list[str] = []
         final = None
         first_at = 0.0

@@ -42,6 +42,7 @@ from contract.messages import (
     CacheListRequest,
     CancelRequest,
     CloseReply,
+    CountTokensRequest,
     DecodeRequest,
     EmbedReply,
     EnsurePrefixRequest,
@@ -72,10 +73,12 @@ from contract.types import (
     PrefixInput,
     PrefixStatus,
     Progress,
+    SamplingParams,
     SessionSnapshot,
     StreamChunk,
     SuffixInput,
     SuffixStatus,
+    TokenCount,
     UnloadModelRequest,
 )
 from contract.wire import Kind, Message, Op
@@ -457,6 +460,8 @@ class RemoteSession:
         self.num_ctx: int = opened.num_ctx
         self.manifest_defaults: dict[str, str] = dict(opened.manifest)
         self.active: ActiveModel | None = opened.active
+        #: the sampling a request that sets none should get on this model (``SamplingParams.fill``)
+        self.sampling: SamplingParams = opened.sampling
         self._closed = False
 
     def manifest(self, **overrides: str) -> ContextManifest:
@@ -483,6 +488,12 @@ class RemoteSession:
         self._check_open()
         req = PrefillSuffixRequest.of(self.session_id, suffix)
         return self._client._request(Op.PREFILL_SUFFIX, req, SuffixStatus, on_progress=on_progress)
+
+    def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:
+        """What ``prefix`` then ``suffix`` come to in tokens, and the window; nothing is prefilled."""
+        self._check_open()
+        req = CountTokensRequest(session_id=self.session_id, prefix=prefix, suffix=suffix)
+        return self._client._request(Op.COUNT_TOKENS, req, TokenCount)
 
     def decode(self, cfg: DecodeConfig | None = None) -> Generator[StreamChunk, None, None]:
         """Stream chunks; abandoning the iterator (break, close, GC) cancels the decode."""

@@ -25,7 +25,6 @@ from contract.errors import (
     ManifestMismatch,
     SessionClosed,
     SnapshotRejected,
-    UnsupportedFeature,
 )
 from contract.manifest import ContextManifest
 from contract.types import (
@@ -327,19 +326,37 @@ def scenario_conversation_edit(t: Target) -> dict[str, Any]:
         assert again.reused_tokens > 0
         # new tools change the prefix: nothing computed after the old one is reused
         tools = '[{"type": "function", "function": {"name": "grep", "parameters": {}}}]'
-        try:
-            sess.ensure_prefix(PrefixInput(text=SYSTEM, tools=tools, manifest=m))
-        except UnsupportedFeature:
-            pass  # a template that cannot render tools refuses them (tested per engine)
-        else:
-            changed = sess.prefill_suffix(SuffixInput(messages=edited, manifest=m))
-            assert changed.reused_tokens == 0 and changed.prefilled_tokens == changed.suffix_tokens
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, tools=tools, manifest=m))
+        changed = sess.prefill_suffix(SuffixInput(messages=edited, manifest=m))
+        assert changed.reused_tokens == 0 and changed.prefilled_tokens == changed.suffix_tokens
         return {"edited": st.model_dump(exclude={"prefill_ms"})}
     finally:
         sess.close()
 
 
+def scenario_count_tokens(t: Target) -> dict[str, Any]:
+    """count_tokens says what a prompt comes to without touching the KV, and what of it is resident."""
+    sess = t.service.open_session(t.request)
+    try:
+        m = manifest_for(sess, fresh_profile())
+        history = _conversation("It serves one model to one holder.")
+        prefix, suffix = PrefixInput(text=SYSTEM, manifest=m), SuffixInput(messages=history, manifest=m)
+        before = sess.explain_context()
+        cold = sess.count_tokens(prefix, suffix)
+        assert sess.explain_context() == before  # nothing prefilled, nothing dropped
+        assert cold.prefix_tokens > 0 and cold.prompt_tokens > cold.prefix_tokens and cold.num_ctx == before.num_ctx
+        sess.ensure_prefix(prefix)
+        st = sess.prefill_suffix(suffix)
+        assert cold.prompt_tokens == st.prefix_tokens + st.suffix_tokens == sess.explain_context().resident_tokens
+        warm = sess.count_tokens(prefix, suffix)
+        assert warm.prompt_tokens == cold.prompt_tokens and warm.resident_tokens == warm.prompt_tokens
+        return {"cold": cold.model_dump(), "warm": warm.model_dump()}
+    finally:
+        sess.close()
+
+
 SCENARIOS: dict[str, Callable[[Target], dict[str, Any]]] = {
+    "count_tokens": scenario_count_tokens,
     "conversation_append": scenario_conversation_append,
     "conversation_edit": scenario_conversation_edit,
     "warm_cold": scenario_warm_cold,

@@ -215,8 +215,14 @@ def test_request_equal_to_the_model_max_is_served_as_requested() -> None:
     assert (info.effective_context, info.reason, info.clamped) == (8192, "requested", False)
 
 
-def test_zero_request_uses_the_default_window() -> None:
+def test_zero_request_serves_the_model_max_by_default() -> None:
+    # agents send 8k-22k tokens first: the default is the largest window the model and memory allow
     info = plan(SMOL, host(64 * GiB), Policy(), 0)
+    assert (info.effective_context, info.reason, info.clamped) == (8192, "model_max", False)
+
+
+def test_zero_request_uses_a_configured_default_window() -> None:
+    info = plan(SMOL, host(64 * GiB), Policy(default_context=4096), 0)
     assert (info.effective_context, info.reason, info.clamped) == (4096, "default", False)
 
 
@@ -599,7 +605,7 @@ def test_policy_defaults(tmp_path: Path) -> None:
         0,
         0.10,
         512,
-        4096,
+        0,
     )
 
 
@@ -629,7 +635,7 @@ def test_policy_precedence_cli_over_env_over_file_over_default(tmp_path: Path) -
     assert p.reserve_bytes == 2 * GiB  # env over file
     assert p.headroom_fraction == pytest.approx(0.05)  # cli over env over file
     assert p.min_context == 768  # env over default
-    assert p.default_context == 4096  # default
+    assert p.default_context == 0  # default: as large as fits
     p2 = Policy.load(env=env, config_file=cfg, cli={"mem_max": "1GiB", "mem_reserve": 0})
     assert (p2.user_limit_bytes, p2.reserve_bytes) == (GiB, 0)  # cli 0 is a value, not "unset"
 

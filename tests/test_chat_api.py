@@ -156,10 +156,10 @@ def _six_turns(chat: Chat, forced: dict[int, str]) -> list[tuple[list[dict[str, 
     questions = iter(QUESTIONS[1:])
     turns = []
     for i in range(6):
-        opts: dict[str, Any] = {"max_tokens": 16}
+        opts: dict[str, Any] = {"max_tokens": 16, "temperature": 0}
         if i in forced:
             call = ToolCall(function=ToolCallFunction(name="get_weather", arguments=json.dumps({"city": forced[i]})))
-            opts = {"max_tokens": 80, "structured_output": StructuredOutputConfig(grammar="root ::= " + json.dumps(tool_call_text(call)))}
+            opts = {"max_tokens": 80, "temperature": 0, "structured_output": StructuredOutputConfig(grammar="root ::= " + json.dumps(tool_call_text(call)))}
         sent = list(history)
         result = chat.send(sent, tools=[WEATHER_TOOL], **opts)
         turns.append((sent, result))
@@ -189,7 +189,7 @@ def test_exact_mode_through_daemons_cold_equals_warm(backend: str, tmp_path: Pat
     with DaemonProcess(tmp_path / "cold", backend, None, "--no-preload") as cold, cold.client(timeout_s=120.0) as c:
         c.load_model(request)
         with Chat(c, profile="exact") as chat:
-            again = chat.send(sent, tools=[WEATHER_TOOL], max_tokens=16)
+            again = chat.send(sent, tools=[WEATHER_TOOL], max_tokens=16, temperature=0)
     assert again.usage.reused_tokens == 0
     assert again.message.content == last.message.content and again.message.tool_calls == last.message.tool_calls
 
@@ -269,8 +269,8 @@ def test_two_agents_take_turns_without_model_busy(daemon: DaemonProcess) -> None
 
 def test_client_chat_and_chat_stream(client: Client) -> None:
     history = [SYSTEM, {"role": "user", "content": "One line on caching."}]
-    result = client.chat(history, profile="client-chat", max_tokens=6)
+    result = client.chat(history, profile="client-chat", max_tokens=6, temperature=0)
     assert result.usage.completion_tokens == 6 and result.message.content
-    events = list(client.chat_stream(history, profile="client-chat", max_tokens=6))
+    events = list(client.chat_stream(history, profile="client-chat", max_tokens=6, temperature=0))
     assert events[-1].result is not None and events[-1].result.message.content == result.message.content
     assert events[-1].result.usage.reused_tokens == result.usage.prompt_tokens  # the same turn again: all resident

@@ -234,7 +234,6 @@ def test_refused_inputs_change_nothing(engine: Engine, model: LoadedModel, sessi
     ]
     if engine.renders_templates:
         refusals += [
-            (UnsupportedFeature, PrefixInput(text="sys", manifest=man, tools=json.dumps([WEATHER_TOOL]))),
             (InvalidArgument, PrefixInput(text="sys", manifest=man, tools="{not json")),
             (InvalidArgument, PrefixInput(text="sys", manifest=man.model_copy(update={"bos_policy": "sometimes"}))),
         ]
@@ -250,6 +249,23 @@ def test_refused_inputs_change_nothing(engine: Engine, model: LoadedModel, sessi
     with pytest.raises(UnsupportedFeature):
         session.decode(DecodeConfig(parser_protocols=["harmony"]))
     assert greedy(session, 4)  # and the session keeps serving
+
+
+def test_tools_reach_a_template_that_does_not_render_them(engine: Engine, model: LoadedModel, session: Session) -> None:
+    """The bundled ChatML renders no tools: they go in the generic block of the system turn, never dropped."""
+    if not engine.renders_templates:
+        pytest.skip("the reference renders no template")
+    man = manifest(model, "generic-tools")
+    st = session.ensure_prefix(PrefixInput(text="You are a weather bot.", manifest=man, tools=json.dumps([WEATHER_TOOL])))
+    prompt = model.prompt_text(engine.tape(model))  # type: ignore[attr-defined]
+    assert prompt.count("You are a weather bot.") == 1 and '"name": "get_weather"' in prompt
+    assert "<tool_call>" in prompt and "</tools>" in prompt and st.prefix_tokens == len(engine.tape(model))
+    # counted before any prefill, the prompt with a conversation after it is what the session then holds
+    count = session.count_tokens(PrefixInput(text="You are a weather bot.", manifest=man, tools=json.dumps([WEATHER_TOOL])),
+                                 SuffixInput(text="Weather in Paris?", manifest=man))
+    session.prefill_suffix(SuffixInput(text="Weather in Paris?", manifest=man))
+    assert count.prompt_tokens == len(engine.tape(model)) and count.resident_tokens == st.prefix_tokens
+    assert count.num_ctx == model.num_ctx
 
 
 def test_decode_needs_a_resident_prompt(engine: Engine) -> None:

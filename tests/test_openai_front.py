@@ -1,10 +1,11 @@
-"""The OpenAI-compatible HTTP front (modeld/openai_front.py), driven by the official ``openai`` SDK against real daemons."""
+"""The HTTP front (modeld/front) on the reference backend, driven by the official ``openai`` SDK against real daemons."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,15 +70,27 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
         yield f
 
 
-def test_models_and_health(front: Front) -> None:
-    assert [m.id for m in front.sdk().models.list()] == ["ref"]
-    c = http.client.HTTPConnection("127.0.0.1", front.port, timeout=5)
+def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
-        c.request("GET", "/health")
-        body = json.loads(c.getresponse().read())
+        c.request(method, path)
+        r = c.getresponse()
+        return r.status, r.read()
     finally:
         c.close()
-    assert body["status"] == "ok" and body["model"] == "ref"
+
+
+def test_models_health_and_root(front: Front) -> None:
+    assert [m.id for m in front.sdk().models.list()] == ["ref"]
+    status, raw = _get(front.port, "/health")
+    body = json.loads(raw)
+    assert status == 200 and body["status"] == "ok" and body["model"] == "ref"
+    # clients probe the root before anything else (Claude Code sends HEAD /)
+    assert _get(front.port, "/", "HEAD") == (200, b"")
+    status, raw = _get(front.port, "/")
+    assert status == 200 and json.loads(raw)["name"] == "modeld"
+    status, raw = _get(front.port, "/openapi.json")
+    assert status == 200 and "/v1/chat/completions" in json.loads(raw)["paths"]
 
 
 def test_chat_plain_then_warm(front: Front) -> None:
@@ -98,8 +111,8 @@ def test_chat_plain_then_warm(front: Front) -> None:
 def test_chat_streamed_with_usage(front: Front) -> None:
     sdk = front.sdk()
     messages = [SYSTEM, {"role": "user", "content": "Name one cache."}]
-    plain = sdk.chat.completions.create(model="ref", messages=messages, max_tokens=10)
-    stream = sdk.chat.completions.create(model="ref", messages=messages, max_tokens=10, stream=True,
+    plain = sdk.chat.completions.create(model="ref", messages=messages, max_tokens=10, temperature=0)
+    stream = sdk.chat.completions.create(model="ref", messages=messages, max_tokens=10, stream=True, temperature=0,
                                          stream_options={"include_usage": True})
     text, finish, usage = "", None, None
     for chunk in stream:
@@ -124,15 +137,76 @@ def test_tool_turns_are_accepted(front: Front) -> None:
     assert out.usage is not None and out.usage.completion_tokens == 4
 
 
+def test_no_max_tokens_decodes_to_the_end_of_generation(front: Front) -> None:
+    out = front.sdk().chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}])
+    # the reference ends a reply after a few words, as a model's end of generation does: no hidden limit cut it
+    assert out.choices[0].finish_reason == "stop" and out.usage is not None and out.usage.completion_tokens > 0
+
+
+def test_a_request_with_no_sampling_parameters_samples(front: Front) -> None:
+    sdk = front.sdk()
+    messages = [SYSTEM, {"role": "user", "content": "Name a cache."}]
+    sampled = {sdk.chat.completions.create(model="ref", messages=messages, max_tokens=30).choices[0].message.content
+               for _ in range(3)}
+    greedy = {sdk.chat.completions.create(model="ref", messages=messages, max_tokens=30, temperature=0).choices[0].message.content
+              for _ in range(2)}
+    assert len(sampled) > 1 and len(greedy) == 1
+
+
+def test_model_names_agents_send_are_served_by_the_loaded_model(front: Front) -> None:
+    sdk = front.sdk()
+    for name in ("gpt-4o", "claude-sonnet-4-5", "claude-haiku-4-5", "modeld"):
+        out = sdk.chat.completions.create(model=name, messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2)
+        assert out.model == "ref"  # the reply names the model that answered
+
+
+def test_strict_model_names_and_aliases(tmp_path: Path) -> None:
+    with Front(tmp_path, "--strict-model-names", "--alias", "gpt-4o=ref") as f:
+        sdk = f.sdk()
+        with pytest.raises(openai.NotFoundError) as missing:
+            sdk.chat.completions.create(model="gpt-7", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2)
+        assert "gpt-7" in missing.value.message and "gpt-4o" in missing.value.message
+        out = sdk.chat.completions.create(model="gpt-4o", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2)
+        assert out.model == "ref"
+        assert [m.id for m in sdk.models.list()] == ["ref", "gpt-4o"]
+
+
+def test_the_access_log_has_a_line_per_request(front: Front) -> None:
+    sdk = front.sdk()
+    sdk.chat.completions.create(model="someone", messages=[SYSTEM, {"role": "user", "content": "log me"}], max_tokens=3)
+    with pytest.raises(openai.BadRequestError):
+        sdk.chat.completions.create(model="ref", messages=[])
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        lines = [ln for ln in front.daemon.log().splitlines() if "modeld.access" in ln]
+        if any(" 400 " in ln for ln in lines):
+            break
+        time.sleep(0.05)
+    ok = [ln for ln in lines if "POST /v1/chat/completions 200" in ln and "completion_tokens=3" in ln]
+    assert ok and "model=ref" in ok[-1] and "prompt_tokens=" in ok[-1] and "total_ms=" in ok[-1]
+    assert "log me" not in front.daemon.log()  # never the content
+    bad = [ln for ln in lines if "POST /v1/chat/completions 400" in ln]
+    assert bad and "error=invalid_request" in bad[-1]
+
+
 def test_errors_are_openai_errors(front: Front) -> None:
     sdk = front.sdk()
-    with pytest.raises(openai.NotFoundError):
-        sdk.chat.completions.create(model="gpt-7", messages=[SYSTEM, {"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError):
         sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "tool", "tool_call_id": "x", "content": "r"}])
-    with pytest.raises(openai.BadRequestError) as overflow:
-        sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "word " * 5000}])
-    assert overflow.value.code == "context_length_exceeded"
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as overflow:  # an HTTP status, streamed or not
+            sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "word " * 5000}],
+                                        stream=stream)
+        assert overflow.value.code == "context_length_exceeded"
+        said = re.search(r"the prompt is (\d+) tokens but the model's context window is 4096", overflow.value.message)
+        assert said is not None and int(said.group(1)) > 25_000  # the prompt's real size, counted before any prefill
+    with pytest.raises(openai.BadRequestError) as image:
+        sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+    assert image.value.code == "unsupported_content"
+    with pytest.raises(openai.BadRequestError) as bad_field:
+        sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], temperature=-1)
+    assert bad_field.value.param == "temperature"
     with pytest.raises(openai.BadRequestError):
         sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], n=2)
     with pytest.raises(openai.BadRequestError):  # the reference cannot constrain output: refused, not ignored
@@ -161,6 +235,21 @@ def test_a_client_that_disconnects_cancels_its_decode(front: Front) -> None:
         assert not c.status().busy_operation  # at 5 ms a token, 3000 tokens would take 15 s
     out = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2)
     assert out.usage is not None and out.usage.completion_tokens == 2
+
+
+def test_a_client_that_gives_up_on_a_plain_request_cancels_its_decode(front: Front) -> None:
+    impatient = openai.OpenAI(base_url=front.url, api_key="none", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "Talk at length."}],
+                                          max_tokens=3000)  # 15 s at 5 ms a token
+    impatient.close()
+    deadline = time.monotonic() + 5
+    with front.daemon.client(timeout_s=5.0) as c:
+        while c.status().busy_operation and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not c.status().busy_operation  # the decode was cancelled, the slot is free
+    lines = [ln for ln in front.daemon.log().splitlines() if "modeld.access" in ln and " 499 " in ln]
+    assert lines and "error=client_gone" in lines[-1]
 
 
 def test_api_key(tmp_path: Path) -> None:
@@ -282,4 +371,23 @@ def test_the_front_as_its_own_process(tmp_path: Path) -> None:
         finally:
             front.terminate()
             _, err = front.communicate(timeout=10)
-        assert front.returncode == 0 and "OpenAI-compatible API at" in err.decode()
+        assert front.returncode == 0 and "HTTP APIs at" in err.decode()
+        assert "POST /v1/chat/completions 200" in err.decode()  # its access log
+
+
+def test_a_daemon_killed_mid_stream_makes_the_sdk_raise(tmp_path: Path) -> None:
+    import signal
+
+    import httpx
+
+    with Front(tmp_path, "--memory-token-delay-ms", "20") as f:
+        stream = f.sdk().chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "go"}],
+                                                 max_tokens=3000, stream=True)
+        got = 0
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            for _chunk in stream:
+                got += 1
+                if got == 3:
+                    assert f.daemon.proc is not None
+                    f.daemon.proc.send_signal(signal.SIGKILL)
+        assert got >= 3

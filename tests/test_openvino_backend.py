@@ -738,3 +738,14 @@ def testmap_errors(exc: BaseException, loading: bool, expected: type[ModeldError
         assert info.value.__cause__ is exc
         assert "Exception from" not in info.value.message
 
+
+
+def test_a_text_longer_than_the_tokenizers_own_cut_is_tokenized_whole(model: OpenVINOLoadedModel) -> None:
+    """The converted tokenizer cuts every encoding at the GGUF's context length (8,192 here), whatever its
+    arguments say; the model encodes a longer text in pieces cut where no token spans the cut."""
+    block = "def handler_{i}(request):\n    return request.body.decode('utf-8') + 'ok {i}'\n"
+    one = "".join(block.format(i=i) for i in range(20))
+    text = one * 40  # ~12k tokens
+    assert len(model._encode_once(text)) == model._encode_limit <= 8192  # what a single encode gives
+    tokens = model.tokenize(text)
+    assert tokens == model.tokenize(one) * 40 and len(tokens) > model._encode_limit

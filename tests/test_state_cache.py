@@ -123,17 +123,20 @@ def test_fit_ram_shrinks_an_automatic_budget_only() -> None:
 
 
 # --- the disk tier -----------------------------------------------------------------------------------------
-def test_entries_are_written_through_to_private_files_and_survive_a_restart(tmp_path: Path) -> None:
+def test_entries_are_written_back_to_private_files_and_survive_a_restart(tmp_path: Path) -> None:
     d = tmp_path / "cache"
     c = StateCacheStore(d, ram_budget=10**6, disk_budget=10**6)
     original = snap([5, 6, 7, 8], fill=3)
     c.put(KEY_A, original)
-    wait_written(c, 1)
-    c.close()
+    time.sleep(0.05)
+    # write-back: RAM holds it, nothing is written while it stays there
+    assert c.status()["disk_written_bytes"] == 0 and list(d.iterdir()) == []
+    c.close()  # a stop writes what only RAM holds
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
     files = list(d.iterdir())
     assert [f.name for f in files] == [entry_id(KEY_A, [5, 6, 7, 8]) + ".kv"]
     assert stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    assert c.status()["disk_written_bytes"] == files[0].stat().st_size
 
     again = StateCacheStore(d, ram_budget=10**6, disk_budget=10**6)
     assert [(e.tokens, e.where) for e in again.entries()] == [(4, "disk")]
@@ -144,16 +147,49 @@ def test_entries_are_written_through_to_private_files_and_survive_a_restart(tmp_
     again.close()
 
 
-def test_ram_eviction_keeps_the_disk_copy(tmp_path: Path) -> None:
+def test_ram_eviction_writes_the_entry_to_disk(tmp_path: Path) -> None:
     c = StateCacheStore(tmp_path / "c", ram_budget=1100, disk_budget=10**6)
     c.put(KEY_A, snap([1, 2]))
-    c.put(KEY_A, snap([3, 4]))
-    wait_written(c, 2)
+    c.put(KEY_A, snap([3, 4]))  # evicts [1, 2] from RAM: only then is it written
+    wait_written(c, 1)
     st = c.status()
-    assert st["ram_entries"] == 1 and st["disk_entries"] == 2 and st["evictions"] == 0
+    assert st["ram_entries"] == 1 and st["disk_entries"] == 1 and st["evictions"] == 0
+    assert st["disk_written_bytes"] == st["disk_bytes"] > 0
     found = c.lookup(KEY_A, [1, 2], min_len=0, max_tokens=10)
     assert found is not None and found[0].resident_token_ids == [1, 2]
     c.close()
+
+
+def test_a_conversation_extending_one_tape_writes_nothing_until_it_leaves_ram(tmp_path: Path) -> None:
+    c = StateCacheStore(tmp_path / "c", ram_budget=10**6, disk_budget=10**6)
+    tape = list(range(1, 9))
+    for turn in range(5):
+        tape += [100 + turn] * 3
+        c.put(KEY_A, snap(list(tape)))  # each turn's save replaces the one before (it extends it)
+    time.sleep(0.05)
+    st = c.status()
+    assert st["ram_entries"] == 1 and st["disk_written_bytes"] == 0
+    c.close()
+    assert c.status()["disk_entries"] == 1  # the last state only
+
+
+def test_a_state_a_few_tokens_past_a_file_is_not_written(tmp_path: Path) -> None:
+    c = StateCacheStore(tmp_path / "c", ram_budget=10**6, disk_budget=10**6)
+    c.put(KEY_A, snap(list(range(1, 301))))
+    c.release_ram()  # written: 300 tokens on disk
+    wait_written(c, 1)
+    written = c.status()["disk_written_bytes"]
+    c.put(KEY_A, snap(list(range(1, 311))))  # 10 tokens more: RAM holds it, the file stays
+    c.release_ram()
+    time.sleep(0.05)
+    st = c.status()
+    assert st["disk_written_bytes"] == written and st["disk_entries"] == 1
+    found = c.lookup(KEY_A, list(range(1, 320)), min_len=0, max_tokens=1000)
+    assert found is not None and found[1] == 300  # the file restores all but the last few
+    c.put(KEY_A, snap(list(range(1, 601))))  # 300 more: worth its own file
+    c.close()
+    assert c.status()["disk_written_bytes"] > written and c.status()["disk_entries"] == 1
+
 
 
 def test_the_disk_budget_prunes_least_recently_used_files(tmp_path: Path) -> None:
@@ -220,8 +256,8 @@ def test_clear_and_release_ram(tmp_path: Path) -> None:
     c = StateCacheStore(d, ram_budget=10**6, disk_budget=10**6)
     c.put(KEY_A, snap([1, 2]))
     c.put(KEY_B, snap([3, 4]))
+    c.release_ram()  # before a model load: written to disk, then out of RAM
     wait_written(c, 2)
-    c.release_ram()
     st = c.status()
     assert st["ram_entries"] == 0 and st["ram_bytes"] == 0 and st["disk_entries"] == 2
     assert c.clear() == 2

@@ -970,3 +970,12 @@ def test_state_framing() -> None:
     assert header_diffs({"n": 1, "k": "x"}, {"n": 2, "k": "x"}) == ["n: snapshot 1 != session 2"]
     with pytest.raises(ValueError, match="16 bytes"):
         pack_state(b"short", {})
+
+
+def test_a_cost_table_measured_on_a_busy_machine_is_not_kept() -> None:
+    from backends.tape.draft_costs import plausible
+    from backends.tape.speculate import CheckCosts
+
+    quiet = CheckCosts.from_points({1: 1.0, 2: 1.8, 4: 2.7, 8: 4.4, 16: 7.8}, lambda r: r)
+    busy = CheckCosts.from_points({1: 1.0, 2: 9.1, 4: 9.7, 8: 19.1, 16: 36.2}, lambda r: r)  # seen under load
+    assert plausible(quiet) and plausible(CheckCosts.prior()) and not plausible(busy)

@@ -30,6 +30,7 @@ from contract.messages import (
     CancelReply,
     CancelRequest,
     CloseReply,
+    CountTokensRequest,
     DecodeRequest,
     EmbedReply,
     EnsurePrefixRequest,
@@ -71,6 +72,7 @@ from contract.types import (
     StructuredOutputConfig,
     SuffixInput,
     SuffixStatus,
+    TokenCount,
     ToolCall,
     ToolCallFunction,
     UnloadModelRequest,
@@ -145,6 +147,11 @@ SAMPLES: dict[Op, tuple[BaseModel, BaseModel]] = {
     Op.CACHE_CLEAR: (CacheClearRequest(owner_instance_id="o"), CacheClearReply(cleared=2)),
     Op.TAKEOVER: (TakeoverRequest(owner_instance_id="o2", epoch=3), TakeoverReply(owner="fp:0123", epoch=3, ended_session=True)),
     Op.METRICS: (MetricsRequest(), MetricsReply(text="# TYPE modeld_requests_total counter\nmodeld_requests_total 1.0\n")),
+    Op.COUNT_TOKENS: (
+        CountTokensRequest(session_id="s1", prefix=PrefixInput(text="sys", tools='[{"type": "function"}]'),
+                           suffix=SuffixInput(messages=[ChatMessage(role="user", content="hi")])),
+        TokenCount(prompt_tokens=120, prefix_tokens=100, num_ctx=8192, resident_tokens=100),
+    ),
 }
 
 
@@ -169,6 +176,7 @@ def test_op_and_kind_frames_are_pinned() -> None:
     assert {op.value for op in Op} == {
         "status", "load", "unload", "describe", "embed", "open", "ensure_prefix", "prefill_suffix", "decode",
         "cancel", "explain", "snapshot", "restore", "close", "heartbeat", "cache_list", "cache_clear", "metrics", "takeover",
+            "count_tokens",
     }
     assert {k.name: k.value for k in Kind} == {"OK": "ok", "DATA": "data", "END": "end", "ERROR": "error", "HEARTBEAT": "hb"}
     assert {k for k in Kind if k.terminal} == {Kind.OK, Kind.END, Kind.ERROR}
@@ -252,7 +260,9 @@ def test_body_field_names() -> None:
     assert snap["state_bytes"] == len(STATE) and snap["state_id"] == SNAP.state_id
     restore, frames = wire.encode_body(SAMPLES[Op.RESTORE][0])
     assert set(restore) == {"session_id", "snapshot"} and "state" not in restore["snapshot"] and frames == [STATE]
-    assert set(wire.encode_body(SAMPLES[Op.OPEN][1])[0]) == {"session_id", "generation", "num_ctx", "manifest", "active", "lease_s"}
+    assert set(wire.encode_body(SAMPLES[Op.OPEN][1])[0]) == {
+        "session_id", "generation", "num_ctx", "manifest", "active", "lease_s", "sampling"}
+    assert set(wire.encode_body(SAMPLES[Op.COUNT_TOKENS][0])[0]) == {"session_id", "prefix", "suffix"}
     assert wire.encode_body(SnapshotRequest(session_id="s"))[0] == {"session_id": "s", "include_state": False}
     assert wire.encode_body(CancelRequest(request_id=b"\xff"))[0] == {"request_id": b"\xff"}  # msgpack bin, not text
     assert wire.encode_body(HeartbeatRequest(session_ids=["a"]))[0] == {"session_ids": ["a"]}
@@ -405,7 +415,7 @@ def test_bad_reply_frames_are_typed_errors(frames: list[bytes], error: type[Mode
 @pytest.mark.parametrize("op", list(Op))
 def test_each_operation_has_its_own_limits(op: Op) -> None:
     """Checked on the raw frames, before the body is parsed: a status cannot carry a big body or any frame."""
-    small = op not in (Op.ENSURE_PREFIX, Op.PREFILL_SUFFIX, Op.DECODE, Op.EMBED)
+    small = op not in (Op.ENSURE_PREFIX, Op.PREFILL_SUFFIX, Op.DECODE, Op.EMBED, Op.COUNT_TOKENS)
     assert wire.body_limit(op) == (wire.MAX_SMALL_BODY_BYTES if small else wire.MAX_BODY_BYTES)
     # a body one byte over the operation's limit (unparsable: it is refused before parsing)
     big = b"\xc1" * (wire.body_limit(op) + 1) if small else None

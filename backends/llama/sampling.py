@@ -132,10 +132,10 @@ def _unenforced_keywords(node: Any) -> set[str]:
 
 
 def build_sampler(m: LlamaLoadedModel, cfg: DecodeConfig, grammar: str | None) -> llama_internals.LlamaSampler:
-    """A sampler chain in llama-cpp-python's order: grammar, then greedy or top-k/top-p/temp/dist.
+    """A sampler chain in llama.cpp's order: grammar, then greedy or top-k/top-p/min-p/temp/dist.
 
-    Penalties are left out (llama-cpp-python's defaults make them a no-op) and
-    min_p is 0, so top_k/top_p mean what they say.
+    Penalties are left out (llama-cpp-python's defaults make them a no-op); a
+    field left unset (None) or 0 adds no step.
     """
     sampler = llama_internals.LlamaSampler()
     try:
@@ -148,10 +148,12 @@ def build_sampler(m: LlamaLoadedModel, cfg: DecodeConfig, grammar: str | None) -
         if not cfg.temperature:
             sampler.add_greedy()
         else:
-            if cfg.top_k > 0:
+            if cfg.top_k:
                 sampler.add_top_k(cfg.top_k)
             if cfg.top_p is not None and cfg.top_p < 1.0:
                 sampler.add_top_p(cfg.top_p, 1)
+            if cfg.min_p:
+                sampler.add_min_p(cfg.min_p, 1)
             sampler.add_temp(cfg.temperature)
             seed = llama_cpp.LLAMA_DEFAULT_SEED if cfg.seed is None else cfg.seed & 0xFFFFFFFF
             m.llm.set_seed(seed)

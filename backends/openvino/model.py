@@ -161,6 +161,38 @@ _TOOLS_IN_TEMPLATE = re.compile(r"\btools\b")
 
 
 # --- the chat template -------------------------------------------------------------------------
+def split_for_encoding(text: str, max_chars: int) -> list[str]:
+    """``text`` in pieces of at most ``max_chars`` characters, cut after a newline between two non-space
+    characters (else before a space that a non-space follows, else anywhere): a GPT-2-style pre-tokenizer
+    never joins text across such a cut, so the pieces' tokens are the whole text's. Only a prompt longer
+    than the tokenizer's own cut is split, so a cut elsewhere costs at most a token of the count."""
+    pieces = []
+    start = 0
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        cut = -1
+        for sep in ("\n", " "):
+            at = end
+            while True:
+                at = text.rfind(sep, start + 1, at)
+                if at < 0:
+                    break
+                # before a word: a newline after a non-space character (a run of whitespace is one
+                # pre-token at the end of a piece but may be two inside the text), or a space (the last
+                # space of a run joins the word after it, in the text as in the piece)
+                if at + 1 < len(text) and not text[at + 1].isspace() and (sep == " " or not text[at - 1].isspace()):
+                    cut = at + 1 if sep == "\n" else at
+                    break
+            if cut > start:
+                break
+        if cut <= start:
+            cut = end
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
 class OpenVINOTemplate:
     """The model's own template, rendered by the IR tokenizer (GenAI's minja).
 
@@ -249,6 +281,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         self.vocab = _Vocab(tokenizer)
         source = str(tokenizer.chat_template or "")
         self._guidance_tok: Any = None
+        self._encode_cap: int | None = None
         #: last-position logits per tape length: prefill ends and the live decode position
         self._logits: dict[int, np.ndarray] = {}
         #: the tape length whose logits entry step() created (spent by the next step)
@@ -350,8 +383,27 @@ class OpenVINOLoadedModel(TapeModelBase):
         ids = self.tok.encode("a", add_special_tokens=True).input_ids.data[0]
         return len(ids) > 0 and int(ids[0]) == bos
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode_once(self, text: str) -> list[int]:
         return [int(t) for t in self.tok.encode(text, add_special_tokens=False).input_ids.data[0]]
+
+    @property
+    def _encode_limit(self) -> int:
+        """The most tokens one ``encode`` returns: the converted tokenizer cuts every encoding at the model's
+        context length (from the GGUF), whatever ``max_length`` or ``truncation`` say (measured once)."""
+        if self._encode_cap is None:
+            self._encode_cap = len(self._encode_once("a\n" * 200_000))
+        return self._encode_cap
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self._encode_once(text)
+        if len(ids) < self._encode_limit:
+            return ids
+        # cut by the tokenizer: encode in pieces that each hold fewer characters than the limit (so fewer
+        # tokens), split where a line ends before a non-space character (no token spans such a boundary)
+        out: list[int] = []
+        for piece in split_for_encoding(text, self._encode_limit - 1):
+            out += self._encode_once(piece)
+        return out
 
     def prompt_text(self, tokens: list[int]) -> str:
         return str(self.tok.decode(tokens, skip_special_tokens=False)) if tokens else ""

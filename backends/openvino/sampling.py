@@ -15,12 +15,13 @@ if TYPE_CHECKING:
 
 
 class Sampler:
-    """Greedy, or llama.cpp's order: top-k, then top-p on the softmax, then temperature."""
+    """Greedy, or llama.cpp's order: top-k, then top-p on the softmax, then min-p, then temperature."""
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.temperature = cfg.temperature or 0.0
-        self.top_k = cfg.top_k
+        self.top_k = cfg.top_k or 0
         self.top_p = cfg.top_p if cfg.top_p is not None else 1.0
+        self.min_p = cfg.min_p or 0.0
         self.rng = np.random.default_rng(cfg.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
@@ -37,6 +38,10 @@ class Sampler:
             p /= p.sum()
             cut = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
             order, vals = order[:cut], vals[:cut]
+        if self.min_p > 0.0:
+            # keep tokens at least min_p as likely as the top one (before temperature, as llama.cpp)
+            keep = int(np.count_nonzero(vals - vals[0] >= np.log(self.min_p)))
+            order, vals = order[:keep], vals[:keep]
         p = np.exp((vals - vals[0]) / self.temperature)
         p /= p.sum()
         return int(order[self.rng.choice(len(order), p=p)])

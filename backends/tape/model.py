@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from contract.errors import (
@@ -25,7 +26,7 @@ from contract.errors import (
 from contract.interfaces import StateCache
 from contract.manifest import ContextManifest, canonical_digest
 from contract.resident import Resident
-from contract.types import Config, DecodeConfig, SessionSnapshot, SpeculationStatus
+from contract.types import DEFAULT_SAMPLING, Config, DecodeConfig, SamplingParams, SessionSnapshot, SpeculationStatus
 
 from .cache import save_tape
 from .speculate import MAX_DRAFT, CheckCosts, SpeculationStats
@@ -59,7 +60,7 @@ class ChatTemplate(Protocol):
 
     @property
     def supports_tools(self) -> bool:
-        """Whether the template renders a ``tools`` list itself (else tools are refused, never dropped)."""
+        """Whether the template renders a ``tools`` list itself (else they go in a generic system block)."""
         ...
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool, **extra: Any) -> str:
@@ -212,18 +213,44 @@ def parse_tools(tools: str) -> list[Any] | None:
     return parsed or None
 
 
+#: how tools reach a model whose template does not render them: a system block in the Hermes form,
+#: the call syntax ``backends.tape.output`` parses back (and the history fallback writes calls in)
+GENERIC_TOOLS_HEADER = (
+    "# Tools\n\n"
+    "You may call one or more functions to help with the user's request. "
+    "The functions you can call are described by the JSON Schemas inside <tools></tools>:\n<tools>"
+)
+GENERIC_TOOLS_FOOTER = (
+    "</tools>\n\n"
+    "To call a function, answer with a JSON object holding its name and arguments inside "
+    "<tool_call></tool_call> tags, one block per call:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>'
+)
+
+
+def generic_tools_text(tools: list[Any]) -> str:
+    """The tool block a template without tool support gets in its system turn (one JSON line per tool)."""
+    lines = [json.dumps(tool, ensure_ascii=False) for tool in tools]
+    return "\n".join([GENERIC_TOOLS_HEADER, *lines, GENERIC_TOOLS_FOOTER])
+
+
+def with_tools(template: ChatTemplate, system: str, tools: list[Any] | None) -> tuple[str, list[Any] | None]:
+    """The system text and the tools to hand ``template``: its own rendering when it renders tools, else
+    the generic block appended to the system text (tools are never dropped)."""
+    if not tools or template.supports_tools:
+        return system, tools
+    block = generic_tools_text(tools)
+    return (f"{system}\n\n{block}" if system else block), None
+
+
 def render_prefix(template: ChatTemplate | None, text: str, tools: list[Any] | None) -> str:
     """The stable prefix as prompt text: the system turn (and tools) through the model's template."""
     if template is None:
         if tools:
             raise UnsupportedFeature("the model has no chat template, so it cannot be given tools")
         return text
-    if tools and not template.supports_tools:
-        raise UnsupportedFeature(
-            "the model's chat template does not render tools; refusing to drop them silently",
-            template_digest=template.digest,
-        )
-    return template.render([{"role": "system", "content": text}], tools, generation=False)
+    system, tools = with_tools(template, text, tools)
+    return template.render([{"role": "system", "content": system}], tools, generation=False)
 
 
 # --- the bookkeeping every engine shares ------------------------------------------------------------
@@ -280,6 +307,7 @@ class TapeModelBase(ABC):
         #: prefill of any split (a backend sets it for a layout where they do): drafts then never
         #: change an answer, sampled ones included, and decoded tokens hold what a prefill computes
         self.rows_exact = False
+        self._sampling: SamplingParams | None = None
 
     # --- identity ---------------------------------------------------------------------------
     @property
@@ -335,6 +363,24 @@ class TapeModelBase(ABC):
             drafted_tokens=self.drafts.drafted,
             accepted_tokens=self.drafts.accepted,
         )
+
+    def sampling_defaults(self) -> SamplingParams:
+        """The sampling the model's GGUF recommends (``general.sampling.*``), else the documented defaults."""
+        if self._sampling is None:
+            from ..gguf_file import gguf_scalars, is_gguf, recommended_sampling
+
+            found: dict[str, float | int] = {}
+            path = Path(self.path)
+            if path.is_file() and is_gguf(path):
+                try:
+                    found = recommended_sampling(gguf_scalars(path))
+                except (OSError, ValueError):
+                    found = {}
+            if found:
+                self._sampling = DEFAULT_SAMPLING.model_copy(update={**found, "source": "model"})
+            else:
+                self._sampling = DEFAULT_SAMPLING
+        return self._sampling
 
     def manifest_defaults(self) -> ContextManifest:
         """The identity a client puts in its ContextManifest for this model."""

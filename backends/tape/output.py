@@ -144,6 +144,8 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._held = ""
         self.stopped = False
+        #: the stop string that ended the stream ("" until one does)
+        self.matched = ""
 
     def feed(self, text: str) -> str:
         if self.stopped:
@@ -153,9 +155,10 @@ class StopMatcher:
         buf = self._held + text
         # The stop that *completes* first wins (ties: the one starting earlier), which is
         # what a token stream sees; so every chunking of the same text cuts at one place.
-        hits = [(i + len(s), i) for s in self._stops if (i := buf.find(s)) >= 0]
+        hits = [(i + len(s), i, s) for s in self._stops if (i := buf.find(s)) >= 0]
         cut = min(hits)[1] if hits else -1
         if cut >= 0:
+            self.matched = min(hits)[2]
             self.stopped = True
             self._held = ""
             return buf[:cut]
@@ -329,6 +332,11 @@ class OutputPipeline:
         self._stop = StopMatcher(stops)
         self._think = ThinkSplitter(start_inside=start_in_thinking) if split_thinking else None
         self._tools = ToolCallParser() if parse_tools else None
+
+    @property
+    def stop_sequence(self) -> str:
+        """The stop string that ended the answer ("" when none did)."""
+        return self._stop.matched
 
     @property
     def tool_call_count(self) -> int:

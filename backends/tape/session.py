@@ -29,12 +29,13 @@ from contract.types import (
     StreamChunk,
     SuffixInput,
     SuffixStatus,
+    TokenCount,
     check_conversation,
 )
 
 from .cache import SAVE_MIN_TOKENS, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
-from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix
+from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix, with_tools
 from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
 from .state import check_restorable
@@ -51,7 +52,7 @@ def _set_kv(m: TapeModel, tokens: list[int], keep: int) -> int:
         m.res.live_len = None
 
 
-def _splice(m: TapeModel, stable: list[int], text: str) -> list[int]:
+def _splice(m: TapeModel, stable: list[int], text: str, resident: list[int]) -> list[int]:
     """``stable`` + the tokens of ``text``, keeping resident tokens that spell the same text.
 
     A model's reply is not always the tokenizer's own spelling of its text (a
@@ -63,7 +64,6 @@ def _splice(m: TapeModel, stable: list[int], text: str) -> list[int]:
     tokenizer's spelling is kept, so a warm turn computes what a cold one does.
     """
     target = stable + m.tokenize(text)
-    resident = m.res.tokens
     lcp = common_prefix_len(resident, target)
     if m.config.exact_reuse or lcp < len(stable) or lcp >= len(resident):
         return target
@@ -141,6 +141,38 @@ class DecodeSteps(Protocol):
         ...
 
 
+def _target(
+    m: TapeModel, stable: list[int], stable_text: str, tools_json: str, bos_policy: str, suffix: SuffixInput,
+    resident: list[int],
+) -> tuple[list[int], int]:
+    """The tokens ``suffix`` after the stable prefix ``stable`` comes to, and how much of it stays the prefix.
+
+    ``resident`` is the tape the suffix is spliced against (``_splice``).
+    """
+    tpl = m.template
+    if suffix.messages and tpl is None:
+        raise UnsupportedFeature("the model has no chat template to render messages with; send the suffix as text")
+    if not suffix.render or tpl is None:
+        return _splice(m, stable, suffix.text, resident), len(stable)
+    system_text, tools = with_tools(tpl, stable_text, parse_tools(tools_json))
+    system = {"role": "system", "content": system_text}
+    extra: dict[str, Any] = {}
+    if suffix.enable_thinking is not None:
+        extra["enable_thinking"] = suffix.enable_thinking
+    prefix_text = tpl.render([system], tools, generation=False)
+    if suffix.messages:
+        conversation = template_messages(tpl, system_text, suffix.messages)
+    else:
+        conversation = [system, {"role": suffix.role, "content": suffix.text}]
+    full = tpl.render(conversation, tools, generation=True, **extra)
+    if full.startswith(prefix_text):
+        return _splice(m, stable, full[len(prefix_text) :], resident), len(stable)
+    # Not prefix-stable: the stable part renders differently once a turn follows.
+    # Reconcile by tokens: whatever of the old prefix still matches stays resident.
+    target = m.tokenize(full, bos_policy=bos_policy)
+    return target, min(len(stable), common_prefix_len(stable, target))
+
+
 class TapeSession:
     """A Session over a TapeModel's persistent KV.
 
@@ -181,30 +213,9 @@ class TapeSession:
     def _suffix_target(self, m: TapeModel, suffix: SuffixInput) -> tuple[list[int], int]:
         """The token list the KV must hold after the suffix, and its stable-prefix length."""
         res = m.res
-        stable = res.tokens[: res.prefix_len]
-        tpl = m.template
-        if suffix.messages and tpl is None:
-            raise UnsupportedFeature("the model has no chat template to render messages with; send the suffix as text")
-        if not suffix.render or tpl is None:
-            return _splice(m, stable, suffix.text), res.prefix_len
-        tools = parse_tools(res.tools)
-        system = {"role": "system", "content": res.stable_text}
-        extra: dict[str, Any] = {}
-        if suffix.enable_thinking is not None:
-            extra["enable_thinking"] = suffix.enable_thinking
-        prefix_text = tpl.render([system], tools, generation=False)
-        if suffix.messages:
-            conversation = template_messages(tpl, res.stable_text, suffix.messages)
-        else:
-            conversation = [system, {"role": suffix.role, "content": suffix.text}]
-        full = tpl.render(conversation, tools, generation=True, **extra)
-        if full.startswith(prefix_text):
-            return _splice(m, stable, full[len(prefix_text) :]), res.prefix_len
-        # Not prefix-stable: the stable part renders differently once a turn follows.
-        # Reconcile by tokens: whatever of the old prefix still matches stays resident.
         bos_policy = res.manifest.bos_policy if res.manifest is not None else ""
-        target = m.tokenize(full, bos_policy=bos_policy)
-        return target, min(res.prefix_len, common_prefix_len(stable, target))
+        stable = res.tokens[: res.prefix_len]
+        return _target(m, stable, res.stable_text, res.tools, bos_policy, suffix, res.tokens)
 
     def _output_pipeline(self, m: TapeModel, cfg: DecodeConfig) -> OutputPipeline:
         """Stops, thinking split and tool parsing for one decode pass (call inside ``m.errors``)."""
@@ -308,6 +319,25 @@ class TapeSession:
         from_cache = max(0, min(cached, kept) - prefix_len)
         return res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
 
+    def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:
+        """What ensure_prefix(prefix) + prefill_suffix(suffix) would leave resident; the KV is untouched."""
+        m = self._live()
+        self._check_manifest(m, prefix.manifest)
+        check_conversation(suffix.messages)
+        res = m.res
+        with m.errors("count_tokens"):
+            rendered = render_prefix(m.template, prefix.text, parse_tools(prefix.tools))
+            stable = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
+            compatible = res.manifest is not None and prefix.manifest.compatible_with(res.manifest)
+            resident = res.tokens if compatible else []
+            target, _ = _target(m, stable, prefix.text, prefix.tools, prefix.manifest.bos_policy, suffix, resident)
+        return TokenCount(
+            prompt_tokens=len(target),
+            prefix_tokens=len(stable),
+            num_ctx=m.num_ctx,
+            resident_tokens=m.reusable(common_prefix_len(resident, target)),
+        )
+
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         """Stream chunks; closing the generator cancels within one token (see ``_stream``)."""
         m = self._live()
@@ -352,6 +382,8 @@ class TapeSession:
         start = time.perf_counter()
         res = m.res
         prompt_tokens = len(res.tokens)
+        # no limit: until the end of generation or the context's end (a pass never decodes more than that)
+        max_tokens = cfg.max_tokens if cfg.max_tokens is not None else m.num_ctx
         produced = 0
         first_ms = 0.0
         finish = ""
@@ -394,7 +426,7 @@ class TapeSession:
                         if lookup is None:
                             lookup = PromptLookup(res.tokens)
                         lookup.extend([tok])
-                        limit = draft_limit(cfg.max_tokens, produced, m.num_ctx, len(res.tokens))
+                        limit = draft_limit(max_tokens, produced, m.num_ctx, len(res.tokens))
                         draft, matched = lookup.propose(limit)
                         draft = draft[: policy.plan(len(draft), matched, len(res.tokens))]
                     with m.errors("decode"):
@@ -422,7 +454,7 @@ class TapeSession:
                             if not in_kv:
                                 break  # the first token the draft did not foresee: evaluated next
                             accepted += 1
-                            if finish or produced >= cfg.max_tokens:
+                            if finish or produced >= max_tokens:
                                 break
                         with m.errors("decode"):
                             steps.rollback(len(draft) - accepted)
@@ -450,7 +482,7 @@ class TapeSession:
                         continue
                 if finish:
                     break
-                if produced >= cfg.max_tokens:
+                if produced >= max_tokens:
                     finish = "length"
                     break
                 if len(res.tokens) >= m.num_ctx:
@@ -475,9 +507,11 @@ class TapeSession:
                 yield tail.chunk()
             if pipeline.tool_call_count and finish == "stop":
                 finish = "tool_calls"
-            yield StreamChunk.final(
+            final = StreamChunk.final(
                 finish, prompt_tokens, produced, first_ms, start, drafted=stats.drafted, accepted=stats.accepted
             )
+            final.stop_sequence = pipeline.stop_sequence
+            yield final
         finally:
             if pending is not None and still_ours():
                 steps.settle(pending)

@@ -1,0 +1,27 @@
+"""``make agents`` (``python -m benchmarks.agents [options]``): the real coding agents against the daemon.
+
+Installs the agents once at pinned versions into ``.cache/agents`` (npm packages in one prefix, a venv
+per PyPI agent), starts ``modeld serve --backend auto --http 127.0.0.1:PORT`` on a free port with its
+own endpoint and data dir, then runs each agent headless and offline (scratch HOME, telemetry and
+update checks off) on its own scratch git repository with one small task ("Fix the bug in calc.py …"),
+through a recording proxy. Prints one row per agent: requests the daemon served (from its JSON access
+log, matched to the agent by when each request started), errors (status >= 400 or an error code),
+prefix reuse (cached ÷ prompt tokens over the requests after the first), prompt tokens, time, whether
+the repository changed, whether ``add`` now returns the sum, and the agent's exit code.
+
+Options: ``--only opencode,aider`` (a subset), ``--timeout 300`` (seconds per agent), ``--model NAME``
+(default: the first of ``/v1/models``), ``--context N``, ``--outdir DIR``, ``--backend``,
+``--serve-arg ARG``, ``--settle S`` (wait after an agent for its requests to end), ``--install-only``,
+``--reinstall``. With make: ``make agents AGENTS_ARGS="--only codex"``.
+
+Output, in ``--outdir`` (default ``.cache/agents/runs/TIME``): ``<agent>.log`` (its stdout and stderr),
+``<agent>/NNN-<route>.json`` (each request it sent and the response), ``daemon.log``, ``agents.json``
+(everything), ``scratch/<agent>/{repo,home}`` (its repository and configs). The exit status is 0 even
+when agents fail (this is a report); 2 when the agents could not be installed or the daemon did not start.
+"""
+
+import sys
+
+from benchmarks.agents.runner import main
+
+sys.exit(main())

@@ -1,0 +1,164 @@
+"""The figures of one agent's run, from the daemon's access-log lines, and the table that prints them.
+
+The access log is read tolerantly: the fields the front has not written yet count as 0 / None.
+"""
+
+from __future__ import annotations
+
+import bisect
+import datetime
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["AccessLine", "AgentResult", "assign", "started_at", "table"]
+
+
+def _int(v: Any) -> int:
+    try:
+        return int(v or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _float(v: Any) -> float | None:
+    try:
+        return None if v is None else float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def started_at(rec: dict[str, Any]) -> float:
+    """When the daemon received the request (wall clock): the line's ``ts`` less ``total_ms``.
+
+    A line is written when its response is complete, possibly long after the agent that sent it
+    has gone; the start says whose it was. Without ``ts``, the time the harness read the line.
+    """
+    end = float(rec.get("_arrived") or 0.0)
+    ts = rec.get("ts")
+    if isinstance(ts, str):
+        try:
+            end = datetime.datetime.fromisoformat(ts).timestamp()
+        except ValueError:
+            pass
+    return end - (_float(rec.get("total_ms")) or 0.0) / 1000
+
+
+def assign(records: list[dict[str, Any]], starts: list[float]) -> list[list[dict[str, Any]]]:
+    """Split access records among agents that started at ``starts`` (ascending, one after the other).
+
+    A record belongs to the last agent started before the daemon received it; records from before the
+    first agent (the harness's own health checks) belong to none. Each agent's records come in start order.
+    """
+    out: list[list[dict[str, Any]]] = [[] for _ in starts]
+    for rec in sorted(records, key=started_at):
+        i = bisect.bisect_right(starts, started_at(rec)) - 1
+        if i >= 0:
+            out[i].append(rec)
+    return out
+
+
+@dataclass(frozen=True)
+class AccessLine:
+    """One ``modeld.access`` record."""
+
+    method: str
+    route: str
+    status: int
+    model: str | None
+    stream: bool
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish_reason: str | None
+    ttft_ms: float | None
+    total_ms: float | None
+    error: str | None
+
+    @classmethod
+    def parse(cls, rec: dict[str, Any]) -> AccessLine:
+        return cls(
+            method=str(rec.get("method") or ""), route=str(rec.get("route") or rec.get("path") or ""),
+            status=_int(rec.get("status")), model=rec.get("model") or None, stream=bool(rec.get("stream")),
+            prompt_tokens=_int(rec.get("prompt_tokens")), cached_tokens=_int(rec.get("cached_tokens")),
+            completion_tokens=_int(rec.get("completion_tokens")), finish_reason=rec.get("finish_reason") or None,
+            ttft_ms=_float(rec.get("ttft_ms")), total_ms=_float(rec.get("total_ms")), error=rec.get("error") or None,
+        )
+
+    @property
+    def failed(self) -> bool:
+        return self.status >= 400 or bool(self.error)
+
+
+@dataclass
+class AgentResult:
+    """One agent's run: what it did, what the daemon saw, what the proxy recorded."""
+
+    agent: str
+    argv: list[str]
+    started: float  # wall clock
+    exit_code: int | None  # None: it ran past its timeout and was killed
+    timed_out: bool
+    seconds: float
+    changed: bool
+    fixed: bool
+    access: list[AccessLine] = field(default_factory=list)
+    requests: list[dict[str, Any]] = field(default_factory=list)  # the proxy's summaries
+    diff: str = ""
+    note: str = ""
+    daemon_after: dict[str, Any] | None = None  # its status once the agent's requests were done (or settle ran out)
+
+    @property
+    def errors(self) -> int:
+        return sum(1 for a in self.access if a.failed)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(a.prompt_tokens for a in self.access)
+
+    @property
+    def reuse(self) -> float | None:
+        """Cached ÷ prompt tokens over the generating requests after the first; None with fewer than two."""
+        turns = [a for a in self.access if a.prompt_tokens > 0]
+        later = turns[1:]
+        prompt = sum(a.prompt_tokens for a in later)
+        if not prompt:
+            return None
+        return sum(a.cached_tokens for a in later) / prompt
+
+    def routes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for a in self.access:
+            key = f"{a.method} {a.route} {a.status}" + (f" {a.error}" if a.error else "")
+            out[key] = out.get(key, 0) + 1
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: v for k, v in asdict(self).items() if k not in ("access",)}
+        out.update(requests_served=len(self.access), errors=self.errors, reuse=self.reuse,
+                   prompt_tokens_total=self.prompt_tokens, routes=self.routes(),
+                   access=[asdict(a) for a in self.access], proxied=len(self.requests))
+        return out
+
+
+HEADER = ("agent", "requests", "errors", "reuse", "prompt tok", "time s", "changed", "fixed", "exit")
+
+
+def _row(r: AgentResult) -> tuple[str, ...]:
+    reuse = "-" if r.reuse is None else f"{r.reuse:.0%}"
+    exit_code = "timeout" if r.timed_out else str(r.exit_code)
+    requests = str(len(r.access)) + ("" if len(r.requests) == len(r.access) else f" ({len(r.requests)} sent)")
+    return (r.agent, requests, str(r.errors), reuse, f"{r.prompt_tokens:,}", f"{r.seconds:.0f}",
+            "yes" if r.changed else "no", "yes" if r.fixed else "no", exit_code)
+
+
+def table(results: list[AgentResult]) -> str:
+    """A plain-text table, one row per agent (``requests`` says how many the proxy saw when that differs)."""
+    rows = [HEADER, *(_row(r) for r in results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

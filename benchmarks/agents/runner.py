@@ -1,0 +1,297 @@
+"""The run: install the agents, start the daemon and the recording proxy, run each agent, report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.agents.daemon import Daemon, DaemonError, free_port, get_json
+from benchmarks.agents.install import Installed, InstallError, ensure_installed
+from benchmarks.agents.proxy import Proxy
+from benchmarks.agents.report import AccessLine, AgentResult, assign, table
+from benchmarks.agents.scratch import GIT_ENV, TASK, make_repo
+from benchmarks.agents.specs import AGENTS, Context, Launch
+
+__all__ = ["main"]
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = ROOT / ".cache" / "agents"
+DEFAULT_CONTEXT = 8192
+#: what agents.json keeps of the daemon's status after each agent
+STATUS_KEYS = ("state", "busy_operation", "session_open", "last_error", "generation")
+
+
+def _log(msg: str) -> None:
+    print(f"agents: {msg}", file=sys.stderr, flush=True)
+
+
+def _base_python() -> str:
+    """The interpreter the project's venv was made from (the agents' venvs get the same Python version)."""
+    base = Path(sys.base_prefix) / "bin" / "python3"
+    return str(base) if base.exists() else "python3"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.agents", description=__doc__)
+    p.add_argument("--only", default="", help=f"comma-separated agents to run (default: all of {','.join(AGENTS)})")
+    p.add_argument("--timeout", type=float, default=300.0, help="wall-clock seconds per agent (default 300)")
+    p.add_argument("--settle", type=float, default=60.0,
+                   help="seconds to wait after an agent for the daemon to log the requests it left and go idle (default 60)")
+    p.add_argument("--model", default="", help="the model name the agents are told (default: the first of /v1/models)")
+    p.add_argument("--context", type=int, default=0,
+                   help="the context window the agents are told (default: the daemon's effective context)")
+    p.add_argument("--output-tokens", type=int, default=2048, help="the reply limit the agents are told (default 2048)")
+    p.add_argument("--outdir", type=Path, default=None, help="where logs and dumps go (default .cache/agents/runs/TIME)")
+    p.add_argument("--backend", default=os.environ.get("MODELD_BACKEND", "auto"), help="modeld serve --backend")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for modeld serve (repeatable), e.g. --serve-arg=--num-ctx=16384")
+    p.add_argument("--modeld", default="", help="the modeld command (default: the one beside this Python)")
+    p.add_argument("--task", default=TASK, help="what the agents are asked to do")
+    p.add_argument("--install-only", action="store_true", help="install the agents and exit")
+    p.add_argument("--reinstall", action="store_true", help="install the agents again even when the stamp matches")
+    p.add_argument("--python", default=_base_python(),
+                   help="the Python that makes the PyPI agents' venvs (default: the one this venv was made from)")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(AGENTS)
+    unknown = [n for n in names if n not in AGENTS]
+    if unknown:
+        p.error(f"unknown agent(s) {', '.join(unknown)}; known: {', '.join(AGENTS)}")
+    args.agents = names
+    return args
+
+
+def _modeld(arg: str) -> str:
+    if arg:
+        return arg
+    beside = Path(sys.executable).parent / "modeld"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("modeld")
+    if found is None:
+        raise DaemonError("no modeld command beside this Python nor on PATH (make serving installs it)")
+    return found
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+async def _launch(launch: Launch, log: Path, timeout: float) -> tuple[int | None, bool]:
+    """Run it to the end or to ``timeout``; returns (exit code or None, timed out)."""
+    with log.open("wb") as out:
+        out.write(f"$ {' '.join(launch.argv)}\n".encode())
+        out.flush()
+        proc = await asyncio.create_subprocess_exec(
+            *launch.argv, cwd=launch.cwd, env=launch.env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=out, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        try:
+            try:
+                code = await asyncio.wait_for(proc.wait(), timeout)
+                return code, False
+            except TimeoutError:
+                _kill_group(proc.pid, signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(proc.wait(), 5.0)
+                except TimeoutError:
+                    _kill_group(proc.pid, signal.SIGKILL)
+                    await proc.wait()
+                return None, True
+        finally:
+            if proc.returncode is None:
+                _kill_group(proc.pid, signal.SIGKILL)
+                await proc.wait()
+            _kill_group(proc.pid, signal.SIGKILL)  # what it left behind in its session
+
+
+class Run:
+    """One harness run: a daemon, a proxy, the agents one after the other."""
+
+    def __init__(self, args: argparse.Namespace, installed: Installed, outdir: Path) -> None:
+        self.args = args
+        self.installed = installed
+        self.outdir = outdir
+        self.daemons = 0
+        self.daemon: Daemon | None = None
+        self.proxy: Proxy | None = None
+        self.model = ""
+        self.context = 0
+        self.health: dict[str, Any] = {}
+        self.starts: list[float] = []  # when each agent started (wall clock)
+        self.old_access: list[dict[str, Any]] = []  # the lines of daemons restarted since
+
+    async def start_daemon(self) -> Daemon:
+        self.daemons += 1
+        suffix = "" if self.daemons == 1 else f"-{self.daemons}"
+        daemon = Daemon(_modeld(self.args.modeld), self.outdir / f"daemon{suffix}.log",
+                        backend=self.args.backend, extra=self.args.serve_arg)
+        try:
+            self.health = await daemon.start()
+        except BaseException:
+            await daemon.stop()
+            raise
+        self.daemon = daemon
+        if self.proxy is not None:
+            self.proxy.upstream = ("127.0.0.1", daemon.port)
+        return daemon
+
+    async def setup(self) -> None:
+        daemon = await self.start_daemon()
+        _log(f"daemon ready at {daemon.url} ({self.health})")
+        self.model = self.args.model
+        if not self.model:
+            _, body = await asyncio.to_thread(get_json, daemon.url + "/v1/models")
+            data = body.get("data") if isinstance(body, dict) else None
+            if isinstance(data, list) and data and isinstance(data[0], dict):
+                self.model = str(data[0].get("id", ""))
+            self.model = self.model or str(self.health.get("model") or "")
+        if not self.model:
+            raise DaemonError("the daemon lists no model (/v1/models); name one with --model")
+        self.context = self.args.context
+        if not self.context:
+            status = await asyncio.to_thread(daemon.status)
+            active = (status or {}).get("active") or {}
+            self.context = int(active.get("effective_context") or 0) or DEFAULT_CONTEXT
+        self.proxy = Proxy(("127.0.0.1", daemon.port), free_port())
+        await self.proxy.start()
+        _log(f"recording proxy at {self.proxy.url}; model {self.model!r}, context {self.context}")
+
+    async def close(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.stop()
+        if self.daemon is not None:
+            await self.daemon.stop()
+
+    async def agent(self, name: str) -> AgentResult:
+        assert self.daemon is not None and self.proxy is not None
+        scratch = self.outdir / "scratch" / name
+        home = scratch / "home"
+        home.mkdir(parents=True, exist_ok=True)
+        git_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1",
+                   **GIT_ENV}
+        changes = make_repo(scratch / "repo", git_env)
+        ctx = Context(name=name, installed=self.installed, server=self.proxy.url, model=self.model,
+                      context=self.context, output=min(self.args.output_tokens, self.context // 2),
+                      task=self.args.task, repo=changes.repo, home=home, outdir=scratch)
+        launch = AGENTS[name](ctx)
+        self.proxy.begin(name, self.outdir / name)
+        _log(f"{name}: {' '.join(launch.argv)}")
+        started = time.time()
+        self.starts.append(started)
+        t0 = time.monotonic()
+        code, timed_out = await _launch(launch, self.outdir / f"{name}.log", self.args.timeout)
+        seconds = time.monotonic() - t0
+        note = []
+        aborted = self.proxy.abort()
+        if aborted:
+            note.append(f"{aborted} request(s) still open when the agent ended were closed")
+        if not await self.proxy.drain(10.0):
+            note.append(f"{self.proxy.inflight} request(s) still in flight 10 s after the agent ended")
+        requests = self.proxy.end()
+        # A request the agent gave up on is logged when the daemon is done with it: wait for its line, so the
+        # next agent starts on a free daemon (lines are matched to agents by when they started, in the end).
+        settled = time.monotonic() + self.args.settle
+        served = await self.settle(len(requests), self.args.settle)
+        if served < len(requests):
+            note.append(f"{len(requests) - served} request(s) had no access-log line "
+                        f"{self.args.settle:.0f} s after the agent ended")
+        status = await self.idle(settled - time.monotonic())
+        if status and status.get("busy_operation"):
+            note.append(f"the daemon was still busy ({status['busy_operation']}) "
+                        f"{self.args.settle:.0f} s after the agent ended")
+        daemon = self.daemon
+        if daemon.proc is not None and daemon.proc.returncode is not None:
+            note.append(f"the daemon exited ({daemon.proc.returncode}) during this run; restarted for the next")
+            await daemon.stop()
+            self.old_access += daemon.access
+            await self.start_daemon()
+        result = AgentResult(agent=name, argv=launch.argv, started=started, exit_code=code, timed_out=timed_out,
+                             seconds=seconds, changed=changes.changed(), fixed=changes.fixed(), requests=requests,
+                             diff=changes.diff(), note="; ".join(note),
+                             daemon_after={k: status.get(k) for k in STATUS_KEYS} if status else None)
+        _log(f"{name}: {'timed out' if timed_out else f'exit {code}'} after {seconds:.0f} s, "
+             f"{served} of {len(requests)} request(s) logged by the daemon, changed: {result.changed}")
+        return result
+
+    async def idle(self, timeout: float) -> dict[str, Any] | None:
+        """The daemon's status once it has no operation running, or after ``timeout``; None if unreadable."""
+        assert self.daemon is not None
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            status = await asyncio.to_thread(self.daemon.status)
+            if status is None or not status.get("busy_operation") or time.monotonic() >= deadline:
+                return status
+            await asyncio.sleep(2.0)
+
+    def records(self) -> list[dict[str, Any]]:
+        return self.old_access + (self.daemon.access if self.daemon else [])
+
+    async def settle(self, sent: int, timeout: float) -> int:
+        """Wait up to ``timeout`` for the last agent's ``sent`` requests to be logged; returns how many are."""
+        deadline = time.monotonic() + timeout
+        while True:
+            served = len(assign(self.records(), self.starts)[-1])
+            if served >= sent or time.monotonic() >= deadline:
+                return served
+            await asyncio.sleep(0.25)
+
+    def attribute(self, results: list[AgentResult]) -> None:
+        """Give each result the access-log lines of the requests it sent (a run cut short has fewer results)."""
+        for result, recs in zip(results, assign(self.records(), self.starts), strict=False):
+            result.access = [AccessLine.parse(r) for r in recs]
+
+
+async def _run(args: argparse.Namespace, installed: Installed, outdir: Path) -> int:
+    run = Run(args, installed, outdir)
+    results: list[AgentResult] = []
+    rc = 0
+    try:
+        try:
+            await run.setup()
+        except DaemonError as exc:
+            _log(str(exc))
+            return 2
+        for name in args.agents:
+            try:
+                results.append(await run.agent(name))
+            except DaemonError as exc:  # a daemon that died under an agent did not come back
+                _log(f"stopping: {exc}")
+                rc = 2
+                break
+    finally:
+        run.attribute(results)
+        await run.close()
+        summary = {
+            "model": run.model, "context": run.context, "health": run.health, "task": args.task,
+            "timeout_s": args.timeout, "outdir": str(outdir),
+            "agents": [r.as_json() for r in results],
+        }
+        (outdir / "agents.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n")
+    print(table(results))
+    print(f"\nlogs, request dumps and agents.json in {outdir}")
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        installed = ensure_installed(CACHE, python=args.python, force=args.reinstall)
+    except InstallError as exc:
+        _log(f"install failed: {exc}")
+        return 2
+    if args.install_only:
+        _log(f"installed under {CACHE}")
+        return 0
+    outdir = args.outdir or CACHE / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    outdir = outdir.resolve()
+    outdir.mkdir(parents=True, exist_ok=True)
+    return asyncio.run(_run(args, installed, outdir))

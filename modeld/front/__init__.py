@@ -1,0 +1,19 @@
+"""The HTTP front: the APIs coding agents speak, over the daemon's ZeroMQ session contract.
+
+``modeld serve --http HOST:PORT`` serves it on a thread beside the daemon;
+``modeld http`` runs it as its own process for a daemon at ``--endpoint``. It is
+a client of the daemon (it imports ``runtime``, never a backend). Modules:
+
+* ``core``: the serving core every API shares (a request in the neutral form
+  becomes one ``runtime.Chat`` turn; refusals before any reply byte);
+* ``openai``: chat completions, models, embeddings;
+* ``app``: the shared routes, edge checks and error shapes; ``access``: the
+  access log; ``pool``: long-lived daemon clients; ``server``: uvicorn;
+  ``main``: ``modeld http``.
+"""
+
+from .app import create_app
+from .main import main
+from .server import HttpFront, is_loopback, parse_aliases, parse_listen
+
+__all__ = ["HttpFront", "create_app", "is_loopback", "main", "parse_aliases", "parse_listen"]

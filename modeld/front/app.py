@@ -1,0 +1,182 @@
+"""The HTTP app: the routes every API shares, the edge checks (key, body size), errors in each API's shape.
+
+Routes: ``GET``/``HEAD /`` (200: clients probe it), ``/health``, ``/metrics``
+(the daemon's Prometheus text), ``/openapi.json``, and each protocol's
+router (``openai``). A request is checked at the edge before a route runs:
+the API key (``Authorization: Bearer`` or ``x-api-key``, compared in constant
+time), the body size (413 past ``max_body_bytes``, before anything is parsed),
+and the body's schema (400 naming the field). Errors are rendered in the
+shape of the API the path belongs to.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from contract.errors import ModeldError
+
+from ..metrics import CONTENT_TYPE
+from . import anthropic, openai, responses
+from .access import AccessLog, record_of
+from .core import Serving
+from .errors import ApiError, api_error
+from .stored import ResponseStore
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "create_app"]
+
+#: the largest request body accepted: far above the largest agent request measured (~22k tokens of
+#: prompt, tools included, is about 1 MB of JSON); a larger one is refused with 413 before parsing
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+#: paths answered without the API key (a load balancer's probe)
+_OPEN_PATHS = frozenset({"/", "/health"})
+
+
+def _anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_response(path: str, err: ApiError) -> JSONResponse:
+    """``err`` in the shape of the API ``path`` belongs to."""
+    body = err.anthropic() if _anthropic_path(path) else err.openai()
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
+
+
+class EdgeChecks:
+    """ASGI middleware: the API key and the body size, before the app reads anything."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+        self.max_body_bytes = max_body_bytes
+
+    async def _refuse(self, scope: Scope, send: Send, err: ApiError) -> None:
+        record = scope.get("state", {}).get("access")
+        if record is not None:
+            record.error = err.code or ""
+        response = error_response(scope.get("path", ""), err)
+        await response(scope, _no_body, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        bearer = headers.get(b"authorization", b"")
+        given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        return hmac.compare_digest(given, self.api_key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_key and scope.get("path") not in _OPEN_PATHS and not self._authorized(scope):
+            await self._refuse(scope, send, ApiError(401, "missing or wrong API key", code="invalid_api_key"))
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        limit = self.max_body_bytes
+        if length is not None:
+            # the server holds a body to its declared length, so the header is the size
+            if not length.isdigit() or int(length) > limit:
+                await self._refuse(scope, send, _too_large(limit))
+                return
+            await self.app(scope, receive, send)
+            return
+        # a chunked body: read it up to the limit, then hand it to the app whole
+        chunks: list[bytes] = []
+        seen = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            body = message.get("body", b"")
+            seen += len(body)
+            if seen > limit:
+                await self._refuse(scope, send, _too_large(limit))
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        whole: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return whole.pop() if whole else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+
+
+async def _no_body() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def create_app(serving: Serving, *, api_key: str = "", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               store: ResponseStore | None = None) -> ASGIApp:
+    """The front's ASGI app over ``serving``."""
+    app = FastAPI(title="modeld", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+
+    @app.exception_handler(ApiError)
+    async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        record_of(request).error = exc.code or str(exc.status)
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = exc.errors()
+        first = problems[0] if problems else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            param = None
+            message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg', ''))}"
+        elif first.get("type") == "missing" and not loc:
+            message = "the body must be a JSON object"
+        else:
+            message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
+            if len(problems) > 1:
+                message += f" (and {len(problems) - 1} more)"
+        err = ApiError(400, message, code="invalid_request", param=param)
+        record_of(request).error = "invalid_request"
+        return error_response(request.url.path, err)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> dict[str, Any]:
+        return {"name": "modeld", "status": "ok"}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        def status() -> dict[str, Any]:
+            with serving.pool.client() as c:
+                st = c.status()
+            return {"status": "ok", "state": st.state.value, "model": st.active.model_name if st.active else None}
+
+        try:
+            return await anyio.to_thread.run_sync(status)
+        except ModeldError as exc:
+            raise api_error(exc) from None
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """The daemon's Prometheus metrics (the same text as `modeld metrics`)."""
+
+        def scrape() -> str:
+            with serving.pool.client() as c:
+                return c.metrics()
+
+        try:
+            text = await anyio.to_thread.run_sync(scrape)
+        except ModeldError as exc:
+            raise api_error(exc) from None
+        return Response(text, media_type=CONTENT_TYPE)
+
+    app.include_router(openai.router(serving))
+    app.include_router(anthropic.router(serving))
+    app.include_router(responses.router(serving, store or ResponseStore(None)))
+    edge = EdgeChecks(app, api_key=api_key, max_body_bytes=max_body_bytes)
+    return AccessLog(edge)

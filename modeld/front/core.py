@@ -1,0 +1,265 @@
+"""The serving core every HTTP API shares: a request in one neutral form becomes one ``runtime.Chat`` turn.
+
+Each protocol module (chat completions, Responses, Messages) parses its own
+request into a ``TurnRequest`` — the OpenAI-shaped message list, function
+tools and decode options — and renders the ``Turn``'s events in its own
+wire format. So a conversation renders to the same tokens whichever API
+carried it, and switching clients keeps the KV warm.
+
+``Serving.begin`` runs everything that can refuse a request before a byte
+of the reply is sent: the model name, the slot (queued in arrival order up to
+the queue timeout), and the prompt's size against the context window
+(counted on the model, before any prefill). A route calls it in a worker
+thread and answers an HTTP error for anything it raises; only then does a
+reply (streamed or not) start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+
+from contract.errors import ModeldError, Unavailable, WireError
+from contract.types import SlotState, TokenCount
+from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn
+
+from .access import AccessRecord, record_of
+from .errors import ApiError, api_error
+from .pool import ClientPool
+from .sealing import Sealer
+
+__all__ = ["FINISH_REASONS", "Serving", "Turn", "TurnRequest"]
+
+log = logging.getLogger("modeld.http")
+
+#: how often a request that is not streamed checks its client is still there
+DISCONNECT_POLL_S = 0.5
+#: a stream whose client stops reading for this long is ended (its decode cancelled): a client that
+#: gave up without closing the connection must not hold the slot until the context is full
+STREAM_SEND_TIMEOUT_S = 60.0
+#: the manifest profile of requests that came over HTTP (they share one warm context, whatever the API)
+PROFILE = "http"
+#: names a client may use for "whatever is loaded"
+_ANY_MODEL = frozenset({"", "modeld", "default"})
+#: a decode's finish reason as the APIs name it (context_full: the window's end, a length limit to a client)
+FINISH_REASONS = {"stop": "stop", "length": "length", "context_full": "length", "tool_calls": "tool_calls",
+                  "cancelled": "stop"}
+
+
+@dataclass
+class TurnRequest:
+    """A request in the neutral form: what ``runtime.Chat`` takes, and the model name the client sent."""
+
+    #: OpenAI-shaped messages (roles system, user, assistant, tool)
+    messages: list[dict[str, Any]]
+    #: OpenAI function tools (``{"type": "function", "function": {...}}``)
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    #: ``DecodeConfig`` fields the client set
+    decode: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
+    #: the template's reasoning switch (None: the template's default)
+    enable_thinking: bool | None = None
+
+
+class Turn:
+    """One request's turn, from ``Serving.begin``: it holds a pooled client and the slot until its events end."""
+
+    def __init__(self, pool: ClientPool, client: Any, chat_turn: ChatTurn, model: str) -> None:
+        self._pool = pool
+        self._client = client
+        self._turn = chat_turn
+        self._done = False
+        #: the loaded model that serves the turn (the name the reply carries)
+        self.model = model
+        #: the prompt counted on the model before any prefill
+        self.count: TokenCount = chat_turn.count
+
+    def _finish(self, healthy: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._pool.give(self._client, healthy=healthy)
+
+    def close(self) -> None:
+        """Give back the slot and the client without running the turn (or after it ran)."""
+        try:
+            self._turn.close()
+        except ModeldError:
+            self._finish(False)
+            return
+        self._finish(True)
+
+    def events(self) -> Generator[ChatEvent, None, None]:
+        """Prefill, then the reply's deltas; the last event carries the ``ChatResult``. Closing it cancels."""
+        healthy = False
+        try:
+            yield from self._turn.events()
+            healthy = True
+        except ModeldError as exc:
+            healthy = reusable_after(exc)
+            raise
+        finally:
+            self._finish(healthy)
+
+    async def result(self, request: Request) -> ChatResult:
+        """Run the turn to its end (a reply that is not streamed); a failure is an ``ApiError``.
+
+        A client that goes away before the reply is ready cancels the decode (checked
+        every ``DISCONNECT_POLL_S``): nobody would read it, and the slot is free sooner.
+        """
+        result: ChatResult | None = None
+        failure: ModeldError | None = None
+        gone = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal gone
+                while not await request.is_disconnected():
+                    await anyio.sleep(DISCONNECT_POLL_S)
+                gone = True
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                async with contextlib.aclosing(self.aevents()) as events:
+                    async for event in events:
+                        if event.result is not None:
+                            result = event.result
+            except ModeldError as exc:
+                failure = exc
+            tg.cancel_scope.cancel()
+        if gone:
+            log.info("the client went away before its reply was ready; the decode was cancelled")
+            raise ApiError(499, "the client closed the connection", code="client_gone")
+        if failure is not None:
+            raise api_error(failure) from None
+        if result is None:
+            raise ApiError(500, "the reply ended without a result", code="Internal")
+        fill_record(record_of(request), result)
+        return result
+
+    async def aevents(self) -> AsyncGenerator[ChatEvent, None]:
+        """``events`` for an async route: each step runs in a worker thread; cancelling closes the decode."""
+        events = self.events()
+        try:
+            while True:
+                event = await anyio.to_thread.run_sync(next, events, None)
+                if event is None:
+                    return
+                yield event
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(events.close)
+
+
+def reusable_after(exc: ModeldError) -> bool:
+    """Whether a client that raised ``exc`` may serve another request (not after a transport failure)."""
+    return not isinstance(exc, (Unavailable, WireError))
+
+
+def fill_record(record: AccessRecord, result: ChatResult) -> None:
+    """The access-log fields of a finished turn."""
+    u = result.usage
+    record.prompt_tokens = u.prompt_tokens
+    record.cached_tokens = u.reused_tokens
+    record.completion_tokens = u.completion_tokens
+    record.finish_reason = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+    record.ttft_ms = result.timing.ttft_ms
+
+
+class Serving:
+    """What every API route runs on: the daemon's clients, the model names it answers to, the queue timeout."""
+
+    def __init__(
+        self,
+        pool: ClientPool,
+        *,
+        queue_timeout_s: float,
+        aliases: dict[str, str] | None = None,
+        strict_model_names: bool = False,
+        sealer: Sealer | None = None,
+        keep_billing_header: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.queue_timeout_s = queue_timeout_s
+        self.aliases = dict(aliases or {})
+        self.strict_model_names = strict_model_names
+        #: signs what clients echo back (thinking signatures, reasoning blobs)
+        self.sealer = sealer or Sealer.from_file(None)
+        #: Messages API: keep a system block that only carries a client's per-request billing header
+        self.keep_billing_header = keep_billing_header
+
+    # --- model names ---------------------------------------------------------------------------
+    def loaded_model(self) -> str:
+        """The loaded model's name; 503 while one loads, 404 when none is."""
+        with self.pool.client() as c:
+            st = c.status()
+        if st.active is None:
+            if st.state in (SlotState.LOADING, SlotState.SWITCHING):
+                raise ApiError(503, "the model is loading", code="loading", headers={"Retry-After": "1"})
+            raise ApiError(404, "no model is loaded (modeld load …)", code="model_not_found", param="model")
+        return st.active.model_name
+
+    def model_for(self, requested: str) -> str:
+        """The loaded model's name if it serves a request for ``requested`` (an alias, a name agents hard-code)."""
+        loaded = self.loaded_model()
+        target = self.aliases.get(requested, requested)
+        if target in _ANY_MODEL or target == loaded:
+            return loaded
+        if self.strict_model_names:
+            known = sorted({loaded, *self.aliases})
+            raise ApiError(404, f"model {requested!r} is not served here; this daemon serves {loaded!r} "
+                           f"(names it answers to: {', '.join(known)})", code="model_not_found", param="model")
+        log.debug("a request for model %r is served by the loaded model %r", requested, loaded)
+        return loaded
+
+    def model_names(self) -> list[str]:
+        """The names ``/v1/models`` lists: the loaded model, then the aliases that lead to it."""
+        loaded = self.loaded_model()
+        return [loaded, *sorted(a for a, t in self.aliases.items() if t == loaded and a != loaded)]
+
+    # --- turns ---------------------------------------------------------------------------------
+    def begin(self, req: TurnRequest, *, check_fit: bool = True) -> Turn:
+        """Take the slot for ``req`` and check its prompt fits (blocking: call it in a worker thread).
+
+        Raises ``ApiError`` or a ``ModeldError`` (``errors.api_error`` maps it) for
+        anything that refuses the request; nothing has been prefilled then.
+        """
+        model = self.model_for(req.model)
+        client = self.pool.take()
+        try:
+            chat = Chat(client, profile=PROFILE, queue_timeout_s=self.queue_timeout_s)
+            chat_turn = chat.begin(req.messages, req.tools or None, check_fit=check_fit,
+                                   enable_thinking=req.enable_thinking, **req.decode)
+        except ModeldError as exc:
+            self.pool.give(client, healthy=reusable_after(exc))
+            raise
+        except BaseException:
+            self.pool.give(client)
+            raise
+        return Turn(self.pool, client, chat_turn, chat_turn.model_name or model)
+
+    async def abegin(self, req: TurnRequest) -> Turn:
+        """``begin`` in a worker thread, its refusals as ``ApiError``."""
+        try:
+            return await anyio.to_thread.run_sync(self.begin, req)
+        except ModeldError as exc:
+            raise api_error(exc) from None
+
+    async def acount(self, req: TurnRequest) -> TokenCount:
+        """``count`` in a worker thread, its refusals as ``ApiError``."""
+        try:
+            return await anyio.to_thread.run_sync(self.count, req)
+        except ModeldError as exc:
+            raise api_error(exc) from None
+
+    def count(self, req: TurnRequest) -> TokenCount:
+        """What ``req``'s prompt comes to on the loaded model (the slot is taken for the count only)."""
+        turn = self.begin(req, check_fit=False)
+        turn.close()
+        return turn.count

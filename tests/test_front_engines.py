@@ -1,0 +1,151 @@
+"""The HTTP front on both engines, as ``make run`` serves it: the bundled model, driven by the official ``openai`` SDK.
+
+What coding agents need of it: tools on a template that does not render them
+(the generic tool block), no hidden output limit, refusals before any prefill,
+sampled replies when a request sets no sampling parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from tests.test_openai_front import Front  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+READ_FILE = {"type": "function", "function": {
+    "name": "read_file", "description": "Read a file of the repository.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+RUN_TESTS = {"type": "function", "function": {
+    "name": "run_tests", "description": "Run the test suite.", "parameters": {"type": "object", "properties": {}}}}
+SYSTEM = {"role": "system", "content": "You are a coding agent. Use the tools to look at the repository."}
+NUM_CTX = 1024
+
+
+@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.llama),
+                                        pytest.param("openvino", marks=pytest.mark.openvino)])
+def front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
+    # the bundled model (its template renders no tools), in a small window so a reply can run to its end quickly
+    with Front(tmp_path_factory.mktemp(f"front-{request.param}"), "--num-ctx", str(NUM_CTX), backend=request.param) as f:
+        yield f
+
+
+def _prefilled(front: Front) -> float:
+    """The daemon's count of prefilled tokens (its metrics)."""
+    with front.daemon.client(timeout_s=10.0) as c:
+        text = c.metrics()
+    found = re.search(r'^modeld_prompt_tokens_total\{kind="prefilled"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_tools_on_a_template_without_tool_support_round_trip(front: Front) -> None:
+    sdk = front.sdk()
+    history: list[dict[str, object]] = [SYSTEM, {"role": "user", "content": "What does calc.py contain?"}]
+    first = sdk.chat.completions.create(model="any", messages=history, tools=[READ_FILE, RUN_TESTS], temperature=0,
+                                        max_tokens=60, tool_choice={"type": "function", "function": {"name": "read_file"}})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "read_file" and isinstance(json.loads(call.function.arguments), dict)
+    history += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": "def add(a, b):\n    return a - b\n"}]
+    second = sdk.chat.completions.create(model="any", messages=history, tools=[READ_FILE, RUN_TESTS], temperature=0,
+                                         max_tokens=20)
+    assert first.usage is not None and second.usage is not None and second.usage.prompt_tokens_details is not None
+    # the first request and the call the model made are reused; the tool result is what is new
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_no_max_tokens_decodes_past_256_to_the_end(front: Front) -> None:
+    out = front.sdk().chat.completions.create(
+        model="any", temperature=0,
+        messages=[{"role": "user", "content": "Write a very long story about a dragon who learns to program, "
+                                              "with many chapters. Do not stop early."}])
+    assert out.usage is not None
+    used = out.usage.prompt_tokens + out.usage.completion_tokens
+    # the end of generation, or the context's end: never a hidden default limit
+    assert out.choices[0].finish_reason == "stop" or used == NUM_CTX, (out.choices[0].finish_reason, used)
+    assert out.usage.completion_tokens > 256 or out.choices[0].finish_reason == "stop"
+
+
+def test_an_oversized_prompt_is_refused_before_any_prefill(front: Front) -> None:
+    sdk = front.sdk()
+    before = _prefilled(front)
+    big = [SYSTEM, {"role": "user", "content": "Summarise: " + "the quick brown fox jumps over the lazy dog. " * 1500}]
+    for stream in (False, True):
+        t0 = time.perf_counter()
+        with pytest.raises(openai.BadRequestError) as exc:
+            sdk.chat.completions.create(model="any", messages=big, stream=stream)
+        took = time.perf_counter() - t0
+        assert exc.value.code == "context_length_exceeded"
+        said = re.search(rf"the prompt is (\d+) tokens but the model's context window is {NUM_CTX}", exc.value.message)
+        assert said is not None and int(said.group(1)) > 15_000, exc.value.message
+        assert took < 1.0, took
+    assert _prefilled(front) == before  # nothing was prefilled for it
+
+
+def test_a_max_tokens_past_the_context_is_a_cap(front: Front) -> None:
+    out = front.sdk().chat.completions.create(model="any", temperature=0, max_tokens=32000,
+                                              messages=[SYSTEM, {"role": "user", "content": "Say hi."}])
+    assert out.usage is not None and out.usage.prompt_tokens + out.usage.completion_tokens <= NUM_CTX
+
+
+def test_a_request_with_no_sampling_parameters_samples(front: Front) -> None:
+    sdk = front.sdk()
+    messages = [{"role": "user", "content": "Write ten random words."}]
+    sampled = {sdk.chat.completions.create(model="any", messages=messages, max_tokens=24).choices[0].message.content
+               for _ in range(3)}
+    assert len(sampled) > 1
+
+
+def test_responses_forced_call_answered_then_json_schema(front: Front) -> None:
+    """Codex's wire on the bundled model: a forced function call, its output, then a schema-bound answer."""
+    sdk = front.sdk()
+    shell = {"type": "function", "name": "read_file", "description": "Read a file.", "strict": False,
+             "parameters": READ_FILE["function"]["parameters"]}  # type: ignore[index]
+    base = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Use the tools."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is in calc.py?"}]}]
+    first = sdk.responses.create(model="any", input=base, tools=[shell, {"type": "web_search"}], store=False,
+                                 temperature=0, max_output_tokens=60, include=["reasoning.encrypted_content"],
+                                 tool_choice={"type": "function", "name": "read_file"})
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert calls and calls[0].name == "read_file" and isinstance(json.loads(calls[0].arguments), dict)
+    history = [*base, *[o.model_dump(exclude_none=True) for o in first.output],
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "def add(a, b): return a - b"}]
+    second = sdk.responses.create(model="any", input=history, tools=[shell], store=False, temperature=0,
+                                  max_output_tokens=40,
+                                  text={"format": {"type": "json_schema", "name": "answer", "schema": {
+                                      "type": "object", "properties": {"bug": {"type": "string", "maxLength": 40}},
+                                      "required": ["bug"], "additionalProperties": False}}})
+    assert set(json.loads(second.output_text)) == {"bug"}
+    # the echoed call renders as the model wrote it: the first request and its reply are reused
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 2
+
+
+def test_messages_forced_tool_use_answered(front: Front) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    read = {"name": "read_file", "description": "Read a file.", "input_schema": READ_FILE["function"]["parameters"]}  # type: ignore[index]
+    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key="k", max_retries=0, timeout=120) as c:
+        messages: list[dict[str, object]] = [{"role": "user", "content": "What is in calc.py?"}]
+        first = c.messages.create(model="claude-opus-5", max_tokens=60, system="Use the tools.", tools=[read],
+                                  tool_choice={"type": "tool", "name": "read_file"}, messages=messages,
+                                  extra_body={"temperature": 0})
+        uses = [b for b in first.content if b.type == "tool_use"]
+        assert first.stop_reason == "tool_use" and uses and isinstance(uses[0].input, dict)
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                   "content": "def add(a, b): return a - b"}]}]
+        second = c.messages.create(model="claude-haiku-4-5", max_tokens=20, system="Use the tools.", tools=[read],
+                                   messages=messages, extra_body={"temperature": 0})
+        prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+        assert second.usage.cache_read_input_tokens >= prompt + first.usage.output_tokens - 2

@@ -1,0 +1,111 @@
+"""The Responses API (modeld/front/responses.py), driven by the official ``openai`` SDK (``client.responses``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from tests.test_openai_front import Front  # noqa: E402
+
+SHELL = {"type": "function", "name": "shell", "description": "Run a command.", "strict": False,
+         "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Agents.",
+             "tools": [{"type": "function", "name": "spawn_agent", "parameters": {"type": "object", "properties": {}}}]}
+WEB = {"type": "web_search", "external_web_access": False}
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    with Front(tmp_path_factory.mktemp("responses"), "--memory-token-delay-ms", "2") as f:
+        yield f
+
+
+@pytest.fixture
+def client(front: Front) -> Iterator[Any]:
+    with front.sdk() as c:
+        yield c
+
+
+def codex_input(*extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """What Codex sends first: developer messages, then the user's, as ``input_text`` parts."""
+    return [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: workspace-write"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Fix calc.py"}]}, *extra]
+
+
+def test_plain_and_stored(client: Any) -> None:
+    out = client.responses.create(model="gpt-5-codex", instructions="You are terse.", input="hi", max_output_tokens=8,
+                                  temperature=0)
+    assert out.object == "response" and out.model == "ref" and out.status == "incomplete"
+    assert out.incomplete_details.reason == "max_output_tokens" and out.usage.output_tokens == 8
+    assert [o.type for o in out.output] == ["message"] and out.output_text
+    assert client.responses.retrieve(out.id).output_text == out.output_text
+
+
+def test_streamed_in_the_documented_order(client: Any) -> None:
+    events = list(client.responses.create(model="m", input="Name a cache.", max_output_tokens=6, stream=True, temperature=0))
+    names = [e.type for e in events]
+    assert names[:2] == ["response.created", "response.in_progress"]
+    assert names[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert set(names[4:-4]) == {"response.output_text.delta"}
+    assert names[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response
+    assert done.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_codex_tools_are_accepted_and_a_call_is_answered(client: Any) -> None:
+    """``web_search`` is left out, a ``namespace`` tool is offered by its inner name; a forced call round trips."""
+    first = client.responses.create(model="m", instructions="You are Codex.", input=codex_input(), store=False,
+                                    tools=[SHELL, WEB, NAMESPACE], tool_choice="auto", parallel_tool_calls=True,
+                                    include=["reasoning.encrypted_content"], reasoning={"summary": "auto"},
+                                    max_output_tokens=8, extra_body={"prompt_cache_key": "k", "client_metadata": {"a": "b"}})
+    assert first.status in ("completed", "incomplete")
+    call = {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"cmd": "ls"}'}
+    spawned = {"type": "function_call", "call_id": "call_2", "name": "spawn_agent", "namespace": "multi_agent_v1",
+               "arguments": "{}"}
+    second = client.responses.create(
+        model="m", instructions="You are Codex.", store=False, tools=[SHELL, WEB, NAMESPACE], max_output_tokens=8,
+        input=codex_input({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+                          call, {"type": "function_call_output", "call_id": "call_1", "output": "calc.py"},
+                          spawned, {"type": "function_call_output", "call_id": "call_2", "output": "spawned"}))
+    # the stateless resend reuses the whole first request
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
+def test_previous_response_id_over_three_turns(client: Any) -> None:
+    first = client.responses.create(model="m", instructions="You are terse.", input="one", max_output_tokens=5)
+    second = client.responses.create(model="m", previous_response_id=first.id, input="two", max_output_tokens=5)
+    third = client.responses.create(model="m", previous_response_id=second.id, input="three", max_output_tokens=5)
+    for before, after in ((first, second), (second, third)):
+        # the stored conversation and its reply are resident: at least the whole earlier input is reused
+        assert after.usage.input_tokens_details.cached_tokens >= before.usage.input_tokens + before.usage.output_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="m", previous_response_id="resp_" + "0" * 32, input="x")
+
+
+def test_get_and_delete(client: Any) -> None:
+    out = client.responses.create(model="m", input="keep me", max_output_tokens=3)
+    assert client.responses.retrieve(out.id).id == out.id
+    assert client.responses.delete(out.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(out.id)
+
+
+def test_input_tokens_counts_what_the_reply_counts(client: Any) -> None:
+    args: dict[str, Any] = {"model": "m", "instructions": "Count.", "input": codex_input(), "tools": [SHELL]}
+    counted = client.responses.input_tokens.count(**args)
+    out = client.responses.create(**args, max_output_tokens=2, store=False)
+    assert counted.input_tokens == out.usage.input_tokens
+
+
+def test_an_oversized_input_is_refused_before_prefill(client: Any) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.responses.create(model="m", input="word " * 5000, stream=stream)
+        assert exc.value.code == "context_length_exceeded"
