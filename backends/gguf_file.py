@@ -161,7 +161,25 @@ def gguf_scalars(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise ValueError(f"{path} has a truncated or corrupt GGUF header: {exc}") from exc
 
 
-def _parse_gguf_scalars(buf: mmap.mmap) -> dict[str, Any]:
+def patch_scalars(path: str | os.PathLike[str], values: dict[str, int | float]) -> None:
+    """Overwrite scalar metadata of the GGUF at ``path`` in place, each in the type the file already has.
+
+    Only keys present as scalars can be patched (KeyError otherwise): the header keeps its size, so the
+    tensors stay where they are.
+    """
+    with open(path, "r+b") as fh, mmap.mmap(fh.fileno(), 0) as buf:
+        where: dict[str, tuple[int, int]] = {}
+        _parse_gguf_scalars(buf, where)
+        for key, value in values.items():
+            if key not in where:
+                raise KeyError(f"{path} has no scalar {key!r} to patch")
+            vtype, off = where[key]
+            struct.pack_into(_GGUF_SCALARS[vtype], buf, off, value)
+        buf.flush()
+
+
+def _parse_gguf_scalars(buf: mmap.mmap, where: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Scalar and string keys; ``where`` (when given) receives each scalar's (value type, offset)."""
     if buf[:4] != b"GGUF":
         raise ValueError("bad GGUF magic")
     (version,) = struct.unpack_from("<I", buf, 4)
@@ -200,6 +218,8 @@ def _parse_gguf_scalars(buf: mmap.mmap) -> dict[str, Any]:
         off += 4
         if vtype in _GGUF_SCALARS:
             (out[key],) = struct.unpack_from(_GGUF_SCALARS[vtype], buf, off)
+            if where is not None:
+                where[key] = (vtype, off)
         elif vtype == _GGUF_STRING:
             out[key], _ = string(off)
         off = skip(vtype, off)

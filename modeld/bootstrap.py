@@ -190,9 +190,9 @@ def resolve_backend(opts: ServeOptions) -> ServeOptions:
         return opts
     model = opts.model
     if model is None:
-        from backends.bundled import bundled_gguf_path
+        from backends.bundled import served_bundled_gguf
 
-        model = str(bundled_gguf_path())
+        model = str(served_bundled_gguf())
     name, reason = choose_backend(engine_facts(model, llama_settings=llama_only_settings(opts)))
     return dataclasses.replace(opts, backend=name, backend_reason=f"auto: {reason}")
 
@@ -298,9 +298,9 @@ def preload_request(opts: ServeOptions) -> LoadModelRequest | None:
         return None
     model, name = opts.model, opts.model_name
     if model is None and opts.backend in ("llama", "openvino"):
-        from backends.bundled import BUNDLED_MODEL_NAME, bundled_gguf_path
+        from backends.bundled import BUNDLED_MODEL_NAME, served_bundled_gguf
 
-        model = str(bundled_gguf_path())
+        model = str(served_bundled_gguf())  # its context extended four-fold (``backends.bundled``)
         name = name or BUNDLED_MODEL_NAME
     if not model:
         return None
@@ -344,7 +344,7 @@ def prepare_models(
 ) -> list[Path]:
     """Convert the bundled models once into what the backends serve; return the output paths.
 
-    * ``openvino``: the bundled GGUF (or ``gguf``) to an OpenVINO IR directory
+    * ``openvino``: the bundled GGUF and the copy `serve` preloads (or ``gguf``) to OpenVINO IR directories
       (``backends.openvino.prepare.prepare_ir``);
     * ``embed``: the bundled embedding model to a GGUF and an OpenVINO IR
       (``backends.embed_prepare``); ``force`` rebuilds these two.
@@ -357,10 +357,12 @@ def prepare_models(
         raise ValueError(f"unknown preparation step {only!r}; choose one of {', '.join(PREPARE_STEPS)}")
     out: list[Path] = []
     if only in (None, "openvino"):
-        from backends.bundled import bundled_gguf_path
+        from backends.bundled import bundled_gguf_path, served_bundled_gguf
         from backends.openvino.prepare import prepare_ir
 
-        out.append(prepare_ir(gguf if gguf is not None else bundled_gguf_path(), progress=log))
+        # the bundled file (the engine tests load it) and the copy `serve` preloads (its context extended)
+        for source in [gguf] if gguf is not None else [bundled_gguf_path(), served_bundled_gguf()]:
+            out.append(prepare_ir(source, progress=log))
     if only in (None, "embed"):
         from backends.embed_prepare import prepare_gguf
         from backends.embed_prepare import prepare_ir as prepare_embed_ir

@@ -131,6 +131,26 @@ def test_default_num_ctx_is_explicit(backend: LlamaBackend, model_path: Path) ->
         m.close()
 
 
+def test_the_served_bundled_model_is_the_bundled_one_with_a_longer_context(backend: LlamaBackend, tmp_path: Path) -> None:
+    """``serve`` preloads a copy whose RoPE base is raised for a 4x window; every other byte is the bundled file's."""
+    from backends.bundled import EXTENDED_CONTEXT, served_bundled_gguf
+    from backends.gguf_file import gguf_scalars
+
+    src, ext = bundled_gguf_path(), served_bundled_gguf(tmp_path)
+    assert served_bundled_gguf(tmp_path) == ext  # written once
+    import numpy as np
+
+    a, b = np.fromfile(src, dtype=np.uint8), np.fromfile(ext, dtype=np.uint8)
+    assert a.shape == b.shape
+    differ = np.flatnonzero(a != b)
+    assert 0 < len(differ) <= 8 and differ.max() < 4096  # two header values
+    facts = gguf_scalars(ext)
+    assert facts["llama.context_length"] == EXTENDED_CONTEXT == 32768
+    assert abs(facts["llama.rope.freq_base"] - 100_000 * 4 ** (64 / 62)) < 1.0
+    info = backend.describe(OpenSessionRequest(path=str(ext), config=Config(num_ctx=1024)))
+    assert info.model_max_context == 32768
+
+
 def test_describe_reads_metadata_only(backend: LlamaBackend, model_path: Path) -> None:
     info = backend.describe(OpenSessionRequest(path=str(model_path), config=Config(num_ctx=1024)))
     assert info.model_max_context == 8192
