@@ -487,16 +487,21 @@ class StructuredOutputConfig(_Request):
     json_schema: str = ""
     grammar: str = ""
     regex: str = ""
+    #: a forced tool call: each tool's name and the JSON schema of its arguments ("": any JSON object);
+    #: the reply is exactly one call to one of them, in the Hermes form the templates render back
+    #: (``<tool_call>\n{"name": …, "arguments": …}\n</tool_call>``), its arguments held to the schema
+    #: as far as the engine's grammar can hold them
+    tool_call: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_kind(self) -> StructuredOutputConfig:
-        given = [name for name in ("json_schema", "grammar", "regex") if getattr(self, name)]
+        given = [name for name in ("json_schema", "grammar", "regex", "tool_call") if getattr(self, name)]
         if len(given) > 1:
-            raise ValueError(f"structured_output takes exactly one of json_schema/grammar/regex, got {given}")
+            raise ValueError(f"structured_output takes exactly one of json_schema/grammar/regex/tool_call, got {given}")
         return self
 
     def is_set(self) -> bool:
-        return bool(self.json_schema or self.grammar or self.regex)
+        return bool(self.json_schema or self.grammar or self.regex or self.tool_call)
 
 
 class SamplingParams(_Report):

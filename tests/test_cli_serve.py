@@ -38,7 +38,8 @@ def test_prepare_twice_converts_nothing_the_second_time() -> None:
     first = modeld("prepare", timeout=1800)
     assert first.returncode == 0, first.stderr
     outputs = [Path(line) for line in first.stdout.splitlines()]
-    assert len(outputs) == 3 and all(p.exists() for p in outputs), first.stdout
+    # two IRs (the bundled model and the context-extended copy serve uses), the embedder's GGUF and its IR
+    assert len(outputs) == 4 and all(p.exists() for p in outputs), first.stdout
 
     def stamps() -> dict[Path, tuple[int, int]]:
         files = [f for p in outputs for f in ([p] if p.is_file() else sorted(p.rglob("*")))]

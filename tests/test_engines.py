@@ -37,6 +37,7 @@ from contract.types import (
     PrefixInput,
     SessionSnapshot,
     StreamChunk,
+    StructuredOutputConfig,
     SuffixInput,
 )
 from tests.engine_kit import (
@@ -266,6 +267,34 @@ def test_tools_reach_a_template_that_does_not_render_them(engine: Engine, model:
     session.prefill_suffix(SuffixInput(text="Weather in Paris?", manifest=man))
     assert count.prompt_tokens == len(engine.tape(model)) and count.resident_tokens == st.prefix_tokens
     assert count.num_ctx == model.num_ctx
+
+
+def test_a_forced_call_holds_its_arguments_to_the_tool_schema(engine: Engine, model: LoadedModel, session: Session) -> None:
+    """``tool_call``: one call to a named tool, its arguments closed to the declared properties and
+    spelled as ``json.dumps`` writes them (how the call is rendered back into the next prompt); a
+    schema the grammar cannot hold (a remote ``$ref``) leaves that tool's arguments any JSON object."""
+    if not engine.renders_templates:
+        pytest.skip("the reference constrains no output")
+    man = manifest(model, "forced-call")
+    session.ensure_prefix(PrefixInput(text="You are a weather bot.", manifest=man, tools=json.dumps([WEATHER_TOOL])))
+    session.prefill_suffix(SuffixInput(text="Weather in Paris?", manifest=man))
+    schema = json.dumps(WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
+    remote = json.dumps({"type": "object", "properties": {"q": {"$ref": "https://example.invalid/q.json"}}})
+    for tools in ({"get_weather": schema}, {"get_weather": schema, "lookup": remote}):
+        session.prefill_suffix(SuffixInput(text="Weather in Paris?", manifest=man))
+        chunks = list(session.decode(DecodeConfig(max_tokens=80, temperature=0.0, return_token_ids=True,
+                                                  structured_output=StructuredOutputConfig(tool_call=tools))))
+        text = model.prompt_text([t for c in chunks for t in c.token_ids])  # type: ignore[attr-defined]
+        calls = [call for c in chunks for call in c.tool_calls]
+        assert chunks[-1].finish_reason == "tool_calls", text
+        head, _, rest = text.partition('"arguments": ')
+        assert head == '<tool_call>\n{"name": "get_weather", ' or head == '<tool_call>\n{"name": "lookup", ', text
+        args = json.loads(rest.removesuffix("}\n</tool_call>"))
+        assert rest == json.dumps(args) + "}\n</tool_call>", text  # json.dumps's spelling
+        if head.endswith('"get_weather", '):
+            assert set(args) <= {"city"}, args  # closed: no key the tool does not declare
+        assert len(calls) == 1 and calls[0].function.name == head.split('"')[3]
+        assert json.loads(calls[0].function.arguments) == args
 
 
 def test_decode_needs_a_resident_prompt(engine: Engine) -> None:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 from llama_cpp import _internals as llama_internals
-from llama_cpp.llama_grammar import json_schema_to_gbnf
+from llama_cpp.llama_grammar import SchemaConverter, json_schema_to_gbnf
 
 from contract.errors import InvalidArgument, UnsupportedFeature
 from contract.types import DecodeConfig, StructuredOutputConfig
 
+from ..tape.forced import ANY_OBJECT, TAIL, arguments_schema, call_prefix
 from .native import log_mark, log_since
 
 if TYPE_CHECKING:
@@ -63,6 +65,8 @@ def grammar_source(so: StructuredOutputConfig) -> str | None:
     """The GBNF text for a structured-output request (None when unconstrained)."""
     if so.regex:
         raise UnsupportedFeature("the llama backend does not constrain output by regex; use grammar or json_schema")
+    if so.tool_call:
+        return tool_call_gbnf(so.tool_call)
     if so.json_schema:
         try:
             schema = json.loads(so.json_schema)
@@ -80,6 +84,54 @@ def grammar_source(so: StructuredOutputConfig) -> str | None:
         except (ValueError, KeyError, TypeError, AssertionError, RecursionError) as exc:
             raise InvalidArgument(f"json_schema cannot be turned into a grammar: {exc!r}") from exc
     return so.grammar or None
+
+
+def _converter() -> SchemaConverter:
+    return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+
+
+def tool_call_gbnf(tools: dict[str, str]) -> str:
+    """GBNF for one call to one of ``tools`` (name: arguments schema), its arguments held to the schema.
+
+    A schema llama-cpp-python's converter cannot turn into rules (a remote ``$ref``, a construct it
+    asserts on) holds that tool's arguments to any JSON object instead; keywords the converter does
+    not enforce (``minimum`` …) are left to the tool, as a call's shape is what the grammar is for.
+    """
+    converter = _converter()
+    calls = []
+    for i, (name, text) in enumerate(tools.items()):
+        schema = arguments_schema(text)
+        try:  # on a scratch converter first: a failed visit leaves rules that name rules never added
+            _converter().visit(_converter().resolve_refs(schema, "tool"), f"args{i}")
+        except (ValueError, KeyError, TypeError, AssertionError, RecursionError, NotImplementedError):
+            schema = ANY_OBJECT
+        rule = converter.visit(converter.resolve_refs(schema, "tool"), f"args{i}")
+        calls.append(f"call{i} ::= {json.dumps(call_prefix(name))} {rule} {json.dumps(TAIL)}")
+    root = " | ".join(f"call{i}" for i in range(len(calls)))
+    return _json_dumps_spelling("\n".join([f"root ::= {root}", *calls, converter.format_grammar()]))
+
+
+#: one token of a GBNF rule body: a string literal, a character class, a rule name, any other character
+_GBNF_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[\w-]+|\S')
+_SEPARATORS = {'":"': '": "', '","': '", "'}
+
+
+def _json_dumps_spelling(grammar: str) -> str:
+    """``grammar`` (the converter's rules) holding JSON to the spelling ``json.dumps`` writes it in.
+
+    The converter lets a space follow every brace, separator and value (its ``space`` rule); a
+    call is rendered back into the next prompt as ``{"key": value, …}``, so a call decoded in any
+    other spelling would not be reused. The separators carry the one space ``json.dumps`` puts
+    after them, and the ``space`` rule goes.
+    """
+    rules = []
+    for line in grammar.splitlines():
+        name, _, body = line.partition(" ::= ")
+        if name == "space":
+            continue
+        body = _GBNF_TOKEN.sub(lambda t: "" if t[0] == "space" else _SEPARATORS.get(t[0], t[0]), body)
+        rules.append(f"{name} ::= {body}")
+    return "\n".join(rules)
 
 
 #: JSON-schema keywords llama-cpp-python's json_schema_to_gbnf accepts but does not enforce

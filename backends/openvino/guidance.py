@@ -33,6 +33,8 @@ import numpy as np
 from contract.errors import Internal, InvalidArgument, UnsupportedFeature
 from contract.types import StructuredOutputConfig
 
+from ..tape.forced import ANY_OBJECT, TAIL, arguments_schema, call_prefix
+
 __all__ = ["TokenGuide", "build_tokenizer", "compile_grammar"]
 
 #: llguidance marks special (control) tokens by a leading 0xFF byte, which no UTF-8 text has
@@ -77,9 +79,33 @@ def build_tokenizer(
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocab()), eos_token=end_ids)
 
 
+_DUMPS_SPELLING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def tool_call_lark(tools: dict[str, str]) -> str:
+    """The llguidance grammar for one call to one of ``tools`` (name: arguments schema), its arguments
+    held to the schema (a ``%json`` rule); a schema llguidance cannot compile holds that tool's
+    arguments to any JSON object instead."""
+    rules = []
+    for i, (name, text) in enumerate(tools.items()):
+        # the spelling json.dumps writes, which is how the call is rendered back into the next prompt
+        schema = {**arguments_schema(text), "x-guidance": _DUMPS_SPELLING}
+        args = f"args{i}: %json {json.dumps(schema)}"
+        failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(
+            llguidance.grammar_from("lark", f"start: args{i}\n{args}\n"))
+        if failed:
+            args = f"args{i}: %json {json.dumps({**ANY_OBJECT, 'x-guidance': _DUMPS_SPELLING})}"
+        rules += [f"call{i}: {json.dumps(call_prefix(name))} args{i} {json.dumps(TAIL)}", args]
+    start = " | ".join(f"call{i}" for i in range(len(tools)))
+    return llguidance.grammar_from("lark", "\n".join([f"start: {start}", *rules]) + "\n")
+
+
 def compile_grammar(so: StructuredOutputConfig) -> str:
     """The llguidance grammar for a request; InvalidArgument/UnsupportedFeature for bad ones."""
-    if so.json_schema:
+    if so.tool_call:
+        grammar = tool_call_lark(so.tool_call)
+        what = "tool_call"
+    elif so.json_schema:
         try:
             schema: Any = json.loads(so.json_schema)
         except ValueError as exc:

@@ -49,7 +49,7 @@ from runtime.chat import ChatResult
 from .access import record_of
 from .core import STREAM_SEND_TIMEOUT_S, Serving, Turn, TurnRequest, fill_record
 from .errors import ApiError, api_error
-from .openai import tool_choice_options
+from .openai import call_schemas, tool_choice_options
 
 __all__ = ["MessagesRequest", "router"]
 
@@ -254,7 +254,7 @@ def turn_request(req: MessagesRequest | CountTokensRequest, serving: Serving) ->
             decode["stop"] = list(req.stop_sequences)
     choice = req.tool_choice
     if choice is not None:
-        names = [t["function"]["name"] for t in tools]
+        names = call_schemas(tools)
         plain = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
         if choice.type == "tool" and not choice.name:
             raise ApiError(400, "tool_choice of type 'tool' needs a name", param="tool_choice.name")

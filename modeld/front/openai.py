@@ -35,7 +35,7 @@ from .access import record_of
 from .core import FINISH_REASONS, STREAM_SEND_TIMEOUT_S, Serving, Turn, TurnRequest, fill_record
 from .errors import ApiError, api_error
 
-__all__ = ["ChatCompletionRequest", "forced_call_grammar", "router"]
+__all__ = ["ChatCompletionRequest", "call_schemas", "router", "tool_choice_options"]
 
 
 class _Loose(BaseModel):
@@ -176,31 +176,15 @@ def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return tools
 
 
-#: a JSON object in the spelling the templates render a call's arguments back with (json.dumps defaults)
-_JSON_GBNF = r"""
-object ::= "{" ( string ": " value ( ", " string ": " value )* )? "}"
-array  ::= "[" ( value ( ", " value )* )? "]"
-value  ::= object | array | string | number | "true" | "false" | "null"
-string ::= "\"" ( [^"\\] | "\\" ["\\/bfnrtu] )* "\""
-number ::= "-"? [0-9]+ ( "." [0-9]+ )?
-"""
+def call_schemas(tools: list[dict[str, Any]]) -> dict[str, str]:
+    """Each function tool's name and the JSON schema of its arguments, as a forced call holds them."""
+    return {t["function"]["name"]: json.dumps(t["function"].get("parameters") or {}) for t in tools}
 
 
-def forced_call_grammar(names: list[str]) -> str:
-    """GBNF for exactly one Hermes tool call to one of ``names`` with a JSON object of arguments.
-
-    It is the form the templates (and the generic tool block) render a call back
-    in, so the next request reuses the decoded call; both engines take GBNF.
-    """
-    alternatives = " | ".join(json.dumps(json.dumps(n)[1:-1]) for n in names)
-    head = json.dumps('<tool_call>\n{"name": "')
-    middle = json.dumps('", "arguments": ')
-    tail = json.dumps("}\n</tool_call>")
-    return f"root ::= {head} name {middle} object {tail}\nname ::= {alternatives}{_JSON_GBNF}"
-
-
-def tool_choice_options(choice: str | None, forced: str | None, names: list[str]) -> dict[str, Any]:
-    """Decode options for a tool choice: ``choice`` auto/none/required, or ``forced`` (one function's name)."""
+def tool_choice_options(choice: str | None, forced: str | None, schemas: dict[str, str]) -> dict[str, Any]:
+    """Decode options for a tool choice: ``choice`` auto/none/required, or ``forced`` (one function's
+    name); ``schemas`` holds each tool's arguments schema (``call_schemas``)."""
+    names = list(schemas)
     if choice == "none":
         return {"parser_protocols": []}
     if choice in (None, "auto") and forced is None:
@@ -211,7 +195,7 @@ def tool_choice_options(choice: str | None, forced: str | None, names: list[str]
         if forced not in names:
             raise ApiError(400, f"tool_choice names {forced!r}, which is not among the tools", param="tool_choice")
         names = [forced]
-    return {"structured_output": StructuredOutputConfig(grammar=forced_call_grammar(names))}
+    return {"structured_output": StructuredOutputConfig(tool_call={n: schemas[n] for n in names})}
 
 
 def _decode(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str, Any]:
@@ -239,10 +223,9 @@ def _decode(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str
                            param="response_format.json_schema.schema")
         opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps(schema))
     choice = req.tool_choice
-    names = [t["function"]["name"] for t in tools]
     forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
     plain = choice if isinstance(choice, str) else None
-    calls = tool_choice_options(plain, forced, names)
+    calls = tool_choice_options(plain, forced, call_schemas(tools))
     if "structured_output" in calls and "structured_output" in opts:
         raise ApiError(400, "a forced tool call and a response_format cannot be combined", param="tool_choice")
     opts.update(calls)

@@ -51,7 +51,7 @@ from runtime.chat import ChatResult
 from .access import record_of
 from .core import STREAM_SEND_TIMEOUT_S, Serving, Turn, TurnRequest, fill_record
 from .errors import ApiError, api_error
-from .openai import tool_choice_options
+from .openai import call_schemas, tool_choice_options
 from .stored import ResponseStore
 
 __all__ = ["ResponsesRequest", "router"]
@@ -248,7 +248,7 @@ def _decode(req: ResponsesRequest, tools: ToolMap) -> dict[str, Any]:
             raise ApiError(400, "text.format json_schema needs a schema (an object)", param="text.format.schema")
         opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps(fmt.schema_))
     choice = req.tool_choice
-    names = [t["function"]["name"] for t in tools.functions]
+    names = call_schemas(tools.functions)
     if isinstance(choice, dict):
         forced = choice.get("name")
         if choice.get("type") not in ("function", "custom") or not isinstance(forced, str):
