@@ -3,13 +3,15 @@
 Installs the agents once at pinned versions into ``.cache/agents`` (npm packages in one prefix, a venv
 per PyPI agent), starts ``modeld serve --backend auto --http 127.0.0.1:PORT`` on a free port with its
 own endpoint and data dir, then runs each agent headless and offline (scratch HOME, telemetry and
-update checks off) on its own scratch git repository with one small task ("Fix the bug in calc.py …"),
-through a recording proxy. Prints one row per agent: requests the daemon served (from its JSON access
+update checks off) on its own scratch git repository with two small tasks, one run each ("Fix the bug
+in calc.py …", then "Add a test …": a user's next request reuses what the first left warm), through a
+recording proxy. Prints one row per agent: requests the daemon served (from its JSON access
 log, matched to the agent by when each request started), errors (status >= 400 or an error code),
 prefix reuse (cached ÷ prompt tokens over the requests after the first), prompt tokens, time, whether
 the repository changed, whether ``add`` now returns the sum, and the agent's exit code.
 
-Options: ``--only opencode,aider`` (a subset), ``--timeout 300`` (seconds per agent), ``--model NAME``
+Options: ``--only opencode,aider`` (a subset), ``--timeout 420`` (seconds per agent and task),
+``--task TEXT`` (repeatable: the tasks instead of the two), ``--model NAME``
 (default: the first of ``/v1/models``), ``--context N``, ``--outdir DIR``, ``--backend``,
 ``--serve-arg ARG``, ``--settle S`` (wait after an agent for its requests to end), ``--install-only``,
 ``--reinstall``. With make: ``make agents AGENTS_ARGS="--only codex"``.

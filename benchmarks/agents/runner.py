@@ -18,7 +18,7 @@ from benchmarks.agents.daemon import Daemon, DaemonError, free_port, get_json
 from benchmarks.agents.install import Installed, InstallError, ensure_installed
 from benchmarks.agents.proxy import Proxy
 from benchmarks.agents.report import AccessLine, AgentResult, assign, table
-from benchmarks.agents.scratch import GIT_ENV, TASK, make_repo
+from benchmarks.agents.scratch import FOLLOW_UP, GIT_ENV, TASK, make_repo
 from benchmarks.agents.specs import AGENTS, Context, Launch
 
 __all__ = ["main"]
@@ -43,7 +43,7 @@ def _base_python() -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.agents", description=__doc__)
     p.add_argument("--only", default="", help=f"comma-separated agents to run (default: all of {','.join(AGENTS)})")
-    p.add_argument("--timeout", type=float, default=300.0, help="wall-clock seconds per agent (default 300)")
+    p.add_argument("--timeout", type=float, default=420.0, help="wall-clock seconds per agent and task (default 420)")
     p.add_argument("--settle", type=float, default=60.0,
                    help="seconds to wait after an agent for the daemon to log the requests it left and go idle (default 60)")
     p.add_argument("--model", default="", help="the model name the agents are told (default: the first of /v1/models)")
@@ -55,7 +55,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for modeld serve (repeatable), e.g. --serve-arg=--num-ctx=16384")
     p.add_argument("--modeld", default="", help="the modeld command (default: the one beside this Python)")
-    p.add_argument("--task", default=TASK, help="what the agents are asked to do")
+    p.add_argument("--task", action="append", default=[], metavar="TASK",
+                   help="what each agent is asked to do, one run of the agent per task, in order on the same "
+                   f"repository (repeatable; default: {TASK!r}, then {FOLLOW_UP!r})")
     p.add_argument("--install-only", action="store_true", help="install the agents and exit")
     p.add_argument("--reinstall", action="store_true", help="install the agents again even when the stamp matches")
     p.add_argument("--python", default=_base_python(),
@@ -66,6 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown agent(s) {', '.join(unknown)}; known: {', '.join(AGENTS)}")
     args.agents = names
+    args.task = args.task or [TASK, FOLLOW_UP]
     return args
 
 
@@ -179,16 +182,22 @@ class Run:
         git_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "GIT_CONFIG_NOSYSTEM": "1",
                    **GIT_ENV}
         changes = make_repo(scratch / "repo", git_env)
-        ctx = Context(name=name, installed=self.installed, server=self.proxy.url, model=self.model,
-                      context=self.context, output=min(self.args.output_tokens, self.context // 2),
-                      task=self.args.task, repo=changes.repo, home=home, outdir=scratch)
-        launch = AGENTS[name](ctx)
         self.proxy.begin(name, self.outdir / name)
-        _log(f"{name}: {' '.join(launch.argv)}")
         started = time.time()
         self.starts.append(started)
         t0 = time.monotonic()
-        code, timed_out = await _launch(launch, self.outdir / f"{name}.log", self.args.timeout)
+        code: int | None = None
+        timed_out = False
+        for k, task in enumerate(self.args.task):
+            ctx = Context(name=name, installed=self.installed, server=self.proxy.url, model=self.model,
+                          context=self.context, output=min(self.args.output_tokens, self.context // 2),
+                          task=task, repo=changes.repo, home=home, outdir=scratch)
+            launch = AGENTS[name](ctx)
+            _log(f"{name} (task {k + 1}): {' '.join(launch.argv)}")
+            log = self.outdir / (f"{name}.log" if k == 0 else f"{name}-{k + 1}.log")
+            code, timed_out = await _launch(launch, log, self.args.timeout)
+            if timed_out:
+                break
         seconds = time.monotonic() - t0
         note = []
         aborted = self.proxy.abort()

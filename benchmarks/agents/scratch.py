@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["TASK", "Changes", "make_repo"]
+__all__ = ["FOLLOW_UP", "TASK", "Changes", "make_repo"]
 
 TASK = "Fix the bug in calc.py so that add returns the sum."
+#: the second task of a run: the same agent again on the same repository, as a user's next request is (its
+#: requests share the agent's system prompt and tools with the first task's, which the daemon keeps warm)
+FOLLOW_UP = "Add a test to test_calc.py that checks add(2, 3) == 5."
 
 FILES = {
     "calc.py": '"""Small arithmetic helpers."""\n\n\ndef add(a, b):\n    """Return the sum of a and b."""\n    return a - b\n\n\n'
