@@ -234,6 +234,8 @@ _SAMPLING_KEYS = {
     "general.sampling.top_k": "top_k",
     "general.sampling.top_p": "top_p",
     "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repeat_penalty",
+    "general.sampling.penalty_last_n": "repeat_last_n",
 }
 
 
@@ -244,6 +246,6 @@ def recommended_sampling(scalars: dict[str, Any]) -> dict[str, float | int]:
         value = scalars.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        found[name] = int(value) if name == "top_k" else float(value)
+        found[name] = int(value) if name in ("top_k", "repeat_last_n") else float(value)
     return found
 

@@ -516,6 +516,8 @@ class SamplingParams(_Report):
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
     source: str = ""
 
     def fill(self, cfg: DecodeConfig) -> DecodeConfig:
@@ -524,15 +526,17 @@ class SamplingParams(_Report):
             return cfg
         update = {
             name: getattr(self, name)
-            for name in ("temperature", "top_k", "top_p", "min_p")
+            for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n")
             if getattr(cfg, name) is None and getattr(self, name) is not None
         }
         return cfg.model_copy(update=update) if update else cfg
 
 
-#: what a request that sets no sampling parameter gets when the model recommends none (llama-server's
-#: and Ollama's defaults): sampled, not greedy
-DEFAULT_SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, source="default")
+#: what a request that sets no sampling parameter gets when the model recommends none: sampled, not
+#: greedy (llama-server's and Ollama's temperature, top-k, top-p and min-p, and Ollama's repeat penalty
+#: over the last 64 tokens, which keeps a small model from looping until the context's end)
+DEFAULT_SAMPLING = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1,
+                                  repeat_last_n=64, source="default")
 
 
 class DecodeConfig(_Request):
@@ -547,6 +551,14 @@ class DecodeConfig(_Request):
     top_k: int | None = Field(None, ge=0)
     #: None or 0: no min-p cut (tokens below min_p times the top token's probability are dropped)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
+    #: penalties over the last ``repeat_last_n`` tokens (the prompt's tail, then the reply; None: 64),
+    #: applied before the cuts, as llama.cpp does: a repeated token's logit divided by
+    #: ``repeat_penalty`` (multiplied where negative; None or 1: none), less ``frequency_penalty``
+    #: times its count and ``presence_penalty`` once (OpenAI's; None or 0: none)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repeat_last_n: int | None = Field(None, ge=0, le=1_000_000)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = None
     stop: list[str] = Field(default_factory=list)
     parser_protocols: list[str] = Field(default_factory=list)
@@ -558,6 +570,14 @@ class DecodeConfig(_Request):
     #: one batch; the output is what plain decoding gives); None = the daemon's default, for greedy
     #: decoding only (a seeded sampled pass then repeats exactly)
     speculative: bool | None = None
+
+    def penalties(self) -> tuple[int, float, float, float] | None:
+        """(last n, repeat, frequency, presence) when any penalty applies, else None."""
+        last_n = 64 if self.repeat_last_n is None else self.repeat_last_n
+        repeat, freq, present = self.repeat_penalty or 1.0, self.frequency_penalty or 0.0, self.presence_penalty or 0.0
+        if last_n == 0 or (repeat == 1.0 and freq == 0.0 and present == 0.0):
+            return None
+        return last_n, repeat, freq, present
 
 
 class ToolCallFunction(_Report):

@@ -347,6 +347,8 @@ def _sampling_row(sp: SamplingParams) -> str:
         parts = [f"temperature {sp.temperature:g}" if sp.temperature is not None else "temperature -"]
         parts += [f"{name.replace('_', '-')} {value:g}" for name in ("top_k", "top_p", "min_p")
                   if (value := getattr(sp, name)) is not None]
+        if sp.repeat_penalty is not None and sp.repeat_penalty != 1.0:
+            parts.append(f"repeat-penalty {sp.repeat_penalty:g} over the last {sp.repeat_last_n or 64}")
         what = ", ".join(parts)
     where = {"model": "the model's recommendation", "default": "the defaults", "settings": "--temperature"}
     return f"{what} when a request sets none ({where.get(sp.source, sp.source or 'unset')})"

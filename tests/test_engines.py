@@ -451,6 +451,29 @@ def test_speculation_answers_like_plain_decoding_and_the_next_turn_reuses_it(
     _check_same_greedy(engine, model, session, man, plain, spec_ids)
 
 
+def test_penalties_cover_the_prompt_tail_and_the_reply(engine: Engine, model: LoadedModel, session: Session) -> None:
+    """Penalties reach the engine's sampler; the window holds the prompt's tail and then each token
+    the reply takes: under a penalty no logit survives, the reply repeats no token of the window,
+    with drafts on or off."""
+    if not engine.speculates:
+        pytest.skip("the reference samples no logits")
+    man = manifest(model, "penalties")
+    plain = _edit_turn(session, man, 24, speculative=False)[0]
+    window = 256
+    for spec in (False, True):
+        _edit_turn(session, man, 0)  # the prompt alone is resident
+        prompt = engine.tape(model)[-window:]
+        ids, _, final = decode(session, 24, speculative=spec, repeat_penalty=10.0, presence_penalty=2.0,
+                               repeat_last_n=window)
+        assert len(ids) == 24 and ids != plain
+        seen = set(prompt)
+        for i, token in enumerate(ids):
+            assert token not in seen, f"token {i} ({token}) repeats the window"
+            seen.add(token)
+    # left out, none applies: the same greedy answer as before
+    assert _edit_turn(session, man, 24, speculative=False, repeat_penalty=1.0, frequency_penalty=0.0)[0] == plain
+
+
 def test_seeded_sampling_repeats_and_speculates_when_asked(
     engine: Engine, model: LoadedModel, session: Session
 ) -> None:

@@ -108,6 +108,22 @@ def test_a_request_with_no_sampling_parameters_samples(front: Front) -> None:
     assert len(sampled) > 1
 
 
+def test_penalties_reach_the_sampler(front: Front) -> None:
+    """OpenAI's frequency/presence penalties and llama-server's repeat_penalty change a greedy answer."""
+    sdk = front.sdk()
+    messages = [SYSTEM, {"role": "user", "content": "Count from 1 to 20, one number per line."}]
+    plain = sdk.chat.completions.create(model="any", messages=messages, temperature=0, max_tokens=40)
+    again = sdk.chat.completions.create(model="any", messages=messages, temperature=0, max_tokens=40)
+    penalised = sdk.chat.completions.create(model="any", messages=messages, temperature=0, max_tokens=40,
+                                            frequency_penalty=2.0, presence_penalty=2.0,
+                                            extra_body={"repeat_penalty": 10.0, "repeat_last_n": 512})
+    assert plain.choices[0].message.content == again.choices[0].message.content
+    assert penalised.choices[0].message.content != plain.choices[0].message.content
+    bad = sdk.with_options(max_retries=0).chat.completions
+    with pytest.raises(openai.BadRequestError):
+        bad.create(model="any", messages=messages, frequency_penalty=3.0)
+
+
 def test_responses_forced_call_answered_then_json_schema(front: Front) -> None:
     """Codex's wire on the bundled model: a forced function call, its output, then a schema-bound answer."""
     sdk = front.sdk()

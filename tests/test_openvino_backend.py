@@ -749,3 +749,21 @@ def test_a_text_longer_than_the_tokenizers_own_cut_is_tokenized_whole(model: Ope
     assert len(model._encode_once(text)) == model._encode_limit <= 8192  # what a single encode gives
     tokens = model.tokenize(text)
     assert tokens == model.tokenize(one) * 40 and len(tokens) > model._encode_limit
+
+
+def test_the_numpy_sampler_penalises_as_llama_cpp_does() -> None:
+    """llama.cpp's penalties: a repeated token's logit divided by the repeat penalty (multiplied where
+    it is negative), less the frequency penalty per occurrence and the presence penalty once; the
+    window is the last n tokens, prompt tail first."""
+    from backends.openvino.sampling import Sampler
+
+    s = Sampler(DecodeConfig(temperature=0.0, repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=1.0,
+                             repeat_last_n=3))
+    s.start([9, 1, 1, 2])  # the window keeps the last three: 1, 1, 2
+    logits = np.array([0.0, 4.0, -3.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0], dtype=np.float32)
+    out = s._penalised(logits)
+    assert out[1] == pytest.approx(4.0 / 2 - 2 * 0.5 - 1.0) and out[2] == pytest.approx(-3.0 * 2 - 0.5 - 1.0)
+    assert out[9] == 8.0 and out[3] == 5.0  # 9 left the window
+    assert s(logits) == 9
+    s.accept(9)  # the window now holds 1, 2, 9
+    assert s(logits) == 3 and s._penalised(logits)[1] == pytest.approx(4.0 / 2 - 0.5 - 1.0)

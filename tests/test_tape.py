@@ -979,3 +979,22 @@ def test_a_cost_table_measured_on_a_busy_machine_is_not_kept() -> None:
     quiet = CheckCosts.from_points({1: 1.0, 2: 1.8, 4: 2.7, 8: 4.4, 16: 7.8}, lambda r: r)
     busy = CheckCosts.from_points({1: 1.0, 2: 9.1, 4: 9.7, 8: 19.1, 16: 36.2}, lambda r: r)  # seen under load
     assert plausible(quiet) and plausible(CheckCosts.prior()) and not plausible(busy)
+
+
+def test_sampling_defaults_fill_what_a_request_leaves_unset() -> None:
+    """The documented defaults (a repeat penalty over the last 64 tokens among them) fill a sampled
+    request's unset fields; a greedy one stays greedy with no penalty; a GGUF's recommendation wins."""
+    from backends.gguf_file import recommended_sampling
+    from contract.types import DEFAULT_SAMPLING
+
+    filled = DEFAULT_SAMPLING.fill(DecodeConfig(top_k=5))
+    assert (filled.temperature, filled.top_k, filled.repeat_penalty, filled.repeat_last_n) == (0.8, 5, 1.1, 64)
+    assert filled.penalties() == (64, 1.1, 0.0, 0.0)
+    greedy = DEFAULT_SAMPLING.fill(DecodeConfig(temperature=0.0))
+    assert greedy.repeat_penalty is None and greedy.penalties() is None
+    assert DecodeConfig(temperature=0.0, presence_penalty=0.5).penalties() == (64, 1.0, 0.0, 0.5)
+    assert DecodeConfig(repeat_penalty=1.3, repeat_last_n=0).penalties() is None
+    found = recommended_sampling({"general.sampling.temp": 0.2, "general.sampling.penalty_repeat": 1.05,
+                                  "general.sampling.penalty_last_n": 128, "general.sampling.top_k": True})
+    assert found == {"temperature": 0.2, "repeat_penalty": 1.05, "repeat_last_n": 128}
+    assert isinstance(found["repeat_last_n"], int)

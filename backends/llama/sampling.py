@@ -184,13 +184,22 @@ def _unenforced_keywords(node: Any) -> set[str]:
 
 
 def build_sampler(m: LlamaLoadedModel, cfg: DecodeConfig, grammar: str | None) -> llama_internals.LlamaSampler:
-    """A sampler chain in llama.cpp's order: grammar, then greedy or top-k/top-p/min-p/temp/dist.
+    """A sampler chain in llama.cpp's order: penalties, grammar, then greedy or top-k/top-p/min-p/temp/dist.
 
-    Penalties are left out (llama-cpp-python's defaults make them a no-op); a
-    field left unset (None) or 0 adds no step.
+    A field left unset (None) or 0 adds no step. The penalties' window starts
+    with the prompt's last ``repeat_last_n`` tokens; the chain then takes in each
+    token it samples, draft rows included (a row's token is the reply's next one
+    until the first the draft did not foresee, which is the reply's too).
     """
     sampler = llama_internals.LlamaSampler()
     try:
+        penalties = cfg.penalties()
+        if penalties is not None:
+            last_n, repeat, freq, present = penalties
+            p = llama_cpp.llama_sampler_init_penalties(m.llm.n_vocab(), last_n, repeat, freq, present)
+            for token in m.res.tokens[-last_n:]:
+                llama_cpp.llama_sampler_accept(p, token)
+            llama_cpp.llama_sampler_chain_add(sampler.sampler, p)
         if grammar is not None:
             mark = log_mark()
             g = llama_cpp.llama_sampler_init_grammar(m.llm._model.vocab, grammar.encode("utf-8"), b"root")

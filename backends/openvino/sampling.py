@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,7 +16,11 @@ if TYPE_CHECKING:
 
 
 class Sampler:
-    """Greedy, or llama.cpp's order: top-k, then top-p on the softmax, then min-p, then temperature."""
+    """llama.cpp's order: penalties, then greedy, or top-k, top-p on the softmax, min-p and temperature.
+
+    The penalties' window (``DecodeConfig.penalties``) starts with the prompt's tail
+    (``start``) and takes in each token sampled (``accept``), as llama.cpp's chain does.
+    """
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.temperature = cfg.temperature or 0.0
@@ -23,8 +28,30 @@ class Sampler:
         self.top_p = cfg.top_p if cfg.top_p is not None else 1.0
         self.min_p = cfg.min_p or 0.0
         self.rng = np.random.default_rng(cfg.seed)
+        self.penalties = cfg.penalties()
+        self.window: deque[int] = deque(maxlen=self.penalties[0] if self.penalties else 0)
+
+    def start(self, tape: list[int]) -> None:
+        if self.penalties is not None:
+            self.window.extend(tape[-self.penalties[0] :])
+
+    def accept(self, token: int) -> None:
+        if self.penalties is not None:
+            self.window.append(token)
+
+    def _penalised(self, logits: np.ndarray) -> np.ndarray:
+        assert self.penalties is not None
+        _, repeat, freq, present = self.penalties
+        tokens, counts = np.unique(np.fromiter(self.window, dtype=np.int64, count=len(self.window)), return_counts=True)
+        x = logits.astype(np.float32, copy=True)
+        seen = x[tokens]
+        seen = np.where(seen <= 0, seen * repeat, seen / repeat)
+        x[tokens] = seen - counts * freq - present
+        return x
 
     def __call__(self, logits: np.ndarray) -> int:
+        if self.penalties is not None and self.window:
+            logits = self._penalised(logits)
         if self.temperature <= 0.0:
             return int(np.argmax(logits))
         x = logits.astype(np.float64)
@@ -61,6 +88,7 @@ class OpenVINOSteps:
 
     def start(self) -> None:
         self._logits = self._m.logits_at_end()
+        self._sample.start(self._m.res.tokens)
 
     def sample(self) -> int:
         assert self._logits is not None, "start() comes first"
@@ -68,9 +96,11 @@ class OpenVINOSteps:
 
     def _sample_from(self, logits: np.ndarray) -> int:
         if self._guide is None:
-            return self._sample(logits)
-        token = self._sample(self._guide.mask(logits))
-        self._guide.accept(token)
+            token = self._sample(logits)
+        else:
+            token = self._sample(self._guide.mask(logits))
+            self._guide.accept(token)
+        self._sample.accept(token)
         return token
 
     def feed(self, token: int) -> None:

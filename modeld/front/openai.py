@@ -116,6 +116,11 @@ class ChatCompletionRequest(_Loose):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    #: llama-server's and Ollama's extension (over the last ``repeat_last_n`` tokens)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repeat_last_n: int | None = Field(None, ge=0, le=1_000_000)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
@@ -207,7 +212,8 @@ def _decode(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str
     limit = req.max_completion_tokens or req.max_tokens
     if limit is not None:
         opts["max_tokens"] = limit
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repeat_penalty",
+                 "repeat_last_n", "seed"):
         value = getattr(req, name)
         if value is not None:
             opts[name] = value
