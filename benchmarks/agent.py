@@ -136,6 +136,67 @@ def sdk_turns(
     return out
 
 
+def responses_items(messages: list[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """A chat message list as the Responses API carries it: the system text as ``instructions``, the rest as items."""
+    instructions = ""
+    items: list[dict[str, Any]] = []
+    for m in messages:
+        role, content = m["role"], m.get("content")
+        if role == "system":
+            instructions = content or ""
+        elif role == "user":
+            items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": content}]})
+        elif role == "assistant":
+            if content:
+                items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": content}]})
+            for call in m.get("tool_calls") or []:
+                items.append({"type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+                              "arguments": call["function"]["arguments"]})
+        elif role == "tool":
+            items.append({"type": "function_call_output", "call_id": m["tool_call_id"], "output": content})
+    return instructions, items
+
+
+def responses_turns(base_url: str, model: str, sent: list[list[dict[str, Any]]], *, stateful: bool) -> list[dict[str, float]]:
+    """The message lists through the official SDK's ``responses``, streamed: stateless (the whole input every
+    turn, ``store: false``, as Codex sends) or stateful (``previous_response_id`` and only what is new: the
+    tool call and its output or the next question; the reply is the stored response's own)."""
+    import openai
+
+    tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+              "parameters": t["function"]["parameters"]} for t in TOOLS]
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=600)
+    out: list[dict[str, float]] = []
+    previous: str | None = None
+    try:
+        for k, messages in enumerate(sent):
+            instructions, items = responses_items(messages)
+            extra: dict[str, Any] = {"store": stateful}
+            if stateful and previous is not None:
+                new = [m for m in messages[len(sent[k - 1]) :]]
+                new[0] = {**new[0], "content": None}  # the reply itself is the stored response's
+                extra["previous_response_id"] = previous
+                items = responses_items(new)[1]
+            t0 = time.perf_counter()
+            first = float("nan")
+            prompt = cached = float("nan")
+            stream = client.responses.create(model=model, instructions=instructions, input=items, tools=tools,  # type: ignore[arg-type]
+                                             max_output_tokens=REPLY_TOKENS, temperature=0, stream=True, **extra)
+            event: Any
+            for event in stream:
+                if first != first and event.type in ("response.output_text.delta", "response.function_call_arguments.delta"):
+                    first = (time.perf_counter() - t0) * 1000
+                if event.type in ("response.completed", "response.incomplete"):
+                    usage = event.response.usage
+                    previous = event.response.id
+                    if usage is not None:
+                        prompt, cached = usage.input_tokens, usage.input_tokens_details.cached_tokens
+            out.append({"ttft_ms": first, "prompt": prompt, "cached": cached})
+    finally:
+        client.close()
+    return out
+
+
 @contextlib.contextmanager
 def peer_server(tmp: Path, model: Path, n_ctx: int, *extra: str) -> Iterator[int]:
     """llama-cpp-python's OpenAI server on a free loopback port, with the daemon's thread count; yields the port.
@@ -181,12 +242,18 @@ def run_peer(tmp: Path, model: Path, n_ctx: int, sent: list[list[dict[str, Any]]
         return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent)]
 
 
-def run_front(tmp: Path, backend: str, model: Path, n_ctx: int, port: int, sent: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
-    """The same message lists through modeld's OpenAI front (a fresh daemon: turn 1 is cold again)."""
+def run_front(tmp: Path, backend: str, model: Path, n_ctx: int, port: int, sent: list[list[dict[str, Any]]],
+              api: str = "chat") -> list[dict[str, float]]:
+    """The same message lists through modeld's HTTP front (a fresh daemon: turn 1 is cold again), by chat
+    completions (``api="chat"``) or the Responses API, stateless (``"responses"``) or with
+    ``previous_response_id`` (``"responses-stateful"``)."""
     args = ("--model", str(model), "--model-name", "agent", "--num-ctx", str(n_ctx), "--http", f"127.0.0.1:{port}")
-    d = DaemonProcess(tmp / f"agent-front-{backend}", backend, None, *args).start(wait_state=("Ready",))
+    d = DaemonProcess(tmp / f"agent-front-{api}-{backend}", backend, None, *args).start(wait_state=("Ready",))
     try:
-        return sdk_turns(f"http://127.0.0.1:{port}/v1", "agent", sent)
+        url = f"http://127.0.0.1:{port}/v1"
+        if api == "chat":
+            return sdk_turns(url, "agent", sent)
+        return responses_turns(url, "agent", sent, stateful=api == "responses-stateful")
     finally:
         d.stop()
 
@@ -255,6 +322,17 @@ def section(tmp: Path, backend: str, count: Any, *, turns: int = 10, replay: int
         peer = run_peer(tmp, model, n_ctx, sent)
         front = run_front(tmp, backend, model, n_ctx, _free_port(), sent)
     out = summarise(backend, rows, peer, differ, min(replay, turns), front)
+    if front:
+        chat_warm = statistics.median(r["ttft_ms"] for r in front[1:])
+        for api, what in (("responses", "stateless, the whole input each turn"),
+                          ("responses-stateful", "previous_response_id, only the new items")):
+            got = run_front(tmp, backend, model, n_ctx, _free_port(), sent, api=api)
+            warm = statistics.median(r["ttft_ms"] for r in got[1:])
+            cached = sum(r["cached"] for r in got[1:]) / max(1.0, sum(r["prompt"] for r in got[1:]))
+            ratio = warm / chat_warm
+            out.append((f"{api} / chat completions warm TTFT", ratio,
+                        f"{what}: median {warm:,.0f} ms against {chat_warm:,.0f} ms, cached {cached:.2f} of turns 2+'s "
+                        "input; target within 5% " + ("(met)" if abs(ratio - 1) <= 0.05 else "(MISSED)")))
     out.append(("workspace cache disk writes per turn", f"{written_trace / turns / 2**20:.1f} MiB",
                  f"during the {turns}-turn trace (one conversation); with {min(replay, turns)} cold replays of other "
                  f"conversations {written_all / 2**20:.1f} MiB in all; after the stop {on_disk / 2**20:.1f} MiB on disk"))

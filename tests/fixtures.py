@@ -97,18 +97,53 @@ def fixture_dir() -> Path:
     return model_cache_dir() / "fixtures"
 
 
+#: a reasoning template in the shape of Qwen3's and DeepSeek-R1's: the generation prompt opens
+#: ``<think>`` unless thinking is switched off, and an assistant turn's reasoning renders back
+#: before its text
+THINK_CHATML_TEMPLATE = r"""{%- for message in messages %}
+    {%- if message.role == "assistant" %}
+        {{- '<|im_start|>assistant\n' }}
+        {%- if message.reasoning_content %}
+            {{- '<think>\n' + message.reasoning_content + '\n</think>\n\n' }}
+        {%- endif %}
+        {{- (message.content or '') + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- else %}
+        {{- '<think>\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+
 def tool_gguf(cache_dir: Path | None = None) -> Path:
     """Path of the bundled GGUF with ``TOOL_CHATML_TEMPLATE``; built on first use."""
+    return templated_gguf(TOOL_CHATML_TEMPLATE, "tools", cache_dir)
+
+
+def think_gguf(cache_dir: Path | None = None) -> Path:
+    """Path of the bundled GGUF with ``THINK_CHATML_TEMPLATE``; built on first use."""
+    return templated_gguf(THINK_CHATML_TEMPLATE, "think", cache_dir)
+
+
+def templated_gguf(template: str, name: str, cache_dir: Path | None = None) -> Path:
+    """Path of the bundled GGUF with ``template`` as its chat template; built on first use."""
     src = bundled_gguf_path()
     st = src.stat()
-    key = hashlib.sha256(f"{TOOL_CHATML_TEMPLATE}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{template}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out_dir = cache_dir or fixture_dir()
-    dest = out_dir / f"smollm2-135m-tools-{key}.gguf"
+    dest = out_dir / f"smollm2-135m-{name}-{key}.gguf"
     if dest.is_file():
         return dest
     out_dir.mkdir(parents=True, exist_ok=True)
-    template_file = out_dir / f"tool-chatml-{key}.jinja"
-    template_file.write_text(TOOL_CHATML_TEMPLATE, encoding="utf-8")
+    template_file = out_dir / f"{name}-chatml-{key}.jinja"
+    template_file.write_text(template, encoding="utf-8")
     tmp = out_dir / f".{dest.name}.{os.getpid()}.tmp"
     try:
         proc = subprocess.run(

@@ -165,3 +165,56 @@ def test_messages_forced_tool_use_answered(front: Front) -> None:
                                    messages=messages, extra_body={"temperature": 0})
         prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
         assert second.usage.cache_read_input_tokens >= prompt + first.usage.output_tokens - 2
+
+
+@pytest.fixture(scope="module")
+def think_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    """llama.cpp on the bundled weights under a reasoning template (``<think>`` opened by the prompt)."""
+    pytest.importorskip("llama_cpp")
+    from tests.fixtures import think_gguf
+
+    with Front(tmp_path_factory.mktemp("front-think"), "--model", str(think_gguf()), "--num-ctx", str(NUM_CTX),
+               backend="llama") as f:
+        yield f
+
+
+@pytest.mark.llama
+def test_messages_thinking_comes_back_with_its_signature(think_front: Front) -> None:
+    """A thinking block the daemon signed renders back as the model wrote it, so the next turn reuses
+    the whole first one; a block whose signature is not the daemon's is left out of the prompt."""
+    anthropic = pytest.importorskip("anthropic")
+    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{think_front.port}", api_key="k", max_retries=0,
+                             timeout=120) as c:
+        messages: list[dict[str, object]] = [{"role": "user", "content": "What is 2 + 3? Think first."}]
+        first = c.messages.create(model="claude-opus-5", max_tokens=40, messages=messages,
+                                  thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0})
+        thinking = [b for b in first.content if b.type == "thinking"]
+        assert thinking and thinking[0].thinking and thinking[0].signature, first.content
+        prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+
+        def follow(blocks: list[dict[str, object]]) -> int:
+            turn = [*messages, {"role": "assistant", "content": blocks}, {"role": "user", "content": "And 3 + 4?"}]
+            out = c.messages.create(model="claude-opus-5", max_tokens=4, messages=turn,
+                                    thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0})
+            return int(out.usage.cache_read_input_tokens)
+
+        echoed = [b.model_dump(exclude_none=True) for b in first.content]
+        assert follow(echoed) >= prompt + first.usage.output_tokens - 4
+        forged = [{**b, "signature": "forged"} if b["type"] == "thinking" else b for b in echoed]
+        # left out of the prompt (with a text block, the turn is not empty): the reply's tokens are not reused
+        assert follow([*forged, {"type": "text", "text": "5"}]) < prompt + 4
+
+
+@pytest.mark.llama
+def test_responses_encrypted_reasoning_reproduces_the_turn(think_front: Front) -> None:
+    """``include: reasoning.encrypted_content``: the echoed reasoning item renders the turn as it was decoded."""
+    sdk = think_front.sdk()
+    base = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is 2 + 3? Think first."}]}]
+    first = sdk.responses.create(model="any", input=base, store=False, temperature=0, max_output_tokens=40,
+                                 reasoning={"summary": "auto"}, include=["reasoning.encrypted_content"])
+    reasoning = [o for o in first.output if o.type == "reasoning"]
+    assert reasoning and reasoning[0].encrypted_content, first.output
+    history = [*base, *[o.model_dump(exclude_none=True) for o in first.output],
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And 3 + 4?"}]}]
+    second = sdk.responses.create(model="any", input=history, store=False, temperature=0, max_output_tokens=4)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 4

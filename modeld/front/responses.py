@@ -190,6 +190,9 @@ def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving) -> lis
         if not isinstance(item, dict):
             raise ApiError(400, f"{where} must be an object", param=where)
         kind = item.get("type", "message")
+        if reasoning and kind in ("message", "function_call_output", "custom_tool_call_output") \
+                and item.get("role") != "assistant":
+            assistant()  # a turn that was all reasoning (a reply cut inside its thinking) is still a turn
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -230,6 +233,8 @@ def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving) -> lis
             raise ApiError(400, f"{where}: item references are not supported; send the item itself", param=where)
         else:
             log.info("an input item of type %r was left out of the prompt", kind)
+    if reasoning:
+        assistant()
     return out
 
 
