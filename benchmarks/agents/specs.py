@@ -101,7 +101,9 @@ def opencode(ctx: Context) -> Launch:
     plugin = ctx.installed.opencode_config
     for name in ("package.json", "package-lock.json"):
         shutil.copyfile(plugin / name, config_dir / name)
-    (config_dir / "node_modules").symlink_to(plugin / "node_modules", target_is_directory=True)
+    link = config_dir / "node_modules"
+    if not link.is_symlink():  # the next task's launch finds it in place
+        link.symlink_to(plugin / "node_modules", target_is_directory=True)
     env = base_env(ctx)
     env.update(OPENCODE_CONFIG=str(path), OPENCODE_DISABLE_AUTOUPDATE="1", OPENCODE_DISABLE_SHARE="1",
                OPENCODE_DISABLE_MODELS_FETCH="1", OPENCODE_DISABLE_LSP_DOWNLOAD="1")
