@@ -559,7 +559,8 @@ class DecodeConfig(_Request):
     repeat_last_n: int | None = Field(None, ge=0, le=1_000_000)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    #: any 64-bit value (the engines fold it to the width their generators take)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: list[str] = Field(default_factory=list)
     parser_protocols: list[str] = Field(default_factory=list)
     reasoning_format: str = ""

@@ -218,6 +218,53 @@ def test_errors_are_openai_errors(front: Front) -> None:
     assert sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2).choices
 
 
+#: request bodies that once made the front answer 500 (or were accepted with a loose type): each a 400
+MALFORMED = {
+    "seed": {"seed": 2**70},
+    "stop": {"stop": 5},
+    "tools": {"tools": 5},
+    "stream_options": {"stream_options": "x"},
+    "response_format.json_schema": {"response_format": {"type": "json_schema", "json_schema": "x"}},
+    "tools.0.function": {"tools": [{"function": "x"}]},
+    "tool_choice": {"tool_choice": {"type": "function", "function": "read_file"}},
+    "n": {"n": True},
+    "stream": {"stream": "yes"},
+    "max_tokens": {"max_tokens": "5"},
+}
+
+
+def _post(front: Front, path: str, body: bytes, **headers: str) -> tuple[int, dict[str, object]]:
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=30)
+    try:
+        conn.request("POST", path, body=body, headers={"content-type": "application/json", **headers})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"{}")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("field", sorted(MALFORMED))
+def test_a_malformed_field_is_a_400_naming_it(front: Front, field: str) -> None:
+    body = {"model": "ref", "messages": [SYSTEM, {"role": "user", "content": "hi"}], "max_tokens": 2, **MALFORMED[field]}
+    status, answer = _post(front, "/v1/chat/completions", json.dumps(body).encode())
+    error = answer["error"]
+    assert status == 400 and isinstance(error, dict) and str(error["param"]).startswith(field.split(".")[0]), answer
+
+
+def test_framework_refusals_are_api_errors(front: Front) -> None:
+    """A body the parser refuses (JSON nested 2,000 deep) and an unknown route answer in each API's shape."""
+    deep = b'{"model": "ref", "messages": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+    status, answer = _post(front, "/v1/chat/completions", deep)
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer  # type: ignore[index]
+    status, answer = _post(front, "/v1/messages", deep)
+    assert status == 400 and answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error", answer  # type: ignore[index]
+    status, answer = _post(front, "/v1/nothing", b"{}")
+    assert status == 404 and "/v1/nothing" in answer["error"]["message"], answer  # type: ignore[index]
+    # and the front keeps serving
+    assert front.sdk().chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}],
+                                               max_tokens=2).choices
+
+
 def test_a_client_that_disconnects_cancels_its_decode(front: Front) -> None:
     sdk = front.sdk()
     stream = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "Talk at length."}],
@@ -267,6 +314,12 @@ def test_a_remote_address_needs_an_explicit_flag(tmp_path: Path) -> None:
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=30,
     )
     assert out.returncode == 2 and "--http-allow-remote" in out.stderr
+
+
+def test_serving_other_machines_without_a_key_is_warned_of(tmp_path: Path) -> None:
+    d = DaemonProcess(tmp_path, "memory", None, "--no-preload", "--http", f"0.0.0.0:{_port()}", "--http-allow-remote")
+    with d:
+        assert "serves other machines with no --api-key" in d.log()
 
 
 @pytest.mark.llama

@@ -27,7 +27,7 @@ class Sampler:
         self.top_k = cfg.top_k or 0
         self.top_p = cfg.top_p if cfg.top_p is not None else 1.0
         self.min_p = cfg.min_p or 0.0
-        self.rng = np.random.default_rng(cfg.seed)
+        self.rng = np.random.default_rng(None if cfg.seed is None else cfg.seed % 2**64)
         self.penalties = cfg.penalties()
         self.window: deque[int] = deque(maxlen=self.penalties[0] if self.penalties else 0)
 

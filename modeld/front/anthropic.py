@@ -64,7 +64,7 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "context_full": "ma
 
 
 class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class Block(_Loose):

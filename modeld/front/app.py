@@ -18,6 +18,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contract.errors import ModeldError
@@ -144,6 +145,21 @@ def create_app(serving: Serving, *, api_key: str = "", max_body_bytes: int = DEF
         err = ApiError(400, message, code="invalid_request", param=param)
         record_of(request).error = "invalid_request"
         return error_response(request.url.path, err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # the framework's own refusals (a body it cannot parse, an unknown route or method) in the API's shape
+        code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+        detail = str(exc.detail) if exc.detail else "refused"
+        if exc.status_code == 400 and "parsing the body" in detail:
+            detail = "the body is not valid JSON (or nests deeper than the parser allows)"
+        elif exc.status_code == 404:
+            detail = f"no route {request.method} {request.url.path}"
+        record_of(request).error = code
+        response = error_response(request.url.path, ApiError(exc.status_code, detail, code=code))
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> dict[str, Any]:

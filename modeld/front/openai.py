@@ -41,7 +41,7 @@ __all__ = ["ChatCompletionRequest", "call_schemas", "router", "tool_choice_optio
 class _Loose(BaseModel):
     """A request part: the fields we read are typed; unknown fields are accepted (clients send many)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class ContentPart(_Loose):
@@ -121,7 +121,7 @@ class ChatCompletionRequest(_Loose):
     #: llama-server's and Ollama's extension (over the last ``repeat_last_n`` tokens)
     repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
     repeat_last_n: int | None = Field(None, ge=0, le=1_000_000)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
     logprobs: bool | None = None

@@ -62,7 +62,7 @@ ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
 class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class TextFormat(_Loose):

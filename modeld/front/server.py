@@ -77,6 +77,9 @@ class HttpFront:
                 f"--http {host}:{port} is not a loopback address; pass --http-allow-remote to serve other machines "
                 "(and set --api-key)"
             )
+        if not is_loopback(host) and not api_key:
+            log.warning("--http %s:%d serves other machines with no --api-key: anyone who reaches the port can use "
+                        "the model", host, port)
         # a client waits for its reply as long as a request may queue, and then some
         self.pool = ClientPool(lambda: Client(endpoint, timeout_s=queue_timeout_s + 60))
         # the key that signs what clients echo back, and the stored responses, live in the data dir
