@@ -155,6 +155,11 @@ class _Inflight:
     last_hb: float = field(default_factory=time.monotonic)
     #: the IO thread already gave it its terminal answer (the worker must not run it)
     answered: bool = False
+    #: an open's queue timeout, as a monotonic deadline: the IO thread answers ModelBusy there if the
+    #: worker has not started it, whatever the worker is busy with
+    queue_deadline: float | None = None
+    #: the worker took it to run (set under the inflight lock, as ``answered`` is)
+    started: bool = False
 
 
 class Daemon:
@@ -279,6 +284,7 @@ class Daemon:
                         self._on_message(router, frames)
                 now = time.monotonic()
                 self._watch_worker(router, now)
+                self._expire_waits(router, now)
                 self._heartbeats(router, now)
                 if now - last_reap > REAP_INTERVAL_S:
                     last_reap = now
@@ -288,11 +294,15 @@ class Daemon:
             self._shutdown(router, pull)
 
     def _sleep_ms(self, last_reap: float) -> int:
-        """How long the IO thread may sleep: until the next reap, or sooner when a heartbeat is due."""
+        """How long the IO thread may sleep: until the next reap, or sooner when a heartbeat or a wait's end is due."""
         due = last_reap + REAP_INTERVAL_S
         with self._inflight_lock:
             if self._inflight:
                 due = min(due, min(inf.last_hb for inf in self._inflight.values()) + wire.HEARTBEAT_INTERVAL_S)
+                waits = [inf.queue_deadline for inf in self._inflight.values()
+                         if inf.queue_deadline is not None and not inf.started]
+                if waits:
+                    due = min(due, min(waits))
         # (+1: poll rounds down to whole milliseconds, and waking a hair early only loops once more)
         return max(0, int((due - time.monotonic()) * 1000) + 1)
 
@@ -432,6 +442,39 @@ class Daemon:
         now = time.monotonic() if now is None else now
         return max(0.0, now - max(self._running_since, interrupt.last_beat()))
 
+    @staticmethod
+    def _queue_deadline(msg: Message) -> float | None:
+        """When an open stops waiting for the slot (None: it does not wait, or its body does not parse,
+        which the worker answers)."""
+        try:
+            req = wire.decode_body(OpenSessionRequest, msg)
+        except ModeldError:
+            return None
+        return time.monotonic() + req.queue_timeout_s if req.queue_timeout_s > 0 else None
+
+    def _expire_waits(self, router: zmq.Socket[bytes], now: float) -> None:
+        """Opens still waiting at their queue deadline get ModelBusy from here, whether they wait in the
+        worker's queue behind a running decode or parked for the slot: a timeout is the caller's, not the
+        worker's to notice when it next looks."""
+        with self._inflight_lock:
+            expired = [inf for inf in self._inflight.values() if inf.queue_deadline is not None
+                       and now >= inf.queue_deadline and not inf.started and not inf.answered]
+            waiting = sum(1 for inf in self._inflight.values() if inf.op is Op.OPEN and not inf.started)
+            for inf in expired:
+                inf.answered = True
+                self._inflight.pop((inf.identity, inf.request_id), None)
+        for inf in expired:
+            self._send(router, inf.identity, wire.encode_error(inf.request_id, ModelBusy(
+                "the slot stayed busy for the whole queue timeout", holder_busy=True, waiting=waiting)))
+
+    def _claim(self, inf: _Inflight) -> bool:
+        """The worker takes ``inf`` to run: False when the IO thread answered it already."""
+        with self._inflight_lock:
+            if inf.answered:
+                return False
+            inf.started = True
+            return True
+
     def _watch_worker(self, router: zmq.Socket[bytes], now: float) -> None:
         """Liveness in tiers: the IO thread answers, and it watches that the model worker progresses.
 
@@ -536,6 +579,8 @@ class Daemon:
                     if key in self._inflight:
                         raise InvalidArgument("a request with this id is already running")
                     inf = self._inflight[key] = _Inflight(identity, rid, msg.op)
+                if msg.op is Op.OPEN:
+                    inf.queue_deadline = self._queue_deadline(msg)
                 (self._embed_work if msg.op is Op.EMBED else self._work).put((inf, msg))
         except ModeldError as exc:
             self._send(router, identity, wire.encode_error(rid, exc))
@@ -612,7 +657,7 @@ class Daemon:
             emit(inf, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
         elif inf.op is Op.OPEN and self._park(inf, msg):
             return
-        else:
+        elif self._claim(inf):
             self._run(inf, msg, emit)
 
     # --- the queue for the slot ----------------------------------------------------------------
@@ -641,6 +686,8 @@ class Daemon:
         now = time.monotonic()
         keep: deque[_Parked] = deque()
         for p in self._parked:
+            if p.inf.answered:
+                continue  # the IO thread answered it at its deadline
             if self._stop.is_set():
                 emit(p.inf, wire.encode_error(p.inf.request_id, ShuttingDown("modeld is shutting down")))
             elif p.inf.cancel.is_set():
@@ -653,7 +700,8 @@ class Daemon:
         self._parked = keep
         while self._parked and not self.slot.holder_id() and not self._stop.is_set():
             p = self._parked.popleft()
-            self._run(p.inf, p.msg, emit)
+            if self._claim(p.inf):
+                self._run(p.inf, p.msg, emit)
 
     def _reap(self) -> None:
         if self.slot.reap():

@@ -240,6 +240,33 @@ def test_opens_wait_for_the_slot_in_arrival_order(daemon: DaemonProcess) -> None
     assert order == ["first", "second"]
 
 
+def test_a_waiting_open_ends_at_its_own_deadline_while_another_session_decodes(tmp_path: Path) -> None:
+    """The queue timeout is the caller's: ModelBusy at the deadline, even while the worker streams a
+    long decode for the holder (it would otherwise look at the wait only when the decode ends)."""
+    import time
+
+    from contract.errors import ModelBusy
+    from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+
+    d = DaemonProcess(tmp_path, "memory", None, "--model", "/models/ref", "--model-name", "ref",
+                      "--memory-token-delay-ms", "20")
+    with d, d.client(timeout_s=30.0) as holder_client, d.client(timeout_s=30.0) as other:
+        s = holder_client.open_session(OpenSessionRequest())
+        s.ensure_prefix(PrefixInput(text="sys"))
+        s.prefill_suffix(SuffixInput(text="go"))
+        stream = s.decode(DecodeConfig(max_tokens=1500))  # 30 s of tokens
+        next(stream)
+        t0 = time.monotonic()
+        with pytest.raises(ModelBusy, match="queue timeout"):
+            other.open_session(OpenSessionRequest(queue_timeout_s=2.0))
+        waited = time.monotonic() - t0
+        assert 1.9 <= waited < 3.5, waited
+        assert next(stream).text is not None  # the holder's decode went on
+        stream.close()
+        s.close()
+        assert other.open_session(OpenSessionRequest(queue_timeout_s=5.0)) is not None  # and the slot is free again
+
+
 def test_two_agents_take_turns_without_model_busy(daemon: DaemonProcess) -> None:
     import threading
 
