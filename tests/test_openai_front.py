@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -426,6 +427,52 @@ def test_the_front_as_its_own_process(tmp_path: Path) -> None:
             _, err = front.communicate(timeout=10)
         assert front.returncode == 0 and "HTTP APIs at" in err.decode()
         assert "POST /v1/chat/completions 200" in err.decode()  # its access log
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_a_daemon_killed_under_a_separate_front_ends_every_stream_as_a_failure(tmp_path: Path, api: str) -> None:
+    """``modeld http`` as its own process: the daemon killed mid-stream ends the stream with the API's error
+    event (no [DONE], no message_stop), which the official SDK raises; the front keeps running."""
+    import signal
+
+    anthropic = pytest.importorskip("anthropic")
+    port = _port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    d = DaemonProcess(tmp_path / "d", "memory", None, "--model", "/models/ref", "--model-name", "ref",
+                      "--memory-token-delay-ms", "20").start(wait_state=("Ready",))
+    front = subprocess.Popen([sys.executable, "-m", "modeld", "http", "--endpoint", d.endpoint, "--http", f"127.0.0.1:{port}"],
+                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _wait_http(port)
+        base = f"http://127.0.0.1:{port}"
+        if api == "chat":
+            sdk = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+            stream: Any = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "go"}],
+                                                      max_tokens=3000, stream=True)
+            raised: tuple[type[BaseException], ...] = (openai.APIError,)
+        elif api == "responses":
+            sdk = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+            stream = sdk.responses.create(model="ref", input="go", max_output_tokens=3000, stream=True)
+            raised = (openai.APIError,)
+        else:
+            client = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=60)
+            stream = client.messages.create(model="ref", max_tokens=3000, messages=[{"role": "user", "content": "go"}],
+                                            stream=True)
+            raised = (anthropic.APIError,)
+        seen: list[str] = []
+        with pytest.raises(raised):
+            for event in stream:
+                seen.append(str(getattr(event, "type", "chunk")))
+                if len(seen) == 6:
+                    assert d.proc is not None
+                    d.proc.send_signal(signal.SIGKILL)
+        assert len(seen) >= 6
+        assert not {"response.completed", "message_stop"} & set(seen), seen
+        assert front.poll() is None  # the front is still there for the next daemon
+    finally:
+        d.stop()
+        front.terminate()
+        front.communicate(timeout=10)
 
 
 def test_a_daemon_killed_mid_stream_makes_the_sdk_raise(tmp_path: Path) -> None:

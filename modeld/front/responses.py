@@ -619,6 +619,10 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
         record.error = err.code or "error"
         reply.status = "failed"
         reply.error = {"code": err.code or "server_error", "message": err.message}
+        # the stream's error event, then the failed response. The event also carries the error as an
+        # object, as OpenAI's own error events do: the SDKs raise on it rather than end as if all went well
+        yield event("error", code=reply.error["code"], message=err.message, param=err.param,
+                    error=err.openai()["error"])
         yield event("response.failed", response=reply.body())
     finally:
         running.turns.pop(reply.id, None)
