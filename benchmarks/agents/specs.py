@@ -193,10 +193,15 @@ def aider(ctx: Context) -> Launch:
                                     "max_tokens": ctx.output, "input_cost_per_token": 0.0,
                                     "output_cost_per_token": 0.0, "litellm_provider": "openai", "mode": "chat"}}
     meta_path = _write(ctx.home / "aider-model-metadata.json", json.dumps(meta, indent=2) + "\n")
+    # aider sends no max_tokens of its own (its metadata is for its own accounting): the reply limit goes
+    # in the request through the model's extra_params, as the other agents' settings send theirs
+    settings = [{"name": f"openai/{ctx.model}", "extra_params": {"max_tokens": ctx.output}}]
+    settings_path = _write(ctx.home / "aider-model-settings.yml", json.dumps(settings, indent=2) + "\n")  # JSON is YAML
     env = base_env(ctx)
     env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", AIDER_CHECK_UPDATE="false", AIDER_ANALYTICS="false")
     argv = [ctx.installed.exe("aider"), "--openai-api-base", ctx.v1, "--openai-api-key", API_KEY,
             "--model", f"openai/{ctx.model}", "--model-metadata-file", str(meta_path),
+            "--model-settings-file", str(settings_path),
             "--message", ctx.task, "--yes-always", "--no-check-update", "--analytics-disable", "--no-gitignore",
             "--no-show-model-warnings", "--no-show-release-notes", "--no-detect-urls", "--disable-playwright",
             "--no-pretty", "--no-fancy-input", "--env-file", str(ctx.home / ".env"), "calc.py"]
