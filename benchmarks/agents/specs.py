@@ -212,7 +212,7 @@ def mini(ctx: Context) -> Launch:
     overrides = {
         "agent": {"step_limit": 5, "cost_limit": 0},
         "model": {"cost_tracking": "ignore_errors",
-                  "model_kwargs": {"api_base": ctx.v1, "api_key": API_KEY}},
+                  "model_kwargs": {"api_base": ctx.v1, "api_key": API_KEY, "max_tokens": ctx.output}},
         "environment": {"cwd": str(ctx.repo), "timeout": 60},
     }
     cfg = _write(ctx.home / "mini-overrides.yaml", json.dumps(overrides, indent=2) + "\n")  # JSON is YAML
