@@ -89,6 +89,22 @@ def test_previous_response_id_over_three_turns(client: Any) -> None:
         client.responses.create(model="m", previous_response_id="resp_" + "0" * 32, input="x")
 
 
+def test_a_stored_turn_renders_as_the_same_items_sent_whole(client: Any) -> None:
+    """A function_call sent after a stored reply joins that reply, as it does in one request's items: the
+    stateful and the stateless request count the same prompt."""
+    first = client.responses.create(model="m", instructions="You are terse.", input="read it", max_output_tokens=4)
+    call = {"type": "function_call", "call_id": "call_9", "name": "read_file", "arguments": '{"path": "a.py"}'}
+    output = {"type": "function_call_output", "call_id": "call_9", "output": "x = 1"}
+    tools = [{"type": "function", "name": "read_file", "parameters": {"type": "object", "properties": {}}}]
+    stateful = client.responses.create(model="m", instructions="You are terse.", previous_response_id=first.id,
+                                       input=[call, output], tools=tools, max_output_tokens=1)
+    whole = [{"type": "message", "role": "user", "content": "read it"},
+             *[o.model_dump(exclude_none=True) for o in first.output], call, output]
+    stateless = client.responses.create(model="m", instructions="You are terse.", input=whole, tools=tools,
+                                        max_output_tokens=1, store=False)
+    assert stateful.usage.input_tokens == stateless.usage.input_tokens
+
+
 def test_get_and_delete(client: Any) -> None:
     out = client.responses.create(model="m", input="keep me", max_output_tokens=3)
     assert client.responses.retrieve(out.id).id == out.id

@@ -503,11 +503,26 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
 
 
 def _merge(messages: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The stored conversation, then the new input; a leading system message stays first."""
+    """The stored conversation, then the new input; a leading system message stays first.
+
+    An assistant item the new input opens with (a ``function_call`` after the stored reply) joins the
+    stored reply's assistant message, as items within one request do: the conversation renders as the
+    same items sent whole would.
+    """
     if not earlier:
         return messages
     head = [m for m in messages[:1] if m.get("role") == "system"]
-    return [*head, *earlier, *messages[len(head):]]
+    rest = messages[len(head):]
+    if rest and earlier[-1].get("role") == "assistant" and rest[0].get("role") == "assistant":
+        last, first = earlier[-1], rest[0]
+        joined = {**last, "content": ((last.get("content") or "") + (first.get("content") or "")) or None}
+        calls = [*(last.get("tool_calls") or []), *(first.get("tool_calls") or [])]
+        if calls:
+            joined["tool_calls"] = calls
+        if first.get("reasoning_content"):
+            joined["reasoning_content"] = (last.get("reasoning_content") or "") + first["reasoning_content"]
+        earlier, rest = [*earlier[:-1], joined], rest[1:]
+    return [*head, *earlier, *rest]
 
 
 async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
