@@ -129,7 +129,7 @@ DEFAULT_STREAM_INTERVAL_S = 0.050
 DEFAULT_ENGINE_NICE = 10
 #: the exit status when ``--exit-when-wedged`` stops a daemon whose worker is wedged
 EXIT_WEDGED = 3
-#: how often the worker looks at waiting opens' deadlines while any wait
+#: how often the worker looks at waiting opens (cancelled, or the slot free) while any wait
 PARKED_POLL_S = 0.05
 LINGER_MS = 500
 SEND_HWM = 100_000
@@ -143,7 +143,6 @@ class _Parked:
 
     inf: _Inflight
     msg: Message
-    deadline: float
 
 
 @dataclass
@@ -664,26 +663,21 @@ class Daemon:
     def _park(self, inf: _Inflight, msg: Message) -> bool:
         """Queue an open that would find the slot busy (or others already waiting); False: run it now.
 
-        A request that does not parse, or asks for no waiting, runs now and gets
-        its answer (InvalidArgument, or ModelBusy at once).
+        A request that does not parse, or asks for no waiting (no ``queue_deadline``: the IO thread
+        read its body at arrival), runs now and gets its answer (InvalidArgument, or ModelBusy at once).
         """
-        try:
-            req = wire.decode_body(OpenSessionRequest, msg)
-        except ModeldError:
+        if inf.queue_deadline is None or (not self._parked and not self.slot.holder_id()):
             return False
-        if req.queue_timeout_s <= 0 or (not self._parked and not self.slot.holder_id()):
-            return False
-        self._parked.append(_Parked(inf, msg, time.monotonic() + req.queue_timeout_s))
+        self._parked.append(_Parked(inf, msg))
         return True
 
     def _serve_parked(self, emit: _Emit) -> None:
-        """Serve waiting opens in arrival order while the slot is free; answer the expired and the cancelled.
+        """Serve waiting opens in arrival order while the slot is free; answer the cancelled.
 
         An open that still finds the slot busy stays first in line. Waiting
         requests get heartbeats from the IO thread like any running request, and
-        ModelBusy when their queue timeout runs out.
+        ModelBusy from it when their queue timeout runs out (``_expire_waits``).
         """
-        now = time.monotonic()
         keep: deque[_Parked] = deque()
         for p in self._parked:
             if p.inf.answered:
@@ -692,9 +686,6 @@ class Daemon:
                 emit(p.inf, wire.encode_error(p.inf.request_id, ShuttingDown("modeld is shutting down")))
             elif p.inf.cancel.is_set():
                 emit(p.inf, wire.encode_error(p.inf.request_id, Cancelled("the wait for the slot was cancelled")))
-            elif now >= p.deadline:
-                emit(p.inf, wire.encode_error(p.inf.request_id, ModelBusy(
-                    "the slot stayed busy for the whole queue timeout", holder_busy=True, waiting=len(self._parked))))
             else:
                 keep.append(p)
         self._parked = keep
