@@ -1,8 +1,11 @@
-"""The HTTP front on both engines, as ``make run`` serves it: the bundled model, driven by the official ``openai`` SDK.
+"""The HTTP front on both engines, as ``make run`` serves it: the bundled model, driven by the official
+``openai`` and ``anthropic`` SDKs through the three APIs coding agents speak.
 
 What coding agents need of it: tools on a template that does not render them
 (the generic tool block), no hidden output limit, refusals before any prefill,
-sampled replies when a request sets no sampling parameter.
+sampled replies when a request sets no sampling parameter; the Responses API
+(Codex) and the Messages API (Claude Code) with their streams, stored turns,
+counts and a prefix that survives what the clients do to their prompts.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -28,6 +32,13 @@ RUN_TESTS = {"type": "function", "function": {
     "name": "run_tests", "description": "Run the test suite.", "parameters": {"type": "object", "properties": {}}}}
 SYSTEM = {"role": "system", "content": "You are a coding agent. Use the tools to look at the repository."}
 NUM_CTX = 1024
+API_KEY = "engine-key"  # every client here sends it: the OpenAI SDK as a bearer, the Anthropic SDK as x-api-key
+#: Claude Code's first system block: it changes on every request and carries nothing the model needs
+BILLING = "x-anthropic-billing-header: cc_version=2.1.197.322; cc_entrypoint=sdk-cli; cch={n};"
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Helpers that work beside you.",
+             "tools": [{"type": "function", "name": "spawn_agent", "description": "Start a helper on a task.",
+                        "parameters": {"type": "object", "properties": {"task": {"type": "string"}},
+                                       "required": ["task"]}}]}
 
 
 @pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.llama),
@@ -35,8 +46,21 @@ NUM_CTX = 1024
 def front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
     pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
     # the bundled model (its template renders no tools), in a small window so a reply can run to its end quickly
-    with Front(tmp_path_factory.mktemp(f"front-{request.param}"), "--num-ctx", str(NUM_CTX), backend=request.param) as f:
+    with Front(tmp_path_factory.mktemp(f"front-{request.param}"), "--num-ctx", str(NUM_CTX), "--api-key", API_KEY,
+               backend=request.param) as f:
         yield f
+
+
+def _anthropic(front: Front) -> Any:
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key=front.api_key, max_retries=0,
+                               timeout=120)
+
+
+def _claude_system(n: int) -> list[dict[str, Any]]:
+    """Claude Code's system blocks: the billing header (``n`` makes it new), then the prompt marked for caching."""
+    return [{"type": "text", "text": BILLING.format(n=n)},
+            {"type": "text", "text": "You are a coding agent. Use the tools.", "cache_control": {"type": "ephemeral"}}]
 
 
 def _prefilled(front: Front) -> float:
@@ -91,7 +115,20 @@ def test_an_oversized_prompt_is_refused_before_any_prefill(front: Front) -> None
         said = re.search(rf"the prompt is (\d+) tokens but the model's context window is {NUM_CTX}", exc.value.message)
         assert said is not None and int(said.group(1)) > 15_000, exc.value.message
         assert took < 1.0, took
-    assert _prefilled(front) == before  # nothing was prefilled for it
+    text = big[1]["content"]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as exc:
+            sdk.responses.create(model="any", input=text, stream=stream, store=False)
+        assert exc.value.code == "context_length_exceeded" and f"context window is {NUM_CTX}" in exc.value.message
+    anthropic = pytest.importorskip("anthropic")
+    with _anthropic(front) as c:
+        for stream in (False, True):
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                c.messages.create(model="claude-opus-5", max_tokens=100, messages=[{"role": "user", "content": text}],
+                                  stream=stream)
+            error = refused.value.body["error"]
+            assert error["type"] == "invalid_request_error" and f"context window is {NUM_CTX}" in error["message"]
+    assert _prefilled(front) == before  # nothing was prefilled for any of them
 
 
 def test_a_max_tokens_past_the_context_is_a_cap(front: Front) -> None:
@@ -148,37 +185,147 @@ def test_responses_forced_call_answered_then_json_schema(front: Front) -> None:
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 2
 
 
-def test_messages_forced_tool_use_answered(front: Front) -> None:
-    anthropic = pytest.importorskip("anthropic")
+def test_responses_plain_streamed_stored_and_deleted(front: Front) -> None:
+    sdk = front.sdk()
+    ask: dict[str, Any] = {"model": "gpt-5-codex", "instructions": "You are terse.", "temperature": 0,
+                           "input": "Name one sorting algorithm.", "max_output_tokens": 16}
+    plain = sdk.responses.create(**ask)
+    assert plain.status in ("completed", "incomplete") and [o.type for o in plain.output] == ["message"]
+    assert plain.output_text and 0 < plain.usage.output_tokens <= 16
+    assert (plain.status == "incomplete") == (plain.usage.output_tokens == 16)
+    events = list(sdk.responses.create(**ask, stream=True, store=False))
+    names = [e.type for e in events]
+    assert names[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert set(names[4:-4]) == {"response.output_text.delta"}
+    assert names[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert names[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = events[-1].response
+    assert streamed.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    # the same request again: its whole input but the last token is reused
+    assert streamed.usage.input_tokens == plain.usage.input_tokens
+    assert streamed.usage.input_tokens_details.cached_tokens >= plain.usage.input_tokens - 1
+    # store: the API's default keeps the first one; the streamed one asked not to be kept
+    assert sdk.responses.retrieve(plain.id).output_text == plain.output_text
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(streamed.id)
+    assert sdk.responses.delete(plain.id) is None
+    with pytest.raises(openai.NotFoundError) as gone:
+        sdk.responses.retrieve(plain.id)
+    assert plain.id in gone.value.message
+
+
+def test_responses_previous_response_id_over_three_turns(front: Front) -> None:
+    """Only the new input is sent: the stored turns and the replies are resident, as warm as a stateless resend."""
+    sdk = front.sdk()
+    turns = [sdk.responses.create(model="any", instructions="You are terse.", input="Name a fruit.", temperature=0,
+                                  max_output_tokens=12)]
+    for ask in ("Name a colour.", "Name a city."):
+        turns.append(sdk.responses.create(model="any", previous_response_id=turns[-1].id, input=ask, temperature=0,
+                                          max_output_tokens=12))
+    for before, after in zip(turns, turns[1:], strict=False):
+        assert after.usage.input_tokens_details.cached_tokens >= before.usage.input_tokens + before.usage.output_tokens - 2
+    # the third turn's whole conversation sent at once renders the same prompt
+    whole: list[dict[str, Any]] = []
+    for ask, turn in zip(("Name a fruit.", "Name a colour."), turns, strict=False):
+        whole += [{"type": "message", "role": "user", "content": ask}, *[o.model_dump(exclude_none=True) for o in turn.output]]
+    whole.append({"type": "message", "role": "user", "content": "Name a city."})
+    counted = sdk.responses.input_tokens.count(model="any", instructions="You are terse.", input=whole)
+    assert counted.input_tokens == turns[-1].usage.input_tokens
+
+
+def test_responses_namespace_tool_called_by_its_inner_name(front: Front) -> None:
+    """Codex's ``namespace`` tool: its function is offered and called by its own name, and the call names the
+    namespace again; ``input_tokens`` counts what the reply's usage counts."""
+    sdk = front.sdk()
+    ask: dict[str, Any] = {
+        "model": "any", "instructions": "Use the tools.", "tools": [NAMESPACE, {"type": "web_search"}],
+        "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Start a helper."}]}]}
+    counted = sdk.responses.input_tokens.count(**ask)
+    out = sdk.responses.create(**ask, store=False, temperature=0, max_output_tokens=60,
+                               tool_choice={"type": "function", "name": "spawn_agent"})
+    assert counted.input_tokens == out.usage.input_tokens
+    calls = [o.model_dump() for o in out.output if o.type == "function_call"]
+    assert calls and calls[0]["name"] == "spawn_agent" and calls[0].get("namespace") == "multi_agent_v1", out.output
+    assert set(json.loads(calls[0]["arguments"])) == {"task"}
+    answered = [*ask["input"], *[o.model_dump(exclude_none=True) for o in out.output],
+                {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "helper started"}]
+    after = sdk.responses.create(**{**ask, "input": answered}, store=False, temperature=0, max_output_tokens=4)
+    assert after.usage.input_tokens_details.cached_tokens >= out.usage.input_tokens + out.usage.output_tokens - 2
+
+
+def test_messages_plain_and_streamed_in_the_documented_order(front: Front) -> None:
+    with _anthropic(front) as c:
+        ask: dict[str, Any] = {"model": "claude-opus-5", "max_tokens": 16, "extra_body": {"temperature": 0},
+                               "messages": [{"role": "user", "content": "Name one cache eviction policy."}]}
+        plain = c.messages.create(**ask, system=_claude_system(1))
+        assert plain.type == "message" and plain.role == "assistant" and [b.type for b in plain.content] == ["text"]
+        assert plain.stop_reason in ("end_turn", "max_tokens") and 0 < plain.usage.output_tokens <= 16
+        order: list[str] = []
+        with c.messages.stream(**ask, system=_claude_system(2)) as stream:
+            for event in stream:
+                if event.type == "content_block_delta":
+                    order.append(event.delta.type)
+                elif event.type in ("message_start", "content_block_start", "content_block_stop", "message_delta",
+                                    "message_stop"):
+                    order.append(event.type)
+            final = stream.get_final_message()
+    assert order[:2] == ["message_start", "content_block_start"]
+    assert order[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(order[2:-3]) == {"text_delta"}
+    # the billing header changed: still the same prompt, all but its last token reused
+    prompt = plain.usage.input_tokens + plain.usage.cache_read_input_tokens
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == prompt
+    assert final.usage.cache_read_input_tokens >= prompt - 1
+
+
+def test_messages_forced_tool_use_over_four_turns(front: Front) -> None:
+    """Claude Code's loop: a forced ``tool_use`` answered by a ``tool_result``, four times, the billing header new on
+    every request and the main and "small fast" model names alternating: each request reuses all the previous one."""
     read = {"name": "read_file", "description": "Read a file.", "input_schema": READ_FILE["function"]["parameters"]}  # type: ignore[index]
-    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key="k", max_retries=0, timeout=120) as c:
-        messages: list[dict[str, object]] = [{"role": "user", "content": "What is in calc.py?"}]
-        first = c.messages.create(model="claude-opus-5", max_tokens=60, system="Use the tools.", tools=[read],
-                                  tool_choice={"type": "tool", "name": "read_file"}, messages=messages,
-                                  extra_body={"temperature": 0})
-        uses = [b for b in first.content if b.type == "tool_use"]
-        assert first.stop_reason == "tool_use" and uses and isinstance(uses[0].input, dict)
-        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
-                                                   "content": "def add(a, b): return a - b"}]}]
-        second = c.messages.create(model="claude-haiku-4-5", max_tokens=20, system="Use the tools.", tools=[read],
-                                   messages=messages, extra_body={"temperature": 0})
-        prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
-        assert second.usage.cache_read_input_tokens >= prompt + first.usage.output_tokens - 2
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is in calc.py?"}]
+    previous = 0
+    with _anthropic(front) as c:
+        for turn in range(4):
+            out = c.messages.create(model=("claude-opus-5", "claude-haiku-4-5")[turn % 2], max_tokens=60,
+                                    system=_claude_system(100 + turn), tools=[read], messages=messages,
+                                    tool_choice={"type": "tool", "name": "read_file"}, extra_body={"temperature": 0})
+            uses = [b for b in out.content if b.type == "tool_use"]
+            assert out.stop_reason == "tool_use" and uses and set(uses[0].input) == {"path"}, out.content
+            if turn:
+                assert out.usage.cache_read_input_tokens >= previous, (turn, out.usage)
+            previous = out.usage.input_tokens + out.usage.cache_read_input_tokens + out.usage.output_tokens - 2
+            messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                       "content": f"def f{turn}(): return {turn}"}]}]
+        counted = c.messages.count_tokens(model="claude-opus-5", system=_claude_system(9), tools=[read],
+                                          messages=messages)
+        last = c.messages.create(model="claude-opus-5", max_tokens=8, system=_claude_system(10), tools=[read],
+                                 messages=messages, extra_body={"temperature": 0})
+    assert counted.input_tokens == last.usage.input_tokens + last.usage.cache_read_input_tokens
 
 
-@pytest.fixture(scope="module")
-def think_front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
-    """llama.cpp on the bundled weights under a reasoning template (``<think>`` opened by the prompt)."""
-    pytest.importorskip("llama_cpp")
+def test_messages_max_tokens_32000_is_a_cap(front: Front) -> None:
+    with _anthropic(front) as c:
+        out = c.messages.create(model="claude-opus-5", max_tokens=32000, extra_body={"temperature": 0},
+                                messages=[{"role": "user", "content": "Say hi."}])
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens + out.usage.output_tokens <= NUM_CTX
+    assert out.stop_reason in ("end_turn", "max_tokens")
+
+
+@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.llama),
+                                        pytest.param("openvino", marks=pytest.mark.openvino)])
+def think_front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    """The bundled weights under a reasoning template (``<think>`` opened by the prompt)."""
+    pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
     from tests.fixtures import think_gguf
 
-    with Front(tmp_path_factory.mktemp("front-think"), "--model", str(think_gguf()), "--num-ctx", str(NUM_CTX),
-               backend="llama") as f:
+    with Front(tmp_path_factory.mktemp(f"front-think-{request.param}"), "--model", str(think_gguf()),
+               "--num-ctx", str(NUM_CTX), backend=request.param) as f:
         yield f
 
 
-@pytest.mark.llama
 def test_messages_thinking_comes_back_with_its_signature(think_front: Front) -> None:
     """A thinking block the daemon signed renders back as the model wrote it, so the next turn reuses
     the whole first one; a block whose signature is not the daemon's is left out of the prompt."""
@@ -205,7 +352,6 @@ def test_messages_thinking_comes_back_with_its_signature(think_front: Front) -> 
         assert follow([*forged, {"type": "text", "text": "5"}]) < prompt + 4
 
 
-@pytest.mark.llama
 def test_responses_encrypted_reasoning_reproduces_the_turn(think_front: Front) -> None:
     """``include: reasoning.encrypted_content``: the echoed reasoning item renders the turn as it was decoded."""
     sdk = think_front.sdk()

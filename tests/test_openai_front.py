@@ -52,6 +52,7 @@ class Front:
         model = ["--model", "/models/ref", "--model-name", "ref"] if backend == "memory" else []
         self.daemon = DaemonProcess(tmp, backend, None, *model, "--http", f"127.0.0.1:{self.port}", *extra)
         self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else "none"
 
     def __enter__(self) -> Front:
         self.daemon.start(wait_state=("Ready",))  # the preloaded model is in
@@ -61,8 +62,8 @@ class Front:
     def __exit__(self, *exc: object) -> None:
         self.daemon.stop()
 
-    def sdk(self, api_key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key=api_key, max_retries=0, timeout=60)
+    def sdk(self, api_key: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=api_key or self.api_key, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
