@@ -108,6 +108,10 @@ class ServeOptions:
     http_queue_timeout: float = 300.0
     #: the largest HTTP request body, in bytes (413 past it)
     http_max_body: int = 32 * 1024 * 1024
+    #: open HTTP connections served at once (503 past it; kept under the open files limit)
+    http_max_connections: int = 512
+    #: seconds an HTTP connection may take to send a request head (408 and closed past it; 0 = no limit)
+    http_header_timeout: float = 30.0
     #: HTTP requests naming a model the daemon does not serve: refused (404) instead of served by the loaded one
     strict_model_names: bool = False
     #: Messages API: keep a system block that only carries a client's per-request billing header

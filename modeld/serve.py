@@ -97,6 +97,8 @@ def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | Non
     flag("http_allow_remote", action="store_true")
     flag("http_queue_timeout", type=float, metavar="S")
     flag("http_max_body", metavar="SIZE")
+    flag("http_max_connections", type=int, metavar="N")
+    flag("http_header_timeout", type=float, metavar="S")
     flag("strict_model_names", action="store_true")
     flag("keep_billing_header", action="store_true")
     flag("alias", action="append", metavar="NAME=MODEL")
@@ -204,7 +206,8 @@ def serve(opts: ServeOptions) -> int:
             front = HttpFront(daemon.endpoint, host, port, api_key=opts.api_key, allow_remote=opts.http_allow_remote,
                               queue_timeout_s=opts.http_queue_timeout, aliases=parse_aliases(opts.alias),
                               strict_model_names=opts.strict_model_names, max_body_bytes=opts.http_max_body,
-                              data_dir=opts.data_dir or default_data_dir(), keep_billing_header=opts.keep_billing_header)
+                              data_dir=opts.data_dir or default_data_dir(), keep_billing_header=opts.keep_billing_header,
+                              max_connections=opts.http_max_connections, header_timeout_s=opts.http_header_timeout)
         except (ImportError, ValueError) as exc:
             print(f"modeld: {exc}", file=sys.stderr)
             return 2

@@ -211,6 +211,16 @@ class ServeSettings(BaseSettings):
     http_max_body: Size = Field(
         _DEFAULT.http_max_body, description="largest HTTP request body; a larger one is refused with 413 unread"
     )
+    http_max_connections: Annotated[int, Field(ge=1)] = Field(
+        _DEFAULT.http_max_connections,
+        description="open HTTP connections served at once; one past it is answered 503 and closed (the open files "
+        "limit is raised where allowed, and the cap kept under it so ZeroMQ clients always find descriptors)",
+    )
+    http_header_timeout: NonNegative = Field(
+        _DEFAULT.http_header_timeout,
+        description="seconds an HTTP connection may take to send a request head before it is answered 408 and "
+        "closed (0 = no limit); a request being answered is never cut",
+    )
     strict_model_names: bool = Field(
         _DEFAULT.strict_model_names,
         description="refuse (404) an HTTP request naming a model the daemon does not serve, instead of serving it "

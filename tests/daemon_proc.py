@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from contract.errors import ModeldError
@@ -36,6 +37,8 @@ class DaemonProcess:
         self.extra = list(extra)
         self.log_path = tmp / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        #: run in the child before ``modeld serve`` (e.g. to set a resource limit)
+        self.preexec: Callable[[], None] | None = None
 
     def start(self, ready_timeout_s: float = 120.0, wait_state: tuple[str, ...] = ("Ready", "Empty")) -> DaemonProcess:
         cmd = [
@@ -48,7 +51,8 @@ class DaemonProcess:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("MODELD_ENDPOINT", None)
         self._log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     preexec_fn=self.preexec)
         deadline = time.monotonic() + ready_timeout_s
         with Client(self.endpoint, timeout_s=2.0) as c:
             while True:

@@ -15,6 +15,7 @@ from .. import dirs
 from ..capacity.sizes import parse_size
 from ..logs import LOG_FORMATS, setup_logging
 from .app import DEFAULT_MAX_BODY_BYTES
+from .guard import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from .server import QUEUE_TIMEOUT_S, HttpFront, parse_aliases, parse_listen
 
 __all__ = ["main"]
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-queue-timeout", type=float, default=QUEUE_TIMEOUT_S, metavar="S")
     p.add_argument("--http-max-body", default=str(DEFAULT_MAX_BODY_BYTES), metavar="SIZE",
                    help="largest request body (413 past it)")
+    p.add_argument("--http-max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help="open connections served at once (503 past it; kept under the open files limit)")
+    p.add_argument("--http-header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                   help="seconds a connection may take to send a request head (408 past it; 0 = no limit)")
     p.add_argument("--alias", action="append", default=[], metavar="NAME=MODEL", help="answer requests for NAME with MODEL")
     p.add_argument("--strict-model-names", action="store_true",
                    help="refuse (404) a request naming a model that is not loaded, instead of serving it with the loaded one")
@@ -46,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                           allow_remote=args.http_allow_remote, queue_timeout_s=args.http_queue_timeout,
                           aliases=parse_aliases(args.alias), strict_model_names=args.strict_model_names,
                           max_body_bytes=parse_size(args.http_max_body), data_dir=args.data_dir or dirs.data_dir(),
-                          keep_billing_header=args.keep_billing_header)
+                          keep_billing_header=args.keep_billing_header, max_connections=args.http_max_connections,
+                          header_timeout_s=args.http_header_timeout)
     except ValueError as exc:
         print(f"modeld http: {exc}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from runtime import Client
 
 from .app import DEFAULT_MAX_BODY_BYTES, create_app
 from .core import Serving
+from .guard import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, connection_cap, guarded_protocol
 from .pool import ClientPool
 from .sealing import Sealer
 from .stored import ResponseStore
@@ -24,6 +25,9 @@ log = logging.getLogger("modeld.http")
 
 #: how long a request waits for the slot while another holds it, then 503
 QUEUE_TIMEOUT_S = 300.0
+#: the listen backlog, which is also how many connections asyncio accepts in one go before any is seen by
+#: the connection cap: a burst stays far inside the descriptors the cap keeps free (guard.RESERVED_FDS)
+ACCEPT_BACKLOG = 64
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -71,6 +75,8 @@ class HttpFront:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         data_dir: Path | None = None,
         keep_billing_header: bool = False,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
     ) -> None:
         if not is_loopback(host) and not allow_remote:
             raise ValueError(
@@ -90,8 +96,10 @@ class HttpFront:
         app = create_app(serving, api_key=api_key, max_body_bytes=max_body_bytes, store=store)
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
         # the access log is the front's own (modeld.access); uvicorn logs only its warnings
+        # the pure-Python h11 protocol, guarded: a connection cap under the descriptor budget, a request-head deadline
+        protocol = guarded_protocol(connection_cap(max_connections), header_timeout_s)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                                log_config=None)
+                                log_config=None, http=protocol, backlog=ACCEPT_BACKLOG)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="modeld-http", daemon=True)
 

@@ -1,0 +1,120 @@
+"""Connection limits for the HTTP front: a cap on open connections, a deadline for a request head, and the
+descriptor budget both come from.
+
+uvicorn's h11 protocol accepts every connection and keeps a silent one open for ever. 1,200 sockets that
+each send half a request header use up a 1,024 descriptor limit, and the next ZeroMQ client then makes
+libzmq abort the daemon (``Too many open files``). Here:
+
+* at start the soft ``RLIMIT_NOFILE`` is raised toward the hard one, and the connection cap is kept
+  ``RESERVED_FDS`` below it, so the model, its files and the ZeroMQ clients always find descriptors;
+* a connection past the cap is answered ``503`` (``Retry-After``) and closed at once, its descriptor
+  freed before anything is read;
+* a connection that has not completed a request head ``header_timeout_s`` after it opened (or after its
+  last head) and is not being answered is sent ``408`` and closed: slowloris clients cannot hold slots.
+  A request being answered, however long its stream, is never cut.
+
+An idle keep-alive connection is closed by uvicorn itself after ``timeout_keep_alive`` (5 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import resource
+import time
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("modeld.front")
+
+__all__ = ["DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "RESERVED_FDS", "connection_cap", "guarded_protocol"]
+
+#: open HTTP connections the front serves at once (agents hold a few; a browser tab six)
+DEFAULT_MAX_CONNECTIONS = 512
+#: seconds a connection may take to send a request head
+DEFAULT_HEADER_TIMEOUT_S = 30.0
+#: descriptors kept for everything that is not an HTTP connection: the model's files, ZeroMQ's sockets and
+#: their clients, the workspace cache, logs
+RESERVED_FDS = 256
+#: the soft limit asked for when the hard one allows it
+WANTED_FDS = 65536
+
+
+def _reply(status: str, code: str, message: str, extra: str = "") -> bytes:
+    body = json.dumps({"error": {"message": message, "type": "server_error" if status.startswith("503")
+                                 else "invalid_request_error", "code": code}}).encode()
+    head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"{extra}connection: close\r\n\r\n")
+    return head.encode() + body
+
+
+def connection_cap(wanted: int) -> int:
+    """Raise the soft descriptor limit toward the hard one and return how many HTTP connections fit: at most
+    ``wanted``, always ``RESERVED_FDS`` below the limit (and at least 8)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = WANTED_FDS if hard == resource.RLIM_INFINITY else min(hard, WANTED_FDS)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:  # a container may forbid it: the budget is what there is
+            log.info("open files limit stays %d (%s)", soft, exc)
+    limit = WANTED_FDS if soft == resource.RLIM_INFINITY else soft
+    cap = max(8, min(wanted, limit - RESERVED_FDS))
+    if cap < wanted:
+        log.warning("the open files limit is %d: the HTTP front serves at most %d connections (--http-max-connections "
+                    "%d asked for; raise `ulimit -n`)", limit, cap, wanted)
+    return cap
+
+
+def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with the connection cap and the request-head deadline."""
+    busy = _reply("503 Service Unavailable", "too_many_connections",
+                  f"the HTTP front is serving its limit of {max_connections} connections; retry shortly",
+                  "retry-after: 1\r\n")
+    slow = _reply("408 Request Timeout", "request_timeout",
+                  f"no complete request head within {header_timeout_s:g} s")
+    last_warned = [0.0]
+
+    class GuardedH11Protocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _armed_cycle: Any = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                now = time.monotonic()
+                if now - last_warned[0] > 10.0:
+                    last_warned[0] = now
+                    log.warning("HTTP connection refused: %d open, the limit is %d", len(self.connections) - 1,
+                                max_connections)
+                transport.write(busy)
+                transport.close()  # connection_lost follows and forgets it
+                return
+            if header_timeout_s > 0:
+                self._arm()
+
+        def _arm(self) -> None:
+            self._armed_cycle = self.cycle
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_deadline)
+
+        def _head_deadline(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            if (cycle is not None and not cycle.response_complete) or cycle is not self._armed_cycle:
+                self._arm()  # a request is being answered, or a head came since: a new deadline
+                return
+            self.transport.write(slow)
+            self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+    return GuardedH11Protocol
