@@ -41,6 +41,7 @@ from typing import Any
 
 import zmq
 from pydantic import BaseModel
+from zmq.utils.monitor import recv_monitor_message
 
 from contract import interrupt, wire
 from contract.endpoint import ipc_path
@@ -107,6 +108,7 @@ from .blobs import BlobStore
 from .coalesce import ChunkCoalescer
 from .metrics import Metrics
 from .netsec import check_runtime_dir, is_default_runtime_dir
+from .peers import MONITOR_EVENTS, PeerWatch
 from .priority import lower_this_thread
 from .sdnotify import activated_fd
 from .slot import SlotService, SlotSession
@@ -206,6 +208,8 @@ class Daemon:
         self._sessions: dict[str, SlotSession] = {}
         #: session id -> the peer that opened it (``wire.peer_key``); only that peer may use it
         self._session_peers: dict[str, bytes] = {}
+        #: the connections each peer came on, and the peers whose connections all closed (IO thread only)
+        self._peers = PeerWatch()
         #: the peer of the request a worker thread is running (handlers take only the request)
         self._caller = threading.local()
         #: opens waiting for the slot, oldest first (worker thread only)
@@ -255,6 +259,7 @@ class Daemon:
 
     def _serve(self, wake_r: socket.socket) -> None:
         router = self._bind()
+        monitor = router.get_monitor_socket(MONITOR_EVENTS)
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(_OUT_ENDPOINT)
         self._worker.start()
@@ -264,6 +269,7 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(pull, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         wake = wake_r.fileno()
         poller.register(wake, zmq.POLLIN)  # (a plain descriptor: poll reports it by its number)
         last_reap = time.monotonic()
@@ -274,14 +280,20 @@ class Daemon:
                     _drain(wake_r)
                 if pull in events:
                     self._drain_out(router, pull)
+                if monitor in events:  # (before any message: see modeld.peers on reused descriptors)
+                    self._peers.events(_monitor_batch(monitor), time.monotonic())
                 if router in events:
                     for _ in range(100):  # bounded batch so worker output is not starved
                         try:
-                            frames = router.recv_multipart(zmq.NOBLOCK, copy=True)
+                            parts = router.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        frames = [f.bytes for f in parts]
+                        self._peers.seen(frames[0], _source_fd(parts[0]))
                         self._on_message(router, frames)
                 now = time.monotonic()
+                for peer in self._peers.gone(now):
+                    self._peer_vanished(peer)
                 self._watch_worker(router, now)
                 self._expire_waits(router, now)
                 self._heartbeats(router, now)
@@ -290,6 +302,8 @@ class Daemon:
                     self._stop_silent_holder()
                     self._work.put(None)  # a wake-up: the worker reaps expired leases
         finally:
+            router.disable_monitor()
+            monitor.close(0)
             self._shutdown(router, pull)
 
     def _sleep_ms(self, last_reap: float) -> int:
@@ -302,6 +316,9 @@ class Daemon:
                          if inf.queue_deadline is not None and not inf.started]
                 if waits:
                     due = min(due, min(waits))
+        gone = self._peers.next_due()
+        if gone is not None:
+            due = min(due, gone)
         # (+1: poll rounds down to whole milliseconds, and waking a hair early only loops once more)
         return max(0, int((due - time.monotonic()) * 1000) + 1)
 
@@ -405,6 +422,15 @@ class Daemon:
 
     def _peer_gone(self, identity: bytes) -> None:
         self._cancel_peer(wire.peer_key(identity))
+
+    def _peer_vanished(self, peer: bytes) -> None:
+        """Every connection of ``peer`` closed (its process is gone): its requests are cancelled and the
+        session it holds is released as soon as the worker is free, not at the end of its lease."""
+        self._cancel_peer(peer)
+        held = [sid for sid, p in list(self._session_peers.items()) if p == peer]
+        if any(self.slot.vanished(sid) for sid in held):
+            log.info("a client's connections closed: releasing its session without waiting for its lease")
+            self._work.put(None)  # a wake-up: the worker reaps it
 
     def _cancel_peer(self, peer: bytes) -> None:
         """Cancel every running or queued request of one client (``wire.peer_key``)."""
@@ -925,6 +951,25 @@ _HANDLERS: dict[Op, Callable[[Daemon, Any], BaseModel]] = {
 _STREAM_HANDLERS: dict[Op, Callable[[Daemon, _Inflight, Any], Generator[StreamChunk, None, None]]] = {
     Op.DECODE: Daemon._s_decode,
 }
+
+
+def _source_fd(frame: zmq.Frame) -> int:
+    """The descriptor of the connection a message came on (-1 where the transport does not say)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except zmq.ZMQError:
+        return -1
+
+
+def _monitor_batch(monitor: zmq.Socket[bytes]) -> list[tuple[int, int]]:
+    """Every monitor event waiting, as ``(event, descriptor)``, in order."""
+    batch: list[tuple[int, int]] = []
+    while True:
+        try:
+            msg = recv_monitor_message(monitor, zmq.NOBLOCK)
+        except zmq.Again:
+            return batch
+        batch.append((int(msg["event"]), int(msg["value"])))
 
 
 def _drain(sock: socket.socket) -> None:

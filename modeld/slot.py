@@ -129,6 +129,8 @@ class _Holder:
     last_op: float = field(default_factory=time.monotonic)
     in_operation: int = 0
     closed: bool = False
+    #: its client's connections all closed: released at the next reap, lease or not
+    vanished: bool = False
 
 
 class SlotService:
@@ -579,6 +581,16 @@ class SlotService:
                 return True
             return False
 
+    def vanished(self, session_id: str) -> bool:
+        """The client of ``session_id`` is gone (its connections closed): the next reap releases the session
+        whatever its lease says. False when it does not hold the slot."""
+        with self._state_lock:
+            h = self._holder
+            if h is None or h.session_id != session_id or h.closed:
+                return False
+            h.vanished = True
+            return True
+
     def expired_holder(self) -> str:
         """The session id of a holder whose lease has run out, even mid-operation ("" when none)."""
         with self._state_lock:
@@ -603,7 +615,7 @@ class SlotService:
         now = time.monotonic()
         lease_out = now - h.last_seen > self.lease_s
         ttl_out = self.session_ttl_s > 0 and now - h.last_op > self.session_ttl_s
-        if not (lease_out or ttl_out):
+        if not (lease_out or ttl_out or h.vanished):
             return False
         self._release_holder(h)
         return True

@@ -94,3 +94,86 @@ def test_a_client_waiting_on_a_killed_daemon_fails_within_seconds(tmp_path: Path
             assert d.endpoint in str(gone.value)
     finally:
         d.stop(signal.SIGKILL)
+
+
+HOLDER = """
+import os, sys
+from runtime import Client
+from contract.types import *
+c = Client(sys.argv[1], timeout_s=60)
+s = c.open_session(OpenSessionRequest(model_name="m", type="memory", path="/models/m"))
+s.ensure_prefix(PrefixInput(text="system"))
+s.prefill_suffix(SuffixInput(text="go"))
+if sys.argv[2] == "decoding":
+    for i, _ in enumerate(s.decode(DecodeConfig(max_tokens=100000))):
+        if i == 3:
+            print("holding", flush=True)
+else:
+    print("holding", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("doing", ["idle", "decoding"])
+def test_a_killed_client_frees_the_slot_within_seconds_under_the_default_lease(tmp_path: Path, doing: str) -> None:
+    """The default 30 s lease, and a client SIGKILLed while it holds the slot: its closed connections are seen and
+    the slot is free within 3 s. A client that keeps its connection (this test's own) keeps its session while
+    others connect and go."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.daemon_proc import ROOT
+
+    with DaemonProcess(tmp_path, "memory", None, "--model", "/models/m", "--model-name", "m",
+                       "--memory-token-delay-ms", "20").start(wait_state=("Ready",)) as d, d.client() as c:
+        proc = subprocess.Popen([sys.executable, "-c", HOLDER, d.endpoint, doing], cwd=ROOT, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "holding"
+            assert c.status().session_open
+            proc.kill()
+            proc.wait()
+            t0 = time.monotonic()
+            while c.status().session_open:
+                assert time.monotonic() - t0 < 3.0, "a killed client kept the slot"
+                time.sleep(0.05)
+        finally:
+            proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+        sess = c.open_session(MODEL)
+        for _ in range(30):  # short-lived clients: their descriptors are reused, and none is taken for this one
+            with d.client() as passing:
+                passing.status()
+        time.sleep(1.5)  # past the grace a closed peer is given
+        sess.ensure_prefix(PrefixInput(text="still mine"))
+        assert c.status().session_open
+        sess.close()
+
+
+def test_peer_watch_reports_a_peer_whose_connections_all_closed() -> None:
+    import zmq
+
+    from modeld.peers import PeerWatch
+
+    closed, accepted = zmq.EVENT_DISCONNECTED, zmq.EVENT_ACCEPTED
+    w = PeerWatch(grace_s=1.0)
+    w.seen(b"rt-a/1", 10)
+    w.seen(b"rt-a/2", 11)  # the same client's second socket
+    w.seen(b"other", 12)
+    w.events([(closed, 10)], now=0.0)
+    assert w.gone(5.0) == []  # one of its connections is still open
+    w.events([(closed, 11)], now=5.0)
+    assert w.gone(5.5) == [] and w.next_due() == 6.0  # within the grace it may reconnect
+    assert w.gone(6.0) == [b"rt-a"] and w.gone(7.0) == []  # reported once
+    # a peer that reconnects within the grace is not gone
+    w.events([(closed, 12)], now=10.0)
+    w.seen(b"other", 13)
+    assert w.gone(20.0) == []
+    # a descriptor closed and accepted again in one batch: the peers seen on it are left to their leases
+    w.seen(b"late", 14)
+    w.events([(closed, 14), (accepted, 14)], now=30.0)
+    assert w.gone(40.0) == [] and len(w) == 1  # ("other" on 13)
