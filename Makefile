@@ -21,6 +21,7 @@ DEPS   := pyproject.toml $(CONSTRAINTS) Makefile
 RUN_STAMP   := $(VENV)/.modeld-serving
 STAMP       := $(VENV)/.modeld-setup
 BENCH_STAMP := $(VENV)/.modeld-bench
+FUZZ_STAMP  := $(VENV)/.modeld-fuzz
 
 # llama-cpp-python is an sdist: it compiles llama.cpp once (minutes on 2 cores),
 # then pip's wheel cache makes later installs instant. The multimodal library is
@@ -89,9 +90,16 @@ $(AGENTS_STAMP): $(RUN_STAMP) benchmarks/agents/install.py
 agents: $(RUN_STAMP) $(AGENTS_STAMP)
 	$(PY) -m benchmarks.agents $(AGENTS_ARGS)
 
-# Generated hostile frames against a real daemon process (FUZZ_ARGS="--examples N --backend llama").
-fuzz: setup
+# The fuzz extra (schemathesis) on top of setup.
+$(FUZZ_STAMP): $(STAMP) $(DEPS)
+	$(INSTALL) -e '.[llama,openvino,http,cli,convert,dev,fuzz]'
+	@touch $@
+
+# Generated hostile frames against a real daemon process (FUZZ_ARGS="--examples N --backend llama"), then the
+# HTTP fronts: schemathesis from the served OpenAPI schema and the connection attacks (FUZZ_HTTP_ARGS="--examples N").
+fuzz: $(FUZZ_STAMP)
 	$(PY) -m tests.fuzz_daemon $(FUZZ_ARGS)
+	$(PY) -m tests.fuzz_http $(FUZZ_HTTP_ARGS)
 
 # A long run against real daemons: RSS, descriptors, vanished clients (SOAK_ARGS="--cycles N --turns N").
 soak: setup

@@ -1,12 +1,16 @@
 """``make soak``: a long run against real daemon processes; memory, descriptors and the slot must stay put.
 
-Two phases:
+Three phases:
 
 1. a memory-backend daemon: ``--cycles`` session cycles (open, prefix, suffix,
    a short decode, close), with vanished clients mixed in — a client process
    SIGKILLed mid-decode, and one SIGSTOPped while it holds the slot (its lease
    runs out; it is then killed);
-2. a llama.cpp daemon: ``--turns`` turns of one conversation in one session.
+2. the same over HTTP: ``--http-turns`` requests through chat completions
+   (plain and streamed), Responses and Messages (plain and streamed) on one
+   keep-alive connection, and every 100 turns a 200 MB body sent with a declared
+   length and one sent chunked (each must be refused 413);
+3. a llama.cpp daemon: ``--turns`` turns of one conversation in one session.
 
 Prints per phase: RSS at the start, the middle and the end (less the bytes the
 workspace cache holds in RAM: those are bounded by its budget, not a leak), open descriptors at
@@ -14,7 +18,7 @@ the start and the end, how long the slot took to come free after each vanished
 client (the lease is ``LEASE_S``), and errors by class. Exit status 1 when RSS
 grows over 5% from the middle to the end, descriptors grow, or a vanished client
 keeps the slot past its lease + 2 s.
-``python -m tests.soak_daemon [--cycles N] [--turns N] [--skip-llama]``.
+``python -m tests.soak_daemon [--cycles N] [--http-turns N] [--turns N] [--skip-llama]``.
 """
 
 from __future__ import annotations
@@ -125,6 +129,56 @@ def llama_phase(tmp: Path, turns: int, *extra: str) -> dict[str, object]:
     return {"rss": (rss0, rss_mid, rss1), "fds": (fds0, fds1), "frees": [], "errors": errors, "count": turns}
 
 
+def http_phase(tmp: Path, turns: int) -> dict[str, object]:
+    """HTTP turns through every API on a memory daemon, with refused 200 MB bodies (declared and chunked) mixed in."""
+    import http.client
+    import json
+
+    from tests.test_front_limits import _post_big
+    from tests.test_openai_front import _port, _wait_http
+
+    port = _port()
+    d = DaemonProcess(tmp / "http", "memory", None, "--model", "/models/soak", "--model-name", "soak",
+                      "--http", f"127.0.0.1:{port}", "--memory-token-delay-ms", "1").start(wait_state=("Ready",))
+    errors: collections.Counter[str] = collections.Counter()
+    messages = [{"role": "user", "content": "Name a prime."}]
+    requests = [
+        ("/v1/chat/completions", {"model": "soak", "messages": messages, "max_tokens": 4}),
+        ("/v1/chat/completions", {"model": "soak", "messages": messages, "max_tokens": 4, "stream": True}),
+        ("/v1/responses", {"model": "soak", "input": "Name a prime.", "max_output_tokens": 4, "store": False}),
+        ("/v1/messages", {"model": "claude", "messages": messages, "max_tokens": 4}),
+        ("/v1/messages", {"model": "claude", "messages": messages, "max_tokens": 4, "stream": True}),
+    ]
+    try:
+        _wait_http(port)
+        rss0, fds0 = _usage(d)
+        rss_mid = 0.0
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        for k in range(turns):
+            if k == turns // 2:
+                rss_mid = _usage(d)[0]
+            if k and k % 100 == 0:
+                for chunked in (False, True):
+                    if not _post_big(port, 200 << 20, chunked).startswith(b"HTTP/1.1 413"):
+                        errors["200 MB body not refused 413"] += 1
+            path, body = requests[k % len(requests)]
+            try:
+                conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+                r = conn.getresponse()
+                r.read()
+                if r.status != 200:
+                    errors[f"HTTP {r.status}"] += 1
+            except OSError as exc:
+                errors[type(exc).__name__] += 1
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.close()
+        rss1, fds1 = _usage(d)
+    finally:
+        d.stop()
+    return {"rss": (rss0, rss_mid, rss1), "fds": (fds0, fds1), "frees": [], "errors": errors, "count": turns}
+
+
 def _report(name: str, r: dict[str, object]) -> bool:
     rss0, mid, rss1 = r["rss"]  # type: ignore[misc]
     fds0, fds1 = r["fds"]  # type: ignore[misc]
@@ -133,7 +187,7 @@ def _report(name: str, r: dict[str, object]) -> bool:
     growth = (rss1 - mid) / mid if mid else 0.0
     late = [f for _, f in frees if f > LEASE_S + 2]
     rows = [
-        (f"{name}: {'cycles' if 'memory' in name else 'turns'}", f"{r['count']:,}"),
+        (f"{name}: {'cycles' if name.startswith('memory') else 'turns'}", f"{r['count']:,}"),
         (f"{name}: RSS less the cache's RAM, start / middle / end",
          f"{rss0:.1f} / {mid:.1f} / {rss1:.1f} MiB (middle to end {growth * 100:+.1f}%)"),
         (f"{name}: open descriptors start / end", f"{fds0} / {fds1}"),
@@ -151,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="make soak", description=__doc__.splitlines()[0])
     p.add_argument("--cycles", type=int, default=2000)
     p.add_argument("--turns", type=int, default=300)
+    p.add_argument("--http-turns", type=int, default=1000, help="HTTP turns (every API; 200 MB bodies every 100)")
     p.add_argument("--skip-llama", action="store_true")
     p.add_argument("--no-cache", action="store_true", help="the llama.cpp daemon without its workspace cache")
     args = p.parse_args(argv)
     ok = True
     with tempfile.TemporaryDirectory(prefix="modeld-soak-") as tmp:
         ok &= _report("memory backend", memory_phase(Path(tmp), args.cycles))
+        ok &= _report("memory backend over HTTP", http_phase(Path(tmp), args.http_turns))
         if not args.skip_llama:
             extra = ("--cache-ram", "0", "--cache-disk", "0") if args.no_cache else ()
             ok &= _report("llama.cpp", llama_phase(Path(tmp), args.turns, *extra))

@@ -253,6 +253,13 @@ def test_a_malformed_field_is_a_400_naming_it(front: Front, field: str) -> None:
     assert status == 400 and isinstance(error, dict) and str(error["param"]).startswith(field.split(".")[0]), answer
 
 
+@pytest.mark.parametrize("body", [{"input": 5}, {"input": []}, {"input": [1, 2]}, {"input": ["a", None]}, {}])
+def test_a_malformed_embeddings_input_is_a_400_naming_it(front: Front, body: dict[str, object]) -> None:
+    status, answer = _post(front, "/v1/embeddings", json.dumps({"model": "ref", **body}).encode())
+    error = answer["error"]
+    assert status == 400 and isinstance(error, dict) and str(error["param"]).startswith("input"), answer
+
+
 def test_framework_refusals_are_api_errors(front: Front) -> None:
     """A body the parser refuses (JSON nested 2,000 deep) and an unknown route answer in each API's shape."""
     deep = b'{"model": "ref", "messages": ' + b"[" * 2000 + b"]" * 2000 + b"}"

@@ -6,7 +6,8 @@ each send half a request header use up a 1,024 descriptor limit, and the next Ze
 libzmq abort the daemon (``Too many open files``). Here:
 
 * at start the soft ``RLIMIT_NOFILE`` is raised toward the hard one, and the connection cap is kept
-  ``RESERVED_FDS`` below it, so the model, its files and the ZeroMQ clients always find descriptors;
+  ``RESERVED_FDS`` (and two accept bursts) below it, so the model, its files and the ZeroMQ clients
+  always find descriptors;
 * a connection past the cap is answered ``503`` (``Retry-After``) and closed at once, its descriptor
   freed before anything is read;
 * a connection that has not completed a request head ``header_timeout_s`` after it opened (or after its
@@ -29,7 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("modeld.front")
 
-__all__ = ["DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "RESERVED_FDS", "connection_cap", "guarded_protocol"]
+__all__ = ["ACCEPT_BACKLOG", "DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "RESERVED_FDS", "connection_cap", "guarded_protocol"]
 
 #: open HTTP connections the front serves at once (agents hold a few; a browser tab six)
 DEFAULT_MAX_CONNECTIONS = 512
@@ -40,6 +41,10 @@ DEFAULT_HEADER_TIMEOUT_S = 30.0
 RESERVED_FDS = 256
 #: the soft limit asked for when the hard one allows it
 WANTED_FDS = 65536
+#: the listen backlog, which is also how many connections asyncio accepts in one go before the cap sees
+#: any of them: two such bursts are kept free below the limit as well. (Smaller, a flood of connects
+#: overflows the kernel's queue and each dropped SYN costs its client a one-second retry.)
+ACCEPT_BACKLOG = 128
 
 
 def _reply(status: str, code: str, message: str, extra: str = "") -> bytes:
@@ -52,7 +57,7 @@ def _reply(status: str, code: str, message: str, extra: str = "") -> bytes:
 
 def connection_cap(wanted: int) -> int:
     """Raise the soft descriptor limit toward the hard one and return how many HTTP connections fit: at most
-    ``wanted``, always ``RESERVED_FDS`` below the limit (and at least 8)."""
+    ``wanted``, always ``RESERVED_FDS`` and two accept bursts below the limit (and at least 8)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = WANTED_FDS if hard == resource.RLIM_INFINITY else min(hard, WANTED_FDS)
     if soft != resource.RLIM_INFINITY and soft < target:
@@ -62,7 +67,7 @@ def connection_cap(wanted: int) -> int:
         except (ValueError, OSError) as exc:  # a container may forbid it: the budget is what there is
             log.info("open files limit stays %d (%s)", soft, exc)
     limit = WANTED_FDS if soft == resource.RLIM_INFINITY else soft
-    cap = max(8, min(wanted, limit - RESERVED_FDS))
+    cap = max(8, min(wanted, limit - RESERVED_FDS - 2 * ACCEPT_BACKLOG))
     if cap < wanted:
         log.warning("the open files limit is %d: the HTTP front serves at most %d connections (--http-max-connections "
                     "%d asked for; raise `ulimit -n`)", limit, cap, wanted)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
 from fastapi import APIRouter, Request
@@ -102,6 +102,14 @@ class ResponseFormat(_Loose):
 
 class StreamOptions(_Loose):
     include_usage: bool = False
+
+
+class EmbeddingsRequest(_Loose):
+    """``/v1/embeddings``: text input only (token-id arrays are refused); ``encoding_format`` is accepted and the
+    vectors always come back as floats, which the SDKs read whatever they asked for."""
+
+    model: str = ""
+    input: str | Annotated[list[str], Field(min_length=1)]
 
 
 class ChatCompletionRequest(_Loose):
@@ -306,15 +314,8 @@ def router(serving: Serving) -> APIRouter:
         })
 
     @r.post("/v1/embeddings")
-    async def embeddings(request: Request) -> JSONResponse:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise ApiError(400, f"the body is not JSON: {exc}") from None
-        raw = body.get("input") if isinstance(body, dict) else None
-        texts = [raw] if isinstance(raw, str) else raw
-        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            raise ApiError(400, "input must be a string or a list of strings", param="input")
+    async def embeddings(body: EmbeddingsRequest, request: Request) -> JSONResponse:
+        texts = [body.input] if isinstance(body.input, str) else body.input
 
         def run() -> Any:
             with serving.pool.client() as c:

@@ -14,7 +14,13 @@ from runtime import Client
 
 from .app import DEFAULT_MAX_BODY_BYTES, create_app
 from .core import Serving
-from .guard import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, connection_cap, guarded_protocol
+from .guard import (
+    ACCEPT_BACKLOG,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+    connection_cap,
+    guarded_protocol,
+)
 from .pool import ClientPool
 from .sealing import Sealer
 from .stored import ResponseStore
@@ -25,9 +31,6 @@ log = logging.getLogger("modeld.http")
 
 #: how long a request waits for the slot while another holds it, then 503
 QUEUE_TIMEOUT_S = 300.0
-#: the listen backlog, which is also how many connections asyncio accepts in one go before any is seen by
-#: the connection cap: a burst stays far inside the descriptors the cap keeps free (guard.RESERVED_FDS)
-ACCEPT_BACKLOG = 64
 
 
 def parse_listen(value: str) -> tuple[str, int]:
