@@ -410,6 +410,10 @@ class StateCacheStore:
         meta = snap.model_dump(mode="json", exclude={"state"})
         meta["state_digest"] = "sha256:" + hashlib.sha256(snap.state).hexdigest()  # left to this thread by the saver
         header = json.dumps({"key": item.key, "snapshot": meta, "state_len": len(snap.state)}, separators=(",", ":")).encode()
+        size = len(MAGIC) + _LEN.size + len(header) + len(snap.state) + _DIGEST_BYTES
+        with self._lock:
+            # room first: the tier never holds more than its budget, not even while a file is being written
+            self._prune_disk(reserve=size)
         digest = hashlib.sha256()
         path = self._path(item.id)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -436,11 +440,12 @@ class StateCacheStore:
             tmp.unlink(missing_ok=True)
             raise
 
-    def _prune_disk(self) -> None:
-        """Delete least recently used files until the tier fits its budget (caller holds the lock)."""
+    def _prune_disk(self, reserve: int = 0) -> None:
+        """Delete least recently used files until the tier fits its budget with ``reserve`` bytes to spare
+        (caller holds the lock)."""
         on_disk = sorted((e for e in self._entries.values() if e.disk_bytes), key=lambda e: e.last_used)
         for e in on_disk:
-            if self._disk_bytes <= self._disk_budget:
+            if self._disk_bytes + reserve <= self._disk_budget:
                 break
             self._delete_file(e)
             if e.snap is None:
@@ -506,11 +511,13 @@ class StateCacheStore:
         """Index the files already in the directory (headers only); drop what is not a valid entry."""
         assert self._dir is not None
         me = os.getuid()
+        strangers: list[str] = []
         for path in sorted(self._dir.iterdir()):
             if ".tmp" in path.suffix:
                 path.unlink(missing_ok=True)  # a write that a crash interrupted
                 continue
-            if path.suffix != ".kv":
+            if path.suffix != ".kv" or not path.is_file():
+                strangers.append(path.name)  # not ours: left alone, and not counted against the budget
                 continue
             try:
                 st = path.stat()
@@ -534,5 +541,9 @@ class StateCacheStore:
             )
             self._entries[entry.id] = entry
             self._disk_bytes += st.st_size
+        if strangers:
+            log.warning("the workspace cache directory %s holds %d entr%s that %s not cache files (%s%s): left alone, "
+                        "not counted against its budget", self._dir, len(strangers), "y" if len(strangers) == 1 else "ies",
+                        "is" if len(strangers) == 1 else "are", ", ".join(strangers[:5]), ", …" if len(strangers) > 5 else "")
         with self._lock:
             self._prune_disk()

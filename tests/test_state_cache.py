@@ -210,6 +210,45 @@ def test_the_disk_budget_prunes_least_recently_used_files(tmp_path: Path) -> Non
     c.close()
 
 
+def test_the_disk_tier_stays_within_its_budget_while_a_file_is_written(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room is made before a file is written: the directory (the file being written included) never holds more
+    than the budget."""
+    d = tmp_path / "c"
+    seen: list[int] = []
+    replace = os.replace
+
+    def measured(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        seen.append(sum(f.stat().st_size for f in d.iterdir()))  # the finished temporary file and the others
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", measured)
+    c = StateCacheStore(d, ram_budget=0, disk_budget=3600)  # room for two ~1.7 kB files
+    for i in range(5):
+        c.put(KEY_A, snap([20 + i]))
+        wait_written(c, min(i + 1, 2))
+        deadline = time.monotonic() + 5
+        while len(seen) < i + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    c.close()
+    assert len(seen) == 5 and max(seen) <= 3600, seen
+
+
+def test_files_that_are_not_cache_entries_are_reported_and_left_alone(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    d, f = _one_file(tmp_path)
+    (d / "notes.txt").write_text("mine")
+    (d / "sub").mkdir()
+    with caplog.at_level("WARNING", logger="modeld.cache"):
+        c = StateCacheStore(d, ram_budget=0, disk_budget=10**6)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "2 entries that are not cache files" in said and "notes.txt" in said and "sub" in said, said
+    st = c.status()
+    assert st["disk_entries"] == 1 and st["disk_bytes"] == f.stat().st_size and st["rejected"] == 0
+    assert (d / "notes.txt").read_text() == "mine" and (d / "sub").is_dir()
+    c.close()
+
+
 def _one_file(tmp_path: Path) -> tuple[Path, Path]:
     d = tmp_path / "c"
     c = StateCacheStore(d, ram_budget=0, disk_budget=10**6)
