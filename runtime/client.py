@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 from pydantic import BaseModel
+from zmq.utils.monitor import recv_monitor_message
 
 from contract import wire
 from contract.endpoint import default_endpoint, ipc_path
@@ -82,6 +83,10 @@ from contract.types import (
     UnloadModelRequest,
 )
 from contract.wire import Kind, Message, Op
+
+#: what the CURVE client's monitor reports: the handshake's outcome
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 if TYPE_CHECKING:
     from contract.types import ChatMessage
@@ -144,6 +149,8 @@ class Client:
         self._ctx = zmq.Context()
         self._lock = threading.RLock()
         self._sock: zmq.Socket[bytes] | None = None
+        #: with CURVE: the main socket's monitor, which tells a refused handshake (a wrong server key) from silence
+        self._handshakes: zmq.Socket[bytes] | None = None
         self._buffers: dict[bytes, deque[Message]] = {}
         self._abandoned: set[bytes] = set()
         #: request id -> when a message for it last arrived (liveness while waiting)
@@ -178,9 +185,25 @@ class Client:
             s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.ROUTING_ID, self._routing + b"/m")  # the same after a reconnect
             self._secure(s)
+            if self._curve is not None:
+                self._handshakes = s.get_monitor_socket(_HANDSHAKE_EVENTS)
             s.connect(self.endpoint)
             self._sock = s
         return self._sock
+
+    def _refused_handshake(self) -> bool:
+        """The daemon refused this client's CURVE handshake, and none succeeded since (drains the monitor)."""
+        if self._handshakes is None:
+            return False
+        refused = False
+        while self._handshakes.poll(0):
+            event = recv_monitor_message(self._handshakes)["event"]
+            refused = event != zmq.EVENT_HANDSHAKE_SUCCEEDED
+        return refused
+
+    def _wrong_key(self) -> str:
+        return (f"the daemon at {self.endpoint} refused the CURVE handshake: the server key this client uses "
+                "(--server-key or MODELD_SERVER_KEY) is not the daemon's; `modeld keys` on its machine prints it")
 
     def _secure(self, s: zmq.Socket[bytes]) -> None:
         if self._curve is not None:
@@ -191,6 +214,10 @@ class Client:
 
     def _reset(self) -> None:
         if self._sock is not None:
+            if self._handshakes is not None:
+                self._sock.disable_monitor()
+                self._handshakes.close(0)
+                self._handshakes = None
             self._sock.close(0)
             self._sock = None
         self._buffers.clear()
@@ -241,6 +268,9 @@ class Client:
                         raise Unavailable(self._no_daemon(), endpoint=self.endpoint)
                     raise DaemonTimeout(f"no reply from {self.endpoint} within {timeout:.1f}s", endpoint=self.endpoint)
                 if not sock.poll(int(min(remaining, 0.25) * 1000) + 1, zmq.POLLIN):
+                    if not self._answered and self._refused_handshake():
+                        self._reset()  # (ZeroMQ would retry the same key for ever)
+                        raise Unavailable(self._wrong_key(), endpoint=self.endpoint)
                     heard = self._heard.get(rid)
                     if heard is not None and time.monotonic() - heard > LIVENESS_S:
                         # The daemon heartbeats every request it holds each second, and nothing

@@ -6,12 +6,13 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import zmq
 
-from contract.errors import ModeldError
+from contract.errors import ModeldError, Unavailable
 from modeld.netsec import check_runtime_dir, check_tcp_exposure, is_loopback_tcp, server_keys
 from runtime import Client
 from tests.daemon_proc import ROOT, DaemonProcess, free_tcp_endpoint
@@ -102,5 +103,8 @@ def test_with_curve_a_keyed_client_works_and_an_unkeyed_one_gets_nothing(
         with Client(local, timeout_s=1.5) as stranger, pytest.raises(ModeldError):  # no key: no handshake
             stranger.status()
         other, _ = zmq.curve_keypair()  # a well-formed key, not this daemon's
-        with Client(local, timeout_s=1.5, server_key=other.decode()) as wrong, pytest.raises(ModeldError):
+        with Client(local, timeout_s=30.0, server_key=other.decode()) as wrong, pytest.raises(Unavailable) as refused:
+            t0 = time.monotonic()
             wrong.status()
+        # said at once and as what it is, not after the timeout as "is modeld serve running?"
+        assert time.monotonic() - t0 < 5.0 and "refused the CURVE handshake" in str(refused.value)
