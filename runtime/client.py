@@ -231,6 +231,11 @@ class Client:
             sock = self._socket()
             sock.send_multipart(wire.encode_request(op, rid, body, payloads), copy=False)
             self._buffers[rid] = deque()
+            if self._answered:
+                # A daemon that answered before answers or heartbeats this request within a second of taking
+                # it: the liveness clock runs from the send, so one that died before its first heartbeat is
+                # noticed as quickly as one that died later.
+                self._heard[rid] = time.monotonic()
         return rid
 
     def _recv(

@@ -79,7 +79,7 @@ def schema_run(port: int, examples: int, seed: int, out: Path) -> tuple[int, str
            "--max-examples", str(examples), "--phases", "examples,coverage,fuzzing", "--continue-on-failure",
            "--seed", str(seed), "--no-color", "--request-timeout", "60", "--suppress-health-check", "all"]
     with out.open("w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False, cwd=out.parent).returncode
     summary = [ln.strip() for ln in out.read_text().splitlines() if re.search(r"\d+ generated|failures?|passed", ln)]
     return rc, "; ".join(summary[-2:])
 

@@ -96,6 +96,38 @@ def test_a_client_waiting_on_a_killed_daemon_fails_within_seconds(tmp_path: Path
         d.stop(signal.SIGKILL)
 
 
+def test_a_request_queued_when_the_daemon_dies_fails_within_seconds(tmp_path: Path) -> None:
+    """An open waiting for the slot (60 s) when the daemon is SIGKILLed, before any heartbeat for it came."""
+    d = DaemonProcess(tmp_path, "memory", None, "--model", "/models/m", "--model-name", "m",
+                      "--memory-token-delay-ms", "200").start(wait_state=("Ready",))
+    try:
+        with d.client(timeout_s=120.0) as holder, d.client(timeout_s=120.0) as waiter:
+            stream = iter(_start_decode(holder))  # type: ignore[call-overload]
+            next(stream)
+            assert waiter.status().session_open  # (this client has heard the daemon)
+            done: list[BaseException] = []
+
+            def wait_for_the_slot() -> None:
+                try:
+                    waiter.open_session(MODEL.model_copy(update={"queue_timeout_s": 60.0}))
+                except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                    done.append(exc)
+
+            import threading
+
+            t = threading.Thread(target=wait_for_the_slot)
+            t.start()
+            time.sleep(0.3)  # queued, and no heartbeat for it yet
+            assert d.proc is not None
+            d.proc.send_signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            t.join(timeout=60)
+            assert done and isinstance(done[0], DaemonTimeout), done
+            assert time.monotonic() - t0 < 12  # not the 60 s it was willing to queue, nor the 120 s timeout
+    finally:
+        d.stop(signal.SIGKILL)
+
+
 HOLDER = """
 import os, sys
 from runtime import Client
