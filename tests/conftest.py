@@ -10,3 +10,25 @@ os.environ.pop("MODELD_OWNER", None)
 for _name in [n for n in os.environ if n.startswith("MODELD_") and n != "MODELD_LLAMA_EXTRA_BUFTS"]:
     os.environ.pop(_name)
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="modeld-test-config-")
+
+#: what `make setup` installs and the suites import (or skip without): in CI every one must import, since a
+#: skip is for a developer's partial install, and a green run that ran no engine test proves nothing
+CI_REQUIRED = ("llama_cpp", "openvino", "openvino_genai", "fastapi", "openai", "anthropic", "hypothesis")
+
+
+def pytest_sessionstart(session: object) -> None:
+    if os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
+        return
+    import importlib
+
+    import pytest
+
+    missing = []
+    for name in CI_REQUIRED:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the finding
+            missing.append(f"{name} ({type(exc).__name__}: {exc})")
+    if missing:
+        pytest.exit("CI runs every suite, but these do not import, so their tests would only skip: "
+                    + "; ".join(missing), returncode=1)
