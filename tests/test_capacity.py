@@ -415,11 +415,6 @@ def test_headroom_counts_the_credit_as_free() -> None:
 # --- idempotence ---------------------------------------------------------------------
 
 
-def test_plan_is_deterministic() -> None:
-    args = (SMOL, host(required_bytes(SMOL, 3000)), BARE, 8192)
-    assert plan(*args) == plan(*args)
-
-
 def test_a_memory_clamped_window_is_a_fixed_point() -> None:
     pool = host(required_bytes(SMOL, 3000))
     first = plan(SMOL, pool, BARE, 8192)

@@ -15,7 +15,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contract import wire
@@ -424,44 +424,30 @@ _frame = st.one_of(
 )
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(frames=st.lists(_frame, min_size=1, max_size=6))
-def test_random_frames_never_kill_the_daemon(daemon: DaemonProcess, frames: list[bytes]) -> None:
-    sock = _FUZZ_SOCK.get(daemon)
-    # A message that happens to be a legal request may run; anything else must get a typed error.
-    sock.send_multipart(frames)
-    sock.send_multipart(wire.encode_request(Op.STATUS, b"alive", {}))
-    while True:
-        assert sock.poll(5000), "daemon stopped answering"
-        msg = wire.decode_reply(sock.recv_multipart())
-        if msg.kind is Kind.ERROR:
-            assert msg.body["code"] in REGISTRY, msg.body
-        if msg.request_id == b"alive":
-            assert msg.kind is Kind.OK
-            break
+def test_random_frames_never_kill_the_daemon(daemon: DaemonProcess, client: Client) -> None:
+    """600 generated messages on one raw socket, each followed by a status probe; then a normal session."""
+    sock = _raw(daemon)
 
+    @settings(max_examples=600, deadline=None)
+    @given(frames=st.lists(_frame, min_size=1, max_size=6))
+    def one(frames: list[bytes]) -> None:
+        # A message that happens to be a legal request may run; anything else must get a typed error.
+        sock.send_multipart(frames)
+        sock.send_multipart(wire.encode_request(Op.STATUS, b"alive", {}))
+        while True:
+            assert sock.poll(5000), "daemon stopped answering"
+            msg = wire.decode_reply(sock.recv_multipart())
+            if msg.kind is Kind.ERROR:
+                assert msg.body["code"] in REGISTRY, msg.body
+            if msg.request_id == b"alive":
+                assert msg.kind is Kind.OK
+                break
 
-class _FuzzSockets:
-    def __init__(self) -> None:
-        self._socks: dict[str, zmq.Socket[bytes]] = {}
-
-    def get(self, d: DaemonProcess) -> zmq.Socket[bytes]:
-        if d.endpoint not in self._socks:
-            self._socks[d.endpoint] = _raw(d)
-        return self._socks[d.endpoint]
-
-    def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close(0)
-        self._socks.clear()
-
-
-_FUZZ_SOCK = _FuzzSockets()
-
-
-def test_daemon_still_healthy_after_fuzzing(client: Client) -> None:
-    _FUZZ_SOCK.close()
-    client.open_session(MODEL_A).close()
+    try:
+        one()
+    finally:
+        sock.close(0)
+    client.open_session(MODEL_A).close()  # and the daemon serves a normal session afterwards
 
 
 # --- lifecycle ----------------------------------------------------------------------------------------------

@@ -730,7 +730,7 @@ def test_manifest_defaults_track_numerics(model: OpenVINOLoadedModel) -> None:
         (SnapshotRejected("kept"), False, SnapshotRejected),
     ],
 )
-def testmap_errors(exc: BaseException, loading: bool, expected: type[ModeldError]) -> None:
+def test_map_errors(exc: BaseException, loading: bool, expected: type[ModeldError]) -> None:
     with pytest.raises(expected) as info, map_errors("act", loading=loading):
         raise exc
     assert not isinstance(exc, ModeldError) or info.value is exc
