@@ -79,18 +79,6 @@ class BlobStore:
             os.utime(path)  # recently used: pruned last
         return data
 
-    def delete(self, state_id: str) -> bool:
-        path = self._path(state_id)
-        with self._lock:
-            try:
-                size = path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                return False
-            self._count -= 1
-            self._bytes -= size
-            return True
-
     def _files(self) -> list[tuple[float, int, Path]]:
         out: list[tuple[float, int, Path]] = []
         for p in self.root.iterdir():

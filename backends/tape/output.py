@@ -345,9 +345,6 @@ class OutputPipeline:
     def feed_bytes(self, data: bytes) -> Delta:
         return self._route(self._stop.feed(self._utf8.feed(data)), final=False)
 
-    def feed_text(self, text: str) -> Delta:
-        return self._route(self._stop.feed(text), final=False)
-
     def finish(self) -> Delta:
         tail = self._utf8.finish()
         text = self._stop.feed(tail) if tail else ""
