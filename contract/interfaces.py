@@ -163,6 +163,9 @@ class LoadedModel(Protocol):
 
     def resident_bytes(self) -> int: ...
 
+    #: where its chat template came from (``backends.tape.templates``; "" where prompts are raw text)
+    template_origin: str
+
     def manifest_defaults(self) -> ContextManifest:
         """The runtime identity a client puts in its ContextManifest for this model (no content hashes)."""
         ...

@@ -94,6 +94,7 @@ class MemoryModel:
         self.resident = Resident(num_ctx=num_ctx)
         self.closed = False
         self.lock = threading.Lock()
+        self.template_origin = ""  # prompts are raw text: no chat template
 
     @property
     def digest(self) -> str:

@@ -101,6 +101,9 @@ class Config(_Request):
     kv_cache_type: KVCacheType = ""
     prompt_format: str = ""
     prompt_template_digest: str = ""
+    #: the chat template to serve with: a built-in name ("chatml"), a Jinja file on the daemon's machine, or ""
+    #: for the model's own (ChatML when its file has none)
+    chat_template: str = ""
     disable_bos: bool = False
     reasoning_format: str = ""
     #: recompute tokens the model decoded before reusing them in a later prompt, so a
@@ -222,6 +225,8 @@ class ActiveModel(_Report):
     generation: int = 0
     effective_context: int = 0
     resident_bytes: int = 0
+    #: where the chat template came from ("the model's own", "built-in chatml", "file …", "ChatML (…has none)")
+    chat_template: str = ""
 
 
 class SpeculationStatus(_Report):

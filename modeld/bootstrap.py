@@ -82,6 +82,8 @@ class ServeOptions:
     kv_cache_type: KVCacheType = ""
     #: decoded tokens computed as a prefill computes them (``contract.types.Config.exact_decode``)
     exact_decode: bool = False
+    #: the preloaded model's chat template (``contract.types.Config.chat_template``; "": its own)
+    chat_template: str = ""
     owner: str = ""
     #: snapshot blobs and state; None = ``default_data_dir()``
     data_dir: Path | None = None
@@ -318,6 +320,7 @@ def preload_request(opts: ServeOptions) -> LoadModelRequest | None:
             flash_attn=opts.flash_attn,
             kv_cache_type=opts.kv_cache_type,
             exact_decode=opts.exact_decode,
+            chat_template=opts.chat_template,
         ),
     )
 

@@ -179,6 +179,11 @@ class ServeSettings(BaseSettings):
         "reused replies never change an answer; OpenVINO: a decode step then costs more over a long context "
         "(up to 1.85x at 2,000 tokens, 2.5x at 4,000); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)",
     )
+    chat_template: str = Field(
+        _DEFAULT.chat_template,
+        description="the preloaded model's chat template: a built-in name (chatml) or a Jinja file; default: the "
+        "model's own, ChatML when its file has none (status says which)",
+    )
     owner: str = Field(_DEFAULT.owner, description="owner instance id for fencing")
     data_dir: OptionalPath = Field(_DEFAULT.data_dir, description="snapshot blobs and state")
     mem_max: SizeOrUnset = Field(_DEFAULT.mem_max, description="memory limit for model + KV, e.g. 8GiB")

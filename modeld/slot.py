@@ -376,6 +376,7 @@ class SlotService:
             config=req.config.model_copy(update={"num_ctx": loaded.num_ctx}),
             generation=self._generation + 1,
             effective_context=loaded.num_ctx,
+            chat_template=loaded.template_origin,
         )
         try:
             with self._state_lock:

@@ -104,6 +104,9 @@ def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
                    help="compute every decoded token as a prefill computes it, so drafts and reused replies never "
                    "change an answer (OpenVINO: slower decode over a long context; llama.cpp: needs --flash-attn "
                    "--kv-cache-type q8_0)")
+    p.add_argument("--chat-template", default="", metavar="NAME|FILE",
+                   help="serve with this chat template: a built-in name (chatml) or a Jinja file on the daemon's "
+                   "machine (default: the model's own; ChatML when its file has none)")
 
 
 def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
@@ -301,6 +304,8 @@ def _status(client: Client, args: argparse.Namespace) -> int:
             ("context", st.active.effective_context),
             ("resident bytes", st.active.resident_bytes),
         ]
+        if st.active.chat_template:
+            rows.append(("chat template", st.active.chat_template))
         cfg = st.active.config
         chosen = [name for name, on in (("flash attention", cfg.flash_attn),
                                         (f"KV cache {cfg.kv_cache_type}", bool(cfg.kv_cache_type)),
@@ -435,8 +440,13 @@ def _handle(args: argparse.Namespace) -> dict[str, Any]:
         "digest": args.digest,
         "path": os.path.abspath(args.path) if args.path and args.type != "memory" else args.path,
         "config": Config(num_ctx=args.num_ctx, flash_attn=args.flash_attn, kv_cache_type=args.kv_cache_type,
-                         exact_decode=args.exact_decode),
+                         exact_decode=args.exact_decode, chat_template=_template_arg(args.chat_template)),
     }
+
+
+def _template_arg(value: str) -> str:
+    """A template file named relative to this shell is sent as an absolute path (the daemon's cwd is its own)."""
+    return os.path.abspath(value) if value and os.path.exists(value) else value
 
 
 def _load(client: Client, args: argparse.Namespace) -> int:

@@ -132,8 +132,13 @@ def think_gguf(cache_dir: Path | None = None) -> Path:
     return templated_gguf(THINK_CHATML_TEMPLATE, "think", cache_dir)
 
 
+def untemplated_gguf(cache_dir: Path | None = None) -> Path:
+    """Path of the bundled GGUF without any chat template (as a base model's file comes); built on first use."""
+    return templated_gguf("", "notemplate", cache_dir)
+
+
 def templated_gguf(template: str, name: str, cache_dir: Path | None = None) -> Path:
-    """Path of the bundled GGUF with ``template`` as its chat template; built on first use."""
+    """Path of the bundled GGUF with ``template`` as its chat template ("": none at all); built on first use."""
     src = bundled_gguf_path()
     st = src.stat()
     key = hashlib.sha256(f"{template}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -152,8 +157,8 @@ def templated_gguf(template: str, name: str, cache_dir: Path | None = None) -> P
                 "-m",
                 "gguf.scripts.gguf_new_metadata",
                 "--force",
-                "--chat-template-file",
-                str(template_file),
+                *(["--chat-template-file", str(template_file)] if template
+                  else ["--remove-metadata", "tokenizer.chat_template"]),
                 str(src),
                 str(tmp),
             ],

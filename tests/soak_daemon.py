@@ -187,7 +187,7 @@ def _report(name: str, r: dict[str, object]) -> bool:
     growth = (rss1 - mid) / mid if mid else 0.0
     late = [f for _, f in frees if f > LEASE_S + 2]
     rows = [
-        (f"{name}: {'cycles' if name.startswith('memory') else 'turns'}", f"{r['count']:,}"),
+        (f"{name}: {'cycles' if name == 'memory backend' else 'turns'}", f"{r['count']:,}"),
         (f"{name}: RSS less the cache's RAM, start / middle / end",
          f"{rss0:.1f} / {mid:.1f} / {rss1:.1f} MiB (middle to end {growth * 100:+.1f}%)"),
         (f"{name}: open descriptors start / end", f"{fds0} / {fds1}"),

@@ -50,18 +50,20 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+import jinja2
 import llama_cpp
 from llama_cpp import Llama
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from contract import interrupt
-from contract.errors import SnapshotRejected
+from contract.errors import InvalidArgument, SnapshotRejected
 from contract.sizing import kv_bytes_per_token
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
 from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import pack_state, refuse_diffs, unpack_state
+from ..tape.templates import check_renders, choose_template
 from .native import KV_GGML_TYPES, map_errors, runtime_version
 from .options import LoadOptions, ModelShape
 from .sampling import LlamaSteps, build_sampler, grammar_source
@@ -116,12 +118,17 @@ class LlamaLoadedModel(TapeModelBase):
         self._vocab = llm._model.vocab
         self._n_vocab = int(llm.n_vocab())
         bos_id = int(llm.token_bos())
-        source = llm.metadata.get("tokenizer.chat_template", "")
-        template: LlamaTemplate | None = None
-        if source:
-            eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() != -1 else ""
-            bos = llm._model.token_get_text(bos_id) if bos_id != -1 else ""
+        own = llm.metadata.get("tokenizer.chat_template", "")
+        source, self.template_origin = choose_template(config.chat_template, own)
+        eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() != -1 else ""
+        bos = llm._model.token_get_text(bos_id) if bos_id != -1 else ""
+        try:
             template = LlamaTemplate(source, eos, bos)
+        except jinja2.TemplateError as exc:
+            raise InvalidArgument(f"the chat template ({self.template_origin}) does not compile: {exc}",
+                                  chat_template=self.template_origin) from None
+        if source != own:
+            check_renders(template, self.template_origin)
         kv_per_token = kv_bytes_per_token(shape.sizing(options.kv_cache_type))
         super().__init__(
             path=path,

@@ -145,6 +145,7 @@ from contract.types import Config, DecodeConfig, SessionSnapshot
 from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import pack_state, refuse_diffs, unpack_state
+from ..tape.templates import check_renders, choose_template
 from .graph import EXACT_STEP_ROWS, MIN_PREFILL_ROWS, VERIFY_ROWS, WARM_BUCKETS_UP_TO, bucket, verify_rows
 from .guidance import TokenGuide, build_tokenizer, compile_grammar
 from .native import map_errors, runtime_version, type_name
@@ -279,7 +280,11 @@ class OpenVINOLoadedModel(TapeModelBase):
         self._allocate_cache(compiled, options.num_ctx)
         self.tok = tokenizer
         self.vocab = _Vocab(tokenizer)
-        source = str(tokenizer.chat_template or "")
+        own = str(tokenizer.chat_template or "")
+        source, self.template_origin = choose_template(config.chat_template, own)
+        if source != own:
+            tokenizer.set_chat_template(source)
+        template = OpenVINOTemplate(tokenizer, source)
         self._guidance_tok: Any = None
         self._encode_cap: int | None = None
         #: last-position logits per tape length: prefill ends and the live decode position
@@ -294,10 +299,12 @@ class OpenVINOLoadedModel(TapeModelBase):
             resident_bytes=shape.weights_bytes
             + self.cache_bytes
             + shape.overhead_bytes(options.num_ctx, options.prefill_chunk, batch_graph=self.batch_graph),
-            template=OpenVINOTemplate(tokenizer, source) if source else None,
+            template=template,
             bos_id=self.vocab.bos_id,
             adds_bos=self._tokenizer_adds_bos(),
         )
+        if source != own:
+            check_renders(template, self.template_origin)
         #: a decode step's row count: padded, a step takes a prefill's kernels (``Config.exact_decode``;
         #: ``warm_up`` measures the fewest rows that do, and a prefill's smallest chunk does by definition)
         self.step_rows = MIN_PREFILL_ROWS if options.exact_decode else 1

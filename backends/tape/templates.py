@@ -1,0 +1,76 @@
+"""Which chat template a model is served with: its own, one the request names, or ChatML when it has none.
+
+``Config.chat_template`` (``modeld serve --chat-template``) is a built-in name or a path to a Jinja file on
+the daemon's machine; empty means the model's own (the GGUF's ``tokenizer.chat_template``). A model whose
+file carries no template (a base model) is served with ChatML rather than refused, and says so: the origin
+goes to ``status`` (``ActiveModel.chat_template``). The template's digest is part of the manifest, so KV
+computed under one template is never reused under another.
+
+ChatML is the default because it is what most instruction-tuned small models were trained on and it marks
+every turn unambiguously; a model trained on another format answers better under its own template, which
+``--chat-template FILE`` gives it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from contract.errors import InvalidArgument
+
+from .model import ChatTemplate
+
+__all__ = ["BUILTIN", "CHATML", "check_renders", "choose_template"]
+
+#: ChatML (``<|im_start|>role … <|im_end|>``), the format's published form
+CHATML = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+#: the templates a name selects
+BUILTIN: dict[str, str] = {"chatml": CHATML}
+
+#: the largest template file read (templates are a few kB; this is a typo guard, not a limit anyone meets)
+_MAX_TEMPLATE_BYTES = 1 << 20
+
+
+def choose_template(requested: str, own: str) -> tuple[str, str]:
+    """The template source to serve with, and where it came from (for ``status``).
+
+    ``requested``: ``Config.chat_template``; ``own``: the model's template ("" when its file has none).
+    InvalidArgument for a name that is not built in and not a readable file.
+    """
+    if requested:
+        builtin = BUILTIN.get(requested.lower())
+        if builtin is not None:
+            return builtin, f"built-in {requested.lower()}"
+        path = Path(requested).expanduser()
+        try:
+            if path.stat().st_size > _MAX_TEMPLATE_BYTES:
+                raise InvalidArgument(f"chat template {requested} is larger than {_MAX_TEMPLATE_BYTES} bytes",
+                                      chat_template=requested)
+            source = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(
+                f"chat template {requested!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) nor a readable "
+                f"UTF-8 file: {exc}",
+                chat_template=requested,
+            ) from None
+        if not source.strip():
+            raise InvalidArgument(f"chat template file {requested} is empty", chat_template=requested)
+        return source, f"file {path.resolve()}"
+    if own:
+        return own, "the model's own"
+    return CHATML, "ChatML (the model's file has none)"
+
+
+def check_renders(template: ChatTemplate, origin: str) -> None:
+    """A chosen template must render a user turn (a syntax error or a missing variable is said at the load, not
+    at the first request); InvalidArgument otherwise."""
+    try:
+        template.render([{"role": "user", "content": "hi"}], None, generation=True)
+    except Exception as exc:  # noqa: BLE001 - whatever the template engine raises is the finding
+        raise InvalidArgument(f"the chat template ({origin}) does not render a user turn: {type(exc).__name__}: {exc}",
+                              chat_template=origin) from None

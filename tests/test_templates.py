@@ -1,0 +1,80 @@
+"""Chat templates (backends/tape/templates.py) on both engines, through real daemon processes: a GGUF with no
+template is served with ChatML and says so; ``--chat-template FILE`` serves another; a template that does not
+render is refused at the load, and the model already loaded goes on serving."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from contract.errors import InvalidArgument  # noqa: E402
+from contract.types import Config, LoadModelRequest  # noqa: E402
+from tests.test_openai_front import Front  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+#: ChatML with a preamble in every system turn: a template the model's file does not have, told apart by its tokens
+PREAMBLE_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'system' %}{{- 'Answer in one short sentence, plainly. ' }}{%- endif %}"
+    "{{- (message['content'] or '') + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.llama),
+                                        pytest.param("openvino", marks=pytest.mark.openvino)])
+def bare(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    """The bundled weights in a GGUF that carries no chat template, as a base model's does."""
+    pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
+    from tests.fixtures import untemplated_gguf
+
+    with Front(tmp_path_factory.mktemp(f"bare-{request.param}"), "--model", str(untemplated_gguf()),
+               "--model-name", "bare", "--num-ctx", "1024", backend=request.param) as f:
+        yield f
+
+
+def _chat_prompt_tokens(front: Front) -> int:
+    out = front.sdk().chat.completions.create(model="bare", messages=MESSAGES, max_tokens=4, temperature=0)
+    assert out.choices[0].message.content is not None and out.usage is not None
+    return out.usage.prompt_tokens
+
+
+def test_a_model_without_a_template_is_served_with_chatml_and_says_so(bare: Front) -> None:
+    with bare.daemon.client(timeout_s=30.0) as c:
+        active = c.status().active
+    assert active is not None and active.chat_template == "ChatML (the model's file has none)"
+    assert _chat_prompt_tokens(bare) > 10
+
+
+def test_a_template_file_is_served_and_a_broken_one_refused(bare: Front, tmp_path: Path) -> None:
+    plain = _chat_prompt_tokens(bare)
+    good = tmp_path / "preamble.jinja"
+    good.write_text(PREAMBLE_TEMPLATE, encoding="utf-8")
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for message in messages %}{{ message['content'] }", encoding="utf-8")  # unclosed tag
+    with bare.daemon.client(timeout_s=300.0) as c:
+        active = c.status().active
+        assert active is not None
+        req = LoadModelRequest(model_name="bare", type=active.type, path=active.path,
+                               config=Config(num_ctx=1024, chat_template=str(good)))
+        switched = c.load_model(req)
+        assert switched.chat_template == f"file {good.resolve()}"
+        with_preamble = _chat_prompt_tokens(bare)
+        assert with_preamble > plain + 5  # the preamble's tokens: this template rendered the prompt
+        with pytest.raises(InvalidArgument, match="chat template"):
+            c.load_model(req.model_copy(update={"config": Config(num_ctx=1024, chat_template=str(broken))}))
+        with pytest.raises(InvalidArgument, match="neither a built-in"):
+            c.load_model(req.model_copy(update={"config": Config(num_ctx=1024, chat_template="no-such-template")}))
+        # the model that was serving still serves, under its template
+        after = c.status().active
+        assert after is not None and after.chat_template == f"file {good.resolve()}"
+    assert _chat_prompt_tokens(bare) == with_preamble
