@@ -483,6 +483,9 @@ def test_a_daemon_killed_under_a_separate_front_ends_every_stream_as_a_failure(t
         front.communicate(timeout=10)
 
 
+# the SDK's own event generator, dropped mid-read after the connection died, may raise again when it is collected:
+# that is the SDK's cleanup, not the daemon's behaviour under test
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_daemon_killed_mid_stream_makes_the_sdk_raise(tmp_path: Path) -> None:
     import signal
 

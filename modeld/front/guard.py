@@ -8,8 +8,9 @@ libzmq abort the daemon (``Too many open files``). Here:
 * at start the soft ``RLIMIT_NOFILE`` is raised toward the hard one, and the connection cap is kept
   ``RESERVED_FDS`` (and two accept bursts) below it, so the model, its files and the ZeroMQ clients
   always find descriptors;
-* a connection past the cap is answered ``503`` (``Retry-After``) and closed at once, its descriptor
-  freed before anything is read;
+* a connection past the cap is answered ``503`` (``Retry-After``) and half-closed; it lingers up to
+  ``LINGER_S`` while its request is read and dropped, so the client reads the answer rather than a reset
+  when it wrote first. At most ``LINGER_MAX`` linger: past that (a flood), one is closed at once;
 * a connection that has not completed a request head ``header_timeout_s`` after it opened (or after its
   last head) and is not being answered is sent ``408`` and closed: slowloris clients cannot hold slots.
   A request being answered, however long its stream, is never cut.
@@ -30,7 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("modeld.front")
 
-__all__ = ["ACCEPT_BACKLOG", "DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "RESERVED_FDS", "connection_cap", "guarded_protocol"]
+__all__ = ["ACCEPT_BACKLOG", "DEFAULT_HEADER_TIMEOUT_S", "LINGER_MAX", "LINGER_S", "DEFAULT_MAX_CONNECTIONS", "RESERVED_FDS", "connection_cap", "guarded_protocol"]
 
 #: open HTTP connections the front serves at once (agents hold a few; a browser tab six)
 DEFAULT_MAX_CONNECTIONS = 512
@@ -41,6 +42,11 @@ DEFAULT_HEADER_TIMEOUT_S = 30.0
 RESERVED_FDS = 256
 #: the soft limit asked for when the hard one allows it
 WANTED_FDS = 65536
+#: connections past the cap that may linger after their 503 (half-closed, their request read and dropped) so
+#: the client reads the answer instead of a reset; past this many, one is closed at once (a flood)
+LINGER_MAX = 32
+#: how long a refused connection lingers
+LINGER_S = 1.0
 #: the listen backlog, which is also how many connections asyncio accepts in one go before the cap sees
 #: any of them: two such bursts are kept free below the limit as well. (Smaller, a flood of connects
 #: overflows the kernel's queue and each dropped SYN costs its client a one-second retry.)
@@ -82,10 +88,13 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyn
     slow = _reply("408 Request Timeout", "request_timeout",
                   f"no complete request head within {header_timeout_s:g} s")
     last_warned = [0.0]
+    lingering = [0]
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
         _armed_cycle: Any = None
+        _refused = False
+        _lingers = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -95,8 +104,15 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyn
                     last_warned[0] = now
                     log.warning("HTTP connection refused: %d open, the limit is %d", len(self.connections) - 1,
                                 max_connections)
+                self._refused = True
                 transport.write(busy)
-                transport.close()  # connection_lost follows and forgets it
+                if lingering[0] < LINGER_MAX and transport.can_write_eof():
+                    lingering[0] += 1
+                    self._lingers = True
+                    transport.write_eof()
+                    self.loop.call_later(LINGER_S, transport.close)
+                else:
+                    transport.close()  # connection_lost follows and forgets it
                 return
             if header_timeout_s > 0:
                 self._arm()
@@ -116,7 +132,22 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyn
             self.transport.write(slow)
             self.transport.close()
 
+        def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return  # the request of a connection already answered 503: read and dropped
+            super().data_received(data)
+
+        def eof_received(self) -> bool | None:  # type: ignore[override]
+            if self._refused:
+                self.transport.close()  # the client is done: no need to wait out the linger
+                return None
+            super().eof_received()
+            return None
+
         def connection_lost(self, exc: Exception | None) -> None:
+            if self._lingers:
+                self._lingers = False
+                lingering[0] -= 1
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
