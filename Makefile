@@ -63,7 +63,7 @@ run: serving
 	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-auto} --http $${MODELD_HTTP:-127.0.0.1:8377}
 
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check contract runtime modeld backends tests benchmarks
