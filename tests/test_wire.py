@@ -453,3 +453,22 @@ def test_error_replies_carry_the_class() -> None:
     assert msg.kind is Kind.ERROR and wire.reply_kind(frames) is Kind.ERROR
     err = wire.error_of(msg)
     assert type(err) is SessionClosed and err.message == "gone" and err.details == {"session_id": "s1"}
+
+
+def test_every_operation_has_exactly_one_daemon_handler_taking_its_schema() -> None:
+    """A forgotten or misfiled handler shows here, not at run time as ``Internal``: each op is served by the IO
+    thread, the worker or the stream table (streams exactly where the schema says), and each handler's request
+    parameter is the type the dispatch decodes with."""
+    import typing
+
+    from modeld import server
+
+    tables: dict[str, dict[Op, Any]] = {"io": dict(server._IO_HANDLERS), "worker": dict(server._HANDLERS),
+                                        "stream": dict(server._STREAM_HANDLERS)}
+    for op, schema in wire.SCHEMAS.items():
+        homes = [name for name, table in tables.items() if op in table]
+        assert len(homes) == 1, (op, homes)
+        assert (homes[0] == "stream") == schema.stream, op
+        hints = typing.get_type_hints(tables[homes[0]][op])
+        assert hints["req"] is schema.request, (op, hints["req"], schema.request)
+    assert set().union(*tables.values()) == set(wire.SCHEMAS)  # and no handler for an op the wire does not know
