@@ -25,9 +25,8 @@ __all__ = ["EngineFacts", "choose_backend"]
 
 X86_64 = frozenset({"x86_64", "amd64", "x64"})
 
-#: the figures behind the rule, quoted in the reason ``status`` shows
-MEASURED = ("make bench, bundled model: OpenVINO cold TTFT 2.1 s vs llama.cpp 9.7 s, warm 0.19 s vs 0.69 s "
-            "with AVX-512; 4.8 s vs 10.6 s cold, 1.0 s vs 1.8 s for a warm 256-token turn with AVX2 only")
+#: where the choice's evidence is (figures measured on the project's machines, not on this one)
+EVIDENCE = "prefill-bound agent turns ran faster on OpenVINO in the project's x86-64 runs of make bench (README, Backends)"
 
 
 @dataclass(frozen=True)
@@ -67,4 +66,4 @@ def choose_backend(f: EngineFacts) -> tuple[str, str]:
         return "llama", "the model is not a readable GGUF; llama.cpp reports the load error"
     if f.openvino_refusal:
         return "llama", f"OpenVINO cannot convert this GGUF ({f.openvino_refusal})"
-    return "openvino", f"x86-64 CPU and a GGUF OpenVINO converts; it is the faster engine here ({MEASURED})"
+    return "openvino", f"x86-64 CPU and a GGUF OpenVINO converts; {EVIDENCE}"

@@ -19,8 +19,8 @@ X86 = EngineFacts(machine="x86_64", has_openvino=True, has_llama=True, model_kin
 @pytest.mark.parametrize(
     ("change", "backend", "why"),
     [
-        ({}, "openvino", "faster engine"),
-        ({"machine": "AMD64"}, "openvino", "faster engine"),
+        ({}, "openvino", "ran faster on OpenVINO"),
+        ({"machine": "AMD64"}, "openvino", "ran faster on OpenVINO"),
         ({"model_kind": "ir"}, "openvino", "IR directory"),
         ({"num_gpu_layers": 20}, "llama", "GPU layers"),
         ({"llama_settings": "--flash-attn and --kv-cache-type q8_0"}, "llama", "--kv-cache-type q8_0 asked for"),
