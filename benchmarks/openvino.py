@@ -2,7 +2,7 @@
 
 ``measure()`` returns a flat dict (milliseconds, tokens per second, bytes); run
 ``python -m benchmarks.openvino`` to print it as JSON. The scenario is the
-agent loop from docs/DESIGN.md: a ~2,000-token stable prefix and ~128-token
+agent loop: a ~2,000-token stable prefix and ~128-token
 suffixes. "cold" is the first turn on a freshly loaded model; "warm" is the next
 turn with the same prefix and a different suffix. TTFT is ensure_prefix +
 prefill_suffix + the first sampled token, as a client sees it.

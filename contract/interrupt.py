@@ -1,6 +1,6 @@
 """Interrupting long engine work (a cold prefill) from outside the Session interface.
 
-The Session methods take no cancel token: the seed's signatures have none. The
+The Session methods take no cancel token: the contract's signatures have none. The
 daemon runs each request inside ``interruptible(event)``, where the event is set
 when the client cancels the request, its connection is gone, or the daemon
 shuts down; a backend checks it between units of work (``check``) or hands

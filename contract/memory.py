@@ -341,7 +341,7 @@ class MemoryBackend:
 
 
 class MemoryService:
-    """In-process Service (the seed's reference); safe for concurrent use."""
+    """In-process Service (the contract's reference); safe for concurrent use."""
 
     def __init__(self, owner_fence: str | None = None) -> None:
         self._owner = owner_fence
@@ -366,7 +366,7 @@ class MemoryService:
     def describe(self, req: OpenSessionRequest) -> ModelInfo:
         self._fence(req.owner_instance_id)
         info = self._backend.describe(req)
-        # The seed's reference echoes the requested window.
+        # The reference echoes the requested window.
         return info.model_copy(update={"effective_context": req.config.num_ctx})
 
     def embed(self, req: EmbedRequest) -> EmbedResult:
@@ -375,7 +375,7 @@ class MemoryService:
 
 
 def with_owner_fence(owner_instance_id: str) -> MemoryService:
-    """The seed's ``NewMemoryService(WithOwnerFence(id))``."""
+    """The reference service fenced to ``owner_instance_id``."""
     return MemoryService(owner_fence=owner_instance_id)
 
 

@@ -1,7 +1,6 @@
 """The contract's value types, as pydantic models.
 
-Names are the seed's in snake_case; on the wire (msgpack) every field uses its
-name, which is also the seed's json tag. Request types forbid unknown fields so
+Names are snake_case; on the wire (msgpack) every field uses its name. Request types forbid unknown fields so
 a misspelt option is an ``InvalidArgument`` rather than silently ignored; report
 types ignore unknown fields so an older client can read a newer daemon.
 """

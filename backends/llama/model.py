@@ -21,8 +21,8 @@ chain and evaluates every sampled token into the KV, so a later turn whose
 text contains the previous answer reuses it, and closing the stream at any
 point leaves tape and KV equal.
 
-llama.cpp gotchas handled here (see /work/shared/docs/BACKENDS.md §1)
----------------------------------------------------------------------
+llama.cpp gotchas handled here
+------------------------------
 * Logits are only valid right after a decode. After a restore, a full-prefix hit
   or a prefill that added nothing, the last resident token is decoded again
   before sampling (``n_tokens -= 1; eval([last])``); ``logits_live`` tracks it.

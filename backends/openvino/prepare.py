@@ -1,8 +1,7 @@
 """Convert a GGUF into an OpenVINO IR directory once, and find it again later.
 
 openvino-genai builds an OpenVINO graph straight from a GGUF (``llama``, ``qwen2``
-and ``qwen3`` architectures, byte-level BPE vocabularies; see
-/work/shared/docs/BACKENDS.md §2.6). That conversion takes seconds on every load,
+and ``qwen3`` architectures, byte-level BPE vocabularies). That conversion takes seconds on every load,
 but ``LLMPipeline(gguf, enable_save_ov_model=True)`` also serialises what it
 built — ``openvino_model.xml/.bin`` (the stateful LLM), and
 ``openvino_tokenizer.xml/.bin`` / ``openvino_detokenizer.xml/.bin`` (with the chat
@@ -66,7 +65,7 @@ IR_FILES: tuple[str, ...] = (
 MARKER_FILE = "modeld_ir.json"
 #: what openvino-genai's GGUF reader builds (gguf_utils/gguf_modeling.cpp)
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
-#: tensor types gguf.cpp unpacks natively or through gguflib (BACKENDS.md §2.6)
+#: tensor types gguf.cpp unpacks natively or through gguflib
 SUPPORTED_TENSOR_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"})
 _DIGEST_CHARS = 16
 

@@ -40,8 +40,8 @@ The model, in bytes::
     fits     = the largest n with required(n) ≤ usable
     effective = min(requested or default, model max, fits)
 
-``kv_bytes_per_token`` (the contract field) is the dense formula from
-docs/BACKENDS.md §1.7, n_layer × n_head_kv × (head_dim_k + head_dim_v) × bpe.
+``kv_bytes_per_token`` (the contract field) is the dense formula,
+n_layer × n_head_kv × (head_dim_k + head_dim_v) × bpe.
 Sliding-window (SWA) layers hold at most ``sliding_window + n_b`` cells — that is
 how llama.cpp sizes its SWA cache (window plus one micro-batch) — so past the
 window only the dense layers grow. The overhead coefficients are named
