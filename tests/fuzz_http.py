@@ -24,7 +24,6 @@ import collections
 import http.client
 import json
 import re
-import resource
 import shutil
 import socket
 import subprocess
@@ -37,28 +36,18 @@ from pathlib import Path
 import psutil
 
 from tests.daemon_proc import DaemonProcess
+from tests.test_front_limits import CHAT, HALF_HEAD, _chat, _limit_open_files, half_heads, room_for_connections
 from tests.test_openai_front import _port, _wait_http
 
 ACCESS = re.compile(r"modeld\.access: (\S+) (\S+) (\d{3})\b")
-HALF_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-CHAT = {"model": "ref", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
-def _limit_open_files() -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
-
-
-def _chat(port: int, body: dict[str, object] = CHAT, timeout: float = 30.0) -> int:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+def _status(port: int) -> int:
+    """A chat's HTTP status; 0 when the connection failed."""
     try:
-        c.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
-        r = c.getresponse()
-        r.read()
-        return r.status
-    except OSError:
+        return _chat(port)[0]
+    except (OSError, ValueError):
         return 0
-    finally:
-        c.close()
 
 
 def _operations(port: int) -> list[tuple[str, str, re.Pattern[str]]]:
@@ -110,7 +99,7 @@ def slowloris(port: int) -> tuple[bool, str]:
     took = []
     for _ in range(20):
         t0 = time.monotonic()
-        status = _chat(port)
+        status = _status(port)
         took.append(time.monotonic() - t0)
         if status != 200:
             stop.set()
@@ -121,19 +110,12 @@ def slowloris(port: int) -> tuple[bool, str]:
 
 
 def exhaustion(d: DaemonProcess, port: int) -> tuple[bool, str]:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < 1500:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
-        except (ValueError, OSError):
-            return True, f"skipped: this process may open only {soft} files"
-    socks: list[socket.socket] = []
+    cannot = room_for_connections(1200)
+    if cannot:
+        return True, f"skipped: {cannot}"
     busy = 0
+    socks = half_heads(port, 1200)
     try:
-        for _ in range(1200):
-            s = socket.create_connection(("127.0.0.1", port), timeout=10)
-            s.sendall(HALF_HEAD)
-            socks.append(s)
         for s in socks[-200:]:
             s.settimeout(5)
             try:
@@ -146,7 +128,7 @@ def exhaustion(d: DaemonProcess, port: int) -> tuple[bool, str]:
         for s in socks:
             s.close()
     deadline = time.monotonic() + 10
-    while (status := _chat(port)) != 200 and time.monotonic() < deadline:
+    while (status := _status(port)) != 200 and time.monotonic() < deadline:
         time.sleep(0.2)
     ok = zmq_ok and status == 200 and busy > 0
     return ok, (f"1,200 half heads under a 1,024 limit: {busy} of the last 200 answered 503, ZeroMQ "
@@ -168,7 +150,7 @@ def disconnects(d: DaemonProcess, port: int) -> tuple[bool, str]:
                 time.sleep(0.02)
         freed.append(time.monotonic() - t0)
     freed.sort()
-    return freed[-1] < 5.0 and _chat(port) == 200, (f"20 streams dropped after the first chunk: slot free after "
+    return freed[-1] < 5.0 and _status(port) == 200, (f"20 streams dropped after the first chunk: slot free after "
                                                    f"median {freed[10] * 1000:.0f} ms, max {freed[-1] * 1000:.0f} ms")
 
 
@@ -197,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         attacks = [("slowloris", *slowloris(port)), ("descriptor exhaustion", *exhaustion(d, port)),
                    ("mid-stream disconnects", *disconnects(d, port))]
         alive = d.proc.poll() is None
-        served = alive and _chat(port) == 200
+        served = alive and _status(port) == 200
         code = d.stop()
         if rc != 0:
             print((tmp / "schemathesis.log").read_text()[-6000:])

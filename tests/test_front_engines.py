@@ -33,8 +33,6 @@ RUN_TESTS = {"type": "function", "function": {
 SYSTEM = {"role": "system", "content": "You are a coding agent. Use the tools to look at the repository."}
 NUM_CTX = 1024
 API_KEY = "engine-key"  # every client here sends it: the OpenAI SDK as a bearer, the Anthropic SDK as x-api-key
-#: Claude Code's first system block: it changes on every request and carries nothing the model needs
-BILLING = "x-anthropic-billing-header: cc_version=2.1.197.322; cc_entrypoint=sdk-cli; cch={n};"
 NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Helpers that work beside you.",
              "tools": [{"type": "function", "name": "spawn_agent", "description": "Start a helper on a task.",
                         "parameters": {"type": "object", "properties": {"task": {"type": "string"}},
@@ -52,13 +50,18 @@ def front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def _anthropic(front: Front) -> Any:
-    anthropic = pytest.importorskip("anthropic")
-    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key=front.api_key, max_retries=0,
-                               timeout=120)
+    """The official ``anthropic`` client for ``front``, sending its key as ``x-api-key``."""
+    pytest.importorskip("anthropic")
+    from tests.test_anthropic_front import sdk
+
+    return sdk(front, front.api_key)
 
 
 def _claude_system(n: int) -> list[dict[str, Any]]:
-    """Claude Code's system blocks: the billing header (``n`` makes it new), then the prompt marked for caching."""
+    """Claude Code's system blocks: the billing header (``n`` makes it new), then the prompt marked for caching
+    (the prompt asks for the tools: on the bundled model a forced call's arguments then stay short)."""
+    from tests.test_anthropic_front import BILLING
+
     return [{"type": "text", "text": BILLING.format(n=n)},
             {"type": "text", "text": "You are a coding agent. Use the tools.", "cache_control": {"type": "ephemeral"}}]
 
@@ -329,9 +332,7 @@ def think_front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 def test_messages_thinking_comes_back_with_its_signature(think_front: Front) -> None:
     """A thinking block the daemon signed renders back as the model wrote it, so the next turn reuses
     the whole first one; a block whose signature is not the daemon's is left out of the prompt."""
-    anthropic = pytest.importorskip("anthropic")
-    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{think_front.port}", api_key="k", max_retries=0,
-                             timeout=120) as c:
+    with _anthropic(think_front) as c:
         messages: list[dict[str, object]] = [{"role": "user", "content": "What is 2 + 3? Think first."}]
         first = c.messages.create(model="claude-opus-5", max_tokens=40, messages=messages,
                                   thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0})

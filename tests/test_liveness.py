@@ -128,21 +128,16 @@ def test_a_request_queued_when_the_daemon_dies_fails_within_seconds(tmp_path: Pa
         d.stop(signal.SIGKILL)
 
 
-HOLDER = """
-import os, sys
+#: a client that opens a session and then holds it idle (``streaming_client`` holds one while decoding)
+IDLE_HOLDER = """
+import sys
 from runtime import Client
 from contract.types import *
 c = Client(sys.argv[1], timeout_s=60)
 s = c.open_session(OpenSessionRequest(model_name="m", type="memory", path="/models/m"))
 s.ensure_prefix(PrefixInput(text="system"))
-s.prefill_suffix(SuffixInput(text="go"))
-if sys.argv[2] == "decoding":
-    for i, _ in enumerate(s.decode(DecodeConfig(max_tokens=100000))):
-        if i == 3:
-            print("holding", flush=True)
-else:
-    print("holding", flush=True)
-    sys.stdin.read()
+print("holding", flush=True)
+sys.stdin.read()
 """
 
 
@@ -155,14 +150,18 @@ def test_a_killed_client_frees_the_slot_within_seconds_under_the_default_lease(t
     import subprocess
     import sys
 
-    from tests.daemon_proc import ROOT
+    from tests.daemon_proc import ROOT, streaming_client
 
     with DaemonProcess(tmp_path, "memory", None, "--model", "/models/m", "--model-name", "m",
                        "--memory-token-delay-ms", "20").start(wait_state=("Ready",)) as d, d.client() as c:
-        proc = subprocess.Popen([sys.executable, "-c", HOLDER, d.endpoint, doing], cwd=ROOT, text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
-        try:
+        if doing == "decoding":
+            proc = streaming_client(d.endpoint, MODEL)
+        else:
+            proc = subprocess.Popen([sys.executable, "-c", IDLE_HOLDER, d.endpoint], cwd=ROOT, text=True,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
             assert proc.stdout is not None and proc.stdout.readline().strip() == "holding"
+        try:
             assert c.status().session_open
             proc.kill()
             proc.wait()

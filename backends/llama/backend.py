@@ -18,7 +18,7 @@ from ..digest import file_digest
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
 from ..tape.draft_costs import draft_costs
 from ..tape.model import check_digest
-from ..tape.templates import choose_template
+from ..tape.templates import requested_template
 from .model import BACKEND_NAME, LlamaLoadedModel
 from .native import map_errors, open_llama, runtime_version, system_info
 from .options import DEFAULT_NUM_BATCH, LoadOptions, ModelShape, shape_from_scalars
@@ -53,7 +53,7 @@ class LlamaBackend:
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> LlamaLoadedModel:
         check_model_type(req.type, BACKEND_NAME)
-        choose_template(req.config.chat_template, "")  # an unknown name or unreadable file: refused before the load
+        template = requested_template(req.config.chat_template)  # a bad name or file: refused before the load
         progress(0.0)
         path = _model_path(req)
         with map_errors(f"loading {req.path}", loading=True):
@@ -73,7 +73,8 @@ class LlamaBackend:
                     weights_bytes=int(llama_cpp.llama_model_size(llm.model)),
                 )
                 model = LlamaLoadedModel(
-                    llm, path=str(path), digest=digest, shape=shape, options=options, config=req.config
+                    llm, path=str(path), digest=digest, shape=shape, options=options, config=req.config,
+                    requested_template=template,
                 )
                 model.check_declared_template()
                 if self.speculative:

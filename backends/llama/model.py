@@ -111,7 +111,8 @@ class LlamaLoadedModel(TapeModelBase):
 
     backend_name = BACKEND_NAME
 
-    def __init__(self, llm: Llama, *, path: str, digest: str, shape: ModelShape, options: LoadOptions, config: Config) -> None:
+    def __init__(self, llm: Llama, *, path: str, digest: str, shape: ModelShape, options: LoadOptions, config: Config,
+                 requested_template: tuple[str, str] | None = None) -> None:
         self._llm = llm
         self.shape = shape
         self.options = options
@@ -119,7 +120,7 @@ class LlamaLoadedModel(TapeModelBase):
         self._n_vocab = int(llm.n_vocab())
         bos_id = int(llm.token_bos())
         own = llm.metadata.get("tokenizer.chat_template", "")
-        source, self.template_origin = choose_template(config.chat_template, own)
+        source, self.template_origin = choose_template(requested_template, own)
         eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() != -1 else ""
         bos = llm._model.token_get_text(bos_id) if bos_id != -1 else ""
         try:

@@ -20,7 +20,7 @@ from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, Ope
 from ..bundled import model_cache_dir
 from ..tape.draft_costs import draft_costs
 from ..tape.model import check_digest
-from ..tape.templates import choose_template
+from ..tape.templates import requested_template
 from .graph import paged_model, wants_batch_graph
 from .model import BACKEND_NAME, OpenVINOLoadedModel
 from .native import map_errors, runtime_version, type_name
@@ -63,7 +63,7 @@ class OpenVINOBackend:
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> OpenVINOLoadedModel:
         check_model_type(req.type, BACKEND_NAME)
-        choose_template(req.config.chat_template, "")  # an unknown name or unreadable file: refused before the load
+        template = requested_template(req.config.chat_template)  # a bad name or file: refused before the load
         progress(0.0)
         with map_errors(f"loading {req.path}", loading=True):
             src = resolve_source(req.path, prepare=True)
@@ -98,6 +98,7 @@ class OpenVINOBackend:
                 options=options,
                 config=req.config,
                 device=self.device,
+                requested_template=template,
             )
             try:
                 loaded.check_declared_template()

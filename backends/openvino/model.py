@@ -263,6 +263,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         options: LoadOptions,
         config: Config,
         device: str,
+        requested_template: tuple[str, str] | None = None,
     ) -> None:
         self.ir = ir
         self.shape = shape
@@ -281,7 +282,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         self.tok = tokenizer
         self.vocab = _Vocab(tokenizer)
         own = str(tokenizer.chat_template or "")
-        source, self.template_origin = choose_template(config.chat_template, own)
+        source, self.template_origin = choose_template(requested_template, own)
         if source != own:
             tokenizer.set_chat_template(source)
         template = OpenVINOTemplate(tokenizer, source)

@@ -1,7 +1,9 @@
 """Which chat template a model is served with: its own, one the request names, or ChatML when it has none.
 
 ``Config.chat_template`` (``modeld serve --chat-template``) is a built-in name or a path to a Jinja file on
-the daemon's machine; empty means the model's own (the GGUF's ``tokenizer.chat_template``). A model whose
+the daemon's machine; empty means the model's own (the GGUF's ``tokenizer.chat_template``). A backend resolves
+the request before it loads anything (``requested_template``: a bad name is refused at once) and hands the
+result to the loaded model, which picks between it and its own (``choose_template``). A model whose
 file carries no template (a base model) is served with ChatML rather than refused, and says so: the origin
 goes to ``status`` (``ActiveModel.chat_template``). The template's digest is part of the manifest, so KV
 computed under one template is never reused under another.
@@ -19,7 +21,7 @@ from contract.errors import InvalidArgument
 
 from .model import ChatTemplate
 
-__all__ = ["BUILTIN", "CHATML", "check_renders", "choose_template"]
+__all__ = ["BUILTIN", "CHATML", "check_renders", "choose_template", "requested_template"]
 
 #: ChatML (``<|im_start|>role … <|im_end|>``), the format's published form
 CHATML = (
@@ -36,31 +38,38 @@ BUILTIN: dict[str, str] = {"chatml": CHATML}
 _MAX_TEMPLATE_BYTES = 1 << 20
 
 
-def choose_template(requested: str, own: str) -> tuple[str, str]:
-    """The template source to serve with, and where it came from (for ``status``).
+def requested_template(requested: str) -> tuple[str, str] | None:
+    """The template ``Config.chat_template`` names, as (source, where it came from); None when it names none.
 
-    ``requested``: ``Config.chat_template``; ``own``: the model's template ("" when its file has none).
-    InvalidArgument for a name that is not built in and not a readable file.
+    InvalidArgument for a name that is not built in and not a readable UTF-8 file.
     """
-    if requested:
-        builtin = BUILTIN.get(requested.lower())
-        if builtin is not None:
-            return builtin, f"built-in {requested.lower()}"
-        path = Path(requested).expanduser()
-        try:
-            if path.stat().st_size > _MAX_TEMPLATE_BYTES:
-                raise InvalidArgument(f"chat template {requested} is larger than {_MAX_TEMPLATE_BYTES} bytes",
-                                      chat_template=requested)
-            source = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(
-                f"chat template {requested!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) nor a readable "
-                f"UTF-8 file: {exc}",
-                chat_template=requested,
-            ) from None
-        if not source.strip():
-            raise InvalidArgument(f"chat template file {requested} is empty", chat_template=requested)
-        return source, f"file {path.resolve()}"
+    if not requested:
+        return None
+    builtin = BUILTIN.get(requested.lower())
+    if builtin is not None:
+        return builtin, f"built-in {requested.lower()}"
+    path = Path(requested).expanduser()
+    try:
+        if path.stat().st_size > _MAX_TEMPLATE_BYTES:
+            raise InvalidArgument(f"chat template {requested} is larger than {_MAX_TEMPLATE_BYTES} bytes",
+                                  chat_template=requested)
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(
+            f"chat template {requested!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) nor a readable "
+            f"UTF-8 file: {exc}",
+            chat_template=requested,
+        ) from None
+    if not source.strip():
+        raise InvalidArgument(f"chat template file {requested} is empty", chat_template=requested)
+    return source, f"file {path.resolve()}"
+
+
+def choose_template(requested: tuple[str, str] | None, own: str) -> tuple[str, str]:
+    """The template source to serve with, and where it came from (for ``status``): the requested one
+    (``requested_template``), else the model's own ("" when its file has none), else ChatML."""
+    if requested is not None:
+        return requested
     if own:
         return own, "the model's own"
     return CHATML, "ChatML (the model's file has none)"

@@ -31,7 +31,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("modeld.front")
 
-__all__ = ["ACCEPT_BACKLOG", "DEFAULT_HEADER_TIMEOUT_S", "LINGER_MAX", "LINGER_S", "DEFAULT_MAX_CONNECTIONS", "RESERVED_FDS", "connection_cap", "guarded_protocol"]
+__all__ = ["ACCEPT_BACKLOG", "DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "LINGER_MAX", "LINGER_S", "RESERVED_FDS",
+           "connection_cap", "guarded_protocol"]
 
 #: open HTTP connections the front serves at once (agents hold a few; a browser tab six)
 DEFAULT_MAX_CONNECTIONS = 512
@@ -53,9 +54,8 @@ LINGER_S = 1.0
 ACCEPT_BACKLOG = 128
 
 
-def _reply(status: str, code: str, message: str, extra: str = "") -> bytes:
-    body = json.dumps({"error": {"message": message, "type": "server_error" if status.startswith("503")
-                                 else "invalid_request_error", "code": code}}).encode()
+def _reply(status: str, kind: str, code: str, message: str, extra: str = "") -> bytes:
+    body = json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
     head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             f"{extra}connection: close\r\n\r\n")
     return head.encode() + body
@@ -82,10 +82,10 @@ def connection_cap(wanted: int) -> int:
 
 def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol with the connection cap and the request-head deadline."""
-    busy = _reply("503 Service Unavailable", "too_many_connections",
+    busy = _reply("503 Service Unavailable", "server_error", "too_many_connections",
                   f"the HTTP front is serving its limit of {max_connections} connections; retry shortly",
                   "retry-after: 1\r\n")
-    slow = _reply("408 Request Timeout", "request_timeout",
+    slow = _reply("408 Request Timeout", "invalid_request_error", "request_timeout",
                   f"no complete request head within {header_timeout_s:g} s")
     last_warned = [0.0]
     lingering = [0]
