@@ -165,6 +165,8 @@ class LoadedModel(Protocol):
 
     #: where its chat template came from (``backends.tape.templates``; "" where prompts are raw text)
     template_origin: str
+    #: the tool-call format in use and why (``backends.tape.toolformats``; "" where prompts are raw text)
+    tool_format_origin: str
 
     def manifest_defaults(self) -> ContextManifest:
         """The runtime identity a client puts in its ContextManifest for this model (no content hashes)."""

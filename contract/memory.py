@@ -95,6 +95,7 @@ class MemoryModel:
         self.closed = False
         self.lock = threading.Lock()
         self.template_origin = ""  # prompts are raw text: no chat template
+        self.tool_format_origin = ""  # and no tool calls
 
     @property
     def digest(self) -> str:

@@ -103,6 +103,9 @@ class Config(_Request):
     #: the chat template to serve with: a built-in name ("chatml"), a Jinja file on the daemon's machine, or ""
     #: for the model's own (ChatML when its file has none)
     chat_template: str = ""
+    #: the tool-call format replies are parsed and calls forced in ("hermes", "llama3_json", "mistral", …);
+    #: "" detects it from the chat template (Hermes for a template that does not render tools itself)
+    tool_format: str = ""
     disable_bos: bool = False
     reasoning_format: str = ""
     #: recompute tokens the model decoded before reusing them in a later prompt, so a
@@ -226,6 +229,8 @@ class ActiveModel(_Report):
     resident_bytes: int = 0
     #: where the chat template came from ("the model's own", "built-in chatml", "file …", "ChatML (…has none)")
     chat_template: str = ""
+    #: the tool-call format in use and why ("hermes (detected from the template)", "mistral (asked for)")
+    tool_format: str = ""
 
 
 class SpeculationStatus(_Report):
@@ -492,9 +497,9 @@ class StructuredOutputConfig(_Request):
     grammar: str = ""
     regex: str = ""
     #: a forced tool call: each tool's name and the JSON schema of its arguments ("": any JSON object);
-    #: the reply is exactly one call to one of them, in the Hermes form the templates render back
-    #: (``<tool_call>\n{"name": …, "arguments": …}\n</tool_call>``), its arguments held to the schema
-    #: as far as the engine's grammar can hold them
+    #: the reply is exactly one call to one of them, in the form the model's template renders calls back in
+    #: (its tool-call format, e.g. Hermes's ``<tool_call>\n{"name": …, "arguments": …}\n</tool_call>``),
+    #: its arguments held to the schema as far as the engine's grammar can hold them
     tool_call: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -566,6 +571,8 @@ class DecodeConfig(_Request):
     #: any 64-bit value (the engines fold it to the width their generators take)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: list[str] = Field(default_factory=list)
+    #: the parsers a decode runs: "think" and at most one tool-call format ("hermes", "mistral", "harmony", …;
+    #: ``backends.tape.toolformats``); empty: the model's own (reasoning split, calls parsed when tools were given)
     parser_protocols: list[str] = Field(default_factory=list)
     reasoning_format: str = ""
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)

@@ -84,6 +84,8 @@ class ServeOptions:
     exact_decode: bool = False
     #: the preloaded model's chat template (``contract.types.Config.chat_template``; "": its own)
     chat_template: str = ""
+    #: the preloaded model's tool-call format (``contract.types.Config.tool_format``; "": from its template)
+    tool_format: str = ""
     owner: str = ""
     #: snapshot blobs and state; None = ``default_data_dir()``
     data_dir: Path | None = None
@@ -321,6 +323,7 @@ def preload_request(opts: ServeOptions) -> LoadModelRequest | None:
             kv_cache_type=opts.kv_cache_type,
             exact_decode=opts.exact_decode,
             chat_template=opts.chat_template,
+            tool_format=opts.tool_format,
         ),
     )
 

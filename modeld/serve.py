@@ -83,6 +83,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | Non
     flag("kv_cache_type", choices=KV_CACHE_TYPES)
     flag("exact_decode", action="store_true")
     flag("chat_template", metavar="NAME|FILE")
+    flag("tool_format", metavar="NAME")
     flag("owner")
     flag("data_dir", type=Path)
     flag("mem_max", metavar="SIZE")

@@ -184,6 +184,11 @@ class ServeSettings(BaseSettings):
         description="the preloaded model's chat template: a built-in name (chatml) or a Jinja file; default: the "
         "model's own, ChatML when its file has none (status says which)",
     )
+    tool_format: str = Field(
+        _DEFAULT.tool_format,
+        description="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, llama3_json, "
+        "mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1); default: detected from the chat template",
+    )
     owner: str = Field(_DEFAULT.owner, description="owner instance id for fencing")
     data_dir: OptionalPath = Field(_DEFAULT.data_dir, description="snapshot blobs and state")
     mem_max: SizeOrUnset = Field(_DEFAULT.mem_max, description="memory limit for model + KV, e.g. 8GiB")

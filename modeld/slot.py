@@ -377,6 +377,7 @@ class SlotService:
             generation=self._generation + 1,
             effective_context=loaded.num_ctx,
             chat_template=loaded.template_origin,
+            tool_format=loaded.tool_format_origin,
         )
         try:
             with self._state_lock:

@@ -107,6 +107,10 @@ def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
     p.add_argument("--chat-template", default="", metavar="NAME|FILE",
                    help="serve with this chat template: a built-in name (chatml) or a Jinja file on the daemon's "
                    "machine (default: the model's own; ChatML when its file has none)")
+    p.add_argument("--tool-format", default="", metavar="NAME",
+                   help="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, "
+                   "llama3_json, mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1; default: detected "
+                   "from the chat template)")
 
 
 def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
@@ -306,6 +310,8 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         ]
         if st.active.chat_template:
             rows.append(("chat template", st.active.chat_template))
+        if st.active.tool_format:
+            rows.append(("tool calls", st.active.tool_format))
         cfg = st.active.config
         chosen = [name for name, on in (("flash attention", cfg.flash_attn),
                                         (f"KV cache {cfg.kv_cache_type}", bool(cfg.kv_cache_type)),
@@ -440,7 +446,8 @@ def _handle(args: argparse.Namespace) -> dict[str, Any]:
         "digest": args.digest,
         "path": os.path.abspath(args.path) if args.path and args.type != "memory" else args.path,
         "config": Config(num_ctx=args.num_ctx, flash_attn=args.flash_attn, kv_cache_type=args.kv_cache_type,
-                         exact_decode=args.exact_decode, chat_template=_template_arg(args.chat_template)),
+                         exact_decode=args.exact_decode, chat_template=_template_arg(args.chat_template),
+                         tool_format=args.tool_format),
     }
 
 

@@ -248,7 +248,7 @@ def test_refused_inputs_change_nothing(engine: Engine, model: LoadedModel, sessi
         assert session.explain_context() == before, request
         assert engine.tape(model) == tape and engine.kv_matches_tape(model), request
     with pytest.raises(UnsupportedFeature):
-        session.decode(DecodeConfig(parser_protocols=["harmony"]))
+        session.decode(DecodeConfig(parser_protocols=["smoke-signals"]))
     assert greedy(session, 4)  # and the session keeps serving
 
 

@@ -277,7 +277,7 @@ def test_regex_and_bad_grammar_are_refused(manifest: ContextManifest, session: T
     with pytest.raises(InvalidArgument, match="grammar"):
         session.decode(DecodeConfig(structured_output=StructuredOutputConfig(grammar="root ::= (")))
     with pytest.raises(UnsupportedFeature):
-        session.decode(DecodeConfig(parser_protocols=["harmony"]))
+        session.decode(DecodeConfig(parser_protocols=["smoke-signals"]))
 
 
 # --- decoding details ------------------------------------------------------------------------------------------

@@ -16,12 +16,11 @@ from backends.tape.output import (
     OutputPipeline,
     StopMatcher,
     ThinkSplitter,
-    ToolCallParser,
     Utf8Stream,
     ends_inside_thinking,
-    parse_tool_call_json,
     resolve_protocols,
 )
+from backends.tape.toolformats import FORMATS, parse_json_call
 from contract.errors import UnsupportedFeature
 
 
@@ -161,7 +160,24 @@ def test_ends_inside_thinking() -> None:
     assert not ends_inside_thinking("<|im_start|>assistant\n")
 
 
-# --- tool calls --------------------------------------------------------------------------------------
+# --- tool calls (the Hermes format; the other families are in test_toolformats) -----------------------
+class ToolCallParser:
+    """The Hermes parser, as (content, calls): it finds no reasoning of its own."""
+
+    def __init__(self) -> None:
+        self._p = FORMATS["hermes"].parser()
+
+    def feed(self, text: str) -> tuple[str, list]:
+        content, reasoning, calls = self._p.feed(text)
+        assert reasoning == ""
+        return content, calls
+
+    def finish(self) -> tuple[str, list]:
+        content, reasoning, calls = self._p.finish()
+        assert reasoning == ""
+        return content, calls
+
+
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -172,7 +188,7 @@ def test_tool_call_valid() -> None:
     assert len(calls) == 1
     assert calls[0].function.name == "get_weather"
     assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
-    assert calls[0].type == "function" and calls[0].id == "call_0"
+    assert calls[0].type == "function" and calls[0].id.startswith("call_") and len(calls[0].id) == 29
 
 
 def test_tool_call_multiple_and_string_arguments() -> None:
@@ -181,7 +197,7 @@ def test_tool_call_multiple_and_string_arguments() -> None:
     content, calls = p.feed(CALL + "\n" + second)
     assert [c.function.name for c in calls] == ["get_weather", "get_time"]
     assert json.loads(calls[1].function.arguments) == {"tz": "UTC"}
-    assert [c.id for c in calls] == ["call_0", "call_1"]
+    assert len({c.id for c in calls}) == 2  # ids unique: clients key results (and some their history) by them
     assert content == "\n"
 
 
@@ -207,7 +223,7 @@ def test_tool_call_unterminated_is_returned_at_finish() -> None:
 
 
 def test_parse_tool_call_json_parameters_alias() -> None:
-    call = parse_tool_call_json('{"name": "f", "parameters": {"a": 1}}', "id1")
+    call = parse_json_call('{"name": "f", "parameters": {"a": 1}}', "id1")
     assert call is not None and json.loads(call.function.arguments) == {"a": 1} and call.id == "id1"
 
 
@@ -249,7 +265,7 @@ STREAM = "<think>need weather 🌧</think>Checking 日本.\n" + CALL + "\nEND mo
 @given(cuts=cuts_st)
 def test_pipeline_any_byte_chunking(cuts: list[int]) -> None:
     pieces = split_at(STREAM.encode(), cuts)
-    text, thinking, names, stopped = _run(OutputPipeline(stops=["END"], parse_tools=True), pieces)
+    text, thinking, names, stopped = _run(OutputPipeline(stops=["END"], tool_format=FORMATS["hermes"]), pieces)
     assert thinking == "need weather 🌧"
     assert text == "Checking 日本.\n\n"
     assert names == ["get_weather"]
@@ -258,18 +274,31 @@ def test_pipeline_any_byte_chunking(cuts: list[int]) -> None:
 
 def test_pipeline_without_parsers_is_plain_text() -> None:
     text, thinking, names, stopped = _run(
-        OutputPipeline(split_thinking=False, parse_tools=False), [STREAM.encode()]
+        OutputPipeline(split_thinking=False), [STREAM.encode()]
     )
     assert text == STREAM and thinking == "" and names == [] and not stopped
 
 
 def test_resolve_protocols() -> None:
-    assert resolve_protocols([], "", has_tools=False) == (True, False)
-    assert resolve_protocols([], "", has_tools=True) == (True, True)
-    assert resolve_protocols([], "none", has_tools=True) == (False, True)
-    assert resolve_protocols(["hermes"], "", has_tools=False) == (False, True)
-    assert resolve_protocols(["think", "qwen"], "deepseek", has_tools=False) == (True, True)
+    hermes, mistral, harmony = FORMATS["hermes"], FORMATS["mistral"], FORMATS["harmony"]
+
+    def resolve(protocols: list[str], reasoning: str, *, has_tools: bool, model=hermes) -> tuple:  # noqa: ANN001
+        return resolve_protocols(protocols, reasoning, has_tools=has_tools, model_format=model)
+
+    assert resolve([], "", has_tools=False) == (True, None)
+    assert resolve([], "", has_tools=True) == (True, hermes)
+    assert resolve([], "", has_tools=True, model=mistral) == (True, mistral)
+    assert resolve([], "none", has_tools=True) == (False, hermes)
+    assert resolve(["hermes"], "", has_tools=False) == (False, hermes)
+    assert resolve(["think", "qwen"], "deepseek", has_tools=False) == (True, hermes)
+    # harmony carries reasoning in its own channels: it runs without tools and <think> is not split
+    assert resolve([], "", has_tools=False, model=harmony) == (False, harmony)
+    assert resolve([], "none", has_tools=False, model=harmony) == (False, None)
+    assert resolve(["think", "gpt-oss"], "", has_tools=False) == (False, harmony)
+    assert resolve(["mistral"], "", has_tools=False, model=harmony) == (False, mistral)
     with pytest.raises(UnsupportedFeature):
-        resolve_protocols(["harmony"], "", has_tools=False)
+        resolve(["harmonica"], "", has_tools=False)
     with pytest.raises(UnsupportedFeature):
-        resolve_protocols([], "gpt-oss", has_tools=False)
+        resolve(["hermes", "mistral"], "", has_tools=False)
+    with pytest.raises(UnsupportedFeature):
+        resolve([], "gpt-oss", has_tools=False)

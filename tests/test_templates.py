@@ -78,3 +78,39 @@ def test_a_template_file_is_served_and_a_broken_one_refused(bare: Front, tmp_pat
         after = c.status().active
         assert after is not None and after.chat_template == f"file {good.resolve()}"
     assert _chat_prompt_tokens(bare) == with_preamble
+
+
+def test_a_family_template_brings_its_tool_call_format_through_the_front(bare: Front) -> None:
+    """A Ministral 3 template (``[TOOL_CALLS]N[ARGS]{…}``): status names the format it was detected as, a forced
+    call through the OpenAI SDK comes back as ``tool_calls``, and the next request, the call and its result
+    sent back, reuses the prompt and the call; a format that does not exist is refused at the load."""
+    from tests.test_family_templates import CITY_TOOL, TEMPLATES
+
+    template = TEMPLATES / "mistral_args.jinja"
+    with bare.daemon.client(timeout_s=300.0) as c:
+        active = c.status().active
+        assert active is not None
+        req = LoadModelRequest(model_name="bare", type=active.type, path=active.path,
+                               config=Config(num_ctx=1024, chat_template=str(template)))
+        switched = c.load_model(req)
+        assert switched.tool_format == "mistral_args (detected from the template)"
+        with pytest.raises(InvalidArgument, match="tool-call format 'smoke-signals' is not supported"):
+            c.load_model(req.model_copy(update={"config": Config(num_ctx=1024, chat_template=str(template),
+                                                                  tool_format="smoke-signals")}))
+        after = c.status().active
+        assert after is not None and after.tool_format == switched.tool_format
+    sdk = bare.sdk()
+    messages: list[dict] = [{"role": "system", "content": "You are a weather bot."},
+                            {"role": "user", "content": "Weather in Paris?"}]
+    first = sdk.chat.completions.create(model="bare", messages=messages, tools=[CITY_TOOL], temperature=0,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = first.choices[0].message.tool_calls[0]
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert first.usage is not None
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = sdk.chat.completions.create(model="bare", messages=messages, tools=[CITY_TOOL], temperature=0,
+                                         max_tokens=4)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 4, (first.usage, second.usage)

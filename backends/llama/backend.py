@@ -19,6 +19,7 @@ from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
 from ..tape.draft_costs import draft_costs
 from ..tape.model import check_digest
 from ..tape.templates import requested_template
+from ..tape.toolformats import require_format
 from .model import BACKEND_NAME, LlamaLoadedModel
 from .native import map_errors, open_llama, runtime_version, system_info
 from .options import DEFAULT_NUM_BATCH, LoadOptions, ModelShape, shape_from_scalars
@@ -54,6 +55,8 @@ class LlamaBackend:
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> LlamaLoadedModel:
         check_model_type(req.type, BACKEND_NAME)
         template = requested_template(req.config.chat_template)  # a bad name or file: refused before the load
+        if req.config.tool_format:
+            require_format(req.config.tool_format)
         progress(0.0)
         path = _model_path(req)
         with map_errors(f"loading {req.path}", loading=True):

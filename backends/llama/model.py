@@ -63,7 +63,7 @@ from contract.types import Config, DecodeConfig, SessionSnapshot
 from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import pack_state, refuse_diffs, unpack_state
-from ..tape.templates import check_renders, choose_template
+from ..tape.templates import check_renders, choose_template, render_defaults, renders_tools
 from .native import KV_GGML_TYPES, map_errors, runtime_version
 from .options import LoadOptions, ModelShape
 from .sampling import LlamaSteps, build_sampler, grammar_source
@@ -72,8 +72,6 @@ __all__ = ["BACKEND_NAME", "LlamaLoadedModel", "LlamaTemplate"]
 
 BACKEND_NAME = "llama"
 STATE_MAGIC = b"MODELD-LLAMA-KV1"
-#: a tool list the template would render if it supports tools (see ``LlamaTemplate.supports_tools``)
-_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "", "parameters": {}}}]
 
 
 # --- the chat template ---------------------------------------------------------------------
@@ -86,19 +84,12 @@ class LlamaTemplate:
         self.prompt_format = "chatml" if "<|im_start|>" in template else "jinja"
         self._plain = Jinja2ChatFormatter(template, eos_token, bos_token, add_generation_prompt=False)
         self._gen = Jinja2ChatFormatter(template, eos_token, bos_token, add_generation_prompt=True)
-        self.supports_tools = self._renders_tools()
-
-    def _renders_tools(self) -> bool:
-        """Whether a tool list changes the rendered prompt (a template that ignores tools would drop them)."""
-        system = [{"role": "system", "content": "x"}]
-        try:
-            return self.render(system, _PROBE_TOOLS, generation=False) != self.render(system, None, generation=False)
-        except Exception:  # noqa: BLE001 - a template that fails here fails loudly when really rendered
-            return False
+        self._defaults = render_defaults(template)
+        self.supports_tools = renders_tools(self)
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool, **extra: Any) -> str:
         fmt = self._gen if generation else self._plain
-        return str(fmt(messages=messages, tools=tools, **extra).prompt)  # type: ignore[arg-type]
+        return str(fmt(messages=messages, tools=tools, **{**self._defaults, **extra}).prompt)  # type: ignore[arg-type]
 
 
 # --- the loaded model -------------------------------------------------------------------------
@@ -187,7 +178,8 @@ class LlamaLoadedModel(TapeModelBase):
         return [self.piece(t, special=True) for t in tokens]
 
     def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
-        return LlamaSteps(self, build_sampler(self, cfg, grammar_source(cfg.structured_output)))
+        fmt = self.decode_format(cfg)
+        return LlamaSteps(self, build_sampler(self, cfg, grammar_source(cfg.structured_output, fmt)))
 
     # --- tokens and the KV ----------------------------------------------------------------
     def piece(self, token: int, *, special: bool = False) -> bytes:

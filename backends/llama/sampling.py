@@ -14,7 +14,8 @@ from llama_cpp.llama_grammar import SchemaConverter, json_schema_to_gbnf
 from contract.errors import InvalidArgument, UnsupportedFeature
 from contract.types import DecodeConfig, StructuredOutputConfig
 
-from ..tape.forced import ANY_OBJECT, TAIL, arguments_schema, call_prefix
+from ..tape.forced import arguments_schema
+from ..tape.toolformats import FORMATS, Args, CallId, Lit, ToolFormat
 from .native import log_mark, log_since
 
 if TYPE_CHECKING:
@@ -61,12 +62,12 @@ class LlamaSteps:
         self._sampler.close()
 
 
-def grammar_source(so: StructuredOutputConfig) -> str | None:
-    """The GBNF text for a structured-output request (None when unconstrained)."""
+def grammar_source(so: StructuredOutputConfig, fmt: ToolFormat = FORMATS["hermes"]) -> str | None:
+    """The GBNF text for a structured-output request (None when unconstrained); a forced call in ``fmt``."""
     if so.regex:
         raise UnsupportedFeature("the llama backend does not constrain output by regex; use grammar or json_schema")
     if so.tool_call:
-        return tool_call_gbnf(so.tool_call)
+        return tool_call_gbnf(so.tool_call, fmt)
     if so.json_schema:
         try:
             schema = json.loads(so.json_schema)
@@ -90,8 +91,9 @@ def _converter() -> SchemaConverter:
     return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
-def tool_call_gbnf(tools: dict[str, str]) -> str:
-    """GBNF for one call to one of ``tools`` (name: arguments schema), its arguments held to the schema.
+def tool_call_gbnf(tools: dict[str, str], fmt: ToolFormat = FORMATS["hermes"]) -> str:
+    """GBNF for one call to one of ``tools`` (name: arguments schema) in ``fmt``'s syntax, its arguments
+    held to the schema.
 
     A schema llama-cpp-python's converter cannot turn into rules (a remote ``$ref``, a construct it
     asserts on) holds that tool's arguments to any JSON object instead; keywords the converter does
@@ -100,13 +102,24 @@ def tool_call_gbnf(tools: dict[str, str]) -> str:
     converter = _converter()
     calls = []
     for i, (name, text) in enumerate(tools.items()):
-        schema = arguments_schema(text)
-        try:  # on a scratch converter first: a failed visit leaves rules that name rules never added
-            _converter().visit(_converter().resolve_refs(schema, "tool"), f"args{i}")
-        except (ValueError, KeyError, TypeError, AssertionError, RecursionError, NotImplementedError):
-            schema = ANY_OBJECT
-        rule = converter.visit(converter.resolve_refs(schema, "tool"), f"args{i}")
-        calls.append(f"call{i} ::= {json.dumps(call_prefix(name))} {rule} {json.dumps(TAIL)}")
+        parts = []
+        for j, piece in enumerate(fmt.forced_pieces(name, arguments_schema(text))):
+            if isinstance(piece, Lit):
+                parts.append(json.dumps(piece.text))
+            elif isinstance(piece, Args):
+                schema = piece.schema
+                try:  # on a scratch converter first: a failed visit leaves rules that name rules never added
+                    _converter().visit(_converter().resolve_refs(schema, "tool"), f"args{i}-{j}")
+                except (ValueError, KeyError, TypeError, AssertionError, RecursionError, NotImplementedError):
+                    schema = piece.fallback
+                parts.append(converter.visit(converter.resolve_refs(schema, "tool"), f"args{i}-{j}"))
+            elif isinstance(piece, CallId):
+                parts.append("[a-zA-Z0-9]{9}")
+            elif piece.choices:
+                parts.append("(" + " | ".join(json.dumps(c) for c in piece.choices) + ")")
+            else:
+                parts.append("[^<]*")
+        calls.append(f"call{i} ::= {' '.join(parts)}")
     root = " | ".join(f"call{i}" for i in range(len(calls)))
     return _json_dumps_spelling("\n".join([f"root ::= {root}", *calls, converter.format_grammar()]))
 

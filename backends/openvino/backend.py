@@ -21,6 +21,7 @@ from ..bundled import model_cache_dir
 from ..tape.draft_costs import draft_costs
 from ..tape.model import check_digest
 from ..tape.templates import requested_template
+from ..tape.toolformats import require_format
 from .graph import paged_model, wants_batch_graph
 from .model import BACKEND_NAME, OpenVINOLoadedModel
 from .native import map_errors, runtime_version, type_name
@@ -64,6 +65,8 @@ class OpenVINOBackend:
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> OpenVINOLoadedModel:
         check_model_type(req.type, BACKEND_NAME)
         template = requested_template(req.config.chat_template)  # a bad name or file: refused before the load
+        if req.config.tool_format:
+            require_format(req.config.tool_format)
         progress(0.0)
         with map_errors(f"loading {req.path}", loading=True):
             src = resolve_source(req.path, prepare=True)

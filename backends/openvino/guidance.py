@@ -33,7 +33,8 @@ import numpy as np
 from contract.errors import Internal, InvalidArgument, UnsupportedFeature
 from contract.types import StructuredOutputConfig
 
-from ..tape.forced import ANY_OBJECT, TAIL, arguments_schema, call_prefix
+from ..tape.forced import arguments_schema
+from ..tape.toolformats import FORMATS, Args, CallId, Lit, ToolFormat
 
 __all__ = ["TokenGuide", "build_tokenizer", "compile_grammar"]
 
@@ -82,28 +83,42 @@ def build_tokenizer(
 _DUMPS_SPELLING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def tool_call_lark(tools: dict[str, str]) -> str:
-    """The llguidance grammar for one call to one of ``tools`` (name: arguments schema), its arguments
-    held to the schema (a ``%json`` rule); a schema llguidance cannot compile holds that tool's
-    arguments to any JSON object instead."""
+def tool_call_lark(tools: dict[str, str], fmt: ToolFormat = FORMATS["hermes"]) -> str:
+    """The llguidance grammar for one call to one of ``tools`` (name: arguments schema) in ``fmt``'s syntax,
+    its arguments held to the schema (a ``%json`` rule); a schema llguidance cannot compile holds that
+    tool's arguments to any JSON object instead."""
     rules = []
     for i, (name, text) in enumerate(tools.items()):
-        # the spelling json.dumps writes, which is how the call is rendered back into the next prompt
-        schema = {**arguments_schema(text), "x-guidance": _DUMPS_SPELLING}
-        args = f"args{i}: %json {json.dumps(schema)}"
-        failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(
-            llguidance.grammar_from("lark", f"start: args{i}\n{args}\n"))
-        if failed:
-            args = f"args{i}: %json {json.dumps({**ANY_OBJECT, 'x-guidance': _DUMPS_SPELLING})}"
-        rules += [f"call{i}: {json.dumps(call_prefix(name))} args{i} {json.dumps(TAIL)}", args]
+        parts = []
+        for j, piece in enumerate(fmt.forced_pieces(name, arguments_schema(text))):
+            if isinstance(piece, Lit):
+                parts.append(json.dumps(piece.text))
+                continue
+            rule = f"args{i}_{j}"
+            parts.append(rule)
+            if isinstance(piece, CallId):
+                rules.append(f"{rule}: /[a-zA-Z0-9]{{9}}/")
+                continue
+            if not isinstance(piece, Args):
+                rules.append(f"{rule}: " + (" | ".join(json.dumps(c) for c in piece.choices) or "/[^<]*/"))
+                continue
+            # the spelling json.dumps writes, which is how the call is rendered back into the next prompt
+            args = f"{rule}: %json {json.dumps({**piece.schema, 'x-guidance': _DUMPS_SPELLING})}"
+            failed, _ = llguidance.LLMatcher.validate_grammar_with_warnings(
+                llguidance.grammar_from("lark", f"start: {rule}\n{args}\n"))
+            if failed:
+                args = f"{rule}: %json {json.dumps({**piece.fallback, 'x-guidance': _DUMPS_SPELLING})}"
+            rules.append(args)
+        rules.insert(0, f"call{i}: {' '.join(parts)}")
     start = " | ".join(f"call{i}" for i in range(len(tools)))
     return llguidance.grammar_from("lark", "\n".join([f"start: {start}", *rules]) + "\n")
 
 
-def compile_grammar(so: StructuredOutputConfig) -> str:
-    """The llguidance grammar for a request; InvalidArgument/UnsupportedFeature for bad ones."""
+def compile_grammar(so: StructuredOutputConfig, fmt: ToolFormat = FORMATS["hermes"]) -> str:
+    """The llguidance grammar for a request (a forced call in ``fmt``); InvalidArgument/UnsupportedFeature for
+    bad ones."""
     if so.tool_call:
-        grammar = tool_call_lark(so.tool_call)
+        grammar = tool_call_lark(so.tool_call, fmt)
         what = "tool_call"
     elif so.json_schema:
         try:

@@ -109,12 +109,12 @@ from a one-chunk prefill by up to 0.375 (u8) and 2.0 (u4), so a warm turn would
 not answer like a cold one. The cache type actually compiled, the hint, the
 block size and the context size are the ``runtime_digest``.
 
-Tools: minja (GenAI's template engine) *polyfills* tools for templates that do
-not use them — it injects a generic JSON tool prompt and a ``{"tool_calls": …}``
-output format the Hermes parser does not read — so rendering with and without
-tools always differs. Tool support is therefore decided from the template
-source (does it reference ``tools``?) and refused with UnsupportedFeature
-otherwise, instead of silently changing the prompt format.
+Templates are rendered in Python as their publishers render them (``JinjaRenderer``),
+not by GenAI's minja, which *polyfills* tools for templates that do not use them —
+a generic JSON tool prompt, a ``{"tool_calls": …}`` output format no family parser
+reads, string call arguments turned into objects. Tool support is decided from the
+template source (does it reference ``tools``?); tools a template does not render go
+in the generic block (``backends.tape.model.with_tools``).
 
 This module is a little over the house's ~500 lines because the measurements
 above live next to the code they justify; the code itself is ~450 lines.
@@ -127,25 +127,25 @@ plain attributes.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import jinja2
 import numpy as np
 import openvino as ov
 import openvino_genai
 
 from contract import interrupt
-from contract.errors import ModeldError, ModelLoadFailed, SnapshotRejected
+from contract.errors import InvalidArgument, ModeldError, ModelLoadFailed, SnapshotRejected
 from contract.manifest import common_prefix_len
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
 from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import pack_state, refuse_diffs, unpack_state
-from ..tape.templates import check_renders, choose_template
+from ..tape.templates import JinjaRenderer, check_renders, choose_template, render_defaults, renders_tools
 from .graph import EXACT_STEP_ROWS, MIN_PREFILL_ROWS, VERIFY_ROWS, WARM_BUCKETS_UP_TO, bucket, verify_rows
 from .guidance import TokenGuide, build_tokenizer, compile_grammar
 from .native import map_errors, runtime_version, type_name
@@ -158,7 +158,6 @@ BACKEND_NAME = "openvino"
 STATE_MAGIC = b"MODELD-OV-PKV1\0\0"
 #: token texts that end a turn in common chat vocabularies (llama.cpp treats them as EOG too)
 _EOG_TEXTS = (b"<|endoftext|>", b"<|im_end|>", b"<|eot_id|>", b"<|eom_id|>", b"<|end|>", b"<end_of_turn>")
-_TOOLS_IN_TEMPLATE = re.compile(r"\btools\b")
 
 
 # --- the chat template -------------------------------------------------------------------------
@@ -195,25 +194,23 @@ def split_for_encoding(text: str, max_chars: int) -> list[str]:
 
 
 class OpenVINOTemplate:
-    """The model's own template, rendered by the IR tokenizer (GenAI's minja).
-
-    minja *polyfills* tools for templates that do not use them, so whether the
+    """The model's template, rendered as its publisher renders it (``JinjaRenderer``), not by the IR
+    tokenizer's minja: minja *polyfills* what it judges a template lacks — its own JSON for tool calls,
+    calls' string arguments turned into objects — so a Mistral or DeepSeek conversation would reach the
+    model in a format it was never trained on, and differently from the llama.cpp engine. Whether the
     template renders tools is read from its source (see the module docstring).
     """
 
     def __init__(self, tok: openvino_genai.Tokenizer, source: str) -> None:
-        self._tok = tok
+        self._render = JinjaRenderer(source, bos_token=str(tok.get_bos_token()), eos_token=str(tok.get_eos_token()))
+        self._defaults = render_defaults(source)
         self.source = source
         self.digest = "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()
         self.prompt_format = "chatml" if "<|im_start|>" in source else "jinja"
-        self.supports_tools = bool(_TOOLS_IN_TEMPLATE.search(source))
+        self.supports_tools = renders_tools(self)
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool, **extra: Any) -> str:
-        return str(
-            self._tok.apply_chat_template(
-                messages, add_generation_prompt=generation, tools=tools, extra_context=extra or None
-            )
-        )
+        return self._render(messages, tools, generation=generation, **{**self._defaults, **extra})
 
 
 class _Vocab:
@@ -283,9 +280,11 @@ class OpenVINOLoadedModel(TapeModelBase):
         self.vocab = _Vocab(tokenizer)
         own = str(tokenizer.chat_template or "")
         source, self.template_origin = choose_template(requested_template, own)
-        if source != own:
-            tokenizer.set_chat_template(source)
-        template = OpenVINOTemplate(tokenizer, source)
+        try:
+            template = OpenVINOTemplate(tokenizer, source)
+        except jinja2.TemplateError as exc:
+            raise InvalidArgument(f"the chat template ({self.template_origin}) does not compile: {exc}",
+                                  chat_template=self.template_origin) from None
         self._guidance_tok: Any = None
         self._encode_cap: int | None = None
         #: last-position logits per tape length: prefill ends and the live decode position
@@ -432,7 +431,7 @@ class OpenVINOLoadedModel(TapeModelBase):
     def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
         guide = None
         if cfg.structured_output.is_set():
-            guide = TokenGuide(self.guidance_tokenizer(), compile_grammar(cfg.structured_output))
+            guide = TokenGuide(self.guidance_tokenizer(), compile_grammar(cfg.structured_output, self.decode_format(cfg)))
         return OpenVINOSteps(self, Sampler(cfg), guide)
 
     # --- the KV ------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from typing import Any
 from contract.types import ChatMessage, ToolCall
 
 from .model import ChatTemplate
+from .toolformats import FORMATS, ToolFormat, template_call_id
 
 __all__ = ["TemplateAbilities", "abilities", "template_messages", "tool_call_text", "tool_result_text"]
 
@@ -44,7 +45,7 @@ _TOOL_CALLS_IN_SOURCE = re.compile(r"\btool_calls\b")
 _TOOL_ROLE_IN_SOURCE = re.compile(r"""['"]tool['"]""")
 _PROBE_NAME = "modeld_probe_function"
 _PROBE_RESULT = "modeld_probe_result_text"
-_PROBE_ID = "modeld_probe_call"
+_PROBE_ID = "probecall"  # nine letters: Mistral's templates refuse any other call id
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,8 @@ class TemplateAbilities:
 
     tool_calls: bool
     tool_results: bool
+    #: the template concatenates a call's arguments as text (DeepSeek V3.1) rather than ``tojson``-ing an object
+    string_arguments: bool = False
 
 
 _cache: dict[tuple[str, str], TemplateAbilities] = {}
@@ -77,9 +80,17 @@ def abilities(template: ChatTemplate) -> TemplateAbilities:
     user = {"role": "user", "content": "probe question"}
     call = {"id": _PROBE_ID, "type": "function", "function": {"name": _PROBE_NAME, "arguments": {}}}
     source = template.source
+    calls = bool(_TOOL_CALLS_IN_SOURCE.search(source))
+    as_object = calls and _renders(
+        template, [system, user, {"role": "assistant", "content": "", "tool_calls": [call]}], _PROBE_NAME)
+    as_text = False
+    if calls and not as_object:
+        call = {**call, "function": {"name": _PROBE_NAME, "arguments": "{}"}}
+        as_text = _renders(template, [system, user, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                           _PROBE_NAME)
     found = TemplateAbilities(
-        tool_calls=bool(_TOOL_CALLS_IN_SOURCE.search(source))
-        and _renders(template, [system, user, {"role": "assistant", "content": "", "tool_calls": [call]}], _PROBE_NAME),
+        tool_calls=as_object or as_text,
+        string_arguments=as_text,
         tool_results=bool(_TOOL_ROLE_IN_SOURCE.search(source))
         and _renders(
             template,
@@ -119,8 +130,11 @@ def tool_result_text(msg: ChatMessage) -> str:
     return f"<tool_response name={name} id={call_id}>\n{msg.content or ''}\n</tool_response>"
 
 
-def template_messages(template: ChatTemplate, system: str, messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The system turn and ``messages`` as the dicts ``template.render`` takes."""
+def template_messages(
+    template: ChatTemplate, system: str, messages: list[ChatMessage], fmt: ToolFormat = FORMATS["hermes"]
+) -> list[dict[str, Any]]:
+    """The system turn and ``messages`` as the dicts ``template.render`` takes (call ids in the form ``fmt``'s
+    templates accept)."""
     can = abilities(template)
     out: list[dict[str, Any]] = [{"role": "system", "content": system}]
     for msg in messages:
@@ -128,12 +142,17 @@ def template_messages(template: ChatTemplate, system: str, messages: list[ChatMe
             turn: dict[str, Any] = {"role": "assistant", "content": msg.content or ""}
             if msg.reasoning:
                 turn["reasoning_content"] = msg.reasoning
+                turn["thinking"] = msg.reasoning  # the name gpt-oss's template reads
             if msg.tool_calls and can.tool_calls:
                 turn["tool_calls"] = [
                     {
-                        "id": call.id,
+                        "id": template_call_id(call.id, fmt),
                         "type": call.type or "function",
-                        "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+                        "function": {
+                            "name": call.function.name,
+                            "arguments": call.function.arguments if can.string_arguments
+                            else _arguments(call.function.arguments),
+                        },
                     }
                     for call in msg.tool_calls
                 ]
@@ -143,7 +162,8 @@ def template_messages(template: ChatTemplate, system: str, messages: list[ChatMe
             out.append(turn)
         elif msg.role == "tool":
             if can.tool_results:
-                out.append({"role": "tool", "content": msg.content or "", "tool_call_id": msg.tool_call_id, "name": msg.name})
+                out.append({"role": "tool", "content": msg.content or "", "name": msg.name,
+                            "tool_call_id": template_call_id(msg.tool_call_id, fmt)})
             else:
                 out.append({"role": "user", "content": tool_result_text(msg)})
         else:

@@ -1,9 +1,10 @@
-"""A forced tool call: the reply is one call, in the Hermes form the templates render calls back in.
+"""A forced tool call: the reply is one call, in the form the model's family writes and its template renders.
 
 Both engines turn ``StructuredOutputConfig.tool_call`` into their own grammar
-(GBNF for llama.cpp, Lark with JSON-schema rules for llguidance) from these
-pieces, so a forced call decodes the same text on either, and the next request,
-which renders the call back, reuses it.
+(GBNF for llama.cpp, Lark with JSON-schema rules for llguidance) from the
+pieces the model's ``ToolFormat`` gives (``backends.tape.toolformats``), so a
+forced call decodes the same text on either, and the next request, which
+renders the call back, reuses it.
 """
 
 from __future__ import annotations
@@ -11,18 +12,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-#: a call's text around its name and its arguments object
-HEAD = '<tool_call>\n{"name": "'
-MIDDLE = '", "arguments": '
-TAIL = "}\n</tool_call>"
-
-#: the arguments of a tool whose schema the engine's grammar cannot hold: any JSON object
+#: the arguments of a call with no schema to hold them to: any JSON object
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-def call_prefix(name: str) -> str:
-    """The text of a call to ``name`` up to its arguments."""
-    return HEAD + json.dumps(name)[1:-1] + MIDDLE
 
 
 def arguments_schema(text: str) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from contract.types import DEFAULT_SAMPLING, Config, DecodeConfig, SamplingParam
 
 from .cache import save_tape
 from .speculate import MAX_DRAFT, CheckCosts, SpeculationStats
+from .toolformats import FORMATS, ToolFormat, detect_format, format_named, require_format
 
 if TYPE_CHECKING:
     from .session import DecodeSteps, TapeSession
@@ -83,6 +84,8 @@ class TapeModel(Protocol):
     closed: bool
     session_gen: int
     template: ChatTemplate | None
+    #: the family replies' tool calls are parsed and forced in (``backends.tape.toolformats``)
+    tool_format: ToolFormat
     #: the workspace cache the daemon gave the model (None: none)
     cache: StateCache | None
     #: decode passes speculate (prompt lookup) unless their DecodeConfig says otherwise
@@ -123,6 +126,11 @@ class TapeModel(Protocol):
 
     def token_bytes(self, tokens: list[int]) -> list[bytes]:
         """Each token's bytes (special tokens as their text), as the tokenizer spells them."""
+        ...
+
+    def marker_pieces(self, markers: frozenset[str]) -> dict[int, bytes]:
+        """Control tokens whose text is one of ``markers``, with that text: a decode feeds them to the
+        parser as text (a control token is otherwise no text at all)."""
         ...
 
     def reusable(self, n: int) -> int:
@@ -228,29 +236,50 @@ GENERIC_TOOLS_FOOTER = (
 )
 
 
-def generic_tools_text(tools: list[Any]) -> str:
-    """The tool block a template without tool support gets in its system turn (one JSON line per tool)."""
+def generic_tools_text(tools: list[Any], fmt: ToolFormat | None = None) -> str:
+    """The tool block a template without tool support gets in its system turn (one JSON line per tool), its
+    call syntax the model's family's (``fmt``; Hermes's by default)."""
     lines = [json.dumps(tool, ensure_ascii=False) for tool in tools]
-    return "\n".join([GENERIC_TOOLS_HEADER, *lines, GENERIC_TOOLS_FOOTER])
+    footer = GENERIC_TOOLS_FOOTER
+    if fmt is not None and fmt.name != "hermes":
+        footer = "</tools>\n\nTo call a function, answer in this form, one call at a time:\n" + fmt.example
+    return "\n".join([GENERIC_TOOLS_HEADER, *lines, footer])
 
 
-def with_tools(template: ChatTemplate, system: str, tools: list[Any] | None) -> tuple[str, list[Any] | None]:
+def with_tools(
+    template: ChatTemplate, system: str, tools: list[Any] | None, fmt: ToolFormat | None = None
+) -> tuple[str, list[Any] | None]:
     """The system text and the tools to hand ``template``: its own rendering when it renders tools, else
     the generic block appended to the system text (tools are never dropped)."""
     if not tools or template.supports_tools:
         return system, tools
-    block = generic_tools_text(tools)
+    block = generic_tools_text(tools, fmt)
     return (f"{system}\n\n{block}" if system else block), None
 
 
-def render_prefix(template: ChatTemplate | None, text: str, tools: list[Any] | None) -> str:
+def render_prefix(template: ChatTemplate | None, text: str, tools: list[Any] | None, fmt: ToolFormat | None = None) -> str:
     """The stable prefix as prompt text: the system turn (and tools) through the model's template."""
     if template is None:
         if tools:
             raise UnsupportedFeature("the model has no chat template, so it cannot be given tools")
         return text
-    system, tools = with_tools(template, text, tools)
+    system, tools = with_tools(template, text, tools, fmt)
     return template.render([{"role": "system", "content": system}], tools, generation=False)
+
+
+def model_format(template: ChatTemplate | None, requested: str) -> tuple[ToolFormat, str]:
+    """The tool-call family a model is served with, and why: the one asked for, else the one its template
+    writes calls in, else Hermes. A template that renders no tool list gets the tools in a generic block
+    that teaches the same family's call syntax."""
+    if requested:
+        return require_format(requested), f"{require_format(requested).name} (asked for)"
+    if template is None:
+        return FORMATS["hermes"], ""
+    found = detect_format(template.source)
+    where = "" if template.supports_tools else "; the template renders no tool list: tools go in a generic block"
+    if found.name == "hermes" and not template.supports_tools:
+        return found, "hermes (the template renders no tools: they go in a generic block)"
+    return found, f"{found.name} (detected from the template{where})"
 
 
 # --- the bookkeeping every engine shares ------------------------------------------------------------
@@ -308,6 +337,9 @@ class TapeModelBase(ABC):
         #: change an answer, sampled ones included, and decoded tokens hold what a prefill computes
         self.rows_exact = False
         self._sampling: SamplingParams | None = None
+        #: the family replies' tool calls are parsed and forced in, and why (``status``)
+        self.tool_format, self.tool_format_origin = model_format(template, config.tool_format)
+        self._marker_ids: dict[frozenset[str], dict[int, bytes]] = {}
 
     # --- identity ---------------------------------------------------------------------------
     @property
@@ -334,6 +366,25 @@ class TapeModelBase(ABC):
         """Settings that change what a draft's check costs but not its numbers (none by default): part of
         the key a measured cost table is kept under (``backends.tape.draft_costs``)."""
         return {}
+
+    def decode_format(self, cfg: DecodeConfig) -> ToolFormat:
+        """The tool-call family a decode forces calls in: the one its parser protocols name, else the model's."""
+        for name in cfg.parser_protocols:
+            found = format_named(name)
+            if found is not None:
+                return found
+        return self.tool_format
+
+    def marker_pieces(self, markers: frozenset[str]) -> dict[int, bytes]:
+        hit = self._marker_ids.get(markers)
+        if hit is None:
+            hit = {}
+            for marker in markers:
+                ids = self.tokenize(marker)
+                if len(ids) == 1 and self.token_bytes(ids) == [marker.encode()]:
+                    hit[ids[0]] = marker.encode()
+            self._marker_ids[markers] = hit
+        return hit
 
     def reusable(self, n: int) -> int:
         """How many of ``n`` matching resident tokens are kept.

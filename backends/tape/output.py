@@ -5,8 +5,9 @@ same for every backend and lives here, so llama.cpp and OpenVINO stream
 identical chunks for identical tokens:
 
     token bytes ─► Utf8Stream ─► StopMatcher ─► ThinkSplitter ─► ToolCallParser ─► chunk
-                   (never split   (hold back a   (<think>…</think>   (<tool_call>{json}</tool_call>
-                    a character)   partial stop)  → thinking)         → ToolCall)
+                   (never split   (hold back a   (<think>…</think>   (the model family's
+                    a character)   partial stop)  → thinking)         format → ToolCall,
+                                                                      ``toolformats``)
 
 Every stage is incremental: it accepts text in arbitrary pieces and holds back
 only what it cannot decide yet (an incomplete UTF-8 sequence, text that may be
@@ -21,17 +22,16 @@ No model library is imported here.
 from __future__ import annotations
 
 import codecs
-import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from contract.errors import UnsupportedFeature
-from contract.types import StreamChunk, ToolCall, ToolCallFunction
+from contract.types import StreamChunk, ToolCall
+
+from .toolformats import ToolFormat, format_named, known_names, partial_suffix_len
 
 __all__ = [
-    "HERMES_TOOL_CLOSE",
-    "HERMES_TOOL_OPEN",
-    "PROTOCOL_HERMES",
     "PROTOCOL_THINK",
     "THINK_CLOSE",
     "THINK_OPEN",
@@ -39,43 +39,34 @@ __all__ = [
     "OutputPipeline",
     "StopMatcher",
     "ThinkSplitter",
-    "ToolCallParser",
     "Utf8Stream",
     "ends_inside_thinking",
-    "parse_tool_call_json",
     "resolve_protocols",
 ]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
-HERMES_TOOL_OPEN = "<tool_call>"
-HERMES_TOOL_CLOSE = "</tool_call>"
 
-#: DecodeConfig.parser_protocols names (aliases map to these)
+#: DecodeConfig.parser_protocols names for the reasoning split (the rest name tool-call formats)
 PROTOCOL_THINK = "think"
-PROTOCOL_HERMES = "hermes"
-_PROTOCOL_ALIASES = {
-    "think": PROTOCOL_THINK,
-    "reasoning": PROTOCOL_THINK,
-    "hermes": PROTOCOL_HERMES,
-    "qwen": PROTOCOL_HERMES,
-    "tool_call": PROTOCOL_HERMES,
-    "tool_calls": PROTOCOL_HERMES,
-}
+_THINK_NAMES = {"think", "reasoning"}
 #: reasoning_format values: "" / "auto" / "think" / "deepseek" split <think>; "none" leaves it in the text
 _REASONING_SPLIT = {"", "auto", "think", "deepseek"}
 _REASONING_RAW = {"none"}
 
 
 def resolve_protocols(
-    protocols: Sequence[str], reasoning_format: str, *, has_tools: bool
-) -> tuple[bool, bool]:
-    """Which parsers a decode runs: ``(split_thinking, parse_tool_calls)``.
+    protocols: Sequence[str], reasoning_format: str, *, has_tools: bool, model_format: ToolFormat
+) -> tuple[bool, ToolFormat | None]:
+    """Which parsers a decode runs: ``(split_thinking, tool-call format or None)``.
 
     With no protocols named, thinking is split unless ``reasoning_format`` is
-    "none", and Hermes tool calls are parsed when the prefix declared tools.
-    Naming protocols selects exactly those. Unknown names are refused rather than
-    ignored, so a client never believes a parser ran when it did not.
+    "none", and calls are parsed in the model's format (``model_format``, from its
+    template) when the prefix declared tools; a format that carries reasoning in
+    channels of its own (harmony) runs whenever reasoning is split. Naming
+    protocols selects exactly those ("think", and at most one format). Unknown
+    names are refused rather than ignored, so a client never believes a parser
+    ran when it did not.
     """
     if reasoning_format not in _REASONING_SPLIT | _REASONING_RAW:
         raise UnsupportedFeature(
@@ -85,17 +76,26 @@ def resolve_protocols(
         )
     think_allowed = reasoning_format not in _REASONING_RAW
     if not protocols:
-        return think_allowed, has_tools
-    resolved: set[str] = set()
+        runs = has_tools or (model_format.own_reasoning and think_allowed)
+        return think_allowed and not model_format.own_reasoning, (model_format if runs else None)
+    think = False
+    chosen: ToolFormat | None = None
     for name in protocols:
-        canon = _PROTOCOL_ALIASES.get(name.strip().lower())
-        if canon is None:
+        if name.strip().lower() in _THINK_NAMES:
+            think = True
+            continue
+        found = format_named(name)
+        if found is None:
             raise UnsupportedFeature(
-                f"parser protocol {name!r} is not supported; use one of {sorted(_PROTOCOL_ALIASES)}",
+                f"parser protocol {name!r} is not supported; use one of {sorted(_THINK_NAMES | set(known_names()))}",
                 protocol=name,
             )
-        resolved.add(canon)
-    return (PROTOCOL_THINK in resolved and think_allowed), PROTOCOL_HERMES in resolved
+        if chosen is not None and chosen is not found:
+            raise UnsupportedFeature(f"parser protocols name two tool-call formats ({chosen.name}, {found.name})",
+                                     protocol=name)
+        chosen = found
+    own = chosen is not None and chosen.own_reasoning
+    return think and think_allowed and not own, chosen
 
 
 def ends_inside_thinking(prompt_tail: str) -> bool:
@@ -107,17 +107,6 @@ def ends_inside_thinking(prompt_tail: str) -> bool:
     """
     open_at = prompt_tail.rfind(THINK_OPEN)
     return open_at >= 0 and prompt_tail.rfind(THINK_CLOSE) < open_at
-
-
-def _partial_suffix_len(text: str, needles: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a needle."""
-    best = 0
-    for needle in needles:
-        for k in range(min(len(needle) - 1, len(text)), best, -1):
-            if text.endswith(needle[:k]):
-                best = k
-                break
-    return best
 
 
 class Utf8Stream:
@@ -162,7 +151,7 @@ class StopMatcher:
             self.stopped = True
             self._held = ""
             return buf[:cut]
-        keep = _partial_suffix_len(buf, self._stops)
+        keep = partial_suffix_len(buf, self._stops)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
 
@@ -198,7 +187,7 @@ class ThinkSplitter:
                 buf = buf[at + len(tag) :]
                 self.inside = not self.inside
                 continue
-            keep = _partial_suffix_len(buf, [tag])
+            keep = partial_suffix_len(buf, [tag])
             sink.append(buf[: len(buf) - keep])
             self._held = buf[len(buf) - keep :]
             break
@@ -207,95 +196,6 @@ class ThinkSplitter:
     def finish(self) -> tuple[str, str]:
         held, self._held = self._held, ""
         return ("", held) if self.inside else (held, "")
-
-
-def parse_tool_call_json(body: str, call_id: str) -> ToolCall | None:
-    """A Hermes/Qwen tool-call body ``{"name": …, "arguments": {…}}`` as a ToolCall.
-
-    Returns None when the body is not a JSON object with a string ``name``;
-    ``arguments`` (or ``parameters``) may be an object or a JSON string and is
-    re-serialised compactly, as OpenAI-style clients expect a string.
-    """
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(
-        id=call_id,
-        type="function",
-        function=ToolCallFunction(name=obj["name"], arguments=json.dumps(args, ensure_ascii=False)),
-    )
-
-
-class ToolCallParser:
-    """Extracts ``<tool_call>{json}</tool_call>`` blocks from streamed content.
-
-    ``feed`` returns ``(content, calls)``. Text inside a block is held until the
-    closing tag; a block whose body is not a valid call is given back verbatim
-    as content (a model that writes about tool calls is not silently eaten).
-    An unterminated block at ``finish`` is likewise returned as content.
-    """
-
-    def __init__(
-        self,
-        *,
-        open_tag: str = HERMES_TOOL_OPEN,
-        close_tag: str = HERMES_TOOL_CLOSE,
-        id_factory: Callable[[int], str] | None = None,
-    ) -> None:
-        self._open = open_tag
-        self._close = close_tag
-        self._ids = id_factory or (lambda i: f"call_{i}")
-        self._held = ""
-        self._inside = False
-        self.count = 0
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        buf = self._held + text
-        self._held = ""
-        content: list[str] = []
-        calls: list[ToolCall] = []
-        while buf:
-            if not self._inside:
-                at = buf.find(self._open)
-                if at < 0:
-                    keep = _partial_suffix_len(buf, [self._open])
-                    content.append(buf[: len(buf) - keep])
-                    self._held = buf[len(buf) - keep :]
-                    break
-                content.append(buf[:at])
-                buf = buf[at:]
-                self._inside = True
-                continue
-            end = buf.find(self._close)
-            if end < 0:
-                self._held = buf  # the whole block so far, opening tag included
-                break
-            block = buf[: end + len(self._close)]
-            buf = buf[end + len(self._close) :]
-            self._inside = False
-            call = parse_tool_call_json(block[len(self._open) : -len(self._close)].strip(), self._ids(self.count))
-            if call is None:
-                content.append(block)
-            else:
-                calls.append(call)
-                self.count += 1
-        return "".join(content), calls
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        held, self._held = self._held, ""
-        self._inside = False
-        return held, []
 
 
 @dataclass
@@ -326,12 +226,15 @@ class OutputPipeline:
         stops: Sequence[str] = (),
         split_thinking: bool = True,
         start_in_thinking: bool = False,
-        parse_tools: bool = False,
+        tool_format: ToolFormat | None = None,
+        parameter_types: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self._utf8 = Utf8Stream()
         self._stop = StopMatcher(stops)
         self._think = ThinkSplitter(start_inside=start_in_thinking) if split_thinking else None
-        self._tools = ToolCallParser() if parse_tools else None
+        self._tools = tool_format.parser(parameter_types) if tool_format is not None else None
+        #: the control-token texts the decode must feed as text (the format's markers)
+        self.markers: frozenset[str] = frozenset(tool_format.markers) if tool_format is not None else frozenset()
 
     @property
     def stop_sequence(self) -> str:
@@ -361,9 +264,11 @@ class OutputPipeline:
                 content, thinking = content + c2, thinking + t2
         calls: list[ToolCall] = []
         if self._tools is not None:
-            content, calls = self._tools.feed(content)
+            content, reasoning, calls = self._tools.feed(content)
             if final or stopped:
-                c3, more = self._tools.finish()
+                c3, r3, more = self._tools.finish()
                 content += c3
+                reasoning += r3
                 calls += more
+            thinking += reasoning
         return Delta(text=content, thinking=thinking, tool_calls=calls, stopped=stopped)

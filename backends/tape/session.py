@@ -39,6 +39,7 @@ from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix, with_too
 from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
 from .state import check_restorable
+from .toolformats import parameter_types
 
 #: how many trailing resident tokens are decoded to see whether the prompt opened <think>
 _PROMPT_TAIL_TOKENS = 8
@@ -154,14 +155,14 @@ def _target(
         raise UnsupportedFeature("the model has no chat template to render messages with; send the suffix as text")
     if not suffix.render or tpl is None:
         return _splice(m, stable, suffix.text, resident), len(stable)
-    system_text, tools = with_tools(tpl, stable_text, parse_tools(tools_json))
+    system_text, tools = with_tools(tpl, stable_text, parse_tools(tools_json), m.tool_format)
     system = {"role": "system", "content": system_text}
     extra: dict[str, Any] = {}
     if suffix.enable_thinking is not None:
         extra["enable_thinking"] = suffix.enable_thinking
     prefix_text = tpl.render([system], tools, generation=False)
     if suffix.messages:
-        conversation = template_messages(tpl, system_text, suffix.messages)
+        conversation = template_messages(tpl, system_text, suffix.messages, m.tool_format)
     else:
         conversation = [system, {"role": suffix.role, "content": suffix.text}]
     full = tpl.render(conversation, tools, generation=True, **extra)
@@ -221,16 +222,18 @@ class TapeSession:
         """Stops, thinking split and tool parsing for one decode pass (call inside ``m.errors``)."""
         if not m.res.live:
             raise InvalidArgument("nothing is resident: call ensure_prefix first")
-        split, tools = resolve_protocols(
+        split, fmt = resolve_protocols(
             cfg.parser_protocols,
             cfg.reasoning_format or m.config.reasoning_format,
             has_tools=bool(m.res.tools),
+            model_format=m.tool_format,
         )
         return OutputPipeline(
             stops=cfg.stop,
             split_thinking=split,
             start_in_thinking=split and ends_inside_thinking(m.prompt_text(m.res.live[-_PROMPT_TAIL_TOKENS:])),
-            parse_tools=tools,
+            tool_format=fmt,
+            parameter_types=parameter_types(parse_tools(m.res.tools)) if fmt is not None else None,
         )
 
     # --- Session ---------------------------------------------------------------------------------
@@ -239,7 +242,7 @@ class TapeSession:
         self._check_manifest(m, prefix.manifest)
         t0 = time.perf_counter()
         with m.errors("ensure_prefix"):
-            rendered = render_prefix(m.template, prefix.text, parse_tools(prefix.tools))
+            rendered = render_prefix(m.template, prefix.text, parse_tools(prefix.tools), m.tool_format)
             tokens = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
             plan = m.res.plan_prefix(prefix.manifest, tokens)  # ContextOverflow before any change
         cached = 0
@@ -326,7 +329,7 @@ class TapeSession:
         check_conversation(suffix.messages)
         res = m.res
         with m.errors("count_tokens"):
-            rendered = render_prefix(m.template, prefix.text, parse_tools(prefix.tools))
+            rendered = render_prefix(m.template, prefix.text, parse_tools(prefix.tools), m.tool_format)
             stable = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
             compatible = res.manifest is not None and prefix.manifest.compatible_with(res.manifest)
             resident = res.tokens if compatible else []
@@ -401,10 +404,12 @@ class TapeSession:
         def still_ours() -> bool:
             return bool(m.epoch == epoch and not m.closed and not self._closed)
 
+        markers = m.marker_pieces(pipeline.markers) if pipeline.markers else {}
+
         def output(token: int) -> tuple[StreamChunk | None, bool]:
             """A sampled token through the output pipeline: its chunk (None: nothing to send yet), and
-            whether a stop string ended the answer there."""
-            delta = pipeline.feed_bytes(steps.piece(token))
+            whether a stop string ended the answer there. A control token the format reads is fed as its text."""
+            delta = pipeline.feed_bytes(markers.get(token) or steps.piece(token))
             send = delta or cfg.return_token_ids
             return (delta.chunk([token] if cfg.return_token_ids else None) if send else None), delta.stopped
 

@@ -15,13 +15,29 @@ every turn unambiguously; a model trained on another format answers better under
 
 from __future__ import annotations
 
+import json
+from datetime import datetime
 from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from contract.errors import InvalidArgument
 
 from .model import ChatTemplate
 
-__all__ = ["BUILTIN", "CHATML", "check_renders", "choose_template", "requested_template"]
+__all__ = [
+    "BUILTIN",
+    "CHATML",
+    "JinjaRenderer",
+    "check_renders",
+    "choose_template",
+    "render_defaults",
+    "renders_tools",
+    "requested_template",
+]
 
 #: ChatML (``<|im_start|>role … <|im_end|>``), the format's published form
 CHATML = (
@@ -36,6 +52,74 @@ BUILTIN: dict[str, str] = {"chatml": CHATML}
 
 #: the largest template file read (templates are a few kB; this is a typo guard, not a limit anyone meets)
 _MAX_TEMPLATE_BYTES = 1 << 20
+
+
+class _GenerationTags(jinja2.ext.Extension):
+    """Hugging Face's ``{% generation %}…{% endgeneration %}`` marks training targets: rendered as plain text."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        parser.stream.skip(1)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class JinjaRenderer:
+    """A chat template rendered the way Hugging Face ``transformers`` renders it (a sandboxed Jinja2 with
+    ``trim_blocks``/``lstrip_blocks``, loop controls, ``{% generation %}`` ignored, ``tojson`` as plain
+    ``json.dumps`` with keys in order, ``raise_exception`` and ``strftime_now``), which is how the
+    templates are published to be rendered. Nothing is added to the conversation: a template that does
+    not render tools or tool calls gets them through ``backends.tape.conversation``'s documented fallbacks,
+    never through a renderer's own substitute."""
+
+    def __init__(self, source: str, *, bos_token: str, eos_token: str) -> None:
+        env = ImmutableSandboxedEnvironment(
+            loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+            extensions=[_GenerationTags, jinja2.ext.loopcontrols],
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._template = env.from_string(source)
+        self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
+
+    def __call__(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool,
+                 **extra: Any) -> str:
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=generation,
+                                     **self._tokens, **extra)
+
+
+#: a tool list a template renders if it supports tools
+_PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "", "parameters": {}}}]
+
+
+def renders_tools(template: ChatTemplate) -> bool:
+    """Whether a tool list changes the rendered prompt (a template that ignores tools would drop them); with a
+    user turn, as some templates put the tools just before the last one."""
+    turns = [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]
+    try:
+        return template.render(turns, _PROBE_TOOLS, generation=False) != template.render(turns, None, generation=False)
+    except Exception:  # noqa: BLE001 - a template that fails here fails loudly when really rendered
+        return False
+
+
+def render_defaults(source: str) -> dict[str, Any]:
+    """Variables a template is rendered with unless a caller sets them.
+
+    Llama 3.x templates put the tool list in the first user turn by default (``tools_in_user_message``),
+    and refuse a prompt that has none; the stable prefix is the system turn and its tools, so they are put
+    in the system turn (the placement Meta's format documents as the other choice).
+    """
+    return {"tools_in_user_message": False} if "tools_in_user_message" in source else {}
 
 
 def requested_template(requested: str) -> tuple[str, str] | None:

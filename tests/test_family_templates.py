@@ -1,0 +1,203 @@
+"""The families' published chat templates (``tests/templates/``, each citing its release) with the tool formats:
+detection, a history with calls and results rendered in the family's own syntax, and a forced call whose text
+is what the template renders back (so the next turn reuses it), on the template alone and then on both engines.
+
+The engine half serves the bundled weights under each family's template (``--chat-template FILE``): the
+weights know none of these formats, but a forced call is decoded by a grammar in the family's syntax, parsed
+by the family's parser, and rendered back by the template; what the next request reuses is measured.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.tape.conversation import abilities, template_messages
+from backends.tape.toolformats import FORMATS, Args, CallId, Lit, ToolFormat, detect_format
+from contract.types import (
+    ChatMessage,
+    Config,
+    DecodeConfig,
+    OpenSessionRequest,
+    PrefixInput,
+    StructuredOutputConfig,
+    SuffixInput,
+    ToolCall,
+    ToolCallFunction,
+)
+from tests.fixtures import WEATHER_TOOL
+
+TEMPLATES = Path(__file__).parent / "templates"
+SYSTEM = "You are a weather bot."
+#: the tool the engines are forced to call: its city one of a few, so even free-text parameter syntaxes
+#: (Qwen3-Coder's) end in a few tokens whatever the tiny model would ramble
+CITY_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                   "required": ["city"]}}}
+USER = "Weather in Paris?"
+ARGS = {"city": "Paris"}
+
+#: template file -> (the family detected, whether a turn renders after the earlier ones unchanged)
+FAMILIES = {
+    "qwen2_5": ("hermes", True),
+    "qwen3_coder": ("qwen3_coder", True),
+    "llama3": ("llama3_json", True),
+    "mistral": ("mistral", False),  # Nemo moves the system text into the last user turn
+    "mistral_args": ("mistral_args", True),
+    "gpt_oss": ("harmony", True),
+    "deepseek_v3_1": ("deepseek_v3_1", True),
+}
+
+
+def _source(name: str) -> str:
+    return (TEMPLATES / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def _template(name: str) -> Any:
+    from backends.llama.model import LlamaTemplate
+
+    return LlamaTemplate(_source(name), eos_token="</s>", bos_token="<s>")
+
+
+def forced_text(fmt: ToolFormat, name: str, args: dict[str, Any], call_id: str = "a1B2c3D4e") -> str:
+    """The text a forced call to ``name`` with ``args`` decodes to (each piece filled in as the grammar allows)."""
+    schema = WEATHER_TOOL["function"]["parameters"]  # type: ignore[index]
+    out = []
+    values = iter(args.values())
+    for piece in fmt.forced_pieces(name, schema):
+        if isinstance(piece, Lit):
+            out.append(piece.text)
+        elif isinstance(piece, Args):
+            out.append(json.dumps(args) if piece.fallback else json.dumps(next(values)))
+        elif isinstance(piece, CallId):
+            out.append(call_id)
+        else:
+            out.append(str(next(values)))
+    return "".join(out)
+
+
+def _parse(fmt: ToolFormat, text: str) -> list[ToolCall]:
+    parser = fmt.parser({"get_weather": {"city": "string"}})
+    _, _, calls = parser.feed(text)
+    return calls + parser.finish()[2]
+
+
+def _history(calls: list[ToolCall]) -> list[ChatMessage]:
+    return [
+        ChatMessage(role="user", content=USER),
+        ChatMessage(role="assistant", content="", tool_calls=calls),
+        ChatMessage(role="tool", content="sunny, 21 C", tool_call_id=calls[0].id, name="get_weather"),
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_family_is_detected_and_renders_calls_and_results_itself(name: str) -> None:
+    family, _ = FAMILIES[name]
+    tpl = _template(name)
+    assert detect_format(tpl.source).name == family
+    can = abilities(tpl)
+    assert can.tool_calls and can.tool_results, can
+    fmt = FORMATS[family]
+    calls = [ToolCall(id="call_7", function=ToolCallFunction(name="get_weather", arguments=json.dumps(ARGS)))]
+    prompt = tpl.render(template_messages(tpl, SYSTEM, _history(calls), fmt), [WEATHER_TOOL], generation=True)
+    assert "sunny, 21 C" in prompt and "get_weather" in prompt
+    # the call is in the family's own syntax, and reads back as the same call
+    shown = forced_text(fmt, "get_weather", ARGS, call_id=_template_id(fmt, "call_7"))
+    assert shown.strip() in prompt, prompt
+    back = _parse(fmt, shown)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in back] == [("get_weather", ARGS)]
+
+
+def _template_id(fmt: ToolFormat, call_id: str) -> str:
+    from backends.tape.toolformats import template_call_id
+
+    return template_call_id(call_id, fmt)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_forced_call_is_what_the_template_renders_back(name: str) -> None:
+    """The decoded call, parsed and sent back by a client, renders as the very text decoded: reused, not re-prefilled."""
+    family, stable = FAMILIES[name]
+    tpl, fmt = _template(name), FORMATS[family]
+    system = {"role": "system", "content": SYSTEM}
+    asked = tpl.render([system, {"role": "user", "content": USER}], [WEATHER_TOOL], generation=True)
+    decoded = forced_text(fmt, "get_weather", ARGS)
+    calls = _parse(fmt, decoded)
+    assert len(calls) == 1 and json.loads(calls[0].function.arguments) == ARGS
+    nxt = tpl.render(template_messages(tpl, SYSTEM, _history(calls), fmt), [WEATHER_TOOL], generation=True)
+    if stable:
+        assert nxt.startswith(asked + decoded), (asked + decoded, nxt)
+    else:
+        assert decoded in nxt, (decoded, nxt)
+
+
+def test_gemma3_renders_no_tools_so_they_go_in_the_generic_block() -> None:
+    tpl = _template("gemma3")
+    assert not tpl.supports_tools and not abilities(tpl).tool_calls
+    from backends.tape.model import model_format
+
+    fmt, why = model_format(tpl, "")
+    assert fmt.name == "hermes" and "generic block" in why
+
+
+# --- on the engines -------------------------------------------------------------------------------------------
+ENGINE_FAMILIES = ["qwen3_coder", "llama3", "mistral", "mistral_args", "gpt_oss", "deepseek_v3_1"]
+
+
+def _load(engine: str, name: str) -> Any:
+    from backends.bundled import bundled_gguf_path
+
+    config = Config(num_ctx=2048, chat_template=str(TEMPLATES / f"{name}.jinja"))
+    if engine == "llama":
+        from backends.llama import LlamaBackend
+
+        backend: Any = LlamaBackend()
+    else:
+        from backends.openvino import OpenVINOBackend
+
+        backend = OpenVINOBackend()
+    return backend.load(OpenSessionRequest(path=str(bundled_gguf_path()), type=engine, config=config), lambda _f: None)
+
+
+@pytest.fixture(params=["llama", "openvino"])
+def engine(request: pytest.FixtureRequest) -> Iterator[str]:
+    pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
+    yield request.param
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ENGINE_FAMILIES)
+def test_a_forced_call_in_the_family_syntax_is_reused_next_turn(engine: str, name: str) -> None:
+    family, stable = FAMILIES[name]
+    m = _load(engine, name)
+    try:
+        assert m.tool_format.name == family and "detected" in m.tool_format_origin
+        s = m.open_session()
+        man = m.manifest_defaults()
+        tools = json.dumps([CITY_TOOL])
+        s.ensure_prefix(PrefixInput(text=SYSTEM, manifest=man, tools=tools))
+        s.prefill_suffix(SuffixInput(messages=[ChatMessage(role="user", content=USER)], manifest=man, render=True))
+        asked = len(m.res.tokens)
+        schema = json.dumps(CITY_TOOL["function"]["parameters"])  # type: ignore[index]
+        chunks = list(s.decode(DecodeConfig(max_tokens=120, temperature=0.0, return_token_ids=True,
+                                            structured_output=StructuredOutputConfig(tool_call={"get_weather": schema}))))
+        text = m.prompt_text([t for c in chunks for t in c.token_ids])
+        calls = [c for chunk in chunks for c in chunk.tool_calls]
+        assert chunks[-1].finish_reason == "tool_calls", text
+        assert len(calls) == 1 and calls[0].function.name == "get_weather", text
+        assert set(json.loads(calls[0].function.arguments)) <= {"city"}
+        decoded = len(m.res.tokens)
+        st = s.prefill_suffix(SuffixInput(messages=_history(calls), manifest=man, render=True))
+        if not stable:  # the template renders earlier turns anew: the call is there, in the same words
+            assert text in m.prompt_text(m.res.tokens)
+            return
+        # the whole prompt and the decoded call stay resident, less the call's last few tokens where the
+        # template's rendering of the turn's end joins them differently (at most 4 tokens)
+        assert st.prefix_tokens + st.reused_tokens >= decoded - 4, (st, asked, decoded, text)
+    finally:
+        m.close()

@@ -1,0 +1,172 @@
+"""The tool-call formats by family (``backends/tape/toolformats.py``): parsing each family's documented
+call forms in any chunking, text that is not a call given back as content, and detection from templates.
+
+The call samples are the forms each family's model card or format documentation shows. Rendering
+with the families' published templates, forced calls and their reuse are in ``test_family_templates``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.tape.output import OutputPipeline
+from backends.tape.toolformats import FORMATS, CallParser, detect_format, format_named, parameter_types
+from contract.errors import InvalidArgument
+
+TYPES = {"get_weather": {"city": "string", "days": "integer"}}
+
+#: family -> (a reply, the content, the reasoning, the calls as (name, arguments)) it must come to
+SAMPLES: dict[str, list[tuple[str, str, str, list[tuple[str, dict]]]]] = {
+    "hermes": [
+        ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+         "Let me check. ", "", [("get_weather", {"city": "Paris"})]),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+         '<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}\n</tool_call>',
+         "\n", "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]),
+    ],
+    "qwen3_coder": [
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+         "</parameter>\n</function>\n</tool_call>",
+         "", "", [("get_weather", {"city": "New York", "days": 3})]),
+        ("I'll look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n</function>\n"
+         "</tool_call>", "I'll look.\n", "", [("get_weather", {"city": "42"})]),  # a string stays a string
+    ],
+    "llama3_json": [
+        ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", "", [("get_weather", {"city": "Paris"})]),
+        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+         '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+         "", "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]),
+        ("The weather is {unknown} today.", "The weather is {unknown} today.", "", []),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+         "", "", [("get_weather", {"city": "Paris"})]),
+        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}, '
+         '{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+         "", "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]),
+    ],
+    "mistral_args": [
+        ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}',
+         "Checking.", "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]),
+    ],
+    "harmony": [
+        ('<|channel|>analysis<|message|>User asks for the weather; call the tool.<|end|><|start|>assistant'
+         '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
+         "", "User asks for the weather; call the tool.", [("get_weather", {"city": "Paris"})]),
+        (' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+         "", "", [("get_weather", {"city": "Paris"})]),
+        ("<|channel|>analysis<|message|>Simple.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny."
+         "<|return|>", "It is sunny.", "Simple.", []),
+        ("Plain words from a model that writes no headers.\nSecond line.",
+         "Plain words from a model that writes no headers.\nSecond line.", "", []),
+    ],
+    "deepseek_v3": [
+        ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+         '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "", "", [("get_weather", {"city": "Paris"})]),
+    ],
+    "deepseek_v3_1": [
+        ('Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+         '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+         "Sure.", "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]),
+    ],
+}
+CASES = [(family, *sample) for family, samples in SAMPLES.items() for sample in samples]
+
+
+def _parse(parser: CallParser, pieces: list[str]) -> tuple[str, str, list[tuple[str, dict]], list[str]]:
+    content, reasoning, calls = "", "", []
+    for piece in [*pieces, None]:
+        c, r, k = parser.feed(piece) if piece is not None else parser.finish()
+        content, reasoning, calls = content + c, reasoning + r, calls + k
+    return content, reasoning, [(c.function.name, json.loads(c.function.arguments)) for c in calls], [c.id for c in calls]
+
+
+def _split(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    return [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+
+
+@pytest.mark.parametrize(("family", "reply", "content", "reasoning", "calls"), CASES)
+def test_each_family_reads_its_documented_calls(family: str, reply: str, content: str, reasoning: str,
+                                                calls: list) -> None:
+    parser = FORMATS[family].parser(TYPES)
+    got = _parse(parser, [reply])
+    assert got[:3] == (content, reasoning, calls)
+    assert len(set(got[3])) == len(calls) and all(got[3])  # every call has its own id
+    assert parser.count == len(calls)  # what makes the finish reason "tool_calls"
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+@pytest.mark.parametrize(("family", "reply", "content", "reasoning", "calls"), CASES)
+def test_streamed_in_any_chunking_the_same(family: str, reply: str, content: str, reasoning: str, calls: list,
+                                           cuts: list[int]) -> None:
+    assert _parse(FORMATS[family].parser(TYPES), _split(reply, cuts))[:3] == (content, reasoning, calls)
+
+
+@pytest.mark.parametrize(("family", "reply"), [
+    ("hermes", "<tool_call>\n{not json}\n</tool_call> after"),
+    ("qwen3_coder", "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>"),
+    ("llama3_json", '{"name": "f", "parameters": [1, 2]}'),
+    ("llama3_json", '<|python_tag|>print("hello")'),
+    ("mistral", "[TOOL_CALLS] I would call a tool here"),
+    ("mistral_args", "[TOOL_CALLS]f[ARGS]{broken"),
+    ("harmony", "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{not json<|call|>"),
+    ("deepseek_v3", "<｜tool▁calls▁begin｜>nothing a call looks like<｜tool▁calls▁end｜>"),
+    ("hermes", 'unterminated <tool_call>\n{"name": "f", "arguments": {}}'),
+])
+def test_text_that_is_not_a_call_stays_content(family: str, reply: str) -> None:
+    """Never swallowed, never an error: a model writing about calls, or a broken one, reaches the user."""
+    content, reasoning, calls, _ = _parse(FORMATS[family].parser(), [reply])
+    assert calls == [] and reasoning == ""
+    assert content == reply
+
+
+def test_mistral_calls_get_ids_its_templates_accept() -> None:
+    """Mistral's templates refuse a call id that is not nine letters and digits; one the model wrote is kept."""
+    _, _, _, ids = _parse(FORMATS["mistral"].parser(), [SAMPLES["mistral"][1][0]])
+    assert ids[0] == "a1B2c3D4e" and len(ids[1]) == 9 and ids[1].isalnum() and ids[0] != ids[1]
+
+
+def test_the_pipeline_feeds_the_format_and_its_reasoning() -> None:
+    """Harmony's analysis channel is reasoning without any <think>; a stop string still cuts."""
+    pipe = OutputPipeline(stops=["STOP"], split_thinking=False, tool_format=FORMATS["harmony"])
+    reply = "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>yes STOP no"
+    text = thinking = ""
+    for ch in reply:
+        d = pipe.feed_bytes(ch.encode())
+        text, thinking = text + d.text, thinking + d.thinking
+        if d.stopped:
+            break
+    d = pipe.finish()
+    assert (text + d.text, thinking + d.thinking) == ("yes ", "hmm")
+    assert pipe.markers >= {"<|channel|>", "<|message|>", "<|call|>"}
+
+
+def test_names_and_aliases() -> None:
+    assert format_named("Qwen") is FORMATS["hermes"] and format_named("gpt-oss") is FORMATS["harmony"]
+    assert format_named("llama3") is FORMATS["llama3_json"] and format_named("nope") is None
+    from backends.tape.toolformats import require_format
+
+    with pytest.raises(InvalidArgument, match="not supported"):
+        require_format("nope")
+
+
+def test_parameter_types_read_both_tool_shapes() -> None:
+    openai = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"n": {"type": "integer"}}}}}
+    anthropic = {"name": "g", "input_schema": {"properties": {"s": {"type": "string"}}}}
+    assert parameter_types([openai, anthropic, "junk"]) == {"f": {"n": "integer"}, "g": {"s": "string"}}
+
+
+def test_detection_from_template_source() -> None:
+    assert detect_format("{{ '<|im_start|>' }}{% if tools %}<tool_call>{% endif %}").name == "hermes"
+    assert detect_format("{{ '[TOOL_CALLS]' }}{{ tool.name }}[ARGS]").name == "mistral_args"
+    assert detect_format("{{ '[TOOL_CALLS] [' }}").name == "mistral"
+    assert detect_format("<|start|>assistant to=functions.{{ name }}<|channel|>commentary<|message|>").name == "harmony"
+    assert detect_format("<function={{ name }}>\n<parameter={{ k }}>").name == "qwen3_coder"
+    assert detect_format("<|python_tag|>").name == "llama3_json"
+    assert detect_format("no tools here").name == "hermes"
