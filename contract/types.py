@@ -100,8 +100,8 @@ class Config(_Request):
     kv_cache_type: KVCacheType = ""
     prompt_format: str = ""
     prompt_template_digest: str = ""
-    #: the chat template to serve with: a built-in name ("chatml"), a Jinja file on the daemon's machine, or ""
-    #: for the model's own (ChatML when its file has none)
+    #: the chat template to serve with: a built-in name ("chatml", "llama3", …), a Jinja file on the daemon's
+    #: machine, or "" for the model's own (when its file has none: by its vocabulary's turn tokens, else ChatML)
     chat_template: str = ""
     #: the tool-call format replies are parsed and calls forced in ("hermes", "llama3_json", "mistral", …);
     #: "" detects it from the chat template (Hermes for a template that does not render tools itself)

@@ -181,8 +181,9 @@ class ServeSettings(BaseSettings):
     )
     chat_template: str = Field(
         _DEFAULT.chat_template,
-        description="the preloaded model's chat template: a built-in name (chatml) or a Jinja file; default: the "
-        "model's own, ChatML when its file has none (status says which)",
+        description="the preloaded model's chat template: a built-in name (chatml, qwen2_5, qwen3_coder, llama3, "
+        "mistral, mistral_args, gpt_oss, deepseek_v3_1, gemma3) or a Jinja file; default: the model's own, else the "
+        "one its vocabulary's turn tokens select, else ChatML (status says which)",
     )
     tool_format: str = Field(
         _DEFAULT.tool_format,

@@ -105,8 +105,9 @@ def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
                    "change an answer (OpenVINO: slower decode over a long context; llama.cpp: needs --flash-attn "
                    "--kv-cache-type q8_0)")
     p.add_argument("--chat-template", default="", metavar="NAME|FILE",
-                   help="serve with this chat template: a built-in name (chatml) or a Jinja file on the daemon's "
-                   "machine (default: the model's own; ChatML when its file has none)")
+                   help="serve with this chat template: a built-in name (chatml, qwen2_5, qwen3_coder, llama3, mistral, "
+                   "mistral_args, gpt_oss, deepseek_v3_1, gemma3) or a Jinja file on the daemon's machine (default: "
+                   "the model's own; when its file has none, the one its vocabulary's turn tokens select, else ChatML)")
     p.add_argument("--tool-format", default="", metavar="NAME",
                    help="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, "
                    "llama3_json, mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1; default: detected "

@@ -1,4 +1,4 @@
-"""The families' published chat templates (``tests/templates/``, each citing its release) with the tool formats:
+"""The families' published chat templates (``backends/chat_templates/``, each citing its release) with the tool formats:
 detection, a history with calls and results rendered in the family's own syntax, and a forced call whose text
 is what the template renders back (so the next turn reuses it), on the template alone and then on both engines.
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from backends.tape.conversation import abilities, template_messages
+from backends.tape.templates import TEMPLATE_DIR
 from backends.tape.toolformats import FORMATS, Args, CallId, Lit, ToolFormat, detect_format
 from contract.types import (
     ChatMessage,
@@ -31,7 +31,7 @@ from contract.types import (
 )
 from tests.fixtures import WEATHER_TOOL
 
-TEMPLATES = Path(__file__).parent / "templates"
+TEMPLATES = TEMPLATE_DIR
 SYSTEM = "You are a weather bot."
 #: the tool the engines are forced to call: its city one of a few, so even free-text parameter syntaxes
 #: (Qwen3-Coder's) end in a few tokens whatever the tiny model would ramble
@@ -201,3 +201,17 @@ def test_a_forced_call_in_the_family_syntax_is_reused_next_turn(engine: str, nam
         assert st.prefix_tokens + st.reused_tokens >= decoded - 4, (st, asked, decoded, text)
     finally:
         m.close()
+
+
+def test_built_in_names_and_the_default_a_vocabulary_selects() -> None:
+    from backends.tape.templates import CHATML, builtin_names, choose_template, requested_template
+
+    assert set(FAMILIES) | {"gemma3", "chatml"} <= set(builtin_names())
+    source, origin = requested_template("LLAMA3") or ("", "")
+    assert source == _source("llama3") and origin == "built-in llama3"
+    gemma_vocab = {"<start_of_turn>"}
+    source, origin = choose_template(None, "", gemma_vocab.__contains__)
+    assert source == _source("gemma3") and "its vocabulary has <start_of_turn>" in origin
+    assert choose_template(None, "", {"<|start_header_id|>"}.__contains__)[0] == _source("llama3")
+    assert choose_template(None, "", set().__contains__) == (CHATML, "ChatML (the model's file has none)")
+    assert choose_template(None, "own", gemma_vocab.__contains__) == ("own", "the model's own")

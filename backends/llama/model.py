@@ -111,7 +111,8 @@ class LlamaLoadedModel(TapeModelBase):
         self._n_vocab = int(llm.n_vocab())
         bos_id = int(llm.token_bos())
         own = llm.metadata.get("tokenizer.chat_template", "")
-        source, self.template_origin = choose_template(requested_template, own)
+        source, self.template_origin = choose_template(
+            requested_template, own, lambda text: len(llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)) == 1)
         eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() != -1 else ""
         bos = llm._model.token_get_text(bos_id) if bos_id != -1 else ""
         try:

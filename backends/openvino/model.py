@@ -279,7 +279,9 @@ class OpenVINOLoadedModel(TapeModelBase):
         self.tok = tokenizer
         self.vocab = _Vocab(tokenizer)
         own = str(tokenizer.chat_template or "")
-        source, self.template_origin = choose_template(requested_template, own)
+        source, self.template_origin = choose_template(
+            requested_template, own,
+            lambda text: len(tokenizer.encode(text, add_special_tokens=False).input_ids.data[0]) == 1)
         try:
             template = OpenVINOTemplate(tokenizer, source)
         except jinja2.TemplateError as exc:

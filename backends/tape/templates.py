@@ -8,14 +8,17 @@ file carries no template (a base model) is served with ChatML rather than refuse
 goes to ``status`` (``ActiveModel.chat_template``). The template's digest is part of the manifest, so KV
 computed under one template is never reused under another.
 
-ChatML is the default because it is what most instruction-tuned small models were trained on and it marks
-every turn unambiguously; a model trained on another format answers better under its own template, which
-``--chat-template FILE`` gives it.
+Built-in names: ``chatml`` and the families' published templates in ``backends/chat_templates`` (``qwen2_5``,
+``qwen3_coder``, ``llama3``, ``mistral``, ``mistral_args``, ``gpt_oss``, ``deepseek_v3_1``, ``gemma3``). A model
+with no template gets the one whose turn tokens its vocabulary holds (Gemma's ``<start_of_turn>``, Llama 3's
+``<|start_header_id|>``), else ChatML, which is what most instruction-tuned small models were trained on and
+marks every turn unambiguously.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,8 +32,11 @@ from contract.errors import InvalidArgument
 from .model import ChatTemplate
 
 __all__ = [
-    "BUILTIN",
     "CHATML",
+    "TEMPLATE_DIR",
+    "VOCABULARY_DEFAULTS",
+    "builtin",
+    "builtin_names",
     "JinjaRenderer",
     "check_renders",
     "choose_template",
@@ -47,8 +53,23 @@ CHATML = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-#: the templates a name selects
-BUILTIN: dict[str, str] = {"chatml": CHATML}
+#: the families' published templates (each file's header names its release), selected by their file's name
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "chat_templates"
+#: the turn tokens a model's vocabulary holds as single tokens, and the built-in template they select for a
+#: model whose file carries no template (the vocabulary says more than the architecture: SmolLM2 is a llama)
+VOCABULARY_DEFAULTS = (("<start_of_turn>", "gemma3"), ("<|start_header_id|>", "llama3"))
+
+
+def builtin_names() -> list[str]:
+    return sorted({"chatml", *(p.stem for p in TEMPLATE_DIR.glob("*.jinja"))})
+
+
+def builtin(name: str) -> str | None:
+    """The source of the built-in template ``name`` (None when there is none)."""
+    if name == "chatml":
+        return CHATML
+    path = TEMPLATE_DIR / f"{name}.jinja"
+    return path.read_text(encoding="utf-8") if name.isidentifier() and path.is_file() else None
 
 #: the largest template file read (templates are a few kB; this is a typo guard, not a limit anyone meets)
 _MAX_TEMPLATE_BYTES = 1 << 20
@@ -129,9 +150,9 @@ def requested_template(requested: str) -> tuple[str, str] | None:
     """
     if not requested:
         return None
-    builtin = BUILTIN.get(requested.lower())
-    if builtin is not None:
-        return builtin, f"built-in {requested.lower()}"
+    source = builtin(requested.lower())
+    if source is not None:
+        return source, f"built-in {requested.lower()}"
     path = Path(requested).expanduser()
     try:
         if path.stat().st_size > _MAX_TEMPLATE_BYTES:
@@ -140,7 +161,7 @@ def requested_template(requested: str) -> tuple[str, str] | None:
         source = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidArgument(
-            f"chat template {requested!r} is neither a built-in ({', '.join(sorted(BUILTIN))}) nor a readable "
+            f"chat template {requested!r} is neither a built-in ({', '.join(builtin_names())}) nor a readable "
             f"UTF-8 file: {exc}",
             chat_template=requested,
         ) from None
@@ -149,13 +170,21 @@ def requested_template(requested: str) -> tuple[str, str] | None:
     return source, f"file {path.resolve()}"
 
 
-def choose_template(requested: tuple[str, str] | None, own: str) -> tuple[str, str]:
+def choose_template(
+    requested: tuple[str, str] | None, own: str, single_token: Callable[[str], bool] | None = None
+) -> tuple[str, str]:
     """The template source to serve with, and where it came from (for ``status``): the requested one
-    (``requested_template``), else the model's own ("" when its file has none), else ChatML."""
+    (``requested_template``), else the model's own ("" when its file has none), else the built-in one whose
+    turn tokens the vocabulary has (``VOCABULARY_DEFAULTS``; ``single_token`` says whether a text is one
+    token), else ChatML."""
     if requested is not None:
         return requested
     if own:
         return own, "the model's own"
+    for token, name in VOCABULARY_DEFAULTS:
+        source = builtin(name)
+        if single_token is not None and source is not None and single_token(token):
+            return source, f"built-in {name} (the model's file has none; its vocabulary has {token})"
     return CHATML, "ChatML (the model's file has none)"
 
 
