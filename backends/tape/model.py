@@ -257,6 +257,26 @@ def with_tools(
     return (f"{system}\n\n{block}" if system else block), None
 
 
+#: two user turns that part at their first character (``stable_text``)
+_PROBE_TURNS = ("A", "B")
+
+
+def stable_text(template: ChatTemplate, system: str, tools: list[Any] | None) -> str:
+    """The text every conversation after this system turn begins with, through ``template``.
+
+    That is the system turn rendered alone, for most templates. Some hold the system text back until a user
+    turn comes (Gemma's merges it into the first user turn, Mistral Nemo's into the last): rendered alone it
+    is missing, and the stable part is what two conversations that part at their user turn's first character
+    share.
+    """
+    alone = template.render([{"role": "system", "content": system}], tools, generation=False)
+    if not system.strip() or system.strip() in alone:
+        return alone
+    a, b = (template.render([{"role": "system", "content": system}, {"role": "user", "content": probe}], tools,
+                            generation=True) for probe in _PROBE_TURNS)
+    return a[: next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))]
+
+
 def render_prefix(template: ChatTemplate | None, text: str, tools: list[Any] | None, fmt: ToolFormat | None = None) -> str:
     """The stable prefix as prompt text: the system turn (and tools) through the model's template."""
     if template is None:
@@ -264,7 +284,7 @@ def render_prefix(template: ChatTemplate | None, text: str, tools: list[Any] | N
             raise UnsupportedFeature("the model has no chat template, so it cannot be given tools")
         return text
     system, tools = with_tools(template, text, tools, fmt)
-    return template.render([{"role": "system", "content": system}], tools, generation=False)
+    return stable_text(template, system, tools)
 
 
 def model_format(template: ChatTemplate | None, requested: str) -> tuple[ToolFormat, str]:

@@ -36,6 +36,7 @@ from contract.types import (
 from .cache import SAVE_MIN_TOKENS, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
 from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix, with_tools
+from .model import stable_text as stable_render
 from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
 from .state import check_restorable
@@ -160,7 +161,7 @@ def _target(
     extra: dict[str, Any] = {}
     if suffix.enable_thinking is not None:
         extra["enable_thinking"] = suffix.enable_thinking
-    prefix_text = tpl.render([system], tools, generation=False)
+    prefix_text = stable_render(tpl, system_text, tools)
     if suffix.messages:
         conversation = template_messages(tpl, system_text, suffix.messages, m.tool_format)
     else:
