@@ -2,7 +2,8 @@
 
 * TTFT, cold and warm, through a daemon serving the GGUF (``modeld serve --model GEMMA``; ``auto`` picks
   llama.cpp, as OpenVINO cannot convert it) next to llama-cpp-python's own server on the same GGUF, turns and
-  threads (its ``gemma`` chat format, as the file carries no template). The prefix (~2,000 tokens of the
+  threads (its ``gemma`` chat format, as the file carries no template, with the system text at the head of
+  the user turn as the ``gemma3`` template puts it: that format drops a system message). The prefix (~2,000 tokens of the
   bundled tokenizer) is four times the 512-token sliding window, so a warm turn that kept only the window
   would show as a cold one.
 * Speculation on a K-quant: the decode section's edit turn (return a ~300-token file with one function
@@ -65,9 +66,11 @@ def section(tmp: Path, texts: dict[str, Any]) -> str:
         r = daemon_turns(d, texts["system"], texts["suffixes"])
         with d.client(timeout_s=60.0) as c:
             st = c.status()
+    # the peer's gemma chat format drops a system message (Gemma has no system turn); the gemma3 template
+    # puts the system text at the head of the first user turn, so the peer is sent it there
     with peer_server(tmp, gemma_gguf_path(), NUM_CTX, "--chat_format", "gemma") as port:
-        peer_cold = _sse_ttft(port, texts["system"], FIRST_TURN)
-        peer_warm = statistics.median(_sse_ttft(port, texts["system"], s) for s in texts["suffixes"])
+        peer_cold = _sse_ttft(port, "", f"{texts['system']}\n\n{FIRST_TURN}")
+        peer_warm = statistics.median(_sse_ttft(port, "", f"{texts['system']}\n\n{s}") for s in texts["suffixes"])
     ratio = r["warm_ttft_ms"] / r["cold_ttft_ms"]
     rows: list[tuple[str, Any, str]] = [
         ("engine (auto)", st.backend, st.backend_reason),

@@ -82,3 +82,4 @@ def test_a_forced_tool_call_comes_back_and_is_reused(gemma: Front) -> None:
     # the prompt and the call: Gemma's template renders no tool calls, so the call is history text in the
     # Hermes form, which is the form the forced call was decoded in
     assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 4, (first.usage, second.usage)
+

@@ -98,6 +98,12 @@ class LoadOptions:
                         kv_cache_type=kv,
                     )
         num_batch = min(cfg.num_batch or DEFAULT_NUM_BATCH, num_ctx)
+        # The row-invariant layout (flash attention over a quantized cache) also keeps the weights as the
+        # file has them: the CPU's repacked forms of Q4_0/Q4_K/IQ4 weights (llama.cpp's extra buffer types)
+        # multiply one row and a batch of rows by different kernels, which round apart. Measured on Gemma 3
+        # 270M Q4_K_M with exact decode: repacked, a speculative edit parted from the plain one at token 140
+        # of 200; as in the file, equal. Q4_1 (the bundled model) has no repacked form: nothing changes there.
+        row_invariant = cfg.flash_attn and kv in QUANTIZED_KV_CACHE_TYPES and cfg.num_gpu_layers == 0
         options = cls(
             num_ctx=num_ctx,
             num_batch=num_batch,
@@ -105,7 +111,7 @@ class LoadOptions:
             num_gpu_layers=cfg.num_gpu_layers,
             flash_attn=cfg.flash_attn,
             kv_cache_type=kv,
-            extra_bufts=extra_bufts_default(),
+            extra_bufts=extra_bufts_default() and not row_invariant,
             tensor_split=tuple(cfg.tensor_split),
         )
         if cfg.exact_decode and not options.rows_exact:
@@ -132,9 +138,11 @@ class LoadOptions:
         products take other kernels than a one-token step's. The matrix products are
         per row either way. Measured on the bundled model: logits equal bit for bit over
         5 to 1,900 tokens of context, one token at a time, in checks of 2 to 48 rows and
-        one-shot (0.98-1.18 apart in the default layout). GPU kernels are not covered.
+        one-shot (0.98-1.18 apart in the default layout). GPU kernels are not covered, nor the CPU's
+        repacked weight forms (``extra_bufts``), which the layout turns off (``resolve``).
         """
-        return self.flash_attn and self.kv_cache_type in QUANTIZED_KV_CACHE_TYPES and self.num_gpu_layers == 0
+        return (self.flash_attn and self.kv_cache_type in QUANTIZED_KV_CACHE_TYPES and self.num_gpu_layers == 0
+                and not self.extra_bufts)
 
     def llama_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
