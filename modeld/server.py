@@ -17,9 +17,11 @@
   the first whenever the slot comes free, answering ModelBusy only when a
   request's own timeout runs out.
 
-A little over the house's ~500 lines: the IO loop, the worker loop and the
-slot queue share the in-flight table and the shutdown sequence, which is
-easier to follow in one place than across modules.
+What each operation does, and the session table, are in ``modeld.handlers``;
+this module moves messages: decoding, queueing, the worker loops, replies,
+heartbeats, the wedge watch and the shutdown. It is over the house's ~400
+lines because the IO loop, the worker loop and the slot queue share the
+in-flight table and the shutdown sequence.
 """
 
 from __future__ import annotations
@@ -33,14 +35,12 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import zmq
-from pydantic import BaseModel
 from zmq.utils.monitor import recv_monitor_message
 
 from contract import interrupt, wire
@@ -53,65 +53,31 @@ from contract.errors import (
     InvalidArgument,
     ModelBusy,
     ModeldError,
-    SessionClosed,
     ShuttingDown,
     WireError,
 )
 from contract.messages import (
-    CacheClearReply,
-    CacheClearRequest,
-    CacheListReply,
-    CacheListRequest,
-    CancelReply,
-    CancelRequest,
-    CloseReply,
-    CountTokensRequest,
-    DecodeRequest,
-    EmbedReply,
-    EnsurePrefixRequest,
-    HeartbeatReply,
-    HeartbeatRequest,
-    MetricsReply,
-    MetricsRequest,
-    OpenReply,
-    PrefillSuffixRequest,
-    RestoreRequest,
-    SessionRef,
-    SnapshotReply,
-    SnapshotRequest,
     StatusRequest,
-    TakeoverReply,
-    TakeoverRequest,
-    UnloadReply,
 )
 from contract.types import (
-    ActiveModel,
-    ContextReport,
     DaemonStatus,
-    EmbedRequest,
     Heartbeat,
     LoadModelRequest,
-    ModelInfo,
     OpenSessionRequest,
-    PrefixStatus,
     Progress,
     SlotState,
-    StreamChunk,
-    SuffixStatus,
-    TokenCount,
-    UnloadModelRequest,
-    owner_fingerprint,
 )
 from contract.wire import Kind, Message, Op
 
 from .blobs import BlobStore
 from .coalesce import ChunkCoalescer
+from .handlers import HANDLERS, IO_HANDLERS, STREAM_HANDLERS, Handlers
 from .metrics import Metrics
 from .netsec import check_runtime_dir, is_default_runtime_dir
 from .peers import MONITOR_EVENTS, PeerWatch
 from .priority import lower_this_thread
 from .sdnotify import activated_fd
-from .slot import SlotService, SlotSession
+from .slot import SlotService
 
 log = logging.getLogger("modeld.server")
 
@@ -205,13 +171,8 @@ class Daemon:
         self._embed_work: queue.Queue[tuple[_Inflight, Message] | None] = queue.Queue()
         self._inflight: dict[tuple[bytes, bytes], _Inflight] = {}
         self._inflight_lock = threading.Lock()
-        self._sessions: dict[str, SlotSession] = {}
-        #: session id -> the peer that opened it (``wire.peer_key``); only that peer may use it
-        self._session_peers: dict[str, bytes] = {}
         #: the connections each peer came on, and the peers whose connections all closed (IO thread only)
         self._peers = PeerWatch()
-        #: the peer of the request a worker thread is running (handlers take only the request)
-        self._caller = threading.local()
         #: opens waiting for the slot, oldest first (worker thread only)
         self._parked: deque[_Parked] = deque()
         self._worker = threading.Thread(target=self._worker_main, name="modeld-worker", daemon=True)
@@ -226,6 +187,9 @@ class Daemon:
         #: what ``modeld serve`` exits with: 1 when the model it was told to serve did not load
         self.exit_code = 0
         self.preload_error = ""
+        #: the operations and the session table (``modeld.handlers``)
+        self.handlers = Handlers(slot, blobs, self.metrics, self._stop, daemon_status=self._daemon_status,
+                                 cancel_event=self._cancel_event)
 
     # --- lifecycle -------------------------------------------------------------------------
     def preload(self, req: LoadModelRequest) -> None:
@@ -416,7 +380,7 @@ class Daemon:
         """A holder whose lease ran out mid-operation (a stopped client: its decode streams into a full
         queue) gets that operation cancelled, so the worker is free to reap it within a token."""
         sid = self.slot.expired_holder()
-        peer = self._session_peers.get(sid) if sid else None
+        peer = self.handlers.session_peers.get(sid) if sid else None
         if peer is not None:
             self._cancel_peer(peer)
 
@@ -427,7 +391,7 @@ class Daemon:
         """Every connection of ``peer`` closed (its process is gone): its requests are cancelled and the
         session it holds is released as soon as the worker is free, not at the end of its lease."""
         self._cancel_peer(peer)
-        held = [sid for sid, p in list(self._session_peers.items()) if p == peer]
+        held = self.handlers.sessions_of(peer)
         if any(self.slot.vanished(sid) for sid in held):
             log.info("a client's connections closed: releasing its session without waiting for its lease")
             self._work.put(None)  # a wake-up: the worker reaps it
@@ -589,10 +553,10 @@ class Daemon:
         rid = msg.request_id
         try:
             assert msg.op is not None
-            answer = _IO_HANDLERS.get(msg.op)
+            answer = IO_HANDLERS.get(msg.op)
             if answer is not None:
                 req = wire.decode_body(wire.SCHEMAS[msg.op].request, msg)
-                self._send(router, identity, wire.encode_reply(Kind.OK, rid, answer(self, identity, req)))
+                self._send(router, identity, wire.encode_reply(Kind.OK, rid, answer(self.handlers, identity, req)))
                 self.metrics.request(msg.op.value)
             else:
                 if self._stop.is_set():
@@ -723,26 +687,23 @@ class Daemon:
     def _reap(self) -> None:
         if self.slot.reap():
             log.info("released a session whose lease expired")
-        live = self.slot.holder_id()
-        for sid in [s for s in self._sessions if s != live and not self.slot.lost(s)]:
-            del self._sessions[sid]  # (a session a takeover ended stays, to answer LostOwner until closed)
-            self._session_peers.pop(sid, None)
+        self.handlers.prune()
 
     def _run(self, inf: _Inflight, msg: Message, emit: _Emit) -> None:
         """Decode the request, run its handler, and emit what it answers: the one place replies are encoded."""
         rid = inf.request_id
-        self._caller.peer = wire.peer_key(inf.identity)
+        self.handlers.caller.peer = wire.peer_key(inf.identity)
         try:
             # a cancel, a vanished client or shutdown stops a long prefill between engine steps
             with interrupt.interruptible(inf.cancel):
                 req = wire.decode_body(wire.SCHEMAS[inf.op].request, msg)
-                stream = _STREAM_HANDLERS.get(inf.op)
+                stream = STREAM_HANDLERS.get(inf.op)
                 # metrics are counted before the last reply goes out: a client that reads them
                 # after its answer sees its request in them
                 if stream is not None:
                     coalescer = ChunkCoalescer(self.stream_interval_s)
                     try:
-                        with closing(stream(self, inf, req)) as chunks:
+                        with closing(stream(self.handlers, inf.cancel, req)) as chunks:
                             for chunk in chunks:
                                 if chunk.done:
                                     self.metrics.reply(getattr(req, "session_id", ""), chunk)
@@ -753,7 +714,7 @@ class Daemon:
                         for out in coalescer.flush():  # text held back goes out before any error reply
                             emit(inf, wire.encode_chunk(rid, out))
                 else:
-                    reply = _HANDLERS[inf.op](self, req)
+                    reply = HANDLERS[inf.op](self.handlers, req)
                     self.metrics.reply(getattr(req, "session_id", ""), reply)
                     self.metrics.request(inf.op.value)
                     emit(inf, wire.encode_reply(Kind.OK, rid, reply))
@@ -780,177 +741,27 @@ class Daemon:
             self.exit_code = 1
             self.stop()
 
-    def _session(self, ref: SessionRef, identity: bytes | None = None) -> SlotSession:
-        """The session ``ref`` names, if the calling peer opened it (another peer's id is as unknown as a wrong one)."""
-        peer = wire.peer_key(identity) if identity is not None else getattr(self._caller, "peer", None)
-        sess = self._sessions.get(ref.session_id)
-        if sess is None or peer is None or self._session_peers.get(ref.session_id) != peer:
-            raise SessionClosed("unknown or closed session", session_id=ref.session_id)
-        return sess
-
-    # --- handlers answered by the IO thread: cheap, never wait on the model -----------------------------
-    def _io_status(self, identity: bytes, req: StatusRequest) -> DaemonStatus:
-        st = self.slot.status()
+    # --- what only the daemon knows, for the handlers -------------------------------------------------
+    def _daemon_status(self, st: DaemonStatus) -> DaemonStatus:
         if self._preload_queued and st.state is SlotState.EMPTY:
             st.state, st.busy_operation = SlotState.LOADING, st.busy_operation or Op.LOAD.value
-        st.blobs = self.blobs.stats()
         st.uptime_s = round(time.monotonic() - self._started, 1)
         stalled = self.stalled_s()
         st.worker_stalled_s = round(stalled, 1) if stalled >= 1.0 else None
         st.wedged = self._wedged
         return st
 
-    def _io_cancel(self, identity: bytes, req: CancelRequest) -> CancelReply:
+    def _cancel_event(self, identity: bytes, request_id: bytes) -> threading.Event | None:
         with self._inflight_lock:
-            inf = self._inflight.get((identity, req.request_id))
-        if inf is not None:
-            inf.cancel.set()
-        return CancelReply(cancelled=inf is not None)
+            inf = self._inflight.get((identity, request_id))
+        return inf.cancel if inf is not None else None
 
-    def _io_heartbeat(self, identity: bytes, req: HeartbeatRequest) -> HeartbeatReply:
-        peer = wire.peer_key(identity)
-        mine = [sid for sid in req.session_ids if self._session_peers.get(sid) == peer]
-        return HeartbeatReply(alive=[sid for sid in mine if self.slot.touch(sid)])
-
-    def _io_explain(self, identity: bytes, req: SessionRef) -> ContextReport:
-        return self._session(req, identity).explain_context()
-
-    def _io_metrics(self, identity: bytes, req: MetricsRequest) -> MetricsReply:
-        return MetricsReply(text=self.metrics.text())
-
-    def _io_cache_list(self, identity: bytes, req: CacheListRequest) -> CacheListReply:
-        return CacheListReply(entries=self.slot.cache_entries(), cache=self.slot.status().cache)
-
-    # --- handlers (worker threads): a typed request in, a typed reply out -----------------------------------
-    def _h_load(self, req: LoadModelRequest) -> ActiveModel:
-        return self.slot.load_model(req)
-
-    def _h_unload(self, req: UnloadModelRequest) -> UnloadReply:
-        self.slot.unload_model(req)
-        return UnloadReply(generation=self.slot.generation)
-
-    def _h_describe(self, req: OpenSessionRequest) -> ModelInfo:
-        return self.slot.describe(req)
-
-    def _h_embed(self, req: EmbedRequest) -> EmbedReply:
-        reply = EmbedReply.of(self.slot.embed(req))
-        if any(len(v) != reply.dims for v in reply.vectors):
-            raise Internal("backend returned vectors of different sizes")
-        return reply
-
-    def _h_open(self, req: OpenSessionRequest) -> OpenReply:
-        sess = self.slot.open_session(req)
-        self._session_peers[sess.session_id] = self._caller.peer
-        self._sessions[sess.session_id] = sess
-        status = self.slot.status()
-        return OpenReply(
-            session_id=sess.session_id,
-            generation=sess.generation,
-            num_ctx=sess.num_ctx,
-            manifest=self.slot.manifest_defaults().identity(),
-            active=status.active,
-            lease_s=self.slot.lease_s,
-            sampling=self.slot.sampling_defaults(),
-        )
-
-    def _h_ensure_prefix(self, req: EnsurePrefixRequest) -> PrefixStatus:
-        return self._session(req).ensure_prefix(req.input)
-
-    def _h_prefill_suffix(self, req: PrefillSuffixRequest) -> SuffixStatus:
-        return self._session(req).prefill_suffix(req.input)
-
-    def _h_count_tokens(self, req: CountTokensRequest) -> TokenCount:
-        return self._session(req).count_tokens(req.prefix, req.suffix)
-
-    def _h_snapshot(self, req: SnapshotRequest) -> SnapshotReply:
-        snap = self._session(req).snapshot()
-        return SnapshotReply.of(snap, state_id=self.blobs.put(snap.state), include_state=req.include_state)
-
-    def _h_restore(self, req: RestoreRequest) -> ContextReport:
-        sess = self._session(req)
-        if req.state is not None:
-            state = req.state
-        elif req.snapshot.state_id:
-            state = self.blobs.get(req.snapshot.state_id)
-        else:
-            raise InvalidArgument("restore needs the state bytes as a payload frame or a state_id")
-        sess.restore(req.snapshot.model_copy(update={"state": state}))
-        return sess.explain_context()
-
-    def _h_takeover(self, req: TakeoverRequest) -> TakeoverReply:
-        ended = self.slot.takeover(req.owner_instance_id, req.epoch)
-        return TakeoverReply(owner=owner_fingerprint(req.owner_instance_id), epoch=req.epoch, ended_session=ended)
-
-    def _h_cache_clear(self, req: CacheClearRequest) -> CacheClearReply:
-        # on the worker: no restore reads an entry while it is deleted
-        return CacheClearReply(cleared=self.slot.cache_clear(req.owner_instance_id))
-
-    def _h_close(self, req: SessionRef) -> CloseReply:
-        if self._session_peers.get(req.session_id) != self._caller.peer:
-            return CloseReply(closed=False)  # unknown, or another peer's: nothing is closed or revealed
-        sess = self._sessions.pop(req.session_id, None)
-        self._session_peers.pop(req.session_id, None)
-        self.metrics.forget(req.session_id)
-        self.slot.forget_lost(req.session_id)
-        if sess is not None:
-            sess.close()
-        return CloseReply(closed=sess is not None)
-
-    def _s_decode(self, inf: _Inflight, req: DecodeRequest) -> Generator[StreamChunk, None, None]:
-        """The decode stream: its chunks, then exactly one final (``done``) chunk, or an error."""
-        stream = self._session(req).decode(req.input)
-        final: StreamChunk | None = None
-        try:
-            for chunk in stream:
-                if inf.cancel.is_set():
-                    break
-                if chunk.done:
-                    final = chunk
-                    break
-                yield chunk
-        finally:
-            stream.close()  # cancels the backend within one token when we stopped early
-        if final is None:
-            if self._stop.is_set():
-                raise ShuttingDown("modeld is shutting down; the stream was ended")
-            final = StreamChunk(done=True, finish_reason="cancelled")
-            if not inf.cancel.is_set():
-                raise Cancelled("the stream ended without a final chunk")
-        yield final
+    def _io_status(self, identity: bytes, req: StatusRequest) -> DaemonStatus:
+        """Status as the IO thread answers it (also for a daemon that never served)."""
+        return self.handlers.status(identity, req)
 
 
 _Emit = Callable[[_Inflight, list[bytes]], None]
-
-# Each handler's request type is the one wire.SCHEMAS names for its operation; the
-# dispatch decodes with that schema, so the parameter types here hold at run time.
-_IO_HANDLERS: dict[Op, Callable[[Daemon, bytes, Any], BaseModel]] = {
-    Op.STATUS: Daemon._io_status,
-    Op.CANCEL: Daemon._io_cancel,
-    Op.HEARTBEAT: Daemon._io_heartbeat,
-    Op.EXPLAIN: Daemon._io_explain,
-    Op.CACHE_LIST: Daemon._io_cache_list,
-    Op.METRICS: Daemon._io_metrics,
-}
-
-_HANDLERS: dict[Op, Callable[[Daemon, Any], BaseModel]] = {
-    Op.LOAD: Daemon._h_load,
-    Op.UNLOAD: Daemon._h_unload,
-    Op.DESCRIBE: Daemon._h_describe,
-    Op.EMBED: Daemon._h_embed,
-    Op.OPEN: Daemon._h_open,
-    Op.ENSURE_PREFIX: Daemon._h_ensure_prefix,
-    Op.PREFILL_SUFFIX: Daemon._h_prefill_suffix,
-    Op.COUNT_TOKENS: Daemon._h_count_tokens,
-    Op.SNAPSHOT: Daemon._h_snapshot,
-    Op.RESTORE: Daemon._h_restore,
-    Op.CLOSE: Daemon._h_close,
-    Op.CACHE_CLEAR: Daemon._h_cache_clear,
-    Op.TAKEOVER: Daemon._h_takeover,
-}
-
-_STREAM_HANDLERS: dict[Op, Callable[[Daemon, _Inflight, Any], Generator[StreamChunk, None, None]]] = {
-    Op.DECODE: Daemon._s_decode,
-}
 
 
 def _source_fd(frame: zmq.Frame) -> int:

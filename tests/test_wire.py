@@ -461,10 +461,10 @@ def test_every_operation_has_exactly_one_daemon_handler_taking_its_schema() -> N
     parameter is the type the dispatch decodes with."""
     import typing
 
-    from modeld import server
+    from modeld import handlers
 
-    tables: dict[str, dict[Op, Any]] = {"io": dict(server._IO_HANDLERS), "worker": dict(server._HANDLERS),
-                                        "stream": dict(server._STREAM_HANDLERS)}
+    tables: dict[str, dict[Op, Any]] = {"io": dict(handlers.IO_HANDLERS), "worker": dict(handlers.HANDLERS),
+                                        "stream": dict(handlers.STREAM_HANDLERS)}
     for op, schema in wire.SCHEMAS.items():
         homes = [name for name, table in tables.items() if op in table]
         assert len(homes) == 1, (op, homes)

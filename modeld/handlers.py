@@ -1,0 +1,279 @@
+"""What each operation does: a typed request in, a typed reply (or a stream of chunks) out.
+
+The socket layer (``modeld.server``) decodes a message with the schema ``wire.SCHEMAS`` names for its
+operation, finds the handler in one of three tables here, and encodes what it returns:
+
+* ``IO_HANDLERS`` run on the IO thread: cheap, and never wait on the model (status, cancel, heartbeat,
+  explain, metrics, the cache listing), so they are answered while a decode streams;
+* ``HANDLERS`` run on a worker thread (the model's, or the embedding model's): one at a time against the
+  ``SlotService``;
+* ``STREAM_HANDLERS`` run on the model's worker and yield chunks, then exactly one final chunk.
+
+The handlers also own the session table: which sessions are open and which peer (``wire.peer_key``)
+opened each; only that peer may use or close it, and another peer's id is as unknown as a wrong one.
+What the handlers need of the daemon itself (its own status fields, the cancel event of a request in
+flight) comes in as two callables.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator
+from typing import Any
+
+from pydantic import BaseModel
+
+from contract import wire
+from contract.errors import Cancelled, Internal, InvalidArgument, SessionClosed, ShuttingDown
+from contract.messages import (
+    CacheClearReply,
+    CacheClearRequest,
+    CacheListReply,
+    CacheListRequest,
+    CancelReply,
+    CancelRequest,
+    CloseReply,
+    CountTokensRequest,
+    DecodeRequest,
+    EmbedReply,
+    EnsurePrefixRequest,
+    HeartbeatReply,
+    HeartbeatRequest,
+    MetricsReply,
+    MetricsRequest,
+    OpenReply,
+    PrefillSuffixRequest,
+    RestoreRequest,
+    SessionRef,
+    SnapshotReply,
+    SnapshotRequest,
+    StatusRequest,
+    TakeoverReply,
+    TakeoverRequest,
+    UnloadReply,
+)
+from contract.types import (
+    ActiveModel,
+    ContextReport,
+    DaemonStatus,
+    EmbedRequest,
+    LoadModelRequest,
+    ModelInfo,
+    OpenSessionRequest,
+    PrefixStatus,
+    StreamChunk,
+    SuffixStatus,
+    TokenCount,
+    UnloadModelRequest,
+    owner_fingerprint,
+)
+from contract.wire import Op
+
+from .blobs import BlobStore
+from .metrics import Metrics
+from .slot import SlotService, SlotSession
+
+__all__ = ["HANDLERS", "IO_HANDLERS", "STREAM_HANDLERS", "Handlers"]
+
+
+class Handlers:
+    """The operations, over the slot, the blob store, the metrics and the session table."""
+
+    def __init__(
+        self,
+        slot: SlotService,
+        blobs: BlobStore,
+        metrics: Metrics,
+        stopping: threading.Event,
+        *,
+        daemon_status: Callable[[DaemonStatus], DaemonStatus],
+        cancel_event: Callable[[bytes, bytes], threading.Event | None],
+    ) -> None:
+        self.slot = slot
+        self.blobs = blobs
+        self.metrics = metrics
+        self._stopping = stopping
+        #: adds what only the daemon knows to the slot's status (uptime, the wedge watch, a queued preload)
+        self._daemon_status = daemon_status
+        #: the cancel event of the request (identity, request id) in flight, None when there is none
+        self._cancel_event = cancel_event
+        self.sessions: dict[str, SlotSession] = {}
+        #: session id -> the peer that opened it (``wire.peer_key``); only that peer may use it
+        self.session_peers: dict[str, bytes] = {}
+        #: the peer of the request a worker thread is running (the server sets it; handlers take only the request)
+        self.caller = threading.local()
+
+    # --- the session table ---------------------------------------------------------------------
+    def session(self, ref: SessionRef, identity: bytes | None = None) -> SlotSession:
+        """The session ``ref`` names, if the calling peer opened it (another peer's id is as unknown as a wrong one)."""
+        peer = wire.peer_key(identity) if identity is not None else getattr(self.caller, "peer", None)
+        sess = self.sessions.get(ref.session_id)
+        if sess is None or peer is None or self.session_peers.get(ref.session_id) != peer:
+            raise SessionClosed("unknown or closed session", session_id=ref.session_id)
+        return sess
+
+    def sessions_of(self, peer: bytes) -> list[str]:
+        return [sid for sid, p in list(self.session_peers.items()) if p == peer]
+
+    def prune(self) -> None:
+        """Forget sessions the slot no longer holds (a session a takeover ended stays, to answer LostOwner
+        until closed)."""
+        live = self.slot.holder_id()
+        for sid in [s for s in self.sessions if s != live and not self.slot.lost(s)]:
+            del self.sessions[sid]
+            self.session_peers.pop(sid, None)
+
+    # --- the IO thread: cheap, never waits on the model ------------------------------------------------
+    def status(self, identity: bytes, req: StatusRequest) -> DaemonStatus:
+        st = self.slot.status()
+        st.blobs = self.blobs.stats()
+        return self._daemon_status(st)
+
+    def cancel(self, identity: bytes, req: CancelRequest) -> CancelReply:
+        event = self._cancel_event(identity, req.request_id)
+        if event is not None:
+            event.set()
+        return CancelReply(cancelled=event is not None)
+
+    def heartbeat(self, identity: bytes, req: HeartbeatRequest) -> HeartbeatReply:
+        peer = wire.peer_key(identity)
+        mine = [sid for sid in req.session_ids if self.session_peers.get(sid) == peer]
+        return HeartbeatReply(alive=[sid for sid in mine if self.slot.touch(sid)])
+
+    def explain(self, identity: bytes, req: SessionRef) -> ContextReport:
+        return self.session(req, identity).explain_context()
+
+    def metrics_text(self, identity: bytes, req: MetricsRequest) -> MetricsReply:
+        return MetricsReply(text=self.metrics.text())
+
+    def cache_list(self, identity: bytes, req: CacheListRequest) -> CacheListReply:
+        return CacheListReply(entries=self.slot.cache_entries(), cache=self.slot.status().cache)
+
+    # --- worker threads: a typed request in, a typed reply out -------------------------------------------
+    def load(self, req: LoadModelRequest) -> ActiveModel:
+        return self.slot.load_model(req)
+
+    def unload(self, req: UnloadModelRequest) -> UnloadReply:
+        self.slot.unload_model(req)
+        return UnloadReply(generation=self.slot.generation)
+
+    def describe(self, req: OpenSessionRequest) -> ModelInfo:
+        return self.slot.describe(req)
+
+    def embed(self, req: EmbedRequest) -> EmbedReply:
+        reply = EmbedReply.of(self.slot.embed(req))
+        if any(len(v) != reply.dims for v in reply.vectors):
+            raise Internal("backend returned vectors of different sizes")
+        return reply
+
+    def open(self, req: OpenSessionRequest) -> OpenReply:
+        sess = self.slot.open_session(req)
+        self.session_peers[sess.session_id] = self.caller.peer
+        self.sessions[sess.session_id] = sess
+        status = self.slot.status()
+        return OpenReply(
+            session_id=sess.session_id,
+            generation=sess.generation,
+            num_ctx=sess.num_ctx,
+            manifest=self.slot.manifest_defaults().identity(),
+            active=status.active,
+            lease_s=self.slot.lease_s,
+            sampling=self.slot.sampling_defaults(),
+        )
+
+    def ensure_prefix(self, req: EnsurePrefixRequest) -> PrefixStatus:
+        return self.session(req).ensure_prefix(req.input)
+
+    def prefill_suffix(self, req: PrefillSuffixRequest) -> SuffixStatus:
+        return self.session(req).prefill_suffix(req.input)
+
+    def count_tokens(self, req: CountTokensRequest) -> TokenCount:
+        return self.session(req).count_tokens(req.prefix, req.suffix)
+
+    def snapshot(self, req: SnapshotRequest) -> SnapshotReply:
+        snap = self.session(req).snapshot()
+        return SnapshotReply.of(snap, state_id=self.blobs.put(snap.state), include_state=req.include_state)
+
+    def restore(self, req: RestoreRequest) -> ContextReport:
+        sess = self.session(req)
+        if req.state is not None:
+            state = req.state
+        elif req.snapshot.state_id:
+            state = self.blobs.get(req.snapshot.state_id)
+        else:
+            raise InvalidArgument("restore needs the state bytes as a payload frame or a state_id")
+        sess.restore(req.snapshot.model_copy(update={"state": state}))
+        return sess.explain_context()
+
+    def takeover(self, req: TakeoverRequest) -> TakeoverReply:
+        ended = self.slot.takeover(req.owner_instance_id, req.epoch)
+        return TakeoverReply(owner=owner_fingerprint(req.owner_instance_id), epoch=req.epoch, ended_session=ended)
+
+    def cache_clear(self, req: CacheClearRequest) -> CacheClearReply:
+        # on the worker: no restore reads an entry while it is deleted
+        return CacheClearReply(cleared=self.slot.cache_clear(req.owner_instance_id))
+
+    def close(self, req: SessionRef) -> CloseReply:
+        if self.session_peers.get(req.session_id) != self.caller.peer:
+            return CloseReply(closed=False)  # unknown, or another peer's: nothing is closed or revealed
+        sess = self.sessions.pop(req.session_id, None)
+        self.session_peers.pop(req.session_id, None)
+        self.metrics.forget(req.session_id)
+        self.slot.forget_lost(req.session_id)
+        if sess is not None:
+            sess.close()
+        return CloseReply(closed=sess is not None)
+
+    def decode(self, cancel: threading.Event, req: DecodeRequest) -> Generator[StreamChunk, None, None]:
+        """The decode stream: its chunks, then exactly one final (``done``) chunk, or an error."""
+        stream = self.session(req).decode(req.input)
+        final: StreamChunk | None = None
+        try:
+            for chunk in stream:
+                if cancel.is_set():
+                    break
+                if chunk.done:
+                    final = chunk
+                    break
+                yield chunk
+        finally:
+            stream.close()  # cancels the backend within one token when we stopped early
+        if final is None:
+            if self._stopping.is_set():
+                raise ShuttingDown("modeld is shutting down; the stream was ended")
+            final = StreamChunk(done=True, finish_reason="cancelled")
+            if not cancel.is_set():
+                raise Cancelled("the stream ended without a final chunk")
+        yield final
+
+
+# Each handler's request type is the one wire.SCHEMAS names for its operation; the dispatch decodes with
+# that schema, so the parameter types here hold at run time (``test_wire`` checks every op has one).
+IO_HANDLERS: dict[Op, Callable[[Handlers, bytes, Any], BaseModel]] = {
+    Op.STATUS: Handlers.status,
+    Op.CANCEL: Handlers.cancel,
+    Op.HEARTBEAT: Handlers.heartbeat,
+    Op.EXPLAIN: Handlers.explain,
+    Op.CACHE_LIST: Handlers.cache_list,
+    Op.METRICS: Handlers.metrics_text,
+}
+
+HANDLERS: dict[Op, Callable[[Handlers, Any], BaseModel]] = {
+    Op.LOAD: Handlers.load,
+    Op.UNLOAD: Handlers.unload,
+    Op.DESCRIBE: Handlers.describe,
+    Op.EMBED: Handlers.embed,
+    Op.OPEN: Handlers.open,
+    Op.ENSURE_PREFIX: Handlers.ensure_prefix,
+    Op.PREFILL_SUFFIX: Handlers.prefill_suffix,
+    Op.COUNT_TOKENS: Handlers.count_tokens,
+    Op.SNAPSHOT: Handlers.snapshot,
+    Op.RESTORE: Handlers.restore,
+    Op.CLOSE: Handlers.close,
+    Op.CACHE_CLEAR: Handlers.cache_clear,
+    Op.TAKEOVER: Handlers.takeover,
+}
+
+STREAM_HANDLERS: dict[Op, Callable[[Handlers, threading.Event, Any], Generator[StreamChunk, None, None]]] = {
+    Op.DECODE: Handlers.decode,
+}
