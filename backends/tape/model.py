@@ -12,6 +12,7 @@ its decode steps, and exporting/importing its state bytes.
 from __future__ import annotations
 
 import json
+import os
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -29,8 +30,9 @@ from contract.resident import Resident
 from contract.types import DEFAULT_SAMPLING, Config, DecodeConfig, SamplingParams, SessionSnapshot, SpeculationStatus
 
 from .cache import save_tape
+from .output import resolve_protocols
 from .speculate import MAX_DRAFT, CheckCosts, SpeculationStats
-from .toolformats import FORMATS, ToolFormat, detect_format, format_named, require_format
+from .toolformats import FORMATS, ToolFormat, detect_format, require_format
 
 if TYPE_CHECKING:
     from .session import DecodeSteps, TapeSession
@@ -274,7 +276,7 @@ def stable_text(template: ChatTemplate, system: str, tools: list[Any] | None) ->
         return alone
     a, b = (template.render([{"role": "system", "content": system}, {"role": "user", "content": probe}], tools,
                             generation=True) for probe in _PROBE_TURNS)
-    return a[: next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))]
+    return os.path.commonprefix([a, b])
 
 
 def render_prefix(template: ChatTemplate | None, text: str, tools: list[Any] | None, fmt: ToolFormat | None = None) -> str:
@@ -389,11 +391,9 @@ class TapeModelBase(ABC):
 
     def decode_format(self, cfg: DecodeConfig) -> ToolFormat:
         """The tool-call family a decode forces calls in: the one its parser protocols name, else the model's."""
-        for name in cfg.parser_protocols:
-            found = format_named(name)
-            if found is not None:
-                return found
-        return self.tool_format
+        _, named = resolve_protocols(cfg.parser_protocols, cfg.reasoning_format or self.config.reasoning_format,
+                                     has_tools=True, model_format=self.tool_format)
+        return named or self.tool_format
 
     def marker_pieces(self, markers: frozenset[str]) -> dict[int, bytes]:
         hit = self._marker_ids.get(markers)
