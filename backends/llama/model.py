@@ -1,39 +1,12 @@
 """The llama.cpp engine: a model resident in llama-cpp-python with one persistent KV.
 
-Mechanism
----------
-One ``llama_cpp.Llama`` instance holds the model and ONE context whose KV cache
-(sequence 0) is the session's resident context. Next to it a
-``contract.resident.Resident`` keeps the token tape, and the invariant of this
-module is::
-
-    Resident.tokens == llm.input_ids[:llm.n_tokens] == the tokens in the KV
-
-``ensure_prefix`` renders the stable text through the model's own chat template
-(GGUF ``tokenizer.chat_template``, tools included), tokenizes it, lets
-``Resident.plan_prefix`` decide how much is reusable (manifest identity gate,
-then token longest-common-prefix), removes the rest of the KV with
-``llama_memory_seq_rm`` and prefills only the tail. ``prefill_suffix`` renders
-[system, user] plus the generation prompt and appends the part after the
-rendered prefix; a template that is not prefix-stable is reconciled by a token
-LCP over the whole conversation. ``decode`` samples with a llama.cpp sampler
-chain and evaluates every sampled token into the KV, so a later turn whose
-text contains the previous answer reuses it, and closing the stream at any
-point leaves tape and KV equal.
-
-llama.cpp gotchas handled here
-------------------------------
-* Logits are only valid right after a decode. After a restore, a full-prefix hit
-  or a prefill that added nothing, the last resident token is decoded again
-  before sampling (``n_tokens -= 1; eval([last])``); ``logits_live`` tracks it.
-* ``Llama.eval`` itself drops KV cells at positions >= ``n_tokens``, so
-  "truncate to N and continue" is bookkeeping plus one ``seq_rm``.
-* Per-sequence state (``llama_state_seq_get_data``) is proportional to resident
-  tokens and carries no logits; it is only valid for the same model, KV types,
-  flash-attention layout and session version, so snapshots carry a small header
-  with those and a restore refuses anything else before touching the KV.
-* The AMX workaround and the load-progress hook live in ``backends.llama.native``.
-* ``Llama.embed`` clears the KV: it is never called on the generation instance.
+One ``llama_cpp.Llama`` holds the model and one context whose KV (sequence 0) is
+the session's resident context; a ``contract.resident.Resident`` keeps the token
+tape, and the invariant is ``Resident.tokens == llm.input_ids[:llm.n_tokens] ==``
+the tokens in the KV. Reuse is the manifest gate then the token LCP; only the tail
+is prefilled, and every sampled token is evaluated into the KV. The llama.cpp
+behaviour this works around (logits valid only after a decode, ``eval`` dropping
+cells, per-sequence state without logits): ``docs/engines.md``.
 
 Threading: the daemon calls everything from one worker thread; only
 ``resident_bytes()`` and ``explain_context()`` may run on another thread, and

@@ -1,123 +1,17 @@
-"""The OpenVINO backend: real inference on an OpenVINO IR whose paged KV cache we own.
+"""The OpenVINO engine: an OpenVINO IR whose paged KV block pools we allocate and drive.
 
-Mechanism
----------
-A GGUF is converted once to an IR directory (``backends.openvino.prepare``); an IR
-directory can also be given directly. At load the stateful LLM graph is
-rewritten with OpenVINO's own ``paged_attention_transformation`` (the pass
-openvino-genai's continuous-batching pipeline applies): every attention layer
-becomes a PagedAttention op whose K and V block pools are *model inputs*. We
-allocate those pools ourselves (``num_ctx`` tokens, 32-token blocks on CPU) and
-drive the graph with one ``InferRequest``; block ``i`` holds positions
-``[32i, 32i+32)``, so the block table is the identity. Next to the pools a
-``contract.resident.Resident`` keeps the token tape; the invariant is::
+The stateful graph is rewritten to PagedAttention at load, its K/V pools are model
+inputs owned here (block ``i`` holds positions ``[32i, 32i+32)``), and a
+``contract.resident.Resident`` keeps the token tape equal to what the pools hold.
+Prefill chunks run padded to shape buckets (compiled at load) so a warm turn
+computes what a cold one does; ``Config.exact_decode`` pads decode steps too.
+Sampling is numpy's, structured output is llguidance's (``guidance``), templates
+are rendered by ``JinjaRenderer``. Why each of those, with the measurements:
+``docs/engines.md``.
 
-    Resident.tokens == the tokens whose K/V are in the pools' first blocks
-
-* Reuse: ``ensure_prefix`` renders the stable text with the model's own chat
-  template (``openvino_genai.Tokenizer.apply_chat_template``), tokenizes it, lets
-  ``Resident.plan_prefix`` pick the reusable length (manifest gate, then token
-  LCP) and prefills only the tail, passing ``past_lens = reused``. Cutting the KV
-  to n tokens costs nothing: the next step overwrites cells from n on. The
-  reported reused/prefilled numbers are exactly what was run through the graph.
-* Exactness. Measured on this plugin (bf16 and f32 compute, 16- and 32-bit
-  cache, AVX-512 CPUs with and without AMX): a paged-attention prefill is
-  *split-invariant*: the logits after 700 tokens are bit-identical whether they
-  were prefilled in one chunk or in any split into chunks of >= 5 tokens (bf16;
-  >= 2 with an f32 hint). Another ISA's kernels may round differently, so
-  ``test_prefill_is_split_invariant`` asserts the same greedy token and a
-  logit tolerance, and bit-identity only for a replayed split. Shorter chunks (and every decode step)
-  go through other kernels whose rounding differs (up to ~0.65 in the logits).
-  So:
-
-  - every prefill chunk runs *padded* to a bucket of at least
-    ``MIN_PREFILL_ROWS`` (16) rows (below); a real row's numbers do not depend
-    on the rows after it (causal attention, row-wise matmuls — checked bit for
-    bit), so even a 1-token tail is computed exactly as a cold prefill computes
-    it;
-  - tokens produced by decode (one at a time) are reused by a later prompt that
-    contains them (a conversation resending the model's own reply), as every
-    serving engine does; with ``Config.exact_reuse`` they are not
-    (``exact_len``): the prompt recomputes them as a chunk;
-  - then, exact_reuse or not, warm output equals cold output for a full prefix
-    hit, a partially reused (edited) prefix and a partially reused suffix alike
-    (tested), and the prefill chunk size does not enter the runtime digest;
-  - with ``Config.exact_decode`` a decode step runs padded to the fewest rows
-    that take a prefill's kernels on this CPU (measured at load, see
-    ``graph.EXACT_STEP_ROWS``; 2 here) and a draft's check to at least as many:
-    their logits equal a prefill's bit for bit (measured here at 40 to 6,000
-    tokens of context, bf16 and f32, for steps of 2 rows and checks of 4, 8 and
-    16). The model is then ``rows_exact``: drafts never change an answer, sampled
-    ones included, and a decoded token's KV is what a prefill would compute. The
-    price is decode speed over a long past (a 2-row step costs 1.05x a one-row
-    step at 300 tokens of context, 1.4-1.85x at 2,000, 1.6-2.5x at 4,000, run to
-    run), so it is a setting, not the default.
-
-  The stateful graph driven directly (``VariableState`` trimming) was measured
-  first and dropped: its numerics depend on where a chunk starts (logits moved
-  by ~1.4 of ~33), its attention for a chunk after a past costs ~4 ms/token on
-  2 cores (a 128-token suffix after a 2k prefix: ~560 ms vs ~120-200 ms paged),
-  and reading a variable converts the whole cache (~190 ms per 2k tokens).
-* Shape buckets. The CPU plugin compiles kernels for every new chunk length
-  it meets: the first 121-token chunk after a 2k prefix took ~120 ms, the same
-  chunk again ~90 ms. An agent's turns all have different lengths, so nearly
-  every warm turn paid that. A prefill chunk is therefore padded to a bucket
-  (multiples of 16 rows up to 256, of 64 up to 1,024, then of 256) — the padding
-  rows land in KV cells past the tape, which the next step overwrites — and
-  the buckets a warm turn uses are compiled at load (``warm_up``, ~1 s).
-* Two graphs. The CPU plugin prepares every node of a graph again when its
-  row count changes (~4.5 ms each way here, half a step of the bundled model;
-  two infer requests of one compiled model share that graph), and speculative
-  decoding changes it twice per draft: a step of 1 row, a check of 4-16, a step
-  again. So a model that drafts and is small (``graph.wants_batch_graph``) is
-  compiled twice over the same block pools: decode steps run on one graph,
-  prefill chunks and checks on the other, and neither changes shape between
-  steps. Both compile the same kernels for a shape, so the numbers are the same
-  (tested); the copy's memory is counted in ``resident_bytes`` and the plan.
-* Logits: the LM head is computed for one row per step, the last real one
-  (a ``sample_index`` input, as GenAI's gather-before-matmul does); the
-  last-position logits of every prefill are kept per tape length, so a full
-  prefix hit or a restore samples without recomputing anything.
-* Decode samples in numpy (greedy argmax; top-k → top-p → temperature with a
-  seeded ``numpy.random.Generator``) and feeds every sampled token back through
-  the graph, so the KV always holds the tape. Closing the stream evaluates the
-  token already handed out, then stops: tape and KV stay equal.
-* Snapshots are the used blocks of every K/V pool, byte for byte (bf16/f16:
-  23,040 B/token for SmolLM2-135M, rounded up to whole 32-token blocks), plus
-  the stored logits, after a JSON header (pool names, element type, block
-  layout) — no pickle, no conversion, so restore is lossless by construction and
-  continues bit for bit (tested). A "replay" snapshot (token tape only) is also
-  accepted: restore re-prefills it (exact except for tokens that were decoded).
-
-Parity: greedy output equals openvino-genai's own ``LLMPipeline`` (its default
-paged-attention backend, same precisions) token for token on the normal
-two-chunk path (tested). What this costs versus using a GenAI pipeline: no
-GenAI sampler (reimplemented here), no GenAI grammar engine (XGrammar lives
-inside GenAI's C++ sampler; structured output is done with llguidance token
-masks instead, see ``backends.openvino.guidance``, and equals GenAI's constrained greedy
-output for a JSON schema and a regex, tested), and the paged graph comes from
-``openvino._offline_transformations`` (a documented but underscore-named module).
-
-Precision: ``INFERENCE_PRECISION_HINT`` is the device default unless the backend
-is built with one (bf16 on this AMX CPU; the resolved value is recorded).
-``KV_CACHE_PRECISION`` is "f16" ("" and "f16"; the CPU plugin stores it as bf16
-under a bf16 hint) or "f32" (needs an f32 hint). The quantised caches (u8/u4,
-the CPU default) are refused: a chunk attends to its own keys unquantised and to
-its past quantised, so where a chunk starts moves the numbers — measured on 300
-tokens split at 32/64 (block-aligned) and elsewhere, the final logits differed
-from a one-chunk prefill by up to 0.375 (u8) and 2.0 (u4), so a warm turn would
-not answer like a cold one. The cache type actually compiled, the hint, the
-block size and the context size are the ``runtime_digest``.
-
-Templates are rendered in Python as their publishers render them (``JinjaRenderer``),
-not by GenAI's minja, which *polyfills* tools for templates that do not use them —
-a generic JSON tool prompt, a ``{"tool_calls": …}`` output format no family parser
-reads, string call arguments turned into objects. Tool support is decided from the
-template source (does it reference ``tools``?); tools a template does not render go
-in the generic block (``backends.tape.model.with_tools``).
-
-This module is a little over the house's ~500 lines because the measurements
-above live next to the code they justify; the code itself is ~450 lines.
+Over the house's ~400 lines: the model's seam (load, prefill, decode steps,
+snapshots) shares one pool layout and one tape invariant, and split in two it
+would hand both halves the same private state.
 
 Threading: the daemon calls everything from one worker thread;
 ``resident_bytes()`` and ``explain_context()`` may run on another and only read
@@ -198,7 +92,7 @@ class OpenVINOTemplate:
     tokenizer's minja: minja *polyfills* what it judges a template lacks — its own JSON for tool calls,
     calls' string arguments turned into objects — so a Mistral or DeepSeek conversation would reach the
     model in a format it was never trained on, and differently from the llama.cpp engine. Whether the
-    template renders tools is read from its source (see the module docstring).
+    template renders tools is read from its source (docs/engines.md).
     """
 
     def __init__(self, tok: openvino_genai.Tokenizer, source: str) -> None:
@@ -267,7 +161,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         self.options = options
         self.device = device
         #: decode steps run on ``compiled``; prefill chunks and draft checks on ``batch_compiled``
-        #: when there is one (see "Two graphs" in the module docstring), else on the same request
+        #: when there is one (see "Two graphs" in docs/engines.md), else on the same request
         self._compiled = [compiled] if batch_compiled is None else [compiled, batch_compiled]
         self._step_req = compiled.create_infer_request()
         self._batch_req = self._step_req if batch_compiled is None else batch_compiled.create_infer_request()
@@ -355,7 +249,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         """The settings that change numerics (and so KV reuse and snapshot validity).
 
         The prefill chunk size is not one of them: paged-attention prefill is
-        split-invariant (see the module docstring and the tests).
+        split-invariant (docs/engines.md, and the tests).
         """
         return {
             "attention": "paged",
