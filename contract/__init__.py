@@ -1,4 +1,4 @@
-"""The modeld contract: types, errors, manifest, interfaces, wire codec and the reference MemoryService.
+"""The modeld contract: types, errors, manifest, interfaces and the wire codec.
 
 Dependency-light on purpose (pydantic and msgpack only): the runtime client and
 every backend import it; it imports none of them.
@@ -38,8 +38,6 @@ from .errors import (
 )
 from .interfaces import Backend, LoadedModel, ModelController, Service, Session
 from .manifest import ContextManifest, byte_hash, canonical_digest, common_prefix_len, token_hash
-from .memory import MemoryBackend, MemoryService, with_owner_fence
-from .resident import Resident
 from .types import (
     ActiveModel,
     Config,
@@ -93,8 +91,6 @@ __all__ = [
     "LoadModelRequest",
     "LoadedModel",
     "ManifestMismatch",
-    "MemoryBackend",
-    "MemoryService",
     "ModelBusy",
     "ModelController",
     "ModelInfo",
@@ -107,7 +103,6 @@ __all__ = [
     "OwnerError",
     "PrefixInput",
     "PrefixStatus",
-    "Resident",
     "Service",
     "Session",
     "SessionClosed",
@@ -138,5 +133,4 @@ __all__ = [
     "errors",
     "token_hash",
     "wire",
-    "with_owner_fence",
 ]

@@ -1,6 +1,6 @@
 """The contract's three interfaces, as structural Protocols.
 
-Implementations (MemoryService, the backend services, the daemon's slot service
+Implementations (``backends.memory.MemoryService``, the backend services, the daemon's slot service
 and the remote client) do not inherit from these; conformance is checked by mypy
 and by the shared suite in ``tests/conformance.py``.
 """

@@ -12,6 +12,10 @@ over the tape positions a prefill computes, the engine reports each finished
 chunk with ``prefilled``, and the daemon's IO thread reads ``prefill_progress``
 for the heartbeats of the request the model worker runs. There is one model
 worker, so there is one window at a time.
+
+It lives in the contract although it holds state: it is the one channel the
+daemon and every backend share beside the Session interface, and the daemon
+imports no backend (only ``modeld.bootstrap`` does), so neither side can own it.
 """
 
 from __future__ import annotations

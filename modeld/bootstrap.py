@@ -217,7 +217,7 @@ def build_cache(opts: ServeOptions) -> StateCacheStore | None:
 
 def build_backend(opts: ServeOptions, cache: StateCache | None = None) -> Backend:
     if opts.backend == "memory":
-        from contract.memory import MemoryBackend
+        from backends.memory import MemoryBackend
 
         return MemoryBackend(token_delay_s=opts.memory_token_delay_ms / 1000.0)
     if opts.backend == "llama":

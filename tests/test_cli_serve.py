@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from contract.memory import MemoryBackend
+from backends.memory import MemoryBackend
 from contract.messages import StatusRequest
 from contract.types import SlotState, owner_fingerprint
 from modeld.bootstrap import ServeOptions, build_daemon, build_slot, preload_request

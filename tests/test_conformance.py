@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from contract.memory import MemoryService
+from backends.memory import MemoryService
 from contract.types import Config, OpenSessionRequest
 
 from .conformance import SCENARIOS, Target

@@ -58,7 +58,7 @@ from tests.fixtures import WEATHER_TOOL
 
 
 def _memory() -> Engine:
-    from contract.memory import MemoryBackend
+    from backends.memory import MemoryBackend
 
     return Engine(
         name="memory",

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from backends.memory import MAX_NUM_CTX, MemoryBackend
 from contract.errors import (
     BackendMismatch,
     ContextOverflow,
@@ -32,7 +33,6 @@ from contract.errors import (
     SlotGenerationStale,
     StaleFence,
 )
-from contract.memory import MAX_NUM_CTX, MemoryBackend
 from contract.types import (
     Config,
     DecodeConfig,

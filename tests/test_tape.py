@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from backends.resident import check_model_type
 from backends.tape import draft_costs as costs_mod
 from backends.tape.model import TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
 from backends.tape.session import DecodeSteps, TapeSession
@@ -42,7 +43,6 @@ from contract.errors import (
     SessionClosed,
     SnapshotRejected,
 )
-from contract.resident import check_model_type
 from contract.types import Config, DecodeConfig, PrefixInput, SessionSnapshot, StreamChunk, SuffixInput
 
 MAGIC = b"TOY-TAPE-STATE1\0"

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import llama_cpp
 
+from backends.resident import check_model_type
 from contract.errors import ModelLoadFailed, UnsupportedFeature
 from contract.interfaces import StateCache
-from contract.resident import check_model_type
 from contract.sizing import LLAMA_CPP_OVERHEAD, MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 

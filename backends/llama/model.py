@@ -1,7 +1,7 @@
 """The llama.cpp engine: a model resident in llama-cpp-python with one persistent KV.
 
 One ``llama_cpp.Llama`` holds the model and one context whose KV (sequence 0) is
-the session's resident context; a ``contract.resident.Resident`` keeps the token
+the session's resident context; a ``backends.resident.Resident`` keeps the token
 tape, and the invariant is ``Resident.tokens == llm.input_ids[:llm.n_tokens] ==``
 the tokens in the KV. Reuse is the manifest gate then the token LCP; only the tail
 is prefilled, and every sampled token is evaluated into the KV. The llama.cpp

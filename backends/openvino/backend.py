@@ -11,9 +11,9 @@ import openvino as ov
 import openvino_genai
 import psutil
 
+from backends.resident import check_model_type
 from contract.errors import Internal, UnsupportedFeature
 from contract.interfaces import StateCache
-from contract.resident import check_model_type
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 

@@ -2,7 +2,7 @@
 
 The stateful graph is rewritten to PagedAttention at load, its K/V pools are model
 inputs owned here (block ``i`` holds positions ``[32i, 32i+32)``), and a
-``contract.resident.Resident`` keeps the token tape equal to what the pools hold.
+``backends.resident.Resident`` keeps the token tape equal to what the pools hold.
 Prefill chunks run padded to shape buckets (compiled at load) so a warm turn
 computes what a cold one does; ``Config.exact_decode`` pads decode steps too.
 Sampling is numpy's, structured output is llguidance's (``guidance``), templates

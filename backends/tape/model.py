@@ -26,9 +26,9 @@ from contract.errors import (
 )
 from contract.interfaces import StateCache
 from contract.manifest import ContextManifest, canonical_digest
-from contract.resident import Resident
 from contract.types import DEFAULT_SAMPLING, Config, DecodeConfig, SamplingParams, SessionSnapshot, SpeculationStatus
 
+from ..resident import Resident
 from .cache import save_tape
 from .output import resolve_protocols
 from .speculate import MAX_DRAFT, CheckCosts, SpeculationStats

@@ -19,7 +19,6 @@ from typing import Any, Protocol
 from contract import interrupt
 from contract.errors import InvalidArgument, ManifestMismatch, SessionClosed, UnsupportedFeature
 from contract.manifest import ContextManifest, common_prefix_len
-from contract.resident import PrefixPlan, check_manifest_names
 from contract.types import (
     ContextReport,
     DecodeConfig,
@@ -33,6 +32,7 @@ from contract.types import (
     check_conversation,
 )
 
+from ..resident import PrefixPlan, check_manifest_names
 from .cache import SAVE_MIN_TOKENS, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
 from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix, with_tools

@@ -18,9 +18,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
-from .errors import BackendMismatch, ContextOverflow, ManifestMismatch, SnapshotRejected
-from .manifest import ContextManifest, byte_hash, common_prefix_len, token_hash
-from .types import ContextReport, PrefixStatus, SessionSnapshot, SuffixStatus
+from contract.errors import BackendMismatch, ContextOverflow, ManifestMismatch, SnapshotRejected
+from contract.manifest import ContextManifest, byte_hash, common_prefix_len, token_hash
+from contract.types import ContextReport, PrefixStatus, SessionSnapshot, SuffixStatus
 
 
 def check_model_type(model_type: str, backend: str) -> None:

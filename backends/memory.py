@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 
-from .errors import (
+from contract.errors import (
     ContextOverflow,
     InvalidArgument,
     SessionClosed,
@@ -29,10 +29,9 @@ from .errors import (
     StaleFence,
     UnsupportedFeature,
 )
-from .manifest import ContextManifest, byte_hash, canonical_digest, common_prefix_len
-from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type
-from .sizing import MemoryPool, ModelFacts
-from .types import (
+from contract.manifest import ContextManifest, byte_hash, canonical_digest, common_prefix_len
+from contract.sizing import MemoryPool, ModelFacts
+from contract.types import (
     DEFAULT_SAMPLING,
     ChatMessage,
     ContextReport,
@@ -52,6 +51,8 @@ from .types import (
     TokenCount,
     check_conversation,
 )
+
+from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type
 
 BACKEND_NAME = "memory"
 DEFAULT_NUM_CTX = 4096
