@@ -836,6 +836,37 @@ def test_draft_costs_are_measured_once_per_model_and_kept_on_disk(
     assert costs_mod.draft_costs(ToyModel(num_ctx=16), tmp_path) == CheckCosts.prior() and len(calls) == 1
 
 
+class LlamaNamedToy(ToyModel):
+    """Names its window as llama.cpp's runtime identity does."""
+
+    def runtime_identity(self) -> dict[str, Any]:
+        return {"n_ctx": self.num_ctx}
+
+
+def test_a_cost_table_serves_every_window_and_a_growthless_one_is_replaced(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(costs_mod, "measure", _fixed_measure(calls))
+    # the window is not part of the key, whichever name the engine gives it
+    for cls in (ToyModel, LlamaNamedToy):
+        assert costs_mod.cost_key(cls(num_ctx=1024)) == costs_mod.cost_key(cls(num_ctx=32768))
+    # a window too small to time the longer context keeps a table with no growth ...
+    small = costs_mod.draft_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), tmp_path)
+    assert calls == ["sha256:toymodel"] and small.growth() == [0.0] * (MAX_DRAFT + 1)
+    # ... which another small window reads, while a window with room measures the growth and replaces it
+    assert costs_mod.draft_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), tmp_path) == small
+    assert len(calls) == 1
+    full = costs_mod.draft_costs(ToyModel(num_ctx=8192), tmp_path)
+    assert calls[1:] == ["sha256:toymodel", f"sha256:toymodel after {costs_mod.LONG_CONTEXT_TOKENS}"]
+    assert full.growth() != small.growth()
+    # from then on every window, small or large, drafts by the full table and measures nothing
+    for n in (costs_mod.MIN_LONG_CONTEXT_TOKENS, 2048, 32768):
+        assert costs_mod.draft_costs(LlamaNamedToy(num_ctx=n), tmp_path) == full
+    assert costs_mod.draft_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), tmp_path) == full
+    assert len(calls) == 3
+
+
 def test_measuring_draft_costs_leaves_nothing_resident(monkeypatch: pytest.MonkeyPatch) -> None:
     model = ToyModel(num_ctx=1024)
     prefilled: list[int] = []

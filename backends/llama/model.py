@@ -132,6 +132,10 @@ class LlamaLoadedModel(TapeModelBase):
     def runtime_identity(self) -> dict[str, Any]:
         return self.options.runtime_identity()
 
+    def cost_identity(self) -> dict[str, Any]:
+        """The thread count: it changes what a step and a check cost, not their numbers."""
+        return {"n_threads": self.options.num_threads}
+
     @property
     def vocab_size(self) -> int:
         return self._n_vocab

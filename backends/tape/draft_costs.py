@@ -19,7 +19,9 @@ timed at load on a short throwaway context and again on a longer one
   the engine, its version, the model digest, the settings that change its
   kernels (threads, precisions; not the context size) and the CPU, so a
   restarted daemon drafts exactly as before and pays no second measurement. A
-  missing, unreadable or unwritable file only means measuring again.
+  missing, unreadable or unwritable file only means measuring again. A table
+  timed in a window too small for the longer context holds no growth; a later
+  load whose window has room measures again and replaces it.
 
 Each row count is timed ``REPS`` times, interleaved, after one untimed round
 (first use of a shape allocates), and the fastest is kept: on a shared machine
@@ -80,6 +82,9 @@ _FILLER = (
     "The function above multiplies two numbers and returns the result to its caller. "
 )
 FILE_NAME = "draft-costs.json"
+#: the context size, as each engine's runtime identity names it: not part of a table's key (a daemon
+#: restarted with another window drafts as before and measures nothing)
+CONTEXT_KEYS = ("num_ctx", "n_ctx")
 #: a measurement is taken again when it is implausible (``plausible``), at most this many times in all
 MEASURE_ATTEMPTS = 2
 #: steps a check may cost beyond its row count before the table counts as disturbed
@@ -88,7 +93,7 @@ PLAUSIBLE_SLACK = 0.5
 
 def cost_key(m: TapeModel) -> str:
     """What a cost table is valid for: the engine and its kernels' settings, the model and the CPU."""
-    identity = {k: v for k, v in m.reuse_identity().items() if k not in ("num_ctx", "exact_reuse")}
+    identity = {k: v for k, v in m.reuse_identity().items() if k not in (*CONTEXT_KEYS, "exact_reuse")}
     identity |= m.cost_identity()
     return canonical_digest(
         {
@@ -128,6 +133,9 @@ def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:
         return CheckCosts.prior()  # a context this small leaves drafts little room anyway
     key = cost_key(m)
     stored = _load(cache_dir).get(key)
+    longest = min(LONG_CONTEXT_TOKENS, m.num_ctx - rows - 1)
+    if stored is not None and not _grows(stored) and longest >= MIN_LONG_CONTEXT_TOKENS:
+        stored = None  # timed in a window too small to see the growth this window can measure
     if stored is not None:
         try:
             costs = CheckCosts(stored["costs"], stored["growth"], stored["switch"])
@@ -140,7 +148,7 @@ def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:
     for _attempt in range(MEASURE_ATTEMPTS):
         short, switch = measure(m)
         longer: dict[int, float] | None = None
-        tokens = min(LONG_CONTEXT_TOKENS, m.num_ctx - rows - 1)
+        tokens = longest
         if tokens >= MIN_LONG_CONTEXT_TOKENS:
             longer, _ = measure(m, context=tokens)
         costs = CheckCosts.from_points(short, m.check_rows, longer, tokens - CONTEXT_TOKENS, switch)
@@ -157,9 +165,15 @@ def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:
     log.info("draft check costs measured in %.2f s (in plain steps): %s", time.perf_counter() - t0, costs)
     if cache_dir is not None:
         table = _load(cache_dir)
-        table[key] = {"costs": costs.table(), "growth": costs.growth(), "switch": costs.switch()}
+        table[key] = {"costs": costs.table(), "growth": costs.growth(), "switch": costs.switch(),
+                      "context": tokens if tokens >= MIN_LONG_CONTEXT_TOKENS else 0}
         _save(cache_dir, table)
     return costs
+
+
+def _grows(stored: dict[str, Any]) -> bool:
+    """Whether a kept table was timed on a longer context too (tables kept before ``context`` was: yes)."""
+    return bool(stored.get("context", LONG_CONTEXT_TOKENS)) if isinstance(stored, dict) else True
 
 
 def plausible(costs: CheckCosts) -> bool:
