@@ -1,4 +1,4 @@
-"""The tool-call formats by family (``backends/tape/toolformats.py``): parsing each family's documented
+"""The tool-call formats by family (``backends/tape/toolformats/``): parsing each family's documented
 call forms in any chunking, text that is not a call given back as content, and detection from templates.
 
 The call samples are the forms each family's model card or format documentation shows. Rendering
