@@ -25,6 +25,9 @@ the preparation again is a no-op. A file lock serialises two concurrent runs.
 The conversion needs torch (``torch==2.13.0``, the CPU wheel) and transformers at
 conversion time only: nothing here is imported by the daemon at run time except
 the two path functions, which touch neither.
+
+A little over ~400 lines: the two conversions share the download check, the paths and the
+verification of what they wrote.
 """
 
 from __future__ import annotations

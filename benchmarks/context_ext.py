@@ -50,6 +50,9 @@ Example::
     python -m benchmarks.context_ext write --method ntk --scale 4 --out-dir /tmp/ctx
     python -m benchmarks.context_ext ppl --model /tmp/ctx/<file>.gguf --text code --out ntk4.json
     python -m benchmarks.context_ext table orig.json ntk4.json
+
+A bench script of its own (``python -m benchmarks.context_ext``): its length is its three writers,
+its measurements and their tables.
 """
 
 from __future__ import annotations

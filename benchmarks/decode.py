@@ -69,6 +69,8 @@ whose steps cost more over a long past on OpenVINO (``long_prompt_rows``).
 Targets (issue: speed): daemon / in-process >= 0.97 on both engines;
 speculative >= 2x plain on the edit task on one engine and >= 1.5x on the other,
 <= 3% slower on prose.
+
+A bench section is one script: its length is its tasks, its passes and its table.
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ Sections (``--sections`` picks some):
 * ``embed``    – embeddings/s, batch 1 and 32, next to sentence-transformers.
 
 Targets are printed next to the measured ratios; nothing here asserts timings.
+
+Over ~400 lines: the sections' registry, the shared daemon and peer set-up, and the summary table.
 """
 
 from __future__ import annotations

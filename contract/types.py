@@ -3,6 +3,10 @@
 Names are snake_case; on the wire (msgpack) every field uses its name. Request types forbid unknown fields so
 a misspelt option is an ``InvalidArgument`` rather than silently ignored; report
 types ignore unknown fields so an older client can read a newer daemon.
+
+Over the house's ~400 lines on purpose: this is the contract's whole vocabulary, every value a
+client and the daemon exchange. Split by topic, the parts would import each other's field types back,
+and the wire's schema table and the exports test read it as one list.
 """
 
 from __future__ import annotations

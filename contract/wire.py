@@ -30,6 +30,9 @@ Two layers, both here: the envelope (``encode_request`` / ``decode_request``,
 as ``contract.messages`` declares them; ``SCHEMAS`` says which schema each
 operation takes and answers). The daemon and the client build and read every
 body through them; neither packs a frame by hand.
+
+Over ~400 lines on purpose: the frame layout, the codec and the table of operations and their
+schemas change together (a new operation is a line here and a handler), and each needs the others.
 """
 
 from __future__ import annotations

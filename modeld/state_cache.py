@@ -40,6 +40,9 @@ key and tokens, the header against the snapshot schema; a corrupt or foreign
 file is deleted and reported (``rejected``, ``last_rejection``), never restored.
 Budgets of 0 turn a tier off; ``None`` sizes it automatically (RAM from the
 capacity planner's spare memory after each load, disk from the free space).
+
+Over ~400 lines on purpose: the RAM and disk tiers share one entry table under one lock, and the
+write-back thread moves entries from one to the other; the rules below are the module's whole job.
 """
 
 from __future__ import annotations

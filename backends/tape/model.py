@@ -7,6 +7,10 @@ depend on the engine (identity, session generations, epochs, BOS policy,
 template checks, the manifest a client should use, closing). An engine class
 derives from the base and supplies only what differs: tokenizing, KV mechanics,
 its decode steps, and exporting/importing its state bytes.
+
+Over ~400 lines on purpose: the ``TapeModel`` protocol and the base class that implements its
+engine-independent half are read side by side; the base's rules (BOS, templates, identity) are
+what every engine inherits.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ rendering with token-level reconciliation, the decode loop (pending-token
 evaluation, cancel on close, epochs, finish reasons, usage), and the checks
 before a restore. The engine supplies a ``DecodeSteps`` per decode pass and its
 state bytes (see ``backends.tape.model.TapeModel``).
+
+Over ~400 lines on purpose: the Session's five operations keep one invariant, and each one's
+rollback rests on the others' bookkeeping (tape, epochs, pending token), so they stay one class.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ turns reuse each other as any client's do:
   ``previous_response_id`` continues it with only the new input: the stored
   conversation is resent to the slot, whose KV still holds it, so the turn is
   as warm as a stateless one that resends everything.
+
+Over ~400 lines on purpose: the request's translation and the streamed event sequence walk the
+same output items (message, reasoning, function calls), and the stored responses share them too.
 """
 
 from __future__ import annotations
