@@ -23,9 +23,8 @@ from .types import DeviceInfo
 
 __all__ = [
     "DEFAULT_N_BATCH",
+    "DEFAULT_OVERHEAD",
     "KV_BYTES_PER_ELEMENT",
-    "LLAMA_CPP_OVERHEAD",
-    "OPENVINO_OVERHEAD",
     "MemoryPool",
     "ModelFacts",
     "OverheadModel",
@@ -74,17 +73,9 @@ class OverheadModel:
     kq_copies: float = 1.0
 
 
-#: llama.cpp (llama-cpp-python): compute buffer and KQ scores without flash attention.
-#: The logits term is 0: llama-cpp-python allocates an (n_batch, n_vocab) float32
-#: ``scores`` array but, without logits_all, writes only its last row, so the rest
-#: is never backed by RAM (``make bench``: RSS growth was 20% below the estimate
-#: that counted it, and 6% below without it).
-LLAMA_CPP_OVERHEAD = OverheadModel(name="llama.cpp", logits_copies=0.0)
-#: OpenVINO: paged attention keeps no n_ctx-sized score matrix, but the CPU plugin's
-#: compiled model and runtime hold far more than llama.cpp's: ``make bench`` measured
-#: 470 MB of RSS growth for load + a 4k prefill of the bundled model where weights
-#: and KV are 187 MB (openvino 2026.4.1), hence a fixed part of 280 MiB.
-OPENVINO_OVERHEAD = OverheadModel(name="openvino", fixed_bytes=280 * 1024 * 1024, kq_copies=0.0)
+#: the coefficients an engine without a calibrated model is planned with; each engine's own, measured
+#: by ``make bench``, is in its registry entry (``backends.registry``)
+DEFAULT_OVERHEAD = OverheadModel(name="default")
 
 
 class _GGUFLike(Protocol):
@@ -140,7 +131,7 @@ class ModelFacts:
     n_embd: int = 0
     n_head: int = 0
     flash_attn: bool = False
-    overhead: OverheadModel = field(default=LLAMA_CPP_OVERHEAD)
+    overhead: OverheadModel = field(default=DEFAULT_OVERHEAD)
 
     def __post_init__(self) -> None:
         for name in ("n_ctx_train", "n_layer", "n_head_kv", "head_dim_k", "head_dim_v", "n_batch"):
@@ -165,7 +156,7 @@ class ModelFacts:
         n_batch: int = DEFAULT_N_BATCH,
         flash_attn: bool = False,
         n_swa_layers: int = 0,
-        overhead: OverheadModel = LLAMA_CPP_OVERHEAD,
+        overhead: OverheadModel = DEFAULT_OVERHEAD,
     ) -> ModelFacts:
         """Facts from ``backends.gguf_file.read_gguf``; the SWA layer pattern is not in GGUF scalars."""
         raw = g.raw

@@ -10,12 +10,13 @@ import llama_cpp
 from contract.errors import ModelLoadFailed, UnsupportedFeature
 from contract.interfaces import StateCache
 from contract.resident import check_model_type
-from contract.sizing import LLAMA_CPP_OVERHEAD, MemoryPool, ModelFacts, kv_bytes_per_token
+from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
 from ..bundled import model_cache_dir
 from ..digest import file_digest
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
+from ..registry import engine
 from ..tape.draft_costs import draft_costs
 from ..tape.model import check_digest
 from ..tape.templates import requested_template
@@ -133,7 +134,7 @@ class LlamaBackend:
             n_batch=req.config.num_batch or DEFAULT_NUM_BATCH,
             # A quantized V cache turns flash attention on (see LoadOptions).
             flash_attn=req.config.flash_attn or kv_type in QUANTIZED_KV_CACHE_TYPES,
-            overhead=LLAMA_CPP_OVERHEAD,
+            overhead=engine(BACKEND_NAME).overhead,
         )
 
     def memory_pools(self) -> Sequence[MemoryPool]:

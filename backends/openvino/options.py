@@ -12,12 +12,13 @@ from typing import Any
 import openvino as ov
 
 from contract.errors import Internal, ModelLoadFailed, UnsupportedFeature
-from contract.sizing import OPENVINO_OVERHEAD, ModelFacts
+from contract.sizing import ModelFacts
 from contract.types import Config
 
 from ..bundled import model_cache_dir
 from ..digest import file_digest, files_digest
 from ..gguf_file import is_gguf, read_gguf
+from ..registry import engine
 from ..tape.model import resolve_num_ctx
 from .graph import MIN_PREFILL_ROWS, wants_batch_graph
 from .prepare import IR_FILES, ir_dir_for, is_complete_ir, prepare_ir
@@ -47,7 +48,7 @@ class ModelShape:
     def sizing(self, kv_precision: str, n_batch: int = DEFAULT_PREFILL_CHUNK, *, batch_graph: bool = False) -> ModelFacts:
         """The shape as the sizing module's facts (f16 and bf16 caches cost the same two bytes an element);
         with ``batch_graph`` the overhead holds the second compiled graph (``graph.wants_batch_graph``)."""
-        overhead = OPENVINO_OVERHEAD
+        overhead = engine("openvino").overhead
         if batch_graph:
             overhead = replace(overhead, fixed_bytes=overhead.fixed_bytes + self.batch_graph_bytes())
         return ModelFacts(
