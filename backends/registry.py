@@ -218,8 +218,10 @@ ENGINES: dict[str, EngineSpec] = {
             # Paged attention keeps no n_ctx-sized score matrix, but the CPU plugin's compiled
             # model and runtime hold far more than llama.cpp's: ``make bench`` measured 470 MB
             # of RSS growth for load + a 4k prefill of the bundled model where weights and KV
-            # are 187 MB (openvino 2026.4.1), hence a fixed part of 280 MiB.
-            overhead=OverheadModel(name="openvino", fixed_bytes=280 * 1024 * 1024, kq_copies=0.0),
+            # are 187 MB (openvino 2026.4.1), hence a fixed part of 280 MiB. That measurement was of
+            # the whole runtime, logits and activations included: the fixed part is all of it.
+            overhead=OverheadModel(name="openvino", fixed_bytes=280 * 1024 * 1024, logits_copies=0.0,
+                                   compute_rows=0.0, kq_copies=0.0),
             backend=_openvino_backend,
             embedder=_openvino_embedder,
             prepare=_openvino_prepare,
