@@ -18,10 +18,8 @@ from ..bundled import model_cache_dir
 from ..digest import file_digest
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
 from ..registry import engine
-from ..tape.draft_costs import draft_costs
+from ..tape.loading import check_load, finish_load
 from ..tape.model import check_digest
-from ..tape.templates import requested_template
-from ..tape.toolformats import require_format
 from .model import BACKEND_NAME, LlamaLoadedModel
 from .native import map_errors, open_llama, runtime_version, system_info
 from .options import DEFAULT_NUM_BATCH, LoadOptions, shape_from_scalars
@@ -55,10 +53,7 @@ class LlamaBackend:
         return runtime_version()
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> LlamaLoadedModel:
-        check_model_type(req.type, BACKEND_NAME)
-        template = requested_template(req.config.chat_template)  # a bad name or file: refused before the load
-        if req.config.tool_format:
-            require_format(req.config.tool_format)
+        template = check_load(req, BACKEND_NAME)
         progress(0.0)
         path = _model_path(req)
         with map_errors(f"loading {req.path}", loading=True):
@@ -80,15 +75,10 @@ class LlamaBackend:
                     llm, path=str(path), digest=digest, shape=shape, options=options, config=req.config,
                     requested_template=template,
                 )
-                model.check_declared_template()
-                if self.speculative:
-                    model.draft_costs = draft_costs(model, model_cache_dir())
-                    model.draft_costs_measured = True
             except BaseException:
                 llm.close()
                 raise
-            model.cache = self.cache
-            model.speculative = self.speculative
+            finish_load(model, self.cache, self.speculative)
         progress(1.0)
         return model
 

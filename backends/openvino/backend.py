@@ -17,11 +17,8 @@ from contract.resident import check_model_type
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
-from ..bundled import model_cache_dir
-from ..tape.draft_costs import draft_costs
+from ..tape.loading import check_load, finish_load
 from ..tape.model import check_digest
-from ..tape.templates import requested_template
-from ..tape.toolformats import require_format
 from .graph import paged_model, wants_batch_graph
 from .model import BACKEND_NAME, OpenVINOLoadedModel
 from .native import map_errors, runtime_version, type_name
@@ -72,10 +69,7 @@ class OpenVINOBackend:
         return runtime_version()
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> OpenVINOLoadedModel:
-        check_model_type(req.type, BACKEND_NAME)
-        template = requested_template(req.config.chat_template)  # a bad name or file: refused before the load
-        if req.config.tool_format:
-            require_format(req.config.tool_format)
+        template = check_load(req, BACKEND_NAME)
         progress(0.0)
         with map_errors(f"loading {req.path}", loading=True):
             src = resolve_source(req.path, prepare=True)
@@ -112,17 +106,7 @@ class OpenVINOBackend:
                 device=self.device,
                 requested_template=template,
             )
-            try:
-                loaded.check_declared_template()
-                loaded.warm_up()
-                if self.speculative:
-                    loaded.draft_costs = draft_costs(loaded, model_cache_dir())
-                    loaded.draft_costs_measured = True
-            except BaseException:
-                loaded.close()
-                raise
-            loaded.cache = self.cache
-            loaded.speculative = self.speculative
+            finish_load(loaded, self.cache, self.speculative)
         progress(1.0)
         return loaded
 
