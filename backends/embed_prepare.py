@@ -290,8 +290,8 @@ def _check_gguf(path: Path, pooling: str) -> None:
     want = {"mean": 1, "cls": 2, "last": 3}[pooling]
     if facts.pooling_type != want:
         raise PrepareError(f"{path}: pooling_type {facts.pooling_type}, expected {want} ({pooling})")
-    if facts.n_embd <= 0 or facts.n_ctx_train <= 0:
-        raise PrepareError(f"{path}: implausible header (n_embd {facts.n_embd}, n_ctx_train {facts.n_ctx_train})")
+    if facts.shape.n_embd <= 0 or facts.shape.n_ctx_train <= 0:
+        raise PrepareError(f"{path}: implausible header (n_embd {facts.shape.n_embd}, n_ctx_train {facts.shape.n_ctx_train})")
 
 
 # --- OpenVINO IR ----------------------------------------------------------------------

@@ -17,21 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from contract.sizing import ModelShape
+
 GGUF_MAGIC = b"GGUF"
 
 
 @dataclass(frozen=True)
 class GGUFFacts:
+    """A GGUF header: the model's shape and what else the engines read there (template, tokenizer, tensor types).
+
+    Kept apart from ``ModelShape``: conversion, templates and embeddings read the rest of the header."""
+
     architecture: str
-    n_ctx_train: int
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    n_embd: int
-    head_dim_k: int
-    head_dim_v: int
-    sliding_window: int
-    weights_bytes: int
+    shape: ModelShape
     file_bytes: int
     chat_template: str
     tokenizer_model: str
@@ -40,7 +38,6 @@ class GGUFFacts:
     eos_token_id: int
     add_bos_token: bool | None
     pooling_type: int
-    n_vocab: int
     tensor_types: frozenset[str]
     raw: dict[str, Any]
 
@@ -87,17 +84,22 @@ def read_gguf(path: str | Path) -> GGUFFacts:
     n_head_kv = int(max(n_head_kv_raw) if isinstance(n_head_kv_raw, list) else n_head_kv_raw)
     n_embd = int(g("embedding_length", 0) or 0)
     head_default = n_embd // n_head if n_head else 0
-    return GGUFFacts(
-        architecture=arch,
+    shape = ModelShape(
         n_ctx_train=int(g("context_length", 0) or 0),
         n_layer=int(g("block_count", 0) or 0),
         n_head=n_head,
         n_head_kv=n_head_kv,
-        n_embd=n_embd,
         head_dim_k=int(g("attention.key_length", head_default) or head_default),
         head_dim_v=int(g("attention.value_length", head_default) or head_default),
-        sliding_window=int(g("attention.sliding_window", 0) or 0),
         weights_bytes=int(sum(int(t.n_bytes) for t in reader.tensors)),
+        n_embd=n_embd,
+        # The token list's length, without decoding the strings.
+        n_vocab=len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0,
+        sliding_window=int(g("attention.sliding_window", 0) or 0),
+    )
+    return GGUFFacts(
+        architecture=arch,
+        shape=shape,
         file_bytes=p.stat().st_size,
         chat_template=str(raw.get("tokenizer.chat_template", "") or ""),
         tokenizer_model=str(raw.get("tokenizer.ggml.model", "")),
@@ -106,8 +108,6 @@ def read_gguf(path: str | Path) -> GGUFFacts:
         eos_token_id=int(raw.get("tokenizer.ggml.eos_token_id", -1)),
         add_bos_token=(bool(raw["tokenizer.ggml.add_bos_token"]) if "tokenizer.ggml.add_bos_token" in raw else None),
         pooling_type=int(g("pooling_type", -1)),
-        # The token list's length, without decoding the strings.
-        n_vocab=len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0,
         tensor_types=frozenset(t.tensor_type.name for t in reader.tensors),
         raw=raw,
     )

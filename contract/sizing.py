@@ -1,8 +1,9 @@
 """Sizing: what a model costs in memory, from its shape and the runtime config.
 
 One formula for everyone: the daemon's capacity planner (``modeld.capacity``)
-and both engines' ``describe`` compute KV bytes with ``kv_bytes_per_token`` over
-the same ``ModelFacts``, which an engine's ``Backend.model_facts`` returns. See
+and every engine's ``describe`` compute KV bytes with ``kv_bytes_per_token`` over
+the same ``ModelFacts`` (a ``ModelShape`` under a load config), which an engine's
+``Backend.model_facts`` returns. See
 ``modeld.capacity`` for the whole model (overhead, budgets, reasons).
 
     kv_cache(n) = bpe × n_head_kv × (head_dim_k + head_dim_v)
@@ -17,17 +18,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Literal, Protocol
+from typing import Literal
 
 from .types import DeviceInfo
 
 __all__ = [
     "DEFAULT_N_BATCH",
+    "DEFAULT_OVERHEAD",
     "KV_BYTES_PER_ELEMENT",
-    "LLAMA_CPP_OVERHEAD",
-    "OPENVINO_OVERHEAD",
     "MemoryPool",
     "ModelFacts",
+    "ModelShape",
     "OverheadModel",
     "kv_bytes_per_token",
     "kv_cache_bytes",
@@ -74,49 +75,67 @@ class OverheadModel:
     kq_copies: float = 1.0
 
 
-#: llama.cpp (llama-cpp-python): compute buffer and KQ scores without flash attention.
-#: The logits term is 0: llama-cpp-python allocates an (n_batch, n_vocab) float32
-#: ``scores`` array but, without logits_all, writes only its last row, so the rest
-#: is never backed by RAM (``make bench``: RSS growth was 20% below the estimate
-#: that counted it, and 6% below without it).
-LLAMA_CPP_OVERHEAD = OverheadModel(name="llama.cpp", logits_copies=0.0)
-#: OpenVINO: paged attention keeps no n_ctx-sized score matrix, but the CPU plugin's
-#: compiled model and runtime hold far more than llama.cpp's: ``make bench`` measured
-#: 470 MB of RSS growth for load + a 4k prefill of the bundled model where weights
-#: and KV are 187 MB (openvino 2026.4.1), hence a fixed part of 280 MiB.
-OPENVINO_OVERHEAD = OverheadModel(name="openvino", fixed_bytes=280 * 1024 * 1024, kq_copies=0.0)
+#: the coefficients an engine without a calibrated model is planned with; each engine's own, measured
+#: by ``make bench``, is in its registry entry (``backends.registry``)
+DEFAULT_OVERHEAD = OverheadModel(name="default")
 
 
-class _GGUFLike(Protocol):
-    """The fields of ``backends.gguf_file.GGUFFacts`` that planning reads (duck-typed)."""
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's numbers as its file says them (0: not said): the one shape record every engine reads.
 
-    @property
-    def architecture(self) -> str: ...
-    @property
-    def n_ctx_train(self) -> int: ...
-    @property
-    def n_layer(self) -> int: ...
-    @property
-    def n_head(self) -> int: ...
-    @property
-    def n_head_kv(self) -> int: ...
-    @property
-    def n_embd(self) -> int: ...
-    @property
-    def head_dim_k(self) -> int: ...
-    @property
-    def head_dim_v(self) -> int: ...
-    @property
-    def sliding_window(self) -> int: ...
-    @property
-    def weights_bytes(self) -> int: ...
-    @property
-    def raw(self) -> dict[str, Any]: ...
+    A GGUF header (``backends.gguf_file``), an OpenVINO IR's config.json or graph and
+    a loaded llama.cpp model fill it; ``facts`` puts it under a load config for the
+    formula. ``n_vocab`` is the token list's length.
+    """
+
+    n_ctx_train: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    weights_bytes: int
+    n_embd: int = 0
+    n_vocab: int = 0
+    sliding_window: int = 0
+
+    def facts(
+        self,
+        *,
+        kv_cache_type: str = "",
+        n_batch: int = DEFAULT_N_BATCH,
+        flash_attn: bool = False,
+        n_swa_layers: int = 0,
+        overhead: OverheadModel = DEFAULT_OVERHEAD,
+        unknown_ctx: int = 1,
+    ) -> ModelFacts:
+        """The shape under a load config; ``unknown_ctx`` stands for a training window the file does not say.
+        The SWA layer pattern is not in GGUF scalars: without ``n_swa_layers`` every layer counts dense."""
+        return ModelFacts(
+            n_ctx_train=self.n_ctx_train or unknown_ctx,
+            n_layer=self.n_layer,
+            n_head_kv=self.n_head_kv,
+            head_dim_k=self.head_dim_k,
+            head_dim_v=self.head_dim_v,
+            weights_bytes=self.weights_bytes,
+            sliding_window=self.sliding_window if n_swa_layers else 0,
+            n_swa_layers=n_swa_layers,
+            kv_cache_type=kv_cache_type,
+            n_batch=n_batch or DEFAULT_N_BATCH,
+            n_vocab=self.n_vocab,
+            n_embd=self.n_embd,
+            n_head=self.n_head,
+            flash_attn=flash_attn,
+            overhead=overhead,
+        )
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What planning needs from the model's metadata and the load config.
+    """What planning needs from the model's metadata and the load config (``ModelShape.facts``).
+
+    Kept apart from ``ModelShape``: the same model is planned under many load configs.
 
     ``n_swa_layers`` is how many of the ``n_layer`` layers use ``sliding_window``
     (0 with a window set means the pattern is unknown: every layer is counted
@@ -140,7 +159,7 @@ class ModelFacts:
     n_embd: int = 0
     n_head: int = 0
     flash_attn: bool = False
-    overhead: OverheadModel = field(default=LLAMA_CPP_OVERHEAD)
+    overhead: OverheadModel = field(default=DEFAULT_OVERHEAD)
 
     def __post_init__(self) -> None:
         for name in ("n_ctx_train", "n_layer", "n_head_kv", "head_dim_k", "head_dim_v", "n_batch"):
@@ -155,38 +174,6 @@ class ModelFacts:
             raise ValueError(
                 f"unknown kv_cache_type {self.kv_cache_type!r}; expected one of {sorted(KV_BYTES_PER_ELEMENT)}"
             )
-
-    @classmethod
-    def from_gguf(
-        cls,
-        g: _GGUFLike,
-        *,
-        kv_cache_type: str = "",
-        n_batch: int = DEFAULT_N_BATCH,
-        flash_attn: bool = False,
-        n_swa_layers: int = 0,
-        overhead: OverheadModel = LLAMA_CPP_OVERHEAD,
-    ) -> ModelFacts:
-        """Facts from ``backends.gguf_file.read_gguf``; the SWA layer pattern is not in GGUF scalars."""
-        raw = g.raw
-        n_vocab = int(raw.get(f"{g.architecture}.vocab_size", 0) or 0)
-        return cls(
-            n_ctx_train=g.n_ctx_train,
-            n_layer=g.n_layer,
-            n_head_kv=g.n_head_kv,
-            head_dim_k=g.head_dim_k,
-            head_dim_v=g.head_dim_v,
-            weights_bytes=g.weights_bytes,
-            sliding_window=g.sliding_window if n_swa_layers else 0,
-            n_swa_layers=n_swa_layers,
-            kv_cache_type=kv_cache_type,
-            n_batch=n_batch or DEFAULT_N_BATCH,
-            n_vocab=n_vocab,
-            n_embd=g.n_embd,
-            n_head=g.n_head,
-            flash_attn=flash_attn,
-            overhead=overhead,
-        )
 
 
 def _kv_bytes_per_cell_per_layer(facts: ModelFacts) -> Fraction:

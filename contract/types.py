@@ -133,7 +133,7 @@ class Fence(_Request):
 class _ModelHandle(_Request):
     owner_instance_id: str = ""
     model_name: str = ""
-    type: str = Field("", description='backend type the model targets: "llama" | "openvino" | "memory"')
+    type: str = Field("", description="backend type the model targets: one of the daemon's backends (status's backend)")
     digest: str = ""
     path: str = ""
     config: Config = Field(default_factory=Config)

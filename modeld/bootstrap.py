@@ -4,8 +4,9 @@
 memory planner, the embedding side slot, the slot service and the daemon with
 its blob store. Each piece has its own builder, and ``build_slot`` /
 ``build_daemon`` take a ready backend, so tests pass fakes (the contract's
-``MemoryBackend``) through the same door. Backends are imported inside the
-builders: a memory-backend daemon never loads llama.cpp or OpenVINO.
+``MemoryBackend``) through the same door. The engines are the entries of
+``backends.registry``, whose factories import an engine only when called: a
+memory-backend daemon never loads one, and no engine is named here.
 
 ``prepare_models`` is the same choice for ``modeld prepare``: which converters
 turn the bundled models into the formats the backends serve.
@@ -21,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from backends.registry import ENGINES
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
-from contract.types import QUANTIZED_KV_CACHE_TYPES, Config, KVCacheType, LoadModelRequest
+from contract.types import Config, KVCacheType, LoadModelRequest
 
 from . import dirs
 from .blobs import DEFAULT_MAX_BYTES, BlobStore
@@ -49,15 +51,24 @@ __all__ = [
     "embed_cache_dir",
     "model_cache_dir",
     "prepare_models",
+    "prepare_steps",
     "preload_request",
     "resolve_backend",
 ]
 
-BACKENDS = ("llama", "openvino", "memory")
+#: the registered engines (``backends.registry``) and the contract's reference backend
+BACKENDS = (*ENGINES, "memory")
 #: what ``--backend`` accepts: a backend, or ``auto`` (``modeld.engine_choice``)
 BACKEND_CHOICES = ("auto", *BACKENDS)
-#: what ``modeld prepare --only`` accepts
-PREPARE_STEPS = ("openvino", "embed")
+
+
+def prepare_steps() -> tuple[str, ...]:
+    """What ``modeld prepare --only`` accepts: the engines' conversion steps (named as the engine), then the
+    embedding models'."""
+    return (*(spec.name for spec in ENGINES.values() if spec.prepare is not None), "embed")
+
+
+PREPARE_STEPS = prepare_steps()
 
 
 @dataclass(frozen=True)
@@ -156,40 +167,37 @@ def default_data_dir() -> Path:
     return dirs.data_dir()
 
 
-def engine_facts(model: str, num_gpu_layers: int = 0, llama_settings: str = "") -> EngineFacts:
-    """The facts ``choose_backend`` needs about this machine and ``model`` (a GGUF file or an IR directory)."""
+def engine_facts(model: str, num_gpu_layers: int = 0, exclusive: dict[str, str] | None = None) -> EngineFacts:
+    """The facts ``choose_backend`` needs about this machine and ``model`` (a GGUF file or an engine's own format)."""
     p = Path(model)
-    refusal = ""
-    if p.is_dir():
-        kind = "ir" if (p / "openvino_model.xml").is_file() else "other"
+    installed = frozenset(s.name for s in ENGINES.values() if importlib.util.find_spec(s.package) is not None)
+    own = next((s.own_kind for s in ENGINES.values() if s.is_own_model is not None and s.is_own_model(p)), "")
+    refusals: dict[str, str] = {}
+    if own:
+        kind = own
+    elif p.is_dir():
+        kind = "other"
     else:
-        from backends.gguf_file import gguf_facts, is_gguf
+        from backends.gguf_file import is_gguf
 
         kind = "gguf" if p.is_file() and is_gguf(p) else "other"
-        if kind == "gguf":
-            from backends.openvino.prepare import ConversionError, check_convertible
-
-            try:
-                check_convertible(gguf_facts(p))
-            except (ConversionError, OSError, ValueError) as exc:
-                refusal = str(exc).removeprefix("openvino-genai cannot convert this GGUF: ")
+        if kind == "gguf":  # an engine's reader is imported only where its package is installed
+            refusals = {s.name: s.refusal(p) for s in ENGINES.values() if s.refusal is not None and s.name in installed}
     return EngineFacts(
         machine=platform.machine(),
-        has_openvino=importlib.util.find_spec("openvino_genai") is not None,
-        has_llama=importlib.util.find_spec("llama_cpp") is not None,
+        installed=installed,
         model_kind=kind,
-        openvino_refusal=refusal,
+        refusals=refusals,
         num_gpu_layers=num_gpu_layers,
-        llama_settings=llama_settings,
+        exclusive=exclusive or {},
     )
 
 
-def llama_only_settings(opts: ServeOptions) -> str:
-    """The flags among ``opts`` that only llama.cpp serves ("" for none): ``auto`` then picks it."""
-    given = ["--flash-attn"] if opts.flash_attn else []
-    if opts.kv_cache_type in QUANTIZED_KV_CACHE_TYPES:
-        given.append(f"--kv-cache-type {opts.kv_cache_type}")
-    return " and ".join(given)
+def exclusive_settings(opts: ServeOptions) -> dict[str, str]:
+    """Per engine, the flags among ``opts`` that only it serves (none: empty): ``auto`` then picks it."""
+    cfg = load_config(opts)
+    return {s.name: given for s in ENGINES.values() if s.exclusive_settings is not None
+            and (given := s.exclusive_settings(cfg))}
 
 
 def resolve_backend(opts: ServeOptions) -> ServeOptions:
@@ -201,7 +209,7 @@ def resolve_backend(opts: ServeOptions) -> ServeOptions:
         from backends.bundled import served_bundled_gguf
 
         model = str(served_bundled_gguf())
-    name, reason = choose_backend(engine_facts(model, llama_settings=llama_only_settings(opts)))
+    name, reason = choose_backend(engine_facts(model, exclusive=exclusive_settings(opts)))
     return dataclasses.replace(opts, backend=name, backend_reason=f"auto: {reason}")
 
 
@@ -220,14 +228,9 @@ def build_backend(opts: ServeOptions, cache: StateCache | None = None) -> Backen
         from backends.memory import MemoryBackend
 
         return MemoryBackend(token_delay_s=opts.memory_token_delay_ms / 1000.0)
-    if opts.backend == "llama":
-        from backends.llama import LlamaBackend
-
-        return LlamaBackend(cache=cache, speculative=opts.speculative)
-    if opts.backend == "openvino":
-        from backends.openvino import OpenVINOBackend
-
-        return OpenVINOBackend(cache=cache, speculative=opts.speculative)
+    spec = ENGINES.get(opts.backend)
+    if spec is not None:
+        return spec.backend(cache, opts.speculative)
     raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
 
 
@@ -247,13 +250,7 @@ def build_embedder(opts: ServeOptions, generation_bytes: Callable[[], int]) -> E
     from .embedding_slot import EmbeddingSlot
 
     check = make_budget_check(opts.mem_max, opts.mem_reserve, other_bytes=generation_bytes, config_file=opts.config_file)
-    if opts.backend == "llama":
-        from backends.llama.embedder import LlamaEmbedder
-
-        return EmbeddingSlot(LlamaEmbedder, idle_unload_s=opts.embed_idle, budget_check=check)
-    from backends.openvino.embedder import OpenVINOEmbedder
-
-    return EmbeddingSlot(OpenVINOEmbedder, idle_unload_s=opts.embed_idle, budget_check=check)
+    return EmbeddingSlot(ENGINES[opts.backend].embedder(), idle_unload_s=opts.embed_idle, budget_check=check)
 
 
 def build_slot(
@@ -301,11 +298,11 @@ def build_daemon(opts: ServeOptions, backend: Backend | None = None) -> Daemon:
 
 
 def preload_request(opts: ServeOptions) -> LoadModelRequest | None:
-    """The model to load at start: ``--model``, else the bundled model for llama/openvino; None for none."""
+    """The model to load at start: ``--model``, else the bundled model for an engine; None for none."""
     if opts.no_preload:
         return None
     model, name = opts.model, opts.model_name
-    if model is None and opts.backend in ("llama", "openvino"):
+    if model is None and opts.backend in ENGINES:
         from backends.bundled import BUNDLED_MODEL_NAME, served_bundled_gguf
 
         model = str(served_bundled_gguf())  # its context extended four-fold (``backends.bundled``)
@@ -317,14 +314,19 @@ def preload_request(opts: ServeOptions) -> LoadModelRequest | None:
         model_name=name or Path(model).name,
         type=opts.backend,
         path=model,
-        config=Config(
-            num_ctx=opts.num_ctx,
-            flash_attn=opts.flash_attn,
-            kv_cache_type=opts.kv_cache_type,
-            exact_decode=opts.exact_decode,
-            chat_template=opts.chat_template,
-            tool_format=opts.tool_format,
-        ),
+        config=load_config(opts),
+    )
+
+
+def load_config(opts: ServeOptions) -> Config:
+    """The preloaded model's load config, from the flags."""
+    return Config(
+        num_ctx=opts.num_ctx,
+        flash_attn=opts.flash_attn,
+        kv_cache_type=opts.kv_cache_type,
+        exact_decode=opts.exact_decode,
+        chat_template=opts.chat_template,
+        tool_format=opts.tool_format,
     )
 
 
@@ -354,8 +356,8 @@ def prepare_models(
 ) -> list[Path]:
     """Convert the bundled models once into what the backends serve; return the output paths.
 
-    * ``openvino``: the bundled GGUF and the copy `serve` preloads (or ``gguf``) to OpenVINO IR directories
-      (``backends.openvino.prepare.prepare_ir``);
+    * an engine's step (``EngineSpec.prepare``, named as the engine): the bundled GGUF and the copy `serve`
+      preloads (or ``gguf``) to the engine's own format (OpenVINO's IR directories);
     * ``embed``: the bundled embedding model to a GGUF and an OpenVINO IR
       (``backends.embed_prepare``); ``force`` rebuilds these two.
 
@@ -363,16 +365,13 @@ def prepare_models(
     already complete, so a second run converts nothing. Raises what the
     converters raise (OSError, ValueError, RuntimeError) with the reason.
     """
-    if only is not None and only not in PREPARE_STEPS:
-        raise ValueError(f"unknown preparation step {only!r}; choose one of {', '.join(PREPARE_STEPS)}")
+    steps = prepare_steps()
+    if only is not None and only not in steps:
+        raise ValueError(f"unknown preparation step {only!r}; choose one of {', '.join(steps)}")
     out: list[Path] = []
-    if only in (None, "openvino"):
-        from backends.bundled import bundled_gguf_path, served_bundled_gguf
-        from backends.openvino.prepare import prepare_ir
-
-        # the bundled file (the engine tests load it) and the copy `serve` preloads (its context extended)
-        for source in [gguf] if gguf is not None else [bundled_gguf_path(), served_bundled_gguf()]:
-            out.append(prepare_ir(source, progress=log))
+    for spec in ENGINES.values():
+        if spec.prepare is not None and only in (None, spec.name):
+            out.extend(spec.prepare(gguf, log))
     if only in (None, "embed"):
         from backends.embed_prepare import prepare_gguf
         from backends.embed_prepare import prepare_ir as prepare_embed_ir

@@ -4,7 +4,8 @@ Each command's module is imported only when it runs, so a client command never
 loads the daemon (ZeroMQ server, capacity planner) and ``serve`` never loads a
 backend it does not serve. A plain ``pip install modeld`` is the client; a
 daemon command run there names the extra that installs what it is missing
-instead of ending in a traceback.
+instead of ending in a traceback; an engine's extra is its entry's in
+``backends.registry``, read only then.
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ _EXTRA_OF_MODULE = {
 }
 
 
+def extra_of_module(name: str) -> str | None:
+    """The extra that installs the top-level module ``name`` (an engine's: from its registry entry); None: none."""
+    if name in _EXTRA_OF_MODULE:
+        return _EXTRA_OF_MODULE[name]
+    from backends.registry import ENGINES  # light, and only read once a command has failed
+
+    return next((spec.extra for spec in ENGINES.values() if name in spec.modules), None)
+
+
 def _daemon_main(command: str) -> Callable[[list[str]], int]:
     if command == "serve":
         from .serve import main as serve_main
@@ -53,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = (args[0], args[1:]) if args else ("", [])
     if command in ("serve", "prepare", "keys", "http"):
         try:
-            command_main = _daemon_main(command)
+            # an engine is imported once the command runs (``modeld serve --backend NAME``), not with it
+            return _daemon_main(command)(rest)
         except ModuleNotFoundError as exc:
-            extra = _EXTRA_OF_MODULE.get((exc.name or "").partition(".")[0])
+            extra = extra_of_module((exc.name or "").partition(".")[0])
             if extra is None:  # not a missing extra: a broken install, shown as it is
                 raise
             print(
@@ -65,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return EXIT_ERROR
-        return command_main(rest)
     from runtime.cli import main as client_main
 
     return client_main(args)

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contract.errors import InsufficientMemory
+from contract.sizing import ModelShape
 from contract.types import Config, ModelInfo, OpenSessionRequest
 from modeld import capacity
 from modeld.capacity import (
@@ -884,22 +885,12 @@ def test_make_planner_refuses_before_loading(tmp_path: Path) -> None:
         planner(FakeBackend(), OpenSessionRequest(path="/m.gguf"), 0)
 
 
-def test_from_gguf_reads_the_facts() -> None:
-    @dataclasses.dataclass(frozen=True)
-    class G:
-        architecture: str = "llama"
-        n_ctx_train: int = 8192
-        n_layer: int = 30
-        n_head: int = 9
-        n_head_kv: int = 3
-        n_embd: int = 576
-        head_dim_k: int = 64
-        head_dim_v: int = 64
-        sliding_window: int = 0
-        weights_bytes: int = 96_576_768
-        raw: dict[str, Any] = dataclasses.field(default_factory=lambda: {"llama.vocab_size": 49152})
-
-    assert ModelFacts.from_gguf(G()) == SMOL
+def test_a_shape_under_a_load_config_is_the_facts() -> None:
+    shape = ModelShape(n_ctx_train=8192, n_layer=30, n_head=9, n_head_kv=3, head_dim_k=64, head_dim_v=64,
+                       weights_bytes=96_576_768, n_embd=576, n_vocab=49152, sliding_window=4096)
+    assert shape.facts() == SMOL  # a window without its layer pattern counts every layer dense
+    assert shape.facts(n_swa_layers=24) == dataclasses.replace(SMOL, sliding_window=4096, n_swa_layers=24)
+    assert dataclasses.replace(shape, n_ctx_train=0).facts(unknown_ctx=4096).n_ctx_train == 4096
 
 
 def test_public_names() -> None:

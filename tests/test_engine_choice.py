@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from modeld.bootstrap import ServeOptions, llama_only_settings, resolve_backend
+from modeld.bootstrap import ServeOptions, exclusive_settings, resolve_backend
 from modeld.engine_choice import EngineFacts, choose_backend
 from tests.daemon_proc import ROOT, DaemonProcess
 
-X86 = EngineFacts(machine="x86_64", has_openvino=True, has_llama=True, model_kind="gguf")
+BOTH = frozenset({"llama", "openvino"})
+X86 = EngineFacts(machine="x86_64", installed=BOTH, model_kind="gguf")
 
 
 @pytest.mark.parametrize(
@@ -23,13 +24,18 @@ X86 = EngineFacts(machine="x86_64", has_openvino=True, has_llama=True, model_kin
         ({"machine": "AMD64"}, "openvino", "ran faster on OpenVINO"),
         ({"model_kind": "ir"}, "openvino", "IR directory"),
         ({"num_gpu_layers": 20}, "llama", "GPU layers"),
-        ({"llama_settings": "--flash-attn and --kv-cache-type q8_0"}, "llama", "--kv-cache-type q8_0 asked for"),
+        ({"exclusive": {"llama": "--flash-attn and --kv-cache-type q8_0"}}, "llama",
+         "--kv-cache-type q8_0 asked for: llama.cpp settings"),
         ({"machine": "aarch64"}, "llama", "aarch64"),
-        ({"has_openvino": False}, "llama", "not installed"),
-        ({"has_llama": False}, "openvino", "llama-cpp-python is not installed"),
-        ({"openvino_refusal": "architecture 'gemma3' is not one of ['llama']"}, "llama", "gemma3"),
+        ({"installed": frozenset({"llama"})}, "llama", "OpenVINO is not installed"),
+        ({"installed": frozenset()}, "llama", "OpenVINO is not installed"),
+        ({"installed": frozenset({"openvino"})}, "openvino", "llama-cpp-python is not installed"),
+        ({"installed": frozenset({"openvino"}), "num_gpu_layers": 20}, "openvino", "llama-cpp-python is not installed"),
+        ({"refusals": {"openvino": "architecture 'gemma3' is not one of ['llama']"}}, "llama", "gemma3"),
         ({"model_kind": "other"}, "llama", "not a readable GGUF"),
-        ({"model_kind": "ir", "has_openvino": False}, "llama", "not installed"),
+        ({"model_kind": "ir", "installed": frozenset({"llama"})}, "llama",
+         "an OpenVINO IR directory but OpenVINO is not installed (the load will say so)"),
+        ({"model_kind": "ir", "installed": frozenset({"openvino"})}, "openvino", "IR directory"),
     ],
 )
 def test_the_rule_on_injected_machines(change: dict[str, object], backend: str, why: str) -> None:
@@ -37,18 +43,24 @@ def test_the_rule_on_injected_machines(change: dict[str, object], backend: str, 
     assert name == backend and why in reason
 
 
+def test_the_reason_quotes_no_figure() -> None:
+    """The evidence was measured on the project's machines: ``status`` on this one points at it, quoting none."""
+    _, reason = choose_backend(X86)
+    assert reason.endswith("(README, Backends)") and not any(ch.isdigit() for ch in reason.replace("x86-64", ""))
+
+
 def test_an_explicit_backend_always_wins() -> None:
     opts = ServeOptions(backend="llama", model="/nowhere.gguf")
     assert resolve_backend(opts) is opts
 
 
-def test_llama_only_settings_are_named_for_auto() -> None:
-    assert llama_only_settings(ServeOptions()) == ""
-    assert llama_only_settings(ServeOptions(kv_cache_type="f16")) == ""  # OpenVINO serves an f16 cache too
-    assert llama_only_settings(ServeOptions(exact_decode=True)) == ""  # and decodes exactly too
-    assert llama_only_settings(ServeOptions(flash_attn=True, kv_cache_type="q8_0")) == (
-        "--flash-attn and --kv-cache-type q8_0")
-    assert llama_only_settings(ServeOptions(kv_cache_type="q4_0")) == "--kv-cache-type q4_0"
+def test_exclusive_settings_are_named_for_auto() -> None:
+    assert exclusive_settings(ServeOptions()) == {}
+    assert exclusive_settings(ServeOptions(kv_cache_type="f16")) == {}  # OpenVINO serves an f16 cache too
+    assert exclusive_settings(ServeOptions(exact_decode=True)) == {}  # and decodes exactly too
+    assert exclusive_settings(ServeOptions(flash_attn=True, kv_cache_type="q8_0")) == {
+        "llama": "--flash-attn and --kv-cache-type q8_0"}
+    assert exclusive_settings(ServeOptions(kv_cache_type="q4_0")) == {"llama": "--kv-cache-type q4_0"}
 
 
 def test_auto_on_this_machine_names_the_engine_and_the_reason() -> None:

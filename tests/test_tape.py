@@ -21,6 +21,7 @@ import pytest
 
 from backends.resident import check_model_type
 from backends.tape import draft_costs as costs_mod
+from backends.tape.loading import check_load, finish_load
 from backends.tape.model import TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
 from backends.tape.session import DecodeSteps, TapeSession
 from backends.tape.speculate import (
@@ -43,7 +44,15 @@ from contract.errors import (
     SessionClosed,
     SnapshotRejected,
 )
-from contract.types import Config, DecodeConfig, PrefixInput, SessionSnapshot, StreamChunk, SuffixInput
+from contract.types import (
+    Config,
+    DecodeConfig,
+    OpenSessionRequest,
+    PrefixInput,
+    SessionSnapshot,
+    StreamChunk,
+    SuffixInput,
+)
 
 MAGIC = b"TOY-TAPE-STATE1\0"
 END = 0  # the toy vocabulary's end-of-generation token
@@ -963,6 +972,30 @@ def test_manifest_defaults_name_the_engine(model: ToyModel) -> None:
     declared.config = Config(prompt_template_digest="sha256:else")
     with pytest.raises(ModelLoadFailed, match="declares template"):
         declared.check_declared_template()
+
+
+def test_the_load_wiring_every_engine_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check_load`` refuses a request before a load; ``finish_load`` measures the draft costs of a
+    speculating backend, hands the model its cache and default, and closes a model it refuses."""
+    with pytest.raises(BackendMismatch):
+        check_load(OpenSessionRequest(type="other"), "toy")
+    with pytest.raises(InvalidArgument):
+        check_load(OpenSessionRequest(type="toy", config=Config(chat_template="no-such-template")), "toy")
+    assert check_load(OpenSessionRequest(type="toy"), "toy") is None
+    measured = CheckCosts.prior()
+    monkeypatch.setattr("backends.tape.loading.draft_costs", lambda m, cache_dir: measured)
+    cache = object()
+    plain, speculating = ToyModel(), ToyModel()
+    finish_load(plain, None, False)
+    assert (plain.speculative, plain.draft_costs_measured, plain.cache) == (False, False, None)
+    finish_load(speculating, cache, True)  # type: ignore[arg-type]
+    assert (speculating.speculative, speculating.draft_costs_measured, speculating.cache) == (True, True, cache)
+    assert speculating.draft_costs is measured
+    declared = ToyModel()
+    declared.config = Config(prompt_template_digest="sha256:else")
+    with pytest.raises(ModelLoadFailed, match="declares template"):
+        finish_load(declared, None, True)
+    assert declared.closed and declared.cache is None
 
 
 # --- the rules ---------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import llama_cpp
@@ -10,19 +11,18 @@ import llama_cpp
 from backends.resident import check_model_type
 from contract.errors import ModelLoadFailed, UnsupportedFeature
 from contract.interfaces import StateCache
-from contract.sizing import LLAMA_CPP_OVERHEAD, MemoryPool, ModelFacts, kv_bytes_per_token
+from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
 from ..bundled import model_cache_dir
 from ..digest import file_digest
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
-from ..tape.draft_costs import draft_costs
+from ..registry import engine
+from ..tape.loading import check_load, finish_load
 from ..tape.model import check_digest
-from ..tape.templates import requested_template
-from ..tape.toolformats import require_format
 from .model import BACKEND_NAME, LlamaLoadedModel
 from .native import map_errors, open_llama, runtime_version, system_info
-from .options import DEFAULT_NUM_BATCH, LoadOptions, ModelShape, shape_from_scalars
+from .options import DEFAULT_NUM_BATCH, LoadOptions, shape_from_scalars
 
 RUNTIME_NAME = "llama.cpp"
 
@@ -53,41 +53,32 @@ class LlamaBackend:
         return runtime_version()
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> LlamaLoadedModel:
-        check_model_type(req.type, BACKEND_NAME)
-        template = requested_template(req.config.chat_template)  # a bad name or file: refused before the load
-        if req.config.tool_format:
-            require_format(req.config.tool_format)
+        template = check_load(req, BACKEND_NAME)
         progress(0.0)
         path = _model_path(req)
         with map_errors(f"loading {req.path}", loading=True):
             facts = cached_gguf_facts(path)  # describe() may have read it already
-            hint = ModelShape.from_facts(facts) if facts is not None else shape_from_scalars(gguf_scalars(path))
+            hint = facts.shape if facts is not None else shape_from_scalars(gguf_scalars(path))
             options = LoadOptions.resolve(req.config, hint)
             digest = file_digest(path, model_cache_dir())
             check_digest(req.path, req.digest, digest)
             llm = open_llama(path, progress=progress, extra_bufts=options.extra_bufts, **options.llama_kwargs())
             try:
-                shape = ModelShape(
+                shape = replace(
+                    hint,
                     n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(llm.model)),
                     n_layer=int(llama_cpp.llama_model_n_layer(llm.model)),
                     n_head_kv=hint.n_head_kv or int(llama_cpp.llama_model_n_head_kv(llm.model)),
-                    head_dim_k=hint.head_dim_k,
-                    head_dim_v=hint.head_dim_v,
                     weights_bytes=int(llama_cpp.llama_model_size(llm.model)),
                 )
                 model = LlamaLoadedModel(
                     llm, path=str(path), digest=digest, shape=shape, options=options, config=req.config,
                     requested_template=template,
                 )
-                model.check_declared_template()
-                if self.speculative:
-                    model.draft_costs = draft_costs(model, model_cache_dir())
-                    model.draft_costs_measured = True
             except BaseException:
                 llm.close()
                 raise
-            model.cache = self.cache
-            model.speculative = self.speculative
+            finish_load(model, self.cache, self.speculative)
         progress(1.0)
         return model
 
@@ -96,17 +87,17 @@ class LlamaBackend:
         check_model_type(req.type, BACKEND_NAME)
         path = _model_path(req)
         with map_errors(f"describing {req.path}", loading=True):
-            facts = gguf_facts(path)
-            options = LoadOptions.resolve(req.config, ModelShape.from_facts(facts))
+            shape = gguf_facts(path).shape
+            options = LoadOptions.resolve(req.config, shape)
             digest = file_digest(path, model_cache_dir())
-        kvpt = kv_bytes_per_token(ModelShape.from_facts(facts).sizing(options.kv_cache_type))
+        kvpt = kv_bytes_per_token(shape.facts(kv_cache_type=options.kv_cache_type))
         gpu = bool(llama_cpp.llama_supports_gpu_offload())
         return ModelInfo(
-            model_max_context=facts.n_ctx_train,
+            model_max_context=shape.n_ctx_train,
             effective_context=options.num_ctx,
             kv_bytes_per_token=kvpt,
-            weights_bytes=facts.weights_bytes,
-            required_bytes=facts.weights_bytes + kvpt * options.num_ctx,
+            weights_bytes=shape.weights_bytes,
+            required_bytes=shape.weights_bytes + kvpt * options.num_ctx,
             device_kind="cpu",
             requested_gpu_layers=req.config.num_gpu_layers,
             resolved_gpu_layers=req.config.num_gpu_layers if gpu else 0,
@@ -114,9 +105,9 @@ class LlamaBackend:
             runtime_digest=f"llama-cpp-python=={runtime_version()}",
             runtime_system_info=system_info(),
             supports_gpu_offload=gpu,
-            n_layer=facts.n_layer,
-            n_head_kv=facts.n_head_kv,
-            head_dim=facts.head_dim_k,
+            n_layer=shape.n_layer,
+            n_head_kv=shape.n_head_kv,
+            head_dim=shape.head_dim_k,
             digest=digest,
         )
 
@@ -125,15 +116,14 @@ class LlamaBackend:
         check_model_type(req.type, BACKEND_NAME)
         path = _model_path(req)
         with map_errors(f"describing {req.path}", loading=True):
-            facts = gguf_facts(path)
+            shape = gguf_facts(path).shape
         kv_type = req.config.kv_cache_type or "f16"
-        return ModelFacts.from_gguf(
-            facts,
+        return shape.facts(
             kv_cache_type=kv_type,
             n_batch=req.config.num_batch or DEFAULT_NUM_BATCH,
             # A quantized V cache turns flash attention on (see LoadOptions).
             flash_attn=req.config.flash_attn or kv_type in QUANTIZED_KV_CACHE_TYPES,
-            overhead=LLAMA_CPP_OVERHEAD,
+            overhead=engine(BACKEND_NAME).overhead,
         )
 
     def memory_pools(self) -> Sequence[MemoryPool]:

@@ -66,7 +66,7 @@ class LlamaEmbedder:
                 path=str(path),
                 pooling_type=pooling,
             )
-        window = plan_window(facts.n_ctx_train, config, path)
+        window = plan_window(facts.shape.n_ctx_train, config, path)
         digest = file_digest(path, model_cache_dir())
         return EmbeddingPlan(
             backend=cls.backend,
@@ -77,18 +77,18 @@ class LlamaEmbedder:
             pooling=_POOLING_NAMES[pooling],
             resident_bytes=cls.estimate_bytes(
                 file_bytes=facts.file_bytes,
-                n_embd=facts.n_embd,
-                n_layer=facts.n_layer,
-                n_head=facts.n_head,
+                n_embd=facts.shape.n_embd,
+                n_layer=facts.shape.n_layer,
+                n_head=facts.shape.n_head,
                 n_ctx=window,
-                n_ff=int(facts.raw.get(f"{arch}.feed_forward_length", 4 * facts.n_embd) or 0),
-                n_embd_kv=facts.n_head_kv * facts.head_dim_k,
-                n_vocab=facts.n_vocab,
+                n_ff=int(facts.raw.get(f"{arch}.feed_forward_length", 4 * facts.shape.n_embd) or 0),
+                n_embd_kv=facts.shape.n_head_kv * facts.shape.head_dim_k,
+                n_vocab=facts.shape.n_vocab,
                 causal=causal is not False,
             ),
-            dims=facts.n_embd,
+            dims=facts.shape.n_embd,
             num_threads=plan_threads(config),
-            details={"architecture": arch, "pooling_type": pooling, "n_ctx_train": facts.n_ctx_train},
+            details={"architecture": arch, "pooling_type": pooling, "n_ctx_train": facts.shape.n_ctx_train},
         )
 
     @staticmethod

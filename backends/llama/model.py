@@ -30,7 +30,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from contract import interrupt
 from contract.errors import InvalidArgument, SnapshotRejected
-from contract.sizing import kv_bytes_per_token
+from contract.sizing import ModelShape, kv_bytes_per_token
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
 from ..tape.model import TapeModelBase
@@ -38,7 +38,7 @@ from ..tape.session import DecodeSteps
 from ..tape.state import pack_state, refuse_diffs, unpack_state
 from ..tape.templates import check_renders, choose_template, render_defaults, renders_tools
 from .native import KV_GGML_TYPES, map_errors, runtime_version
-from .options import LoadOptions, ModelShape
+from .options import LoadOptions
 from .sampling import LlamaSteps, build_sampler, grammar_source
 
 __all__ = ["BACKEND_NAME", "LlamaLoadedModel", "LlamaTemplate"]
@@ -95,7 +95,7 @@ class LlamaLoadedModel(TapeModelBase):
                                   chat_template=self.template_origin) from None
         if source != own:
             check_renders(template, self.template_origin)
-        kv_per_token = kv_bytes_per_token(shape.sizing(options.kv_cache_type))
+        kv_per_token = kv_bytes_per_token(shape.facts(kv_cache_type=options.kv_cache_type))
         super().__init__(
             path=path,
             digest=digest,

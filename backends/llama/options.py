@@ -1,4 +1,4 @@
-"""What a llama.cpp load is made of: the model's shape and the resolved load options."""
+"""What a llama.cpp load is made of: the model's shape (``contract.sizing.ModelShape``) and the resolved load options."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from contract.errors import InvalidArgument, UnsupportedFeature
-from contract.sizing import ModelFacts
+from contract.sizing import ModelShape
 from contract.types import QUANTIZED_KV_CACHE_TYPES, Config
 
-from ..gguf_file import GGUFFacts
 from ..tape.model import resolve_num_ctx
 from .native import KV_GGML_TYPES, extra_bufts_default
 
@@ -18,34 +17,6 @@ DEFAULT_NUM_CTX = 4096
 DEFAULT_NUM_BATCH = 512
 #: q8_0 / q4_0 KV blocks hold 32 values; the head dimension must be a multiple
 _QUANT_BLOCK = 32
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers memory planning and load validation need."""
-
-    n_ctx_train: int
-    n_layer: int
-    n_head_kv: int
-    head_dim_k: int
-    head_dim_v: int
-    weights_bytes: int
-
-    @classmethod
-    def from_facts(cls, f: GGUFFacts) -> ModelShape:
-        return cls(f.n_ctx_train, f.n_layer, f.n_head_kv, f.head_dim_k, f.head_dim_v, f.weights_bytes)
-
-    def sizing(self, kv_cache_type: str) -> ModelFacts:
-        """The shape as the sizing module's facts (``contract.sizing.kv_bytes_per_token`` and friends)."""
-        return ModelFacts(
-            n_ctx_train=max(1, self.n_ctx_train),
-            n_layer=self.n_layer,
-            n_head_kv=self.n_head_kv,
-            head_dim_k=self.head_dim_k,
-            head_dim_v=self.head_dim_v,
-            weights_bytes=self.weights_bytes,
-            kv_cache_type=kv_cache_type,
-        )
 
 
 def shape_from_scalars(scalars: dict[str, Any]) -> ModelShape:
@@ -61,10 +32,12 @@ def shape_from_scalars(scalars: dict[str, Any]) -> ModelShape:
     return ModelShape(
         n_ctx_train=g("context_length"),
         n_layer=g("block_count"),
+        n_head=n_head,
         n_head_kv=g("attention.head_count_kv") or n_head,
         head_dim_k=g("attention.key_length") or head,
         head_dim_v=g("attention.value_length") or head,
         weights_bytes=0,
+        n_embd=g("embedding_length"),
     )
 
 

@@ -17,15 +17,21 @@ from contract.interfaces import StateCache
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
-from ..bundled import model_cache_dir
-from ..tape.draft_costs import draft_costs
+from ..tape.loading import check_load, finish_load
 from ..tape.model import check_digest
-from ..tape.templates import requested_template
-from ..tape.toolformats import require_format
 from .graph import paged_model, wants_batch_graph
 from .model import BACKEND_NAME, OpenVINOLoadedModel
 from .native import map_errors, runtime_version, type_name
-from .options import DEFAULT_NUM_CTX, DEFAULT_PREFILL_CHUNK, LoadOptions, resolve_source, shape_of_ir, shape_of_source
+from .options import (
+    DEFAULT_NUM_CTX,
+    DEFAULT_PREFILL_CHUNK,
+    LoadOptions,
+    overhead_bytes,
+    resolve_source,
+    shape_of_ir,
+    shape_of_source,
+    sizing,
+)
 
 
 class OpenVINOBackend:
@@ -63,10 +69,7 @@ class OpenVINOBackend:
         return runtime_version()
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> OpenVINOLoadedModel:
-        check_model_type(req.type, BACKEND_NAME)
-        template = requested_template(req.config.chat_template)  # a bad name or file: refused before the load
-        if req.config.tool_format:
-            require_format(req.config.tool_format)
+        template = check_load(req, BACKEND_NAME)
         progress(0.0)
         with map_errors(f"loading {req.path}", loading=True):
             src = resolve_source(req.path, prepare=True)
@@ -103,17 +106,7 @@ class OpenVINOBackend:
                 device=self.device,
                 requested_template=template,
             )
-            try:
-                loaded.check_declared_template()
-                loaded.warm_up()
-                if self.speculative:
-                    loaded.draft_costs = draft_costs(loaded, model_cache_dir())
-                    loaded.draft_costs_measured = True
-            except BaseException:
-                loaded.close()
-                raise
-            loaded.cache = self.cache
-            loaded.speculative = self.speculative
+            finish_load(loaded, self.cache, self.speculative)
         progress(1.0)
         return loaded
 
@@ -150,9 +143,9 @@ class OpenVINOBackend:
             devices = self._devices()
         requested = req.config.num_ctx or DEFAULT_NUM_CTX
         effective = min(requested, shape.n_ctx_train) if shape.n_ctx_train else requested
-        kvpt = kv_bytes_per_token(shape.sizing(options.kv_precision))
+        kvpt = kv_bytes_per_token(sizing(shape, options.kv_precision))
         chunk = min(req.config.num_batch or DEFAULT_PREFILL_CHUNK, effective)
-        overhead = shape.overhead_bytes(effective, chunk, batch_graph=options.batch_graph)
+        overhead = overhead_bytes(shape, effective, chunk, batch_graph=options.batch_graph)
         main = next((d for d in devices if d.id == self.device), None)
         clamped = bool(req.config.num_ctx) and effective < req.config.num_ctx
         return ModelInfo(
@@ -177,7 +170,7 @@ class OpenVINOBackend:
             devices=devices,
             n_layer=shape.n_layer,
             n_head_kv=shape.n_head_kv,
-            head_dim=shape.head_dim,
+            head_dim=shape.head_dim_k,
             digest=src.digest,
         )
 
@@ -186,7 +179,8 @@ class OpenVINOBackend:
         check_model_type(req.type, BACKEND_NAME)
         with map_errors(f"describing {req.path}", loading=True):
             shape = shape_of_source(resolve_source(req.path, prepare=False))
-        return shape.sizing(
+        return sizing(
+            shape,
             req.config.kv_cache_type,
             req.config.num_batch or DEFAULT_PREFILL_CHUNK,
             batch_graph=wants_batch_graph(self.speculative, shape.weights_bytes, self.device),

@@ -49,7 +49,7 @@ EXACT_STEP_ROWS = (2, 3, 4, 5, 8)
 #: against a ~9 ms step of the bundled model, so a lone 16-row check cost 2.31 + 2 x 0.62 steps.
 #: With a graph per role the change of row count measured 0.28 steps instead of 0.62. The copy
 #: costs memory (160 MB for the bundled model's 92 MB of weights, after a 4k prefill and a decode;
-#: counted as twice the weights, ``ModelShape.batch_graph_bytes``) while the ~4.5 ms is the same
+#: counted as twice the weights, ``options.batch_graph_bytes``) while the ~4.5 ms is the same
 #: whatever the model's size, so it pays on small models, whose steps are short (half a step of
 #: the bundled model's), and not on one whose weights take a gigabyte.
 BATCH_GRAPH_MAX_WEIGHTS = 256 * 1024 * 1024

@@ -34,6 +34,7 @@ import openvino_genai
 from contract import interrupt
 from contract.errors import InvalidArgument, ModeldError, ModelLoadFailed, SnapshotRejected
 from contract.manifest import common_prefix_len
+from contract.sizing import ModelShape
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
 from ..tape.model import TapeModelBase
@@ -43,7 +44,7 @@ from ..tape.templates import JinjaRenderer, check_renders, choose_template, rend
 from .graph import EXACT_STEP_ROWS, MIN_PREFILL_ROWS, VERIFY_ROWS, WARM_BUCKETS_UP_TO, bucket, verify_rows
 from .guidance import TokenGuide, build_tokenizer, compile_grammar
 from .native import map_errors, runtime_version, type_name
-from .options import LoadOptions, ModelShape
+from .options import LoadOptions, overhead_bytes
 from .sampling import OpenVINOSteps, Sampler
 
 __all__ = ["BACKEND_NAME", "OpenVINOLoadedModel", "OpenVINOTemplate"]
@@ -194,7 +195,7 @@ class OpenVINOLoadedModel(TapeModelBase):
             num_ctx=options.num_ctx,
             resident_bytes=shape.weights_bytes
             + self.cache_bytes
-            + shape.overhead_bytes(options.num_ctx, options.prefill_chunk, batch_graph=self.batch_graph),
+            + overhead_bytes(shape, options.num_ctx, options.prefill_chunk, batch_graph=self.batch_graph),
             template=template,
             bos_id=self.vocab.bos_id,
             adds_bos=self._tokenizer_adds_bos(),

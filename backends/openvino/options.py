@@ -1,4 +1,5 @@
-"""What an OpenVINO load is made of: the model source (IR or GGUF), its shape, and the load options."""
+"""What an OpenVINO load is made of: the model source (IR or GGUF), its shape (``contract.sizing.ModelShape``),
+and the load options."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from typing import Any
 import openvino as ov
 
 from contract.errors import Internal, ModelLoadFailed, UnsupportedFeature
-from contract.sizing import OPENVINO_OVERHEAD, ModelFacts
+from contract.sizing import ModelFacts, ModelShape
 from contract.types import Config
 
 from ..bundled import model_cache_dir
 from ..digest import file_digest, files_digest
 from ..gguf_file import is_gguf, read_gguf
+from ..registry import engine
 from ..tape.model import resolve_num_ctx
 from .graph import MIN_PREFILL_ROWS, wants_batch_graph
 from .prepare import IR_FILES, ir_dir_for, is_complete_ir, prepare_ir
@@ -33,48 +35,30 @@ KV_PRECISIONS: dict[str, str] = {"": "f16", "f16": "f16", "f32": "f32"}
 _SCRATCH_BYTES_PER_TOKEN = 32 * 1024
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What memory planning needs; from the GGUF header, config.json or the graph's variables."""
+def sizing(shape: ModelShape, kv_precision: str, n_batch: int = DEFAULT_PREFILL_CHUNK, *,
+           batch_graph: bool = False) -> ModelFacts:
+    """The shape as the sizing module's facts (f16 and bf16 caches cost the same two bytes an element);
+    with ``batch_graph`` the overhead holds the second compiled graph (``graph.wants_batch_graph``)."""
+    overhead = engine("openvino").overhead
+    if batch_graph:
+        overhead = replace(overhead, fixed_bytes=overhead.fixed_bytes + batch_graph_bytes(shape))
+    return shape.facts(kv_cache_type="f32" if kv_precision == "f32" else "f16", n_batch=n_batch, overhead=overhead,
+                       unknown_ctx=DEFAULT_NUM_CTX)
 
-    n_ctx_train: int  # 0 = unknown
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    weights_bytes: int
 
-    def sizing(self, kv_precision: str, n_batch: int = DEFAULT_PREFILL_CHUNK, *, batch_graph: bool = False) -> ModelFacts:
-        """The shape as the sizing module's facts (f16 and bf16 caches cost the same two bytes an element);
-        with ``batch_graph`` the overhead holds the second compiled graph (``graph.wants_batch_graph``)."""
-        overhead = OPENVINO_OVERHEAD
-        if batch_graph:
-            overhead = replace(overhead, fixed_bytes=overhead.fixed_bytes + self.batch_graph_bytes())
-        return ModelFacts(
-            n_ctx_train=self.n_ctx_train or DEFAULT_NUM_CTX,
-            n_layer=self.n_layer,
-            n_head_kv=self.n_head_kv,
-            head_dim_k=self.head_dim,
-            head_dim_v=self.head_dim,
-            weights_bytes=self.weights_bytes,
-            kv_cache_type="f32" if kv_precision == "f32" else "f16",
-            n_batch=n_batch,
-            n_head=self.n_head,
-            overhead=overhead,
-        )
+def overhead_bytes(shape: ModelShape, num_ctx: int, prefill_chunk: int, *, batch_graph: bool = False) -> int:
+    """Prefill scratch beyond weights and KV (an estimate, see ``_SCRATCH_BYTES_PER_TOKEN``), and the
+    batch graph when there is one."""
+    copy = batch_graph_bytes(shape) if batch_graph else 0
+    return min(prefill_chunk, num_ctx) * _SCRATCH_BYTES_PER_TOKEN + copy
 
-    def overhead_bytes(self, num_ctx: int, prefill_chunk: int, *, batch_graph: bool = False) -> int:
-        """Prefill scratch beyond weights and KV (an estimate, see ``_SCRATCH_BYTES_PER_TOKEN``), and the
-        batch graph when there is one."""
-        copy = self.batch_graph_bytes() if batch_graph else 0
-        return min(prefill_chunk, num_ctx) * _SCRATCH_BYTES_PER_TOKEN + copy
 
-    def batch_graph_bytes(self) -> int:
-        """What the batch graph adds, counted as twice the weights: with the bundled model's 92 MB of
-        weights, a load, a 4k prefill and a decode grew the process by 647-650 MB with it and
-        487-489 MB without (proportional set size; the compiled graph holds its own forms of
-        the weights, the LM head's among them)."""
-        return 2 * self.weights_bytes
+def batch_graph_bytes(shape: ModelShape) -> int:
+    """What the batch graph adds, counted as twice the weights: with the bundled model's 92 MB of
+    weights, a load, a 4k prefill and a decode grew the process by 647-650 MB with it and
+    487-489 MB without (proportional set size; the compiled graph holds its own forms of
+    the weights, the LM head's among them)."""
+    return 2 * shape.weights_bytes
 
 
 _shape_cache: dict[tuple[str, int, int], ModelShape] = {}
@@ -110,7 +94,8 @@ def shape_of_ir(ir: Path) -> ModelShape:
                 n_layer=n_layer,
                 n_head=n_head,
                 n_head_kv=int(cfg.get("num_key_value_heads", 0) or n_head),
-                head_dim=head_dim,
+                head_dim_k=head_dim,
+                head_dim_v=head_dim,
                 weights_bytes=weights,
             )
     if shape is None:
@@ -129,7 +114,8 @@ def shape_of_ir(ir: Path) -> ModelShape:
             n_layer=len(variables) // 2,
             n_head=int(q_heads.get_length()) if q_heads.is_static else int(dims[1].get_length()),
             n_head_kv=int(dims[1].get_length()),
-            head_dim=int(dims[3].get_length()),
+            head_dim_k=int(dims[3].get_length()),
+            head_dim_v=int(dims[3].get_length()),
             weights_bytes=weights,
         )
     with _shape_lock:
@@ -184,15 +170,7 @@ def shape_of_source(src: Source) -> ModelShape:
         hit = _shape_cache.get(key)
     if hit is not None:
         return hit
-    facts = read_gguf(src.gguf)  # ~2 s: it parses the vocabulary arrays too
-    shape = ModelShape(
-        n_ctx_train=facts.n_ctx_train,
-        n_layer=facts.n_layer,
-        n_head=facts.n_head,
-        n_head_kv=facts.n_head_kv,
-        head_dim=facts.head_dim_k,
-        weights_bytes=facts.weights_bytes,
-    )
+    shape = read_gguf(src.gguf).shape  # ~2 s: it parses the vocabulary arrays too
     with _shape_lock:
         _shape_cache[key] = shape
     return shape

@@ -104,12 +104,12 @@ def _hf_config(facts: GGUFFacts) -> dict[str, Any]:
     """The HF ``config.json`` keys describe() reads, from the GGUF header."""
     return {
         "model_type": facts.architecture,
-        "max_position_embeddings": facts.n_ctx_train,
-        "num_hidden_layers": facts.n_layer,
-        "num_attention_heads": facts.n_head,
-        "num_key_value_heads": facts.n_head_kv,
-        "hidden_size": facts.n_embd,
-        "head_dim": facts.head_dim_k,
+        "max_position_embeddings": facts.shape.n_ctx_train,
+        "num_hidden_layers": facts.shape.n_layer,
+        "num_attention_heads": facts.shape.n_head,
+        "num_key_value_heads": facts.shape.n_head_kv,
+        "hidden_size": facts.shape.n_embd,
+        "head_dim": facts.shape.head_dim_k,
         "bos_token_id": facts.bos_token_id,
         "eos_token_id": facts.eos_token_id,
     }

@@ -470,6 +470,10 @@ class TapeModelBase(ABC):
             bos_policy="add" if self.wants_bos("") else "none",
         )
 
+    def warm_up(self) -> None:
+        """Run what the first request would otherwise wait for (``loading.finish_load`` calls it); nothing here."""
+        return None
+
     def check_declared_template(self) -> None:
         """Refuse a load whose profile declares another chat template than the model's."""
         declared = self.config.prompt_template_digest

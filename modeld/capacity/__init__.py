@@ -21,7 +21,8 @@ One concern per module:
 
 The model's inputs (``ModelFacts``, ``OverheadModel``) and the KV/overhead
 formulas are the contract's (``contract.sizing``): engines size their own
-``describe`` with the same functions. They are re-exported here.
+``describe`` with the same functions. They are re-exported here; each engine's
+coefficients are in its entry of ``backends.registry``.
 
 The model, in bytes::
 
@@ -82,8 +83,6 @@ import psutil as psutil
 
 from contract.sizing import (
     KV_BYTES_PER_ELEMENT,
-    LLAMA_CPP_OVERHEAD,
-    OPENVINO_OVERHEAD,
     MemoryPool,
     ModelFacts,
     OverheadModel,
@@ -107,8 +106,6 @@ __all__ = [
     "DEFAULT_MIN_CONTEXT",
     "GPU_REASONS",
     "KV_BYTES_PER_ELEMENT",
-    "LLAMA_CPP_OVERHEAD",
-    "OPENVINO_OVERHEAD",
     "REASONS",
     "GpuLayers",
     "MemoryPool",

@@ -1,0 +1,241 @@
+"""The engines modeld serves, each registered once: ``ENGINES`` maps a name to its ``EngineSpec``.
+
+A spec is everything the rest of modeld knows about an engine: how to build its
+backend and its embedding engine, its ``modeld prepare`` step, the pip extra that
+installs it (and the modules that extra brings, for the CLI's message), its memory
+overhead (``contract.sizing.OverheadModel``, calibrated by ``make bench``), and what
+``--backend auto`` weighs (``modeld.engine_choice``). The composition root
+(``modeld.bootstrap``), ``auto`` and the CLI read this table; none of them names an
+engine. Adding an engine is one entry here.
+
+This module stays light: it imports no engine package. Every factory imports its
+engine when it is called, so an engine whose package is not installed breaks none
+of the others (``EngineSpec.package`` says which module tells it is there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from contract.interfaces import Backend, EngineFactory, StateCache
+from contract.sizing import OverheadModel
+from contract.types import QUANTIZED_KV_CACHE_TYPES, Config
+
+__all__ = ["ENGINES", "X86_64", "EngineFacts", "EngineSpec", "engine"]
+
+X86_64 = frozenset({"x86_64", "amd64", "x64"})
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What ``--backend auto`` weighs about this machine, the model and the settings asked for."""
+
+    #: ``platform.machine()``
+    machine: str
+    #: the engines whose package is installed (``EngineSpec.package``)
+    installed: frozenset[str]
+    #: "gguf", an engine's own format (its ``EngineSpec.own_kind``, e.g. "ir") or "other" (missing, unreadable)
+    model_kind: str
+    #: for a GGUF, per engine: why it cannot serve this file (absent or "": it can)
+    refusals: Mapping[str, str] = field(default_factory=dict)
+    num_gpu_layers: int = 0
+    #: per engine: the settings asked for that only it offers (``EngineSpec.exclusive_settings``)
+    exclusive: Mapping[str, str] = field(default_factory=dict)
+
+
+#: an engine's preference in ``auto``: (takes the model, why); see ``EngineSpec.prefers``
+Verdict = tuple[bool, str]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine, as the composition root, ``auto`` and the CLI see it."""
+
+    #: ``--backend`` value, ``LoadModelRequest.type`` and status's backend
+    name: str
+    #: how reasons and messages call it
+    title: str
+    #: the top-level module whose presence means the engine is installed
+    package: str
+    #: the pip extra that installs it (``pip install '.[EXTRA]'``)
+    extra: str
+    #: top-level modules only this engine's extra brings: the CLI names the extra when one is missing
+    modules: tuple[str, ...]
+    #: what ``auto`` says when ``package`` is missing
+    missing: str
+    #: its runtime's memory beyond weights and KV (``contract.sizing``), calibrated by ``make bench``
+    overhead: OverheadModel
+    #: the Backend for ``modeld serve``: (workspace cache, speculative) → backend
+    backend: Callable[[StateCache | None, bool], Backend]
+    #: the embedding side slot's engine factory (``contract.interfaces.EngineFactory``)
+    embedder: Callable[[], EngineFactory[Any]]
+    #: ``modeld prepare``'s step for it: (a GGUF, or None for the bundled ones; log) → outputs; None: no step
+    prepare: Callable[[Path | None, Callable[[str], None]], list[Path]] | None = None
+    #: where ``auto`` ranks it: lower is asked first; the last one takes what every other declines
+    auto_rank: int = 0
+    #: its preferences in ``auto`` once it is installed and another engine is too (None: it takes the model)
+    prefers: Callable[[EngineFacts], Verdict] | None = None
+    #: a model format of its own: the kind ``EngineFacts.model_kind`` names, how it reads, and its test
+    own_kind: str = ""
+    own_format: str = ""
+    is_own_model: Callable[[Path], bool] | None = None
+    #: why it cannot serve a GGUF ("": it can); asked only while it is installed
+    refusal: Callable[[Path], str] | None = None
+    #: the settings in a load config that only it offers, as flags ("" for none)
+    exclusive_settings: Callable[[Config], str] | None = None
+
+
+# --- llama.cpp ----------------------------------------------------------------------------
+
+
+def _llama_backend(cache: StateCache | None, speculative: bool) -> Backend:
+    from backends.llama import LlamaBackend
+
+    return LlamaBackend(cache=cache, speculative=speculative)
+
+
+def _llama_embedder() -> EngineFactory[Any]:
+    from backends.llama.embedder import LlamaEmbedder
+
+    return LlamaEmbedder
+
+
+def _llama_only_settings(cfg: Config) -> str:
+    """Flash attention and a quantized KV cache: OpenVINO serves an f16 cache and exact decodes too."""
+    given = ["--flash-attn"] if cfg.flash_attn else []
+    if cfg.kv_cache_type in QUANTIZED_KV_CACHE_TYPES:
+        given.append(f"--kv-cache-type {cfg.kv_cache_type}")
+    return " and ".join(given)
+
+
+# --- OpenVINO -----------------------------------------------------------------------------
+
+
+def _openvino_backend(cache: StateCache | None, speculative: bool) -> Backend:
+    from backends.openvino import OpenVINOBackend
+
+    return OpenVINOBackend(cache=cache, speculative=speculative)
+
+
+def _openvino_embedder() -> EngineFactory[Any]:
+    from backends.openvino.embedder import OpenVINOEmbedder
+
+    return OpenVINOEmbedder
+
+
+def _openvino_prepare(gguf: Path | None, log: Callable[[str], None]) -> list[Path]:
+    """The bundled GGUF and the copy ``serve`` preloads (its context extended), or ``gguf``, as IR directories."""
+    from backends.bundled import bundled_gguf_path, served_bundled_gguf
+    from backends.openvino.prepare import prepare_ir
+
+    return [prepare_ir(source, progress=log)
+            for source in ([gguf] if gguf is not None else [bundled_gguf_path(), served_bundled_gguf()])]
+
+
+def _is_ir(path: Path) -> bool:
+    return path.is_dir() and (path / "openvino_model.xml").is_file()
+
+
+def _openvino_refusal(path: Path) -> str:
+    from backends.gguf_file import gguf_facts
+    from backends.openvino.prepare import ConversionError, check_convertible
+
+    try:
+        check_convertible(gguf_facts(path))
+    except (ConversionError, OSError, ValueError) as exc:
+        return str(exc).removeprefix("openvino-genai cannot convert this GGUF: ")
+    return ""
+
+
+#: where the choice's evidence is (figures measured on the project's machines, not on this one)
+EVIDENCE = "prefill-bound agent turns ran faster on OpenVINO in the project's x86-64 runs of make bench (README, Backends)"
+
+
+def _openvino_prefers(f: EngineFacts) -> Verdict:
+    """A GGUF it converts, on an x86-64 CPU, with no setting it lacks.
+
+    The rule is backed by ``make bench`` on the bundled model (2 cores, x86-64 with
+    AVX-512, ~2k-token prefix, 118-token turn): OpenVINO's cold TTFT was 2.1 s
+    against llama.cpp's 9.7 s, warm 0.19 s against 0.69 s, decode ~1.1x. On an
+    AVX2-only CPU (f32 there) OpenVINO still prefills 2-2.5x faster, cold 4.8 s
+    against 10.6 s, while llama.cpp decodes faster (~100 against ~56 tokens/s before
+    speculation); an agent's turns are prefill-bound, so the rule stands. It declines
+    GPU layers (the OpenVINO backend here serves the CPU), another engine's settings,
+    another CPU architecture (not measured) and a GGUF its reader cannot convert
+    (``backends.openvino.prepare.check_convertible``). These figures were measured on
+    the project's machines: the reason ``status`` shows points at them and quotes none.
+    """
+    if f.num_gpu_layers > 0:
+        return False, f"{f.num_gpu_layers} GPU layers were asked for; the OpenVINO backend serves the CPU"
+    for name, given in f.exclusive.items():
+        if given and name != "openvino":
+            return False, f"{given} asked for: {engine(name).title} settings the OpenVINO backend does not offer"
+    if f.machine.lower() not in X86_64:
+        return False, f"CPU architecture {f.machine!r}: OpenVINO is measured faster on x86-64 only"
+    if f.model_kind != "gguf":
+        return False, "the model is not a readable GGUF; llama.cpp reports the load error"
+    refusal = f.refusals.get("openvino", "")
+    if refusal:
+        return False, f"OpenVINO cannot convert this GGUF ({refusal})"
+    return True, f"x86-64 CPU and a GGUF OpenVINO converts; {EVIDENCE}"
+
+
+# --- the table ----------------------------------------------------------------------------
+
+ENGINES: dict[str, EngineSpec] = {
+    spec.name: spec
+    for spec in (
+        EngineSpec(
+            name="llama",
+            title="llama.cpp",
+            package="llama_cpp",
+            extra="llama",
+            modules=("llama_cpp",),
+            missing="llama-cpp-python is not installed",
+            # Compute buffer and KQ scores without flash attention. The logits term is 0:
+            # llama-cpp-python allocates an (n_batch, n_vocab) float32 ``scores`` array but,
+            # without logits_all, writes only its last row, so the rest is never backed by
+            # RAM (``make bench``: RSS growth was 20% below the estimate that counted it, and
+            # 6% below without it).
+            overhead=OverheadModel(name="llama.cpp", logits_copies=0.0),
+            backend=_llama_backend,
+            embedder=_llama_embedder,
+            # every other engine is asked first: llama.cpp serves what they decline, and its load
+            # says what it cannot serve
+            auto_rank=100,
+            exclusive_settings=_llama_only_settings,
+        ),
+        EngineSpec(
+            name="openvino",
+            title="OpenVINO",
+            package="openvino_genai",
+            extra="openvino",
+            modules=("openvino", "openvino_genai", "openvino_tokenizers", "llguidance"),
+            missing="OpenVINO is not installed",
+            # Paged attention keeps no n_ctx-sized score matrix, but the CPU plugin's compiled
+            # model and runtime hold far more than llama.cpp's: ``make bench`` measured 470 MB
+            # of RSS growth for load + a 4k prefill of the bundled model where weights and KV
+            # are 187 MB (openvino 2026.4.1), hence a fixed part of 280 MiB. That measurement was of
+            # the whole runtime, logits and activations included: the fixed part is all of it.
+            overhead=OverheadModel(name="openvino", fixed_bytes=280 * 1024 * 1024, logits_copies=0.0,
+                                   compute_rows=0.0, kq_copies=0.0),
+            backend=_openvino_backend,
+            embedder=_openvino_embedder,
+            prepare=_openvino_prepare,
+            auto_rank=10,
+            prefers=_openvino_prefers,
+            own_kind="ir",
+            own_format="an OpenVINO IR directory",
+            is_own_model=_is_ir,
+            refusal=_openvino_refusal,
+        ),
+    )
+}
+
+
+def engine(name: str) -> EngineSpec:
+    """The spec registered as ``name``; KeyError for an unknown one."""
+    return ENGINES[name]
