@@ -1,7 +1,8 @@
 """What each operation does: a typed request in, a typed reply (or a stream of chunks) out.
 
-The socket layer (``modeld.server``) decodes a message with the schema ``wire.SCHEMAS`` names for its
-operation, finds the handler in one of three tables here, and encodes what it returns:
+The IO thread (``modeld.server``) and the workers (``modeld.worker``) decode a message with the schema
+``wire.SCHEMAS`` names for its operation, find the handler in one of three tables here, and encode what
+it returns:
 
 * ``IO_HANDLERS`` run on the IO thread: cheap, and never wait on the model (status, cancel, heartbeat,
   explain, metrics, the cache listing), so they are answered while a decode streams;
@@ -100,7 +101,7 @@ class Handlers:
         self.sessions: dict[str, SlotSession] = {}
         #: session id -> the peer that opened it (``wire.peer_key``); only that peer may use it
         self.session_peers: dict[str, bytes] = {}
-        #: the peer of the request a worker thread is running (the server sets it; handlers take only the request)
+        #: the peer of the request a worker thread is running (the worker sets it; handlers take only the request)
         self.caller = threading.local()
 
     # --- the session table ---------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""The worker threads: each runs one request at a time against its model and replies through its own socket.
+
+The model worker owns the ``SlotService`` (the model, its sessions, the lease reaper) and serves the
+opens waiting for the slot; the embedding worker owns the embedding model, so embeddings run while a
+decode streams. ZeroMQ sockets are not thread-safe, so a worker never touches the ROUTER: it hands
+its reply frames to the IO thread over an inproc PUSH/PULL pair (``OUT_ENDPOINT``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+from contextlib import closing
+
+import zmq
+
+from contract import interrupt, wire
+from contract.errors import Cancelled, Internal, ModeldError, ShuttingDown
+from contract.types import LoadModelRequest
+from contract.wire import Kind, Message, Op
+
+from .coalesce import ChunkCoalescer
+from .handlers import HANDLERS, STREAM_HANDLERS, Handlers
+from .metrics import Metrics
+from .priority import lower_this_thread
+from .slot import SlotService
+from .watchdog import Watchdog
+from .workqueue import Emit, Inflight, WorkQueue
+
+__all__ = ["DEFAULT_ENGINE_NICE", "DEFAULT_STREAM_INTERVAL_S", "OUT_ENDPOINT", "Workers"]
+
+# (the daemon's lines keep one logger name, whichever module writes them)
+log = logging.getLogger("modeld.server")
+
+#: a decode stream's frames at most this often (``modeld.coalesce``; what it costs and saves: docs/daemon.md)
+DEFAULT_STREAM_INTERVAL_S = 0.050
+#: how much nicer the model workers (and the engine threads they start) run than the IO thread
+DEFAULT_ENGINE_NICE = 10
+#: where the workers' replies go: the IO thread binds a PULL socket there, each worker connects a PUSH
+OUT_ENDPOINT = "inproc://modeld-worker-out"
+
+
+class Workers:
+    """The model worker and the embedding worker, and the preload the model worker runs first."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        slot: SlotService,
+        handlers: Handlers,
+        metrics: Metrics,
+        work: WorkQueue,
+        watchdog: Watchdog,
+        stopping: threading.Event,
+        *,
+        stream_interval_s: float,
+        engine_nice: int,
+        preload_failed: Callable[[ModeldError], None],
+    ) -> None:
+        self._ctx = ctx
+        self.slot = slot
+        self.handlers = handlers
+        self.metrics = metrics
+        self._work = work
+        self._watchdog = watchdog
+        self._stopping = stopping
+        #: a decode stream sends at most one frame per this many seconds (``modeld.coalesce``)
+        self.stream_interval_s = stream_interval_s
+        #: the model workers run this much nicer than the IO thread (``modeld.priority``)
+        self.engine_nice = engine_nice
+        #: the model ``serve --model`` names did not load: the daemon stops and says why
+        self._preload_failed = preload_failed
+        self.model_thread = threading.Thread(target=self._model_main, name="modeld-worker", daemon=True)
+        self.embed_thread = threading.Thread(target=self._embed_main, name="modeld-embed", daemon=True)
+        #: the preload queued by ``preload`` (its failure stops the daemon)
+        self._preload: Inflight | None = None
+        #: the preload is queued and has not answered yet: until the worker takes it, the slot itself
+        #: still says Empty, and a client polling right after the start must not read "no model"
+        self.preload_queued = False
+
+    def preload(self, req: LoadModelRequest) -> None:
+        """Queue a load on the model worker so status shows Loading while it runs."""
+        inf = Inflight(b"", b"preload", Op.LOAD)
+        self._preload = inf
+        self.preload_queued = True
+        self._work.model.put((inf, Message(request_id=b"preload", body=wire.to_body(req), op=Op.LOAD)))
+
+    def start(self) -> None:
+        self.model_thread.start()
+        self.embed_thread.start()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for each worker to stop (``WorkQueue.stop_workers`` asks them); False: one
+        is still running (wedged)."""
+        self.embed_thread.join(timeout=timeout_s)
+        self.model_thread.join(timeout=timeout_s)
+        return not (self.model_thread.is_alive() or self.embed_thread.is_alive())
+
+    # --- the loops -------------------------------------------------------------------------------
+    def _model_main(self) -> None:
+        lower_this_thread(self.engine_nice)  # before the engine creates its threads: they inherit it
+        out, emit = self._emitter()
+        try:
+            while True:
+                item = self._work.next_model_work()
+                if item is None:
+                    if self._stopping.is_set():
+                        break
+                    self._watchdog.release_expired()
+                    self._serve_deferred(emit)
+                    continue
+                with self._watchdog.runs(item[0]):
+                    self._serve_item(*item, emit)
+                self._serve_deferred(emit)
+        finally:
+            try:
+                self.slot.shutdown()  # the model belongs to this thread: release it here
+            except Exception:
+                log.error("error while unloading at shutdown: %s", traceback.format_exc())
+            out.close(0)
+
+    def _embed_main(self) -> None:
+        lower_this_thread(self.engine_nice)
+        out, emit = self._emitter()
+        try:
+            while True:
+                item = self._work.embed.get()
+                if item is None:
+                    break
+                self._serve_item(*item, emit)
+        finally:
+            out.close(0)
+
+    def _emitter(self) -> tuple[zmq.Socket[bytes], Emit]:
+        """A worker thread's own PUSH socket to the IO thread, and the function that replies through it."""
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        out.setsockopt(zmq.SNDHWM, 0)  # never drop a stream frame on the way to the IO thread
+        out.connect(OUT_ENDPOINT)
+
+        def emit(inf: Inflight, frames: list[bytes]) -> None:
+            interrupt.beat()  # a reply or a chunk: the worker is alive
+            if not inf.identity:  # an internal request (preload): log instead of replying
+                self.preload_queued = False
+                if wire.reply_kind(frames) is Kind.ERROR:
+                    log.error("preload failed: %s", wire.error_of(wire.decode_reply(frames)).message)
+                else:
+                    log.info("preloaded the model")
+                return
+            out.send_multipart([inf.identity, *frames], copy=False)
+
+        return out, emit
+
+    def _serve_item(self, inf: Inflight, msg: Message, emit: Emit) -> None:
+        if inf.answered:
+            return  # the IO thread answered it (the worker was wedged while it waited)
+        if self._stopping.is_set():
+            emit(inf, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
+        elif inf.op is Op.OPEN and self._work.defer(inf, msg):
+            return
+        elif self._work.claim(inf):
+            self._run(inf, msg, emit)
+
+    def _serve_deferred(self, emit: Emit) -> None:
+        """Serve waiting opens in arrival order while the slot is free; answer the cancelled."""
+        self._work.sweep_deferred(emit)
+        while (p := self._work.pop_deferred()) is not None:
+            self._run(p.inf, p.msg, emit)
+
+    # --- one request -----------------------------------------------------------------------------
+    def _run(self, inf: Inflight, msg: Message, emit: Emit) -> None:
+        """Decode the request, run its handler, and emit what it answers: the one place replies are encoded."""
+        rid = inf.request_id
+        self.handlers.caller.peer = wire.peer_key(inf.identity)
+        try:
+            # a cancel, a vanished client or shutdown stops a long prefill between engine steps
+            with interrupt.interruptible(inf.cancel):
+                req = wire.decode_body(wire.SCHEMAS[inf.op].request, msg)
+                stream = STREAM_HANDLERS.get(inf.op)
+                # metrics are counted before the last reply goes out: a client that reads them
+                # after its answer sees its request in them
+                if stream is not None:
+                    coalescer = ChunkCoalescer(self.stream_interval_s)
+                    try:
+                        with closing(stream(self.handlers, inf.cancel, req)) as chunks:
+                            for chunk in chunks:
+                                if chunk.done:
+                                    self.metrics.reply(getattr(req, "session_id", ""), chunk)
+                                    self.metrics.request(inf.op.value)
+                                for out in coalescer.push(chunk):
+                                    emit(inf, wire.encode_chunk(rid, out))
+                    finally:
+                        for out in coalescer.flush():  # text held back goes out before any error reply
+                            emit(inf, wire.encode_chunk(rid, out))
+                else:
+                    reply = HANDLERS[inf.op](self.handlers, req)
+                    self.metrics.reply(getattr(req, "session_id", ""), reply)
+                    self.metrics.request(inf.op.value)
+                    emit(inf, wire.encode_reply(Kind.OK, rid, reply))
+        except Cancelled as exc:
+            stopped = ShuttingDown("modeld is shutting down; the request was stopped") if self._stopping.is_set() else exc
+            self.metrics.request(inf.op.value, type(stopped).__name__)
+            emit(inf, wire.encode_error(rid, stopped))
+        except ModeldError as exc:
+            self._check_preload(inf, exc)
+            self.metrics.request(inf.op.value, type(exc).__name__)
+            emit(inf, wire.encode_error(rid, exc))
+        except Exception as exc:
+            log.error("internal error on %s: %s", inf.op.value, traceback.format_exc())
+            err = Internal(f"{type(exc).__name__}: {exc}")
+            self._check_preload(inf, err)
+            self.metrics.request(inf.op.value, "Internal")
+            emit(inf, wire.encode_error(rid, err))
+
+    def _check_preload(self, inf: Inflight, exc: ModeldError) -> None:
+        if inf is self._preload:
+            self._preload_failed(exc)

@@ -1,0 +1,254 @@
+"""The work queue: the requests in flight, the queues that feed the worker threads, and the opens waiting for the slot.
+
+Shaped like llama.cpp server's task queue: the IO thread posts a request, a worker claims it and runs
+it; an open that finds the slot held is deferred (``defer``) and served in arrival order once the slot
+is free (``pop_deferred``). The in-flight table is shared by both threads under one lock: the IO
+thread answers what a worker has not started (an open at its queue deadline, every waiter of a wedged
+worker), and a worker runs only what it claimed first, so each request gets one terminal answer.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from contract import wire
+from contract.errors import Cancelled, InvalidArgument, ModelBusy, ModeldError, ShuttingDown
+from contract.types import OpenSessionRequest
+from contract.wire import Message, Op
+
+__all__ = ["PARKED_POLL_S", "Emit", "Inflight", "Parked", "Send", "WorkQueue", "queue_deadline"]
+
+#: how often the worker looks at waiting opens (cancelled, or the slot free) while any wait
+PARKED_POLL_S = 0.05
+
+
+@dataclass
+class Inflight:
+    """A request the daemon has taken and not yet answered for good."""
+
+    identity: bytes
+    request_id: bytes
+    op: Op
+    cancel: threading.Event = field(default_factory=threading.Event)
+    last_hb: float = field(default_factory=time.monotonic)
+    #: the IO thread already gave it its terminal answer (the worker must not run it)
+    answered: bool = False
+    #: an open's queue timeout, as a monotonic deadline: the IO thread answers ModelBusy there if the
+    #: worker has not started it, whatever the worker is busy with
+    queue_deadline: float | None = None
+    #: the worker took it to run (set under the inflight lock, as ``answered`` is)
+    started: bool = False
+
+
+@dataclass
+class Parked:
+    """An open_session waiting for the slot (see ``WorkQueue.defer``)."""
+
+    inf: Inflight
+    msg: Message
+
+
+#: a worker's reply to one request: its frames, without the client's identity
+Emit = Callable[[Inflight, list[bytes]], None]
+#: the IO thread's send to a client: its identity and the reply's frames (False: the client is gone)
+Send = Callable[[bytes, list[bytes]], bool]
+
+_Item = tuple[Inflight, Message]
+
+
+def queue_deadline(msg: Message) -> float | None:
+    """When an open stops waiting for the slot (None: it does not wait, or its body does not parse,
+    which the worker answers)."""
+    try:
+        req = wire.decode_body(OpenSessionRequest, msg)
+    except ModeldError:
+        return None
+    return time.monotonic() + req.queue_timeout_s if req.queue_timeout_s > 0 else None
+
+
+class WorkQueue:
+    """The in-flight table, the model worker's and the embedding worker's queues, and the deferred opens."""
+
+    def __init__(self, holder: Callable[[], str | None], stopping: threading.Event) -> None:
+        #: the session that holds the slot now (``SlotService.holder_id``): a deferred open waits while one does
+        self._holder = holder
+        self._stopping = stopping
+        #: the model worker's requests; a None only wakes it (to reap, to look at deferred opens, to stop)
+        self.model: queue.Queue[_Item | None] = queue.Queue()
+        # Embeddings have their own thread and model, so they run while a decode streams.
+        self.embed: queue.Queue[_Item | None] = queue.Queue()
+        self._inflight: dict[tuple[bytes, bytes], Inflight] = {}
+        self._lock = threading.Lock()
+        #: opens waiting for the slot, oldest first (worker thread only)
+        self._parked: deque[Parked] = deque()
+
+    # --- the IO thread ---------------------------------------------------------------------------
+    def post(self, identity: bytes, op: Op, msg: Message) -> Inflight:
+        """Take a request for a worker: into the in-flight table, then onto its worker's queue."""
+        key = (identity, msg.request_id)
+        with self._lock:
+            if key in self._inflight:
+                raise InvalidArgument("a request with this id is already running")
+            inf = self._inflight[key] = Inflight(identity, msg.request_id, op)
+        if op is Op.OPEN:
+            inf.queue_deadline = queue_deadline(msg)
+        (self.embed if op is Op.EMBED else self.model).put((inf, msg))
+        return inf
+
+    def wake(self) -> None:
+        """Wake the model worker with nothing to run: it reaps expired leases and looks at the deferred opens."""
+        self.model.put(None)
+
+    def stop_workers(self) -> None:
+        """Wake both workers to stop (a None each: the model worker stops on it once stopping is set)."""
+        self.model.put(None)
+        self.embed.put(None)
+
+    def cancel_event(self, identity: bytes, request_id: bytes) -> threading.Event | None:
+        with self._lock:
+            inf = self._inflight.get((identity, request_id))
+        return inf.cancel if inf is not None else None
+
+    def cancel_peer(self, peer: bytes) -> None:
+        """Cancel every running or queued request of one client (``wire.peer_key``)."""
+        with self._lock:
+            for (ident, _rid), inf in self._inflight.items():
+                if wire.peer_key(ident) == peer:
+                    inf.cancel.set()
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            for inf in self._inflight.values():
+                inf.cancel.set()
+
+    def finished(self, identity: bytes, request_id: bytes) -> None:
+        """Its terminal reply went out: the request leaves the table."""
+        with self._lock:
+            self._inflight.pop((identity, request_id), None)
+
+    def heard(self, identity: bytes, request_id: bytes) -> None:
+        """A stream's frame tells its client the daemon is alive as well as a heartbeat would: the next
+        heartbeat is due a full interval after it, not while data flows."""
+        with self._lock:
+            inf = self._inflight.get((identity, request_id))
+            if inf is not None:
+                inf.last_hb = time.monotonic()
+
+    def due_heartbeats(self, now: float) -> list[Inflight]:
+        with self._lock:
+            return [inf for inf in self._inflight.values() if now - inf.last_hb >= wire.HEARTBEAT_INTERVAL_S]
+
+    def next_due(self) -> float | None:
+        """The next heartbeat or wait's end due (None: nothing in flight)."""
+        with self._lock:
+            if not self._inflight:
+                return None
+            due = min(inf.last_hb for inf in self._inflight.values()) + wire.HEARTBEAT_INTERVAL_S
+            waits = [inf.queue_deadline for inf in self._inflight.values()
+                     if inf.queue_deadline is not None and not inf.started]
+        return min(due, min(waits)) if waits else due
+
+    def expire_waits(self, send: Send, now: float) -> None:
+        """Opens still waiting at their queue deadline get ModelBusy from here, whether they wait in the
+        worker's queue behind a running decode or parked for the slot: a timeout is the caller's, not the
+        worker's to notice when it next looks."""
+        with self._lock:
+            expired = [inf for inf in self._inflight.values() if inf.queue_deadline is not None
+                       and now >= inf.queue_deadline and not inf.started and not inf.answered]
+            waiting = sum(1 for inf in self._inflight.values() if inf.op is Op.OPEN and not inf.started)
+            for inf in expired:
+                inf.answered = True
+                self._inflight.pop((inf.identity, inf.request_id), None)
+        for inf in expired:
+            send(inf.identity, wire.encode_error(inf.request_id, ModelBusy(
+                "the slot stayed busy for the whole queue timeout", holder_busy=True, waiting=waiting)))
+
+    def fail_model_work(self, send: Send, err: ModeldError) -> None:
+        """Answer ``err`` to every request of the model worker, running or waiting, and cancel it."""
+        with self._lock:
+            stuck = [inf for inf in self._inflight.values() if inf.op is not Op.EMBED and not inf.answered]
+            for inf in stuck:
+                inf.answered = True
+                inf.cancel.set()
+                self._inflight.pop((inf.identity, inf.request_id), None)
+        for inf in stuck:
+            send(inf.identity, wire.encode_error(inf.request_id, err))
+
+    def take_queued(self) -> list[_Item]:
+        """At shutdown: the model worker's requests that never started, taken off its queue."""
+        pending: list[_Item] = []
+        while True:
+            try:
+                item = self.model.get_nowait()
+            except queue.Empty:
+                return pending
+            if item is not None:
+                pending.append(item)
+
+    def clear(self) -> list[Inflight]:
+        """At shutdown: every request still in flight, and an empty table."""
+        with self._lock:
+            leftovers = list(self._inflight.values())
+            self._inflight.clear()
+        return leftovers
+
+    # --- the model worker ------------------------------------------------------------------------
+    def next_model_work(self) -> _Item | None:
+        """The model worker's next request; None for a wake-up, or after ``PARKED_POLL_S`` while opens wait."""
+        try:
+            # (with none waiting, it sleeps until work comes: the IO thread wakes it every REAP_INTERVAL_S)
+            return self.model.get(timeout=PARKED_POLL_S if self._parked else None)
+        except queue.Empty:
+            return None
+
+    def claim(self, inf: Inflight) -> bool:
+        """The worker takes ``inf`` to run: False when the IO thread answered it already."""
+        with self._lock:
+            if inf.answered:
+                return False
+            inf.started = True
+            return True
+
+    def defer(self, inf: Inflight, msg: Message) -> bool:
+        """Queue an open that would find the slot busy (or others already waiting); False: run it now.
+
+        A request that does not parse, or asks for no waiting (no ``queue_deadline``: the IO thread
+        read its body at arrival), runs now and gets its answer (InvalidArgument, or ModelBusy at once).
+        """
+        if inf.queue_deadline is None or (not self._parked and not self._holder()):
+            return False
+        self._parked.append(Parked(inf, msg))
+        return True
+
+    def sweep_deferred(self, emit: Emit) -> None:
+        """Answer the waiting opens that were cancelled (or that shutdown ends); forget those the IO thread
+        answered at their deadline. The others keep their place in line.
+
+        Waiting requests get heartbeats from the IO thread like any running request, and ModelBusy from it
+        when their queue timeout runs out (``expire_waits``).
+        """
+        keep: deque[Parked] = deque()
+        for p in self._parked:
+            if p.inf.answered:
+                continue  # the IO thread answered it at its deadline
+            if self._stopping.is_set():
+                emit(p.inf, wire.encode_error(p.inf.request_id, ShuttingDown("modeld is shutting down")))
+            elif p.inf.cancel.is_set():
+                emit(p.inf, wire.encode_error(p.inf.request_id, Cancelled("the wait for the slot was cancelled")))
+            else:
+                keep.append(p)
+        self._parked = keep
+
+    def pop_deferred(self) -> Parked | None:
+        """The first waiting open, claimed to run, while the slot is free; None while it is held (an open
+        that still finds it busy stays first in line) or none waits."""
+        while self._parked and not self._holder() and not self._stopping.is_set():
+            p = self._parked.popleft()
+            if self.claim(p.inf):
+                return p
+        return None

@@ -1,0 +1,133 @@
+"""The work queue (modeld/workqueue.py) without sockets: one terminal answer per request, opens served in order."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from contract import wire
+from contract.errors import Cancelled, EngineUnresponsive, InvalidArgument, ModelBusy, ModeldError, ShuttingDown
+from contract.types import EmbedRequest, OpenSessionRequest
+from contract.wire import Message, Op
+from modeld.workqueue import Inflight, WorkQueue
+
+
+class _Slot:
+    holder: str | None = None
+
+
+def _queue() -> tuple[WorkQueue, _Slot, threading.Event]:
+    slot, stopping = _Slot(), threading.Event()
+    return WorkQueue(lambda: slot.holder, stopping), slot, stopping
+
+
+def _open(rid: bytes, queue_timeout_s: float = 10.0) -> Message:
+    return wire.decode_request(wire.encode_request(Op.OPEN, rid, OpenSessionRequest(queue_timeout_s=queue_timeout_s)))
+
+
+def _embed(rid: bytes) -> Message:
+    return wire.decode_request(wire.encode_request(Op.EMBED, rid, EmbedRequest(text="x")))
+
+
+class _Sent:
+    """The IO thread's send, recorded."""
+
+    def __init__(self) -> None:
+        self.replies: list[tuple[bytes, list[bytes]]] = []
+
+    def __call__(self, identity: bytes, frames: list[bytes]) -> bool:
+        self.replies.append((identity, frames))
+        return True
+
+    def errors(self) -> list[ModeldError]:
+        return [wire.error_of(wire.decode_reply(frames)) for _identity, frames in self.replies]
+
+
+def test_post_queues_for_the_right_worker_and_refuses_a_request_id_in_flight() -> None:
+    work, _slot, _stopping = _queue()
+    inf = work.post(b"c1", Op.OPEN, _open(b"r1"))
+    assert inf.queue_deadline is not None and work.model.get_nowait() == (inf, _open(b"r1"))
+    with pytest.raises(InvalidArgument):
+        work.post(b"c1", Op.OPEN, _open(b"r1"))
+    assert work.post(b"c2", Op.OPEN, _open(b"r1", queue_timeout_s=0)).queue_deadline is None  # another client's
+    embed = _embed(b"e1")
+    queued = work.post(b"c1", Op.EMBED, embed)
+    assert work.embed.get_nowait() == (queued, embed) and work.model.qsize() == 1  # (c2's open)
+    work.finished(b"c1", b"r1")
+    work.post(b"c1", Op.OPEN, _open(b"r1"))  # its answer went out: the id is free again
+
+
+def test_deferred_opens_wait_while_the_slot_is_held_and_run_in_arrival_order() -> None:
+    work, slot, _stopping = _queue()
+    first = work.post(b"c1", Op.OPEN, _open(b"r1"))
+    assert not work.defer(first, _open(b"r1"))  # the slot is free and nobody waits: it runs now
+    slot.holder = "s1"
+    waiting = [work.post(b"c" + str(i).encode(), Op.OPEN, _open(b"r")) for i in range(3)]
+    assert all(work.defer(inf, _open(b"r")) for inf in waiting)
+    no_wait = work.post(b"c9", Op.OPEN, _open(b"r", queue_timeout_s=0))
+    assert not work.defer(no_wait, _open(b"r"))  # asks for no waiting: answered ModelBusy at once by the slot
+    assert work.pop_deferred() is None
+    slot.holder = None
+    served = []
+    while (p := work.pop_deferred()) is not None:
+        served.append(p.inf)
+    assert served == waiting and all(inf.started for inf in served)
+
+
+def test_an_open_at_its_deadline_is_answered_once_and_never_run() -> None:
+    work, slot, _stopping = _queue()
+    slot.holder = "s1"
+    inf = work.post(b"c1", Op.OPEN, _open(b"r1", queue_timeout_s=1.0))
+    assert work.defer(inf, _open(b"r1"))
+    assert inf.queue_deadline is not None
+    sent = _Sent()
+    work.expire_waits(sent, inf.queue_deadline - 0.01)
+    assert not sent.replies
+    work.expire_waits(sent, inf.queue_deadline)
+    work.expire_waits(sent, inf.queue_deadline + 1)
+    [err] = sent.errors()
+    assert isinstance(err, ModelBusy) and err.details["waiting"] == 1
+    slot.holder = None
+    assert work.pop_deferred() is None and not work.claim(inf)  # the worker must not run it now
+
+
+def test_a_cancelled_wait_is_answered_by_the_worker_and_leaves_the_line() -> None:
+    work, slot, _stopping = _queue()
+    slot.holder = "s1"
+    a, b = (work.post(identity, Op.OPEN, _open(b"r1")) for identity in (b"c1", b"c2"))
+    assert work.defer(a, _open(b"r1")) and work.defer(b, _open(b"r1"))
+    emitted: list[tuple[Inflight, list[bytes]]] = []
+    work.cancel_peer(wire.peer_key(b"c2"))
+    assert b.cancel.is_set() and not a.cancel.is_set()
+    work.sweep_deferred(lambda inf, frames: emitted.append((inf, frames)))
+    assert [inf for inf, _ in emitted] == [b]
+    assert isinstance(wire.error_of(wire.decode_reply(emitted[0][1])), Cancelled)
+    slot.holder = None
+    p = work.pop_deferred()
+    assert p is not None and p.inf is a and work.pop_deferred() is None
+
+
+def test_a_wedged_worker_fails_its_own_requests_not_the_embeddings() -> None:
+    work, _slot, _stopping = _queue()
+    running = work.post(b"c1", Op.OPEN, _open(b"r1"))
+    embed = work.post(b"c2", Op.EMBED, _embed(b"e1"))
+    sent = _Sent()
+    work.fail_model_work(sent, EngineUnresponsive("stuck", operation="open", stalled_s=1.0))
+    [err] = sent.errors()
+    assert [identity for identity, _ in sent.replies] == [b"c1"] and isinstance(err, EngineUnresponsive)
+    assert running.cancel.is_set() and running.answered and not embed.cancel.is_set()
+    assert work.clear() == [embed]
+
+
+def test_shutdown_ends_every_wait() -> None:
+    work, slot, stopping = _queue()
+    slot.holder = "s1"
+    inf = work.post(b"c1", Op.OPEN, _open(b"r1"))
+    assert work.defer(inf, _open(b"r1"))
+    slot.holder = None
+    stopping.set()
+    assert work.pop_deferred() is None  # the slot is free, but nothing starts now
+    emitted: list[tuple[Inflight, list[bytes]]] = []
+    work.sweep_deferred(lambda inf, frames: emitted.append((inf, frames)))
+    assert [type(wire.error_of(wire.decode_reply(frames))) for _inf, frames in emitted] == [ShuttingDown]
