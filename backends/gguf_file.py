@@ -40,6 +40,8 @@ class GGUFFacts:
     pooling_type: int
     tensor_types: frozenset[str]
     raw: dict[str, Any]
+    #: the text of every control and user-defined token (turn markers such as ``<start_of_turn>``)
+    control_tokens: frozenset[str] = frozenset()
 
 
 def is_gguf(path: Path) -> bool:
@@ -110,6 +112,24 @@ def read_gguf(path: str | Path) -> GGUFFacts:
         pooling_type=int(g("pooling_type", -1)),
         tensor_types=frozenset(t.tensor_type.name for t in reader.tensors),
         raw=raw,
+        control_tokens=_control_tokens(reader),
+    )
+
+
+#: token types (``gguf.TokenType``) whose text the tokenizer keeps whole: CONTROL, USER_DEFINED
+_WHOLE_TOKEN_TYPES = (3, 4)
+
+
+def _control_tokens(reader: Any) -> frozenset[str]:
+    """The texts of the vocabulary's control and user-defined tokens (empty when the header has no vocabulary)."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    types = reader.fields.get("tokenizer.ggml.token_type")
+    if tokens is None or types is None or len(tokens.data) != len(types.data):
+        return frozenset()
+    return frozenset(
+        bytes(tokens.parts[tokens.data[i]]).decode("utf-8", "replace")
+        for i, part in enumerate(types.data)
+        if int(types.parts[part][0]) in _WHOLE_TOKEN_TYPES
     )
 
 

@@ -396,6 +396,10 @@ class ModelInfo(_Report):
     runtime_name: str = ""
     runtime_digest: str = ""
     runtime_system_info: str = ""
+    #: the chat template a load would serve with and where it comes from, as ``ActiveModel.chat_template``
+    chat_template: str = ""
+    #: the tool-call format a load would use and why, as ``ActiveModel.tool_format``
+    tool_format: str = ""
     supports_gpu_offload: bool = False
     devices: list[DeviceInfo] = Field(default_factory=list)
     #: the workspace cache: RAM it holds now and its budget (handed back before a model load)

@@ -17,6 +17,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 pytest.importorskip("llama_cpp")
 
+from contract.types import OpenSessionRequest  # noqa: E402
 from tests.test_family_templates import CITY_TOOL  # noqa: E402
 from tests.test_openai_front import Front  # noqa: E402
 
@@ -41,7 +42,11 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
 def test_auto_picks_the_engine_that_loads_it_and_status_says_what_it_serves_with(gemma: Front) -> None:
     with gemma.daemon.client(timeout_s=30.0) as c:
         st = c.status()
-    assert st.active is not None and st.active.type == "llama"
+        assert st.active is not None
+        described = c.describe(OpenSessionRequest(model_name="gemma", type="llama", path=st.active.path))
+    assert st.active.type == "llama"
+    # describe, which loads nothing, names the template and tool format the load chose
+    assert (described.chat_template, described.tool_format) == (st.active.chat_template, st.active.tool_format)
     assert st.backend_reason.startswith("auto: OpenVINO cannot convert this GGUF") and "gemma3" in st.backend_reason
     assert st.active.chat_template == "built-in gemma3 (the model's file has none; its vocabulary has <start_of_turn>)"
     assert st.active.tool_format.startswith("hermes (the template renders no tools")

@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from contract.errors import InvalidArgument  # noqa: E402
-from contract.types import Config, LoadModelRequest  # noqa: E402
+from contract.types import Config, LoadModelRequest, OpenSessionRequest  # noqa: E402
 from tests.test_openai_front import Front  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -114,3 +114,32 @@ def test_a_family_template_brings_its_tool_call_format_through_the_front(bare: F
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     cached = second.usage.prompt_tokens_details.cached_tokens or 0
     assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 4, (first.usage, second.usage)
+
+
+def test_describe_names_the_template_and_tool_format_a_load_would_use(bare: Front) -> None:
+    """``describe`` reads the template from the file (or the request) and says what a load would say, without
+    loading: the file's own or the vocabulary's choice, a named template file, a tool format asked for; a
+    template that does not exist is refused as the load refuses it."""
+    from tests.test_family_templates import TEMPLATES
+
+    template = TEMPLATES / "mistral_args.jinja"
+    with bare.daemon.client(timeout_s=60.0) as c:
+        active = c.status().active
+        assert active is not None
+
+        def describe(**config: str) -> tuple[str, str]:
+            info = c.describe(OpenSessionRequest(model_name="bare", type=active.type, path=active.path,
+                                                 config=Config(num_ctx=1024, **config)))
+            return info.chat_template, info.tool_format
+
+        if active.chat_template == "ChatML (the model's file has none)":  # the module's loads may have switched it
+            assert describe() == (active.chat_template, active.tool_format)
+        assert describe() == ("ChatML (the model's file has none)",
+                              "hermes (the template renders no tools: they go in a generic block)")
+        assert describe(chat_template=str(template)) == (f"file {template.resolve()}",
+                                                         "mistral_args (detected from the template)")
+        assert describe(chat_template="llama3", tool_format="hermes") == ("built-in llama3", "hermes (asked for)")
+        with pytest.raises(InvalidArgument, match="neither a built-in"):
+            describe(chat_template="no-such-template")
+        after = c.status().active
+        assert after is not None and after.generation == active.generation  # nothing was loaded

@@ -18,7 +18,7 @@ from ..bundled import model_cache_dir
 from ..digest import file_digest
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
 from ..registry import engine
-from ..tape.loading import check_load, finish_load
+from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .model import BACKEND_NAME, LlamaLoadedModel
 from .native import map_errors, open_llama, runtime_version, system_info
@@ -87,9 +87,11 @@ class LlamaBackend:
         check_model_type(req.type, BACKEND_NAME)
         path = _model_path(req)
         with map_errors(f"describing {req.path}", loading=True):
-            shape = gguf_facts(path).shape
+            facts = gguf_facts(path)
+            shape = facts.shape
             options = LoadOptions.resolve(req.config, shape)
             digest = file_digest(path, model_cache_dir())
+        template, tool_format = template_report(req, facts.chat_template, facts.control_tokens)
         kvpt = kv_bytes_per_token(shape.facts(kv_cache_type=options.kv_cache_type))
         gpu = bool(llama_cpp.llama_supports_gpu_offload())
         return ModelInfo(
@@ -104,6 +106,8 @@ class LlamaBackend:
             runtime_name=RUNTIME_NAME,
             runtime_digest=f"llama-cpp-python=={runtime_version()}",
             runtime_system_info=system_info(),
+            chat_template=template,
+            tool_format=tool_format,
             supports_gpu_offload=gpu,
             n_layer=shape.n_layer,
             n_head_kv=shape.n_head_kv,

@@ -17,7 +17,8 @@ from contract.interfaces import StateCache
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
-from ..tape.loading import check_load, finish_load
+from ..gguf_file import gguf_facts
+from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .graph import paged_model, wants_batch_graph
 from .model import BACKEND_NAME, OpenVINOLoadedModel
@@ -141,6 +142,9 @@ class OpenVINOBackend:
                 device=self.device,
             )
             devices = self._devices()
+            # the template is read from the GGUF an IR is made from; an IR alone is read at its load
+            facts = gguf_facts(src.gguf) if src.gguf is not None else None
+        template, tool_format = template_report(req, facts.chat_template, facts.control_tokens) if facts else ("", "")
         requested = req.config.num_ctx or DEFAULT_NUM_CTX
         effective = min(requested, shape.n_ctx_train) if shape.n_ctx_train else requested
         kvpt = kv_bytes_per_token(sizing(shape, options.kv_precision))
@@ -166,6 +170,8 @@ class OpenVINOBackend:
             runtime_name=BACKEND_NAME,
             runtime_digest=f"openvino=={runtime_version()}",
             runtime_system_info=main.name if main is not None else "",
+            chat_template=template,
+            tool_format=tool_format,
             supports_gpu_offload=any(d.kind == "gpu" for d in devices),
             devices=devices,
             n_layer=shape.n_layer,

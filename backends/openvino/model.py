@@ -20,7 +20,6 @@ plain attributes.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -40,14 +39,14 @@ from contract.types import Config, DecodeConfig, SessionSnapshot
 from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import pack_state, refuse_diffs, unpack_state
-from ..tape.templates import JinjaRenderer, check_renders, choose_template, render_defaults, renders_tools
+from ..tape.templates import JinjaTemplate, check_renders, choose_template
 from .graph import EXACT_STEP_ROWS, MIN_PREFILL_ROWS, VERIFY_ROWS, WARM_BUCKETS_UP_TO, bucket, verify_rows
 from .guidance import TokenGuide, build_tokenizer, compile_grammar
 from .native import map_errors, runtime_version, type_name
 from .options import LoadOptions, overhead_bytes
 from .sampling import OpenVINOSteps, Sampler
 
-__all__ = ["BACKEND_NAME", "OpenVINOLoadedModel", "OpenVINOTemplate"]
+__all__ = ["BACKEND_NAME", "OpenVINOLoadedModel"]
 
 BACKEND_NAME = "openvino"
 STATE_MAGIC = b"MODELD-OV-PKV1\0\0"
@@ -86,26 +85,6 @@ def split_for_encoding(text: str, max_chars: int) -> list[str]:
         start = cut
     pieces.append(text[start:])
     return pieces
-
-
-class OpenVINOTemplate:
-    """The model's template, rendered as its publisher renders it (``JinjaRenderer``), not by the IR
-    tokenizer's minja: minja *polyfills* what it judges a template lacks — its own JSON for tool calls,
-    calls' string arguments turned into objects — so a Mistral or DeepSeek conversation would reach the
-    model in a format it was never trained on, and differently from the llama.cpp engine. Whether the
-    template renders tools is read from its source (docs/engines.md).
-    """
-
-    def __init__(self, tok: openvino_genai.Tokenizer, source: str) -> None:
-        self._render = JinjaRenderer(source, bos_token=str(tok.get_bos_token()), eos_token=str(tok.get_eos_token()))
-        self._defaults = render_defaults(source)
-        self.source = source
-        self.digest = "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()
-        self.prompt_format = "chatml" if "<|im_start|>" in source else "jinja"
-        self.supports_tools = renders_tools(self)
-
-    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool, **extra: Any) -> str:
-        return self._render(messages, tools, generation=generation, **{**self._defaults, **extra})
 
 
 class _Vocab:
@@ -178,7 +157,8 @@ class OpenVINOLoadedModel(TapeModelBase):
             requested_template, own,
             lambda text: len(tokenizer.encode(text, add_special_tokens=False).input_ids.data[0]) == 1)
         try:
-            template = OpenVINOTemplate(tokenizer, source)
+            template = JinjaTemplate(source, bos_token=str(tokenizer.get_bos_token()),
+                                     eos_token=str(tokenizer.get_eos_token()))
         except jinja2.TemplateError as exc:
             raise InvalidArgument(f"the chat template ({self.template_origin}) does not compile: {exc}",
                                   chat_template=self.template_origin) from None

@@ -7,7 +7,10 @@ built; what lies between (opening the engine, its options) is the engine's own.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol
+
+import jinja2
 
 from contract.interfaces import StateCache
 from contract.types import OpenSessionRequest
@@ -15,11 +18,11 @@ from contract.types import OpenSessionRequest
 from ..bundled import model_cache_dir
 from ..resident import check_model_type
 from .draft_costs import draft_costs
-from .model import TapeModel
-from .templates import requested_template
+from .model import TapeModel, model_format
+from .templates import JinjaTemplate, choose_template, requested_template
 from .toolformats import require_format
 
-__all__ = ["check_load", "finish_load"]
+__all__ = ["check_load", "finish_load", "template_report"]
 
 
 class LoadedTape(TapeModel, Protocol):
@@ -62,3 +65,19 @@ def finish_load(model: LoadedTape, cache: StateCache | None, speculative: bool) 
         raise
     model.cache = cache
     model.speculative = speculative
+
+
+def template_report(req: OpenSessionRequest, own: str, whole_tokens: Collection[str]) -> tuple[str, str]:
+    """What ``describe`` says of the template before any load, as ``status`` says it after one: where the
+    template a load would serve with comes from, and the tool-call format it would use and why.
+
+    ``own`` is the template the model's file carries ("" for none) and ``whole_tokens`` the texts its
+    tokenizer keeps as single tokens (the vocabulary choice of a file with none). A template that does not
+    compile is said as such; the load refuses it."""
+    source, origin = choose_template(requested_template(req.config.chat_template), own, whole_tokens.__contains__)
+    try:
+        template = JinjaTemplate(source)
+    except jinja2.TemplateError as exc:
+        return f"{origin}; it does not compile: {exc}", ""
+    _, tool_format = model_format(template, req.config.tool_format)
+    return origin, tool_format

@@ -17,6 +17,7 @@ marks every turn unambiguously.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from datetime import datetime
@@ -38,6 +39,7 @@ __all__ = [
     "builtin",
     "builtin_names",
     "JinjaRenderer",
+    "JinjaTemplate",
     "check_renders",
     "choose_template",
     "render_defaults",
@@ -117,6 +119,23 @@ class JinjaRenderer:
                  **extra: Any) -> str:
         return self._template.render(messages=messages, tools=tools, add_generation_prompt=generation,
                                      **self._tokens, **extra)
+
+
+class JinjaTemplate:
+    """A chat template source rendered by ``JinjaRenderer`` with its ``render_defaults``: the ``ChatTemplate``
+    an engine without a renderer of its own serves with (OpenVINO), and what ``describe`` reads a template by
+    before any load. Whether it renders tools is probed (``renders_tools``)."""
+
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+        self._render = JinjaRenderer(source, bos_token=bos_token, eos_token=eos_token)
+        self._defaults = render_defaults(source)
+        self.source = source
+        self.digest = "sha256:" + hashlib.sha256(source.encode("utf-8")).hexdigest()
+        self.prompt_format = "chatml" if "<|im_start|>" in source else "jinja"
+        self.supports_tools = renders_tools(self)
+
+    def render(self, messages: list[dict[str, Any]], tools: list[Any] | None, *, generation: bool, **extra: Any) -> str:
+        return self._render(messages, tools, generation=generation, **{**self._defaults, **extra})
 
 
 #: a tool list a template renders if it supports tools

@@ -224,6 +224,8 @@ _BACKEND_FIELDS = (
     "runtime_name",
     "runtime_digest",
     "runtime_system_info",
+    "chat_template",
+    "tool_format",
     "supports_gpu_offload",
     "n_layer",
     "n_head_kv",
