@@ -14,31 +14,30 @@ turn the bundled models into the formats the backends serve.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import platform
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from backends.registry import ENGINES
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
-from contract.types import Config, KVCacheType, LoadModelRequest
+from contract.types import Config, LoadModelRequest
 
 from . import dirs
-from .blobs import DEFAULT_MAX_BYTES, BlobStore
+from .blobs import BlobStore
 from .capacity import make_budget_check, make_planner
 from .engine_choice import EngineFacts, choose_backend
 from .netsec import check_tcp_exposure, server_keys
-from .server import DEFAULT_ENGINE_NICE, DEFAULT_STREAM_INTERVAL_S, DEFAULT_WEDGE_S, Daemon
-from .slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S, Planner, SlotService
+from .server import Daemon
+from .settings import ServeSettings
+from .slot import Planner, SlotService
 from .state_cache import StateCacheStore
 
 __all__ = [
     "BACKENDS",
     "BACKEND_CHOICES",
+    "backend_choices",
     "PREPARE_STEPS",
     "ServeOptions",
     "build_backend",
@@ -62,6 +61,11 @@ BACKENDS = (*ENGINES, "memory")
 BACKEND_CHOICES = ("auto", *BACKENDS)
 
 
+def backend_choices() -> tuple[str, ...]:
+    """``BACKEND_CHOICES`` as the registry holds it now (an engine registered after import included)."""
+    return ("auto", *ENGINES, "memory")
+
+
 def prepare_steps() -> tuple[str, ...]:
     """What ``modeld prepare --only`` accepts: the engines' conversion steps (named as the engine), then the
     embedding models'."""
@@ -71,95 +75,9 @@ def prepare_steps() -> tuple[str, ...]:
 PREPARE_STEPS = prepare_steps()
 
 
-@dataclass(frozen=True)
-class ServeOptions:
-    """The resolved ``modeld serve`` settings (``modeld.settings.ServeSettings.options``); field names are the flags'.
-
-    Sizes are bytes, already parsed; these defaults are the settings' built-in ones.
-    """
-
-    #: a BACKENDS name, or "auto" (``resolve_backend`` picks one and says why)
-    backend: str = "auto"
-    #: why ``backend`` was picked when it was "auto" (status shows it)
-    backend_reason: str = ""
-    #: "" or None = the per-user default endpoint
-    endpoint: str | None = None
-    #: model to preload; None = the bundled model for llama/openvino, nothing for memory
-    model: str | None = None
-    model_name: str | None = None
-    num_ctx: int = 0
-    #: llama.cpp's attention kernel and KV cache type for the preloaded model ("": the engine's default)
-    flash_attn: bool = False
-    kv_cache_type: KVCacheType = ""
-    #: decoded tokens computed as a prefill computes them (``contract.types.Config.exact_decode``)
-    exact_decode: bool = False
-    #: the preloaded model's chat template (``contract.types.Config.chat_template``; "": its own)
-    chat_template: str = ""
-    #: the preloaded model's tool-call format (``contract.types.Config.tool_format``; "": from its template)
-    tool_format: str = ""
-    owner: str = ""
-    #: snapshot blobs and state; None = ``default_data_dir()``
-    data_dir: Path | None = None
-    #: --mem-max / --mem-reserve in bytes; None = not set (the memory planner reads its environment and [memory])
-    mem_max: int | None = None
-    mem_reserve: int | None = None
-    lease: float = DEFAULT_LEASE_S
-    #: seconds without a session or an operation before the chat model is unloaded (0 = never)
-    idle_unload: float = 0.0
-    #: seconds a session may go without an operation (heartbeats aside) before it is released
-    session_ttl: float = DEFAULT_SESSION_TTL_S
-    no_preload: bool = False
-    #: seconds before an idle embedding model is unloaded
-    embed_idle: float = 300.0
-    #: memory backend only: simulated time per generated token
-    memory_token_delay_ms: float = 0.0
-    log_level: str = "INFO"
-    #: HOST:PORT of the OpenAI-compatible HTTP front (None: no front)
-    http: str | None = None
-    http_allow_remote: bool = False
-    #: a bearer key the HTTP front requires ("" = none)
-    api_key: str = ""
-    #: how long an HTTP request waits for the slot while another holds it
-    http_queue_timeout: float = 300.0
-    #: the largest HTTP request body, in bytes (413 past it)
-    http_max_body: int = 32 * 1024 * 1024
-    #: open HTTP connections served at once (503 past it; kept under the open files limit)
-    http_max_connections: int = 512
-    #: seconds an HTTP connection may take to send a request head (408 and closed past it; 0 = no limit)
-    http_header_timeout: float = 30.0
-    #: HTTP requests naming a model the daemon does not serve: refused (404) instead of served by the loaded one
-    strict_model_names: bool = False
-    #: Messages API: keep a system block that only carries a client's per-request billing header
-    keep_billing_header: bool = False
-    #: NAME=MODEL: HTTP requests for NAME are served by MODEL
-    alias: tuple[str, ...] = ()
-    #: the temperature of requests that set no sampling parameter (None: the model's recommendation)
-    temperature: float | None = None
-    #: "plain" or "json" (one JSON object per log line)
-    log_format: Literal["plain", "json"] = "plain"
-    #: workspace cache budgets in bytes (None = auto: the cache sizes them; 0 = off) and its directory
-    #: (None = ``<data dir>/cache``)
-    cache_ram: int | None = None
-    cache_disk: int | None = None
-    cache_dir: Path | None = None
-    #: tcp security (``modeld.netsec``): speak CURVE with the key pair in DATA_DIR/keys, or
-    #: accept an open non-loopback socket
-    curve: bool = False
-    insecure_tcp: bool = False
-    #: seconds without progress before the model worker is reported wedged, and whether to exit then
-    wedge_timeout: float = DEFAULT_WEDGE_S
-    exit_when_wedged: bool = False
-    #: snapshot blob store limits: bytes and an age in days
-    blob_disk: int = DEFAULT_MAX_BYTES
-    blob_max_age_days: float = 7.0
-    #: the config file the settings came from (None: none); the memory planner reads its [memory] table
-    config_file: Path | None = None
-    #: prompt-lookup speculative decoding unless a request says otherwise (``backends.tape.speculate``)
-    speculative: bool = True
-    #: a decode stream sends at most one frame per this many milliseconds (``modeld.coalesce``; 0 = one per token)
-    stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_S * 1000
-    #: the model workers' threads run this much nicer than the daemon (``modeld.priority``; 0 = the same)
-    engine_nice: int = DEFAULT_ENGINE_NICE
+#: what the builders take: ``modeld.settings.ServeSettings`` itself, under the name the builders have always used
+#: (it declares no setting again)
+ServeOptions = ServeSettings
 
 
 def default_data_dir() -> Path:
@@ -210,7 +128,7 @@ def resolve_backend(opts: ServeOptions) -> ServeOptions:
 
         model = str(served_bundled_gguf())
     name, reason = choose_backend(engine_facts(model, exclusive=exclusive_settings(opts)))
-    return dataclasses.replace(opts, backend=name, backend_reason=f"auto: {reason}")
+    return opts.with_backend(name, f"auto: {reason}")
 
 
 def build_cache(opts: ServeOptions) -> StateCacheStore | None:
@@ -231,12 +149,12 @@ def build_backend(opts: ServeOptions, cache: StateCache | None = None) -> Backen
     spec = ENGINES.get(opts.backend)
     if spec is not None:
         return spec.backend(cache, opts.speculative)
-    raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
+    raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(backend_choices())}")
 
 
 def build_planner(opts: ServeOptions) -> Planner:
-    """The memory planner (``modeld.capacity``): --mem-max/--mem-reserve over env over config file."""
-    return make_planner(mem_max=opts.mem_max, mem_reserve=opts.mem_reserve, config_file=opts.config_file)
+    """The memory planner (``modeld.capacity``) under the settings' memory policy."""
+    return make_planner(opts.memory)
 
 
 def build_embedder(opts: ServeOptions, generation_bytes: Callable[[], int]) -> Embedder | None:
@@ -249,7 +167,7 @@ def build_embedder(opts: ServeOptions, generation_bytes: Callable[[], int]) -> E
         return None
     from .embedding_slot import EmbeddingSlot
 
-    check = make_budget_check(opts.mem_max, opts.mem_reserve, other_bytes=generation_bytes, config_file=opts.config_file)
+    check = make_budget_check(opts.memory, other_bytes=generation_bytes)
     return EmbeddingSlot(ENGINES[opts.backend].embedder(), idle_unload_s=opts.embed_idle, budget_check=check)
 
 

@@ -14,64 +14,30 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from contract.endpoint import default_endpoint
 from contract.types import KV_CACHE_TYPES
 
 from . import dirs
-from .bootstrap import BACKEND_CHOICES, ServeOptions, build_daemon, default_data_dir, preload_request, resolve_backend
-from .capacity.sizes import format_size
+from .bootstrap import BACKEND_CHOICES, build_daemon, preload_request, resolve_backend
 from .logs import setup_logging
 from .sdnotify import notify
 from .server import EXIT_WEDGED
-from .settings import SIZE_SETTINGS, ServeSettings, SettingsError, env_name, flag_name, load_settings
+from .settings import ServeSettings, SettingsError, add_setting, layering_epilog, parse_settings
 
 __all__ = ["add_serve_arguments", "build_parser", "load", "main", "serve"]
 
 log = logging.getLogger("modeld")
 
-#: never printed by --help: the HTTP key, and the owner id that is the fence
-_SECRET = ("api_key", "owner")
-
-
-def _shown(name: str, value: Any) -> str | None:
-    """How ``--help`` shows a setting's current value; None shows nothing (unset, off, or a secret)."""
-    if name in _SECRET:
-        return None
-    if value is None:
-        if name == "config":
-            return str(dirs.config_file())
-        if name == "data_dir":
-            return str(default_data_dir())
-        if name == "endpoint":
-            return default_endpoint()
-        return "auto" if name in ("cache_ram", "cache_disk") else None
-    if isinstance(value, bool):
-        return "on" if value else None
-    if isinstance(value, tuple):
-        return ", ".join(value) or None
-    if name in SIZE_SETTINGS:
-        return format_size(value)
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value) or None
-
 
 def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | None = None) -> None:
-    """The ``modeld serve`` flags; their dest names are ``ServeSettings``' fields.
+    """The ``modeld serve`` flags; their dest names are the settings' (``modeld.settings.add_setting``).
 
-    No flag has a default (``argparse.SUPPRESS``): a flag left out takes no part,
-    so the environment and the config file fill it in (``modeld.settings``). The
-    help says what applies without the flag: ``current`` (the settings from the
-    environment and the config file), else the built-in defaults.
+    The help says what applies without a flag: ``current`` (the settings from
+    the environment and the config file), else the built-in defaults.
     """
     shown = current if current is not None else ServeSettings.model_construct()
 
     def flag(name: str, **kw: Any) -> None:
-        field = ServeSettings.model_fields[name]
-        text = (field.description or "").replace("%", "%%")
-        value = _shown(name, getattr(shown, name))
-        where = f"env {env_name(name)}" if value is None else f"default: {value}; env {env_name(name)}"
-        p.add_argument(flag_name(name), dest=name, default=argparse.SUPPRESS, help=f"{text} ({where})", **kw)
+        add_setting(p, shown, name, **kw)
 
     flag("config", type=Path, metavar="PATH")
     flag("endpoint")
@@ -126,15 +92,8 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     """The ``modeld serve`` parser; its help shows ``current``'s values (``add_serve_arguments``) and ``note``."""
     config = current.config_file if current is not None else config or dirs.config_file()
-    epilog = (
-        "Each setting comes from its flag, else the environment (MODELD_<SETTING>, e.g. MODELD_CACHE_RAM), "
-        f"else the config file ({config}; TOML, keys are the settings' names, e.g. cache_ram = \"2GiB\"), "
-        "else its built-in default. A default shown is what applies without the flag."
-    )
-    if note:
-        epilog += f" The defaults shown are the built-in ones, because: {note}"
     p = argparse.ArgumentParser(prog="modeld serve", description="Serve one model slot over ZeroMQ.",
-                                epilog=epilog.replace("%", "%%"))
+                                epilog=layering_epilog(config, note))
     add_serve_arguments(p, current)
     return p
 
@@ -144,20 +103,9 @@ def load(argv: list[str] | None = None) -> ServeSettings:
 
     argparse parses the command line (and exits for ``--help`` or a malformed
     flag). ``--config`` is read first, so the help shows the defaults of the
-    file it names.
+    file it names (``modeld.settings.parse_settings``).
     """
-    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
-    pre.add_argument("--config", type=Path, default=None)
-    try:
-        named = pre.parse_known_args(argv)[0].config
-    except argparse.ArgumentError:  # the full parser says what is wrong
-        named = None
-    try:
-        current, note = load_settings({} if named is None else {"config": named}), ""
-    except SettingsError as exc:
-        current, note = None, str(exc)
-    args = build_parser(current, note, named).parse_args(argv)
-    return load_settings(vars(args))
+    return parse_settings(ServeSettings, argv, build_parser)
 
 
 #: glibc's mallopt parameter for the size from which allocations are mmapped
@@ -186,7 +134,7 @@ def _log_stream() -> TextIO:
         return sys.stderr
 
 
-def serve(opts: ServeOptions) -> int:
+def serve(opts: ServeSettings) -> int:
     _return_large_buffers_to_the_os()
     setup_logging(opts.log_level, opts.log_format, _log_stream())
     opts = resolve_backend(opts)
@@ -202,14 +150,9 @@ def serve(opts: ServeOptions) -> int:
     front = None
     if opts.http:
         try:
-            from .front import HttpFront, parse_aliases, parse_listen  # the `http` extra
+            from .front import build_front  # the `http` extra
 
-            host, port = parse_listen(opts.http)
-            front = HttpFront(daemon.endpoint, host, port, api_key=opts.api_key, allow_remote=opts.http_allow_remote,
-                              queue_timeout_s=opts.http_queue_timeout, aliases=parse_aliases(opts.alias),
-                              strict_model_names=opts.strict_model_names, max_body_bytes=opts.http_max_body,
-                              data_dir=opts.data_dir or default_data_dir(), keep_billing_header=opts.keep_billing_header,
-                              max_connections=opts.http_max_connections, header_timeout_s=opts.http_header_timeout)
+            front = build_front(opts, daemon.endpoint, opts.http)
         except (ImportError, ValueError) as exc:
             print(f"modeld: {exc}", file=sys.stderr)
             return 2
@@ -266,4 +209,4 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as exc:
         print(f"modeld serve: {exc}", file=sys.stderr)
         return 2
-    return serve(settings.options())
+    return serve(settings)

@@ -1,21 +1,34 @@
-"""``ServeSettings``: every ``modeld serve`` setting, typed, from the command line, the environment and a file.
+"""The daemon commands' settings, typed, from the command line, the environment and a file.
+
+``HttpSettings`` is what ``modeld http`` reads: the HTTP front, the daemon it
+talks to, the data directory and the log. ``ServeSettings`` is ``modeld
+serve``'s: those (it extends ``HttpSettings``, since ``serve --http`` runs the
+same front) and the daemon's own, with the memory planner's policy nested as
+``memory`` (``modeld.capacity.Policy``). Every setting is declared once, in
+one of the three; the composition root (``modeld.bootstrap``) takes
+``ServeSettings`` itself.
 
 Each setting is resolved on its own: command line > environment
 (``MODELD_<SETTING>``, e.g. ``MODELD_CACHE_RAM``; empty counts as unset) >
-config file > built-in default (``ServeOptions``' own). The layering is
-pydantic-settings' sources in that order: the flags given (argparse in
-``modeld.serve`` suppresses its defaults, so a flag left out takes no part) are
-the init source, then ``EnvSettingsSource``, then ``ConfigFileSource`` (a
-``TomlConfigSettingsSource``).
+config file > built-in default. The layering is pydantic-settings' sources in
+that order: the flags given (argparse suppresses its defaults, so a flag left
+out takes no part) are the init source, then ``Environment``, then
+``ConfigFileSource`` (a ``TomlConfigSettingsSource``).
 
 The config file is TOML at ``modeld.dirs.config_file()``
 (``$XDG_CONFIG_HOME/modeld/config.toml``, else ``~/.config/modeld/config.toml``),
 or the one ``--config`` / ``$MODELD_CONFIG`` names. A missing default file is
 fine; a named one must exist. Its top-level keys are the settings' names
 (``session_ttl = 600``, ``cache_ram = "2GiB"``); an unknown key is refused, so a
-typo fails instead of being ignored. Its ``[memory]`` table belongs to the memory
-planner (``modeld.capacity.Policy``: headroom, minimum and default window), which
-reads and checks it itself.
+typo fails instead of being ignored. ``modeld http`` passes over the keys only
+``serve`` reads, as both read the one file.
+
+The memory policy keeps its own names: the file's ``[memory]`` table (keys
+``max``, ``reserve``, ``headroom``, ``min_context``, ``default_context``: the
+policy's aliases) and the variables of ``MEMORY_SETTINGS`` (``MODELD_MEM_MAX``,
+``MODELD_MEM_RESERVE``, ``MODELD_MEM_HEADROOM``, ``MODELD_MIN_CONTEXT``,
+``MODELD_DEFAULT_CONTEXT``). ``mem_max`` and ``mem_reserve`` are also flags and
+top-level keys, which win over ``[memory]`` ``max`` and ``reserve``.
 
 Sizes go through ``modeld.capacity.sizes.parse_size`` (and "auto" where a budget
 has one), so "8GiB" means the same in a flag, a variable and the file. A bad
@@ -24,15 +37,17 @@ value raises ``SettingsError`` naming the setting and where it came from.
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import logging
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self, TypeVar
 
-from pydantic import AfterValidator, BeforeValidator, Field, ValidationError
+from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -44,40 +59,62 @@ from pydantic_settings import (
 )
 from pydantic_settings import SettingsError as _SourceError
 
+from contract.endpoint import default_endpoint
 from contract.types import KVCacheType
 
 from . import dirs
-from .bootstrap import BACKEND_CHOICES, ServeOptions
-from .capacity.sizes import parse_size, parse_size_or_auto
+from .blobs import DEFAULT_MAX_BYTES
+from .capacity.policy import Policy
+from .capacity.sizes import format_size, parse_size, parse_size_or_auto
 from .priority import MAX_NICE
-from .server import EXIT_WEDGED
+from .server import DEFAULT_ENGINE_NICE, DEFAULT_STREAM_INTERVAL_S, DEFAULT_WEDGE_S, EXIT_WEDGED
+from .slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
 
 __all__ = [
     "CONFIG_ENV",
     "ENV_PREFIX",
+    "MEMORY_FLAGS",
+    "MEMORY_SETTINGS",
     "MEMORY_TABLE",
     "SIZE_SETTINGS",
     "ConfigFileSource",
+    "Environment",
+    "HttpSettings",
     "ServeSettings",
     "SettingsError",
+    "add_setting",
     "env_name",
+    "file_keys",
     "flag_name",
+    "layering_epilog",
     "load_settings",
+    "memory_key",
+    "parse_settings",
+    "setting_field",
+    "setting_value",
 ]
 
 ENV_PREFIX = "MODELD_"
 #: names another config file (as ``--config`` does)
 CONFIG_ENV = ENV_PREFIX + "CONFIG"
-#: the config file's table for the memory planner; passed over here, checked there
+#: the config file's table for the memory policy (``ServeSettings.memory``)
 MEMORY_TABLE = "memory"
+#: the memory policy's settings by their flat names (``MODELD_<NAME>``) → its fields (``modeld.capacity.Policy``)
+MEMORY_SETTINGS = {
+    "mem_max": "user_limit_bytes",
+    "mem_reserve": "reserve_bytes",
+    "mem_headroom": "headroom_fraction",
+    "min_context": "min_context",
+    "default_context": "default_context",
+}
+#: those of them that are also ``modeld serve`` flags and top-level keys of the config file
+MEMORY_FLAGS = ("mem_max", "mem_reserve")
 #: the settings that are sizes ("8GiB", "512MB", bytes; "auto" for the cache budgets)
 SIZE_SETTINGS = ("mem_max", "mem_reserve", "cache_ram", "cache_disk", "blob_disk", "http_max_body")
 
-_DEFAULT = ServeOptions()
-
 
 class SettingsError(ValueError):
-    """A ``modeld serve`` setting is malformed or unknown, or the config file is unreadable; the message says which."""
+    """A daemon command's setting is malformed or unknown, or the config file is unreadable; the message says which."""
 
 
 def env_name(setting: str) -> str:
@@ -86,6 +123,12 @@ def env_name(setting: str) -> str:
 
 def flag_name(setting: str) -> str:
     return "--" + setting.replace("_", "-")
+
+
+def memory_key(setting: str) -> str:
+    """The ``[memory]`` key of a memory setting's flat name (``mem_max`` → ``max``)."""
+    field = Policy.model_fields[MEMORY_SETTINGS[setting]]
+    return field.alias or MEMORY_SETTINGS[setting]
 
 
 def _size_or_unset(value: Any) -> int | None:
@@ -97,8 +140,10 @@ def _size_or_auto(value: Any) -> int | None:
 
 
 def _backend(value: str) -> str:
-    if value not in BACKEND_CHOICES:
-        raise ValueError(f"unknown backend {value!r}; choose one of {', '.join(BACKEND_CHOICES)}")
+    from .bootstrap import backend_choices  # the composition root knows the engines; it imports these settings
+
+    if value not in backend_choices():
+        raise ValueError(f"unknown backend {value!r}; choose one of {', '.join(backend_choices())}")
     return value
 
 
@@ -130,8 +175,6 @@ def _expand_user(value: Path | None) -> Path | None:
 
 
 Size = Annotated[int, BeforeValidator(parse_size)]
-#: None = not set here (the memory planner then reads its own sources)
-SizeOrUnset = Annotated[int | None, BeforeValidator(_size_or_unset)]
 #: None = "auto": the workspace cache sizes the budget itself
 SizeOrAuto = Annotated[int | None, BeforeValidator(_size_or_auto)]
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -141,11 +184,11 @@ OptionalPath = Annotated[Path | None, AfterValidator(_expand_user)]
 Aliases = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_aliases), AfterValidator(_check_aliases)]
 
 
-class ServeSettings(BaseSettings):
-    """Every ``modeld serve`` setting; the field names are the flags' (``--cache-ram`` → ``cache_ram``).
+class HttpSettings(BaseSettings):
+    """``modeld http``'s settings (and ``serve``'s for its front); the field names are the flags'.
 
-    Construct it with the flags given (``load_settings``); the environment and
-    the config file fill in the rest. ``options()`` is what ``build_daemon`` takes.
+    Construct it with the flags given (``load``); the environment and the
+    config file fill in the rest.
     """
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="forbid", frozen=True)
@@ -153,161 +196,51 @@ class ServeSettings(BaseSettings):
     config: OptionalPath = Field(
         None, description="settings file, TOML: keys are these settings' names, e.g. session_ttl = 600"
     )
-    endpoint: str | None = Field(_DEFAULT.endpoint, description="ipc://PATH or tcp://HOST:PORT")
-    backend: Annotated[str, AfterValidator(_backend)] = Field(
-        _DEFAULT.backend,
-        description="the engine; auto: OpenVINO on x86-64 for a model it converts (the faster engine here), "
-        "else llama.cpp; status says which and why",
-    )
-    model: str | None = Field(
-        _DEFAULT.model, description="model to preload (default: the bundled model for llama/openvino)"
-    )
-    model_name: str | None = Field(_DEFAULT.model_name, description="logical name of the preloaded model")
-    num_ctx: int = Field(_DEFAULT.num_ctx, ge=0, description="context window of the preloaded model (0 = memory-fitted)")
-    flash_attn: bool = Field(
-        _DEFAULT.flash_attn,
-        description="llama.cpp: flash attention for the preloaded model (a quantized KV cache needs it)",
-    )
-    kv_cache_type: KVCacheType = Field(
-        _DEFAULT.kv_cache_type,
-        description="llama.cpp: KV cache type of the preloaded model, f16 when unset; with --flash-attn, q8_0 "
-        "makes a token's logits the same alone or in a batch, so speculation and reuse never change an answer",
-    )
-    exact_decode: bool = Field(
-        _DEFAULT.exact_decode,
-        description="compute every decoded token as a prefill computes it, so drafts (sampled ones too) and "
-        "reused replies never change an answer; OpenVINO: a decode step then costs more over a long context "
-        "(up to 1.85x at 2,000 tokens, 2.5x at 4,000); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)",
-    )
-    chat_template: str = Field(
-        _DEFAULT.chat_template,
-        description="the preloaded model's chat template: a built-in name (chatml, qwen2_5, qwen3_coder, llama3, "
-        "mistral, mistral_args, gpt_oss, deepseek_v3_1, gemma3) or a Jinja file; default: the model's own, else the "
-        "one its vocabulary's turn tokens select, else ChatML (status says which)",
-    )
-    tool_format: str = Field(
-        _DEFAULT.tool_format,
-        description="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, llama3_json, "
-        "mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1); default: detected from the chat template",
-    )
-    owner: str = Field(_DEFAULT.owner, description="owner instance id for fencing")
-    data_dir: OptionalPath = Field(_DEFAULT.data_dir, description="snapshot blobs and state")
-    mem_max: SizeOrUnset = Field(_DEFAULT.mem_max, description="memory limit for model + KV, e.g. 8GiB")
-    mem_reserve: SizeOrUnset = Field(_DEFAULT.mem_reserve, description="memory kept free, e.g. 1GiB")
-    lease: Positive = Field(_DEFAULT.lease, description="seconds a silent client keeps its session")
-    no_preload: bool = Field(_DEFAULT.no_preload, description="start with an empty slot")
-    idle_unload: NonNegative = Field(
-        _DEFAULT.idle_unload,
-        description="unload the chat model after S seconds with no session and no operation (0 = never)",
-    )
-    session_ttl: NonNegative = Field(
-        _DEFAULT.session_ttl,
-        description="release a session that sent no operation for S seconds, even while its client renews the "
-        "lease (0 = never; any operation, explain included, refreshes it)",
-    )
-    embed_idle: NonNegative = Field(_DEFAULT.embed_idle, description="seconds before an idle embedding model is unloaded")
-    memory_token_delay_ms: NonNegative = Field(
-        _DEFAULT.memory_token_delay_ms, description="memory backend only: simulated time per generated token"
+    endpoint: str | None = Field(None, description="ipc://PATH or tcp://HOST:PORT")
+    data_dir: OptionalPath = Field(
+        None, description="snapshot blobs, stored HTTP responses, keys and state"
     )
     log_level: Annotated[str, AfterValidator(_log_level)] = Field(
-        _DEFAULT.log_level, description="DEBUG, INFO, WARNING, ERROR or CRITICAL"
+        "INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL"
+    )
+    log_format: Literal["plain", "json"] = Field(
+        "plain", description="plain lines, or one JSON object per line (access-log fields as keys)"
     )
     http: str | None = Field(
-        _DEFAULT.http, description="also serve an OpenAI-compatible HTTP API there, e.g. 127.0.0.1:8377"
+        None, description="also serve an OpenAI-compatible HTTP API there, e.g. 127.0.0.1:8377"
     )
-    http_allow_remote: bool = Field(_DEFAULT.http_allow_remote, description="let --http bind a non-loopback address")
+    http_allow_remote: bool = Field(False, description="let --http bind a non-loopback address")
+    # repr=False: the key stays out of logs and tracebacks
+    api_key: str = Field("", repr=False, description="bearer key the HTTP API requires")
     http_queue_timeout: NonNegative = Field(
-        _DEFAULT.http_queue_timeout, description="seconds an HTTP request waits for a busy slot before 503"
+        300.0, description="seconds an HTTP request waits for a busy slot before 503"
     )
     http_max_body: Size = Field(
-        _DEFAULT.http_max_body, description="largest HTTP request body; a larger one is refused with 413 unread"
+        32 * 2**20, description="largest HTTP request body; a larger one is refused with 413 unread"
     )
     http_max_connections: Annotated[int, Field(ge=1)] = Field(
-        _DEFAULT.http_max_connections,
+        512,
         description="open HTTP connections served at once; one past it is answered 503 and closed (the open files "
         "limit is raised where allowed, and the cap kept under it so ZeroMQ clients always find descriptors)",
     )
     http_header_timeout: NonNegative = Field(
-        _DEFAULT.http_header_timeout,
+        30.0,
         description="seconds an HTTP connection may take to send a request head before it is answered 408 and "
         "closed (0 = no limit); a request being answered is never cut",
     )
     strict_model_names: bool = Field(
-        _DEFAULT.strict_model_names,
+        False,
         description="refuse (404) an HTTP request naming a model the daemon does not serve, instead of serving it "
         "with the loaded model (agents hard-code model names)",
     )
     keep_billing_header: bool = Field(
-        _DEFAULT.keep_billing_header,
+        False,
         description="Messages API: keep a system block that only carries a client's billing header (Claude Code "
         "rewrites it every request, so by default it is left out of the prompt to keep the prefix warm)",
     )
     alias: Aliases = Field(
-        _DEFAULT.alias, description="NAME=MODEL: HTTP requests for model NAME are served by MODEL (repeatable)"
+        (), description="NAME=MODEL: HTTP requests for model NAME are served by MODEL (repeatable)"
     )
-    temperature: Annotated[float | None, Field(ge=0.0, le=10.0)] = Field(
-        _DEFAULT.temperature,
-        description="temperature of requests that set no sampling parameter (default: the model's recommended "
-        "sampling, else 0.8 with top-k 40, top-p 0.95, min-p 0.05); 0 = greedy, which speculative decoding needs",
-    )
-    log_format: Literal["plain", "json"] = Field(
-        _DEFAULT.log_format, description="plain lines, or one JSON object per line (access-log fields as keys)"
-    )
-    cache_ram: SizeOrAuto = Field(
-        _DEFAULT.cache_ram,
-        description="RAM for the workspace cache of prefix states, e.g. 2GiB; 0 = off; "
-        "auto = half of what the model leaves spare, at most 4GiB",
-    )
-    cache_disk: SizeOrAuto = Field(
-        _DEFAULT.cache_disk,
-        description="disk for the workspace cache (survives restarts), e.g. 8GiB; 0 = off; "
-        "auto = a quarter of the free space, at most 16GiB",
-    )
-    cache_dir: OptionalPath = Field(_DEFAULT.cache_dir, description="workspace cache directory (default DATA_DIR/cache)")
-    wedge_timeout: Positive = Field(
-        _DEFAULT.wedge_timeout,
-        description="report the model worker wedged after S seconds without progress: status says so and "
-        "waiting requests get EngineUnresponsive",
-    )
-    exit_when_wedged: bool = Field(
-        _DEFAULT.exit_when_wedged,
-        description=f"then exit with status {EXIT_WEDGED}, for a supervisor (systemd Restart=) to restart the daemon",
-    )
-    curve: bool = Field(
-        _DEFAULT.curve,
-        description="tcp endpoints speak ZeroMQ CURVE with the key pair in DATA_DIR/keys (`modeld keys` prints "
-        "the public key clients need)",
-    )
-    insecure_tcp: bool = Field(
-        _DEFAULT.insecure_tcp,
-        description="allow a tcp endpoint beyond loopback without CURVE (anyone reaching it controls the daemon)",
-    )
-    blob_disk: Size = Field(
-        _DEFAULT.blob_disk, description="disk for snapshot blobs; the least recently used are pruned beyond it"
-    )
-    blob_max_age_days: NonNegative = Field(
-        _DEFAULT.blob_max_age_days, description="snapshot blobs unused this long are pruned"
-    )
-    speculative: bool = Field(
-        _DEFAULT.speculative,
-        description="speculative decoding of greedy requests by default (a request's `speculative` wins): drafts copied from the "
-        "context are checked in one batch, so answers that repeat what the model was shown decode faster",
-    )
-    stream_interval_ms: NonNegative = Field(
-        _DEFAULT.stream_interval_ms,
-        description="a decode stream sends at most one frame per this many ms, the tokens decoded meanwhile "
-        "together (fewer wake-ups beside the engine; the first token is never held); 0 = a frame per token",
-    )
-    engine_nice: int = Field(
-        _DEFAULT.engine_nice,
-        ge=0,
-        le=MAX_NICE,
-        description="the model's threads run this much nicer than the daemon (Linux), so status, cancel and "
-        "heartbeats are answered within milliseconds while a decode keeps every core busy; competing programs "
-        "then take the larger share of the cores; 0 = the daemon's own priority",
-    )
-    # repr=False: the key stays out of logs and tracebacks
-    api_key: str = Field(_DEFAULT.api_key, repr=False, description="bearer key the HTTP API requires")
 
     @classmethod
     def settings_customise_sources(
@@ -319,35 +252,220 @@ class ServeSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         """Command line (the init source), then environment, then the config file; no .env, no secrets dir."""
-        named: Any = None
-        if isinstance(init_settings, InitSettingsSource):
-            named = init_settings.init_kwargs.get("config")
-        if named is None and isinstance(env_settings, EnvSettingsSource):
-            named, _, _ = env_settings.get_field_value(settings_cls.model_fields["config"], "config")
+        flags: dict[str, Any] = dict(init_settings.init_kwargs) if isinstance(init_settings, InitSettingsSource) else {}
+        env = Environment(settings_cls)
+        named: Any = flags.get("config")
+        if named is None:
+            named, _, _ = env.get_field_value(settings_cls.model_fields["config"], "config")
         path = Path(named).expanduser() if named else dirs.config_file()
-        return init_settings, env_settings, ConfigFileSource(settings_cls, path, named=bool(named))
+        return (
+            InitSettingsSource(settings_cls, _nest_memory(settings_cls, flags)),
+            env,
+            ConfigFileSource(settings_cls, path, named=bool(named)),
+        )
+
+    @classmethod
+    def load(cls, given: Mapping[str, Any] | None = None) -> Self:
+        """The settings from the flags ``given`` (setting name → value), over the environment and the config file.
+
+        Raises ``SettingsError`` naming the setting, where its value came from
+        (the flag, the variable or the config file) and what is wrong with it.
+        """
+        flags = dict(given or {})
+        try:
+            return cls(**flags)
+        except ValidationError as exc:
+            raise SettingsError(_describe(exc, flags, os.environ)) from None
+        except _SourceError as exc:  # a variable pydantic-settings could not decode
+            raise SettingsError(str(exc)) from None
 
     @property
     def config_file(self) -> Path:
         """The config file these settings were read from (it may be absent when it is the default)."""
         return self.config or dirs.config_file()
 
-    def options(self) -> ServeOptions:
-        """The resolved settings as the composition root takes them (``modeld.bootstrap.build_daemon``)."""
-        values = self.model_dump(exclude={"config"})
-        return ServeOptions(**values, config_file=self.config_file if self.config_file.is_file() else None)
+
+class ServeSettings(HttpSettings):
+    """Every ``modeld serve`` setting: ``HttpSettings``' and the daemon's, the memory policy nested as ``memory``.
+
+    The field names are the flags' (``--cache-ram`` → ``cache_ram``), the
+    memory policy's flags aside (``MEMORY_FLAGS``). ``build_daemon`` takes it.
+    """
+
+    backend: Annotated[str, AfterValidator(_backend)] = Field(
+        "auto",
+        description="the engine; auto: OpenVINO on x86-64 for a model it converts (the faster engine here), "
+        "else llama.cpp; status says which and why",
+    )
+    model: str | None = Field(
+        None, description="model to preload (default: the bundled model for llama/openvino)"
+    )
+    model_name: str | None = Field(None, description="logical name of the preloaded model")
+    num_ctx: int = Field(0, ge=0, description="context window of the preloaded model (0 = memory-fitted)")
+    flash_attn: bool = Field(
+        False,
+        description="llama.cpp: flash attention for the preloaded model (a quantized KV cache needs it)",
+    )
+    kv_cache_type: KVCacheType = Field(
+        "",
+        description="llama.cpp: KV cache type of the preloaded model, f16 when unset; with --flash-attn, q8_0 "
+        "makes a token's logits the same alone or in a batch, so speculation and reuse never change an answer",
+    )
+    exact_decode: bool = Field(
+        False,
+        description="compute every decoded token as a prefill computes it, so drafts (sampled ones too) and "
+        "reused replies never change an answer; OpenVINO: a decode step then costs more over a long context "
+        "(up to 1.85x at 2,000 tokens, 2.5x at 4,000); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)",
+    )
+    chat_template: str = Field(
+        "",
+        description="the preloaded model's chat template: a built-in name (chatml, qwen2_5, qwen3_coder, llama3, "
+        "mistral, mistral_args, gpt_oss, deepseek_v3_1, gemma3) or a Jinja file; default: the model's own, else the "
+        "one its vocabulary's turn tokens select, else ChatML (status says which)",
+    )
+    tool_format: str = Field(
+        "",
+        description="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, llama3_json, "
+        "mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1); default: detected from the chat template",
+    )
+    owner: str = Field("", description="owner instance id for fencing")
+    memory: Policy = Field(
+        Policy(),
+        description="the memory planner's policy: the config file's [memory] table, MEMORY_SETTINGS' variables, "
+        "--mem-max and --mem-reserve",
+    )
+    lease: Positive = Field(DEFAULT_LEASE_S, description="seconds a silent client keeps its session")
+    no_preload: bool = Field(False, description="start with an empty slot")
+    idle_unload: NonNegative = Field(
+        0.0,
+        description="unload the chat model after S seconds with no session and no operation (0 = never)",
+    )
+    session_ttl: NonNegative = Field(
+        DEFAULT_SESSION_TTL_S,
+        description="release a session that sent no operation for S seconds, even while its client renews the "
+        "lease (0 = never; any operation, explain included, refreshes it)",
+    )
+    embed_idle: NonNegative = Field(300.0, description="seconds before an idle embedding model is unloaded")
+    memory_token_delay_ms: NonNegative = Field(
+        0.0, description="memory backend only: simulated time per generated token"
+    )
+    temperature: Annotated[float | None, Field(ge=0.0, le=10.0)] = Field(
+        None,
+        description="temperature of requests that set no sampling parameter (default: the model's recommended "
+        "sampling, else 0.8 with top-k 40, top-p 0.95, min-p 0.05); 0 = greedy, which speculative decoding needs",
+    )
+    cache_ram: SizeOrAuto = Field(
+        None,
+        description="RAM for the workspace cache of prefix states, e.g. 2GiB; 0 = off; "
+        "auto = half of what the model leaves spare, at most 4GiB",
+    )
+    cache_disk: SizeOrAuto = Field(
+        None,
+        description="disk for the workspace cache (survives restarts), e.g. 8GiB; 0 = off; "
+        "auto = a quarter of the free space, at most 16GiB",
+    )
+    cache_dir: OptionalPath = Field(None, description="workspace cache directory (default DATA_DIR/cache)")
+    wedge_timeout: Positive = Field(
+        DEFAULT_WEDGE_S,
+        description="report the model worker wedged after S seconds without progress: status says so and "
+        "waiting requests get EngineUnresponsive",
+    )
+    exit_when_wedged: bool = Field(
+        False,
+        description=f"then exit with status {EXIT_WEDGED}, for a supervisor (systemd Restart=) to restart the daemon",
+    )
+    curve: bool = Field(
+        False,
+        description="tcp endpoints speak ZeroMQ CURVE with the key pair in DATA_DIR/keys (`modeld keys` prints "
+        "the public key clients need)",
+    )
+    insecure_tcp: bool = Field(
+        False,
+        description="allow a tcp endpoint beyond loopback without CURVE (anyone reaching it controls the daemon)",
+    )
+    blob_disk: Size = Field(
+        DEFAULT_MAX_BYTES, description="disk for snapshot blobs; the least recently used are pruned beyond it"
+    )
+    blob_max_age_days: NonNegative = Field(
+        7.0, description="snapshot blobs unused this long are pruned"
+    )
+    speculative: bool = Field(
+        True,
+        description="speculative decoding of greedy requests by default (a request's `speculative` wins): drafts copied from the "
+        "context are checked in one batch, so answers that repeat what the model was shown decode faster",
+    )
+    stream_interval_ms: NonNegative = Field(
+        DEFAULT_STREAM_INTERVAL_S * 1000,
+        description="a decode stream sends at most one frame per this many ms, the tokens decoded meanwhile "
+        "together (fewer wake-ups beside the engine; the first token is never held); 0 = a frame per token",
+    )
+    engine_nice: int = Field(
+        DEFAULT_ENGINE_NICE,
+        ge=0,
+        le=MAX_NICE,
+        description="the model's threads run this much nicer than the daemon (Linux), so status, cancel and "
+        "heartbeats are answered within milliseconds while a decode keeps every core busy; competing programs "
+        "then take the larger share of the cores; 0 = the daemon's own priority",
+    )
+
+    #: why ``backend`` was picked when it was "auto" (status shows it); derived, not a setting
+    _backend_reason: str = PrivateAttr("")
+
+    @property
+    def backend_reason(self) -> str:
+        return self._backend_reason
+
+    def with_backend(self, backend: str, reason: str) -> ServeSettings:
+        """These settings with ``backend`` picked for "auto", and why (``modeld.bootstrap.resolve_backend``)."""
+        picked = self.model_copy(update={"backend": backend})
+        picked._backend_reason = reason
+        return picked
+
+
+def _nest_memory(settings_cls: type[BaseSettings], values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with the memory flags (``mem_max``, ``mem_reserve``) moved into ``memory``, over its own keys."""
+    if "memory" not in settings_cls.model_fields:
+        return values
+    flat = {memory_key(name): values.pop(name) for name in MEMORY_FLAGS if name in values}
+    if flat:
+        given = values.get("memory")
+        values["memory"] = {**(given if isinstance(given, dict) else {}), **flat}
+    return values
+
+
+class Environment(EnvSettingsSource):
+    """The environment: ``MODELD_<SETTING>``, and the memory policy's variables (``MEMORY_SETTINGS``) in ``memory``."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        if field_name == "memory":  # read from its own variables below, never as a JSON MODELD_MEMORY
+            return None, field_name, False
+        return super().get_field_value(field, field_name)
+
+    def __call__(self) -> dict[str, Any]:
+        data = super().__call__()
+        data.pop("memory", None)
+        if "memory" in self.settings_cls.model_fields:
+            found = {name: self.env_vars.get(env_name(name).lower()) for name in MEMORY_SETTINGS}
+            memory = {memory_key(name): value for name, value in found.items() if value}
+            if memory:
+                data["memory"] = memory
+        return data
 
 
 class ConfigFileSource(TomlConfigSettingsSource):
     """The config file: pydantic-settings' TOML source, with the file's errors said plainly.
 
     A file that was named (``--config``, ``$MODELD_CONFIG``) must exist; the
-    default one may be absent. The ``[memory]`` table is left to the memory
-    planner, and ``config`` cannot name another file from inside one.
+    default one may be absent. Its ``[memory]`` table and the top-level
+    ``mem_max`` / ``mem_reserve`` become ``memory`` where the settings have one;
+    elsewhere they, and every key only another command reads, are passed over
+    (``serve`` and ``http`` share the file). ``config`` cannot name another file
+    from inside one.
     """
 
     def __init__(self, settings_cls: type[BaseSettings], path: Path, *, named: bool) -> None:
         self.path = path
+        self._for = settings_cls  # the base's __init__ reads the file, before it sets settings_cls
         if named and not path.is_file():
             raise SettingsError(f"config file {path} does not exist" if not path.exists() else f"{path} is not a file")
         try:
@@ -359,40 +477,51 @@ class ConfigFileSource(TomlConfigSettingsSource):
 
     def _read_file(self, file_path: Any) -> dict[str, Any]:
         data: dict[str, Any] = super()._read_file(file_path)
-        memory = data.pop(MEMORY_TABLE, {})
-        if not isinstance(memory, dict):
+        table = data.pop(MEMORY_TABLE, {})
+        if not isinstance(table, dict):
             raise SettingsError(f"config file {file_path}: [{MEMORY_TABLE}] must be a table")
         if "config" in data:
             raise SettingsError(f"config file {file_path}: 'config' names a config file; it cannot be set inside one")
-        return data
+        fields = self._for.model_fields
+        if "memory" not in fields:
+            return {key: value for key, value in data.items() if key in fields or key not in file_keys()}
+        known = {memory_key(name) for name in MEMORY_SETTINGS}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise SettingsError(
+                f"config file {file_path}: unknown [{MEMORY_TABLE}] keys {unknown}; known: {sorted(known)}"
+            )
+        if table:
+            data["memory"] = table
+        return _nest_memory(self._for, data)
+
+
+def file_keys() -> list[str]:
+    """The config file's top-level keys: every setting of every command, the memory flags for ``memory``."""
+    return [name for name in ServeSettings.model_fields if name != "memory"] + list(MEMORY_FLAGS)
 
 
 def load_settings(given: Mapping[str, Any] | None = None) -> ServeSettings:
-    """``ServeSettings`` from the flags ``given`` (field name → value), over the environment and the config file.
-
-    Raises ``SettingsError`` naming the setting, where its value came from (the
-    flag, the variable or the config file) and what is wrong with it.
-    """
-    flags = dict(given or {})
-    try:
-        return ServeSettings(**flags)
-    except ValidationError as exc:
-        raise SettingsError(_describe(exc, flags, os.environ)) from None
-    except _SourceError as exc:  # a variable pydantic-settings could not decode
-        raise SettingsError(str(exc)) from None
+    """``ServeSettings.load``: ``modeld serve``'s settings from the flags ``given``."""
+    return ServeSettings.load(given)
 
 
 def _describe(exc: ValidationError, flags: Mapping[str, Any], env: Mapping[str, str]) -> str:
-    """One line per error: ``setting (source): problem``."""
-    known = list(ServeSettings.model_fields)
+    """One line per error: ``setting (source): problem``; a memory setting's the memory policy's way."""
     config = flags.get("config") or env.get(CONFIG_ENV) or dirs.config_file()
     lines = []
     for err in exc.errors():
         name = str(err["loc"][0]) if err["loc"] else "?"
-        if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(name, known, n=1)
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
+            close = difflib.get_close_matches(name, file_keys(), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             lines.append(f"unknown setting {name!r} in config file {config}{hint}")
+            continue
+        problem = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] != "value_error":  # a parser's message already quotes the value
+            problem += f" (got {err['input']!r})"
+        if name == "memory" and len(err["loc"]) > 1:
+            lines.append(_describe_memory(str(err["loc"][1]), problem, flags, env, Path(config)))
             continue
         if name in flags:
             source = flag_name(name)
@@ -400,8 +529,126 @@ def _describe(exc: ValidationError, flags: Mapping[str, Any], env: Mapping[str, 
             source = env_name(name)
         else:
             source = f"config file {config}"
-        problem = str(err["msg"]).removeprefix("Value error, ")
-        if err["type"] != "value_error":  # a parser's message already quotes the value
-            problem += f" (got {err['input']!r})"
         lines.append(f"{name} ({source}): {problem}")
     return "; ".join(lines)
+
+
+def _describe_memory(key: str, problem: str, flags: Mapping[str, Any], env: Mapping[str, str], config: Path) -> str:
+    """``mem_max (SOURCE): problem`` for a memory flag's value, else ``SOURCE: problem`` (``[memory] headroom``)."""
+    name = next((n for n in MEMORY_SETTINGS if key in (memory_key(n), MEMORY_SETTINGS[n])), key)
+    if name in flags:
+        return f"{name} ({flag_name(name)}): {problem}"
+    if env.get(env_name(name)):
+        return f"{name} ({env_name(name)}): {problem}" if name in MEMORY_FLAGS else f"{env_name(name)}: {problem}"
+    if name in MEMORY_FLAGS and name in _top_level_keys(config):
+        return f"{name} (config file {config}): {problem}"
+    return f"[{MEMORY_TABLE}] {memory_key(name) if name in MEMORY_SETTINGS else key}: {problem}"
+
+
+def _top_level_keys(config: Path) -> set[str]:
+    try:
+        with config.open("rb") as f:
+            return set(tomllib.load(f))
+    except (OSError, tomllib.TOMLDecodeError):  # it was read a moment ago; say [memory] if it cannot be now
+        return set()
+
+
+# --- the command lines ---------------------------------------------------------------------------
+
+Settings = TypeVar("Settings", bound=HttpSettings)
+
+
+def setting_field(cls: type[HttpSettings], name: str) -> FieldInfo:
+    """The field that declares setting ``name``: ``cls``' own, or the memory policy's for a memory flag."""
+    if name in MEMORY_SETTINGS and "memory" in cls.model_fields:
+        return Policy.model_fields[MEMORY_SETTINGS[name]]
+    return cls.model_fields[name]
+
+
+def setting_value(settings: HttpSettings, name: str) -> Any:
+    """Setting ``name``'s value in ``settings`` (a memory flag's from ``memory``)."""
+    if name in MEMORY_SETTINGS and isinstance(settings, ServeSettings):
+        return getattr(settings.memory, MEMORY_SETTINGS[name])
+    return getattr(settings, name)
+
+
+#: never printed by --help: the HTTP key, and the owner id that is the fence
+_SECRET = ("api_key", "owner")
+
+
+def _shown(name: str, value: Any) -> str | None:
+    """How ``--help`` shows a setting's current value; None shows nothing (unset, off, or a secret)."""
+    if name in _SECRET:
+        return None
+    if value is None:
+        if name == "config":
+            return str(dirs.config_file())
+        if name == "data_dir":
+            return str(dirs.data_dir())
+        if name == "endpoint":
+            return default_endpoint()
+        return "auto" if name in ("cache_ram", "cache_disk") else None
+    if isinstance(value, bool):
+        return "on" if value else None
+    if isinstance(value, tuple):
+        return ", ".join(value) or None
+    if name in MEMORY_FLAGS and not value:  # 0: no limit, no reserve
+        return None
+    if name in SIZE_SETTINGS:
+        return format_size(value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value) or None
+
+
+def add_setting(
+    p: argparse.ArgumentParser, current: HttpSettings, name: str, *, unset: str = "", help: str = "", **kw: Any
+) -> None:
+    """The flag of setting ``name``, with no argparse default (``argparse.SUPPRESS``: a flag left out takes no
+    part, so the environment and the config file fill it in). Its help is ``help``, else the field's description,
+    and says what applies without the flag: its value in ``current``, else ``unset``."""
+    text = (help or setting_field(type(current), name).description or "").replace("%", "%%")
+    value = _shown(name, setting_value(current, name)) or unset
+    where = f"default: {value}; env {env_name(name)}" if value else f"env {env_name(name)}"
+    p.add_argument(flag_name(name), dest=name, default=argparse.SUPPRESS, help=f"{text} ({where})", **kw)
+
+
+def layering_epilog(config: Path, note: str) -> str:
+    """The help's word on where settings come from (``config``: the file read); ``note``: why the defaults shown
+    are the built-in ones."""
+    epilog = (
+        "Each setting comes from its flag, else the environment (MODELD_<SETTING>, e.g. MODELD_CACHE_RAM), "
+        f"else the config file ({config}; TOML, keys are the settings' names, e.g. cache_ram = \"2GiB\"), "
+        "else its built-in default. A default shown is what applies without the flag."
+    )
+    if note:
+        epilog += f" The defaults shown are the built-in ones, because: {note}"
+    return epilog.replace("%", "%%")
+
+
+def parse_settings(
+    cls: type[Settings],
+    argv: list[str] | None,
+    build_parser: Callable[[Settings | None, str, Path | None], argparse.ArgumentParser],
+) -> Settings:
+    """``cls`` for the command line ``argv`` over the environment and the config file; raises SettingsError.
+
+    ``build_parser(current, note, config)`` makes the command's parser, its help
+    showing ``current`` (the settings without the command line; None, and
+    ``note`` saying why, when those do not load: the help shows the built-in
+    ones) and the config file (``--config``, read first, names it; None: the
+    default one). The parser exits for ``--help`` or a malformed flag.
+    """
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    pre.add_argument("--config", type=Path, default=None)
+    try:
+        named = pre.parse_known_args(argv)[0].config
+    except argparse.ArgumentError:  # the full parser says what is wrong
+        named = None
+    current: Settings | None
+    try:
+        current, note = cls.load({} if named is None else {"config": named}), ""
+    except SettingsError as exc:
+        current, note = None, str(exc)
+    args = build_parser(current, note, named).parse_args(argv)
+    return cls.load(vars(args))

@@ -8,7 +8,6 @@ Numbers are SmolLM2-135M's (n_ctx_train 8192, 30 layers, 3 KV heads of 64/64,
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -275,7 +274,7 @@ def test_user_limit_binds_with_reason_user_limit() -> None:
 
 
 def test_user_limit_above_free_memory_does_not_bind() -> None:
-    info = plan(SMOL, host(required_bytes(SMOL, 2000)), dataclasses.replace(BARE, user_limit_bytes=64 * GiB), 8192)
+    info = plan(SMOL, host(required_bytes(SMOL, 2000)), BARE.model_copy(update={"user_limit_bytes": 64 * GiB}), 8192)
     assert info.reason == "memory"
     assert info.user_limit_bytes == 64 * GiB
 
@@ -283,7 +282,7 @@ def test_user_limit_above_free_memory_does_not_bind() -> None:
 def test_reserve_binds_with_reason_reserve() -> None:
     reserve = 256 * MiB
     free = required_bytes(SMOL, 4096) + reserve // 2  # fits 4096 only if the reserve is ignored
-    info = plan(SMOL, host(free), dataclasses.replace(BARE, reserve_bytes=reserve), 4096)
+    info = plan(SMOL, host(free), BARE.model_copy(update={"reserve_bytes": reserve}), 4096)
     assert info.reason == "reserve"
     assert info.clamped
     assert info.effective_context < 4096
@@ -294,7 +293,7 @@ def test_reserve_binds_with_reason_reserve() -> None:
 
 def test_memory_not_reserve_when_even_without_the_reserve_it_would_not_fit() -> None:
     free = required_bytes(SMOL, 2000) + 1 * MiB
-    info = plan(SMOL, host(free), dataclasses.replace(BARE, reserve_bytes=1 * MiB), 8192)
+    info = plan(SMOL, host(free), BARE.model_copy(update={"reserve_bytes": 1 * MiB}), 8192)
     assert info.reason == "memory"
 
 
@@ -332,7 +331,7 @@ def test_tiny_model_max_below_the_minimum_is_served() -> None:
 
 def test_memory_cut_does_not_align_below_the_minimum() -> None:
     # 700 tokens fit; aligning down would give 512, below min_context 600, so 700 is served unaligned
-    info = plan(SMOL, host(required_bytes(SMOL, 700)), dataclasses.replace(BARE, min_context=600), 8192)
+    info = plan(SMOL, host(required_bytes(SMOL, 700)), BARE.model_copy(update={"min_context": 600}), 8192)
     assert info.effective_context == 700
     assert info.reason == "memory"
 
@@ -370,7 +369,7 @@ def test_refusal_names_the_user_limit() -> None:
 def test_refusal_names_the_reserve() -> None:
     free = required_bytes(SMOL, 512) + 10 * MiB
     with pytest.raises(InsufficientMemory, match="bound by reserve"):
-        plan(SMOL, host(free), dataclasses.replace(BARE, reserve_bytes=20 * MiB), 0)
+        plan(SMOL, host(free), BARE.model_copy(update={"reserve_bytes": 20 * MiB}), 0)
 
 
 def test_weights_larger_than_memory_are_refused() -> None:
@@ -586,16 +585,11 @@ def test_exact_multiples_round_trip_exactly(k: int, unit: int) -> None:
 
 
 # --- policy --------------------------------------------------------------------------
+# Where its values come from (flags, environment, [memory]) is the settings' (tests/test_settings.py).
 
 
-def write_config(path: Path, body: str) -> Path:
-    path.write_text(body, encoding="utf-8")
-    return path
-
-
-def test_policy_defaults(tmp_path: Path) -> None:
-    p = Policy.load(env={}, config_file=write_config(tmp_path / "c.toml", ""))
-    assert p == Policy()
+def test_policy_defaults() -> None:
+    p = Policy()
     assert (p.user_limit_bytes, p.reserve_bytes, p.headroom_fraction, p.min_context, p.default_context) == (
         0,
         0,
@@ -605,85 +599,9 @@ def test_policy_defaults(tmp_path: Path) -> None:
     )
 
 
-FILE_ALL = """
-[memory]
-max = "8GiB"
-reserve = "1GB"
-headroom = 0.2
-min_context = 1024
-default_context = 2048
-"""
-
-
-def test_policy_from_the_config_file(tmp_path: Path) -> None:
-    p = Policy.load(env={}, config_file=write_config(tmp_path / "c.toml", FILE_ALL))
-    assert p == Policy(
-        user_limit_bytes=8 * GiB, reserve_bytes=10**9, headroom_fraction=0.2, min_context=1024, default_context=2048
-    )
-
-
-def test_policy_precedence_cli_over_env_over_file_over_default(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "c.toml", '[memory]\nmax = "8GiB"\nreserve = "1GB"\nheadroom = "20%"\n')
-    env = {"MODELD_MEM_RESERVE": "2GiB", "MODELD_MEM_HEADROOM": "0.3", "MODELD_MIN_CONTEXT": "768"}
-    cli = {"mem_max": None, "mem_reserve": None, "mem_headroom": "5%", "min_context": None}
-    p = Policy.load(env=env, config_file=cfg, cli=cli)
-    assert p.user_limit_bytes == 8 * GiB  # file (no env, no cli)
-    assert p.reserve_bytes == 2 * GiB  # env over file
-    assert p.headroom_fraction == pytest.approx(0.05)  # cli over env over file
-    assert p.min_context == 768  # env over default
-    assert p.default_context == 0  # default: as large as fits
-    p2 = Policy.load(env=env, config_file=cfg, cli={"mem_max": "1GiB", "mem_reserve": 0})
-    assert (p2.user_limit_bytes, p2.reserve_bytes) == (GiB, 0)  # cli 0 is a value, not "unset"
-
-
-def test_policy_reads_os_environ_and_modeld_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = write_config(tmp_path / "elsewhere.toml", '[memory]\nmax = "2GiB"\ndefault_context = 8192\n')
-    monkeypatch.setenv("MODELD_CONFIG", str(cfg))
-    monkeypatch.setenv("MODELD_DEFAULT_CONTEXT", "1024")
-    monkeypatch.delenv("MODELD_MEM_MAX", raising=False)
-    p = Policy.load()
-    assert (p.user_limit_bytes, p.default_context) == (2 * GiB, 1024)
-
-
-def test_policy_default_config_path_may_be_absent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
-    assert Policy.load(env={}) == Policy()
-    home_cfg = tmp_path / ".config" / "modeld" / "config.toml"
-    home_cfg.parent.mkdir(parents=True)
-    write_config(home_cfg, '[memory]\nreserve = "512MiB"\n')
-    assert Policy.load(env={}).reserve_bytes == 512 * MiB
-
-
-def test_policy_ignores_other_sections_and_empty_env(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "c.toml", '[daemon]\nendpoint = "ipc:///x"\n[memory]\nmax = "1GiB"\n')
-    assert Policy.load(env={"MODELD_MEM_MAX": ""}, config_file=cfg).user_limit_bytes == GiB
-
-
-@pytest.mark.parametrize(
-    ("env", "body", "match"),
-    [
-        ({"MODELD_MEM_MAX": "lots"}, "", "MODELD_MEM_MAX.*invalid size"),
-        ({"MODELD_MEM_HEADROOM": "1.5"}, "", "MODELD_MEM_HEADROOM"),
-        ({"MODELD_MIN_CONTEXT": "big"}, "", "MODELD_MIN_CONTEXT"),
-        ({}, '[memory]\nreserve = "??"\n', r"\[memory\] reserve"),
-        ({}, "[memory]\nmaxx = 1\n", "unknown"),
-        ({}, "[memory]\nmin_context = 1.5\n", "min_context"),
-        ({}, "memory = 3\n", "table"),
-        ({}, "[memory\n", "TOML"),
-    ],
-)
-def test_policy_errors_name_their_source(tmp_path: Path, env: dict[str, str], body: str, match: str) -> None:
-    cfg = write_config(tmp_path / "c.toml", body)
-    with pytest.raises(ValueError, match=match):
-        Policy.load(env=env, config_file=cfg)
-
-
-def test_policy_explicit_config_must_exist(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="does not exist"):
-        Policy.load(env={}, config_file=tmp_path / "missing.toml")
-    with pytest.raises(ValueError, match="does not exist"):
-        Policy.load(env={"MODELD_CONFIG": str(tmp_path / "missing.toml")})
+def test_policy_reads_its_keys_as_an_operator_writes_them() -> None:
+    p = Policy.model_validate({"max": "8GiB", "reserve": "1GB", "headroom": "20%", "min_context": "1024"})
+    assert p == Policy(user_limit_bytes=8 * GiB, reserve_bytes=10**9, headroom_fraction=0.2, min_context=1024)
 
 
 def test_policy_validates_its_fields() -> None:
@@ -691,6 +609,10 @@ def test_policy_validates_its_fields() -> None:
         Policy(headroom_fraction=1.0)
     with pytest.raises(ValueError):
         Policy(reserve_bytes=-1)
+    with pytest.raises(ValueError, match="invalid token count 1.5"):
+        Policy(min_context=1.5)
+    with pytest.raises(ValueError, match="Extra inputs"):
+        Policy.model_validate({"maxx": 1})
 
 
 # --- GPU layers ----------------------------------------------------------------------
@@ -735,7 +657,7 @@ def test_gpu_budget_honours_the_policy() -> None:
     pool = gpu(30 * LAYER)
     assert resolve_gpu_layers(30, 30, pool, LAYER, BARE).layers == 30
     assert resolve_gpu_layers(30, 30, pool, LAYER, Policy(headroom_fraction=0.1)).layers == 27
-    assert resolve_gpu_layers(30, 30, pool, LAYER, dataclasses.replace(BARE, user_limit_bytes=5 * LAYER)).layers == 5
+    assert resolve_gpu_layers(30, 30, pool, LAYER, BARE.model_copy(update={"user_limit_bytes": 5 * LAYER})).layers == 5
 
 
 def test_gpu_reasons_are_documented() -> None:
@@ -850,37 +772,31 @@ class DescribeOnly:
         return ModelInfo(effective_context=req.config.num_ctx or 4096, reason="backend")
 
 
-def test_make_planner_plans_with_request_overrides(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "c.toml", "")
-    planner = make_planner(
-        mem_max="1GiB", mem_reserve=None, env={}, config_file=cfg, host_reader=lambda: host(64 * GiB)
-    )
+def test_make_planner_plans_with_request_overrides() -> None:
+    planner = make_planner(Policy(user_limit_bytes=GiB), host_reader=lambda: host(64 * GiB))
     req = OpenSessionRequest(path="/m.gguf", config=Config(num_ctx=8192, kv_cache_type="q8_0", num_batch=256))
     info = planner(FakeBackend(), req, 0)
     assert info.kv_bytes_per_token == 12_240  # the request's KV type
-    assert info.user_limit_bytes == GiB  # the CLI flag
+    assert info.user_limit_bytes == GiB  # the policy's --mem-max
     assert info.runtime_name == "llama"
     assert info.effective_context == 8192
 
 
-def test_make_planner_uses_backend_gpu_pools(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "c.toml", "")
-    planner = make_planner(env={}, config_file=cfg, host_reader=lambda: host(64 * GiB))
+def test_make_planner_uses_backend_gpu_pools() -> None:
+    planner = make_planner(Policy(), host_reader=lambda: host(64 * GiB))
     req = OpenSessionRequest(path="/m.gguf", config=Config(num_gpu_layers=-1))
     info = planner(FakeBackend(gpus=(gpu(8 * GiB, gid="cuda0"),)), req, 0)
     assert (info.resolved_gpu_layers, info.device_id) == (30, "cuda0")
 
 
-def test_make_planner_falls_back_to_describe(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "c.toml", "")
-    planner = make_planner(env={}, config_file=cfg, host_reader=lambda: host(64 * GiB))
+def test_make_planner_falls_back_to_describe() -> None:
+    planner = make_planner(Policy(), host_reader=lambda: host(64 * GiB))
     info = planner(DescribeOnly(), OpenSessionRequest(config=Config(num_ctx=100)), 0)
     assert (info.effective_context, info.reason) == (100, "backend")
 
 
-def test_make_planner_refuses_before_loading(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "c.toml", "")
-    planner = make_planner(env={}, config_file=cfg, host_reader=lambda: host(50 * MiB))
+def test_make_planner_refuses_before_loading() -> None:
+    planner = make_planner(Policy(), host_reader=lambda: host(50 * MiB))
     with pytest.raises(InsufficientMemory):
         planner(FakeBackend(), OpenSessionRequest(path="/m.gguf"), 0)
 

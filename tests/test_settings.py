@@ -1,34 +1,59 @@
-"""``modeld.settings``: the serve settings from flags, environment and config file, and the one size parser."""
+"""``modeld.settings``: the serve, memory and http settings from flags, environment and config file, each
+declared once, and the one size parser."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import json
 import os
+import pkgutil
+import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
+from pydantic_settings import BaseSettings
 
-from modeld.bootstrap import ServeOptions
+import modeld
+from modeld import bootstrap
+from modeld.blobs import DEFAULT_MAX_BYTES
+from modeld.capacity import Policy
 from modeld.capacity.sizes import parse_size, parse_size_or_auto
+from modeld.front.app import DEFAULT_MAX_BODY_BYTES
+from modeld.front.guard import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+from modeld.front.main import DEFAULT_LISTEN
+from modeld.front.main import build_parser as build_http_parser
+from modeld.front.server import QUEUE_TIMEOUT_S
 from modeld.serve import build_parser
+from modeld.server import DEFAULT_ENGINE_NICE, DEFAULT_STREAM_INTERVAL_S, DEFAULT_WEDGE_S
 from modeld.settings import (
+    MEMORY_FLAGS,
+    MEMORY_SETTINGS,
     SIZE_SETTINGS,
+    HttpSettings,
     ServeSettings,
     SettingsError,
     env_name,
     flag_name,
     load_settings,
+    setting_value,
 )
+from modeld.slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
 
 from .daemon_proc import ROOT, DaemonProcess
 
 GiB = 2**30
 MiB = 2**20
 MODELD = ROOT / ".venv" / "bin" / "modeld"
-SETTINGS = list(ServeSettings.model_fields)
+#: every setting by its flat name: a flag's dest, a variable's MODELD_<NAME> (the memory policy's by MEMORY_SETTINGS)
+SETTINGS = [name for name in ServeSettings.model_fields if name != "memory"] + list(MEMORY_SETTINGS)
+#: the flags of ``modeld serve``
+FLAGS = [name for name in ServeSettings.model_fields if name != "memory"] + list(MEMORY_FLAGS)
 
 
 @pytest.fixture
@@ -41,11 +66,25 @@ def config_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
 def write_config(home: Path, body: str) -> Path:
     path = home / "modeld" / "config.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(body)
     return path
+
+
+def layer(home: Path, monkeypatch: pytest.MonkeyPatch, body: str, variables: dict[str, str]) -> None:
+    """The config file ``body`` under ``home`` and the environment's ``variables``."""
+    write_config(home, body)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
 
 
 # --- the size parser ------------------------------------------------------------------------
@@ -92,22 +131,78 @@ def test_parse_size_refuses_garbage(bad: str) -> None:
         parse_size_or_auto(bad)
 
 
-# --- one field per flag, the same defaults as the composition root -------------------------------
+# --- one field per flag, each declared once, the same defaults as the daemon and the front -------------
 
 
 def test_every_flag_is_a_setting_and_every_setting_a_flag() -> None:
     dests = {a.dest for a in build_parser()._actions if a.dest != "help"}
-    assert dests == set(SETTINGS)
-    options = {f.name for f in dataclasses.fields(ServeOptions)}
-    assert options == set(SETTINGS) - {"config"} | {"backend_reason", "config_file"}
+    assert dests == set(FLAGS)
+    http_dests = {a.dest for a in build_http_parser()._actions if a.dest != "help"}
+    assert http_dests == set(HttpSettings.model_fields)
 
 
 def test_no_flag_has_an_argparse_default() -> None:
     assert vars(build_parser().parse_args([])) == {}
+    assert vars(build_http_parser().parse_args([])) == {}
 
 
-def test_built_in_defaults_are_the_composition_roots(config_home: Path) -> None:
-    assert load_settings().options() == ServeOptions()
+def _declared(cls: type) -> set[str]:
+    """The fields ``cls`` declares in its own body (not those it inherits)."""
+    own = set(vars(cls).get("__annotations__", {}))
+    if dataclasses.is_dataclass(cls):
+        return own & {f.name for f in dataclasses.fields(cls)}
+    return own & set(cls.model_fields)
+
+
+def _models_in_modeld() -> list[type]:
+    """Every pydantic model and dataclass defined in the modeld package."""
+    found = []
+    for info in pkgutil.walk_packages(modeld.__path__, "modeld."):
+        module = importlib.import_module(info.name)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == info.name and (dataclasses.is_dataclass(cls) or issubclass(cls, BaseModel)):
+                found.append(cls)
+    return found
+
+
+def test_no_setting_is_declared_twice() -> None:
+    """Each setting has one declaration: a settings class's own field, or a field of a model nested in one.
+
+    The settings classes (every ``BaseSettings`` in modeld and the models nested in them) declare disjoint
+    fields; a nested model's flat names (``MEMORY_SETTINGS``) are no field of the class that nests it; and no
+    other model or dataclass of the package repeats several settings (as ``ServeOptions`` once repeated every
+    one of them).
+    """
+    models = _models_in_modeld()
+    settings = [cls for cls in models if issubclass(cls, BaseSettings)]
+    nested = [f.annotation for cls in settings for f in cls.model_fields.values()
+              if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)]
+    assert set(settings) == {HttpSettings, ServeSettings} and nested == [Policy]
+    family = [*settings, *nested]
+    seen: dict[str, type] = {}
+    for cls in family:
+        for name in _declared(cls):
+            assert name not in seen, f"{name} is declared by {seen[name].__name__} and by {cls.__name__}"
+            seen[name] = cls
+    assert not set(ServeSettings.model_fields) & {*MEMORY_SETTINGS, *Policy.model_fields, "max", "reserve"}
+    assert set(MEMORY_SETTINGS.values()) == set(Policy.model_fields)
+    names = set(seen) | set(MEMORY_SETTINGS)
+    for cls in models:
+        if cls not in family:
+            assert len(_declared(cls) & names) < 3, f"{cls.__module__}.{cls.__name__} repeats settings"
+    assert bootstrap.ServeOptions is ServeSettings  # the builders' name, no class of its own
+
+
+def test_the_defaults_are_the_daemons_and_the_fronts(config_home: Path) -> None:
+    s = load_settings()
+    assert (s.lease, s.session_ttl, s.wedge_timeout, s.engine_nice, s.blob_disk) == (
+        DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S, DEFAULT_WEDGE_S, DEFAULT_ENGINE_NICE, DEFAULT_MAX_BYTES)
+    assert s.stream_interval_ms == DEFAULT_STREAM_INTERVAL_S * 1000
+    assert (s.http_queue_timeout, s.http_max_body, s.http_max_connections, s.http_header_timeout) == (
+        QUEUE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_HEADER_TIMEOUT_S)
+    assert s.memory == Policy() and s.backend == "auto" and s.http is None
+    h = HttpSettings.load()
+    assert h.model_dump() == {name: getattr(s, name) for name in HttpSettings.model_fields}
 
 
 # --- precedence -------------------------------------------------------------------------------
@@ -119,9 +214,9 @@ def test_flag_beats_environment_beats_file_beats_default(config_home: Path, monk
     monkeypatch.setenv("MODELD_SESSION_TTL", "2")
     monkeypatch.setenv("MODELD_CACHE_RAM", "2MiB")
     s = ServeSettings(lease=1, cache_ram="1MiB")
-    assert (s.lease, s.session_ttl, s.idle_unload, s.embed_idle) == (1, 2, 3, ServeOptions().embed_idle)
+    assert (s.lease, s.session_ttl, s.idle_unload, s.embed_idle) == (1, 2, 3, 300)
     assert s.cache_ram == MiB
-    assert load_settings({"lease": 1.0}).options().cache_ram == 2 * MiB
+    assert load_settings({"lease": 1.0}).cache_ram == 2 * MiB
 
 
 def test_an_empty_variable_is_unset(config_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,7 +224,7 @@ def test_an_empty_variable_is_unset(config_home: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("MODELD_HTTP", "")
     monkeypatch.setenv("MODELD_LEASE", "")
     s = load_settings()
-    assert (s.http, s.lease) == ("127.0.0.1:9", ServeOptions().lease)
+    assert (s.http, s.lease) == ("127.0.0.1:9", DEFAULT_LEASE_S)
 
 
 @pytest.mark.parametrize(
@@ -148,24 +243,26 @@ def test_an_empty_variable_is_unset(config_home: Path, monkeypatch: pytest.Monke
         ("MODELD_KV_CACHE_TYPE", "q8_0", "kv_cache_type", "q8_0"),
         ("MODELD_FLASH_ATTN", "true", "flash_attn", True),
         ("MODELD_EXACT_DECODE", "1", "exact_decode", True),
+        ("MODELD_MEM_HEADROOM", "20%", "mem_headroom", 0.2),
+        ("MODELD_MIN_CONTEXT", "768", "min_context", 768),
+        ("MODELD_DEFAULT_CONTEXT", "4096", "default_context", 4096),
     ],
 )
 def test_the_documented_variables_keep_their_meaning(
     config_home: Path, monkeypatch: pytest.MonkeyPatch, variable: str, value: str, setting: str, expected: Any
 ) -> None:
     monkeypatch.setenv(variable, value)
-    assert getattr(load_settings().options(), setting) == expected
+    assert setting_value(load_settings(), setting) == expected
 
 
 # --- the config file --------------------------------------------------------------------------
 
 
 def test_the_config_file_is_under_xdg_config_home(config_home: Path) -> None:
-    assert load_settings().config_file == config_home / "modeld" / "config.toml"
-    assert load_settings().options().config_file is None  # absent: fine, and nothing for the planner
+    assert load_settings().config_file == config_home / "modeld" / "config.toml"  # absent: fine
     path = write_config(config_home, "session_ttl = 60\n")
     s = load_settings()
-    assert (s.session_ttl, s.options().config_file) == (60, path)
+    assert (s.session_ttl, s.config_file) == (60, path)
 
 
 def test_config_flag_and_variable_name_another_file(
@@ -173,13 +270,15 @@ def test_config_flag_and_variable_name_another_file(
 ) -> None:
     write_config(config_home, "session_ttl = 60\n")
     by_env = tmp_path / "env.toml"
-    by_env.write_text("session_ttl = 70\n")
+    by_env.write_text('session_ttl = 70\n[memory]\nmax = "2GiB"\ndefault_context = 8192\n')  # the memory policy's too
     by_flag = tmp_path / "flag.toml"
     by_flag.write_text("session_ttl = 80\n")
     monkeypatch.setenv("MODELD_CONFIG", str(by_env))
-    assert load_settings().session_ttl == 70
+    monkeypatch.setenv("MODELD_DEFAULT_CONTEXT", "1024")
+    s = load_settings()
+    assert (s.session_ttl, s.memory.user_limit_bytes, s.memory.default_context) == (70, 2 * GiB, 1024)
     s = load_settings({"config": by_flag})
-    assert (s.session_ttl, s.config_file, s.options().config_file) == (80, by_flag, by_flag)
+    assert (s.session_ttl, s.config_file) == (80, by_flag)
 
 
 def test_a_named_config_file_must_exist(config_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,9 +309,10 @@ def test_the_config_file_refuses_unknown_keys_and_bad_values(config_home: Path, 
         load_settings()
 
 
-def test_the_memory_table_is_left_to_the_planner(config_home: Path) -> None:
+def test_the_memory_table_is_the_memory_policy(config_home: Path) -> None:
     write_config(config_home, 'session_ttl = 9\n[memory]\nheadroom = "20%"\n')
-    assert load_settings().session_ttl == 9
+    s = load_settings()
+    assert (s.session_ttl, s.memory.headroom_fraction) == (9, 0.2)
 
 
 # --- sizes in every source -------------------------------------------------------------------------
@@ -235,15 +335,122 @@ def test_a_bad_size_is_refused_naming_the_setting_and_its_source(
 
 @pytest.mark.parametrize("setting", SIZE_SETTINGS)
 def test_every_size_setting_takes_units_fractions_and_bytes(config_home: Path, setting: str) -> None:
-    assert getattr(load_settings({setting: "1.5GiB"}), setting) == 3 * GiB // 2
+    assert setting_value(load_settings({setting: "1.5GiB"}), setting) == 3 * GiB // 2
     write_config(config_home, f"{setting} = 4096\n")
-    assert getattr(load_settings(), setting) == 4096
+    assert setting_value(load_settings(), setting) == 4096
 
 
 def test_auto_only_where_the_budget_has_one(config_home: Path) -> None:
-    assert load_settings({"cache_ram": "auto", "cache_disk": "AUTO"}).options().cache_ram is None
+    assert load_settings({"cache_ram": "auto", "cache_disk": "AUTO"}).cache_ram is None
     with pytest.raises(SettingsError, match=r"blob_disk \(--blob-disk\): invalid size 'auto'"):
         load_settings({"blob_disk": "auto"})
+
+
+# --- the memory policy, nested ----------------------------------------------------------------------
+
+
+def test_the_memory_policy_flag_beats_environment_beats_file_beats_default(
+    config_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layer(config_home, monkeypatch, '[memory]\nmax = "8GiB"\nreserve = "1GB"\nheadroom = "20%"\nmin_context = 1024\n',
+          {"MODELD_MEM_RESERVE": "2GiB", "MODELD_MEM_HEADROOM": "0.3", "MODELD_MIN_CONTEXT": "768"})
+    m = load_settings({"mem_reserve": "3GiB"}).memory
+    assert m.user_limit_bytes == 8 * GiB  # the file
+    assert m.reserve_bytes == 3 * GiB  # the flag, over the variable and the file
+    assert (m.headroom_fraction, m.min_context) == (0.3, 768)  # the variables, over the file
+    assert m.default_context == 0  # the default: as large as fits
+    m = load_settings({"mem_max": "1GiB", "mem_reserve": 0}).memory
+    assert (m.user_limit_bytes, m.reserve_bytes) == (GiB, 0)  # a flag's 0 is a value, not "unset"
+    monkeypatch.setenv("MODELD_MEM_RESERVE", "")  # empty: unset
+    assert load_settings().memory.reserve_bytes == 10**9
+
+
+def test_top_level_mem_max_and_mem_reserve_win_over_the_memory_table(config_home: Path) -> None:
+    write_config(config_home, 'mem_max = "2GiB"\n[memory]\nmax = "8GiB"\nreserve = "1GiB"\n')
+    m = load_settings().memory
+    assert (m.user_limit_bytes, m.reserve_bytes) == (2 * GiB, GiB)
+
+
+@pytest.mark.parametrize(
+    ("variables", "body", "match"),
+    [
+        ({"MODELD_MEM_HEADROOM": "1.5"}, "", r"^MODELD_MEM_HEADROOM: fraction '1.5' must be in \[0, 1\)$"),
+        ({"MODELD_MEM_HEADROOM": "lots"}, "", r"^MODELD_MEM_HEADROOM: invalid fraction 'lots': expected e.g. 0.1 or 10%$"),
+        ({"MODELD_MIN_CONTEXT": "big"}, "", r"^MODELD_MIN_CONTEXT: invalid token count 'big': expected a whole number$"),
+        ({"MODELD_MEM_MAX": "lots"}, "", r"^mem_max \(MODELD_MEM_MAX\): invalid size 'lots'"),
+        ({}, '[memory]\nreserve = "??"\n', r"^\[memory\] reserve: invalid size '\?\?'"),
+        ({}, "[memory]\nmin_context = 1.5\n", r"^\[memory\] min_context: invalid token count 1.5"),
+        ({}, "[memory]\ndefault_context = -1\n", r"^\[memory\] default_context: token count -1 must be >= 0$"),
+        ({}, 'mem_reserve = "??"\n[memory]\nreserve = "1GiB"\n', r"^mem_reserve \(config file .*\): invalid size"),
+        ({}, "[memory]\nmaxx = 1\n", r"config file .*: unknown \[memory\] keys \['maxx'\]; known: \['default_context', "
+                                     r"'headroom', 'max', 'min_context', 'reserve'\]$"),
+    ],
+)
+def test_a_bad_memory_setting_is_refused_naming_its_source(
+    config_home: Path, monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], body: str, match: str
+) -> None:
+    layer(config_home, monkeypatch, body, variables)
+    with pytest.raises(SettingsError, match=match):
+        load_settings()
+
+
+# --- modeld http ----------------------------------------------------------------------------------
+
+
+def test_http_settings_flag_beats_environment_beats_file_beats_default(
+    config_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layer(config_home, monkeypatch, "http_queue_timeout = 3\nhttp_header_timeout = 3\nhttp_max_connections = 3\n",
+          {"MODELD_HTTP_QUEUE_TIMEOUT": "2", "MODELD_HTTP_HEADER_TIMEOUT": "2", "MODELD_API_KEY": "k"})
+    h = HttpSettings.load({"http_queue_timeout": 1})
+    assert (h.http_queue_timeout, h.http_header_timeout, h.http_max_connections) == (1, 2, 3)
+    assert (h.api_key, h.http_max_body, h.http, h.log_level) == ("k", DEFAULT_MAX_BODY_BYTES, None, "INFO")
+
+
+def test_http_passes_over_what_only_serve_reads_and_refuses_a_typo(config_home: Path) -> None:
+    write_config(config_home, 'backend = "memory"\nmem_max = "1GiB"\nalias = ["a=b"]\n[memory]\nheadroom = "5%"\n')
+    assert HttpSettings.load().alias == ("a=b",)
+    write_config(config_home, "sesion_ttl = 5\n")
+    with pytest.raises(SettingsError, match=r"unknown setting 'sesion_ttl' .*\(did you mean 'session_ttl'\?\)"):
+        HttpSettings.load()
+    write_config(config_home, "http_max_body = '8XB'\n")
+    with pytest.raises(SettingsError, match=r"^http_max_body \(config file .*\): invalid size '8XB'"):
+        HttpSettings.load()
+
+
+def test_http_help_lists_its_flags_with_their_variables(config_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MODELD_HTTP_QUEUE_TIMEOUT", "42")
+    monkeypatch.setenv("COLUMNS", "1000")
+    text = " ".join(build_http_parser(HttpSettings.load()).format_help().split())
+    for name in HttpSettings.model_fields:
+        assert flag_name(name) in text and env_name(name) in text, name
+    assert f"(default: {DEFAULT_LISTEN}; env MODELD_HTTP)" in text
+    assert "(default: 42; env MODELD_HTTP_QUEUE_TIMEOUT)" in text
+
+
+def python_modeld(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "modeld", *args], cwd=ROOT, text=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**env, "PYTHONPATH": str(ROOT)})
+
+
+def test_modeld_http_serves_what_the_file_the_environment_and_the_flags_say(config_home: Path) -> None:
+    write_config(config_home, f'http = "127.0.0.1:{free_port()}"\nhttp_max_body = "-1"\n')
+    env = {**os.environ, "MODELD_HTTP_MAX_BODY": "lots"}
+    _, err = python_modeld("http", "--http-max-body=-1GiB", env=env).communicate(timeout=60)
+    assert err.strip() == "modeld http: http_max_body (--http-max-body): invalid size '-1GiB': must be >= 0"
+    port = free_port()
+    write_config(config_home, f'http = "127.0.0.1:{port}"\nhttp_max_connections = 0\n')
+    env["MODELD_HTTP_MAX_BODY"] = "1MiB"
+    bad = python_modeld("http", env=env)
+    _, err = bad.communicate(timeout=60)
+    assert bad.returncode == 2 and "http_max_connections (config file " in err, err
+    front = python_modeld("http", "--http-max-connections", "4", env=env)
+    assert front.stderr is not None
+    line = front.stderr.readline()
+    front.terminate()
+    _, err = front.communicate(timeout=10)
+    assert f"HTTP APIs at http://127.0.0.1:{port}/v1" in line, line + err
+    assert front.returncode == 0
 
 
 # --- the real command -----------------------------------------------------------------------------
@@ -262,7 +469,7 @@ def test_serve_help_lists_every_flag_with_its_variable(config_home: Path, monkey
     out = run("serve", "--help")
     assert out.returncode == 0, out.stderr
     text = " ".join(out.stdout.split())
-    for name in SETTINGS:
+    for name in FLAGS:
         assert flag_name(name) in text and env_name(name) in text, name
     assert "(default: 42; env MODELD_SESSION_TTL)" in text  # what applies without the flag
     assert "(default: 1.50GiB; env MODELD_BLOB_DISK)" in text

@@ -4,15 +4,16 @@ The contract's rule: ``EffectiveContext`` is the window modeld will actually ser
 on this device — min(model ceiling, what fits in free memory) — derived by the
 daemon from the model's metadata and the device's memory, never guessed by the
 runtime. This package is that derivation. It is pure: every reading (free memory,
-GPU pools, environment, config file) is an argument, and the only code that
-touches the outside world is the explicit readers ``read_host_pool`` and
-``Policy.load`` (plus ``make_planner``, which wires them for the daemon).
+GPU pools, the operator's policy) is an argument, and the only code that
+touches the outside world is the explicit reader ``read_host_pool`` (plus
+``make_planner``, which wires it for the daemon). The policy's values come from
+the daemon's settings (``modeld.settings``: flags, environment, config file).
 
 One concern per module:
 
 * ``sizes``   – ``parse_size`` / ``format_size`` and the other value-from-text rules;
 * ``policy``  – ``Policy``: --mem-max, --mem-reserve, headroom, minimum and default
-  window, layered command line > environment > config file > defaults;
+  window (the ``memory`` part of ``modeld.settings.ServeSettings``);
 * ``pools``   – ``read_host_pool`` (psutil) and what one pool lets the model use;
 * ``reasons`` – the stable reason strings below;
 * ``gpu``     – ``resolve_gpu_layers``: layers offloaded within the GPU's budget;

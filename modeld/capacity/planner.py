@@ -1,15 +1,14 @@
 """The plan: the context window (and GPU layers) modeld serves, and the daemon's planners.
 
 ``plan`` is pure (every reading is an argument); ``make_planner`` and
-``make_budget_check`` wire it to the host reader and the Policy for the daemon.
+``make_budget_check`` wire it to the host reader and a Policy for the daemon.
 The model and its reasons are described in ``modeld.capacity``.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from fractions import Fraction
 
@@ -235,22 +234,15 @@ _BACKEND_FIELDS = (
 
 
 def make_planner(
-    mem_max: str | int | None = None,
-    mem_reserve: str | int | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    config_file: str | os.PathLike[str] | None = None,
-    host_reader: Callable[[], MemoryPool] = read_host_pool,
+    policy: Policy, *, host_reader: Callable[[], MemoryPool] = read_host_pool
 ) -> Callable[[Backend, OpenSessionRequest, int], ModelInfo]:
-    """The ``SlotService`` planner: ``(backend, request, credit_bytes) -> ModelInfo``.
+    """The ``SlotService`` planner under ``policy``: ``(backend, request, credit_bytes) -> ModelInfo``.
 
-    The policy is loaded once (CLI ``--mem-max``/``--mem-reserve`` over env over
-    config file). Per call, facts come from the backend's ``model_facts(req)``
-    and GPU pools from its ``memory_pools()``; the request's num_batch,
-    kv_cache_type and flash_attn override the facts' ones. A backend whose
-    ``model_facts`` is None cannot be planned here, and its own ``describe`` answers.
+    Per call, facts come from the backend's ``model_facts(req)`` and GPU pools
+    from its ``memory_pools()``; the request's num_batch, kv_cache_type and
+    flash_attn override the facts' ones. A backend whose ``model_facts`` is None
+    cannot be planned here, and its own ``describe`` answers.
     """
-    policy = Policy.load(env=env, config_file=config_file, cli={"mem_max": mem_max, "mem_reserve": mem_reserve})
 
     def planner(backend: Backend, req: OpenSessionRequest, credit_bytes: int) -> ModelInfo:
         facts = backend.model_facts(req)
@@ -275,13 +267,7 @@ def make_planner(
 
 
 def make_budget_check(
-    mem_max: str | int | None = None,
-    mem_reserve: str | int | None = None,
-    *,
-    other_bytes: Callable[[], int],
-    env: Mapping[str, str] | None = None,
-    config_file: str | os.PathLike[str] | None = None,
-    host_reader: Callable[[], MemoryPool] = read_host_pool,
+    policy: Policy, *, other_bytes: Callable[[], int], host_reader: Callable[[], MemoryPool] = read_host_pool
 ) -> Callable[[int], None]:
     """A check for side loads (the embedding slot): raise InsufficientMemory if ``needed`` bytes do not fit.
 
@@ -290,7 +276,6 @@ def make_budget_check(
     generation model's ``other_bytes()`` taken off it. The reserve and headroom
     apply as for the generation model. Nothing is ever evicted to make room.
     """
-    policy = Policy.load(env=env, config_file=config_file, cli={"mem_max": mem_max, "mem_reserve": mem_reserve})
 
     def check(needed: int) -> None:
         pool = host_reader()

@@ -5,6 +5,7 @@ also "auto", for the budgets that have one); ``format_size`` writes bytes back i
 binary units. Every size modeld reads (flags, environment, config file) goes
 through ``parse_size``. The fraction and token-count parsers are the
 Policy's (``policy.py``), kept here so every value-from-text rule is in one place.
+A parser's message quotes the value; the settings say where it came from.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def format_size(n: int) -> str:
     return f"{n}B"
 
 
-def parse_fraction(value: str | float, what: str) -> float:
+def parse_fraction(value: str | float) -> float:
     """0.1, "0.1" or "10%" → 0.1, in [0, 1)."""
     try:
         if isinstance(value, str):
@@ -110,19 +111,20 @@ def parse_fraction(value: str | float, what: str) -> float:
         else:
             f = float(value)
     except ValueError:
-        raise ValueError(f"{what}: invalid fraction {value!r}: expected e.g. 0.1 or 10%") from None
+        raise ValueError(f"invalid fraction {value!r}: expected e.g. 0.1 or 10%") from None
     if not 0.0 <= f < 1.0 or math.isnan(f):
-        raise ValueError(f"{what}: fraction {value!r} must be in [0, 1)")
+        raise ValueError(f"fraction {value!r} must be in [0, 1)")
     return f
 
 
-def parse_count(value: str | float, what: str) -> int:
+def parse_count(value: str | float) -> int:
+    """A whole token count >= 0, from 512 or "512"."""
     try:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise ValueError
         n = int(value.strip()) if isinstance(value, str) else int(value)
     except ValueError:
-        raise ValueError(f"{what}: invalid token count {value!r}: expected a whole number") from None
+        raise ValueError(f"invalid token count {value!r}: expected a whole number") from None
     if n < 0:
-        raise ValueError(f"{what}: token count {value!r} must be >= 0")
+        raise ValueError(f"token count {value!r} must be >= 0")
     return n

@@ -9,11 +9,11 @@ a client of the daemon (it imports ``runtime``, never a backend). Modules:
 * ``openai``: chat completions, models, embeddings;
 * ``app``: the shared routes, edge checks and error shapes; ``access``: the
   access log; ``pool``: long-lived daemon clients; ``server``: uvicorn;
-  ``main``: ``modeld http``.
+  ``main``: ``modeld http``, and ``build_front``, the front its settings describe.
 """
 
 from .app import create_app
-from .main import main
+from .main import build_front, main
 from .server import HttpFront, is_loopback, parse_aliases, parse_listen
 
-__all__ = ["HttpFront", "create_app", "is_loopback", "main", "parse_aliases", "parse_listen"]
+__all__ = ["HttpFront", "build_front", "create_app", "is_loopback", "main", "parse_aliases", "parse_listen"]
