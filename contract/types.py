@@ -85,7 +85,6 @@ class SlotState(str, enum.Enum):
     UNLOADING = "Unloading"  # the resident model is being released
     FAILED = "Failed"  # the last load failed; a new load may be attempted
     SHUTTING_DOWN = "ShuttingDown"  # the daemon is stopping
-    LOST_OWNER = "LostOwner"  # the owner epoch moved on; nothing is served until reloaded
 
 
 class Config(_Request):

@@ -111,10 +111,6 @@ TRANSITIONS: Mapping[SlotState, frozenset[SlotState]] = {
     _S.FAILED: frozenset({_S.LOADING, _S.EMPTY, _S.SHUTTING_DOWN}),
     # terminal: the process is exiting (shutdown may run again; it changes nothing)
     _S.SHUTTING_DOWN: frozenset({_S.SHUTTING_DOWN}),
-    # The contract's state for a daemon that lost its owner. A takeover (``takeover``) does not
-    # need it: the daemon keeps serving the new owner; the old owner's session answers
-    # LostOwner by name. Nothing reaches this state.
-    _S.LOST_OWNER: frozenset({_S.SHUTTING_DOWN}),
 }
 
 
