@@ -507,11 +507,6 @@ class RemoteSession:
         if self._closed:
             raise SessionClosed("session is closed", session_id=self.session_id)
 
-    def _body(self, extra: dict[str, Any]) -> dict[str, Any]:
-        """A raw request map for this session (for hand-made requests; the methods send typed ones)."""
-        self._check_open()
-        return {"session_id": self.session_id, **extra}
-
     def ensure_prefix(self, prefix: PrefixInput, *, on_progress: ProgressCallback | None = None) -> PrefixStatus:
         """Make the stable prefix resident; ``on_progress`` receives a cold prefill's progress while it runs."""
         self._check_open()
