@@ -531,9 +531,6 @@ class SlotService:
         result, info = self._embedder.embed_with_info(req)
         return result.model_copy(update={"tokens": list(info.tokens), "truncated": list(info.truncated)})
 
-    def embedding_resident_bytes(self) -> int:
-        return self._embedder.resident_bytes() if self._embedder is not None else 0
-
     def generation_resident_bytes(self) -> int:
         loaded = self._loaded
         return loaded.resident_bytes() if loaded is not None else 0
