@@ -230,6 +230,8 @@ class ActiveModel(_Report):
     chat_template: str = ""
     #: the tool-call format in use and why ("hermes (detected from the template)", "mistral (asked for)")
     tool_format: str = ""
+    #: when the load finished, Unix time in seconds (0: the daemon did not say)
+    loaded_at: float = 0.0
 
 
 class SpeculationStatus(_Report):

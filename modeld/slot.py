@@ -374,6 +374,7 @@ class SlotService:
             effective_context=loaded.num_ctx,
             chat_template=loaded.template_origin,
             tool_format=loaded.tool_format_origin,
+            loaded_at=time.time(),
         )
         try:
             with self._state_lock:
