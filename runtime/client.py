@@ -125,7 +125,17 @@ SERVER_KEY_ENV = "MODELD_SERVER_KEY"
 
 
 class Client:
-    """Service + ModelController over ZeroMQ. Safe to share between threads."""
+    """Service + ModelController over ZeroMQ.
+
+    Safe to share between threads: every use of the request socket is under one
+    lock (the lease thread has a socket of its own), and replies are matched to
+    their requests by id, whichever thread reads them off the socket. The threads
+    take turns on that one socket, though: a call waits while another thread polls
+    it (a quarter of a second at most), and a timeout or a daemon gone resets the
+    socket under all of them, which ends their calls in flight too (Unavailable). A
+    server that runs requests side by side gives each its own client (the HTTP
+    front's pool).
+    """
 
     def __init__(
         self,
@@ -253,6 +263,10 @@ class Client:
                 report(p)  # outside the lock: the callback may take its time (a terminal redraw)
             with self._lock:
                 buf = self._buffers.get(rid)
+                if buf is None:
+                    # another thread's call reset the socket (a timeout, a daemon gone): this reply is lost
+                    raise Unavailable(f"the connection to {self.endpoint} was reset while this call waited",
+                                      endpoint=self.endpoint)
                 if buf:
                     msg = buf.popleft()
                     self._heard[rid] = time.monotonic()
@@ -430,9 +444,10 @@ class Client:
 
     # --- leases ------------------------------------------------------------------------------------
     def _ensure_heartbeat(self) -> None:
-        if self._hb_thread is None or not self._hb_thread.is_alive():
-            self._hb_thread = threading.Thread(target=self._heartbeat_main, name="modeld-lease", daemon=True)
-            self._hb_thread.start()
+        with self._lock:  # two threads opening sessions at once start one lease thread
+            if self._hb_thread is None or not self._hb_thread.is_alive():
+                self._hb_thread = threading.Thread(target=self._heartbeat_main, name="modeld-lease", daemon=True)
+                self._hb_thread.start()
 
     def _heartbeat_main(self) -> None:
         # Its own socket: ZeroMQ sockets must not be shared between threads.
@@ -463,7 +478,9 @@ class Client:
     def close(self) -> None:
         if self._closed:
             return
-        for sess in list(self._sessions.values()):
+        with self._lock:
+            open_sessions = list(self._sessions.values())
+        for sess in open_sessions:
             try:
                 # best effort: a daemon that is gone must not hold the caller for the full
                 # timeout (the lease releases the session anyway)
