@@ -39,6 +39,7 @@ from .types import (
     DecodeConfig,
     EmbedRequest,
     EmbedResult,
+    FinishReason,
     ModelInfo,
     OpenSessionRequest,
     PrefixInput,
@@ -225,7 +226,7 @@ class MemorySession:
         else:
             rng = random.Random(hashlib.sha256(seed_material).digest())
         produced = 0
-        finish = "length"
+        finish: FinishReason = "length"
         first_ms = 0.0
         pending = ""
         held = ""

@@ -671,6 +671,17 @@ class Usage(_Report):
     accepted_tokens: int = 0
 
 
+#: why a decode ended: the ``finish_reason`` of its final chunk ("" on every other chunk)
+FinishReason = Literal[
+    "",
+    "stop",  # the model ended its reply: end of generation, or a stop string (``stop_sequence``)
+    "tool_calls",  # the model ended its reply with tool calls
+    "length",  # max_tokens were decoded
+    "context_full",  # the context window is full: the next token could not be evaluated
+    "cancelled",  # the caller cancelled the decode before the model ended it (the reply is cut short)
+]
+
+
 class StreamChunk(_Report):
     """A decoded text delta, reasoning text, parsed tool calls, or the terminal chunk."""
 
@@ -680,7 +691,7 @@ class StreamChunk(_Report):
     token_ids: list[int] = Field(default_factory=list)
     error: ErrorInfo | None = None
     done: bool = False
-    finish_reason: str = ""  # "stop" | "length" | "cancelled" | "tool_calls" | "error"
+    finish_reason: FinishReason = ""
     #: the final chunk of a pass a stop string ended: that string
     stop_sequence: str = ""
     usage: Usage | None = None
@@ -688,7 +699,7 @@ class StreamChunk(_Report):
     @classmethod
     def final(
         cls,
-        finish_reason: str,
+        finish_reason: FinishReason,
         prompt_tokens: int,
         completion_tokens: int,
         ttft_ms: float,

@@ -348,14 +348,22 @@ class Client:
         """A unary call: the typed request out, its ``ok`` reply read as ``reply``."""
         return wire.decode_body(reply, self._call(op, req, timeout_s=timeout_s, on_progress=on_progress))
 
-    def _abandon(self, rid: bytes) -> None:
+    def _cancel(self, rid: bytes) -> bool:
+        """Ask the daemon to stop request ``rid`` and return at once; its reader still reads the end the daemon
+        sends (a decode's final chunk says "cancelled"). False when ``rid`` is not waiting for a reply."""
         with self._lock:
-            if rid in self._buffers:
+            if rid not in self._buffers or self._sock is None:
+                return False
+            self._sock.send_multipart(wire.encode_request(Op.CANCEL, rid + b"c", CancelRequest(request_id=rid)))
+            self._abandoned.add(rid + b"c")  # nobody waits for the cancel's own reply
+            return True
+
+    def _abandon(self, rid: bytes) -> None:
+        """Cancel ``rid`` and drop whatever still comes for it: its reader is gone."""
+        with self._lock:
+            if self._cancel(rid):
                 self._buffers.pop(rid, None)
                 self._abandoned.add(rid)
-                if self._sock is not None:
-                    self._sock.send_multipart(wire.encode_request(Op.CANCEL, rid + b"c", CancelRequest(request_id=rid)))
-                    self._abandoned.add(rid + b"c")
 
     # --- ModelController ---------------------------------------------------------------------
     def status(self, timeout_s: float | None = None) -> DaemonStatus:
@@ -515,6 +523,8 @@ class RemoteSession:
         #: the sampling a request that sets none should get on this model (``SamplingParams.fill``)
         self.sampling: SamplingParams = opened.sampling
         self._closed = False
+        #: the request id of the decode in flight, for ``cancel``
+        self._decoding: bytes | None = None
 
     def manifest(self, **overrides: str) -> ContextManifest:
         """A manifest for this model from the daemon's defaults, with ``overrides`` applied."""
@@ -546,7 +556,19 @@ class RemoteSession:
         """Stream chunks; abandoning the iterator (break, close, GC) cancels the decode."""
         self._check_open()
         rid = self._client._send(Op.DECODE, DecodeRequest.of(self.session_id, cfg or DecodeConfig()))
+        self._decoding = rid
         return self._stream(rid)
+
+    def cancel(self) -> bool:
+        """Stop the decode in flight, from any thread: its stream goes on to the daemon's final chunk, whose
+        ``finish_reason`` is "cancelled" (or the decode's own, when it ended first). False when none is in flight."""
+        rid = self._decoding
+        return rid is not None and self._client._cancel(rid)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (the daemon may also have ended the session: calls then raise)."""
+        return self._closed
 
     def _stream(self, rid: bytes) -> Generator[StreamChunk, None, None]:
         finished = False
@@ -566,6 +588,8 @@ class RemoteSession:
                     return
                 yield chunk
         finally:
+            if self._decoding == rid:
+                self._decoding = None
             if not finished:
                 self._client._abandon(rid)
 

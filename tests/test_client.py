@@ -205,6 +205,22 @@ def test_one_client_serves_several_threads(client: Client, sess: RemoteSession) 
     assert final.done and final.finish_reason == "length" and sum(len(c.text) for c in data) == 600
 
 
+def test_cancel_from_another_thread_ends_the_stream_as_cancelled(sess: RemoteSession) -> None:
+    """``cancel`` stops the decode, and the reader still gets its end: a final chunk that says "cancelled"."""
+    _turn(sess)
+    assert not sess.cancel()  # no decode in flight
+    stream = sess.decode(DecodeConfig(max_tokens=800, temperature=0.0))
+    first = next(stream)
+    canceller = threading.Thread(target=sess.cancel)
+    canceller.start()
+    *data, final = [first, *stream]
+    canceller.join(10)
+    assert final.done and final.finish_reason == "cancelled"
+    assert 0 < sum(len(c.text) for c in data) < 800
+    assert not sess.cancel()  # nothing in flight any more
+    assert list(sess.decode(DecodeConfig(max_tokens=3)))[-1].finish_reason == "length"  # the session serves on
+
+
 # --- against a scripted peer ----------------------------------------------------------------------------------
 Answer = Callable[[Message], list[list[bytes]]]
 

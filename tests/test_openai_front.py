@@ -114,6 +114,22 @@ def test_created_is_the_load_time_else_the_files(tmp_path: Path) -> None:
     assert created_at(ActiveModel(path=str(tmp_path / "elsewhere.gguf"))) == 0  # not on this machine
 
 
+def test_every_finish_reason_maps_to_one_the_api_allows() -> None:
+    """Each reason a decode can end with has a chat-completions value the SDK accepts; a cancelled reply is not
+    reported as one the model ended ("stop")."""
+    from typing import get_args
+
+    from openai.types.chat.chat_completion import Choice
+
+    from contract.types import FinishReason
+    from modeld.front.core import FINISH_REASONS
+
+    allowed = set(get_args(Choice.model_fields["finish_reason"].annotation))
+    assert set(FINISH_REASONS) == set(get_args(FinishReason)) - {""}
+    assert set(FINISH_REASONS.values()) <= allowed, allowed
+    assert FINISH_REASONS["cancelled"] != FINISH_REASONS["stop"]
+
+
 def test_chat_plain_then_warm(front: Front) -> None:
     sdk = front.sdk()
     history = [SYSTEM, {"role": "user", "content": "What does slot.py do?"}]

@@ -27,7 +27,7 @@ import anyio
 from starlette.requests import Request
 
 from contract.errors import ModeldError, Unavailable, WireError
-from contract.types import ActiveModel, SlotState, TokenCount
+from contract.types import ActiveModel, FinishReason, SlotState, TokenCount
 from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn
 
 from .access import AccessRecord, record_of
@@ -48,9 +48,12 @@ STREAM_SEND_TIMEOUT_S = 60.0
 PROFILE = "http"
 #: names a client may use for "whatever is loaded"
 _ANY_MODEL = frozenset({"", "modeld", "default"})
-#: a decode's finish reason as the APIs name it (context_full: the window's end, a length limit to a client)
-FINISH_REASONS = {"stop": "stop", "length": "length", "context_full": "length", "tool_calls": "tool_calls",
-                  "cancelled": "stop"}
+#: a decode's finish reason as chat completions name it (context_full: the window's end, a length limit to a
+#: client; cancelled: the API has no value for a reply a cancel cut short, and "length" is the one that says the
+#: reply is incomplete, where "stop" would say the model ended it)
+FINISH_REASONS: dict[FinishReason, str] = {
+    "stop": "stop", "length": "length", "context_full": "length", "tool_calls": "tool_calls", "cancelled": "length",
+}
 
 
 @dataclass
@@ -85,6 +88,11 @@ class Turn:
         if not self._done:
             self._done = True
             self._pool.give(self._client, healthy=healthy)
+
+    def cancel(self) -> None:
+        """Cut the reply short from another request: its events end with finish_reason "cancelled" (the slot and
+        the client go back when they end)."""
+        self._turn.cancel()
 
     def close(self) -> None:
         """Give back the slot and the client without running the turn (or after it ran)."""
@@ -180,7 +188,7 @@ def fill_record(record: AccessRecord, result: ChatResult) -> None:
     record.prompt_tokens = u.prompt_tokens
     record.cached_tokens = u.reused_tokens
     record.completion_tokens = u.completion_tokens
-    record.finish_reason = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+    record.finish_reason = result.finish_reason  # the daemon's own: the log tells context_full and cancelled apart
     record.ttft_ms = result.timing.ttft_ms
 
 
