@@ -38,6 +38,7 @@ from contract.types import (
     DecodeConfig,
     EmbedRequest,
     EmbedResult,
+    FinishReason,
     ModelInfo,
     OpenSessionRequest,
     PrefixInput,
@@ -226,7 +227,7 @@ class MemorySession:
         else:
             rng = random.Random(hashlib.sha256(seed_material).digest())
         produced = 0
-        finish = "length"
+        finish: FinishReason = "length"
         first_ms = 0.0
         pending = ""
         held = ""

@@ -3,13 +3,14 @@
 Every error has a stable numeric wire ``code``. The daemon sends the code, the
 message and a ``details`` map; the client looks the code up in ``REGISTRY`` and
 re-raises the *same* class the daemon raised. Codes are never renumbered
-(``tests/test_errors.py`` pins the table).
+(``tests/test_errors.py`` pins the table), and a retired code is never given to
+another class: ``RETIRED`` keeps it.
 
 Hierarchy::
 
     ModeldError
     ├── OwnerError                      owner epoch / fencing
-    │   ├── NotOwner              (10)
+    │   ├── (10 retired: NotOwner)
     │   ├── StaleFence            (11)
     │   └── LostOwner             (12)
     ├── SessionError                    a session handle or its state
@@ -81,12 +82,6 @@ def _rebuild(code: int, message: str, details: dict[str, Any]) -> ModeldError:
 # --- owner fencing ---------------------------------------------------------
 class OwnerError(ModeldError):
     """The caller does not speak for the daemon's current owner epoch."""
-
-
-class NotOwner(OwnerError):
-    """Instance is not the local runtime owner; not recoverable by retrying."""
-
-    code = 10
 
 
 class StaleFence(OwnerError):
@@ -266,17 +261,23 @@ def _all_subclasses(cls: type[ModeldError]) -> list[type[ModeldError]]:
     return out
 
 
+#: codes no class carries any more, with the name that once did; reserved so an
+#: old peer's code never reads as a different error.
+RETIRED: dict[int, str] = {
+    10: "NotOwner",  # never raised: a second owner takes the daemon over (LostOwner) or holds a stale fence
+}
+
 #: wire code -> class; category bases share their parent's code and are not listed.
 REGISTRY: dict[int, type[ModeldError]] = {ModeldError.code: ModeldError}
 for _cls in _all_subclasses(ModeldError):
     if "code" in _cls.__dict__:
-        if _cls.code in REGISTRY:  # pragma: no cover - guarded by tests
-            raise RuntimeError(f"duplicate error code {_cls.code}")
+        if _cls.code in REGISTRY or _cls.code in RETIRED:  # pragma: no cover - guarded by tests
+            raise RuntimeError(f"duplicate or retired error code {_cls.code}")
         REGISTRY[_cls.code] = _cls
 
 
 def from_wire(payload: dict[str, Any]) -> ModeldError:
-    """Rebuild the exception the daemon raised; unknown codes become ``ModeldError``."""
+    """Rebuild the exception the daemon raised; unknown and retired codes become ``ModeldError``."""
     code = payload.get("code")
     cls = REGISTRY.get(code, ModeldError) if isinstance(code, int) else ModeldError
     message = payload.get("message")

@@ -89,7 +89,6 @@ class SlotState(str, enum.Enum):
     UNLOADING = "Unloading"  # the resident model is being released
     FAILED = "Failed"  # the last load failed; a new load may be attempted
     SHUTTING_DOWN = "ShuttingDown"  # the daemon is stopping
-    LOST_OWNER = "LostOwner"  # the owner epoch moved on; nothing is served until reloaded
 
 
 class Config(_Request):
@@ -235,6 +234,8 @@ class ActiveModel(_Report):
     chat_template: str = ""
     #: the tool-call format in use and why ("hermes (detected from the template)", "mistral (asked for)")
     tool_format: str = ""
+    #: when the load finished, Unix time in seconds (0: the daemon did not say)
+    loaded_at: float = 0.0
 
 
 class SpeculationStatus(_Report):
@@ -678,6 +679,17 @@ class Usage(_Report):
     accepted_tokens: int = 0
 
 
+#: why a decode ended: the ``finish_reason`` of its final chunk ("" on every other chunk)
+FinishReason = Literal[
+    "",
+    "stop",  # the model ended its reply: end of generation, or a stop string (``stop_sequence``)
+    "tool_calls",  # the model ended its reply with tool calls
+    "length",  # max_tokens were decoded
+    "context_full",  # the context window is full: the next token could not be evaluated
+    "cancelled",  # the caller cancelled the decode before the model ended it (the reply is cut short)
+]
+
+
 class StreamChunk(_Report):
     """A decoded text delta, reasoning text, parsed tool calls, or the terminal chunk."""
 
@@ -687,7 +699,7 @@ class StreamChunk(_Report):
     token_ids: list[int] = Field(default_factory=list)
     error: ErrorInfo | None = None
     done: bool = False
-    finish_reason: str = ""  # "stop" | "length" | "cancelled" | "tool_calls" | "error"
+    finish_reason: FinishReason = ""
     #: the final chunk of a pass a stop string ended: that string
     stop_sequence: str = ""
     usage: Usage | None = None
@@ -695,7 +707,7 @@ class StreamChunk(_Report):
     @classmethod
     def final(
         cls,
-        finish_reason: str,
+        finish_reason: FinishReason,
         prompt_tokens: int,
         completion_tokens: int,
         ttft_ms: float,

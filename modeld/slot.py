@@ -111,10 +111,6 @@ TRANSITIONS: Mapping[SlotState, frozenset[SlotState]] = {
     _S.FAILED: frozenset({_S.LOADING, _S.EMPTY, _S.SHUTTING_DOWN}),
     # terminal: the process is exiting (shutdown may run again; it changes nothing)
     _S.SHUTTING_DOWN: frozenset({_S.SHUTTING_DOWN}),
-    # The contract's state for a daemon that lost its owner. A takeover (``takeover``) does not
-    # need it: the daemon keeps serving the new owner; the old owner's session answers
-    # LostOwner by name. Nothing reaches this state.
-    _S.LOST_OWNER: frozenset({_S.SHUTTING_DOWN}),
 }
 
 
@@ -378,6 +374,7 @@ class SlotService:
             effective_context=loaded.num_ctx,
             chat_template=loaded.template_origin,
             tool_format=loaded.tool_format_origin,
+            loaded_at=time.time(),
         )
         try:
             with self._state_lock:
@@ -534,9 +531,6 @@ class SlotService:
             return self.backend.embed(req)
         result, info = self._embedder.embed_with_info(req)
         return result.model_copy(update={"tokens": list(info.tokens), "truncated": list(info.truncated)})
-
-    def embedding_resident_bytes(self) -> int:
-        return self._embedder.resident_bytes() if self._embedder is not None else 0
 
     def generation_resident_bytes(self) -> int:
         loaded = self._loaded

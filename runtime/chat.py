@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
@@ -36,6 +36,7 @@ from contract.errors import ContextOverflow, InvalidArgument, SessionClosed
 from contract.types import (
     ChatMessage,
     DecodeConfig,
+    FinishReason,
     OpenSessionRequest,
     PrefixInput,
     StreamChunk,
@@ -85,7 +86,8 @@ class ChatResult(BaseModel):
     """The assistant's reply to one ``Chat.send``."""
 
     message: ChatMessage
-    finish_reason: str = ""
+    #: why the reply ended ("cancelled": ``ChatTurn.cancel`` cut it short; "" when the stream ended without saying)
+    finish_reason: FinishReason = ""
     #: the stop string that ended the reply ("" when none did)
     stop_sequence: str = ""
     usage: ChatUsage = Field(default_factory=ChatUsage)
@@ -182,7 +184,8 @@ class Chat:
     ``profile`` names the agent in the manifest; ``request`` picks the model (the
     loaded one by default). ``model_sampling``: a turn that sets no sampling
     parameter gets the model's recommended sampling (``OpenReply.sampling``);
-    False leaves it greedy. Not thread-safe: one Chat per thread of an agent.
+    False leaves it greedy. Not thread-safe: one Chat per thread of an agent
+    (``ChatTurn.cancel`` is the one call another thread may make).
     """
 
     def __init__(
@@ -198,9 +201,17 @@ class Chat:
         self._profile = profile
         self._request = (request or OpenSessionRequest()).model_copy(update={"queue_timeout_s": queue_timeout_s})
         self._model_sampling = model_sampling
+        #: turns begun that may still hold the slot, for ``close``
+        self._turns: list[ChatTurn] = []
+        self._closed = False
 
     def close(self) -> None:
-        """Nothing is held between turns; kept so a Chat reads like the other handles."""
+        """End the conversation: a turn still holding the slot gives it back (a reply left streaming is cancelled,
+        a turn begun and not run never runs), and no turn starts after. Idempotent."""
+        self._closed = True
+        turns, self._turns = self._turns, []
+        for turn in turns:
+            turn.close()
 
     def __enter__(self) -> Chat:
         return self
@@ -252,6 +263,8 @@ class Chat:
         ``events()`` end or it is closed. ``enable_thinking`` is the template's
         reasoning switch (None: the template's default).
         """
+        if self._closed:
+            raise SessionClosed("this chat is closed")
         unknown = sorted(set(decode) - _DECODE_FIELDS)
         if unknown:
             raise InvalidArgument(f"unknown decode options {unknown}", unknown=unknown)
@@ -277,7 +290,9 @@ class Chat:
         except BaseException:
             sess.close()
             raise
-        return ChatTurn(sess, prefix, suffix, cfg, count, started)
+        turn = ChatTurn(sess, prefix, suffix, cfg, count, started)
+        self._turns = [t for t in self._turns if not t.finished] + [turn]
+        return turn
 
 
 class ChatTurn:
@@ -295,6 +310,8 @@ class ChatTurn:
         self.count = count
         self._started = started
         self._used = False
+        self._cancelled = False
+        self._events: Generator[ChatEvent, None, None] | None = None
 
     @property
     def model_name(self) -> str:
@@ -302,11 +319,25 @@ class ChatTurn:
         active = self._sess.active
         return active.model_name if active is not None else ""
 
+    @property
+    def finished(self) -> bool:
+        """Whether the turn gave the slot back (it ran to its end, failed, or was closed)."""
+        return self._sess.closed
+
+    def cancel(self) -> None:
+        """Cut the reply short, from any thread: its decode is cancelled (at once, or as soon as it starts after
+        the prefill) and ``events`` ends with a result whose finish_reason is "cancelled" (or the reply's own,
+        when it ended first)."""
+        self._cancelled = True
+        self._sess.cancel()
+
     def close(self) -> None:
-        """Give the slot back without running the turn (a no-op once ``events`` ran)."""
-        if not self._used:
-            self._used = True
-            self._sess.close()
+        """Give the slot back: before ``events`` ran, without running the turn; after, ``events`` ends here (its
+        decode is cancelled). Call it from the thread that reads ``events``; another thread calls ``cancel``."""
+        if self._used and self._events is not None:
+            self._events.close()
+        self._used = True
+        self._sess.close()
 
     def events(self) -> Generator[ChatEvent, None, None]:
         """Prefill what is new, then the reply's deltas; the last event carries the ``ChatResult``."""
@@ -325,11 +356,14 @@ class ChatTurn:
             prefilled_tokens=pre.prefilled_tokens + suf.prefilled_tokens,
             cached_tokens=pre.cached_tokens + suf.cached_tokens,
         )
-        return _events(sess, self.cfg, prompt, pre.prefill_ms + suf.prefill_ms, self._started)
+        self._events = _events(sess, self.cfg, prompt, pre.prefill_ms + suf.prefill_ms, self._started,
+                               lambda: self._cancelled)
+        return self._events
 
 
 def _events(
-    sess: RemoteSession, cfg: DecodeConfig, prompt: ChatUsage, prefill_ms: float, started: float
+    sess: RemoteSession, cfg: DecodeConfig, prompt: ChatUsage, prefill_ms: float, started: float,
+    cancelled: Callable[[], bool],
 ) -> Generator[ChatEvent, None, None]:
     text: list[str] = []
     thinking: list[str] = []
@@ -337,6 +371,8 @@ def _events(
     first = 0.0
     final: StreamChunk | None = None
     stream = sess.decode(cfg)
+    if cancelled():  # cancelled before the decode was sent: it is now in flight, and stops at once
+        sess.cancel()
     try:
         for chunk in stream:
             if chunk.done:

@@ -125,7 +125,17 @@ SERVER_KEY_ENV = "MODELD_SERVER_KEY"
 
 
 class Client:
-    """Service + ModelController over ZeroMQ. Safe to share between threads."""
+    """Service + ModelController over ZeroMQ.
+
+    Safe to share between threads: every use of the request socket is under one
+    lock (the lease thread has a socket of its own), and replies are matched to
+    their requests by id, whichever thread reads them off the socket. The threads
+    take turns on that one socket, though: a call waits while another thread polls
+    it (a quarter of a second at most), and a timeout or a daemon gone resets the
+    socket under all of them, which ends their calls in flight too (Unavailable). A
+    server that runs requests side by side gives each its own client (the HTTP
+    front's pool).
+    """
 
     def __init__(
         self,
@@ -253,6 +263,10 @@ class Client:
                 report(p)  # outside the lock: the callback may take its time (a terminal redraw)
             with self._lock:
                 buf = self._buffers.get(rid)
+                if buf is None:
+                    # another thread's call reset the socket (a timeout, a daemon gone): this reply is lost
+                    raise Unavailable(f"the connection to {self.endpoint} was reset while this call waited",
+                                      endpoint=self.endpoint)
                 if buf:
                     msg = buf.popleft()
                     self._heard[rid] = time.monotonic()
@@ -334,14 +348,22 @@ class Client:
         """A unary call: the typed request out, its ``ok`` reply read as ``reply``."""
         return wire.decode_body(reply, self._call(op, req, timeout_s=timeout_s, on_progress=on_progress))
 
-    def _abandon(self, rid: bytes) -> None:
+    def _cancel(self, rid: bytes) -> bool:
+        """Ask the daemon to stop request ``rid`` and return at once; its reader still reads the end the daemon
+        sends (a decode's final chunk says "cancelled"). False when ``rid`` is not waiting for a reply."""
         with self._lock:
-            if rid in self._buffers:
+            if rid not in self._buffers or self._sock is None:
+                return False
+            self._sock.send_multipart(wire.encode_request(Op.CANCEL, rid + b"c", CancelRequest(request_id=rid)))
+            self._abandoned.add(rid + b"c")  # nobody waits for the cancel's own reply
+            return True
+
+    def _abandon(self, rid: bytes) -> None:
+        """Cancel ``rid`` and drop whatever still comes for it: its reader is gone."""
+        with self._lock:
+            if self._cancel(rid):
                 self._buffers.pop(rid, None)
                 self._abandoned.add(rid)
-                if self._sock is not None:
-                    self._sock.send_multipart(wire.encode_request(Op.CANCEL, rid + b"c", CancelRequest(request_id=rid)))
-                    self._abandoned.add(rid + b"c")
 
     # --- ModelController ---------------------------------------------------------------------
     def status(self, timeout_s: float | None = None) -> DaemonStatus:
@@ -430,9 +452,10 @@ class Client:
 
     # --- leases ------------------------------------------------------------------------------------
     def _ensure_heartbeat(self) -> None:
-        if self._hb_thread is None or not self._hb_thread.is_alive():
-            self._hb_thread = threading.Thread(target=self._heartbeat_main, name="modeld-lease", daemon=True)
-            self._hb_thread.start()
+        with self._lock:  # two threads opening sessions at once start one lease thread
+            if self._hb_thread is None or not self._hb_thread.is_alive():
+                self._hb_thread = threading.Thread(target=self._heartbeat_main, name="modeld-lease", daemon=True)
+                self._hb_thread.start()
 
     def _heartbeat_main(self) -> None:
         # Its own socket: ZeroMQ sockets must not be shared between threads.
@@ -463,7 +486,9 @@ class Client:
     def close(self) -> None:
         if self._closed:
             return
-        for sess in list(self._sessions.values()):
+        with self._lock:
+            open_sessions = list(self._sessions.values())
+        for sess in open_sessions:
             try:
                 # best effort: a daemon that is gone must not hold the caller for the full
                 # timeout (the lease releases the session anyway)
@@ -498,6 +523,8 @@ class RemoteSession:
         #: the sampling a request that sets none should get on this model (``SamplingParams.fill``)
         self.sampling: SamplingParams = opened.sampling
         self._closed = False
+        #: the request id of the decode in flight, for ``cancel``
+        self._decoding: bytes | None = None
 
     def manifest(self, **overrides: str) -> ContextManifest:
         """A manifest for this model from the daemon's defaults, with ``overrides`` applied."""
@@ -506,11 +533,6 @@ class RemoteSession:
     def _check_open(self) -> None:
         if self._closed:
             raise SessionClosed("session is closed", session_id=self.session_id)
-
-    def _body(self, extra: dict[str, Any]) -> dict[str, Any]:
-        """A raw request map for this session (for hand-made requests; the methods send typed ones)."""
-        self._check_open()
-        return {"session_id": self.session_id, **extra}
 
     def ensure_prefix(self, prefix: PrefixInput, *, on_progress: ProgressCallback | None = None) -> PrefixStatus:
         """Make the stable prefix resident; ``on_progress`` receives a cold prefill's progress while it runs."""
@@ -534,7 +556,19 @@ class RemoteSession:
         """Stream chunks; abandoning the iterator (break, close, GC) cancels the decode."""
         self._check_open()
         rid = self._client._send(Op.DECODE, DecodeRequest.of(self.session_id, cfg or DecodeConfig()))
+        self._decoding = rid
         return self._stream(rid)
+
+    def cancel(self) -> bool:
+        """Stop the decode in flight, from any thread: its stream goes on to the daemon's final chunk, whose
+        ``finish_reason`` is "cancelled" (or the decode's own, when it ended first). False when none is in flight."""
+        rid = self._decoding
+        return rid is not None and self._client._cancel(rid)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (the daemon may also have ended the session: calls then raise)."""
+        return self._closed
 
     def _stream(self, rid: bytes) -> Generator[StreamChunk, None, None]:
         finished = False
@@ -554,6 +588,8 @@ class RemoteSession:
                     return
                 yield chunk
         finally:
+            if self._decoding == rid:
+                self._decoding = None
             if not finished:
                 self._client._abandon(rid)
 

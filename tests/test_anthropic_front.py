@@ -42,6 +42,21 @@ def client(front: Front) -> Iterator[Any]:
         yield c
 
 
+def test_every_finish_reason_maps_to_a_stop_reason_the_api_allows() -> None:
+    """Each reason a decode can end with has a stop_reason the SDK accepts; a cancelled reply is not reported as
+    one the model ended ("end_turn")."""
+    from typing import get_args
+
+    from anthropic.types import StopReason
+
+    from contract.types import FinishReason
+    from modeld.front.anthropic import STOP_REASONS
+
+    assert set(STOP_REASONS) == set(get_args(FinishReason)) - {""}
+    assert set(STOP_REASONS.values()) <= set(get_args(StopReason))
+    assert STOP_REASONS["cancelled"] != STOP_REASONS["stop"]
+
+
 def test_plain_reply(client: Any) -> None:
     out = client.messages.create(model="claude-opus-5", max_tokens=12, system=system(0),
                                      messages=[{"role": "user", "content": "hi"}], extra_body={"temperature": 0})

@@ -19,7 +19,8 @@ import pytest
 
 from backends.bundled import bundled_gguf_path
 from contract import wire
-from contract.errors import Cancelled, FrameTooLarge, InvalidArgument, ShuttingDown, from_wire
+from contract.errors import Cancelled, FrameTooLarge, InvalidArgument, ShuttingDown
+from contract.messages import CancelReply, CancelRequest, EnsurePrefixRequest
 from contract.types import (
     DecodeConfig,
     EmbedRequest,
@@ -345,7 +346,7 @@ LONG_SYSTEM = SYSTEM + "\n" + "\n".join(f"src/pkg/module_{i}.py: class Handler{i
 
 def _start_prefix(c: Client, sess: RemoteSession, prefix: PrefixInput) -> bytes:
     """Send ensure_prefix without waiting; returns once the daemon is working on it."""
-    rid = c._send(Op.ENSURE_PREFIX, sess._body(wire.to_body(prefix)))
+    rid = c._send(Op.ENSURE_PREFIX, EnsurePrefixRequest.of(sess.session_id, prefix))
     while c.status().busy_operation != "ensure_prefix":
         assert not c._buffers.get(rid), f"ensure_prefix ended before it could be interrupted: {c._buffers[rid]}"
         time.sleep(0.002)
@@ -358,10 +359,10 @@ def test_cancel_stops_a_cold_prefill(backend_daemon: DaemonProcess) -> None:
         sess = c.open_session(OpenSessionRequest())
         m = manifest_for(sess, fresh_profile())
         rid = _start_prefix(c, sess, PrefixInput(text=LONG_SYSTEM, manifest=m))
-        assert c._call(Op.CANCEL, {"request_id": rid}).body == {"cancelled": True}
+        assert c._request(Op.CANCEL, CancelRequest(request_id=rid), CancelReply).cancelled
         reply = c._recv(rid)
         assert reply.kind is Kind.ERROR
-        assert isinstance(from_wire(reply.body), Cancelled)
+        assert isinstance(wire.error_of(reply), Cancelled)
         rep = sess.explain_context()
         assert rep.resident_tokens == 0 and rep.prefix_tokens == 0
         st = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))  # the daemon serves on
@@ -407,7 +408,7 @@ def test_sigterm_during_a_prefill_stops_it(tmp_path_factory: pytest.TempPathFact
             assert d.proc is not None
             d.proc.send_signal(signal.SIGTERM)
             reply = c._recv(rid)
-            assert reply.kind is Kind.ERROR and isinstance(from_wire(reply.body), ShuttingDown), reply.body
+            assert reply.kind is Kind.ERROR and isinstance(wire.error_of(reply), ShuttingDown), reply.body
             assert d.proc.wait(60) == 0
     finally:
         d.stop()

@@ -660,8 +660,19 @@ def test_gpu_budget_honours_the_policy() -> None:
     assert resolve_gpu_layers(30, 30, pool, LAYER, BARE.model_copy(update={"user_limit_bytes": 5 * LAYER})).layers == 5
 
 
-def test_gpu_reasons_are_documented() -> None:
-    assert {"no gpu", "cpu only", "all", "requested", "n_layer", "gpu memory"} == GPU_REASONS
+def test_every_gpu_reason_is_reported_and_none_other() -> None:
+    """Over every kind of request and pool, resolve_gpu_layers reports exactly the GPU_REASONS values."""
+    seen: set[str] = set()
+    for requested in (-1, 0, 1, 12, 30, 99):
+        for pool in (None, gpu(0), gpu(LAYER // 2), gpu(20 * LAYER + LAYER // 2), gpu(8 * GiB)):
+            try:
+                got = resolve_gpu_layers(requested, 30, pool, LAYER, BARE)
+            except InsufficientMemory:
+                continue
+            assert got.reason in GPU_REASONS, got
+            assert 0 <= got.layers <= 30
+            seen.add(got.reason)
+    assert seen == GPU_REASONS
 
 
 def test_bad_gpu_requests() -> None:

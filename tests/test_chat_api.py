@@ -14,16 +14,17 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from contract.errors import InvalidArgument
+from contract.errors import InvalidArgument, SessionClosed
 from contract.types import ChatMessage, Config, LoadModelRequest
 from runtime import Chat, Client
-from runtime.chat import split_messages
+from runtime.chat import ChatEvent, ChatResult, split_messages
 from tests.daemon_proc import ROOT, DaemonProcess
 from tests.fixtures import WEATHER_TOOL, tool_gguf
 
@@ -196,7 +197,6 @@ def test_exact_mode_through_daemons_cold_equals_warm(backend: str, tmp_path: Pat
 
 # --- the queue for the slot ---------------------------------------------------------------------------------------
 def test_opens_wait_for_the_slot_in_arrival_order(daemon: DaemonProcess) -> None:
-    import threading
     import time
 
     from contract.errors import ModelBusy
@@ -268,7 +268,6 @@ def test_a_waiting_open_ends_at_its_own_deadline_while_another_session_decodes(t
 
 
 def test_two_agents_take_turns_without_model_busy(daemon: DaemonProcess) -> None:
-    import threading
 
     results: dict[str, list[int]] = {"a": [], "b": []}
     errors: list[BaseException] = []
@@ -301,3 +300,66 @@ def test_client_chat_and_chat_stream(client: Client) -> None:
     events = list(client.chat_stream(history, profile="client-chat", max_tokens=6, temperature=0))
     assert events[-1].result is not None and events[-1].result.message.content == result.message.content
     assert events[-1].result.usage.reused_tokens == result.usage.prompt_tokens  # the same turn again: all resident
+
+
+# --- cancelling a turn, closing a chat ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A daemon that decodes a token every 2 ms: a long reply is still streaming when the test acts on it."""
+    d = DaemonProcess(tmp_path_factory.mktemp("slow-chat"), "memory", None, "--model", "/models/ref",
+                      "--model-name", "ref", "--memory-token-delay-ms", "2")
+    with d:
+        yield d
+
+
+LONG = {"max_tokens": 1000, "temperature": 0.0}
+
+
+def _result(events: Iterator[ChatEvent]) -> ChatResult:
+    results = [e.result for e in events if e.result is not None]
+    assert len(results) == 1
+    return results[0]
+
+
+def test_a_turn_cancelled_from_another_thread_ends_as_cancelled(slow: DaemonProcess) -> None:
+    with slow.client(timeout_s=20.0) as c:
+        turn = Chat(c, profile="cancel").begin([SYSTEM, {"role": "user", "content": "Go on."}], **LONG)
+        events = turn.events()
+        first = next(events)  # the reply is streaming
+        canceller = threading.Thread(target=turn.cancel)
+        canceller.start()
+        result = _result(events)
+        canceller.join(10)
+        assert result.finish_reason == "cancelled"
+        assert 0 < len(first.text + (result.message.content or "")) < 1000
+        assert turn.finished and not c.status().session_open
+
+
+def test_a_turn_cancelled_before_it_runs_stops_at_its_first_token(slow: DaemonProcess) -> None:
+    with slow.client(timeout_s=20.0) as c:
+        turn = Chat(c, profile="cancel-early").begin([SYSTEM, {"role": "user", "content": "Go on."}], **LONG)
+        turn.cancel()  # (as the HTTP front's cancel may, while the turn is still prefilling)
+        result = _result(turn.events())
+        assert result.finish_reason == "cancelled" and len(result.message.content or "") < 100
+        assert not c.status().session_open
+
+
+def test_closing_a_chat_gives_back_the_slot_its_turns_hold(slow: DaemonProcess) -> None:
+    with slow.client(timeout_s=20.0) as c, slow.client(timeout_s=20.0) as watcher:
+        with Chat(c, profile="close") as chat:
+            stream = chat.stream([SYSTEM, {"role": "user", "content": "Go on."}], **LONG)
+            next(stream)  # a reply left streaming when the chat ends
+            assert watcher.status().session_open
+        assert not watcher.status().session_open
+        with pytest.raises(SessionClosed, match="chat is closed"):
+            chat.send([SYSTEM, {"role": "user", "content": "again"}])
+
+        chat = Chat(c, profile="close")
+        chat.begin([SYSTEM, {"role": "user", "content": "Go on."}], **LONG)  # begun, never run
+        assert watcher.status().session_open
+        chat.close()
+        assert not watcher.status().session_open
+        # a turn that ran to its end holds nothing: closing its chat sends nothing more
+        chat = Chat(c, profile="close")
+        assert chat.send([SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2).finish_reason == "length"
+        chat.close()

@@ -177,6 +177,50 @@ def test_error_replies_are_raised_as_the_daemon_class(client: Client, sess: Remo
     assert bad.value.details["problems"][0].startswith("max_tokens:")
 
 
+def test_one_client_serves_several_threads(client: Client, sess: RemoteSession) -> None:
+    """While one thread streams a decode, others call through the same client; every reply reaches its caller."""
+    _turn(sess)
+    stream = sess.decode(DecodeConfig(max_tokens=600, temperature=0.0))
+    first = next(stream)
+    failures: list[BaseException] = []
+    answered: list[int] = []
+
+    def calls() -> None:
+        try:
+            for _ in range(10):
+                assert client.status().busy_operation in ("decode", "")
+                assert sess.explain_context().resident_tokens > 0
+                answered.append(1)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=calls) for _ in range(3)]
+    for t in threads:
+        t.start()
+    *data, final = [first, *stream]
+    for t in threads:
+        t.join(30)
+    assert not failures, failures
+    assert len(answered) == 30
+    assert final.done and final.finish_reason == "length" and sum(len(c.text) for c in data) == 600
+
+
+def test_cancel_from_another_thread_ends_the_stream_as_cancelled(sess: RemoteSession) -> None:
+    """``cancel`` stops the decode, and the reader still gets its end: a final chunk that says "cancelled"."""
+    _turn(sess)
+    assert not sess.cancel()  # no decode in flight
+    stream = sess.decode(DecodeConfig(max_tokens=800, temperature=0.0))
+    first = next(stream)
+    canceller = threading.Thread(target=sess.cancel)
+    canceller.start()
+    *data, final = [first, *stream]
+    canceller.join(10)
+    assert final.done and final.finish_reason == "cancelled"
+    assert 0 < sum(len(c.text) for c in data) < 800
+    assert not sess.cancel()  # nothing in flight any more
+    assert list(sess.decode(DecodeConfig(max_tokens=3)))[-1].finish_reason == "length"  # the session serves on
+
+
 # --- against a scripted peer ----------------------------------------------------------------------------------
 Answer = Callable[[Message], list[list[bytes]]]
 
@@ -278,6 +322,35 @@ def test_a_unary_reply_inside_a_stream_is_a_bad_frame(scripted: Callable[[Answer
     with pytest.raises(BadFrame, match="inside a decode stream"):
         next(stream)
     assert [m.op for m in peer.requests if m.op is Op.CANCEL] == []  # the stream had ended: nothing to cancel
+
+
+def test_a_reset_ends_the_calls_of_other_threads(scripted: Callable[[Answer], tuple[ScriptedDaemon, Client]]) -> None:
+    """A call that times out resets the shared socket: a call another thread waits on ends at once, not at its
+    own deadline (its reply could no longer reach it)."""
+    import time
+
+    from contract.errors import Unavailable
+
+    peer, c = scripted(lambda m: [])  # a peer that never answers a status
+    ended: list[tuple[BaseException, float]] = []
+
+    def patient() -> None:
+        t0 = time.monotonic()
+        try:
+            c.status(timeout_s=20.0)
+        except Unavailable as exc:
+            ended.append((exc, time.monotonic() - t0))
+
+    waiter = threading.Thread(target=patient)
+    waiter.start()
+    deadline = time.monotonic() + 10
+    while not any(m.op is Op.STATUS for m in peer.requests):  # the waiter's call is out
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(Unavailable):
+        c.status(timeout_s=0.5)
+    waiter.join(10)
+    assert ended and "was reset" in ended[0][0].message and ended[0][1] < 5.0, ended
 
 
 def test_a_stale_socket_file_fails_at_once(tmp_path: Path) -> None:

@@ -55,6 +55,8 @@ from .conformance import manifest_for
 from .daemon_proc import ROOT, DaemonProcess, streaming_client, voluntary_switches
 
 OWNER = "owner-A"
+#: the test daemon's session lease (``--lease``)
+LEASE_S = 2.0
 MODEL_A = OpenSessionRequest(owner_instance_id=OWNER, model_name="a", type="memory", path="/models/a")
 MODEL_B = OpenSessionRequest(owner_instance_id=OWNER, model_name="b", type="memory", path="/models/b")
 
@@ -67,7 +69,7 @@ def load_req(src: OpenSessionRequest, expected_generation: int = 0) -> LoadModel
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     d = DaemonProcess(
         tmp_path_factory.mktemp("slot"), "memory", None,
-        "--no-preload", "--owner", OWNER, "--lease", "2", "--memory-token-delay-ms", "5",
+        "--no-preload", "--owner", OWNER, "--lease", str(LEASE_S), "--memory-token-delay-ms", "5",
     ).start()
     try:
         yield d
@@ -339,13 +341,25 @@ def test_client_killed_mid_decode_releases_the_slot(daemon: DaemonProcess, clien
     client.open_session(MODEL_A).close()
 
 
-def test_lease_is_renewed_while_client_lives(client: Client) -> None:
-    client._lease_renew_s = 0.5
+def test_lease_is_renewed_while_client_lives(daemon: DaemonProcess, client: Client) -> None:
+    """An idle session outlives its lease while its client's lease thread renews it, and is released once the
+    renewals stop: the renewals, not the clock, are what keeps it."""
     sess = client.open_session(MODEL_A)
-    client._lease_renew_s = 0.5
-    time.sleep(3.5)  # longer than the 2 s lease
-    sess.ensure_prefix(PrefixInput(text="still mine", manifest=manifest_for(sess, "lease")))
-    sess.close()
+    opened = time.monotonic()
+    # another client watches: its calls renew no lease of this one
+    with daemon.client(timeout_s=20.0, owner=OWNER) as watcher:
+        while time.monotonic() - opened < 2 * LEASE_S:
+            assert watcher.status().session_open, "the session was released while its client renewed the lease"
+            time.sleep(0.1)
+        sess.ensure_prefix(PrefixInput(text="still mine", manifest=manifest_for(sess, "lease")))
+        client._sessions.clear()  # the lease thread stops renewing it, as a client that hung would
+        stopped = time.monotonic()
+        while watcher.status().session_open:
+            assert time.monotonic() - stopped < 5 * LEASE_S, "the session was kept with no renewal"
+            time.sleep(0.1)
+    assert time.monotonic() - stopped > LEASE_S / 2
+    with pytest.raises(SessionClosed):
+        sess.ensure_prefix(PrefixInput(text="gone", manifest=manifest_for(sess, "lease")))
 
 
 # --- bad input ------------------------------------------------------------------------------------------

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 
 from contract import errors
-from contract.errors import REGISTRY, ModeldError, from_wire
+from contract.errors import REGISTRY, RETIRED, ModeldError, from_wire
 
 PINNED = {
     1: "ModeldError",
-    10: "NotOwner",
     11: "StaleFence",
     12: "LostOwner",
     20: "SessionClosed",
@@ -38,13 +37,28 @@ PINNED = {
 }
 
 
+#: codes no class carries any more; never handed to another class
+PINNED_RETIRED = {
+    10: "NotOwner",
+}
+
+
 def test_codes_are_pinned() -> None:
     assert {code: cls.__name__ for code, cls in REGISTRY.items()} == PINNED
+    assert RETIRED == PINNED_RETIRED
+    assert not set(RETIRED) & set(REGISTRY)
+
+
+def test_a_retired_code_reads_as_the_base_error() -> None:
+    """An old peer's NotOwner must not come back as whatever class a later code table gives 10."""
+    err = from_wire({"code": 10, "message": "not the owner"})
+    assert type(err) is ModeldError and err.message == "not the owner"
+    assert not hasattr(errors, "NotOwner")
 
 
 def test_seed_sentinels_exist() -> None:
     for name in (
-        "NotOwner", "StaleFence", "SessionClosed", "ContextOverflow", "ModelBusy", "ModelNotActive",
+        "StaleFence", "SessionClosed", "ContextOverflow", "ModelBusy", "ModelNotActive",
         "ModelSwitchRequired", "ModelLoadFailed", "InsufficientMemory", "SlotGenerationStale",
         "BackendMismatch", "UnsupportedFeature",
     ):

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from runtime import Client  # noqa: E402
 from tests.daemon_proc import ROOT, DaemonProcess  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You are a terse coding assistant."}
@@ -83,7 +84,13 @@ def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
 
 
 def test_models_health_and_root(front: Front) -> None:
-    assert [m.id for m in front.sdk().models.list()] == ["ref"]
+    models = front.sdk().models.list().data
+    assert [m.id for m in models] == ["ref"]
+    # created: when the daemon loaded the model, as Unix seconds
+    with Client(front.daemon.endpoint, timeout_s=10.0) as c:
+        active = c.status().active
+    assert active is not None and active.loaded_at > 0
+    assert models[0].created == int(active.loaded_at) <= time.time()
     status, raw = _get(front.port, "/health")
     body = json.loads(raw)
     assert status == 200 and body["status"] == "ok" and body["model"] == "ref"
@@ -93,6 +100,34 @@ def test_models_health_and_root(front: Front) -> None:
     assert status == 200 and json.loads(raw)["name"] == "modeld"
     status, raw = _get(front.port, "/openapi.json")
     assert status == 200 and "/v1/chat/completions" in json.loads(raw)["paths"]
+
+
+def test_created_is_the_load_time_else_the_files(tmp_path: Path) -> None:
+    from contract.types import ActiveModel
+    from modeld.front.core import created_at
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    os.utime(model, (1_600_000_000, 1_600_000_000))
+    assert created_at(ActiveModel(path=str(model), loaded_at=1_700_000_000.5)) == 1_700_000_000
+    assert created_at(ActiveModel(path=str(model))) == 1_600_000_000  # a daemon that does not say when
+    assert created_at(ActiveModel(path=str(tmp_path / "elsewhere.gguf"))) == 0  # not on this machine
+
+
+def test_every_finish_reason_maps_to_one_the_api_allows() -> None:
+    """Each reason a decode can end with has a chat-completions value the SDK accepts; a cancelled reply is not
+    reported as one the model ended ("stop")."""
+    from typing import get_args
+
+    from openai.types.chat.chat_completion import Choice
+
+    from contract.types import FinishReason
+    from modeld.front.core import FINISH_REASONS
+
+    allowed = set(get_args(Choice.model_fields["finish_reason"].annotation))
+    assert set(FINISH_REASONS) == set(get_args(FinishReason)) - {""}
+    assert set(FINISH_REASONS.values()) <= allowed, allowed
+    assert FINISH_REASONS["cancelled"] != FINISH_REASONS["stop"]
 
 
 def test_chat_plain_then_warm(front: Front) -> None:

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from runtime import Client  # noqa: E402
 from tests.test_openai_front import Front  # noqa: E402
 
 SHELL = {"type": "function", "name": "shell", "description": "Run a command.", "strict": False,
@@ -111,6 +112,24 @@ def test_get_and_delete(client: Any) -> None:
     assert client.responses.delete(out.id) is None
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(out.id)
+
+
+def test_cancel_cuts_a_running_response_short(front: Front, client: Any) -> None:
+    """POST /v1/responses/{id}/cancel stops the decode: the stream ends at once, as a cancelled response."""
+    events = iter(client.responses.create(model="m", input="Go on.", max_output_tokens=2000, stream=True,
+                                          temperature=0))
+    created = next(events)
+    assert created.type == "response.created"
+    rid = created.response.id
+    assert next(e for e in events if e.type == "response.output_text.delta").delta  # the reply is streaming
+    with front.sdk() as other:
+        assert other.responses.cancel(rid).status == "cancelled"
+    last = list(events)[-1]
+    assert last.type == "response.incomplete" and last.response.status == "cancelled"
+    assert 0 < len(last.response.output_text) < 2000
+    assert client.responses.retrieve(rid).status == "cancelled"
+    with Client(front.daemon.endpoint, timeout_s=10.0) as c:
+        assert not c.status().session_open  # the slot is free
 
 
 def test_input_tokens_counts_what_the_reply_counts(client: Any) -> None:

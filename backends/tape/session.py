@@ -25,6 +25,7 @@ from contract.manifest import ContextManifest, common_prefix_len
 from contract.types import (
     ContextReport,
     DecodeConfig,
+    FinishReason,
     PrefixInput,
     PrefixStatus,
     SessionSnapshot,
@@ -393,7 +394,7 @@ class TapeSession:
         max_tokens = cfg.max_tokens if cfg.max_tokens is not None else m.num_ctx
         produced = 0
         first_ms = 0.0
-        finish = ""
+        finish: FinishReason = ""
         pending: int | None = None
         # By default only greedy passes speculate: a batch rounds differently from a one-token step, so a
         # seeded sampled pass would part from what the same seed gave without drafts wherever its draw

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
+from contract.types import FinishReason
 from runtime.chat import ChatResult
 
 from .access import record_of
@@ -59,8 +60,12 @@ log = logging.getLogger("modeld.http")
 BILLING_HEADER = "x-anthropic-billing-header:"
 #: a stream sends a ping this often while nothing else is sent (a long prefill)
 PING_S = 5.0
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "context_full": "max_tokens", "tool_calls": "tool_use",
-                 "cancelled": "end_turn"}
+#: a decode's finish reason as stop_reason (cancelled: the API has no value for a reply a cancel cut short;
+#: "max_tokens" says the reply is incomplete, where "end_turn" would say the model ended it)
+STOP_REASONS: dict[FinishReason, str] = {
+    "stop": "end_turn", "length": "max_tokens", "context_full": "max_tokens", "tool_calls": "tool_use",
+    "cancelled": "max_tokens",
+}
 
 
 class _Loose(BaseModel):
@@ -273,7 +278,7 @@ def _usage(result: ChatResult) -> dict[str, Any]:
 def _stop_reason(result: ChatResult) -> str:
     if result.stop_sequence:
         return "stop_sequence"
-    return _STOP_REASONS.get(result.finish_reason, "end_turn")
+    return STOP_REASONS.get(result.finish_reason, "end_turn")
 
 
 def _tool_id(call_id: str) -> str:

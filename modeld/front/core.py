@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ import anyio
 from starlette.requests import Request
 
 from contract.errors import ModeldError, Unavailable, WireError
-from contract.types import SlotState, TokenCount
+from contract.types import ActiveModel, FinishReason, SlotState, TokenCount
 from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn
 
 from .access import AccessRecord, record_of
@@ -47,9 +48,12 @@ STREAM_SEND_TIMEOUT_S = 60.0
 PROFILE = "http"
 #: names a client may use for "whatever is loaded"
 _ANY_MODEL = frozenset({"", "modeld", "default"})
-#: a decode's finish reason as the APIs name it (context_full: the window's end, a length limit to a client)
-FINISH_REASONS = {"stop": "stop", "length": "length", "context_full": "length", "tool_calls": "tool_calls",
-                  "cancelled": "stop"}
+#: a decode's finish reason as chat completions name it (context_full: the window's end, a length limit to a
+#: client; cancelled: the API has no value for a reply a cancel cut short, and "length" is the one that says the
+#: reply is incomplete, where "stop" would say the model ended it)
+FINISH_REASONS: dict[FinishReason, str] = {
+    "stop": "stop", "length": "length", "context_full": "length", "tool_calls": "tool_calls", "cancelled": "length",
+}
 
 
 @dataclass
@@ -84,6 +88,11 @@ class Turn:
         if not self._done:
             self._done = True
             self._pool.give(self._client, healthy=healthy)
+
+    def cancel(self) -> None:
+        """Cut the reply short from another request: its events end with finish_reason "cancelled" (the slot and
+        the client go back when they end)."""
+        self._turn.cancel()
 
     def close(self) -> None:
         """Give back the slot and the client without running the turn (or after it ran)."""
@@ -157,6 +166,17 @@ class Turn:
                 await anyio.to_thread.run_sync(events.close)
 
 
+def created_at(active: ActiveModel) -> int:
+    """A model's ``created`` (Unix seconds): when the daemon loaded it, else its file's modification time (a
+    daemon that does not report the load time), else 0 (the file is not on this machine)."""
+    if active.loaded_at:
+        return int(active.loaded_at)
+    try:
+        return int(os.stat(active.path).st_mtime) if active.path else 0
+    except OSError:
+        return 0
+
+
 def reusable_after(exc: ModeldError) -> bool:
     """Whether a client that raised ``exc`` may serve another request (not after a transport failure)."""
     return not isinstance(exc, (Unavailable, WireError))
@@ -168,7 +188,7 @@ def fill_record(record: AccessRecord, result: ChatResult) -> None:
     record.prompt_tokens = u.prompt_tokens
     record.cached_tokens = u.reused_tokens
     record.completion_tokens = u.completion_tokens
-    record.finish_reason = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+    record.finish_reason = result.finish_reason  # the daemon's own: the log tells context_full and cancelled apart
     record.ttft_ms = result.timing.ttft_ms
 
 
@@ -195,15 +215,19 @@ class Serving:
         self.keep_billing_header = keep_billing_header
 
     # --- model names ---------------------------------------------------------------------------
-    def loaded_model(self) -> str:
-        """The loaded model's name; 503 while one loads, 404 when none is."""
+    def active(self) -> ActiveModel:
+        """The loaded model; 503 while one loads, 404 when none is."""
         with self.pool.client() as c:
             st = c.status()
         if st.active is None:
             if st.state in (SlotState.LOADING, SlotState.SWITCHING):
                 raise ApiError(503, "the model is loading", code="loading", headers={"Retry-After": "1"})
             raise ApiError(404, "no model is loaded (modeld load …)", code="model_not_found", param="model")
-        return st.active.model_name
+        return st.active
+
+    def loaded_model(self) -> str:
+        """The loaded model's name; 503 while one loads, 404 when none is."""
+        return self.active().model_name
 
     def model_for(self, requested: str) -> str:
         """The loaded model's name if it serves a request for ``requested`` (an alias, a name agents hard-code)."""
@@ -218,10 +242,12 @@ class Serving:
         log.debug("a request for model %r is served by the loaded model %r", requested, loaded)
         return loaded
 
-    def model_names(self) -> list[str]:
-        """The names ``/v1/models`` lists: the loaded model, then the aliases that lead to it."""
-        loaded = self.loaded_model()
-        return [loaded, *sorted(a for a, t in self.aliases.items() if t == loaded and a != loaded)]
+    def models(self) -> tuple[list[str], int]:
+        """What ``/v1/models`` lists: the loaded model's name, then the aliases that lead to it, and when it
+        was created there (``created_at``)."""
+        active = self.active()
+        loaded = active.model_name
+        return [loaded, *sorted(a for a, t in self.aliases.items() if t == loaded and a != loaded)], created_at(active)
 
     # --- turns ---------------------------------------------------------------------------------
     def begin(self, req: TurnRequest, *, check_fit: bool = True) -> Turn:

@@ -281,11 +281,11 @@ def router(serving: Serving) -> APIRouter:
     @r.get("/v1/models")
     async def models() -> dict[str, Any]:
         try:
-            names = await anyio.to_thread.run_sync(serving.model_names)
+            names, created = await anyio.to_thread.run_sync(serving.models)
         except ModeldError as exc:
             raise api_error(exc) from None
         return {"object": "list",
-                "data": [{"id": n, "object": "model", "created": 0, "owned_by": "modeld"} for n in names]}
+                "data": [{"id": n, "object": "model", "created": created, "owned_by": "modeld"} for n in names]}
 
     @r.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | EventSourceResponse:

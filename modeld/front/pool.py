@@ -1,8 +1,10 @@
 """Long-lived runtime clients for the HTTP front: one per concurrent request, reused across requests.
 
-A ``runtime.Client`` is one ZeroMQ context and socket pair and is not
-thread-safe, so each request borrows one for its whole life and gives it
-back. Opening one per request would cost a context, two sockets and a
+A ``runtime.Client`` is one ZeroMQ context and socket pair. It is safe to
+share between threads, but they take turns on its one request socket, and a
+transport failure in one resets it under all of them; so each request borrows
+a client for its whole life and gives it back, and no request waits on
+another's socket. Opening one per request would cost a context, two sockets and a
 heartbeat thread every time; the pool keeps up to ``max_idle`` of them. A
 client whose request failed in transport (timeout, daemon gone, a bad frame)
 is closed rather than reused: its socket may hold a half-read exchange.

@@ -337,6 +337,8 @@ class Reply:
         if result.finish_reason in ("length", "context_full"):
             self.status = "incomplete"
             self.incomplete = {"reason": "max_output_tokens"}
+        elif result.finish_reason == "cancelled":
+            self.status = "cancelled"  # POST /v1/responses/{id}/cancel cut it short
         else:
             self.status = "completed"
 
@@ -402,7 +404,6 @@ class _Running:
 
     def __init__(self) -> None:
         self.turns: dict[str, Turn] = {}
-        self.cancelled: set[str] = set()
 
 
 def router(serving: Serving, store: ResponseStore) -> APIRouter:
@@ -463,8 +464,6 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
             running.turns.pop(reply.id, None)
         build_output(reply, result)
         reply.finish(result)
-        if reply.id in running.cancelled:
-            reply.status = "cancelled"
         keep(reply, turn_req, tools_given)
         return JSONResponse(reply.body())
 
@@ -498,8 +497,8 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
                                param="response_id")
             out: dict[str, Any] = stored["response"]
             return out  # already finished: nothing to cancel
-        running.cancelled.add(response_id)
-        await anyio.to_thread.run_sync(turn.close)
+        # the decode stops within a token; the request that runs it answers with the reply cut there
+        await anyio.to_thread.run_sync(turn.cancel)
         return {"id": response_id, "object": "response", "status": "cancelled"}
 
     return r
@@ -591,11 +590,10 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
                     yield e
                 fill_record(record, ev.result)
                 reply.finish(ev.result)
-                if reply.id in running.cancelled:
-                    reply.status = "cancelled"
                 on_done()
-                final = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
-                    reply.status, "response.completed")
+                # (the API has no event for a cancelled response: one cut short ends as incomplete ones do)
+                final = {"completed": "response.completed", "incomplete": "response.incomplete",
+                         "cancelled": "response.incomplete"}.get(reply.status, "response.completed")
                 yield event(final, response=reply.body())
                 return
             if ev.thinking:
@@ -644,4 +642,3 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
         yield event("response.failed", response=reply.body())
     finally:
         running.turns.pop(reply.id, None)
-        running.cancelled.discard(reply.id)
