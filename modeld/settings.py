@@ -33,6 +33,10 @@ top-level keys, which win over ``[memory]`` ``max`` and ``reserve``.
 Sizes go through ``modeld.capacity.sizes.parse_size`` (and "auto" where a budget
 has one), so "8GiB" means the same in a flag, a variable and the file. A bad
 value raises ``SettingsError`` naming the setting and where it came from.
+
+Over the house's ~400 lines on purpose: it is the one place a setting is declared, and its
+sources (flag, environment, file), their layering and the errors that name where a bad value came
+from are read with the fields they fill.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Threading: model operations are expected to run on one worker thread (the
 daemon guarantees it; ``_op_lock`` makes in-process use safe too). ``status()``
 only takes the short ``_state_lock`` so it answers while a decode runs.
 
-This module is longer than the house's ~500 lines on purpose: the transition
+This module is over the house's ~400 lines on purpose: the transition
 table, the service and ``SlotSession`` share the service's locks and holder
 bookkeeping, and splitting them would turn those into a public surface.
 """

@@ -13,6 +13,9 @@ prefill must never run twice behind the caller's back.
 A background thread renews the lease of open sessions, so an agent that thinks
 for a while between turns keeps its slot, while a client that dies loses it
 after the daemon's lease time.
+
+Over ~400 lines on purpose: the connection (timeouts, reconnects, the lease thread) and the
+remote session's streaming share one socket and its lock; the operations are one short method each.
 """
 
 from __future__ import annotations
