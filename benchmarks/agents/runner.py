@@ -18,7 +18,7 @@ from benchmarks.agents.daemon import Daemon, DaemonError, free_port, get_json
 from benchmarks.agents.install import Installed, InstallError, ensure_installed
 from benchmarks.agents.proxy import Proxy
 from benchmarks.agents.report import AccessLine, AgentResult, assign, table
-from benchmarks.agents.scratch import FOLLOW_UP, GIT_ENV, TASK, make_repo
+from benchmarks.agents.scratch import GIT_ENV, TASKS, make_repo
 from benchmarks.agents.specs import AGENTS, Context, Launch
 
 __all__ = ["main"]
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modeld", default="", help="the modeld command (default: the one beside this Python)")
     p.add_argument("--task", action="append", default=[], metavar="TASK",
                    help="what each agent is asked to do, one run of the agent per task, in order on the same "
-                   f"repository (repeatable; default: {TASK!r}, then {FOLLOW_UP!r})")
+                   f"repository (repeatable; default: the {len(TASKS)} of benchmarks.agents.scratch.TASKS)")
     p.add_argument("--install-only", action="store_true", help="install the agents and exit")
     p.add_argument("--reinstall", action="store_true", help="install the agents again even when the stamp matches")
     p.add_argument("--python", default=_base_python(),
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown agent(s) {', '.join(unknown)}; known: {', '.join(AGENTS)}")
     args.agents = names
-    args.task = args.task or [TASK, FOLLOW_UP]
+    args.task = args.task or list(TASKS)
     return args
 
 

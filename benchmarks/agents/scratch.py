@@ -6,12 +6,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["FOLLOW_UP", "TASK", "Changes", "make_repo"]
+__all__ = ["TASKS", "Changes", "make_repo"]
 
-TASK = "Fix the bug in calc.py so that add returns the sum."
-#: the second task of a run: the same agent again on the same repository, as a user's next request is (its
-#: requests share the agent's system prompt and tools with the first task's, which the daemon keeps warm)
-FOLLOW_UP = "Add a test to test_calc.py that checks add(2, 3) == 5."
+#: a run's tasks: the same agent again and again on the same repository, as a user's next requests are (their
+#: requests share the agent's system prompt and tools with the first task's, which the daemon keeps warm). Four,
+#: not one: an agent's first request is cold on any server, and with a model this small an agent ends a task
+#: in one or two requests where a capable one makes several, so a session of one task measures little more
+#: than that first prefill
+TASKS = (
+    "Fix the bug in calc.py so that add returns the sum.",
+    "Add a test to test_calc.py that checks add(2, 3) == 5.",
+    "Add a function sub(a, b) to calc.py that returns a minus b.",
+    "Add a test for sub to test_calc.py.",
+)
 
 FILES = {
     "calc.py": '"""Small arithmetic helpers."""\n\n\ndef add(a, b):\n    """Return the sum of a and b."""\n    return a - b\n\n\n'

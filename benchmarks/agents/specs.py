@@ -204,7 +204,10 @@ def aider(ctx: Context) -> Launch:
             "--model-settings-file", str(settings_path),
             "--message", ctx.task, "--yes-always", "--no-check-update", "--analytics-disable", "--no-gitignore",
             "--no-show-model-warnings", "--no-show-release-notes", "--no-detect-urls", "--disable-playwright",
-            "--no-pretty", "--no-fancy-input", "--env-file", str(ctx.home / ".env"), "calc.py"]
+            "--no-pretty", "--no-fancy-input", "--env-file", str(ctx.home / ".env"),
+            # the files the session's tasks work on, in the chat from its start as aider's users add them: a
+            # file aider adds when a task names it changes its repository map ahead of the new message
+            "calc.py", "test_calc.py"]
     return Launch(argv, env, ctx.repo)
 
 
