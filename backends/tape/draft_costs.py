@@ -1,42 +1,15 @@
 """Measuring what a draft's check costs on a loaded model, once per model and machine.
 
-The draft policy (``backends.tape.speculate``) needs what a check of ``r`` rows
-costs against a plain one-token step. That depends on the engine, its format's
-batch kernels, the thread count and the CPU: ~0.5 of a step per extra row for
-llama.cpp on a Q4_1 model here, but a flat cost up to each compiled shape for
-OpenVINO. It also changes with the context's length (``CheckCosts``): on this
-machine an OpenVINO check of 16 rows costs 1.6 steps after 64 tokens and 2.7
-after 4,000, so a table timed on a short context alone let free prose after an
-agent's 3,000-token prompt draft at a loss (6.6% slower than plain). It is
-timed at load on a short throwaway context and again on a longer one
-(``LONG_CONTEXT_TOKENS``, when the context window has room), and then fixed:
-
-* **Fixed, so answers repeat.** With costs timed live, which tokens a batch
-  computes would follow the machine's noise, and a batch rounds differently from
-  a one-token step, so a warm answer could part from a cold one at a near-tie.
-  With a fixed table the drafts are a function of the tape.
-* **Kept on disk** (``draft-costs.json`` in the model cache directory), keyed by
-  the engine, its version, the model digest, the settings that change its
-  kernels (threads, precisions; not the context size) and the CPU, so a
-  restarted daemon drafts exactly as before and pays no second measurement. A
-  missing, unreadable or unwritable file only means measuring again. A table
-  timed in a window too small for the longer context holds no growth; a later
-  load whose window has room measures again and replaces it.
-
-Each row count is timed ``REPS`` times, interleaved, after one untimed round
-(first use of a shape allocates), and the fastest is kept: on a shared machine
-noise only ever adds time (medians of 5 still swung a 16-row OpenVINO check
-between 1.7 and 2.5 steps here; the fastest, between 2.2 and 2.5). Costs are
-kept in plain steps, rounded to a hundredth.
-
-A check is timed twice in a row, after a plain step: the first pays for the
-change of row count, the second does not, and the step after it pays again.
-The difference is the table's ``switch`` (``CheckCosts``): on OpenVINO here
-~5 ms of a ~8-10 ms step each way on one graph (0.62 steps; 0.28 with the
-batch graph, ``backends.openvino.graph.wants_batch_graph``), which a table of
-checks timed only after other shapes hid in both the check and the step it was
-divided by (a 4-row check read 1.04-1.19 steps where, after a step and back,
-it cost ~2.3).
+The draft policy (``backends.tape.speculate``) needs what a check of ``r`` rows costs against a plain
+one-token step, and how that grows with the context. It depends on the engine, its kernels, the threads
+and the CPU, so it is timed at load on a throwaway context (a short one, then a longer one when the
+window has room), taking the fastest of ``REPS`` interleaved rounds, and then fixed, so drafts are a
+function of the tape and answers repeat. The table is kept on disk (``draft-costs.json`` in the model
+cache directory) under a key naming the engine, its version, the model, the kernels' settings and the
+CPU, not the context size: a restarted daemon drafts as before and measures nothing. A missing,
+unreadable or unwritable file only means measuring again; a table timed in a window too small for the
+longer context is replaced by the first load whose window has room. Why each of these, with the
+measurements: ``docs/speculation.md``.
 """
 
 from __future__ import annotations
