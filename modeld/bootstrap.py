@@ -55,15 +55,15 @@ __all__ = [
     "resolve_backend",
 ]
 
-#: the registered engines (``backends.registry``) and the contract's reference backend
-BACKENDS = (*ENGINES, "memory")
-#: what ``--backend`` accepts: a backend, or ``auto`` (``modeld.engine_choice``)
-BACKEND_CHOICES = ("auto", *BACKENDS)
-
-
 def backend_choices() -> tuple[str, ...]:
-    """``BACKEND_CHOICES`` as the registry holds it now (an engine registered after import included)."""
+    """What ``--backend`` accepts, as the registry holds it now (an engine registered after import included):
+    ``auto`` (``modeld.engine_choice``), the registered engines and the contract's reference backend."""
     return ("auto", *ENGINES, "memory")
+
+
+#: ``backend_choices()`` at import, and the backends among them
+BACKEND_CHOICES = backend_choices()
+BACKENDS = BACKEND_CHOICES[1:]
 
 
 def prepare_steps() -> tuple[str, ...]:
