@@ -25,7 +25,8 @@ Hierarchy::
     │   ├── ModelLoadFailed       (33)
     │   ├── InsufficientMemory    (34)
     │   ├── SlotGenerationStale   (35)
-    │   └── BackendMismatch       (36)
+    │   ├── BackendMismatch       (36)
+    │   └── ModelNotFound         (37)
     ├── UnsupportedFeature        (40)
     ├── InvalidArgument           (50)
     ├── WireError                       the frames themselves
@@ -171,6 +172,12 @@ class BackendMismatch(SlotError):
     """Model type not served by this modeld backend."""
 
     code = 36
+
+
+class ModelNotFound(SlotError):
+    """A model asked for by name that the daemon does not know (not in its store, not bundled); the list says what is."""
+
+    code = 37
 
 
 # --- features and arguments --------------------------------------------------

@@ -148,6 +148,10 @@ class OpenSessionRequest(_ModelHandle):
     #: while another session holds the slot, wait up to this long for it, in arrival
     #: order with other waiting opens, before answering ModelBusy (0: answer at once)
     queue_timeout_s: float = Field(0.0, ge=0.0, le=3600.0)
+    #: when the slot holds another model: load this one in its place (after the holder's session ends, like
+    #: any open), instead of answering ModelSwitchRequired; a name without a path is looked up in the daemon's
+    #: store. A failed load keeps the working model.
+    switch: bool = False
 
 
 class EmbedRequest(_ModelHandle):
@@ -331,6 +335,8 @@ class DaemonStatus(_Report):
     cache: dict[str, Any] | None = None
     #: the snapshot blob store: blobs, bytes, max_bytes, max_age_s, pruned
     blobs: dict[str, Any] | None = None
+    #: the model store (``modeld pull``): dir, models, bytes; None when the daemon has none
+    models: dict[str, Any] | None = None
     #: seconds the loaded model has had no session and no operation (None: no model, or a session holds it)
     idle_s: float | None = None
     #: the model is unloaded after this long idle (0 = never)

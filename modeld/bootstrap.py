@@ -33,6 +33,7 @@ from .server import Daemon
 from .settings import ServeSettings
 from .slot import Planner, SlotService
 from .state_cache import StateCacheStore
+from .store import Catalog, ModelStore, default_store_dir
 
 __all__ = [
     "BACKENDS",
@@ -45,6 +46,7 @@ __all__ = [
     "build_daemon",
     "build_embedder",
     "build_planner",
+    "build_catalog",
     "build_slot",
     "default_data_dir",
     "embed_cache_dir",
@@ -53,6 +55,7 @@ __all__ = [
     "prepare_steps",
     "preload_request",
     "resolve_backend",
+    "resolve_model",
 ]
 
 def backend_choices() -> tuple[str, ...]:
@@ -116,6 +119,57 @@ def exclusive_settings(opts: ServeOptions) -> dict[str, str]:
     cfg = load_config(opts)
     return {s.name: given for s in ENGINES.values() if s.exclusive_settings is not None
             and (given := s.exclusive_settings(cfg))}
+
+
+def model_store(opts: ServeOptions) -> ModelStore:
+    """The daemon's model store: ``DATA_DIR/models`` (``modeld.store``)."""
+    return ModelStore(default_store_dir(opts.data_dir))
+
+
+def resolve_model(opts: ServeOptions, log: Callable[[str], None] = print) -> ServeOptions:
+    """``opts`` with ``--model`` as the path a load opens.
+
+    A file or directory that exists is that; else a stored model's name, alias or the reference it was
+    pulled by (``modeld ls``); else a Hugging Face reference, pulled first when ``--pull`` says so and
+    refused otherwise. The memory backend takes any other text as it is (its models are not files).
+    ValueError says what to do instead; a pull's own errors say why it failed.
+    """
+    if not opts.model or Path(opts.model).expanduser().exists():
+        return opts
+    store = model_store(opts)
+    found = store.find(opts.model)
+    if found is None and opts.backend != "memory":
+        from .store.refs import is_hub_ref
+
+        if not is_hub_ref(opts.model):
+            raise ValueError(f"--model {opts.model!r} is no file here and no model in the store ({store.root}; "
+                             "modeld ls)")
+        if not opts.pull:
+            raise ValueError(f"--model {opts.model!r} is not in the store yet: `modeld pull {opts.model}` first, "
+                             "or add --pull to download it now")
+        from .store.pull import pull
+
+        found = store.get(pull(store, opts.model, log=log).name)
+    if found is None:
+        return opts
+    model, directory = found
+    return opts.model_copy(update={"model": str(model.path_in(directory)), "model_name": opts.model_name or model.name})
+
+
+def build_catalog(opts: ServeOptions) -> Catalog:
+    """The models the daemon loads by name: its store's, the bundled one (for an engine), the preloaded one."""
+    catalog = Catalog(model_store(opts))
+    if opts.backend in ENGINES:
+        from backends.bundled import BUNDLED_MODEL_NAME, served_bundled_gguf
+
+        try:
+            catalog.add(BUNDLED_MODEL_NAME, served_bundled_gguf())
+        except (OSError, ValueError):  # the bundled model's package is missing: the store's still load
+            pass
+    pre = preload_request(opts)
+    if pre is not None:
+        catalog.add(pre.model_name, pre.path)
+    return catalog
 
 
 def resolve_backend(opts: ServeOptions) -> ServeOptions:
@@ -196,6 +250,7 @@ def build_slot(
         idle_unload_s=opts.idle_unload,
         session_ttl_s=opts.session_ttl,
         default_temperature=opts.temperature,
+        catalog=build_catalog(opts),
     )
     built.append(slot)
     return slot

@@ -1,4 +1,5 @@
-"""The ``modeld`` console script: ``serve``, ``prepare``, ``http`` and ``keys`` run here, everything else is a client command.
+"""The ``modeld`` console script: ``serve``, ``prepare``, ``http``, ``keys`` and the store's commands (``pull``, ``ls``,
+``show``, ``rm``, ``alias``) run here, everything else is a client command.
 
 Each command's module is imported only when it runs, so a client command never
 loads the daemon (ZeroMQ server, capacity planner) and ``serve`` never loads a
@@ -14,6 +15,8 @@ import sys
 from collections.abc import Callable
 
 EXIT_ERROR = 1
+#: the model store's commands (``modeld.store.cli``): daemon-side, they need huggingface_hub and the data dir
+STORE_COMMANDS = ("pull", "ls", "show", "rm", "alias")
 
 #: top-level modules the daemon commands import that the client install lacks → the extra that brings them
 _EXTRA_OF_MODULE = {
@@ -26,6 +29,7 @@ _EXTRA_OF_MODULE = {
     "uvicorn": "http",
     "sse_starlette": "http",
     "anyio": "http",
+    "huggingface_hub": "server",
     "torch": "convert",
     "transformers": "convert",
 }
@@ -49,6 +53,10 @@ def _daemon_main(command: str) -> Callable[[list[str]], int]:
         from .prepare import main as prepare_main
 
         return prepare_main
+    if command in STORE_COMMANDS:
+        from .store.cli import main as store_main
+
+        return lambda rest: store_main([command, *rest])
     if command == "keys":
         from .netsec import keys_main
 
@@ -61,7 +69,7 @@ def _daemon_main(command: str) -> Callable[[list[str]], int]:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     command, rest = (args[0], args[1:]) if args else ("", [])
-    if command in ("serve", "prepare", "keys", "http"):
+    if command in ("serve", "prepare", "keys", "http", *STORE_COMMANDS):
         try:
             # an engine is imported once the command runs (``modeld serve --backend NAME``), not with it
             return _daemon_main(command)(rest)

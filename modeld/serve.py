@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from contract.types import KV_CACHE_TYPES
 
 from . import dirs
-from .bootstrap import BACKEND_CHOICES, build_daemon, preload_request, resolve_backend
+from .bootstrap import BACKEND_CHOICES, build_daemon, preload_request, resolve_backend, resolve_model
 from .logs import setup_logging
 from .sdnotify import notify
 from .server import EXIT_WEDGED
@@ -44,6 +44,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | Non
     flag("backend", choices=BACKEND_CHOICES)
     flag("model")
     flag("model_name")
+    flag("pull", action="store_true")
     flag("num_ctx", type=int)
     flag("flash_attn", action="store_true")
     flag("kv_cache_type", choices=KV_CACHE_TYPES)
@@ -68,6 +69,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | Non
     flag("http_max_connections", type=int, metavar="N")
     flag("http_header_timeout", type=float, metavar="S")
     flag("strict_model_names", action="store_true")
+    flag("switch_on_request", choices=("on", "off"))
     flag("keep_billing_header", action="store_true")
     flag("alias", action="append", metavar="NAME=MODEL")
     flag("temperature", type=float, metavar="T")
@@ -137,6 +139,11 @@ def _log_stream() -> TextIO:
 def serve(opts: ServeSettings) -> int:
     _return_large_buffers_to_the_os()
     setup_logging(opts.log_level, opts.log_format, _log_stream())
+    try:
+        opts = resolve_model(opts, log=lambda line: print(line, file=sys.stderr, flush=True))
+    except (ValueError, RuntimeError) as exc:  # not in the store, a failed pull (PullError, RefError, StoreError)
+        print(f"modeld: {exc}", file=sys.stderr)
+        return 2
     opts = resolve_backend(opts)
     if opts.backend_reason:
         log.info("backend %s (%s)", opts.backend, opts.backend_reason)

@@ -237,6 +237,11 @@ class HttpSettings(BaseSettings):
         description="refuse (404) an HTTP request naming a model the daemon does not serve, instead of serving it "
         "with the loaded model (agents hard-code model names)",
     )
+    switch_on_request: bool = Field(
+        True,
+        description="an HTTP request naming another model the daemon knows (its store: modeld pull / modeld ls) "
+        "switches the slot to it once the current request is done; off: refuse it (409) with the names served",
+    )
     keep_billing_header: bool = Field(
         False,
         description="Messages API: keep a system block that only carries a client's billing header (Claude Code "
@@ -305,6 +310,11 @@ class ServeSettings(HttpSettings):
         None, description="model to preload (default: the bundled model for llama/openvino)"
     )
     model_name: str | None = Field(None, description="logical name of the preloaded model")
+    pull: bool = Field(
+        False,
+        description="--model names a Hugging Face model (user/repo:QUANT) not yet in the store: pull it first "
+        "(never done without this flag)",
+    )
     num_ctx: int = Field(0, ge=0, description="context window of the preloaded model (0 = memory-fitted)")
     flash_attn: bool = Field(
         False,

@@ -43,6 +43,7 @@ from contract.errors import (
     ModeldError,
     ModelLoadFailed,
     ModelNotActive,
+    ModelNotFound,
     ModelSwitchRequired,
     SessionClosed,
     ShuttingDown,
@@ -76,6 +77,8 @@ from contract.types import (
     owner_fingerprint,
 )
 from contract.wire import PROTOCOL_VERSION
+
+from .store.catalog import Catalog
 
 log = logging.getLogger("modeld")
 
@@ -146,8 +149,11 @@ class SlotService:
         idle_unload_s: float = 0.0,
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
         default_temperature: float | None = None,
+        catalog: Catalog | None = None,
     ) -> None:
         self.backend = backend
+        #: the models loadable by name (``modeld load NAME``, a request naming another model); None: by path only
+        self.catalog = catalog
         #: ``modeld serve --temperature``: the temperature of requests that set none (None: the model's)
         self.default_temperature = default_temperature
         #: the workspace cache the backend's models save to (status, listing, memory hand-back)
@@ -185,6 +191,12 @@ class SlotService:
 
     # --- status (any thread) ---------------------------------------------------------
     def status(self) -> DaemonStatus:
+        st = self._status()
+        if self.catalog is not None:  # read from disk, outside the state lock
+            st = st.model_copy(update={"models": self.catalog.status()})
+        return st
+
+    def _status(self) -> DaemonStatus:
         with self._state_lock:
             active = self._active
             if active is not None and self._loaded is not None:
@@ -261,6 +273,16 @@ class SlotService:
         with self._state_lock:
             self._busy_op = op
 
+    def _by_name(self, req: OpenSessionRequest) -> OpenSessionRequest:
+        """``req`` with the path of the model its name names (``catalog``), when it gives no path; its name
+        made the catalog's own (an alias leads to the model's name)."""
+        if req.path or not req.model_name or self.catalog is None:
+            return req
+        known = self.catalog.resolve(req.model_name)
+        if known is None:
+            return req
+        return req.model_copy(update={"model_name": known.name, "path": known.path})
+
     def _matches(self, req: OpenSessionRequest) -> bool:
         cur = self._request
         if cur is None or self._active is None:
@@ -288,9 +310,10 @@ class SlotService:
                     expected=req.expected_generation,
                     current=self._generation,
                 )
-            open_req = OpenSessionRequest.model_validate(req.model_dump(exclude={"expected_generation"}))
+            open_req = self._by_name(OpenSessionRequest.model_validate(req.model_dump(exclude={"expected_generation"})))
             if not open_req.path:
-                raise InvalidArgument("load needs a model path")
+                raise InvalidArgument("load needs a model path, or the name of a model the daemon knows"
+                                      + (f" ({', '.join(self.catalog.names())})" if self.catalog is not None else ""))
             if self._loaded is not None and self._matches(open_req) and open_req.config == self._request.config:  # type: ignore[union-attr]
                 assert self._active is not None
                 return self._active
@@ -471,7 +494,10 @@ class SlotService:
             self._check_fence(req.owner_instance_id)
             self._check_type(req.type)
             self._reap_locked()
-            if self._loaded is not None and not self._matches(req):
+            if req.switch:
+                req = self._by_name(req)
+            switch = self._loaded is not None and not self._matches(req)
+            if switch and not req.switch:
                 # Checked before busy: the caller must switch explicitly either way.
                 assert self._active is not None
                 raise ModelSwitchRequired(
@@ -481,10 +507,13 @@ class SlotService:
                 )
             if self._holder is not None:
                 raise ModelBusy("another session holds the slot")  # whose is nobody else's business
-            if self._loaded is None:
+            if self._loaded is None or switch:
                 if not req.path:
+                    if req.model_name and self.catalog is not None:
+                        raise ModelNotFound(f"no model {req.model_name!r} is known here; the daemon can load: "
+                                            + ", ".join(self.catalog.names()), requested=req.model_name)
                     raise ModelNotActive("no model is loaded and the request names no path")
-                self._load_locked(req)
+                self._load_locked(req)  # a switch keeps the working model when the new one fails
             assert self._loaded is not None
             holder = _Holder(
                 session_id=uuid.uuid4().hex,
@@ -504,6 +533,7 @@ class SlotService:
     def describe(self, req: OpenSessionRequest) -> ModelInfo:
         self._check_fence(req.owner_instance_id)
         self._check_type(req.type)
+        req = self._by_name(req)
         if not req.path:
             if self._request is None:
                 raise ModelNotActive("no model is loaded and the request names no path")

@@ -139,12 +139,23 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     sub.add_parser("keys", help="print the daemon's CURVE public key for --curve tcp endpoints (see `modeld keys --help`)",
                    add_help=False)
 
+    for name, what in (("pull", "download a model into the store: user/repo:QUANT, user/repo/FILE.gguf or a path"),
+                       ("ls", "list the stored models"), ("show", "one stored model in detail"),
+                       ("rm", "delete a stored model"), ("alias", "another name for a stored model")):
+        sub.add_parser(name, help=f"{what} (see `modeld {name} --help`)", add_help=False)
+
     s = sub.add_parser("status", help="show the slot state")
     _common(s)
 
-    s = sub.add_parser("load", help="load (or switch to) a model")
-    s.add_argument("name", help="logical model name")
-    _model_args(s, path_required=True)
+    s = sub.add_parser("load", help="load (or switch to) a model: a stored one by name (modeld ls), or --path")
+    s.add_argument("name", help="a model in the daemon's store (name, alias or the reference it was pulled by), "
+                   "or the logical name of the model at --path")
+    _model_args(s, path_required=False)
+    s.add_argument("--pull", action="store_true",
+                   help="NAME is a Hugging Face reference (user/repo:QUANT) not yet in the store: pull it first")
+    s.add_argument("--data-dir", default=None,
+                   help="with --pull: the daemon's data dir, whose models/ the pull fills (default: $MODELD_DATA_DIR, "
+                   "else the platform's)")
     s.add_argument("--expected-generation", type=int, default=0)
     _common(s)
 
@@ -348,6 +359,9 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         b = st.blobs
         rows.append(("snapshot blobs", f"{b.get('blobs', 0)}, {_size(b.get('bytes', 0))} of {_size(b.get('max_bytes', 0))}"
                                        f" (pruned {b.get('pruned', 0)})"))
+    if st.models is not None:
+        m = st.models
+        rows.append(("model store", f"{m.get('models', 0)} models, {_size(m.get('bytes', 0))} in {m.get('dir', '')}"))
     if st.last_error:
         rows.append(("last error", st.last_error))
     print(_table(rows))
@@ -460,7 +474,26 @@ def _template_arg(value: str) -> str:
     return os.path.abspath(value) if value and os.path.exists(value) else value
 
 
+def _pull_first(args: argparse.Namespace) -> None:
+    """``load NAME --pull``: NAME into the store unless it is there (the daemon then loads it by name)."""
+    from pathlib import Path
+
+    from modeld.store.cli import pull_into_store  # the daemon's install: huggingface_hub and the store
+
+    args.name = pull_into_store(args.name, Path(args.data_dir) if args.data_dir else None)
+
+
 def _load(client: Client, args: argparse.Namespace) -> int:
+    if args.pull and not args.path:
+        try:
+            _pull_first(args)
+        except ImportError as exc:
+            print(f"modeld load --pull: {exc.name or exc} is not installed: the pull needs the daemon's install "
+                  "(pip install 'modeld[server]')", file=sys.stderr)
+            return EXIT_ERROR
+        except (ValueError, RuntimeError) as exc:  # the store's and the pull's errors say why
+            print(f"modeld load: {exc}", file=sys.stderr)
+            return EXIT_ERROR
     req = LoadModelRequest(**_handle(args), expected_generation=args.expected_generation)
     with showing_progress(client, enabled=not args.json):
         active = client.load_model(req)

@@ -22,6 +22,7 @@ PINNED = {
     34: "InsufficientMemory",
     35: "SlotGenerationStale",
     36: "BackendMismatch",
+    37: "ModelNotFound",
     40: "UnsupportedFeature",
     50: "InvalidArgument",
     60: "BadFrame",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ import anyio
 from starlette.requests import Request
 
 from contract.errors import ModeldError, Unavailable, WireError
-from contract.types import ActiveModel, FinishReason, SlotState, TokenCount
+from contract.types import ActiveModel, DaemonStatus, FinishReason, OpenSessionRequest, SlotState, TokenCount
 from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn
 
 from .access import AccessRecord, record_of
@@ -192,6 +193,14 @@ def fill_record(record: AccessRecord, result: ChatResult) -> None:
     record.ttft_ms = result.timing.ttft_ms
 
 
+@dataclass(frozen=True)
+class Route:
+    """The model a request is served by, and whether its open asks the slot to switch to it (by name)."""
+
+    model: str
+    switch: bool = False
+
+
 class Serving:
     """What every API route runs on: the daemon's clients, the model names it answers to, the queue timeout."""
 
@@ -204,8 +213,11 @@ class Serving:
         strict_model_names: bool = False,
         sealer: Sealer | None = None,
         keep_billing_header: bool = False,
+        switch_on_request: bool = True,
     ) -> None:
         self.pool = pool
+        #: a request naming another model the daemon knows switches the slot to it (else 409)
+        self.switch_on_request = switch_on_request
         self.queue_timeout_s = queue_timeout_s
         self.aliases = dict(aliases or {})
         self.strict_model_names = strict_model_names
@@ -215,39 +227,83 @@ class Serving:
         self.keep_billing_header = keep_billing_header
 
     # --- model names ---------------------------------------------------------------------------
-    def active(self) -> ActiveModel:
-        """The loaded model; 503 while one loads, 404 when none is."""
+    def _status(self) -> DaemonStatus:
         with self.pool.client() as c:
-            st = c.status()
+            return c.status()
+
+    @staticmethod
+    def _check_loaded(st: DaemonStatus) -> ActiveModel:
+        """The loaded model; 503 while one loads, 404 when none is."""
         if st.active is None:
             if st.state in (SlotState.LOADING, SlotState.SWITCHING):
                 raise ApiError(503, "the model is loading", code="loading", headers={"Retry-After": "1"})
             raise ApiError(404, "no model is loaded (modeld load …)", code="model_not_found", param="model")
         return st.active
 
+    def active(self) -> ActiveModel:
+        """The loaded model; 503 while one loads, 404 when none is."""
+        return self._check_loaded(self._status())
+
     def loaded_model(self) -> str:
         """The loaded model's name; 503 while one loads, 404 when none is."""
         return self.active().model_name
 
-    def model_for(self, requested: str) -> str:
-        """The loaded model's name if it serves a request for ``requested`` (an alias, a name agents hard-code)."""
-        loaded = self.loaded_model()
+    def route(self, requested: str) -> Route:
+        """Which model serves a request for ``requested``, and whether the slot must switch to it.
+
+        * a name the front's ``--alias`` maps, one that means "any" (``""``, ``modeld``, ``default``), or the
+          loaded model's: the loaded model (a known model's name is sent with the open, so a switch that ran
+          meanwhile cannot hand the request another model);
+        * a model the daemon knows by name (its store, the bundled one, the preloaded one: ``status.models``):
+          that model, switching the slot to it, unless ``switch_on_request`` is off (409, the names listed);
+        * any other name: the loaded model (agents hard-code names), or 404 under ``strict_model_names``.
+        """
+        st = self._status()
         target = self.aliases.get(requested, requested)
+        known = st.models or {}
+        stored_aliases: dict[str, str] = dict(known.get("aliases") or {})
+        names: list[str] = list(known.get("names") or [])
+        canonical = stored_aliases.get(target.lower(), target.lower())
+        loaded = st.active.model_name if st.active is not None else ""
         if target in _ANY_MODEL or target == loaded:
-            return loaded
+            self._check_loaded(st)
+            return Route(loaded, switch=target == loaded and (loaded in names or loaded.lower() in names))
+        if canonical in names:
+            if canonical == loaded:
+                return Route(loaded, switch=True)
+            if not self.switch_on_request:
+                raise ApiError(409, f"model {requested!r} is not loaded, and this daemon does not switch models on "
+                               f"request (--switch-on-request off); loaded: {loaded or 'none'}; it can load: "
+                               f"{', '.join(names)} (modeld load NAME)", code="model_not_loaded", param="model")
+            return Route(canonical, switch=True)
+        self._check_loaded(st)
         if self.strict_model_names:
-            known = sorted({loaded, *self.aliases})
+            answered = sorted({loaded, *self.aliases})
             raise ApiError(404, f"model {requested!r} is not served here; this daemon serves {loaded!r} "
-                           f"(names it answers to: {', '.join(known)})", code="model_not_found", param="model")
+                           f"(names it answers to: {', '.join(answered)}; it can load: {', '.join(names) or 'none'})",
+                           code="model_not_found", param="model")
         log.debug("a request for model %r is served by the loaded model %r", requested, loaded)
-        return loaded
+        return Route(loaded, switch=False)
+
+    def model_for(self, requested: str) -> str:
+        """The name of the model that serves a request for ``requested`` (``route``)."""
+        return self.route(requested).model
 
     def models(self) -> tuple[list[str], int]:
-        """What ``/v1/models`` lists: the loaded model's name, then the aliases that lead to it, and when it
-        was created there (``created_at``)."""
-        active = self.active()
-        loaded = active.model_name
-        return [loaded, *sorted(a for a, t in self.aliases.items() if t == loaded and a != loaded)], created_at(active)
+        """What ``/v1/models`` lists: the loaded model's name first, the aliases that lead to it, then every
+        other model the daemon can load by name (its store's, the bundled one), and when the loaded one was
+        created there (``created_at``; now when none is loaded)."""
+        st = self._status()
+        loaded = st.active.model_name if st.active is not None else ""
+        known = st.models or {}
+        names = [*([loaded] if loaded else []),
+                 *sorted(a for a, t in self.aliases.items() if t == loaded and a != loaded)]
+        for n in [*(known.get("names") or []), *sorted(known.get("aliases") or {})]:
+            if n not in names:
+                names.append(n)
+        if not names:
+            self._check_loaded(st)
+        return names, created_at(st.active) if st.active is not None else int(time.time())
 
     # --- turns ---------------------------------------------------------------------------------
     def begin(self, req: TurnRequest, *, check_fit: bool = True) -> Turn:
@@ -256,10 +312,12 @@ class Serving:
         Raises ``ApiError`` or a ``ModeldError`` (``errors.api_error`` maps it) for
         anything that refuses the request; nothing has been prefilled then.
         """
-        model = self.model_for(req.model)
+        route = self.route(req.model)
+        model = route.model
         client = self.pool.take()
         try:
-            chat = Chat(client, profile=PROFILE, queue_timeout_s=self.queue_timeout_s)
+            request = OpenSessionRequest(model_name=route.model, switch=True) if route.switch else None
+            chat = Chat(client, profile=PROFILE, queue_timeout_s=self.queue_timeout_s, request=request)
             chat_turn = chat.begin(req.messages, req.tools or None, check_fit=check_fit,
                                    enable_thinking=req.enable_thinking, **req.decode)
         except ModeldError as exc:

@@ -19,6 +19,7 @@ from contract.errors import (
     ModelBusy,
     ModeldError,
     ModelNotActive,
+    ModelNotFound,
     ShuttingDown,
     Unavailable,
     UnsupportedFeature,
@@ -65,7 +66,7 @@ def api_error(exc: ModeldError) -> ApiError:
     if isinstance(exc, (InvalidArgument, UnsupportedFeature)):
         param = details.get("field")
         return ApiError(400, exc.message, code=type(exc).__name__, param=str(param) if param else None)
-    if isinstance(exc, ModelNotActive):
+    if isinstance(exc, (ModelNotActive, ModelNotFound)):
         return ApiError(404, exc.message, code="model_not_found", param="model")
     if isinstance(exc, (ModelBusy, DaemonTimeout, Unavailable, ShuttingDown, EngineUnresponsive)):
         return ApiError(503, exc.message, code=type(exc).__name__, headers={"Retry-After": "1"})

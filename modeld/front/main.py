@@ -35,7 +35,8 @@ def build_front(settings: HttpSettings, endpoint: str, listen: str) -> HttpFront
                      queue_timeout_s=settings.http_queue_timeout, aliases=parse_aliases(settings.alias),
                      strict_model_names=settings.strict_model_names, max_body_bytes=settings.http_max_body,
                      data_dir=settings.data_dir or dirs.data_dir(), keep_billing_header=settings.keep_billing_header,
-                     max_connections=settings.http_max_connections, header_timeout_s=settings.http_header_timeout)
+                     max_connections=settings.http_max_connections, header_timeout_s=settings.http_header_timeout,
+                     switch_on_request=settings.switch_on_request)
 
 
 def build_parser(
@@ -60,6 +61,7 @@ def build_parser(
     flag("http_header_timeout", type=float, metavar="S")
     flag("alias", action="append", metavar="NAME=MODEL")
     flag("strict_model_names", action="store_true")
+    flag("switch_on_request", choices=("on", "off"))
     flag("data_dir", type=Path, help="stored responses and the signing key, the daemon's data dir")
     flag("keep_billing_header", action="store_true")
     flag("log_format", choices=LOG_FORMATS)

@@ -80,6 +80,7 @@ class HttpFront:
         keep_billing_header: bool = False,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+        switch_on_request: bool = True,
     ) -> None:
         if not is_loopback(host) and not allow_remote:
             raise ValueError(
@@ -95,7 +96,8 @@ class HttpFront:
         sealer = Sealer.from_file(data_dir / "http.key" if data_dir is not None else None)
         store = ResponseStore(data_dir / "responses" if data_dir is not None else None)
         serving = Serving(self.pool, queue_timeout_s=queue_timeout_s, aliases=aliases,
-                          strict_model_names=strict_model_names, sealer=sealer, keep_billing_header=keep_billing_header)
+                          strict_model_names=strict_model_names, sealer=sealer, keep_billing_header=keep_billing_header,
+                          switch_on_request=switch_on_request)
         app = create_app(serving, api_key=api_key, max_body_bytes=max_body_bytes, store=store)
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
         # the access log is the front's own (modeld.access); uvicorn logs only its warnings

@@ -1,0 +1,258 @@
+"""``modeld pull | ls | show | rm | alias``: the model store from the command line.
+
+They work on the store directly (``--data-dir``, else ``$MODELD_DATA_DIR``, else the platform's data
+dir: the daemon's default), so they run with or without a daemon. ``ls`` and ``rm`` ask a running
+daemon what it has loaded (``--endpoint``); ``rm`` refuses to delete the loaded model unless
+``--force``, which unloads it first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .pull import PullError, pull
+from .refs import RefError
+from .store import ModelStore, StoredModel, StoreError, default_store_dir
+
+__all__ = ["COMMANDS", "build_parser", "main", "model_facts", "pull_into_store"]
+
+COMMANDS = ("pull", "ls", "show", "rm", "alias")
+EXIT_ERROR = 1
+#: how long ``ls``/``rm`` wait for a running daemon's status
+STATUS_TIMEOUT_S = 5.0
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _common(p: argparse.ArgumentParser, *, endpoint: bool = False) -> None:
+    p.add_argument("--data-dir", type=Path, default=None,
+                   help="the daemon's data dir; the store is its models/ (default: $MODELD_DATA_DIR, else the "
+                   "platform's, as `modeld serve`)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    if endpoint:
+        p.add_argument("--endpoint", default=None, help="the daemon to ask what is loaded (default: as the client's)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modeld", description="The local model store.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("pull", help="download a model into the store: user/repo:QUANT, user/repo/FILE.gguf or a path")
+    s.add_argument("ref", help="user/repo:QUANT (e.g. Qwen/Qwen2.5-Coder-7B-Instruct-GGUF:Q4_K_M), "
+                   "user/repo/FILE.gguf, or a local GGUF / OpenVINO IR directory")
+    s.add_argument("--name", default="", help="the name to keep it under (default: repo:quant in lower case)")
+    s.add_argument("--replace", action="store_true", help="replace a stored model of the same name")
+    _common(s)
+    s = sub.add_parser("ls", help="list the stored models")
+    _common(s, endpoint=True)
+    s = sub.add_parser("show", help="one stored model: its source, files, checksums, what a load would see")
+    s.add_argument("name")
+    _common(s)
+    s = sub.add_parser("rm", help="delete a stored model (refused while it is loaded, unless --force)")
+    s.add_argument("name")
+    s.add_argument("--force", action="store_true", help="unload it first when it is the loaded model")
+    _common(s, endpoint=True)
+    s = sub.add_parser("alias", help="NAME TARGET: another name for a stored model; --rm NAME drops one; "
+                       "none: list them")
+    s.add_argument("alias", nargs="?", default="")
+    s.add_argument("target", nargs="?", default="")
+    s.add_argument("--rm", action="store_true", help="remove the alias")
+    _common(s)
+    return p
+
+
+def model_facts(model: StoredModel, directory: Path) -> dict[str, Any]:
+    """What a load would see of a stored model: its architecture, trained context and layers (GGUF header),
+    and the engine ``modeld serve --backend auto`` would pick for it, with the reason."""
+    path = model.path_in(directory)
+    out: dict[str, Any] = {"path": str(path)}
+    if model.format == "gguf":
+        try:
+            from backends.gguf_file import gguf_scalars
+
+            sc = gguf_scalars(path)
+            arch = str(sc.get("general.architecture", ""))
+            out.update(architecture=arch, context=int(sc.get(f"{arch}.context_length", 0) or 0),
+                       layers=int(sc.get(f"{arch}.block_count", 0) or 0))
+        except (ImportError, OSError, ValueError) as exc:
+            out["header_error"] = str(exc)
+    else:
+        try:
+            cfg = json.loads((path / "config.json").read_text())
+            out.update(architecture=str(cfg.get("model_type", "")), context=int(cfg.get("max_position_embeddings", 0)),
+                       layers=int(cfg.get("num_hidden_layers", 0)))
+        except (OSError, ValueError):
+            pass
+    try:
+        from ..bootstrap import engine_facts
+        from ..engine_choice import choose_backend
+
+        out["engine"], out["engine_reason"] = choose_backend(engine_facts(str(path)))
+    except (ImportError, OSError, ValueError) as exc:  # no engine installed: say so, list anyway
+        out["engine"], out["engine_reason"] = "", str(exc)
+    return out
+
+
+def _loaded_path(endpoint: str | None) -> tuple[str | None, Any]:
+    """The loaded model's path on a running daemon, and a client to it; (None, None) with no daemon."""
+    from contract.endpoint import default_endpoint, ipc_path
+    from runtime import Client
+
+    ep = endpoint or default_endpoint()
+    sock = ipc_path(ep)
+    if sock is not None and not sock.exists():
+        return None, None
+    client = Client(ep, timeout_s=STATUS_TIMEOUT_S)
+    try:
+        st = client.status()
+    except Exception:  # noqa: BLE001 - no daemon answering is a normal state for a store command
+        client.close()
+        return None, None
+    return (st.active.path if st.active is not None else ""), client
+
+
+def _is_loaded(loaded: str | None, model: StoredModel, directory: Path) -> bool:
+    if not loaded:
+        return False
+    lp = os.path.realpath(loaded)
+    return lp == os.path.realpath(model.path_in(directory)) or lp.startswith(os.path.realpath(directory) + os.sep)
+
+
+def _pull(store: ModelStore, args: argparse.Namespace) -> int:
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    m = pull(store, args.ref, name=args.name, replace=args.replace, log=log)
+    if args.json:
+        print(m.model_dump_json(indent=2))
+    else:
+        print(f"{m.name}  {_size(m.size)}  {m.quant or m.format}  ({m.source})")
+    return 0
+
+
+def _ls(store: ModelStore, args: argparse.Namespace) -> int:
+    loaded, client = _loaded_path(args.endpoint)
+    if client is not None:
+        client.close()
+    rows = []
+    for m in store.models():
+        _, d = store.get(m.name)
+        f = model_facts(m, d)
+        rows.append({"name": m.name, "size": m.size, "quant": m.quant or m.format, "context": f.get("context", 0),
+                     "engine": f.get("engine", ""), "loaded": _is_loaded(loaded, m, d), "source": m.source})
+    aliases = store.aliases()
+    if args.json:
+        print(json.dumps({"store": str(store.root), "models": rows, "aliases": aliases,
+                          "daemon": loaded is not None}, indent=2))
+        return 0
+    if not rows:
+        print(f"(no models in {store.root}: modeld pull user/repo:QUANT)")
+    else:
+        print(f"{'NAME':40}  {'SIZE':>9}  {'QUANT':8}  {'CONTEXT':>7}  {'ENGINE':8}  LOADED")
+        for r in rows:
+            mark = "yes" if r["loaded"] else ("-" if loaded is None else "")
+            print(f"{r['name']:40}  {_size(r['size']):>9}  {r['quant']:8}  {r['context']:>7}  {r['engine']:8}  {mark}")
+        n, total = store.disk_usage()
+        print(f"{n} model{'s' if n != 1 else ''}, {_size(total)} in {store.root}"
+              + ("" if loaded is not None else "; no daemon answered, so LOADED is unknown"))
+    for a, t in sorted(aliases.items()):
+        print(f"alias {a} -> {t}")
+    return 0
+
+
+def _show(store: ModelStore, args: argparse.Namespace) -> int:
+    m, d = store.get(args.name)
+    facts = model_facts(m, d)
+    aliases = sorted(a for a, t in store.aliases().items() if t == m.name)
+    if args.json:
+        print(json.dumps({**m.model_dump(mode="json"), **facts, "aliases": aliases, "directory": str(d)}, indent=2))
+        return 0
+    rows: list[tuple[str, Any]] = [("name", m.name), ("source", m.source), ("revision", m.revision or "-"),
+                                   ("format", m.format), ("quant", m.quant or "-"), ("size", _size(m.size)),
+                                   ("license", m.license or "-"), ("architecture", facts.get("architecture", "-")),
+                                   ("context", facts.get("context", "-")), ("layers", facts.get("layers", "-")),
+                                   ("engine", f"{facts.get('engine', '')} ({facts.get('engine_reason', '')})"),
+                                   ("path", facts["path"]), ("aliases", ", ".join(aliases) or "-")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k.ljust(width)}  {v}")
+    for f in m.files:
+        print(f"  {f.name}  {_size(f.size)}  sha256:{f.sha256}")
+    return 0
+
+
+def _rm(store: ModelStore, args: argparse.Namespace) -> int:
+    m, d = store.get(args.name)
+    loaded, client = _loaded_path(args.endpoint)
+    try:
+        if _is_loaded(loaded, m, d):
+            if not args.force:
+                print(f"modeld rm: {m.name} is the daemon's loaded model; `modeld unload` first, or --force "
+                      "(which unloads it)", file=sys.stderr)
+                return EXIT_ERROR
+            from contract.types import UnloadModelRequest
+
+            st = client.status()
+            client.unload_model(UnloadModelRequest(expected_generation=st.generation))
+            print(f"modeld rm: unloaded {m.name} (generation {st.generation})", file=sys.stderr)
+    finally:
+        if client is not None:
+            client.close()
+    store.remove(m.name)
+    print(f"removed {m.name} ({_size(m.size)})")
+    return 0
+
+
+def _alias(store: ModelStore, args: argparse.Namespace) -> int:
+    if args.rm:
+        if not args.alias:
+            raise StoreError("modeld alias --rm NAME: name the alias")
+        store.remove_alias(args.alias)
+        return 0
+    if not args.alias:
+        aliases = store.aliases()
+        if args.json:
+            print(json.dumps(aliases, indent=2))
+        for a, t in sorted(aliases.items()):
+            print(f"{a} -> {t}")
+        return 0
+    if not args.target:
+        raise StoreError("modeld alias NAME TARGET: name the stored model the alias leads to")
+    print(f"{args.alias.lower()} -> {store.set_alias(args.alias, args.target)}")
+    return 0
+
+
+_RUN = {"pull": _pull, "ls": _ls, "show": _show, "rm": _rm, "alias": _alias}
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    store = ModelStore(default_store_dir(args.data_dir))
+    try:
+        return _RUN[args.command](store, args)
+    except (PullError, RefError, StoreError) as exc:
+        if args.json:
+            print(json.dumps({"error": {"type": type(exc).__name__, "message": str(exc)}}))
+        print(f"modeld {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"modeld {args.command}: interrupted (a pull resumes where it stopped)", file=sys.stderr)
+        return 130
+
+
+def pull_into_store(ref: str, data_dir: Path | None = None) -> str:
+    """``modeld load REF --pull``: REF's stored name, pulled first when the store lacks it (progress on stderr)."""
+    store = ModelStore(default_store_dir(data_dir))
+    found = store.find(ref)
+    if found is not None:
+        return found[0].name
+    return pull(store, ref, log=lambda line: print(line, file=sys.stderr, flush=True)).name
