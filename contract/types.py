@@ -84,7 +84,8 @@ def parse_gpu_layers(value: str | int) -> int:
     """``--gpu-layers``: "auto" (as many as fit), "all" (every layer, or refuse), or a count >= 0 (0: CPU only).
 
     A count beyond the model's layers is clamped to them, as llama-server does with ``-ngl 999``.
-    Raises ValueError, quoting the value, on anything else (a negative count, a word it does not know).
+    An int (from Python, or a TOML number) may also be ``Config.num_gpu_layers``' -2 (auto) or -1 (all);
+    text is a word or digits only, so a flag's "-3" or "abc" is refused. Raises ValueError, quoting the value, on anything else (a negative count, a word it does not know).
     """
     if isinstance(value, bool):
         raise ValueError(f"invalid GPU layer count {value!r}: expected auto, all or a whole number >= 0")
@@ -95,7 +96,7 @@ def parse_gpu_layers(value: str | int) -> int:
         if not (word.isascii() and word.isdigit()):  # "-3", "abc", "1.5", "": no sign, point or blank
             raise ValueError(f"invalid GPU layer count {value!r}: expected auto, all or a whole number >= 0")
         return int(word)
-    if isinstance(value, int) and value >= 0:
+    if isinstance(value, int) and value >= GPU_LAYERS_AUTO:  # from Python or TOML: Config's encoding (-2, -1, N)
         return value
     raise ValueError(f"invalid GPU layer count {value!r}: expected auto, all or a whole number >= 0")
 
