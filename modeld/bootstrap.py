@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from backends.devices import read_gpus
 from backends.registry import ENGINES
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
@@ -93,7 +92,7 @@ def engine_facts(
     model: str,
     num_gpu_layers: int = 0,
     exclusive: dict[str, str] | None = None,
-    gpus: Callable[[], Sequence[MemoryPool]] = read_gpus,
+    gpus: Callable[[], Sequence[MemoryPool]] | None = None,
 ) -> EngineFacts:
     """The facts ``choose_backend`` needs about this machine and ``model`` (a GGUF file or an engine's own format).
 
@@ -102,7 +101,10 @@ def engine_facts(
     """
     p = Path(model)
     installed = frozenset(s.name for s in ENGINES.values() if importlib.util.find_spec(s.package) is not None)
-    found = list(gpus()) if num_gpu_layers != 0 else []
+    from backends.devices import read_gpus  # imported here, as every engine-side module is (the composition root)
+
+    reader = gpus if gpus is not None else read_gpus
+    found = list(reader()) if num_gpu_layers != 0 else []
     offloading = frozenset(s.name for s in ENGINES.values()
                            if found and s.name in installed and s.gpu_offload is not None and s.gpu_offload())
     own = next((s.own_kind for s in ENGINES.values() if s.is_own_model is not None and s.is_own_model(p)), "")
@@ -191,6 +193,8 @@ def build_embedder(opts: ServeOptions, generation_bytes: Callable[[], int]) -> E
 
 def engine_build(backend: str) -> dict[str, Any]:
     """What status says of the machine and the engine's build: the GPU reader, the build and whether it offloads."""
+    from backends.devices import read_gpus
+
     spec = ENGINES.get(backend)
     return {
         "devices": read_gpus,
