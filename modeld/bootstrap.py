@@ -16,17 +16,19 @@ from __future__ import annotations
 
 import importlib.util
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from backends.registry import ENGINES
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
+from contract.sizing import MemoryPool
 from contract.types import Config, LoadModelRequest
 
 from . import dirs
 from .blobs import BlobStore
-from .capacity import make_budget_check, make_planner
+from .capacity import format_size, make_budget_check, make_planner
 from .engine_choice import EngineFacts, choose_backend
 from .netsec import check_tcp_exposure, server_keys
 from .server import Daemon
@@ -49,6 +51,7 @@ __all__ = [
     "build_catalog",
     "build_slot",
     "default_data_dir",
+    "engine_build",
     "embed_cache_dir",
     "model_cache_dir",
     "prepare_models",
@@ -88,10 +91,25 @@ def default_data_dir() -> Path:
     return dirs.data_dir()
 
 
-def engine_facts(model: str, num_gpu_layers: int = 0, exclusive: dict[str, str] | None = None) -> EngineFacts:
-    """The facts ``choose_backend`` needs about this machine and ``model`` (a GGUF file or an engine's own format)."""
+def engine_facts(
+    model: str,
+    num_gpu_layers: int = 0,
+    exclusive: dict[str, str] | None = None,
+    gpus: Callable[[], Sequence[MemoryPool]] | None = None,
+) -> EngineFacts:
+    """The facts ``choose_backend`` needs about this machine and ``model`` (a GGUF file or an engine's own format).
+
+    The GPUs are read only when layers may go to one (``num_gpu_layers`` not 0), and an engine's build is
+    asked whether it offloads (which imports the engine) only when there is a GPU.
+    """
     p = Path(model)
     installed = frozenset(s.name for s in ENGINES.values() if importlib.util.find_spec(s.package) is not None)
+    from backends.devices import read_gpus  # imported here, as every engine-side module is (the composition root)
+
+    reader = gpus if gpus is not None else read_gpus
+    found = list(reader()) if num_gpu_layers != 0 else []
+    offloading = frozenset(s.name for s in ENGINES.values()
+                           if found and s.name in installed and s.gpu_offload is not None and s.gpu_offload())
     own = next((s.own_kind for s in ENGINES.values() if s.is_own_model is not None and s.is_own_model(p)), "")
     refusals: dict[str, str] = {}
     if own:
@@ -111,6 +129,8 @@ def engine_facts(model: str, num_gpu_layers: int = 0, exclusive: dict[str, str] 
         refusals=refusals,
         num_gpu_layers=num_gpu_layers,
         exclusive=exclusive or {},
+        gpus=tuple(f"{g.name or 'gpu ' + g.id}, {format_size(g.total_bytes)}" for g in found),
+        gpu_engines=offloading,
     )
 
 
@@ -181,7 +201,7 @@ def resolve_backend(opts: ServeOptions) -> ServeOptions:
         from backends.bundled import served_bundled_gguf
 
         model = str(served_bundled_gguf())
-    name, reason = choose_backend(engine_facts(model, exclusive=exclusive_settings(opts)))
+    name, reason = choose_backend(engine_facts(model, opts.gpu_layers, exclusive=exclusive_settings(opts)))
     return opts.with_backend(name, f"auto: {reason}")
 
 
@@ -225,6 +245,18 @@ def build_embedder(opts: ServeOptions, generation_bytes: Callable[[], int]) -> E
     return EmbeddingSlot(ENGINES[opts.backend].embedder(), idle_unload_s=opts.embed_idle, budget_check=check)
 
 
+def engine_build(backend: str) -> dict[str, Any]:
+    """What status says of the machine and the engine's build: the GPU reader, the build and whether it offloads."""
+    from backends.devices import read_gpus
+
+    spec = ENGINES.get(backend)
+    return {
+        "devices": read_gpus,
+        "build": spec.build_info() if spec is not None and spec.build_info is not None else "",
+        "gpu_offload": bool(spec is not None and spec.gpu_offload is not None and spec.gpu_offload()),
+    }
+
+
 def build_slot(
     opts: ServeOptions, endpoint: str, backend: Backend | None = None, cache: StateCacheStore | None = None
 ) -> SlotService:
@@ -251,6 +283,7 @@ def build_slot(
         session_ttl_s=opts.session_ttl,
         default_temperature=opts.temperature,
         catalog=build_catalog(opts),
+        **engine_build(opts.backend),
     )
     built.append(slot)
     return slot
@@ -295,6 +328,7 @@ def load_config(opts: ServeOptions) -> Config:
     """The preloaded model's load config, from the flags."""
     return Config(
         num_ctx=opts.num_ctx,
+        num_gpu_layers=opts.gpu_layers,
         flash_attn=opts.flash_attn,
         kv_cache_type=opts.kv_cache_type,
         exact_decode=opts.exact_decode,

@@ -46,6 +46,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | Non
     flag("model_name")
     flag("pull", action="store_true")
     flag("num_ctx", type=int)
+    flag("gpu_layers", metavar="N|auto|all")
     flag("flash_attn", action="store_true")
     flag("kv_cache_type", choices=KV_CACHE_TYPES)
     flag("exact_decode", action="store_true")

@@ -64,7 +64,7 @@ from pydantic_settings import (
 from pydantic_settings import SettingsError as _SourceError
 
 from contract.endpoint import default_endpoint
-from contract.types import KVCacheType
+from contract.types import GPU_LAYERS_AUTO, KVCacheType, format_gpu_layers, parse_gpu_layers
 
 from . import dirs
 from .blobs import DEFAULT_MAX_BYTES
@@ -181,6 +181,8 @@ def _expand_user(value: Path | None) -> Path | None:
 Size = Annotated[int, BeforeValidator(parse_size)]
 #: None = "auto": the workspace cache sizes the budget itself
 SizeOrAuto = Annotated[int | None, BeforeValidator(_size_or_auto)]
+#: "auto" (-2), "all" (-1) or a count >= 0 (``contract.types.parse_gpu_layers``)
+GpuLayers = Annotated[int, BeforeValidator(parse_gpu_layers)]
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 OptionalPath = Annotated[Path | None, AfterValidator(_expand_user)]
@@ -316,6 +318,12 @@ class ServeSettings(HttpSettings):
         "(never done without this flag)",
     )
     num_ctx: int = Field(0, ge=0, description="context window of the preloaded model (0 = memory-fitted)")
+    gpu_layers: GpuLayers = Field(
+        GPU_LAYERS_AUTO,
+        description="llama.cpp: layers of the preloaded model on the GPU: auto = as many as fit (all when they "
+        "do), all = every layer or refuse, 0 = CPU only, N = that many (clamped to the model's layers, as "
+        "llama-server clamps -ngl 999); the host holds the rest; a CPU build or no NVIDIA GPU: the CPU",
+    )
     flash_attn: bool = Field(
         False,
         description="llama.cpp: flash attention for the preloaded model (a quantized KV cache needs it)",
@@ -604,6 +612,8 @@ def _shown(name: str, value: Any) -> str | None:
         return "auto" if name in ("cache_ram", "cache_disk") else None
     if isinstance(value, bool):
         return "on" if value else None
+    if name == "gpu_layers":
+        return format_gpu_layers(value)
     if isinstance(value, tuple):
         return ", ".join(value) or None
     if name in MEMORY_FLAGS and not value:  # 0: no limit, no reserve

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -52,6 +52,7 @@ from contract.errors import (
 )
 from contract.interfaces import Backend, CacheAdmin, Embedder, LoadedModel, Session
 from contract.manifest import ContextManifest
+from contract.sizing import MemoryPool
 from contract.types import (
     DEFAULT_SAMPLING,
     ActiveModel,
@@ -150,10 +151,18 @@ class SlotService:
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
         default_temperature: float | None = None,
         catalog: Catalog | None = None,
+        devices: Callable[[], Sequence[MemoryPool]] = lambda: (),
+        build: str = "",
+        gpu_offload: bool = False,
     ) -> None:
         self.backend = backend
         #: the models loadable by name (``modeld load NAME``, a request naming another model); None: by path only
         self.catalog = catalog
+        #: the machine's GPUs now (``backends.devices.read_gpus``, wired by the composition root), for status
+        self.devices = devices
+        #: what the engine was built with, and whether that build offloads to a GPU (status says both)
+        self.build = build
+        self.gpu_offload = gpu_offload
         #: ``modeld serve --temperature``: the temperature of requests that set none (None: the model's)
         self.default_temperature = default_temperature
         #: the workspace cache the backend's models save to (status, listing, memory hand-back)
@@ -197,6 +206,7 @@ class SlotService:
         return st
 
     def _status(self) -> DaemonStatus:
+        gpus = [d.device_info() for d in self.devices()]  # NVML, outside the lock: it never waits on the slot
         with self._state_lock:
             active = self._active
             if active is not None and self._loaded is not None:
@@ -225,6 +235,9 @@ class SlotService:
                 session_ttl_s=self.session_ttl_s,
                 speculation=speculation,
                 sampling=self.sampling_defaults() if self._loaded is not None else None,
+                devices=gpus,
+                gpu_offload=self.gpu_offload,
+                build=self.build,
             )
 
     @property
@@ -345,7 +358,12 @@ class SlotService:
                 with self._state_lock:
                     self._last_error = f"{type(exc).__name__}: {exc.message}"  # nothing changed but the reason
                 raise
-            req = req.model_copy(update={"config": req.config.model_copy(update={"num_ctx": info.effective_context})})
+            planned = {"num_ctx": info.effective_context}
+            if req.config.num_gpu_layers != 0:
+                # the layers the plan gave the GPU ("auto" resolved, a count clamped or cut to what fits): the
+                # load must not offload more than the memory that was planned for
+                planned["num_gpu_layers"] = info.resolved_gpu_layers
+            req = req.model_copy(update={"config": req.config.model_copy(update=planned)})
         alongside = switching and self._fits_alongside(asked, info)
         with self._state_lock:
             self._transition(SlotState.SWITCHING if switching else SlotState.LOADING)
@@ -398,6 +416,9 @@ class SlotService:
             chat_template=loaded.template_origin,
             tool_format=loaded.tool_format_origin,
             loaded_at=time.time(),
+            gpu_layers=req.config.num_gpu_layers if info is not None else 0,
+            n_layer=info.n_layer if info is not None else 0,
+            gpu_layers_reason=info.gpu_layers_reason if info is not None else "",
         )
         try:
             with self._state_lock:
@@ -415,7 +436,10 @@ class SlotService:
             loaded.close()  # refused (a shutdown raced the load): nothing may stay resident unowned
             raise
         if self.cache is not None and info is not None:
-            self.cache.fit_ram(max(0, info.usable_bytes - info.required_bytes))
+            # RAM the model leaves spare: host memory only (what it holds on a GPU is no RAM the cache could use)
+            host_usable = info.usable_bytes - info.gpu_usable_bytes
+            host_required = info.required_bytes - info.gpu_required_bytes
+            self.cache.fit_ram(max(0, host_usable - host_required))
         return active
 
     def _restore_previous_locked(

@@ -25,9 +25,13 @@ from typing import Any
 
 from contract.errors import InvalidArgument, ModeldError
 from contract.types import (
+    GPU_LAYERS_AUTO,
     KV_CACHE_TYPES,
+    ActiveModel,
     Config,
+    DaemonStatus,
     DecodeConfig,
+    DeviceInfo,
     EmbedRequest,
     LoadModelRequest,
     OpenSessionRequest,
@@ -36,6 +40,8 @@ from contract.types import (
     SpeculationStatus,
     SuffixInput,
     UnloadModelRequest,
+    format_gpu_layers,
+    parse_gpu_layers,
 )
 
 from .chat_cli import add_chat_arguments, run_chat
@@ -117,6 +123,19 @@ def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
                    "from the chat template)")
 
 
+def _gpu_layers_arg(value: str) -> int:
+    try:
+        return parse_gpu_layers(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _gpu_layers_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-layers", type=_gpu_layers_arg, default=GPU_LAYERS_AUTO, metavar="N|auto|all",
+                   help="llama.cpp: layers on the GPU: auto = as many as fit (all when they do; the default), "
+                   "all = every layer or refuse, 0 = CPU only, N = that many (clamped to the model's layers)")
+
+
 def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
     """The client commands' parser; ``serve`` and friends are names only (``modeld.cli`` runs them).
 
@@ -156,6 +175,7 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     s.add_argument("--data-dir", default=None,
                    help="with --pull: the daemon's data dir, whose models/ the pull fills (default: $MODELD_DATA_DIR, "
                    "else the platform's)")
+    _gpu_layers_flag(s)
     s.add_argument("--expected-generation", type=int, default=0)
     _common(s)
 
@@ -166,6 +186,7 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     s = sub.add_parser("describe", help="model capabilities and memory fit")
     s.add_argument("name", nargs="?", default="")
     _model_args(s, path_required=False)
+    _gpu_layers_flag(s)
     _common(s)
 
     s = sub.add_parser("embed", help="embed texts")
@@ -334,6 +355,8 @@ def _status(client: Client, args: argparse.Namespace) -> int:
                                         ("exact reuse", cfg.exact_reuse)) if on]
         if chosen:
             rows.append(("settings", ", ".join(chosen)))
+        rows.append(("gpu layers", _gpu_layers_row(st.active)))
+    rows += _gpu_rows(st)
     if st.sampling is not None:
         rows.append(("sampling", _sampling_row(st.sampling)))
     if st.speculation is not None:
@@ -366,6 +389,35 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         rows.append(("last error", st.last_error))
     print(_table(rows))
     return 0
+
+
+def _device_row(d: DeviceInfo) -> str:
+    return f"{d.name or d.kind + ':' + d.id}, {_size(d.free_bytes)} free of {_size(d.total_bytes)}"
+
+
+def _device_rows(devices: list[DeviceInfo]) -> list[tuple[str, Any]]:
+    """One row per device (``describe``: host RAM and the GPUs the plan may use)."""
+    return [(f"{d.kind} {d.id}", _device_row(d)) for d in devices]
+
+
+def _gpu_rows(st: DaemonStatus) -> list[tuple[str, Any]]:
+    """The machine's GPUs, whether the engine's build uses them, and the build (status)."""
+    rows: list[tuple[str, Any]] = [(f"gpu {d.id}", _device_row(d)) for d in st.devices] or [("gpus", "none")]
+    if st.devices and not st.gpu_offload:
+        rows.append(("gpu offload", f"no: this {st.backend} build has no GPU backend (the CPU serves)"))
+    elif st.devices:
+        rows.append(("gpu offload", "yes"))
+    if st.build:
+        rows.append(("build", st.build))
+    return rows
+
+
+def _gpu_layers_row(active: ActiveModel) -> str:
+    """"30 of 30 (all)", "12 of 30 (gpu memory)", "0 (no gpu)"; what the daemon resolved the request to."""
+    if not active.gpu_layers_reason:  # a daemon that does not plan layers says only the count
+        return format_gpu_layers(active.config.num_gpu_layers)
+    of = f" of {active.n_layer}" if active.gpu_layers and active.n_layer else ""
+    return f"{active.gpu_layers}{of} ({active.gpu_layers_reason})"
 
 
 def _sampling_row(sp: SamplingParams) -> str:
@@ -463,7 +515,9 @@ def _handle(args: argparse.Namespace) -> dict[str, Any]:
         "type": args.type,
         "digest": args.digest,
         "path": os.path.abspath(args.path) if args.path and args.type != "memory" else args.path,
-        "config": Config(num_ctx=args.num_ctx, flash_attn=args.flash_attn, kv_cache_type=args.kv_cache_type,
+        # only load and describe take --gpu-layers: another command's config stays the default ("what is loaded")
+        "config": Config(num_ctx=args.num_ctx, num_gpu_layers=getattr(args, "gpu_layers", 0),
+                         flash_attn=args.flash_attn, kv_cache_type=args.kv_cache_type,
                          exact_decode=args.exact_decode, chat_template=_template_arg(args.chat_template),
                          tool_format=args.tool_format),
     }
@@ -501,7 +555,7 @@ def _load(client: Client, args: argparse.Namespace) -> int:
         _print_json(active.model_dump(mode="json"))
     else:
         print(_table([("model", active.model_name), ("generation", active.generation), ("digest", active.digest),
-                      ("context", active.effective_context)]))
+                      ("context", active.effective_context), ("gpu layers", _gpu_layers_row(active))]))
     return 0
 
 
@@ -520,7 +574,10 @@ def _describe(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(info.model_dump(mode="json"))
     else:
-        print(_table([(k, v) for k, v in info.model_dump(mode="json").items() if v not in (None, "", [], 0, False)]))
+        rows = [(k, v) for k, v in info.model_dump(mode="json", exclude={"devices"}).items()
+                if v not in (None, "", [], 0, False)]
+        rows += _device_rows(info.devices)
+        print(_table(rows))
     return 0
 
 

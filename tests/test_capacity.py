@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contract.errors import InsufficientMemory
-from contract.sizing import ModelShape
+from contract.sizing import ModelShape, compute_overhead_bytes, host_overhead_bytes
 from contract.types import Config, ModelInfo, OpenSessionRequest
 from modeld import capacity
 from modeld.capacity import (
@@ -390,7 +390,7 @@ def test_negative_arguments_are_value_errors() -> None:
     with pytest.raises(ValueError):
         plan(SMOL, host(GiB), Policy(), 0, credit_bytes=-1)
     with pytest.raises(ValueError):
-        plan(SMOL, host(GiB), Policy(), 0, requested_gpu_layers=-2)
+        plan(SMOL, host(GiB), Policy(), 0, requested_gpu_layers=-3)
 
 
 # --- switches ----------------------------------------------------------------------
@@ -663,7 +663,7 @@ def test_gpu_budget_honours_the_policy() -> None:
 def test_every_gpu_reason_is_reported_and_none_other() -> None:
     """Over every kind of request and pool, resolve_gpu_layers reports exactly the GPU_REASONS values."""
     seen: set[str] = set()
-    for requested in (-1, 0, 1, 12, 30, 99):
+    for requested in (-2, -1, 0, 1, 12, 30, 99):
         for pool in (None, gpu(0), gpu(LAYER // 2), gpu(20 * LAYER + LAYER // 2), gpu(8 * GiB)):
             try:
                 got = resolve_gpu_layers(requested, 30, pool, LAYER, BARE)
@@ -675,9 +675,17 @@ def test_every_gpu_reason_is_reported_and_none_other() -> None:
     assert seen == GPU_REASONS
 
 
+def test_auto_offloads_every_layer_that_fits() -> None:
+    assert resolve_gpu_layers(-2, 30, gpu(30 * LAYER + 5 * MiB), LAYER, BARE, fixed_bytes=5 * MiB) == (30, "all")
+    # partial: the most that fit, never a refusal (that is -1's)
+    assert resolve_gpu_layers(-2, 30, gpu(20 * LAYER + LAYER // 2), LAYER, BARE) == (20, "gpu memory")
+    assert resolve_gpu_layers(-2, 30, gpu(MiB), LAYER, BARE, fixed_bytes=2 * MiB) == (0, "gpu memory")
+    assert resolve_gpu_layers(-2, 30, None, LAYER, BARE) == (0, "no gpu")
+
+
 def test_bad_gpu_requests() -> None:
     with pytest.raises(ValueError):
-        resolve_gpu_layers(-2, 30, gpu(GiB), LAYER, BARE)
+        resolve_gpu_layers(-3, 30, gpu(GiB), LAYER, BARE)
     with pytest.raises(ValueError):
         resolve_gpu_layers(1, 0, gpu(GiB), LAYER, BARE)
 
@@ -720,6 +728,52 @@ def test_plan_partial_offload_splits_weights_between_pools() -> None:
     assert info.resolved_gpu_layers == 15
     assert info.effective_context == 4096
     assert info.usable_bytes == 64 * GiB + half_weights + 400 * MiB  # summed over both pools
+
+
+def test_plan_auto_puts_everything_on_a_large_gpu_and_only_overhead_on_the_host() -> None:
+    devices = (gpu(8 * GiB, gid="0"),)
+    info = plan(SMOL, host(64 * GiB), BARE, 4096, requested_gpu_layers=-2, devices=devices)
+    assert (info.resolved_gpu_layers, info.gpu_layers_reason) == (30, "all")
+    on_gpu = SMOL.weights_bytes + kv_cache_bytes(SMOL, 4096) + compute_overhead_bytes(SMOL, 4096)
+    assert info.gpu_required_bytes == on_gpu
+    # the host holds what is not on the GPU: its fixed and logits overhead, no weights, no KV
+    host_part = info.required_bytes - info.gpu_required_bytes
+    assert host_part == host_overhead_bytes(SMOL, 4096)
+    assert info.gpu_usable_bytes == 8 * GiB
+    assert info.usable_bytes - info.gpu_usable_bytes == 64 * GiB
+
+
+def test_plan_auto_partial_offload_leaves_the_rest_of_the_weights_on_the_host() -> None:
+    # room on the GPU for about half the layers at the minimum window: the rest (and its KV) go to the host
+    per_layer = SMOL.weights_bytes // 30 + kv_cache_bytes(SMOL, 512) // 30
+    buffers = compute_overhead_bytes(SMOL, 512)
+    devices = (gpu(buffers + 15 * per_layer + per_layer // 2),)
+    info = plan(SMOL, host(64 * GiB), BARE, 512, requested_gpu_layers=-2, devices=devices)
+    assert (info.resolved_gpu_layers, info.gpu_layers_reason) == (15, "gpu memory")
+    host_part = info.required_bytes - info.gpu_required_bytes
+    assert host_part >= SMOL.weights_bytes // 2  # half the weights stayed on the host
+    assert info.gpu_required_bytes <= info.gpu_usable_bytes
+
+
+def test_plan_auto_host_budget_excludes_what_went_to_the_gpu() -> None:
+    # the host alone cannot hold the model; with every layer on the GPU it only holds the overhead
+    small_host = host(host_overhead_bytes(SMOL, 4096) + 10 * MiB)
+    with pytest.raises(InsufficientMemory):
+        plan(SMOL, small_host, BARE, 4096, requested_gpu_layers=0, devices=(gpu(8 * GiB),))
+    info = plan(SMOL, small_host, BARE, 4096, requested_gpu_layers=-2, devices=(gpu(8 * GiB),))
+    assert (info.resolved_gpu_layers, info.effective_context) == (30, 4096)
+
+
+def test_plan_auto_without_a_gpu_is_the_cpu_plan() -> None:
+    auto = plan(SMOL, host(4 * GiB), BARE, 0, requested_gpu_layers=-2)
+    cpu = plan(SMOL, host(4 * GiB), BARE, 0, requested_gpu_layers=0)
+    assert (auto.resolved_gpu_layers, auto.gpu_layers_reason, auto.gpu_required_bytes) == (0, "no gpu", 0)
+    assert auto.model_copy(update={"requested_gpu_layers": 0, "gpu_layers_reason": cpu.gpu_layers_reason}) == cpu
+
+
+def test_plan_clamps_a_count_beyond_the_model_like_llama_server() -> None:
+    info = plan(SMOL, host(64 * GiB), BARE, 4096, requested_gpu_layers=999, devices=(gpu(8 * GiB),))
+    assert (info.requested_gpu_layers, info.resolved_gpu_layers, info.gpu_layers_reason) == (999, 30, "n_layer")
 
 
 # --- readers and the daemon planner --------------------------------------------------

@@ -15,13 +15,14 @@ from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
 from ..bundled import model_cache_dir
+from ..devices import read_gpus
 from ..digest import file_digest
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
 from ..registry import engine
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .model import BACKEND_NAME, LlamaLoadedModel
-from .native import map_errors, open_llama, runtime_version, system_info
+from .native import gpu_offload, map_errors, open_llama, runtime_version, system_info
 from .options import DEFAULT_NUM_BATCH, LoadOptions, shape_from_scalars
 
 RUNTIME_NAME = "llama.cpp"
@@ -43,11 +44,21 @@ class LlamaBackend:
 
     name = BACKEND_NAME
 
-    def __init__(self, cache: StateCache | None = None, speculative: bool = True) -> None:
+    def __init__(
+        self,
+        cache: StateCache | None = None,
+        speculative: bool = True,
+        *,
+        gpus: Callable[[], Sequence[MemoryPool]] = read_gpus,
+        offload: Callable[[], bool] = gpu_offload,
+    ) -> None:
         #: the workspace cache every loaded model saves to and restores from (None: none)
         self.cache = cache
         #: decode passes speculate unless a request says otherwise (``backends.tape.speculate``)
         self.speculative = speculative
+        #: the machine's GPUs (``backends.devices.read_gpus``), and whether this build offloads to them
+        self._gpus = gpus
+        self._offload = offload
 
     def runtime_version(self) -> str:
         return runtime_version()
@@ -93,7 +104,7 @@ class LlamaBackend:
             digest = file_digest(path, model_cache_dir())
         template, tool_format = template_report(req, facts.chat_template, facts.control_tokens)
         kvpt = kv_bytes_per_token(shape.facts(kv_cache_type=options.kv_cache_type))
-        gpu = bool(llama_cpp.llama_supports_gpu_offload())
+        gpu = self._offload()
         return ModelInfo(
             model_max_context=shape.n_ctx_train,
             effective_context=options.num_ctx,
@@ -102,7 +113,7 @@ class LlamaBackend:
             required_bytes=shape.weights_bytes + kvpt * options.num_ctx,
             device_kind="cpu",
             requested_gpu_layers=req.config.num_gpu_layers,
-            resolved_gpu_layers=req.config.num_gpu_layers if gpu else 0,
+            resolved_gpu_layers=options.num_gpu_layers if gpu else 0,
             runtime_name=RUNTIME_NAME,
             runtime_digest=f"llama-cpp-python=={runtime_version()}",
             runtime_system_info=system_info(),
@@ -131,8 +142,15 @@ class LlamaBackend:
         )
 
     def memory_pools(self) -> Sequence[MemoryPool]:
-        """GPU memory pools: none are read on this CPU build (the planner reads host memory itself)."""
-        return ()
+        """The GPUs this build can offload to, with their memory now (the planner reads host memory itself).
+
+        None on a CPU build, whatever the machine has: its layers cannot leave the host. A
+        CUDA build gets the NVIDIA devices NVML reads; a Metal or Vulkan build none (their
+        memory is not read here), so the planner keeps such a build's layers on the host.
+        """
+        if not self._offload():
+            return ()
+        return tuple(self._gpus())
 
     def embed(self, req: EmbedRequest) -> EmbedResult:
         # Llama.embed on the generation instance would wipe the resident KV.

@@ -43,6 +43,7 @@ __all__ = [
     "KV_GGML_TYPES",
     "ParamsLlama",
     "extra_bufts_default",
+    "gpu_offload",
     "log_mark",
     "log_since",
     "map_errors",
@@ -163,6 +164,11 @@ def extra_bufts_default() -> bool:
         return False
     # See the module docstring: the AMX matmul of this build crashes the process.
     return "AMX_INT8 = 1" not in system_info()
+
+
+def gpu_offload() -> bool:
+    """Whether this llama.cpp build can offload layers to a GPU (a CUDA, Metal or Vulkan build; not a CPU one)."""
+    return bool(llama_cpp.llama_supports_gpu_offload())
 
 
 def system_info() -> str:

@@ -8,10 +8,10 @@ from typing import Any
 
 from contract.errors import InvalidArgument, UnsupportedFeature
 from contract.sizing import ModelShape
-from contract.types import QUANTIZED_KV_CACHE_TYPES, Config
+from contract.types import GPU_LAYERS_ALL, GPU_LAYERS_AUTO, QUANTIZED_KV_CACHE_TYPES, Config
 
 from ..tape.model import resolve_num_ctx
-from .native import KV_GGML_TYPES, extra_bufts_default
+from .native import KV_GGML_TYPES, extra_bufts_default, gpu_offload
 
 DEFAULT_NUM_CTX = 4096
 DEFAULT_NUM_BATCH = 512
@@ -41,6 +41,15 @@ def shape_from_scalars(scalars: dict[str, Any]) -> ModelShape:
     )
 
 
+def unplanned_gpu_layers(requested: int) -> int:
+    """The layer count a load uses; "auto" (-2) reaches a load unresolved only without the daemon's planner
+    (in-process use): then every layer when this build offloads (llama.cpp places them; nothing checked the
+    GPU's memory), none on a CPU build. A count, or -1 (all), is the load's as given."""
+    if requested == GPU_LAYERS_AUTO:
+        return GPU_LAYERS_ALL if gpu_offload() else 0
+    return requested
+
+
 @dataclass(frozen=True)
 class LoadOptions:
     num_ctx: int
@@ -51,6 +60,8 @@ class LoadOptions:
     kv_cache_type: str  # normalised: "" becomes "f16"
     extra_bufts: bool
     tensor_split: tuple[float, ...]
+    #: the model's layer count (0: unknown): a count that reaches it offloads the output layer too
+    n_layer: int = 0
 
     @classmethod
     def resolve(cls, cfg: Config, facts: ModelShape) -> LoadOptions:
@@ -76,16 +87,18 @@ class LoadOptions:
         # multiply one row and a batch of rows by different kernels, which round apart. Measured on Gemma 3
         # 270M Q4_K_M with exact decode: repacked, a speculative edit parted from the plain one at token 140
         # of 200; as in the file, equal. Q4_1 (the bundled model) has no repacked form: nothing changes there.
-        row_invariant = cfg.flash_attn and kv in QUANTIZED_KV_CACHE_TYPES and cfg.num_gpu_layers == 0
+        layers = unplanned_gpu_layers(cfg.num_gpu_layers)
+        row_invariant = cfg.flash_attn and kv in QUANTIZED_KV_CACHE_TYPES and layers == 0
         options = cls(
             num_ctx=num_ctx,
             num_batch=num_batch,
             num_threads=cfg.num_threads or (os.cpu_count() or 1),
-            num_gpu_layers=cfg.num_gpu_layers,
+            num_gpu_layers=layers,
             flash_attn=cfg.flash_attn,
             kv_cache_type=kv,
             extra_bufts=extra_bufts_default() and not row_invariant,
             tensor_split=tuple(cfg.tensor_split),
+            n_layer=facts.n_layer,
         )
         if cfg.exact_decode and not options.rows_exact:
             # the layout decides it; choosing one behind the request's back would make the
@@ -94,10 +107,10 @@ class LoadOptions:
                 "exact_decode on llama.cpp needs the layout whose rows are exact: flash_attn=true with "
                 f"kv_cache_type {' or '.join(QUANTIZED_KV_CACHE_TYPES)} on the CPU "
                 "(modeld serve --flash-attn --kv-cache-type q8_0); this request has "
-                f"flash_attn={str(cfg.flash_attn).lower()}, kv_cache_type {kv!r}, num_gpu_layers {cfg.num_gpu_layers}",
+                f"flash_attn={str(cfg.flash_attn).lower()}, kv_cache_type {kv!r}, num_gpu_layers {layers}",
                 flash_attn=cfg.flash_attn,
                 kv_cache_type=kv,
-                num_gpu_layers=cfg.num_gpu_layers,
+                num_gpu_layers=layers,
             )
         return options
 
@@ -117,6 +130,18 @@ class LoadOptions:
         return (self.flash_attn and self.kv_cache_type in QUANTIZED_KV_CACHE_TYPES and self.num_gpu_layers == 0
                 and not self.extra_bufts)
 
+    @property
+    def llama_gpu_layers(self) -> int:
+        """``n_gpu_layers`` for llama.cpp: -1 once every repeating layer is offloaded.
+
+        llama.cpp counts the output layer as one more (``-ngl n_layer`` leaves it, and its
+        n_vocab-wide matrix product, on the CPU; ``n_layer + 1`` or more moves it too, clamped
+        as llama-server clamps ``-ngl 999``): a plan that put every layer on the GPU means all of
+        them. llama-cpp-python reads -1 as "all".
+        """
+        n = self.num_gpu_layers
+        return GPU_LAYERS_ALL if n == GPU_LAYERS_ALL or (self.n_layer and n >= self.n_layer) else n
+
     def llama_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {
             "n_ctx": self.num_ctx,
@@ -124,7 +149,7 @@ class LoadOptions:
             "n_ubatch": self.num_batch,
             "n_threads": self.num_threads,
             "n_threads_batch": self.num_threads,
-            "n_gpu_layers": self.num_gpu_layers,
+            "n_gpu_layers": self.llama_gpu_layers,
             "flash_attn": self.flash_attn,
             "type_k": KV_GGML_TYPES[self.kv_cache_type],
             "type_v": KV_GGML_TYPES[self.kv_cache_type],

@@ -14,7 +14,7 @@ import openvino as ov
 
 from contract.errors import Internal, ModelLoadFailed, UnsupportedFeature
 from contract.sizing import ModelFacts, ModelShape
-from contract.types import Config
+from contract.types import GPU_LAYERS_ALL, GPU_LAYERS_AUTO, Config
 
 from ..bundled import model_cache_dir
 from ..digest import file_digest, files_digest
@@ -200,7 +200,8 @@ class LoadOptions:
                 "paged cache a reused prefix computes different numbers than a cold one; use f16 or f32",
                 kv_cache_type=cfg.kv_cache_type,
             )
-        if cfg.num_gpu_layers not in (0, -1):
+        # auto (-2) is as many layers as fit on a GPU the engine uses: none here, the OpenVINO backend serves the CPU
+        if cfg.num_gpu_layers not in (0, GPU_LAYERS_ALL, GPU_LAYERS_AUTO):
             raise UnsupportedFeature(
                 "OpenVINO places the whole model on one device; partial GPU offload (num_gpu_layers) does not exist",
                 num_gpu_layers=cfg.num_gpu_layers,

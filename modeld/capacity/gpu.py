@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from contract.errors import InsufficientMemory
+from contract.types import GPU_LAYERS_ALL, GPU_LAYERS_AUTO
 
 from .policy import Policy
 from .pools import MemoryPool, pool_budget
@@ -38,14 +39,17 @@ def resolve_gpu_layers(
     GPU's budget follows the same Policy as the host (reserve, headroom, --mem-max).
 
     * no GPU pool → 0, "no gpu"; requested 0 → 0, "cpu only";
+    * -2 (auto, ``GPU_LAYERS_AUTO``) → n_layer, "all", when every layer fits, else the
+      most that do, "gpu memory" (possibly 0): what Ollama and llama-server's
+      ``--fit`` do by default;
     * -1 (all) → n_layer, "all", if every layer fits, else InsufficientMemory: the
       caller asked for full offload and a silent partial one would be a surprise
       (ask for an explicit count to accept partial offload);
     * N > 0 → min(N, n_layer) ("requested", or "n_layer" when N exceeded it); when
       that does not fit, the most layers that do ("gpu memory"), possibly 0.
     """
-    if requested < -1:
-        raise ValueError(f"requested GPU layers must be -1 (all), 0 or positive, got {requested}")
+    if requested < GPU_LAYERS_AUTO:
+        raise ValueError(f"requested GPU layers must be -2 (auto), -1 (all), 0 or positive, got {requested}")
     if n_layer <= 0:
         raise ValueError(f"n_layer must be positive, got {n_layer}")
     if per_layer_bytes < 0 or fixed_bytes < 0:
@@ -61,7 +65,9 @@ def resolve_gpu_layers(
         fitting = n_layer
     else:
         fitting = (budget.usable - fixed_bytes) // per_layer_bytes
-    if requested == -1:
+    if requested == GPU_LAYERS_AUTO:
+        return GpuLayers(n_layer, GPU_ALL) if fitting >= n_layer else GpuLayers(fitting, GPU_MEMORY)
+    if requested == GPU_LAYERS_ALL:
         if fitting >= n_layer:
             return GpuLayers(n_layer, GPU_ALL)
         need = fixed_bytes + n_layer * per_layer_bytes

@@ -23,7 +23,7 @@ from contract.sizing import (
     overhead_bytes,
     required_bytes,
 )
-from contract.types import ModelInfo, OpenSessionRequest
+from contract.types import GPU_LAYERS_AUTO, ModelInfo, OpenSessionRequest
 
 from .gpu import GpuLayers, resolve_gpu_layers
 from .policy import Policy
@@ -81,12 +81,17 @@ def plan(
     counts as free in the host pool only (the slot reports one resident total, not
     a per-pool split, so a GPU is never credited with memory it may not get back).
 
-    With GPU layers requested and a GPU pool in ``devices`` (the first one; tensor
-    splits across GPUs are not modelled), the layers are resolved first
+    With GPU layers requested (a count, -1 for all, -2 for as many as fit) and a GPU
+    pool in ``devices`` (the first one; tensor splits across GPUs are not modelled, so
+    a second GPU only adds room the plan does not count), the layers are resolved first
     (``resolve_gpu_layers`` at the minimum context), then the window must fit
     both pools: the GPU holds its share of weights and KV plus the compute
     buffers, the host the rest plus the logits/fixed overhead. The byte fields then
-    sum over both pools, and device_* name the GPU.
+    sum over both pools, device_* name the GPU, and gpu_required_bytes /
+    gpu_usable_bytes are the GPU's part of them (the host's is the rest). The
+    layers are fixed at the minimum window before the window is sized: with every
+    layer on a small GPU the GPU's memory bounds the window ("memory"), as it does
+    in llama.cpp, whose KV lives with its layer.
 
     Raises InsufficientMemory, with the numbers, when not even the minimum window
     fits, and ValueError on a negative request.
@@ -95,8 +100,10 @@ def plan(
         raise ValueError(f"requested_ctx must be >= 0 (0 = default), got {requested_ctx}")
     if credit_bytes < 0:
         raise ValueError(f"credit_bytes must be >= 0, got {credit_bytes}")
-    if requested_gpu_layers < -1:
-        raise ValueError(f"requested GPU layers must be -1 (all), 0 or positive, got {requested_gpu_layers}")
+    if requested_gpu_layers < GPU_LAYERS_AUTO:
+        raise ValueError(
+            f"requested GPU layers must be -2 (auto), -1 (all), 0 or positive, got {requested_gpu_layers}"
+        )
     model_max = facts.n_ctx_train
 
     # What we aim for before memory: request, else the policy default (0 = model max).
@@ -153,6 +160,8 @@ def plan(
 
     primary = shares[0]
     budgets = [s.budget for s in shares]
+    # the GPU's part, so a caller can tell what of the plan is host memory (the workspace cache's RAM budget)
+    on_device = shares[0] if len(shares) > 1 else None
     inventory = list(devices) if any(d.id == pool.id and d.kind == pool.kind for d in devices) else [pool, *devices]
     return ModelInfo(
         model_max_context=model_max,
@@ -173,6 +182,9 @@ def plan(
         device_total_bytes=primary.budget.pool.total_bytes,
         requested_gpu_layers=requested_gpu_layers,
         resolved_gpu_layers=gpu.layers,
+        gpu_layers_reason=gpu.reason,
+        gpu_required_bytes=on_device.need(facts, effective) if on_device is not None else 0,
+        gpu_usable_bytes=on_device.budget.usable if on_device is not None else 0,
         supports_gpu_offload=gpu_pool is not None,
         devices=[d.device_info() for d in inventory],
         n_layer=facts.n_layer,
