@@ -158,18 +158,20 @@ def resolve_model(opts: ServeOptions, log: Callable[[str], None] = print) -> Ser
         return opts
     store = model_store(opts)
     found = store.find(opts.model)
-    if found is None and opts.backend != "memory":
+    if found is None:
         from .store.refs import is_hub_ref
 
-        if not is_hub_ref(opts.model):
-            raise ValueError(f"--model {opts.model!r} is no file here and no model in the store ({store.root}; "
-                             "modeld ls)")
-        if not opts.pull:
+        hub = is_hub_ref(opts.model)
+        if hub and opts.pull:
+            from .store.pull import pull
+
+            found = store.get(pull(store, opts.model, log=log).name)
+        elif opts.backend != "memory":
+            if not hub:
+                raise ValueError(f"--model {opts.model!r} is no file here and no model in the store ({store.root}; "
+                                 "modeld ls)")
             raise ValueError(f"--model {opts.model!r} is not in the store yet: `modeld pull {opts.model}` first, "
                              "or add --pull to download it now")
-        from .store.pull import pull
-
-        found = store.get(pull(store, opts.model, log=log).name)
     if found is None:
         return opts
     model, directory = found
