@@ -240,3 +240,20 @@ def test_deepseek_v3_calls_render_as_the_model_writes_them_and_stream_back() -> 
         mine = [d for d in deltas if d.index == i]
         assert mine[0].name == "get_weather" and mine[0].id == call.id and len(mine) > 2
         assert "".join(d.arguments for d in mine) == call.function.arguments
+
+
+@pytest.mark.slow
+def test_a_marker_the_vocabulary_has_as_one_control_token_is_read_and_rendered_back_as_that_token(engine: str) -> None:
+    """No fixture vocabulary holds a family's tool marker as a control token (the bundled model's and Gemma's hold
+    none), so this is the seam on the one the bundled vocabulary has, ``<|im_start|>``: a control token whose text
+    is a marker is fed to the parser as that text (a control token is otherwise no text), and that text, rendered
+    into the next prompt, is the same single token again; a marker that is not one token is left to the text."""
+    m = _load(engine, "qwen2_5")
+    try:
+        (control,) = m.tokenize("<|im_start|>")
+        pieces = m.marker_pieces(frozenset({"<|im_start|>", "<tool_call>"}))
+        assert pieces == {control: b"<|im_start|>"}
+        assert len(m.tokenize("<tool_call>")) > 1  # not one token here: its pieces are text anyway
+        assert m.tokenize(pieces[control].decode() + "\n") == [control, *m.tokenize("\n")]
+    finally:
+        m.close()
