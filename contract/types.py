@@ -58,6 +58,7 @@ __all__ = [
     "SuffixStatus",
     "TokenCount",
     "ToolCall",
+    "ToolCallDelta",
     "ToolCallFunction",
     "UnloadModelRequest",
     "Usage",
@@ -674,6 +675,17 @@ class ToolCall(_Report):
     function: ToolCallFunction = Field(default_factory=ToolCallFunction)
 
 
+class ToolCallDelta(_Report):
+    """A piece of a tool call as the model writes it, keyed by the call's ``index`` in the reply: the first piece
+    of a call carries its ``id`` and ``name``; the ``arguments`` of all its pieces, joined, are the finished
+    call's ``function.arguments`` exactly."""
+
+    index: int = 0
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
 class ChatMessage(_Request):
     """One message of the conversation after the stable prefix (OpenAI's chat shape)."""
 
@@ -758,6 +770,8 @@ class StreamChunk(_Report):
     text: str = ""
     thinking: str = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    #: the same calls as they are written, piece by piece (a call's pieces come before or with the call itself)
+    tool_call_deltas: list[ToolCallDelta] = Field(default_factory=list)
     token_ids: list[int] = Field(default_factory=list)
     error: ErrorInfo | None = None
     done: bool = False

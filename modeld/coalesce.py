@@ -39,9 +39,10 @@ __all__ = ["ChunkCoalescer", "merge", "mergeable"]
 def mergeable(first: StreamChunk, then: StreamChunk) -> bool:
     """Whether one chunk can say both without reordering them for a reader of its fields in their order
     (thinking, text, tool calls): reasoning after answer text, or text after a tool call, stays apart."""
-    if then.thinking and (first.text or first.tool_calls):
+    calls = first.tool_calls or first.tool_call_deltas
+    if then.thinking and (first.text or calls):
         return False
-    return not (then.text and first.tool_calls)
+    return not (then.text and calls)
 
 
 def merge(first: StreamChunk, then: StreamChunk) -> StreamChunk:
@@ -50,6 +51,7 @@ def merge(first: StreamChunk, then: StreamChunk) -> StreamChunk:
         text=first.text + then.text,
         thinking=first.thinking + then.thinking,
         tool_calls=[*first.tool_calls, *then.tool_calls],
+        tool_call_deltas=[*first.tool_call_deltas, *then.tool_call_deltas],
         token_ids=[*first.token_ids, *then.token_ids],
     )
 

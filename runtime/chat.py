@@ -43,6 +43,7 @@ from contract.types import (
     SuffixInput,
     TokenCount,
     ToolCall,
+    ToolCallDelta,
     ToolCallFunction,
 )
 
@@ -100,6 +101,8 @@ class ChatEvent(BaseModel):
     text: str = ""
     thinking: str = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    #: the calls as they are written: per call index, its id and name first, then its arguments piece by piece
+    tool_call_deltas: list[ToolCallDelta] = Field(default_factory=list)
     result: ChatResult | None = None
 
 
@@ -378,13 +381,14 @@ def _events(
             if chunk.done:
                 final = chunk
                 break
-            if not first and (chunk.text or chunk.thinking or chunk.tool_calls):
+            if not first and (chunk.text or chunk.thinking or chunk.tool_calls or chunk.tool_call_deltas):
                 first = time.perf_counter()
             text.append(chunk.text)
             thinking.append(chunk.thinking)
             calls += chunk.tool_calls
-            if chunk.text or chunk.thinking or chunk.tool_calls:
-                yield ChatEvent(text=chunk.text, thinking=chunk.thinking, tool_calls=list(chunk.tool_calls))
+            if chunk.text or chunk.thinking or chunk.tool_calls or chunk.tool_call_deltas:
+                yield ChatEvent(text=chunk.text, thinking=chunk.thinking, tool_calls=list(chunk.tool_calls),
+                                tool_call_deltas=list(chunk.tool_call_deltas))
     finally:
         stream.close()
         sess.close()  # the slot is free for the next agent; the KV stays resident

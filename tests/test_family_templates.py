@@ -50,6 +50,7 @@ FAMILIES = {
     "mistral": ("mistral", False),  # Nemo moves the system text into the last user turn
     "mistral_args": ("mistral_args", True),
     "gpt_oss": ("harmony", True),
+    "deepseek_v3": ("deepseek_v3", True),
     "deepseek_v3_1": ("deepseek_v3_1", True),
 }
 
@@ -146,7 +147,7 @@ def test_gemma3_renders_no_tools_so_they_go_in_the_generic_block() -> None:
 
 
 # --- on the engines -------------------------------------------------------------------------------------------
-ENGINE_FAMILIES = ["qwen3_coder", "llama3", "mistral", "mistral_args", "gpt_oss", "deepseek_v3_1"]
+ENGINE_FAMILIES = ["qwen3_coder", "llama3", "mistral", "mistral_args", "gpt_oss", "deepseek_v3", "deepseek_v3_1"]
 
 
 def _load(engine: str, name: str) -> Any:
@@ -215,3 +216,44 @@ def test_built_in_names_and_the_default_a_vocabulary_selects() -> None:
     assert choose_template(None, "", {"<|start_header_id|>"}.__contains__)[0] == _source("llama3")
     assert choose_template(None, "", set().__contains__) == (CHATML, "ChatML (the model's file has none)")
     assert choose_template(None, "own", gemma_vocab.__contains__) == ("own", "the model's own")
+
+
+def test_deepseek_v3_calls_render_as_the_model_writes_them_and_stream_back() -> None:
+    """Two calls in DeepSeek V3 (0324)'s template: the block it renders, fed back a character at a time, is the
+    same two calls, each streamed with its name first and arguments that join to its own."""
+    tpl, fmt = _template("deepseek_v3"), FORMATS["deepseek_v3"]
+    calls = [ToolCall(id="call_1", function=ToolCallFunction(name="get_weather", arguments=json.dumps({"city": "Paris"}))),
+             ToolCall(id="call_2", function=ToolCallFunction(name="get_weather", arguments=json.dumps({"city": "Oslo"})))]
+    prompt = tpl.render(template_messages(tpl, SYSTEM, _history(calls), fmt), [WEATHER_TOOL], generation=True)
+    begin, end = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    written = prompt[prompt.index(begin) : prompt.index(end) + len(end)]
+    assert "```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n" in written
+    streamer = fmt.streamer()
+    back, deltas = [], []
+    for piece in [*written, None]:
+        content, _, found, d = streamer.feed(piece) if piece is not None else streamer.finish()
+        assert content == ""
+        back, deltas = back + found, deltas + d
+    assert [(c.function.name, c.function.arguments) for c in back] == [(c.function.name, c.function.arguments)
+                                                                        for c in calls]
+    for i, call in enumerate(back):
+        mine = [d for d in deltas if d.index == i]
+        assert mine[0].name == "get_weather" and mine[0].id == call.id and len(mine) > 2
+        assert "".join(d.arguments for d in mine) == call.function.arguments
+
+
+@pytest.mark.slow
+def test_a_marker_the_vocabulary_has_as_one_control_token_is_read_and_rendered_back_as_that_token(engine: str) -> None:
+    """No fixture vocabulary holds a family's tool marker as a control token (the bundled model's and Gemma's hold
+    none), so this is the seam on the one the bundled vocabulary has, ``<|im_start|>``: a control token whose text
+    is a marker is fed to the parser as that text (a control token is otherwise no text), and that text, rendered
+    into the next prompt, is the same single token again; a marker that is not one token is left to the text."""
+    m = _load(engine, "qwen2_5")
+    try:
+        (control,) = m.tokenize("<|im_start|>")
+        pieces = m.marker_pieces(frozenset({"<|im_start|>", "<tool_call>"}))
+        assert pieces == {control: b"<|im_start|>"}
+        assert len(m.tokenize("<tool_call>")) > 1  # not one token here: its pieces are text anyway
+        assert m.tokenize(pieces[control].decode() + "\n") == [control, *m.tokenize("\n")]
+    finally:
+        m.close()

@@ -365,3 +365,52 @@ def test_responses_encrypted_reasoning_reproduces_the_turn(think_front: Front) -
                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And 3 + 4?"}]}]
     second = sdk.responses.create(model="any", input=history, store=False, temperature=0, max_output_tokens=4)
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 4
+
+
+def test_a_streamed_call_comes_as_its_arguments_are_written_in_all_three_apis(front: Front) -> None:
+    """A forced call, streamed: chat completions give its ``function.arguments`` in pieces keyed by the call's
+    index (the first with its id and name), Responses its ``function_call_arguments.delta`` s, Messages its
+    ``input_json_delta`` s; in each the pieces join to the call the reply reports, and there is more than one."""
+    sdk = front.sdk()
+    ask: dict[str, Any] = {"model": "any", "messages": [SYSTEM, {"role": "user", "content": "What does calc.py contain?"}],
+                           "tools": [READ_FILE, RUN_TESTS], "temperature": 0, "max_tokens": 60,
+                           "tool_choice": {"type": "function", "function": {"name": "read_file"}}}
+    entries = []
+    finish = None
+    for chunk in sdk.chat.completions.create(**ask, stream=True):
+        if chunk.choices:
+            entries += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and entries
+    assert {e.index for e in entries} == {0}
+    assert entries[0].id and entries[0].function.name == "read_file" and entries[0].type == "function"
+    assert all(e.id is None and e.function.name is None for e in entries[1:])
+    arguments = "".join(e.function.arguments or "" for e in entries)
+    assert len([e for e in entries if e.function.arguments]) > 1, entries
+    plain = sdk.chat.completions.create(**ask).choices[0].message.tool_calls
+    assert plain and plain[0].function.arguments == arguments and set(json.loads(arguments)) == {"path"}
+
+    shell = {"type": "function", "name": "read_file", "description": "Read a file.",
+             "parameters": READ_FILE["function"]["parameters"]}  # type: ignore[index]
+    base = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Use the tools."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is in calc.py?"}]}]
+    events = list(sdk.responses.create(model="any", input=base, tools=[shell], store=False,
+                                       temperature=0, max_output_tokens=60, stream=True,
+                                       tool_choice={"type": "function", "name": "read_file"}))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    items = [o for o in events[-1].response.output if o.type == "function_call"]
+    assert len(deltas) > 1 and len(done) == 1 and len(items) == 1, [e.type for e in events]
+    assert "".join(deltas) == done[0].arguments == items[0].arguments and set(json.loads(items[0].arguments)) == {"path"}
+
+    read = {"name": "read_file", "description": "Read a file.", "input_schema": READ_FILE["function"]["parameters"]}  # type: ignore[index]
+    with _anthropic(front) as c:
+        stream = c.messages.create(model="claude-haiku-4-5", max_tokens=60, stream=True, tools=[read],
+                                   system=_claude_system(7),
+                                   messages=[{"role": "user", "content": "What is in calc.py?"}],
+                                   tool_choice={"type": "tool", "name": "read_file"}, extra_body={"temperature": 0})
+        got = list(stream)
+    starts = [e for e in got if e.type == "content_block_start" and e.content_block.type == "tool_use"]
+    parts = [e.delta.partial_json for e in got if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert len(starts) == 1 and starts[0].content_block.name == "read_file" and len(parts) > 1, got
+    assert set(json.loads("".join(parts))) == {"path"}

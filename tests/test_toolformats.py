@@ -8,6 +8,7 @@ with the families' published templates, forced calls and their reuse are in ``te
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -170,3 +171,113 @@ def test_detection_from_template_source() -> None:
     assert detect_format("<function={{ name }}>\n<parameter={{ k }}>").name == "qwen3_coder"
     assert detect_format("<|python_tag|>").name == "llama3_json"
     assert detect_format("no tools here").name == "hermes"
+
+
+# --- calls as they are written ----------------------------------------------------------------------------------
+#: the documented forms whose arguments are streamed as they are written (a Mistral list call without its
+#: written id, and Hermes arguments written as a JSON string, come whole: see ``streaming``)
+STREAMED = [(f, r) for f, r, _, _, calls in CASES if calls and not f == "mistral" and '"{\\"' not in r]
+
+
+def _stream(family: str, pieces: list[str]) -> tuple[list[Any], list[Any]]:
+    streamer = FORMATS[family].streamer(TYPES)
+    calls, deltas = [], []
+    for piece in [*pieces, None]:
+        _, _, k, d = streamer.feed(piece) if piece is not None else streamer.finish()
+        calls += k
+        deltas += d
+    return calls, deltas
+
+
+def _check_deltas(calls: list[Any], deltas: list[Any]) -> dict[int, list[Any]]:
+    """Every call's pieces: the first names it (its id and name), the arguments joined are its own, and a call's
+    pieces all come before the next call's first."""
+    by: dict[int, list[Any]] = {}
+    order: list[int] = []
+    for d in deltas:
+        if d.index not in by:
+            assert d.id and d.name, d  # the first piece of a call carries its id and name
+            order.append(d.index)
+        else:
+            assert not d.id and not d.name and order[-1] == d.index, deltas
+        by.setdefault(d.index, []).append(d)
+    assert order == list(range(len(calls)))
+    for i, call in enumerate(calls):
+        assert (by[i][0].id, by[i][0].name) == (call.id, call.function.name)
+        assert "".join(d.arguments for d in by[i]) == call.function.arguments
+    return by
+
+
+@pytest.mark.parametrize(("family", "reply", "content", "reasoning", "calls"), CASES)
+def test_streamed_one_character_at_a_time_the_deltas_are_the_calls(family: str, reply: str, content: str,
+                                                                   reasoning: str, calls: list) -> None:
+    got, deltas = _stream(family, list(reply))
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in got] == calls
+    by = _check_deltas(got, deltas)
+    if (family, reply) in STREAMED:  # the arguments come as the model writes them, not once at the end
+        assert all(len([d for d in pieces if d.arguments]) > 1 for pieces in by.values()), by
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=12))
+@pytest.mark.parametrize(("family", "reply", "content", "reasoning", "calls"), CASES)
+def test_streamed_in_any_chunking_the_deltas_are_the_calls(family: str, reply: str, content: str, reasoning: str,
+                                                           calls: list, cuts: list[int]) -> None:
+    _check_deltas(*_stream(family, _split(reply, cuts)))
+
+
+def test_gemma3s_template_calls_stream_in_the_generic_block_format() -> None:
+    """Gemma 3 renders no tools: its calls are read in the generic (Hermes) block, and stream the same."""
+    from backends.tape.model import model_format
+    from tests.test_family_templates import _template
+
+    fmt, _ = model_format(_template("gemma3"), "")
+    reply = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    streamer = fmt.streamer(TYPES)
+    calls, deltas = [], []
+    for piece in [*reply, None]:
+        _, _, k, d = streamer.feed(piece) if piece is not None else streamer.finish()
+        calls, deltas = calls + k, deltas + d
+    by = _check_deltas(calls, deltas)
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris", "days": 3} and len(by[0]) > 2
+
+
+def test_what_is_held_back_is_what_may_still_change() -> None:
+    """Numbers, literals and escapes wait until they end; whitespace is dropped; the form is json.dumps'."""
+    from backends.tape.toolformats import canonical_prefix
+
+    assert canonical_prefix('{"n": 12') == ('{"n": ', None)
+    assert canonical_prefix('{"n": 12,') == ('{"n": 12, ', None)
+    assert canonical_prefix('{"b": tru') == ('{"b": ', None)
+    assert canonical_prefix('{"s": "a\\') == ('{"s": "a', None)
+    assert canonical_prefix('{"s": "a\\u00') == ('{"s": "a', None)
+    assert canonical_prefix('{"s": "\\ud83d') == ('{"s": "', None)  # half of a pair waits for the other half
+    assert canonical_prefix('{"s": "\\ud83d\\ude00"}') == ('{"s": "\U0001F600"}', 21)
+    assert canonical_prefix(' {"a":[1 ,2.50e1],"b":{}}') == ('{"a": [1, 25.0], "b": {}}', 25)
+    with pytest.raises(ValueError):
+        canonical_prefix('{"a": 01}')
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=st.dictionaries(st.text(max_size=5), _json, max_size=4), ascii_=st.booleans(), indent=st.sampled_from([None, 1]))
+def test_every_prefix_of_a_json_object_gives_the_start_of_its_canonical_form(value: dict, ascii_: bool,
+                                                                            indent: int | None) -> None:
+    """Whatever spelling the model uses (escapes, spacing), what is certain of a prefix is the start of the
+    arguments the parser reports, and the whole gives them all."""
+    from backends.tape.toolformats import canonical_prefix
+
+    written = json.dumps(value, ensure_ascii=ascii_, indent=indent)
+    final = json.dumps(json.loads(written), ensure_ascii=False)
+    last = ""
+    for n in range(len(written) + 1):
+        got, end = canonical_prefix(written[:n])
+        assert final.startswith(got) and got.startswith(last), (written[:n], got)
+        last = got
+    assert (last, end) == (final, len(written))

@@ -6,7 +6,9 @@ identical chunks for identical tokens:
 
     token bytes ─► Utf8Stream ─► StopMatcher ─► ThinkSplitter ─► ToolCallParser ─► chunk
                    (never split   (hold back a   (<think>…</think>   (the model family's
-                    a character)   partial stop)  → thinking)         format → ToolCall,
+                    a character)   partial stop)  → thinking)         format → ToolCall, and
+                                                                      each call as it is written
+                                                                      → ToolCallDelta s,
                                                                       ``toolformats``)
 
 Every stage is incremental: it accepts text in arbitrary pieces and holds back
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contract.errors import UnsupportedFeature
-from contract.types import StreamChunk, ToolCall
+from contract.types import StreamChunk, ToolCall, ToolCallDelta
 
 from .toolformats import ToolFormat, format_named, known_names, partial_suffix_len
 
@@ -205,15 +207,18 @@ class Delta:
     text: str = ""
     thinking: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    #: the calls as they are written (a call's first piece comes before or with the call)
+    tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)
     #: a stop string was reached: the decode loop should stop sampling
     stopped: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.text or self.thinking or self.tool_calls)
+        return bool(self.text or self.thinking or self.tool_calls or self.tool_call_deltas)
 
     def chunk(self, token_ids: list[int] | None = None) -> StreamChunk:
         return StreamChunk(
-            text=self.text, thinking=self.thinking, tool_calls=self.tool_calls, token_ids=token_ids or []
+            text=self.text, thinking=self.thinking, tool_calls=self.tool_calls,
+            tool_call_deltas=self.tool_call_deltas, token_ids=token_ids or [],
         )
 
 
@@ -232,7 +237,7 @@ class OutputPipeline:
         self._utf8 = Utf8Stream()
         self._stop = StopMatcher(stops)
         self._think = ThinkSplitter(start_inside=start_in_thinking) if split_thinking else None
-        self._tools = tool_format.parser(parameter_types) if tool_format is not None else None
+        self._tools = tool_format.streamer(parameter_types) if tool_format is not None else None
         #: the control-token texts the decode must feed as text (the format's markers)
         self.markers: frozenset[str] = frozenset(tool_format.markers) if tool_format is not None else frozenset()
 
@@ -263,12 +268,14 @@ class OutputPipeline:
                 c2, t2 = self._think.finish()
                 content, thinking = content + c2, thinking + t2
         calls: list[ToolCall] = []
+        deltas: list[ToolCallDelta] = []
         if self._tools is not None:
-            content, reasoning, calls = self._tools.feed(content)
+            content, reasoning, calls, deltas = self._tools.feed(content)
             if final or stopped:
-                c3, r3, more = self._tools.finish()
+                c3, r3, more, more_deltas = self._tools.finish()
                 content += c3
                 reasoning += r3
                 calls += more
+                deltas += more_deltas
             thinking += reasoning
-        return Delta(text=content, thinking=thinking, tool_calls=calls, stopped=stopped)
+        return Delta(text=content, thinking=thinking, tool_calls=calls, tool_call_deltas=deltas, stopped=stopped)

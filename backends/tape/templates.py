@@ -9,7 +9,8 @@ goes to ``status`` (``ActiveModel.chat_template``). The template's digest is par
 computed under one template is never reused under another.
 
 Built-in names: ``chatml`` and the families' published templates in ``backends/chat_templates`` (``qwen2_5``,
-``qwen3_coder``, ``llama3``, ``mistral``, ``mistral_args``, ``gpt_oss``, ``deepseek_v3_1``, ``gemma3``). A model
+``qwen3_coder``, ``llama3``, ``mistral``, ``mistral_args``, ``gpt_oss``, ``deepseek_v3``, ``deepseek_v3_1``,
+``gemma3``). A model
 with no template gets the one whose turn tokens its vocabulary holds (Gemma's ``<start_of_turn>``, Llama 3's
 ``<|start_header_id|>``), else ChatML, which is what most instruction-tuned small models were trained on and
 marks every turn unambiguously.

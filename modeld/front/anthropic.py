@@ -48,7 +48,7 @@ from contract.types import FinishReason
 from runtime.chat import ChatResult
 
 from .access import record_of
-from .core import STREAM_SEND_TIMEOUT_S, Serving, Turn, TurnRequest, fill_record
+from .core import STREAM_SEND_TIMEOUT_S, CallPieces, Serving, Turn, TurnRequest, fill_record
 from .errors import ApiError, api_error
 from .openai import call_schemas, tool_choice_options
 
@@ -349,8 +349,9 @@ async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -
         "usage": {"input_tokens": count.prompt_tokens - count.resident_tokens, "cache_creation_input_tokens": 0,
                   "cache_read_input_tokens": count.resident_tokens, "output_tokens": 0}}})
     index = -1
-    open_kind = ""  # the kind of the block being streamed: "text", "thinking" or ""
+    open_kind = ""  # the kind of the block being streamed: "text", "thinking", "tool_use" or ""
     thinking = ""
+    pieces = CallPieces()
 
     def close_block() -> list[dict[str, str]]:
         nonlocal open_kind, thinking
@@ -396,15 +397,16 @@ async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -
                     for e in open_block("text", {"type": "text", "text": ""}):
                         yield e
                 yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": event.text}})
-            for call in event.tool_calls:
-                for e in open_block("tool_use", {"type": "tool_use", "id": _tool_id(call.id), "name": call.function.name,
-                                                 "input": {}}):
-                    yield e
-                arguments = json.dumps(_input_of(call.function.arguments), ensure_ascii=False)
-                yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
-                                                                               "partial_json": arguments}})
-                for e in close_block():
-                    yield e
+            # a call's block opens at its first piece; its input streams as the model writes the arguments (they
+            # are a JSON object, so the partial_json pieces joined are the input), and the next block closes it
+            for piece in pieces.of(event):
+                if piece.id or piece.name:
+                    for e in open_block("tool_use", {"type": "tool_use", "id": _tool_id(piece.id), "name": piece.name,
+                                                     "input": {}}):
+                        yield e
+                if piece.arguments and open_kind == "tool_use":
+                    yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                                   "partial_json": piece.arguments}})
     except ModeldError as exc:
         err = api_error(exc)
         record.error = err.code or "error"

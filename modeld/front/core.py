@@ -28,7 +28,15 @@ import anyio
 from starlette.requests import Request
 
 from contract.errors import ModeldError, Unavailable, WireError
-from contract.types import ActiveModel, DaemonStatus, FinishReason, OpenSessionRequest, SlotState, TokenCount
+from contract.types import (
+    ActiveModel,
+    DaemonStatus,
+    FinishReason,
+    OpenSessionRequest,
+    SlotState,
+    TokenCount,
+    ToolCallDelta,
+)
 from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn
 
 from .access import AccessRecord, record_of
@@ -36,7 +44,7 @@ from .errors import ApiError, api_error
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["FINISH_REASONS", "Serving", "Turn", "TurnRequest"]
+__all__ = ["FINISH_REASONS", "CallPieces", "Serving", "Turn", "TurnRequest"]
 
 log = logging.getLogger("modeld.http")
 
@@ -199,6 +207,41 @@ class Route:
 
     model: str
     switch: bool = False
+
+
+class CallPieces:
+    """A streamed reply's tool calls as every API streams them: per call index, a first piece with the call's id
+    and name, then its arguments as the model writes them (``ChatEvent.tool_call_deltas``). A finished call that
+    no piece announced (a daemon that sends none) comes as one piece of its own. A call's pieces all come before
+    the next call's first one."""
+
+    def __init__(self) -> None:
+        self._index: dict[str, int] = {}  # call id -> its index
+        self._next = 0
+        #: the ids of the calls the reply finished (a call cut short by the reply's end is not among them)
+        self.finished: set[str] = set()
+
+    def of(self, event: ChatEvent) -> list[ToolCallDelta]:
+        out: list[ToolCallDelta] = []
+        for d in event.tool_call_deltas:
+            if d.id:
+                self._index[d.id] = d.index
+                self._next = max(self._next, d.index + 1)
+            if out and out[-1].index == d.index and not d.id:  # (frames merged on the way: one piece per call)
+                out[-1] = out[-1].model_copy(update={"arguments": out[-1].arguments + d.arguments})
+            else:
+                out.append(d)
+        for call in event.tool_calls:
+            self.finished.add(call.id)
+            if call.id and call.id in self._index:
+                continue
+            index = self._next
+            self._next += 1
+            if call.id:
+                self._index[call.id] = index
+            out.append(ToolCallDelta(index=index, id=call.id, name=call.function.name,
+                                     arguments=call.function.arguments))
+        return out
 
 
 class Serving:

@@ -28,11 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
 
 from contract.errors import ModeldError
-from contract.types import EmbedRequest, StructuredOutputConfig
+from contract.types import EmbedRequest, StructuredOutputConfig, ToolCallDelta
 from runtime.chat import ChatResult
 
 from .access import record_of
-from .core import FINISH_REASONS, STREAM_SEND_TIMEOUT_S, Serving, Turn, TurnRequest, fill_record
+from .core import FINISH_REASONS, STREAM_SEND_TIMEOUT_S, CallPieces, Serving, Turn, TurnRequest, fill_record
 from .errors import ApiError, api_error
 
 __all__ = ["ChatCompletionRequest", "call_schemas", "router", "tool_choice_options"]
@@ -337,6 +337,14 @@ def router(serving: Serving) -> APIRouter:
     return r
 
 
+def _call_piece(piece: ToolCallDelta) -> dict[str, Any]:
+    """A ``choices[0].delta.tool_calls`` entry: the first of a call carries its id, type and name."""
+    if piece.id or piece.name:
+        return {"index": piece.index, "id": piece.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": piece.name, "arguments": piece.arguments}}
+    return {"index": piece.index, "function": {"arguments": piece.arguments}}
+
+
 async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, request: Request) -> Any:
     """The reply as ``chat.completion.chunk`` events; an error after the start is an ``error`` event and no
     ``[DONE]`` (the SDK raises it); a disconnect cancels the decode within one token."""
@@ -347,7 +355,7 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, reque
                            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
 
     yield chunk({"role": "assistant", "content": ""})
-    n_calls = 0
+    pieces = CallPieces()
     try:
         async for event in turn.aevents():
             if event.result is not None:
@@ -362,9 +370,9 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, reque
                 delta["content"] = event.text
             if event.thinking:
                 delta["reasoning_content"] = event.thinking
-            if event.tool_calls:
-                delta["tool_calls"] = tool_calls_out(event.tool_calls, n_calls)
-                n_calls += len(event.tool_calls)
+            calls = [_call_piece(p) for p in pieces.of(event)]
+            if calls:
+                delta["tool_calls"] = calls
             if delta:
                 yield chunk(delta)
     except ModeldError as exc:

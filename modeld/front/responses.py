@@ -52,7 +52,7 @@ from contract.types import StructuredOutputConfig
 from runtime.chat import ChatResult
 
 from .access import record_of
-from .core import STREAM_SEND_TIMEOUT_S, Serving, Turn, TurnRequest, fill_record
+from .core import STREAM_SEND_TIMEOUT_S, CallPieces, Serving, Turn, TurnRequest, fill_record
 from .errors import ApiError, api_error
 from .openai import call_schemas, tool_choice_options
 from .stored import ResponseStore
@@ -540,8 +540,9 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
 
     yield event("response.created", response=reply.body())
     yield event("response.in_progress", response=reply.body())
-    current: dict[str, Any] | None = None  # the item being streamed: a message or a reasoning item
+    current: dict[str, Any] | None = None  # the item being streamed: a message, a reasoning item or a call
     text = ""
+    pieces = CallPieces()
 
     def close_current() -> list[dict[str, str]]:
         nonlocal current, text
@@ -549,6 +550,23 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
         if current is None:
             return out
         index = len(reply.output) - 1
+        if current["type"] in ("function_call", "custom_tool_call"):
+            item = reply.call_item(current["name"], text, current["call_id"])
+            item["id"] = current["id"]
+            if current["call_id"] not in pieces.finished:
+                item["status"] = "incomplete"  # the reply ended inside the call: its arguments are cut short
+            reply.output[index] = item
+            if item["type"] == "function_call":
+                out.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                 arguments=item["arguments"]))
+            else:  # a custom tool's input is the text inside the arguments: it goes whole once they are
+                out.append(event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
+                                 delta=item["input"]))
+                out.append(event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                                 input=item["input"]))
+            out.append(event("response.output_item.done", output_index=index, item=item))
+            current, text = None, ""
+            return out
         if current["type"] == "message":
             part = {"type": "output_text", "text": text, "annotations": []}
             current["content"] = [part]
@@ -611,25 +629,24 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
                 text += ev.text
                 yield event("response.output_text.delta", item_id=current["id"] if current else "",
                             output_index=len(reply.output) - 1, content_index=0, delta=ev.text)
-            for call in ev.tool_calls:
-                for e in close_current():
-                    yield e
-                item = reply.call_item(call.function.name, call.function.arguments, call.id)
-                reply.output.append(item)
-                index = len(reply.output) - 1
-                if item["type"] == "function_call":
-                    yield event("response.output_item.added", output_index=index, item={**item, "arguments": ""})
-                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                delta=item["arguments"])
-                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                arguments=item["arguments"])
-                else:
-                    yield event("response.output_item.added", output_index=index, item={**item, "input": ""})
-                    yield event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
-                                delta=item["input"])
-                    yield event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
-                                input=item["input"])
-                yield event("response.output_item.done", output_index=index, item=item)
+            # a call's item opens at its first piece and its arguments stream as the model writes them; the next
+            # item (or the end) closes it with the whole arguments
+            for piece in pieces.of(ev):
+                if piece.id or piece.name:
+                    for e in close_current():
+                        yield e
+                    item = reply.call_item(piece.name, "", piece.id)
+                    item["status"] = "in_progress"
+                    reply.output.append(item)
+                    current = {**item, "name": piece.name}  # the name as the model wrote it (call_item maps it back)
+                    shown = {**item, "arguments": ""} if item["type"] == "function_call" else {**item, "input": ""}
+                    yield event("response.output_item.added", output_index=len(reply.output) - 1, item=shown)
+                if current is None or current["type"] not in ("function_call", "custom_tool_call"):
+                    continue
+                text += piece.arguments
+                if piece.arguments and current["type"] == "function_call":
+                    yield event("response.function_call_arguments.delta", item_id=current["id"],
+                                output_index=len(reply.output) - 1, delta=piece.arguments)
     except ModeldError as exc:
         err = api_error(exc)
         record.error = err.code or "error"

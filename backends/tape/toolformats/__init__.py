@@ -25,6 +25,10 @@ deepseek_v3      ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>functi
                  V3.1: ``<｜tool▁call▁begin｜>N<｜tool▁sep｜>{…}<｜tool▁call▁end｜>``
 ===============  ============================================================  ===========================
 
+Every parser also shows the calls it is reading (``CallParser.partial``), so a reply's calls stream as they
+are written: ``ToolFormat.streamer`` gives each call's id and name once known, then its arguments piece by
+piece, the pieces joined being the finished call's arguments (``streaming``).
+
 The Hermes parser also reads the Qwen3-Coder XML body (both open with ``<tool_call>``), so a model
 of either family is understood whichever is detected. A block that does not parse is given back as
 content, never dropped and never an error.
@@ -41,7 +45,17 @@ from typing import Any
 
 from contract.errors import InvalidArgument
 
-from .families import HarmonyParser, Llama3Parser, deepseek_body, hermes_body, mistral_body, mistral_id
+from .families import (
+    HarmonyParser,
+    Llama3Parser,
+    deepseek_body,
+    deepseek_partial,
+    hermes_body,
+    hermes_partial,
+    mistral_body,
+    mistral_id,
+    mistral_partial,
+)
 from .forced import (
     Args,
     CallId,
@@ -58,16 +72,20 @@ from .forced import (
     xml_forced,
 )
 from .parsing import BlockParser, CallParser, IdFactory, default_id, parse_json_call, partial_suffix_len
+from .streaming import CallStreamer, Partial, canonical_prefix
 
 __all__ = [
     "Args",
     "CallId",
     "CallParser",
+    "CallStreamer",
     "FORMATS",
     "Lit",
+    "Partial",
     "Piece",
     "Text",
     "ToolFormat",
+    "canonical_prefix",
     "detect_format",
     "format_named",
     "known_names",
@@ -102,20 +120,25 @@ class ToolFormat:
     def parser(self, types: dict[str, dict[str, Any]] | None = None) -> CallParser:
         return self.make_parser(types)
 
+    def streamer(self, types: dict[str, dict[str, Any]] | None = None) -> CallStreamer:
+        """A parser whose calls also come as ``ToolCallDelta`` s, arguments piece by piece (``streaming``)."""
+        return CallStreamer(self.make_parser(types))
+
     def forced_pieces(self, name: str, schema: dict[str, Any]) -> list[Piece]:
         return self.forced(name, schema)
 
 
 def _hermes(types: dict[str, dict[str, Any]] | None) -> CallParser:
-    return BlockParser("<tool_call>", "</tool_call>", hermes_body(types))
+    return BlockParser("<tool_call>", "</tool_call>", hermes_body(types), partial=hermes_partial(types))
 
 
 def _mistral(types: dict[str, dict[str, Any]] | None) -> CallParser:
-    return BlockParser("[TOOL_CALLS]", "", mistral_body, ids=mistral_id)
+    return BlockParser("[TOOL_CALLS]", "", mistral_body, ids=mistral_id, partial=mistral_partial)
 
 
 def _deepseek(types: dict[str, dict[str, Any]] | None) -> CallParser:
-    return BlockParser("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", deepseek_body, end_closes=True)
+    return BlockParser("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", deepseek_body, end_closes=True,
+                       partial=deepseek_partial)
 
 
 _DS_MARKERS = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import string
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from contract.types import ToolCall
 
@@ -15,13 +16,24 @@ from .parsing import (
     CallParser,
     IdFactory,
     as_object,
+    is_text_kind,
     json_calls,
     json_values,
     make_call,
     parse_json_call,
     parse_xml_call,
     partial_suffix_len,
+    xml_value,
 )
+from .streaming import Partial, canonical_prefix, json_call_partial
+
+_ARGS_KEYS = ("arguments", "parameters")
+
+
+class _Ids(Protocol):
+    def upcoming_id(self, k: int = 0) -> str: ...
+
+_LLAMA_KEYS = ("parameters", "arguments")
 
 
 def hermes_body(types: dict[str, dict[str, Any]] | None) -> Callable[[str, CallParser], list[ToolCall] | None]:
@@ -34,6 +46,102 @@ def hermes_body(types: dict[str, dict[str, Any]] | None) -> Callable[[str, CallP
         return [call]
 
     return body
+
+
+_XML_OPEN = re.compile(r"<function=([^>\n]+)>")
+_XML_PARAM_OPEN = re.compile(r"<parameter=([^>\n]+)>")
+_XML_CLOSE = "</parameter>"
+
+
+def _xml_arguments(s: str, types: dict[str, dict[str, Any]] | None) -> tuple[str, str] | None:
+    """A Qwen3-Coder call being written: its name and the certain part of its arguments as JSON (a string
+    parameter's text as it comes, less what may still be the line break before ``</parameter>``; any other
+    value once its parameter closes); None until the name is known."""
+    m = _XML_OPEN.match(s)
+    if m is None:
+        return None
+    name = m.group(1).strip()
+    kinds = (types or {}).get(name, {})
+    out = ["{"]
+    pos = m.end()
+    while (pm := _XML_PARAM_OPEN.search(s, pos)) is not None:
+        key = pm.group(1).strip()
+        out.append((", " if len(out) > 1 else "") + json.dumps(key, ensure_ascii=False) + ": ")
+        close = s.find(_XML_CLOSE, pm.end())
+        raw = s[pm.end() : close if close >= 0 else len(s)]
+        if close >= 0:  # as parse_xml_call reads it: one line break either side is the layout
+            value = raw[1:] if raw.startswith("\n") else raw
+            value = value[:-1] if value.endswith("\n") else value
+            out.append(json.dumps(xml_value(value, kinds.get(key)), ensure_ascii=False))
+            pos = close + len(_XML_CLOSE)
+            continue
+        if is_text_kind(kinds.get(key)):  # a string parameter: its text goes out as it comes
+            out.append('"')
+            if raw:
+                value = raw[1:] if raw.startswith("\n") else raw
+                hold = partial_suffix_len(value, ["\n" + _XML_CLOSE, _XML_CLOSE])
+                out.append(json.dumps(value[: len(value) - hold], ensure_ascii=False)[1:-1])
+        break
+    return name, "".join(out)
+
+
+def hermes_partial(types: dict[str, dict[str, Any]] | None) -> Callable[[str, CallParser], list[Partial]]:
+    def partial(inner: str, parser: CallParser) -> list[Partial]:
+        s = inner.lstrip()
+        if s.startswith("<function="):
+            found = _xml_arguments(s, types)
+            return [] if found is None else [Partial(parser.upcoming_id(), found[0], found[1])]
+        if not s.startswith("{"):
+            return []
+        so_far = json_call_partial(s, 0, _ARGS_KEYS)
+        return [Partial(parser.upcoming_id(), so_far.name, so_far.arguments or "")] if so_far.name else []
+
+    return partial
+
+
+def json_calls_partial(text: str, parser: _Ids, args_keys: tuple[str, ...], *,
+                       written_ids: bool) -> list[Partial]:
+    """Calls written as JSON objects, or lists of them, separated by ``;`` or whitespace (as ``json_calls``
+    reads them), as far as they are written. With ``written_ids`` a call is shown once its model-written
+    ``"id"`` is read or its object ends without one (the id it gets depends on it)."""
+    out: list[Partial] = []
+    k = 0  # calls so far that get an id of ours
+    i, n = 0, len(text)
+    while True:
+        while i < n and (text[i].isspace() or text[i] == ";"):
+            i += 1
+        if i >= n:
+            return out
+        listed = text[i] == "["
+        if listed:
+            i += 1
+        while True:
+            while i < n and text[i].isspace():
+                i += 1
+            if i >= n:
+                return out
+            if listed and text[i] == "]":
+                i += 1
+                break
+            so_far = json_call_partial(text, i, args_keys, written_id=written_ids)
+            if not so_far.name or (written_ids and so_far.id is None and so_far.end is None):
+                return out
+            if written_ids and so_far.id:
+                call_id = so_far.id
+            else:
+                call_id = parser.upcoming_id(k)
+                k += 1
+            out.append(Partial(call_id, so_far.name, so_far.arguments or "",
+                               complete=so_far.arguments_done or so_far.end is not None))
+            if so_far.end is None:
+                return out
+            i = so_far.end
+            if not listed:
+                break
+            while i < n and text[i].isspace():
+                i += 1
+            if i < n and text[i] == ",":
+                i += 1
 
 
 class Llama3Parser(CallParser):
@@ -61,7 +169,19 @@ class Llama3Parser(CallParser):
         self._count = value
 
     def _calls(self, inner: str, parser: CallParser) -> list[ToolCall] | None:
-        return json_calls(inner, parser.next_id, ("parameters", "arguments"))
+        return json_calls(inner, parser.next_id, _LLAMA_KEYS, written_ids=False)
+
+    def partial(self) -> list[Partial]:
+        if self._mode == "json":
+            text = self._lead
+        elif self._mode == "text" and self._tagged.inside:
+            text = self._tagged.held[len(self.TAG) :]
+        else:
+            return []
+        try:  # (every id comes from this parser: the tagged one asks it for each)
+            return json_calls_partial(text, self, _LLAMA_KEYS, written_ids=False)
+        except ValueError:
+            return []
 
     def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
         if self._mode == "json":
@@ -84,9 +204,9 @@ class Llama3Parser(CallParser):
         if self._mode == "json":
             lead, self._lead = self._lead, ""
             made = self._made
-            calls = json_calls(lead, self.next_id, ("parameters", "arguments"))
+            calls = json_calls(lead, self.next_id, _LLAMA_KEYS, written_ids=False)
             if calls is None:
-                self._made = made
+                self.take_back_ids(made)
                 return lead, "", []
             self.count += len(calls)
             return "", "", calls
@@ -129,6 +249,38 @@ def mistral_body(inner: str, parser: CallParser) -> list[ToolCall] | None:
     return calls or None
 
 
+def mistral_partial(inner: str, parser: CallParser) -> list[Partial]:
+    out: list[Partial] = []
+    for piece in inner.split("[TOOL_CALLS]"):
+        if not piece.strip():
+            continue
+        m = _MISTRAL_ARGS.match(piece)
+        if m is not None:
+            rest = piece[m.end() :]
+            args, end = canonical_prefix(rest) if rest.lstrip().startswith("{") else ("", None)
+            out.append(Partial(parser.upcoming_id(len(out)), m.group(1), args, complete=end is not None))
+            continue
+        if not piece.lstrip().startswith(("[", "{")):
+            return out  # a name still being written, or not a call
+        # (the ids of ours in this piece come after those of the pieces before it)
+        shift = len(out)
+        more = json_calls_partial(piece, _Shifted(parser, shift), _ARGS_KEYS, written_ids=True)
+        out += more
+        return out
+    return out
+
+
+class _Shifted:
+    """A parser's upcoming ids from the ``shift``-th on (the calls before are in earlier pieces)."""
+
+    def __init__(self, parser: CallParser, shift: int) -> None:
+        self._parser = parser
+        self._shift = shift
+
+    def upcoming_id(self, k: int = 0) -> str:
+        return self._parser.upcoming_id(self._shift + k)
+
+
 _DS_CALL = re.compile(
     r"<｜tool▁call▁begin｜>\s*(?:function\s*<｜tool▁sep｜>\s*(?P<name1>[^\n<]+?)\s*\n```(?:json)?\s*\n(?P<args1>.*?)\n```"
     r"|(?P<name2>[^<]+?)\s*<｜tool▁sep｜>\s*(?P<args2>.*?))\s*<｜tool▁call▁end｜>",
@@ -151,6 +303,33 @@ def deepseek_body(inner: str, parser: CallParser) -> list[ToolCall] | None:
     if inner[pos:].strip() or not calls:
         return None
     return calls
+
+
+_DS_BEGIN = "<｜tool▁call▁begin｜>"
+_DS_V3_HEAD = re.compile(r"\s*function\s*<｜tool▁sep｜>\s*([^\n<]+?)\s*\n")
+_DS_V3_FENCE = re.compile(r"```(?:json)?\s*\n")
+_DS_V31_HEAD = re.compile(r"\s*([^<]+?)\s*<｜tool▁sep｜>")
+
+
+def deepseek_partial(inner: str, parser: CallParser) -> list[Partial]:
+    out: list[Partial] = []
+    for seg in inner.split(_DS_BEGIN)[1:]:
+        seg = seg.split("<｜tool▁call▁end｜>")[0]
+        m = _DS_V3_HEAD.match(seg)
+        if m is not None:
+            fence = _DS_V3_FENCE.match(seg, m.end())
+            start = fence.end() if fence is not None else -1
+        elif seg.lstrip().startswith("function"):
+            return out  # V3's head, its name not yet whole
+        elif (m := _DS_V31_HEAD.match(seg)) is not None:
+            start = m.end()
+        else:
+            return out
+        args, end = "", None
+        if start >= 0 and seg[start:].lstrip().startswith("{"):
+            args, end = canonical_prefix(seg, start)
+        out.append(Partial(parser.upcoming_id(len(out)), m.group(1).strip(), args, complete=end is not None))
+    return out
 
 
 class HarmonyParser(CallParser):
@@ -221,6 +400,20 @@ class HarmonyParser(CallParser):
             buf = buf[at + len(marker) :]
             self._marker(marker, out)
         return "".join(content), "".join(reasoning), calls
+
+    def partial(self) -> list[Partial]:
+        if self._state != "body" or self._sink != "call":
+            return []
+        m = self._TO.search(self._header)
+        if m is None:
+            return []
+        args = ""
+        if self._body.lstrip().startswith("{"):
+            try:
+                args = canonical_prefix(self._body)[0]
+            except ValueError:
+                return []
+        return [Partial(self.upcoming_id(), m.group(1), args)]
 
     def _take(self, piece: str, out: tuple[list[str], list[str], list[ToolCall]]) -> None:
         if not piece:

@@ -10,6 +10,8 @@ from typing import Any
 
 from contract.types import ToolCall, ToolCallFunction
 
+from .streaming import Partial
+
 IdFactory = Callable[[int], str]
 
 
@@ -70,9 +72,14 @@ _XML_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.D
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-def _xml_value(raw: str, kind: Any) -> Any:
+def is_text_kind(kind: Any) -> bool:
+    """Whether a Qwen3-Coder parameter of this schema type is kept as its text."""
+    return kind in (None, "string") or (isinstance(kind, list) and "string" in kind)
+
+
+def xml_value(raw: str, kind: Any) -> Any:
     """A Qwen3-Coder parameter's text as the value its schema type names (text when it names none)."""
-    if kind in (None, "string") or (isinstance(kind, list) and "string" in kind):
+    if is_text_kind(kind):
         return raw
     try:
         return json.loads(raw)
@@ -92,7 +99,7 @@ def parse_xml_call(body: str, call_id: str, types: dict[str, dict[str, Any]] | N
     name = m.group(1).strip()
     inner = m.group(2)
     kinds = (types or {}).get(name, {})
-    args = {k.strip(): _xml_value(v, kinds.get(k.strip())) for k, v in _XML_PARAMETER.findall(inner)}
+    args = {k.strip(): xml_value(v, kinds.get(k.strip())) for k, v in _XML_PARAMETER.findall(inner)}
     if _XML_PARAMETER.sub("", inner).strip():
         return None  # text between parameters: not a call this parser understands
     return make_call(call_id, name, args)
@@ -116,8 +123,10 @@ def json_values(text: str) -> list[Any] | None:
         out.append(value)
 
 
-def json_calls(text: str, next_id: Callable[[], str], args_keys: Sequence[str]) -> list[ToolCall] | None:
-    """Calls written as JSON objects or lists of objects; None when any of it is not a call."""
+def json_calls(text: str, next_id: Callable[[], str], args_keys: Sequence[str], *,
+               written_ids: bool = True) -> list[ToolCall] | None:
+    """Calls written as JSON objects or lists of objects; None when any of it is not a call. A model-written
+    ``"id"`` is kept where ``written_ids`` (Mistral: its template renders it back)."""
     values = json_values(text)
     if not values:
         return None
@@ -127,7 +136,7 @@ def json_calls(text: str, next_id: Callable[[], str], args_keys: Sequence[str]) 
             call = parse_json_call(item, "", args_keys=args_keys)
             if call is None:
                 return None
-            if not call.id:
+            if not call.id or not written_ids:
                 call.id = next_id()
             calls.append(call)
     return calls
@@ -138,18 +147,38 @@ class CallParser:
     """The incremental reader of one family's replies: ``feed`` → (content, reasoning, calls).
 
     Feeding the same text in any chunking gives the same concatenated output; ``finish`` releases
-    whatever is still held. ``count`` is the number of calls returned so far.
+    whatever is still held. ``count`` is the number of calls returned so far. ``partial`` shows the calls
+    being written (``streaming``): an id shown there is the id the finished call gets.
     """
 
     def __init__(self, ids: IdFactory | None = None) -> None:
         self._ids = ids or default_id
         self._made = 0  # ids handed out
+        self._memo: dict[int, str] = {}  # the n-th id, once asked for (shown while a call is written)
         self.count = 0
 
+    def id_at(self, n: int) -> str:
+        if n not in self._memo:
+            self._memo[n] = self._ids(n)
+        return self._memo[n]
+
     def next_id(self) -> str:
-        call_id = self._ids(self._made)
+        call_id = self.id_at(self._made)
         self._made += 1
         return call_id
+
+    def upcoming_id(self, k: int = 0) -> str:
+        """The id the ``k``-th call from now gets."""
+        return self.id_at(self._made + k)
+
+    def take_back_ids(self, made: int) -> None:
+        """Ids handed out to a block that did not parse are taken back; any it showed are not handed out again."""
+        self._made = made
+        self._memo = {n: v for n, v in self._memo.items() if n < made}
+
+    def partial(self) -> list[Partial]:
+        """The calls being written now whose name is known (none, for a parser that does not show them)."""
+        return []
 
     def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
         raise NotImplementedError
@@ -173,8 +202,10 @@ class BlockParser(CallParser):
         *,
         end_closes: bool = False,
         ids: IdFactory | None = None,
+        partial: Callable[[str, CallParser], list[Partial]] | None = None,
     ) -> None:
         super().__init__(ids)
+        self._partial = partial
         self._open = open_tag
         self._close = close_tag
         self._body = body
@@ -186,10 +217,27 @@ class BlockParser(CallParser):
         made = self._made
         calls = self._body(inner, self)
         if calls is None:
-            self._made = made  # ids handed out to a block that did not parse are taken back
+            self.take_back_ids(made)
             return block, []
         self.count += len(calls)
         return "", calls
+
+    @property
+    def inside(self) -> bool:
+        """Whether a block is open (its text so far is ``held``)."""
+        return self._inside
+
+    @property
+    def held(self) -> str:
+        return self._held
+
+    def partial(self) -> list[Partial]:
+        if not self._inside or self._partial is None:
+            return []
+        try:
+            return self._partial(self._held[len(self._open) :], self)
+        except ValueError:
+            return []  # not a call as far as it goes: nothing is shown, the block decides at its end
 
     def feed(self, text: str) -> tuple[str, str, list[ToolCall]]:
         buf = self._held + text
