@@ -178,3 +178,35 @@ def test_serve_model_ref_pulls_only_when_told(tmp_path: Path, monkeypatch: pytes
             assert st.active.path.endswith("tiny-Q8_0.gguf")  # type: ignore[attr-defined]
             assert [m.id for m in f.sdk().models.list()] == ["tiny", "tiny:q8_0"]
         assert [m.name for m in ModelStore(tmp_path / "pulled" / "data" / "models").models()] == ["tiny:q8_0"]
+
+
+@pytest.mark.llama
+def test_a_real_engine_switches_between_two_stored_models_by_name(tmp_path: Path) -> None:
+    """llama.cpp serving the bundled SmolLM2 from the store; a request for the stored Gemma 3 270M switches the
+    slot to it and Gemma answers; a broken stored model refused on the way keeps the working model serving."""
+    pytest.importorskip("llama_cpp")
+    from backends.bundled import bundled_gguf_path, gemma_gguf_path
+
+    smol, gemma = bundled_gguf_path(), gemma_gguf_path()
+    broken = tmp_path / "src" / "broken-Q4_1.gguf"
+    broken.parent.mkdir(parents=True)
+    data = smol.read_bytes()
+    broken.write_bytes(data.replace(b"output_norm.weight", b"output_norm.weighX"))  # plans, then llama.cpp refuses
+    stock(tmp_path, {"smol": smol, "gemma": gemma, "broken": broken})
+    f = Front(tmp_path, backend="llama")
+    f.daemon.extra[:0] = ["--model", "smol", "--cache-ram", "0", "--cache-disk", "0"]
+    with f:
+        sdk = f.sdk()
+        assert [m.id for m in sdk.models.list()][:1] == ["smol"]
+        ask = [{"role": "user", "content": "Name a colour."}]
+        first = sdk.chat.completions.create(model="smol", messages=ask, max_tokens=8, temperature=0)
+        assert first.model == "smol" and first.usage.completion_tokens > 0
+        other = sdk.chat.completions.create(model="gemma", messages=ask, max_tokens=8, temperature=0)
+        st = status(f)
+        assert other.model == "gemma" and other.usage.completion_tokens > 0
+        assert st.active.model_name == "gemma" and st.active.path.endswith(gemma.name)  # type: ignore[attr-defined]
+        with pytest.raises(openai.InternalServerError, match="ModelLoadFailed"):
+            sdk.chat.completions.create(model="broken", messages=ask, max_tokens=4)
+        assert status(f).active.model_name == "gemma"  # type: ignore[attr-defined]
+        back = sdk.chat.completions.create(model="smol", messages=ask, max_tokens=8, temperature=0)
+        assert back.model == "smol" and back.choices[0].message.content == first.choices[0].message.content
