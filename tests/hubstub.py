@@ -38,6 +38,8 @@ class Hub:
     cut_after: dict[str, tuple[int, int]] = field(default_factory=dict)
     corrupt: set[str] = field(default_factory=set)
     requests: list[tuple[str, str]] = field(default_factory=list)
+    #: the Authorization header of every request ("" when none)
+    auth: list[str] = field(default_factory=list)
     url: str = ""
 
     def info(self, repo_id: str) -> dict:
@@ -73,6 +75,7 @@ def _handler(hub: Hub) -> type[BaseHTTPRequestHandler]:
             self.do_GET()
 
         def do_GET(self) -> None:  # noqa: N802
+            hub.auth.append(self.headers.get("Authorization", ""))
             path = unquote(urlparse(self.path).path)
             if path.startswith("/api/models/"):
                 rest = path[len("/api/models/"):]

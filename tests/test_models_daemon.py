@@ -143,6 +143,21 @@ def test_ls_and_rm_know_the_loaded_model(two: Front) -> None:
     assert two.sdk().chat.completions.create(model="alpha", messages=HI, max_tokens=1).model == "alpha"
 
 
+def test_load_ref_pull_fetches_then_loads_by_name(two: Front) -> None:
+    hub = Hub(repos={"acme/Third-GGUF": Repo({"third-Q4_0.gguf": b"GGUF" + os.urandom(3000)})})
+    with HubServer(hub):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "MODELD_ENDPOINT": two.daemon.endpoint,
+               "MODELD_DATA_DIR": str(two.daemon.tmp / "data"), "HF_ENDPOINT": hub.url}
+        out = subprocess.run([sys.executable, "-m", "modeld", "load", "acme/Third-GGUF:Q4_0", "--pull"],
+                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert status(two).active.model_name == "third:q4_0"  # type: ignore[attr-defined]
+        again = subprocess.run([sys.executable, "-m", "modeld", "load", "acme/Third-GGUF:Q4_0", "--pull"],
+                               capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+        assert again.returncode == 0 and len(hub.requests) == 1  # in the store already: nothing fetched again
+    ModelStore(two.daemon.tmp / "data" / "models").remove("third:q4_0")
+
+
 def test_switch_on_request_off_refuses_with_the_names(tmp_path: Path) -> None:
     stock(tmp_path, fake_ggufs(tmp_path, "alpha", "beta"))
     f = Front(tmp_path, "--switch-on-request", "off")

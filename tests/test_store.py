@@ -275,3 +275,9 @@ def test_the_listing_follows_the_store_on_disk(tmp_path: Path) -> None:
     b.set_alias("short", b.models()[0].name)
     assert a.find("short") is not None
     assert store_mod.check_name("Coder:Q4") == "coder:q4"
+
+
+def test_hf_token_is_sent_with_every_request(hub: Hub, store: ModelStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_test_token")
+    pull(store, f"{REPO}:Q4_K_M", endpoint=hub.url, log=quiet)
+    assert hub.auth and set(hub.auth) == {"Bearer hf_test_token"}
