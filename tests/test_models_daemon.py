@@ -225,3 +225,39 @@ def test_a_real_engine_switches_between_two_stored_models_by_name(tmp_path: Path
         assert status(f).active.model_name == "gemma"  # type: ignore[attr-defined]
         back = sdk.chat.completions.create(model="smol", messages=ask, max_tokens=8, temperature=0)
         assert back.model == "smol" and back.choices[0].message.content == first.choices[0].message.content
+
+
+class _Pool:
+    """Just enough of ``ClientPool`` for ``Serving.route``: a client whose status is ``st``."""
+
+    def __init__(self, st: object) -> None:
+        self.st = st
+
+    def client(self) -> object:
+        import contextlib
+
+        pool = self
+
+        class _C:
+            def status(self) -> object:
+                return pool.st
+
+        return contextlib.nullcontext(_C())
+
+
+@pytest.mark.parametrize("requested, want", [
+    ("SmolLM2.Q4_1.gguf", ("SmolLM2.Q4_1.gguf", True)),   # the loaded model, by its own (mixed-case) name
+    ("smollm2.q4_1.gguf", ("SmolLM2.Q4_1.gguf", True)),   # names are matched without case
+    ("coder", ("qwen:q4_k_m", True)),                      # a store alias: the model it leads to, switching
+    ("Qwen:Q4_K_M", ("qwen:q4_k_m", True)),
+    ("gpt-4o", ("SmolLM2.Q4_1.gguf", False)),              # unknown: whatever is loaded, no name sent
+    ("", ("SmolLM2.Q4_1.gguf", False)),
+])
+def test_route_decisions(requested: str, want: tuple[str, bool]) -> None:
+    from contract.types import ActiveModel, DaemonStatus, SlotState
+    from modeld.front.core import Serving
+
+    st = DaemonStatus(state=SlotState.READY, active=ActiveModel(model_name="SmolLM2.Q4_1.gguf"),
+                      models={"names": ["qwen:q4_k_m", "SmolLM2.Q4_1.gguf"], "aliases": {"coder": "qwen:q4_k_m"}})
+    route = Serving(_Pool(st), queue_timeout_s=1).route(requested)  # type: ignore[arg-type]
+    assert (route.model, route.switch) == want

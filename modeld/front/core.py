@@ -306,12 +306,13 @@ class Serving:
         known = st.models or {}
         stored_aliases: dict[str, str] = dict(known.get("aliases") or {})
         names: list[str] = list(known.get("names") or [])
-        canonical = stored_aliases.get(target.lower(), target.lower())
+        by_lower = {n.lower(): n for n in names}  # the store's names are lower case, a preloaded file's may not be
+        canonical = by_lower.get(stored_aliases.get(target.lower(), target.lower()), "")
         loaded = st.active.model_name if st.active is not None else ""
         if target in _ANY_MODEL or target == loaded:
             self._check_loaded(st)
-            return Route(loaded, switch=target == loaded and (loaded in names or loaded.lower() in names))
-        if canonical in names:
+            return Route(loaded, switch=target == loaded and loaded in names)
+        if canonical:
             if canonical == loaded:
                 return Route(loaded, switch=True)
             if not self.switch_on_request:
