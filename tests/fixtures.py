@@ -182,3 +182,70 @@ def truncated_gguf(src: Path, dest: Path, keep_fraction: float = 0.5) -> Path:
     with src.open("rb") as fin, dest.open("wb") as fout:
         fout.write(fin.read(int(size * keep_fraction)))
     return dest
+
+
+#: control tokens of Mistral's Tekken vocabulary (Ministral 3 / Devstral, ``tekken.json``) that the
+#: ``mistral_args`` template writes, each one token of type CONTROL there
+MISTRAL_CONTROL_TOKENS = ("[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                          "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[ARGS]",
+                          "[THINK]", "[/THINK]")
+
+
+def control_marker_gguf(cache_dir: Path | None = None) -> Path:
+    """The bundled GGUF with a Mistral vocabulary's markers as control tokens and the ``mistral_args`` template.
+
+    No bundled model has a tool-call marker as a control token, as Mistral's, Llama 3's and gpt-oss's
+    vocabularies do. The bundled SmolLM2 vocabulary has 14 control tokens the model never uses in chat
+    (ids 3-16: ``<repo_name>``, ``<filename>``, the ``<jupyter_…>`` ones); this copy gives the first twelve
+    the texts of ``MISTRAL_CONTROL_TOKENS`` (type CONTROL kept, weights unchanged) and carries the
+    ``mistral_args`` template, so ``[TOOL_CALLS]`` and ``[ARGS]`` are single control tokens as in Devstral's
+    file. Written once into the model cache with the ``gguf`` package (~3 s).
+    """
+    from backends.tape.templates import TEMPLATE_DIR
+
+    template = (TEMPLATE_DIR / "mistral_args.jinja").read_text(encoding="utf-8")
+    src = bundled_gguf_path()
+    st = src.stat()
+    key = hashlib.sha256(
+        f"{template}\0{MISTRAL_CONTROL_TOKENS}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out_dir = cache_dir or fixture_dir()
+    dest = out_dir / f"smollm2-135m-mistral-vocab-{key}.gguf"
+    if dest.is_file():
+        return dest
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / f".{dest.name}.{os.getpid()}.tmp"
+    try:
+        proc = subprocess.run([sys.executable, "-c", _RENAME_TOKENS, str(src), str(tmp), template,
+                               *MISTRAL_CONTROL_TOKENS], capture_output=True, text=True, timeout=300, check=False)
+        if proc.returncode != 0 or not tmp.is_file():
+            raise RuntimeError(f"renaming the control tokens failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
+#: argv: source, destination, chat template, then the new texts of control tokens 3, 4, …
+_RENAME_TOKENS = r"""
+import sys
+import gguf
+from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+src, dest, template, names = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+reader = gguf.GGUFReader(src)
+field = reader.fields[gguf.Keys.Tokenizer.LIST]
+tokens = list(field.contents())
+kinds = reader.fields[gguf.Keys.Tokenizer.TOKEN_TYPE].contents()
+first = 3
+for i, name in enumerate(names, first):
+    if kinds[i] != gguf.TokenType.CONTROL or name in tokens:
+        sys.exit(f"token {i} ({tokens[i]!r}) is not a spare control token, or {name!r} is taken")
+    tokens[i] = name
+arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+writer = gguf.GGUFWriter(dest, arch=arch, endianess=reader.endianess)
+new = {
+    gguf.Keys.Tokenizer.LIST: MetadataDetails(gguf.GGUFValueType.ARRAY, tokens, sub_type=gguf.GGUFValueType.STRING),
+    gguf.Keys.Tokenizer.CHAT_TEMPLATE: MetadataDetails(gguf.GGUFValueType.STRING, template),
+}
+copy_with_new_metadata(reader, writer, new, [])
+"""

@@ -146,23 +146,46 @@ def test_gemma3_renders_no_tools_so_they_go_in_the_generic_block() -> None:
     assert fmt.name == "hermes" and "generic block" in why
 
 
+def test_both_engines_grammars_write_a_control_token_marker_as_a_token_reference() -> None:
+    """The forced call's grammar on each engine: a marker given with its control token id is a token reference,
+    ``<[ID]>``, the rest of the literal text stays text; with no ids the markers are text as before."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("llguidance")
+    from backends.llama.sampling import tool_call_gbnf
+    from backends.openvino.guidance import tool_call_lark
+
+    fmt = FORMATS["mistral_args"]
+    schema = json.dumps(CITY_TOOL["function"]["parameters"])  # type: ignore[index]
+    ids = {"[TOOL_CALLS]": 9, "[ARGS]": 12}
+    gbnf = tool_call_gbnf({"get_weather": schema}, fmt, ids).splitlines()
+    assert "call0 ::= <[9]> \"get_weather\" <[12]> args0-1" in gbnf, gbnf
+    lark = tool_call_lark({"get_weather": schema}, fmt, ids).splitlines()
+    assert "call0: <[9]> \"get_weather\" <[12]> args0_1" in lark, lark
+    assert 'call0 ::= "[TOOL_CALLS]get_weather[ARGS]" args0-1' in tool_call_gbnf({"get_weather": schema}, fmt)
+
+
 # --- on the engines -------------------------------------------------------------------------------------------
 ENGINE_FAMILIES = ["qwen3_coder", "llama3", "mistral", "mistral_args", "gpt_oss", "deepseek_v3", "deepseek_v3_1"]
 
 
-def _load(engine: str, name: str) -> Any:
+def _load(engine: str, name: str, path: str = "", *, speculative: bool = True) -> Any:
+    """The bundled model (or the GGUF at ``path``) under the family template ``name`` ("": the file's own).
+
+    Without ``speculative`` the load measures no draft costs: they are kept per model digest, so a fixture
+    no other test loads would pay that measurement on every fresh cache."""
     from backends.bundled import bundled_gguf_path
 
-    config = Config(num_ctx=2048, chat_template=str(TEMPLATES / f"{name}.jinja"))
+    config = Config(num_ctx=2048, chat_template=str(TEMPLATES / f"{name}.jinja") if name else "")
     if engine == "llama":
         from backends.llama import LlamaBackend
 
-        backend: Any = LlamaBackend()
+        backend: Any = LlamaBackend(speculative=speculative)
     else:
         from backends.openvino import OpenVINOBackend
 
-        backend = OpenVINOBackend()
-    return backend.load(OpenSessionRequest(path=str(bundled_gguf_path()), type=engine, config=config), lambda _f: None)
+        backend = OpenVINOBackend(speculative=speculative)
+    return backend.load(OpenSessionRequest(path=path or str(bundled_gguf_path()), type=engine, config=config),
+                        lambda _f: None)
 
 
 @pytest.fixture(params=["llama", "openvino"])
@@ -255,5 +278,50 @@ def test_a_marker_the_vocabulary_has_as_one_control_token_is_read_and_rendered_b
         assert pieces == {control: b"<|im_start|>"}
         assert len(m.tokenize("<tool_call>")) > 1  # not one token here: its pieces are text anyway
         assert m.tokenize(pieces[control].decode() + "\n") == [control, *m.tokenize("\n")]
+    finally:
+        m.close()
+
+
+@pytest.mark.slow
+def test_a_forced_call_decodes_a_marker_the_vocabulary_has_as_a_control_token_as_that_token(engine: str) -> None:
+    """A Mistral-style vocabulary (``control_marker_gguf``: the bundled weights, ``[TOOL_CALLS]`` and ``[ARGS]``
+    control tokens as in Devstral's, the ``mistral_args`` template in the file): the forced call's grammar
+    writes each marker as its control token, so the decode holds that token, never the marker's text in
+    ordinary tokens; the call parses, and the next turn's prompt, which the template renders with the same
+    control tokens, reuses the decoded call."""
+    from tests.fixtures import control_marker_gguf
+
+    m = _load(engine, "", str(control_marker_gguf()), speculative=False)
+    try:
+        assert m.tool_format.name == "mistral_args" and "detected" in m.tool_format_origin
+        markers = m.forced_markers(m.tool_format)
+        assert set(markers) == {"[TOOL_CALLS]", "[ARGS]"}
+        assert all(m.is_control(t) and m.tokenize(text) == [t] for text, t in markers.items())
+        assert not m.is_control(m.tokenize("get")[0])
+        s = m.open_session()
+        man = m.manifest_defaults()
+        s.ensure_prefix(PrefixInput(text=SYSTEM, manifest=man, tools=json.dumps([CITY_TOOL])))
+        s.prefill_suffix(SuffixInput(messages=[ChatMessage(role="user", content=USER)], manifest=man, render=True))
+        asked = len(m.res.tokens)
+        schema = json.dumps(CITY_TOOL["function"]["parameters"])  # type: ignore[index]
+        chunks = list(s.decode(DecodeConfig(max_tokens=60, temperature=0.0, return_token_ids=True,
+                                            structured_output=StructuredOutputConfig(tool_call={"get_weather": schema}))))
+        ids = [t for c in chunks for t in c.token_ids]
+        text = b"".join(m.token_bytes(ids)).decode()
+        calls = [c for chunk in chunks for c in chunk.tool_calls]
+        assert chunks[-1].finish_reason == "tool_calls", text
+        # each marker is its one control token: the text the decode spells is the call's, marker for marker
+        assert ids[0] == markers["[TOOL_CALLS]"] and ids.count(markers["[ARGS]"]) == 1, (ids, text)
+        assert text.startswith('[TOOL_CALLS]get_weather[ARGS]{"city": "'), text
+        assert sum(m.token_bytes([t]) == [b"["] for t in ids) == 0, (ids, text)
+        assert len(calls) == 1 and calls[0].function.name == "get_weather", text
+        assert json.loads(calls[0].function.arguments) in ({"city": "Paris"}, {"city": "Oslo"}), text
+        # the call's own tokens (what follows its arguments is the end of the turn)
+        written = ("[TOOL_CALLS]get_weather[ARGS]" + calls[0].function.arguments).encode()
+        n_call = next(k for k in range(len(ids) + 1) if b"".join(m.token_bytes(ids[:k])) == written)
+        st = s.prefill_suffix(SuffixInput(messages=_history(calls), manifest=man, render=True))
+        # the prompt and the whole call stay resident: the next prompt holds the very tokens decoded
+        assert st.prefix_tokens + st.reused_tokens >= asked + n_call, (st, asked, n_call, ids, text)
+        assert m.res.tokens[asked : asked + n_call] == ids[:n_call]
     finally:
         m.close()

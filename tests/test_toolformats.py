@@ -15,7 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends.tape.output import OutputPipeline
-from backends.tape.toolformats import FORMATS, CallParser, detect_format, format_named, parameter_types
+from backends.tape.toolformats import (
+    FORMATS,
+    CallParser,
+    Lit,
+    detect_format,
+    format_named,
+    marker_split,
+    parameter_types,
+)
 from contract.errors import InvalidArgument
 
 TYPES = {"get_weather": {"city": "string", "days": "integer"}}
@@ -281,3 +289,28 @@ def test_every_prefix_of_a_json_object_gives_the_start_of_its_canonical_form(val
         assert final.startswith(got) and got.startswith(last), (written[:n], got)
         last = got
     assert (last, end) == (final, len(written))
+
+
+@pytest.mark.parametrize("family", sorted(FORMATS))
+def test_a_forced_literal_cut_at_the_markers_a_vocabulary_has_as_tokens_joins_back_to_itself(family: str) -> None:
+    """Each marker of a forced call's literal text becomes its token id (ids here are made up), and nothing else
+    does: the pieces, each id read as its marker, are the literal again."""
+    fmt = FORMATS[family]
+    ids = {marker: 100 + i for i, marker in enumerate(fmt.markers)}
+    by_id = {i: marker for marker, i in ids.items()}
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    for piece in fmt.forced_pieces("get_weather", schema):
+        if not isinstance(piece, Lit):
+            continue
+        cut = marker_split(piece.text, ids)
+        assert "".join(by_id[p] if isinstance(p, int) else p for p in cut) == piece.text
+        assert all(p for p in cut) and not any(isinstance(a, str) and isinstance(b, str) for a, b in zip(cut, cut[1:], strict=False))
+        assert not any(m in p for p in cut if isinstance(p, str) for m in ids), cut
+        assert marker_split(piece.text, {}) == [piece.text]
+
+
+def test_marker_split_takes_the_longest_marker_and_leaves_partial_ones_as_text() -> None:
+    ids = {"<a>": 1, "<a><b>": 2, "[X]": 3}
+    assert marker_split("<a><b>c[X]<a", ids) == [2, "c", 3, "<a"]
+    assert marker_split("[X][X]", ids) == [3, 3]
+    assert marker_split("", ids) == []

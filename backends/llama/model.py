@@ -155,9 +155,14 @@ class LlamaLoadedModel(TapeModelBase):
     def token_bytes(self, tokens: list[int]) -> list[bytes]:
         return [self.piece(t, special=True) for t in tokens]
 
+    def is_control(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
+
     def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
         fmt = self.decode_format(cfg)
-        return LlamaSteps(self, build_sampler(self, cfg, grammar_source(cfg.structured_output, fmt)))
+        so = cfg.structured_output
+        markers = self.forced_markers(fmt) if so.tool_call else {}
+        return LlamaSteps(self, build_sampler(self, cfg, grammar_source(so, fmt, markers)))
 
     # --- tokens and the KV ----------------------------------------------------------------
     def piece(self, token: int, *, special: bool = False) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import llama_cpp
@@ -15,7 +16,7 @@ from contract.errors import InvalidArgument, UnsupportedFeature
 from contract.types import DecodeConfig, StructuredOutputConfig
 
 from ..tape.forced import arguments_schema
-from ..tape.toolformats import FORMATS, Args, CallId, Lit, ToolFormat
+from ..tape.toolformats import FORMATS, Args, CallId, Lit, ToolFormat, marker_split
 from .native import log_mark, log_since
 
 if TYPE_CHECKING:
@@ -62,12 +63,14 @@ class LlamaSteps:
         self._sampler.close()
 
 
-def grammar_source(so: StructuredOutputConfig, fmt: ToolFormat = FORMATS["hermes"]) -> str | None:
-    """The GBNF text for a structured-output request (None when unconstrained); a forced call in ``fmt``."""
+def grammar_source(so: StructuredOutputConfig, fmt: ToolFormat = FORMATS["hermes"],
+                   markers: Mapping[str, int] | None = None) -> str | None:
+    """The GBNF text for a structured-output request (None when unconstrained); a forced call in ``fmt``, its
+    ``markers`` (text: control token id) written as those tokens."""
     if so.regex:
         raise UnsupportedFeature("the llama backend does not constrain output by regex; use grammar or json_schema")
     if so.tool_call:
-        return tool_call_gbnf(so.tool_call, fmt)
+        return tool_call_gbnf(so.tool_call, fmt, markers)
     if so.json_schema:
         try:
             schema = json.loads(so.json_schema)
@@ -91,9 +94,16 @@ def _converter() -> SchemaConverter:
     return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
 
 
-def tool_call_gbnf(tools: dict[str, str], fmt: ToolFormat = FORMATS["hermes"]) -> str:
+def tool_call_gbnf(tools: dict[str, str], fmt: ToolFormat = FORMATS["hermes"],
+                   markers: Mapping[str, int] | None = None) -> str:
     """GBNF for one call to one of ``tools`` (name: arguments schema) in ``fmt``'s syntax, its arguments
     held to the schema.
+
+    Each of ``markers`` (a marker's text: the id of the one control token the vocabulary has for it) is
+    written as a token reference, ``<[ID]>``, which matches that token only. A string literal would match it
+    too (llama.cpp's grammar reads a control token as its text) but also the same text in ordinary tokens,
+    and a model that has not seen the marker written out may take those: the next prompt, tokenized from
+    the template's text, has the one token, so reuse would stop at the marker.
 
     A schema llama-cpp-python's converter cannot turn into rules (a remote ``$ref``, a construct it
     asserts on) holds that tool's arguments to any JSON object instead; keywords the converter does
@@ -105,7 +115,8 @@ def tool_call_gbnf(tools: dict[str, str], fmt: ToolFormat = FORMATS["hermes"]) -
         parts = []
         for j, piece in enumerate(fmt.forced_pieces(name, arguments_schema(text))):
             if isinstance(piece, Lit):
-                parts.append(json.dumps(piece.text))
+                parts += [json.dumps(p) if isinstance(p, str) else f"<[{p}]>"
+                          for p in marker_split(piece.text, markers or {})]
             elif isinstance(piece, Args):
                 schema = piece.schema
                 try:  # on a scratch converter first: a failed visit leaves rules that name rules never added

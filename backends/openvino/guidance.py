@@ -24,7 +24,7 @@ backend takes) or Lark.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import llguidance
@@ -34,7 +34,7 @@ from contract.errors import Internal, InvalidArgument, UnsupportedFeature
 from contract.types import StructuredOutputConfig
 
 from ..tape.forced import arguments_schema
-from ..tape.toolformats import FORMATS, Args, CallId, Lit, ToolFormat
+from ..tape.toolformats import FORMATS, Args, CallId, Lit, ToolFormat, marker_split
 
 __all__ = ["TokenGuide", "build_tokenizer", "compile_grammar"]
 
@@ -83,16 +83,24 @@ def build_tokenizer(
 _DUMPS_SPELLING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def tool_call_lark(tools: dict[str, str], fmt: ToolFormat = FORMATS["hermes"]) -> str:
+def tool_call_lark(tools: dict[str, str], fmt: ToolFormat = FORMATS["hermes"],
+                   markers: Mapping[str, int] | None = None) -> str:
     """The llguidance grammar for one call to one of ``tools`` (name: arguments schema) in ``fmt``'s syntax,
     its arguments held to the schema (a ``%json`` rule); a schema llguidance cannot compile holds that
-    tool's arguments to any JSON object instead."""
+    tool's arguments to any JSON object instead.
+
+    Each of ``markers`` (a marker's text: the id of the one control token the vocabulary has for it) is
+    written as a token reference, ``<[ID]>``: llguidance matches a string literal against text only, and a
+    control token is no text to it (``build_tokenizer`` marks it), so a literal marker would be decoded as
+    ordinary tokens that the next prompt, tokenized from the template's text, does not hold.
+    """
     rules = []
     for i, (name, text) in enumerate(tools.items()):
         parts = []
         for j, piece in enumerate(fmt.forced_pieces(name, arguments_schema(text))):
             if isinstance(piece, Lit):
-                parts.append(json.dumps(piece.text))
+                parts += [json.dumps(p) if isinstance(p, str) else f"<[{p}]>"
+                          for p in marker_split(piece.text, markers or {})]
                 continue
             rule = f"args{i}_{j}"
             parts.append(rule)
@@ -114,11 +122,12 @@ def tool_call_lark(tools: dict[str, str], fmt: ToolFormat = FORMATS["hermes"]) -
     return llguidance.grammar_from("lark", "\n".join([f"start: {start}", *rules]) + "\n")
 
 
-def compile_grammar(so: StructuredOutputConfig, fmt: ToolFormat = FORMATS["hermes"]) -> str:
-    """The llguidance grammar for a request (a forced call in ``fmt``); InvalidArgument/UnsupportedFeature for
-    bad ones."""
+def compile_grammar(so: StructuredOutputConfig, fmt: ToolFormat = FORMATS["hermes"],
+                    markers: Mapping[str, int] | None = None) -> str:
+    """The llguidance grammar for a request (a forced call in ``fmt``, its ``markers`` written as those
+    control tokens); InvalidArgument/UnsupportedFeature for bad ones."""
     if so.tool_call:
-        grammar = tool_call_lark(so.tool_call, fmt)
+        grammar = tool_call_lark(so.tool_call, fmt, markers)
         what = "tool_call"
     elif so.json_schema:
         try:

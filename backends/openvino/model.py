@@ -296,6 +296,9 @@ class OpenVINOLoadedModel(TapeModelBase):
         pieces = self.vocab.pieces
         return [pieces[t] for t in tokens]
 
+    def is_control(self, token: int) -> bool:
+        return token in self.vocab.special
+
     def guidance_tokenizer(self) -> Any:
         """The vocabulary in llguidance's form, built on the first constrained decode (~0.2 s)."""
         if self._guidance_tok is None:
@@ -307,8 +310,11 @@ class OpenVINOLoadedModel(TapeModelBase):
 
     def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
         guide = None
-        if cfg.structured_output.is_set():
-            guide = TokenGuide(self.guidance_tokenizer(), compile_grammar(cfg.structured_output, self.decode_format(cfg)))
+        so = cfg.structured_output
+        if so.is_set():
+            fmt = self.decode_format(cfg)
+            markers = self.forced_markers(fmt) if so.tool_call else {}
+            guide = TokenGuide(self.guidance_tokenizer(), compile_grammar(so, fmt, markers))
         return OpenVINOSteps(self, Sampler(cfg), guide)
 
     # --- the KV ------------------------------------------------------------------------------

@@ -410,6 +410,20 @@ class TapeModelBase(ABC):
             self._marker_ids[markers] = hit
         return hit
 
+    def is_control(self, token: int) -> bool:
+        """Whether ``token`` is a control token (none by default; the engines read their vocabulary's types)."""
+        return False
+
+    def forced_markers(self, fmt: ToolFormat) -> dict[str, int]:
+        """``fmt``'s markers that this vocabulary has as one control token, with its id.
+
+        A forced call's grammar writes these as the token (``toolformats.marker_split``): a grammar literal
+        would let the decode spell the marker in text tokens (llguidance allows nothing else), which the
+        next prompt, rendered and tokenized, holds as the one control token, so reuse would stop there.
+        """
+        found = self.marker_pieces(frozenset(fmt.markers))
+        return {text.decode(): token for token, text in found.items() if self.is_control(token)}
+
     def reusable(self, n: int) -> int:
         """How many of ``n`` matching resident tokens are kept.
 

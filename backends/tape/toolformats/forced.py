@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,26 @@ class CallId:
 
 
 Piece = Lit | Args | Text | CallId
+
+
+def marker_split(text: str, tokens: Mapping[str, int]) -> list[str | int]:
+    """``text`` (a ``Lit``) cut at each marker of ``tokens``: the marker's token id in its place, the text
+    around it as strings (none empty). An engine's grammar writes an id as that one token, the rest as text."""
+    out: list[str | int] = []
+    start = at = 0
+    while tokens and at < len(text):
+        # the longest marker starting here (no marker here is a prefix of another in any family, but be sure)
+        hit = max((m for m in tokens if m and text.startswith(m, at)), key=len, default="")
+        if not hit:
+            at += 1
+            continue
+        if at > start:
+            out.append(text[start:at])
+        out.append(tokens[hit])
+        start = at = at + len(hit)
+    if start < len(text):
+        out.append(text[start:])
+    return out
 
 
 def _json_name(name: str) -> str:
