@@ -160,8 +160,9 @@ class Config(_Request):
     #: compute every decoded token as a prefill computes it, so a token's logits are the same
     #: alone, in a draft's check or in any prefill: drafts (sampled ones too) and reused replies
     #: never change an answer. OpenVINO pads each decode step to a prefill's kernels (a step
-    #: costs more as the context grows); llama.cpp's steps are exact with flash_attn over a
-    #: q8_0/q4_0 cache, and it refuses the setting without that layout
+    #: costs more as the context grows); llama.cpp can be exact with flash_attn over a q8_0/q4_0
+    #: cache, refuses the setting without that layout, and refuses a model whose load probe finds
+    #: its rows apart on this CPU (some quantizations' batch kernels round apart from one-row ones)
     exact_decode: bool = False
 
 
@@ -304,6 +305,11 @@ class SpeculationStatus(_Report):
     #: draft tokens checked, and those the sampled output kept, since the model loaded
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: the engine computes a token's row the same alone, in a check or in a prefill (sampled passes then
+    #: draft by default too), and what the load measured of it ("" where nothing was probed: OpenVINO's
+    #: exact decode pads steps to a prefill's kernels; llama.cpp probes the layout that can be exact)
+    rows_exact: bool = False
+    rows_probe: str = ""
 
 
 class CacheStatus(TypedDict):

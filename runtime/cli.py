@@ -437,7 +437,9 @@ def _sampling_row(sp: SamplingParams) -> str:
 
 def _speculation_rows(sp: SpeculationStatus) -> list[tuple[str, Any]]:
     """How the loaded model drafts: the default, what a check costs here, and the drafts kept so far."""
-    what = "on for greedy decodes" if sp.enabled else "off unless a request asks"
+    # where rows are exact a sampled decode drafts too: its batch rounds as its steps do
+    what = (("on for greedy and sampled decodes" if sp.rows_exact else "on for greedy decodes") if sp.enabled
+            else "off unless a request asks")
     if sp.check_costs:
         rows = " / ".join(sp.check_costs)
         steps = " / ".join(f"{c:.2f}" for c in sp.check_costs.values())
@@ -447,7 +449,11 @@ def _speculation_rows(sp: SpeculationStatus) -> list[tuple[str, Any]]:
         what += ", measured on this machine" if sp.measured else ", a prior (not measured)"
     kept = (f"{sp.accepted_tokens} of {sp.drafted_tokens} drafted tokens kept "
             f"({sp.accepted_tokens / sp.drafted_tokens:.0%})" if sp.drafted_tokens else "none drafted yet")
-    return [("speculation", what), ("drafts", kept)]
+    out: list[tuple[str, Any]] = [("speculation", what), ("drafts", kept)]
+    if sp.rows_probe or sp.rows_exact:
+        # whether a batch's rows round as one-token steps do: sampled decodes draft too, reuse is exact
+        out.append(("exact rows", ("yes" if sp.rows_exact else "no") + (f": {sp.rows_probe}" if sp.rows_probe else "")))
+    return out
 
 
 def _embedding_rows(e: Mapping[str, Any]) -> list[tuple[str, Any]]:

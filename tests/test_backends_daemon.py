@@ -208,8 +208,16 @@ def test_a_daemon_with_exact_rows_answers_alike_with_drafts(
         shown = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("settings ")]
         assert shown == [settings], out
         speculation = [line.split(None, 1)[1] for line in out.splitlines() if line.startswith("speculation ")]
-        assert len(speculation) == 1 and speculation[0].startswith("on for greedy decodes; a check of 2 / 4 / 8 / 16 rows")
+        # exact rows: sampled decodes draft by default too, and status says why (llama.cpp: its load's probe)
+        assert len(speculation) == 1 and speculation[0].startswith(
+            "on for greedy and sampled decodes; a check of 2 / 4 / 8 / 16 rows"), out
         assert speculation[0].endswith("measured on this machine"), out
+        exact = [line.split(None, 2)[2] for line in out.splitlines() if line.startswith("exact rows ")]
+        if backend == "llama":
+            assert len(exact) == 1 and exact[0].startswith("yes: probed at load: "), out
+            assert "equal bit for bit" in exact[0], out
+        else:
+            assert exact == ["yes"], out
         with d.client(timeout_s=300.0) as c:
             active = c.status().active
             assert active is not None

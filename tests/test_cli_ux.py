@@ -319,6 +319,14 @@ def test_status_says_how_the_model_drafts() -> None:
                         "a prior (not measured)"),
         ("drafts", "none drafted yet"),
     ]
+    probed = "probed at load: 4 one-token steps, a 16-row check and a 32-token prefill, their rows equal bit for bit"
+    exact = SpeculationStatus(enabled=True, rows_exact=True, rows_probe=probed)
+    assert _speculation_rows(exact)[0][1].startswith("on for greedy and sampled decodes")
+    assert _speculation_rows(exact)[2] == ("exact rows", f"yes: {probed}")
+    apart = SpeculationStatus(enabled=True, rows_probe="probed at load: ... rows apart by up to 3.57 in the logits")
+    assert _speculation_rows(apart)[0][1].startswith("on for greedy decodes")
+    assert _speculation_rows(apart)[2] == ("exact rows", "no: probed at load: ... rows apart by up to 3.57 in the logits")
+    assert _speculation_rows(SpeculationStatus(enabled=True, rows_exact=True))[2] == ("exact rows", "yes")
 
 
 @pytest.mark.llama

@@ -11,6 +11,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import pytest
@@ -19,8 +20,10 @@ pytest.importorskip("llama_cpp")
 
 from backends.bundled import bundled_gguf_path  # noqa: E402
 from backends.llama import LlamaBackend, LlamaLoadedModel, open_llama  # noqa: E402
+from backends.llama import probe as rows_probe  # noqa: E402
 from backends.llama.model import STATE_MAGIC  # noqa: E402
 from backends.llama.native import map_errors  # noqa: E402
+from backends.llama.probe import RowsProbe  # noqa: E402
 from backends.tape.session import TapeSession  # noqa: E402
 from backends.tape.state import frame_state, unpack_state  # noqa: E402
 from contract.errors import (  # noqa: E402
@@ -384,11 +387,100 @@ def test_a_row_invariant_layout_makes_drafts_and_reuse_exact(
     one-token step over an f16 cache takes another attention path."""
     cfg = Config(num_ctx=NUM_CTX, flash_attn=True, kv_cache_type="q8_0", exact_reuse=exact_reuse)
     m = backend.load(OpenSessionRequest(path=str(model_path), config=cfg), lambda f: None)
-    assert m.rows_exact
     try:
+        # the load's probe found this model's rows equal (Q4_1 has one kernel per row count) and said so
+        assert m.probe is not None and m.probe.exact and m.probe.max_diff == 0.0 and m.rows_exact
+        assert m.speculation().rows_exact and "equal bit for bit" in m.speculation().rows_probe
+        assert m.res.tokens == [] and m.kv_pos_max() == -1  # the probe left nothing resident
         check_exact_rows(m.open_session(), m.manifest_defaults())
     finally:
         m.close()
+
+
+def _fake_probe(exact: bool) -> RowsProbe:
+    return RowsProbe(exact=exact, max_diff=0.0 if exact else 0.375, check_rows=16, alone_rows=4, prefill_tokens=32,
+                     parted=() if exact else ("steps and check",), ms=1.0)
+
+
+@pytest.mark.parametrize("exact_decode", [False, True], ids=["layout", "exact_decode"])
+def test_a_failed_rows_probe_serves_inexact_or_refuses_exact_decode(
+    backend: LlamaBackend, model_path: Path, monkeypatch: pytest.MonkeyPatch, exact_decode: bool
+) -> None:
+    """The probe's result, not the layout, decides ``rows_exact``: rows found apart serve the layout without the
+    promise (sampled passes do not draft by default, ``status`` says why), and refuse a load that asked for
+    exact decode, naming the model, the difference and what to do. A fake result drives both branches."""
+    calls: list[int] = []
+
+    def fake(llm: object, tokens: list[int], *args: object) -> RowsProbe:
+        calls.append(len(tokens))
+        return _fake_probe(False)
+
+    monkeypatch.setattr(rows_probe, "measure", fake)
+    cfg = Config(num_ctx=256, flash_attn=True, kv_cache_type="q8_0", exact_decode=exact_decode)
+    req = OpenSessionRequest(path=str(model_path), config=cfg)
+    if exact_decode:
+        with pytest.raises(UnsupportedFeature, match="without --exact-decode") as exc:
+            LlamaBackend(speculative=False).load(req, lambda f: None)
+        assert str(model_path) in str(exc.value) and "0.375" in str(exc.value)
+        assert exc.value.details["max_abs_diff"] == 0.375 and exc.value.details["model"] == str(model_path)
+    else:
+        m = LlamaBackend(speculative=False).load(req, lambda f: None)
+        try:
+            assert m.probe is not None and not m.rows_exact
+            status = m.speculation()
+            assert not status.rows_exact and "apart by up to 0.375" in status.rows_probe
+            m.speculative = True  # greedy decodes draft; a sampled one does not unless it asks
+            man = m.manifest_defaults()
+            s = m.open_session()
+            s.ensure_prefix(PrefixInput(text=SYSTEM, manifest=man))
+            s.prefill_suffix(SuffixInput(text=SYSTEM, manifest=man))  # something to copy
+            sampled = {"temperature": 0.7, "top_k": 1, "seed": 3}  # sampled, yet it copies as greedy does
+            asked = greedy(s, 24, speculative=True, **sampled)[2]
+            assert asked.usage is not None and asked.usage.drafted_tokens > 0
+            s.prefill_suffix(SuffixInput(text=SYSTEM, manifest=man))
+            final = greedy(s, 24, **sampled)[2]
+            assert final.usage is not None and final.usage.drafted_tokens == 0
+        finally:
+            m.close()
+    assert calls == [32]  # probed once, with the probe's tokens
+    # the default layout cannot be exact: nothing is probed, nothing claimed
+    monkeypatch.setattr(rows_probe, "measure", lambda *a: pytest.fail("probed the default layout"))
+    m = LlamaBackend(speculative=False).load(OpenSessionRequest(path=str(model_path), config=Config(num_ctx=256)),
+                                             lambda f: None)
+    try:
+        assert m.probe is None and not m.rows_exact and m.speculation().rows_probe == ""
+    finally:
+        m.close()
+
+
+def test_gemma_with_exact_decode_loads_as_its_probe_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3 270M Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0 tensors, whose batch kernels may round apart from
+    their one-row ones on a CPU: whatever the probe measures here, the load follows it (served exact, or
+    refused with the difference it measured)."""
+    from backends.bundled import gemma_gguf_path
+
+    path = gemma_gguf_path()
+    seen: list[RowsProbe] = []
+    real = rows_probe.measure
+
+    def spy(*args: Any) -> RowsProbe:
+        seen.append(real(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(rows_probe, "measure", spy)
+    cfg = Config(num_ctx=1024, flash_attn=True, kv_cache_type="q8_0", exact_decode=True)
+    try:
+        m = LlamaBackend(speculative=False).load(OpenSessionRequest(path=str(path), config=cfg), lambda f: None)
+    except UnsupportedFeature as exc:
+        assert len(seen) == 1 and not seen[0].exact and seen[0].max_diff > 0 and seen[0].parted
+        assert str(path) in str(exc) and f"{seen[0].max_diff:.3g}" in str(exc)
+        assert exc.details["max_abs_diff"] == seen[0].max_diff
+    else:
+        try:
+            assert len(seen) == 1 and seen[0].exact and seen[0].max_diff == 0.0
+            assert m.rows_exact and m.speculation().rows_exact and m.probe == seen[0]
+        finally:
+            m.close()
 
 
 # --- sessions and snapshots --------------------------------------------------------------------------------------

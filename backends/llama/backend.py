@@ -86,6 +86,7 @@ class LlamaBackend:
                     llm, path=str(path), digest=digest, shape=shape, options=options, config=req.config,
                     requested_template=template,
                 )
+                model.probe_rows()  # before the draft costs: a refused load measures nothing more
             except BaseException:
                 llm.close()
                 raise

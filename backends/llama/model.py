@@ -29,7 +29,7 @@ from llama_cpp import Llama
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from contract import interrupt
-from contract.errors import InvalidArgument, SnapshotRejected
+from contract.errors import InvalidArgument, SnapshotRejected, UnsupportedFeature
 from contract.sizing import ModelShape, kv_bytes_per_token
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
@@ -37,6 +37,7 @@ from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import pack_state, refuse_diffs, unpack_state
 from ..tape.templates import check_renders, choose_template, render_defaults, renders_tools
+from . import probe
 from .native import KV_GGML_TYPES, map_errors, runtime_version
 from .options import LoadOptions
 from .sampling import LlamaSteps, build_sampler, grammar_source
@@ -106,7 +107,10 @@ class LlamaLoadedModel(TapeModelBase):
             bos_id=bos_id,
             adds_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)),
         )
-        self.rows_exact = options.rows_exact
+        #: set by ``probe_rows`` (the load calls it): the layout alone does not make rows exact
+        self.rows_exact = False
+        #: what the load's rows probe measured (None: the layout cannot be exact, nothing probed)
+        self.probe: probe.RowsProbe | None = None
         #: the logits buffer holds the distribution after the last resident token
         self.logits_live = False
         #: set while a prefill runs inside contract.interrupt.interruptible(...)
@@ -124,6 +128,40 @@ class LlamaLoadedModel(TapeModelBase):
     @property
     def llm(self) -> Llama:
         return self._llm
+
+    def probe_rows(self) -> None:
+        """Measure whether this model's rows are exact on this CPU, and set ``rows_exact`` from that.
+
+        Runs at load, with nothing resident, in the layout that can be exact (``LoadOptions.exact_layout``;
+        in any other nothing is probed and rows are not exact): a few tokens alone, in a check and in a
+        prefill, compared bit for bit (``backends.llama.probe``), then the KV emptied again. Where they
+        part and the load asked for exact decode, the load is refused: exact decode promises that drafts
+        and reuse never change an answer, and serving without that promise kept would hand the client
+        answers it asked to be guaranteed with nothing to tell them apart. Without exact decode the model
+        serves with ``rows_exact`` False (sampled passes do not draft by default, ``exact_reuse``
+        recomputes decoded tokens) and ``status`` says what the probe measured.
+        """
+        if not self.options.exact_layout:
+            return
+        n = min(probe.PREFILL_TOKENS, self.options.num_ctx, self.options.num_batch)
+        bos = self.bos_id if self._adds_bos and self.bos_id >= 0 else None
+        tokens = probe.probe_tokens(self._encode(probe.PROBE_TEXT), bos, n)
+        result = probe.measure(self._llm, tokens)
+        self.probe = result
+        self.rows_probe = result.describe()
+        self.rows_exact = result.exact
+        if not result.exact and self.config.exact_decode:
+            raise UnsupportedFeature(
+                f"exact_decode: {self.path} does not compute a token's row the same alone and in a batch on this "
+                f"CPU with llama.cpp's kernels (its load's probe: {result.describe()}), so drafts and reuse could "
+                "change answers; serve it without --exact-decode (greedy decodes still draft, sampled ones do not, "
+                "and --exact-reuse keeps warm turns answering like cold ones), or use another quantization of "
+                "the model or another engine",
+                model=self.path,
+                max_abs_diff=result.max_diff,
+                parted=list(result.parted),
+                probe_ms=round(result.ms, 1),
+            )
 
     # --- TapeModelBase ------------------------------------------------------------------
     def engine_version(self) -> str:

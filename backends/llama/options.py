@@ -100,11 +100,11 @@ class LoadOptions:
             tensor_split=tuple(cfg.tensor_split),
             n_layer=facts.n_layer,
         )
-        if cfg.exact_decode and not options.rows_exact:
+        if cfg.exact_decode and not options.exact_layout:
             # the layout decides it; choosing one behind the request's back would make the
             # active config say something other than what runs
             raise UnsupportedFeature(
-                "exact_decode on llama.cpp needs the layout whose rows are exact: flash_attn=true with "
+                "exact_decode on llama.cpp needs the layout whose rows can be exact: flash_attn=true with "
                 f"kv_cache_type {' or '.join(QUANTIZED_KV_CACHE_TYPES)} on the CPU "
                 "(modeld serve --flash-attn --kv-cache-type q8_0); this request has "
                 f"flash_attn={str(cfg.flash_attn).lower()}, kv_cache_type {kv!r}, num_gpu_layers {layers}",
@@ -115,17 +115,21 @@ class LoadOptions:
         return options
 
     @property
-    def rows_exact(self) -> bool:
-        """Whether llama.cpp computes a token's row the same alone, in a check or in any prefill split.
+    def exact_layout(self) -> bool:
+        """Whether this is the layout under which llama.cpp can compute a token's row the same alone, in a
+        check or in any prefill split; whether it does for the loaded model on this CPU is the load's probe's
+        (``backends.llama.probe``), which sets the model's ``rows_exact``.
 
         With a quantized K cache its CPU flash attention runs every row through one
         kernel; an f16 cache sends a lone token past 512 keys to a split-KV kernel and
         a large batch to a tiled one, and without flash attention a batch's attention
-        products take other kernels than a one-token step's. The matrix products are
-        per row either way. Measured on the bundled model: logits equal bit for bit over
+        products take other kernels than a one-token step's. The matrix products are the
+        weights' own: per row for Q4_1 (the bundled model: logits equal bit for bit over
         5 to 1,900 tokens of context, one token at a time, in checks of 2 to 48 rows and
-        one-shot (0.98-1.18 apart in the default layout). GPU kernels are not covered, nor the CPU's
-        repacked weight forms (``extra_bufts``), which the layout turns off (``resolve``).
+        one-shot; 0.98-1.18 apart in the default layout), but some types' batch kernels round
+        apart from their one-row ones on some CPUs (Gemma 3 270M Q4_K_M here), which is what the
+        probe finds out. GPU kernels are not covered, nor the CPU's repacked weight forms
+        (``extra_bufts``), which the layout turns off (``resolve``).
         """
         return (self.flash_attn and self.kv_cache_type in QUANTIZED_KV_CACHE_TYPES and self.num_gpu_layers == 0
                 and not self.extra_bufts)

@@ -185,6 +185,9 @@ class OpenVINOLoadedModel(TapeModelBase):
         #: a decode step's row count: padded, a step takes a prefill's kernels (``Config.exact_decode``;
         #: ``warm_up`` measures the fewest rows that do, and a prefill's smallest chunk does by definition)
         self.step_rows = MIN_PREFILL_ROWS if options.exact_decode else 1
+        # No rows probe as llama.cpp's load runs (``backends.llama.probe``): with exact decode no row runs
+        # one-row kernels at all (a step is padded to a row count ``warm_up`` measures equal to a prefill's
+        # on this CPU, else to a prefill's own smallest chunk), so that measurement is this engine's probe
         self.rows_exact = options.exact_decode
 
     def _allocate_cache(self, compiled: ov.CompiledModel, num_ctx: int) -> None:

@@ -362,6 +362,8 @@ class TapeModelBase(ABC):
         #: prefill of any split (a backend sets it for a layout where they do): drafts then never
         #: change an answer, sampled ones included, and decoded tokens hold what a prefill computes
         self.rows_exact = False
+        #: what the load measured of ``rows_exact``, for ``status`` ("" where nothing was probed)
+        self.rows_probe = ""
         self._sampling: SamplingParams | None = None
         #: the family replies' tool calls are parsed and forced in, and why (``status``)
         self.tool_format, self.tool_format_origin = model_format(template, config.tool_format)
@@ -451,6 +453,8 @@ class TapeModelBase(ABC):
             check_growth_per_1k=round(costs.growth()[MAX_DRAFT], 2),
             drafted_tokens=self.drafts.drafted,
             accepted_tokens=self.drafts.accepted,
+            rows_exact=self.rows_exact,
+            rows_probe=self.rows_probe,
         )
 
     def sampling_defaults(self) -> SamplingParams:
