@@ -167,7 +167,10 @@ class Workers:
         """Serve waiting opens in arrival order while the slot is free; answer the cancelled."""
         self._work.sweep_deferred(emit)
         while (p := self._work.pop_deferred()) is not None:
-            self._run(p.inf, p.msg, emit)
+            # marked running like any request: an open that switches the slot (a request naming another
+            # model) loads a model here, and the wedge watch and the load's progress heartbeats must see it
+            with self._watchdog.runs(p.inf):
+                self._run(p.inf, p.msg, emit)
 
     # --- one request -----------------------------------------------------------------------------
     def _run(self, inf: Inflight, msg: Message, emit: Emit) -> None:
