@@ -46,13 +46,24 @@ BUNDLED = ("--model", str(bundled_gguf_path()))
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def backend_daemon(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+def backend_proc(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon per engine for the module (a start loads the model and measures its check costs)."""
     d = DaemonProcess(tmp_path_factory.mktemp(request.param), request.param, None, *BUNDLED, "--num-ctx", "2048")
     d.start(ready_timeout_s=600, wait_state=("Ready",))
     try:
         yield d
     finally:
         d.stop()
+
+
+@pytest.fixture
+def backend_daemon(backend_proc: DaemonProcess) -> DaemonProcess:
+    """The module's daemon, started again should a test before this one have stopped it (the SIGTERM test
+    below stops it, and runs last on its engine; were it to run earlier, the next test gets a new daemon)."""
+    if backend_proc.proc is not None and backend_proc.proc.poll() is not None:
+        backend_proc.stop()
+        backend_proc.start(ready_timeout_s=600, wait_state=("Ready",))
+    return backend_proc
 
 
 @pytest.fixture
@@ -404,20 +415,19 @@ def test_interrupted_client_call_cancels_the_prefill(backend_daemon: DaemonProce
         sess.close()
 
 
-def test_sigterm_during_a_prefill_stops_it(tmp_path_factory: pytest.TempPathFactory) -> None:
+# last in the module: it stops its daemon, which the module's other llama tests share
+@pytest.mark.parametrize("backend_proc", ["llama"], indirect=True)
+def test_sigterm_during_a_prefill_stops_it(backend_daemon: DaemonProcess) -> None:
     """Shutdown does not wait for a long cold prefill: the caller gets ShuttingDown and the daemon exits 0."""
-    d = DaemonProcess(tmp_path_factory.mktemp("sigterm-prefill"), "llama", None, "--num-ctx", "2048")
-    d.start(ready_timeout_s=600, wait_state=("Ready",))
-    try:
-        with d.client(timeout_s=120.0) as c:
-            sess = c.open_session(OpenSessionRequest())
-            m = manifest_for(sess, fresh_profile())
-            rid = _start_prefix(c, sess, PrefixInput(text=LONG_SYSTEM, manifest=m))
-            assert d.proc is not None
-            d.proc.send_signal(signal.SIGTERM)
-            reply = c._recv(rid)
-            assert reply.kind is Kind.ERROR and isinstance(wire.error_of(reply), ShuttingDown), reply.body
-            assert d.proc.wait(60) == 0
-    finally:
-        d.stop()
-    assert "modeld stopped" in d.log()
+    d = backend_daemon
+    logged = len(d.log())
+    with d.client(timeout_s=120.0) as c:
+        sess = c.open_session(OpenSessionRequest())
+        m = manifest_for(sess, fresh_profile())
+        rid = _start_prefix(c, sess, PrefixInput(text=LONG_SYSTEM, manifest=m))
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        reply = c._recv(rid)
+        assert reply.kind is Kind.ERROR and isinstance(wire.error_of(reply), ShuttingDown), reply.body
+        assert d.proc.wait(60) == 0
+    assert "modeld stopped" in d.log()[logged:]

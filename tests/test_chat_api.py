@@ -4,8 +4,8 @@ On the memory reference: OpenAI-shaped messages in, the reply and its usage
 out, the history kept warm across turns, bad messages refused while the session
 keeps serving, the CLI driven as a user would (lines piped in; a messages file
 with --json). On the real engines: a six-turn tool conversation on the
-tool-capable fixture through a daemon, and — in exact mode — a cold daemon
-given the same history answers with the same greedy reply.
+tool-capable fixture through a daemon, and — in exact mode — the model loaded anew (cold, its caches
+emptied) given the same history answers with the same greedy reply.
 """
 
 from __future__ import annotations
@@ -177,18 +177,22 @@ def _six_turns(chat: Chat, forced: dict[int, str]) -> list[tuple[list[dict[str, 
 @pytest.mark.parametrize("backend", [pytest.param("llama", marks=pytest.mark.llama), pytest.param("openvino", marks=pytest.mark.openvino)])
 def test_exact_mode_through_daemons_cold_equals_warm(backend: str, tmp_path: Path) -> None:
     request = LoadModelRequest(model_name="tools", type=backend, path=str(tool_gguf()), config=Config(num_ctx=2048, exact_reuse=True))
-    with DaemonProcess(tmp_path / "warm", backend, None, "--no-preload") as warm, warm.client(timeout_s=120.0) as c:
-        c.load_model(request)
+    with DaemonProcess(tmp_path, backend, None, "--no-preload") as d, d.client(timeout_s=120.0) as c:
+        warm = c.load_model(request)
         with Chat(c, profile="exact") as chat:
             turns = _six_turns(chat, forced={0: "Paris", 2: "Oslo"})
-    for i, (_, result) in enumerate(turns[1:], start=1):
-        # from turn 2 on only what is new is prefilled: the history, replies included, is reused
-        assert result.usage.reused_tokens > 0 and result.usage.prefilled_tokens < result.usage.prompt_tokens // 2, i
-    assert any(r.message.tool_calls for _, r in turns)
-    # a cold daemon given the last history answers exactly like the warm one
-    sent, last = turns[-1]
-    with DaemonProcess(tmp_path / "cold", backend, None, "--no-preload") as cold, cold.client(timeout_s=120.0) as c:
-        c.load_model(request)
+        for i, (_, result) in enumerate(turns[1:], start=1):
+            # from turn 2 on only what is new is prefilled: the history, replies included, is reused
+            assert result.usage.reused_tokens > 0 and result.usage.prefilled_tokens < result.usage.prompt_tokens // 2, i
+        assert any(r.message.tool_calls for _, r in turns)
+        # the model given the last history cold answers exactly like the warm one: unloaded, the workspace
+        # cache emptied and loaded anew (one daemon serves both sides; nothing of the warm turns is left)
+        sent, last = turns[-1]
+        c.unload_model()
+        c.cache_clear()
+        assert c.cache_list().entries == []
+        cold = c.load_model(request)
+        assert cold.generation != warm.generation
         with Chat(c, profile="exact") as chat:
             again = chat.send(sent, tools=[WEATHER_TOOL], max_tokens=16, temperature=0)
     assert again.usage.reused_tokens == 0

@@ -161,40 +161,39 @@ def test_only_what_is_new_is_prefilled(default_run: tuple[TapeModelBase, list[Ch
         assert turn.prefilled <= new + 16, (turn.prefilled, new)
 
 
+def _replay_cold(m: TapeModelBase, turns: list[Turn]) -> list[Turn]:
+    """Each turn's history prefilled from nothing and answered again, on ``m`` with its KV cleared before every
+    turn (the model a conversation ran on serves: cleared, nothing of it is resident or reused)."""
+    replays = []
+    s = m.open_session()
+    for i, turn in enumerate(turns):
+        m.clear_kv()
+        replay = _turn(m, s, turn.sent, SCRIPT[i])
+        assert replay.reused == 0, f"turn {i + 1} reused what a cold prefill has not"
+        replays.append(replay)
+    return replays
+
+
 def test_exact_mode_cold_history_answers_like_the_warm_session(engine: str) -> None:
-    warm = _load(engine, exact=True)
+    m = _load(engine, exact=True)
     try:
-        history, turns = _conversation(warm, warm.open_session())
-    finally:
-        warm.close()
-    cold = _load(engine, exact=True)
-    try:
-        s = cold.open_session()
-        for i, turn in enumerate(turns):
-            replay = _turn(cold, s, turn.sent, SCRIPT[i])
+        _, turns = _conversation(m, m.open_session())
+        for i, (turn, replay) in enumerate(zip(turns, _replay_cold(m, turns), strict=True)):
             assert replay.tokens == turn.tokens, f"turn {i + 1}"
-            cold.clear_kv()  # the next turn is cold again
     finally:
-        cold.close()
+        m.close()
 
 
 def test_default_mode_differs_from_cold_at_most_where_decoded_kv_is_reused(
     engine: str, default_run: tuple[TapeModelBase, list[ChatMessage], list[Turn]]
 ) -> None:
     """Reusing decode-step KV may change a greedy reply; count how often over the six turns."""
-    _, _, turns = default_run
-    cold = _load(engine)
-    try:
-        s = cold.open_session()
-        differ = 0
-        for i, turn in enumerate(turns):
-            replay = _turn(cold, s, turn.sent, SCRIPT[i])
-            differ += replay.tokens != turn.tokens
-            if i == 0:
-                assert replay.tokens == turn.tokens  # nothing decoded is resident yet: the same computation
-            cold.clear_kv()
-    finally:
-        cold.close()
+    m, _, turns = default_run
+    differ = 0
+    for i, (turn, replay) in enumerate(zip(turns, _replay_cold(m, turns), strict=True)):
+        differ += replay.tokens != turn.tokens
+        if i == 0:
+            assert replay.tokens == turn.tokens  # nothing decoded is resident yet: the same computation
     print(f"\n{engine}: {differ} of {len(turns)} greedy turns differ from a cold prefill of the same history")
     assert differ <= len(turns) - 1
 

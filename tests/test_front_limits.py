@@ -26,10 +26,18 @@ def _daemon(tmp: Path, port: int, *extra: str) -> DaemonProcess:
                          "--http", f"127.0.0.1:{port}", *extra)
 
 
-def _chat(port: int, body: dict[str, object] = CHAT) -> tuple[int, dict[str, object]]:
+def _chat(port: int, body: dict[str, object] = CHAT, pause_s: float = 0.0) -> tuple[int, dict[str, object]]:
+    """POST a chat request; with ``pause_s`` the body follows its head that much later (a client streaming its
+    body, or one slowed down), which is when a front that closes early makes the body's send fail."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        c.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+        data = json.dumps(body).encode()
+        c.putrequest("POST", "/v1/chat/completions", skip_accept_encoding=True)
+        c.putheader("content-type", "application/json")
+        c.putheader("content-length", str(len(data)))
+        c.endheaders()
+        time.sleep(pause_s)
+        c.send(data)
         r = c.getresponse()
         return r.status, json.loads(r.read())
     finally:
@@ -82,6 +90,10 @@ def test_idle_half_sent_connections_cannot_starve_the_daemon(tmp_path: Path) -> 
         _wait_http(port)
         socks = half_heads(port, 1200)
         try:
+            # a complete request sent while the last refused half-sent ones are fresh reads its 503 too, even
+            # from a client that pauses between its head and its body
+            status, body = _chat(port, pause_s=0.2)
+            assert status == 503 and body["error"]["code"] == "too_many_connections"  # type: ignore[index]
             # the ones past the cap (1,024 less the 256 kept for the rest) were answered and closed
             answered = socks[-100].recv(4096)
             assert answered.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1" in answered.lower(), answered

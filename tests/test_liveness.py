@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -141,8 +142,16 @@ sys.stdin.read()
 """
 
 
+@pytest.fixture(scope="module")
+def leased_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A daemon under the default lease, shared by the killed-client cases: each ends with the slot free."""
+    with DaemonProcess(tmp_path_factory.mktemp("lease"), "memory", None, "--model", "/models/m", "--model-name", "m",
+                       "--memory-token-delay-ms", "20").start(wait_state=("Ready",)) as d:
+        yield d
+
+
 @pytest.mark.parametrize("doing", ["idle", "decoding"])
-def test_a_killed_client_frees_the_slot_within_seconds_under_the_default_lease(tmp_path: Path, doing: str) -> None:
+def test_a_killed_client_frees_the_slot_within_seconds_under_the_default_lease(leased_daemon: DaemonProcess, doing: str) -> None:
     """The default 30 s lease, and a client SIGKILLed while it holds the slot: its closed connections are seen and
     the slot is free within 3 s. A client that keeps its connection (this test's own) keeps its session while
     others connect and go."""
@@ -152,8 +161,9 @@ def test_a_killed_client_frees_the_slot_within_seconds_under_the_default_lease(t
 
     from tests.daemon_proc import ROOT, streaming_client
 
-    with DaemonProcess(tmp_path, "memory", None, "--model", "/models/m", "--model-name", "m",
-                       "--memory-token-delay-ms", "20").start(wait_state=("Ready",)) as d, d.client() as c:
+    d = leased_daemon
+    with d.client() as c:
+        assert not c.status().session_open  # (a case before this one left the slot free)
         if doing == "decoding":
             proc = streaming_client(d.endpoint, MODEL)
         else:

@@ -366,16 +366,28 @@ def test_serving_other_machines_without_a_key_is_warned_of(tmp_path: Path) -> No
         assert "serves other machines with no --api-key" in d.log()
 
 
-@pytest.mark.llama
-def test_embeddings_equal_the_cli(tmp_path: Path) -> None:
-    pytest.importorskip("llama_cpp")
-    with Front(tmp_path, backend="llama") as f:
-        got = f.sdk().embeddings.create(model="x", input=["a KV cache", "a prefix cache"])
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        cli = subprocess.run(
-            [sys.executable, "-m", "modeld", "embed", "--endpoint", f.daemon.endpoint, "--json", "a KV cache", "a prefix cache"],
-            capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
-        )
+@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.llama),
+                                        pytest.param("openvino", marks=pytest.mark.openvino)])
+def tools_front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    """A front on each engine serving the tool-capable fixture (its embedding model is the daemon's own)."""
+    pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
+    from tests.fixtures import tool_gguf
+
+    with Front(tmp_path_factory.mktemp(f"tools-{request.param}"), "--model", str(tool_gguf()), "--model-name", "tools",
+               "--num-ctx", "2048", backend=request.param) as f:
+        yield f
+
+
+# the embedding model is loaded beside the chat model, whichever that is: the tool round trip's daemon serves
+@pytest.mark.parametrize("tools_front", ["llama"], indirect=True)
+def test_embeddings_equal_the_cli(tools_front: Front) -> None:
+    f = tools_front
+    got = f.sdk().embeddings.create(model="x", input=["a KV cache", "a prefix cache"])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cli = subprocess.run(
+        [sys.executable, "-m", "modeld", "embed", "--endpoint", f.daemon.endpoint, "--json", "a KV cache", "a prefix cache"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
+    )
     assert cli.returncode == 0, cli.stderr
     import numpy as np
 
@@ -388,43 +400,39 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", [pytest.param("llama", marks=pytest.mark.llama), pytest.param("openvino", marks=pytest.mark.openvino)])
-def test_tool_call_round_trip_and_json_schema(backend: str, tmp_path: Path) -> None:
+def test_tool_call_round_trip_and_json_schema(tools_front: Front) -> None:
     """On the tool-capable fixture: a forced call, its result, the answer — each request reusing the previous one."""
-    from tests.fixtures import tool_gguf
-
-    f = Front(tmp_path, "--model", str(tool_gguf()), "--model-name", "tools", "--num-ctx", "2048", backend=backend)
-    with f:
-        sdk = f.sdk()
-        history: list[dict[str, object]] = [
-            {"role": "system", "content": "You are a weather assistant. Use the tools."},
-            {"role": "user", "content": "What is the weather in Paris?"},
-        ]
-        first = sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER], max_tokens=60, temperature=0,
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}})
-        choice = first.choices[0]
-        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
-        call = choice.message.tool_calls[0]
-        assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
-        history += [
-            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-            {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "clear"}'},
-        ]
-        second = sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER], max_tokens=24, temperature=0)
-        assert first.usage is not None and second.usage is not None and second.usage.prompt_tokens_details is not None
-        # the first request and the call the model made are reused; the tool result is what is new
-        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
-        history += [{"role": "assistant", "content": second.choices[0].message.content or ""},
-                    {"role": "user", "content": "Give it as JSON."}]
-        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "temp_c": {"type": "integer"}},
-                  "required": ["city", "temp_c"], "additionalProperties": False}
-        third = sdk.chat.completions.create(model="tools", messages=history, max_tokens=60, temperature=0, tools=[WEATHER],
-                                            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
-        data = json.loads(third.choices[0].message.content or "")
-        assert set(data) == {"city", "temp_c"} and isinstance(data["temp_c"], int)
-        with pytest.raises(openai.BadRequestError):  # a forced call of a tool nobody gave
-            sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER],
-                                        tool_choice={"type": "function", "function": {"name": "nope"}})
+    f = tools_front
+    sdk = f.sdk()
+    history: list[dict[str, object]] = [
+        {"role": "system", "content": "You are a weather assistant. Use the tools."},
+        {"role": "user", "content": "What is the weather in Paris?"},
+    ]
+    first = sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER], max_tokens=60, temperature=0,
+                                        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    history += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "clear"}'},
+    ]
+    second = sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER], max_tokens=24, temperature=0)
+    assert first.usage is not None and second.usage is not None and second.usage.prompt_tokens_details is not None
+    # the first request and the call the model made are reused; the tool result is what is new
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+    history += [{"role": "assistant", "content": second.choices[0].message.content or ""},
+                {"role": "user", "content": "Give it as JSON."}]
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "temp_c": {"type": "integer"}},
+              "required": ["city", "temp_c"], "additionalProperties": False}
+    third = sdk.chat.completions.create(model="tools", messages=history, max_tokens=60, temperature=0, tools=[WEATHER],
+                                        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}})
+    data = json.loads(third.choices[0].message.content or "")
+    assert set(data) == {"city", "temp_c"} and isinstance(data["temp_c"], int)
+    with pytest.raises(openai.BadRequestError):  # a forced call of a tool nobody gave
+        sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER],
+                                    tool_choice={"type": "function", "function": {"name": "nope"}})
 
 
 def test_a_busy_slot_queues_then_answers_503(tmp_path: Path) -> None:

@@ -8,9 +8,15 @@ libzmq abort the daemon (``Too many open files``). Here:
 * at start the soft ``RLIMIT_NOFILE`` is raised toward the hard one, and the connection cap is kept
   ``RESERVED_FDS`` (and two accept bursts) below it, so the model, its files and the ZeroMQ clients
   always find descriptors;
-* a connection past the cap is answered ``503`` (``Retry-After``) and half-closed; it lingers up to
-  ``LINGER_S`` while its request is read and dropped, so the client reads the answer rather than a reset
-  when it wrote first. At most ``LINGER_MAX`` linger: past that (a flood), one is closed at once;
+* a connection past the cap is answered ``503`` (``Retry-After``) at once and half-closed, then lingers
+  while its request is read and dropped: a client that wrote its request, or writes it after the answer,
+  reads the ``503`` rather than a reset or a broken pipe. The linger ends as soon as the request is read
+  whole (head and body), when the client closes, after ``LINGER_S``, or past ``LINGER_READ_MAX``
+  bytes. At most ``LINGER_MAX`` linger, the descriptors of one accept burst; when a refused connection
+  finds them all taken, the oldest is closed to make room. A flood of half-sent connections therefore
+  holds them only in turn: every refused connection gets its answer and time to send its request (up to
+  ``LINGER_S``, or until ``LINGER_MAX`` newer refused connections have come), and the descriptors held
+  stay within the budget below;
 * a connection that has not completed a request head ``header_timeout_s`` after it opened (or after its
   last head) and is not being answered is sent ``408`` and closed: slowloris clients cannot hold slots.
   A request being answered, however long its stream, is never cut.
@@ -27,12 +33,13 @@ import resource
 import time
 from typing import Any
 
+import h11  # uvicorn's own HTTP parser, which the protocol extended here runs on
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("modeld.front")
 
-__all__ = ["ACCEPT_BACKLOG", "DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "LINGER_MAX", "LINGER_S", "RESERVED_FDS",
-           "connection_cap", "guarded_protocol"]
+__all__ = ["ACCEPT_BACKLOG", "DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "LINGER_MAX", "LINGER_READ_MAX",
+           "LINGER_S", "RESERVED_FDS", "connection_cap", "guarded_protocol"]
 
 #: open HTTP connections the front serves at once (agents hold a few; a browser tab six)
 DEFAULT_MAX_CONNECTIONS = 512
@@ -43,15 +50,17 @@ DEFAULT_HEADER_TIMEOUT_S = 30.0
 RESERVED_FDS = 256
 #: the soft limit asked for when the hard one allows it
 WANTED_FDS = 65536
-#: connections past the cap that may linger after their 503 (half-closed, their request read and dropped) so
-#: the client reads the answer instead of a reset; past this many, one is closed at once (a flood)
-LINGER_MAX = 32
-#: how long a refused connection lingers
+#: how long a refused connection lingers at most
 LINGER_S = 1.0
+#: bytes a lingering connection reads and drops before it is closed (a request of ordinary size is read whole)
+LINGER_READ_MAX = 1 << 20
 #: the listen backlog, which is also how many connections asyncio accepts in one go before the cap sees
 #: any of them: two such bursts are kept free below the limit as well. (Smaller, a flood of connects
 #: overflows the kernel's queue and each dropped SYN costs its client a one-second retry.)
 ACCEPT_BACKLOG = 128
+#: refused connections that may linger at once: one of the two accept bursts kept free below the descriptor
+#: limit, so lingering never eats into ``RESERVED_FDS``
+LINGER_MAX = ACCEPT_BACKLOG
 
 
 def _reply(status: str, kind: str, code: str, message: str, extra: str = "") -> bytes:
@@ -63,7 +72,8 @@ def _reply(status: str, kind: str, code: str, message: str, extra: str = "") -> 
 
 def connection_cap(wanted: int) -> int:
     """Raise the soft descriptor limit toward the hard one and return how many HTTP connections fit: at most
-    ``wanted``, always ``RESERVED_FDS`` and two accept bursts below the limit (and at least 8)."""
+    ``wanted``, always ``RESERVED_FDS`` and two accept bursts below the limit (and at least 8): one burst for
+    connections accepted before the cap sees them, one for refused connections lingering (``LINGER_MAX``)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = WANTED_FDS if hard == resource.RLIM_INFINITY else min(hard, WANTED_FDS)
     if soft != resource.RLIM_INFINITY and soft < target:
@@ -88,13 +98,15 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyn
     slow = _reply("408 Request Timeout", "invalid_request_error", "request_timeout",
                   f"no complete request head within {header_timeout_s:g} s")
     last_warned = [0.0]
-    lingering = [0]
+    # the refused connections lingering now, oldest first (a dict keeps its insertion order)
+    lingering: dict[Any, None] = {}
 
     class GuardedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
         _armed_cycle: Any = None
         _refused = False
-        _lingers = False
+        _linger_timer: asyncio.TimerHandle | None = None
+        _dropped = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -106,16 +118,44 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyn
                                 max_connections)
                 self._refused = True
                 transport.write(busy)
-                if lingering[0] < LINGER_MAX and transport.can_write_eof():
-                    lingering[0] += 1
-                    self._lingers = True
-                    transport.write_eof()
-                    self.loop.call_later(LINGER_S, transport.close)
-                else:
+                if not transport.can_write_eof():
                     transport.close()  # connection_lost follows and forgets it
+                    return
+                # half-closed, not closed: closing a socket with the request unread (or before it comes)
+                # resets it, and the client's send fails or its read loses the answer
+                transport.write_eof()
+                if len(lingering) >= LINGER_MAX:
+                    next(iter(lingering))._end_linger()  # the oldest has had the longest to send its request
+                lingering[self] = None
+                self._linger_timer = self.loop.call_later(LINGER_S, self._end_linger)
                 return
             if header_timeout_s > 0:
                 self._arm()
+
+        def _end_linger(self) -> None:
+            lingering.pop(self, None)
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
+            self.transport.close()
+
+        def _drop(self, data: bytes) -> None:
+            """Read a refused connection's request and drop it; once it is whole, nothing is left unread and
+            the connection closes cleanly."""
+            if self not in lingering:
+                return
+            self._dropped += len(data)
+            try:
+                self.conn.receive_data(data)
+                while (event := self.conn.next_event()) is not h11.NEED_DATA and event is not h11.PAUSED:
+                    if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                        self._end_linger()
+                        return
+            except h11.RemoteProtocolError:  # not HTTP: nothing to wait for
+                self._end_linger()
+                return
+            if self._dropped > LINGER_READ_MAX:
+                self._end_linger()
 
         def _arm(self) -> None:
             self._armed_cycle = self.cycle
@@ -134,20 +174,22 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyn
 
         def data_received(self, data: bytes) -> None:
             if self._refused:
-                return  # the request of a connection already answered 503: read and dropped
+                self._drop(data)
+                return
             super().data_received(data)
 
         def eof_received(self) -> bool | None:  # type: ignore[override]
             if self._refused:
-                self.transport.close()  # the client is done: no need to wait out the linger
+                self._end_linger()  # the client is done: no need to wait out the linger
                 return None
             super().eof_received()
             return None
 
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._lingers:
-                self._lingers = False
-                lingering[0] -= 1
+            lingering.pop(self, None)
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
