@@ -62,7 +62,7 @@ MODEL_B = OpenSessionRequest(owner_instance_id=OWNER, model_name="b", type="memo
 
 
 def load_req(src: OpenSessionRequest, expected_generation: int = 0) -> LoadModelRequest:
-    return LoadModelRequest(**src.model_dump(exclude={"queue_timeout_s"}), expected_generation=expected_generation)
+    return LoadModelRequest(**src.model_dump(exclude={"queue_timeout_s", "switch"}), expected_generation=expected_generation)
 
 
 @pytest.fixture(scope="module")
