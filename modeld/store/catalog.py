@@ -40,17 +40,20 @@ class Catalog:
         model, directory = found
         return Known(model.name, str(model.path_in(directory)))
 
-    def names(self) -> list[str]:
-        """The stored models' names, the others', then the store's aliases."""
+    def models(self) -> list[str]:
+        """The stored models' names, then the others'."""
         stored = [m.name for m in self.store.models()]
-        return [*stored, *(n for n in self.extra if n not in stored), *sorted(self.store.aliases())]
+        return [*stored, *(n for n in self.extra if n not in stored)]
+
+    def names(self) -> list[str]:
+        """``models``, then the store's aliases."""
+        return [*self.models(), *sorted(self.store.aliases())]
 
     def status(self) -> dict[str, object]:
         """``DaemonStatus.models``: the store's directory, its models and bytes, the names a request may give."""
         n, size = self.store.disk_usage()
-        names = [m.name for m in self.store.models()]
-        return {"dir": str(self.store.root), "models": n, "bytes": size,
-                "names": [*names, *(x for x in self.extra if x not in names)], "aliases": self.store.aliases()}
+        return {"dir": str(self.store.root), "models": n, "bytes": size, "names": self.models(),
+                "aliases": self.store.aliases()}
 
     def add(self, name: str, path: str | Path) -> None:
         if name and self.store.find(name) is None:

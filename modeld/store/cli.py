@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from runtime.cli import _size  # the client commands' sizes, as `modeld status` prints them
+
 from .pull import PullError, pull
 from .refs import RefError
 from .store import ModelStore, StoredModel, StoreError, default_store_dir
@@ -25,13 +27,6 @@ COMMANDS = ("pull", "ls", "show", "rm", "alias")
 EXIT_ERROR = 1
 #: how long ``ls``/``rm`` wait for a running daemon's status
 STATUS_TIMEOUT_S = 5.0
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _common(p: argparse.ArgumentParser, *, endpoint: bool = False) -> None:

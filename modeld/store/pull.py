@@ -216,9 +216,7 @@ def pull_hub(store: ModelStore, ref: HubRef, *, name: str = "", endpoint: str | 
 
     plan = plan_pull(ref, endpoint=endpoint, token=token)
     model_name = check_name(name or default_name(ref, plan.choice))
-    held = store.find(model_name)
-    if held is not None and held[0].name == model_name and not replace:
-        raise StoreError(f"{model_name!r} is already in the store (modeld rm {model_name}, or --name another)")
+    store.check_free(model_name, replace=replace)  # before anything is fetched or linked
     downloads = store.downloads()
     parts = {f.path: downloads / f"{f.sha256 or f.blob_id or f.path.replace('/', '_')}.part" for f in plan.files}
     have = sum(min(p.stat().st_size, f.size) for f in plan.files if (p := parts[f.path]).exists())
@@ -297,9 +295,7 @@ def import_local(store: ModelStore, path: Path, *, name: str = "", replace: bool
             raise PullError(f"{path} is part of a split GGUF: name its first part, {path.parent / chosen.primary}")
         files = [path.parent / f for f in chosen.files]
     model_name = check_name(name or default_name(path))
-    held = store.find(model_name)
-    if held is not None and held[0].name == model_name and not replace:
-        raise StoreError(f"{model_name!r} is already in the store (modeld rm {model_name}, or --name another)")
+    store.check_free(model_name, replace=replace)  # before anything is fetched or linked
     staged = store.staging(model_name)
     try:
         stored = []

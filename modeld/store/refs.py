@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..capacity.sizes import format_size
+
 __all__ = [
     "DEFAULT_QUANT",
     "Choice",
@@ -169,10 +171,6 @@ def choices(files: dict[str, int]) -> list[Choice]:
     return out
 
 
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def ref_of(c: Choice, repo: str, *, by_file: bool = False) -> str:
     """The reference that pulls ``c`` from ``repo`` (by file when its quant does not tell it apart)."""
     if c.kind == "openvino":
@@ -182,7 +180,7 @@ def ref_of(c: Choice, repo: str, *, by_file: bool = False) -> str:
 
 def _listing(found: list[Choice], repo: str) -> str:
     quants = [c.quant for c in found if c.kind == "gguf" and c.quant]
-    rows = [(ref_of(c, repo, by_file=quants.count(c.quant) > 1), c.label, _size(sum(c.sizes))) for c in found]
+    rows = [(ref_of(c, repo, by_file=quants.count(c.quant) > 1), c.label, format_size(sum(c.sizes))) for c in found]
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"  {ref:{width}}  {label}, {size}" for ref, label, size in rows)
 

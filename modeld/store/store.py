@@ -196,11 +196,9 @@ class ModelStore:
     def commit(self, staged: Path, model: StoredModel, *, replace: bool = False) -> Path:
         """Write ``model``'s manifest into ``staged`` and move it into the store; StoreError if the name is taken."""
         name = check_name(model.name)
-        existing = self.find(name)
-        if existing is not None and existing[0].name == name:
-            if not replace:
-                raise StoreError(f"{name!r} is already in the store (modeld rm {name}, or pull with another --name)")
-            shutil.rmtree(existing[1])
+        existing = self.check_free(name, replace=replace)
+        if existing is not None:
+            shutil.rmtree(existing)
         if name in self.aliases():
             raise StoreError(f"{name!r} is an alias in the store; remove it first (modeld alias --rm {name})")
         model = model.model_copy(update={"name": name, "added": model.added or time.time()})
@@ -212,6 +210,16 @@ class ModelStore:
             target = self.root / f"{_dir_name(name)}-{n}"
         staged.rename(target)
         return target
+
+    def check_free(self, name: str, *, replace: bool = False) -> Path | None:
+        """StoreError when a model is stored as ``name`` and ``replace`` is not given; else the directory a
+        replace would delete (None: the name is free). A pull asks before it downloads, ``commit`` again."""
+        existing = self.find(name)
+        if existing is None or existing[0].name != name:
+            return None
+        if not replace:
+            raise StoreError(f"{name!r} is already in the store (modeld rm {name}, or pull with another --name)")
+        return existing[1]
 
     def remove(self, ref: str) -> StoredModel:
         """Delete the model ``ref`` names and the aliases leading to it."""
