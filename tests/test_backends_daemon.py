@@ -208,7 +208,7 @@ def test_a_daemon_with_exact_rows_answers_alike_with_drafts(
     tmp_path_factory: pytest.TempPathFactory, backend: str, flags: tuple[str, ...], settings: str
 ) -> None:
     """``--exact-decode`` (llama.cpp: with the layout whose rows are exact, flash attention over a
-    q8_0 cache) reaches the preloaded model and status names the settings; then a 320-token edit
+    q8_0 cache) reaches the preloaded model and status names the settings; then a 240-token edit
     answers the same, token for token, with and without drafts (the bench's edit, past 512 keys)."""
     d = DaemonProcess(tmp_path_factory.mktemp("exact-rows"), backend, None, *BUNDLED, "--num-ctx", "2048", *flags)
     d.start(ready_timeout_s=600, wait_state=("Ready",))
@@ -245,7 +245,7 @@ def test_a_daemon_with_exact_rows_answers_alike_with_drafts(
                 sess.prefill_suffix(SuffixInput(text="Hello.", render=False, manifest=m))
                 sess.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=m))
                 assert sess.explain_context().resident_tokens > 512
-                chunks = list(sess.decode(DecodeConfig(max_tokens=320, return_token_ids=True, speculative=speculative)))
+                chunks = list(sess.decode(DecodeConfig(max_tokens=240, return_token_ids=True, speculative=speculative)))
                 return [t for ch in chunks for t in ch.token_ids], chunks[-1]
 
             plain, _ = edit(False)

@@ -23,7 +23,7 @@ import pytest
 ov = pytest.importorskip("openvino")
 ov_genai = pytest.importorskip("openvino_genai")
 
-from backends.bundled import bundled_gguf_path  # noqa: E402
+from backends.bundled import bundled_gguf_path, model_cache_dir  # noqa: E402
 from backends.openvino import BACKEND_NAME, OpenVINOBackend, OpenVINOLoadedModel  # noqa: E402
 from backends.openvino.graph import (  # noqa: E402
     BATCH_GRAPH_MAX_WEIGHTS,
@@ -71,6 +71,9 @@ from tests.engine_kit import LONG_PREFIX, NUM_CTX, PARAGRAPH, check_exact_rows, 
 from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 
 pytestmark = pytest.mark.openvino
+
+#: the model cache as the other modules see it (``cache_dir`` points this module's loads elsewhere)
+SHARED_CACHE = model_cache_dir()
 
 
 
@@ -440,9 +443,13 @@ def test_replay_snapshot_reprefills(model: OpenVINOLoadedModel, session: TapeSes
     assert greedy(session, 12) == reference
 
 
-def test_tool_template_renders_tools_and_tool_turns(backend: OpenVINOBackend, cache_dir: Path) -> None:
-    """A tool-capable template (same weights, see tests/fixtures.py) gets tools, tool turns and thinking flags."""
-    m = backend.load(OpenSessionRequest(path=str(tool_gguf(cache_dir)), config=Config(num_ctx=1024)), lambda _f: None)
+def test_tool_template_renders_tools_and_tool_turns(backend: OpenVINOBackend) -> None:
+    """A tool-capable template (same weights, see tests/fixtures.py) gets tools, tool turns and thinking flags.
+
+    Its IR is the one the daemon tests load (the shared model cache): a fixture's conversion, not the
+    developer's models, and made once a run rather than once more here."""
+    ir = prepare_ir(tool_gguf(), cache_dir=SHARED_CACHE)
+    m = backend.load(OpenSessionRequest(path=str(ir), config=Config(num_ctx=1024)), lambda _f: None)
     try:
         assert m.template is not None and m.template.supports_tools
         s = m.open_session()

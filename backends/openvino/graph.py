@@ -29,8 +29,10 @@ __all__ = [
 MIN_PREFILL_ROWS = 16
 #: (up to this many rows, round up to a multiple of this) — see "Shape buckets" in ``backends.openvino.model``
 _BUCKET_STEPS = ((256, 16), (1024, 64), (1 << 62, 256))
-#: the largest bucket compiled at load: what warm turns' suffixes use
-WARM_BUCKETS_UP_TO = 256
+#: the largest bucket run at load: a chat turn's usual suffix. Warming costs each bucket's full rows (~0.9 ms a
+#: row here, 2.3 s for every bucket to 256 and the 512-row chunk, 40% of a load of the bundled model), where a
+#: bucket's first use pays 25-110 ms once (measured: 64 rows 25 ms, 256 rows 46 ms, 512 rows 108 ms)
+WARM_BUCKETS_UP_TO = 64
 #: a speculative draft's check runs padded to one of these row counts (compiled at load), so
 #: drafts of every length share a few kernels instead of compiling one shape each
 VERIFY_ROWS = (4, 8, 16)
