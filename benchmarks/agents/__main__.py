@@ -13,7 +13,8 @@ the repository changed, whether ``add`` now returns the sum, and the agent's exi
 Options: ``--only opencode,aider`` (a subset), ``--timeout 420`` (seconds per agent and task),
 ``--task TEXT`` (repeatable: the tasks instead of the two), ``--model NAME``
 (default: the first of ``/v1/models``), ``--context N``, ``--outdir DIR``, ``--backend``,
-``--serve-arg ARG``, ``--settle S`` (wait after an agent for its requests to end), ``--install-only``,
+``--serve-arg ARG``, ``--settle S`` (wait after an agent for its requests to end), ``--claude-tools LIST``
+(Claude Code's ``--tools``; default ``Bash,Edit,Read,Write``, ``default`` for its own set), ``--install-only``,
 ``--reinstall``. With make: ``make agents AGENTS_ARGS="--only codex"``.
 
 Output, in ``--outdir`` (default ``.cache/agents/runs/TIME``): ``<agent>.log`` (its stdout and stderr),

@@ -26,6 +26,8 @@ __all__ = ["main"]
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = ROOT / ".cache" / "agents"
 DEFAULT_CONTEXT = 8192
+#: the built-in tools Claude Code is given by default: the ones the tasks need (read, edit, write, run tests)
+CLAUDE_TOOLS = "Bash,Edit,Read,Write"
 #: what agents.json keeps of the daemon's status after each agent
 STATUS_KEYS = ("state", "busy_operation", "session_open", "last_error", "generation")
 
@@ -49,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="", help="the model name the agents are told (default: the first of /v1/models)")
     p.add_argument("--context", type=int, default=0,
                    help="the context window the agents are told (default: the daemon's effective context)")
+    p.add_argument("--claude-tools", default=CLAUDE_TOOLS,
+                   help=f"Claude Code's --tools: 'default' (its own dozen) or a list (default {CLAUDE_TOOLS}: "
+                        "what the tasks use, so its first prompt fits the bundled model's trained 8,192 tokens)")
     p.add_argument("--output-tokens", type=int, default=2048, help="the reply limit the agents are told (default 2048)")
     p.add_argument("--outdir", type=Path, default=None, help="where logs and dumps go (default .cache/agents/runs/TIME)")
     p.add_argument("--backend", default=os.environ.get("MODELD_BACKEND", "auto"), help="modeld serve --backend")
@@ -191,7 +196,8 @@ class Run:
         for k, task in enumerate(self.args.task):
             ctx = Context(name=name, installed=self.installed, server=self.proxy.url, model=self.model,
                           context=self.context, output=min(self.args.output_tokens, self.context // 2),
-                          task=task, repo=changes.repo, home=home, outdir=scratch)
+                          task=task, repo=changes.repo, home=home, outdir=scratch,
+                          claude_tools=self.args.claude_tools)
             launch = AGENTS[name](ctx)
             _log(f"{name} (task {k + 1}): {' '.join(launch.argv)}")
             log = self.outdir / (f"{name}.log" if k == 0 else f"{name}-{k + 1}.log")

@@ -39,6 +39,9 @@ class Context:
     repo: Path
     home: Path
     outdir: Path  # where the agent's own records (trajectories) go
+    #: Claude Code's built-in tools (its ``--tools``): "default" is its own set of a dozen, whose
+    #: schemas alone are ~10k tokens; a list keeps its first prompt inside a small model's window
+    claude_tools: str = "default"
 
     @property
     def v1(self) -> str:
@@ -165,7 +168,8 @@ def claude(ctx: Context) -> Launch:
         DISABLE_ERROR_REPORTING="1", DISABLE_BUG_COMMAND="1",
         CLAUDE_CODE_DISABLE_OFFICIAL_MARKETPLACE_AUTOINSTALL="1", CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY="1",
     )
-    argv = [ctx.installed.exe("claude"), "-p", ctx.task, "--model", ctx.model, "--permission-mode", "acceptEdits"]
+    argv = [ctx.installed.exe("claude"), "-p", ctx.task, "--model", ctx.model, "--permission-mode", "acceptEdits",
+            "--tools", ctx.claude_tools]
     return Launch(argv, env, ctx.repo)
 
 
