@@ -9,6 +9,7 @@ that needs a handful of numbers before the engine opens the file itself.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -198,8 +199,40 @@ def patch_scalars(path: str | os.PathLike[str], values: dict[str, int | float]) 
         buf.flush()
 
 
-def _parse_gguf_scalars(buf: mmap.mmap, where: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
-    """Scalar and string keys; ``where`` (when given) receives each scalar's (value type, offset)."""
+def gguf_layout_digest(path: str | os.PathLike[str]) -> str:
+    """What a GGUF computes per token, not with which values: a digest of its architecture's scalars and
+    its tensor table (each tensor's name, dimensions and type); a few ms.
+
+    Two files that differ only in their weights' values or in tokenizer and general metadata (another chat
+    template, name or license) have the same layout, so they cost the same to run. ValueError for a file
+    that is not a readable GGUF.
+    """
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        try:
+            end: list[int] = []
+            scalars = _parse_gguf_scalars(buf, end=end)
+            (n_tensors,) = struct.unpack_from("<Q", buf, 8)
+            arch = str(scalars.get("general.architecture", ""))
+            h = hashlib.sha256(repr(sorted((k, v) for k, v in scalars.items() if k.startswith(arch + "."))).encode())
+            off = end[0]
+            for _ in range(n_tensors):
+                (n,) = struct.unpack_from("<Q", buf, off)
+                (n_dims,) = struct.unpack_from("<I", buf, off + 8 + n)
+                info_end = off + 8 + n + 4 + 8 * n_dims + 4  # name, dims and type; the data offset left out
+                if info_end > len(buf):
+                    raise IndexError("the tensor table runs past the end of the file")
+                h.update(bytes(buf[off:info_end]))
+                off = info_end + 8
+        except (struct.error, IndexError, UnicodeDecodeError, OverflowError) as exc:
+            raise ValueError(f"{path} has a truncated or corrupt GGUF header: {exc}") from exc
+    return "sha256:" + h.hexdigest()
+
+
+def _parse_gguf_scalars(
+    buf: mmap.mmap, where: dict[str, tuple[int, int]] | None = None, end: list[int] | None = None
+) -> dict[str, Any]:
+    """Scalar and string keys; ``where`` (when given) receives each scalar's (value type, offset), ``end``
+    the offset where the metadata ends (the tensor table's start)."""
     if buf[:4] != b"GGUF":
         raise ValueError("bad GGUF magic")
     (version,) = struct.unpack_from("<I", buf, 4)
@@ -245,6 +278,8 @@ def _parse_gguf_scalars(buf: mmap.mmap, where: dict[str, tuple[int, int]] | None
         off = skip(vtype, off)
         if off > len(buf):
             raise IndexError("metadata runs past the end of the file")
+    if end is not None:
+        end.append(off)
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -171,8 +172,8 @@ ENGINE_FAMILIES = ["qwen3_coder", "llama3", "mistral", "mistral_args", "gpt_oss"
 def _load(engine: str, name: str, path: str = "", *, speculative: bool = True) -> Any:
     """The bundled model (or the GGUF at ``path``) under the family template ``name`` ("": the file's own).
 
-    Without ``speculative`` the load measures no draft costs: they are kept per model digest, so a fixture
-    no other test loads would pay that measurement on every fresh cache."""
+    Without ``speculative`` the load measures no draft costs (they are kept per model layout, which the
+    fixtures share with the bundled model, so either way a fixture's load reads the bundled model's)."""
     from backends.bundled import bundled_gguf_path
 
     config = Config(num_ctx=2048, chat_template=str(TEMPLATES / f"{name}.jinja") if name else "")
@@ -192,6 +193,38 @@ def _load(engine: str, name: str, path: str = "", *, speculative: bool = True) -
 def engine(request: pytest.FixtureRequest) -> Iterator[str]:
     pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
     yield request.param
+
+
+def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
+    engine: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A check's cost depends on what the model computes, not on its metadata: the bundled weights without
+    a chat template (another file, another digest) draft by the table the bundled model's load kept, and
+    measure nothing. The context-extended copy (other RoPE scalars) has a layout of its own."""
+    from backends.bundled import bundled_gguf_path, served_bundled_gguf
+    from backends.gguf_file import gguf_layout_digest
+    from backends.tape import draft_costs
+    from tests.fixtures import truncated_gguf, untemplated_gguf
+
+    bundled, bare = bundled_gguf_path(), untemplated_gguf()
+    assert gguf_layout_digest(bundled) == gguf_layout_digest(bare) != gguf_layout_digest(served_bundled_gguf())
+    with pytest.raises(ValueError, match="truncated or corrupt"):
+        gguf_layout_digest(truncated_gguf(bundled, tmp_path / "cut.gguf", keep_fraction=0.01))
+    base = _load(engine, "")
+    try:
+        costs, key, digest = base.draft_costs, draft_costs.cost_key(base), base.digest
+    finally:
+        base.close()
+
+    def no_measuring(_m: object, **_kw: object) -> None:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(draft_costs, "measure", no_measuring)
+    other = _load(engine, "", str(bare))
+    try:
+        assert other.digest != digest and draft_costs.cost_key(other) == key and other.draft_costs == costs
+    finally:
+        other.close()
 
 
 @pytest.mark.slow

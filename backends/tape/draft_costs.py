@@ -5,8 +5,9 @@ one-token step, and how that grows with the context. It depends on the engine, i
 and the CPU, so it is timed at load on a throwaway context (a short one, then a longer one when the
 window has room), taking the fastest of ``REPS`` interleaved rounds, and then fixed, so drafts are a
 function of the tape and answers repeat. The table is kept on disk (``draft-costs.json`` in the model
-cache directory) under a key naming the engine, its version, the model, the kernels' settings and the
-CPU, not the context size: a restarted daemon drafts as before and measures nothing. A missing,
+cache directory) under a key naming the engine, its version, the model's layout (``layout_digest``: the
+same weights under another chat template share a table), the kernels' settings and the CPU, not the
+context size: a restarted daemon drafts as before and measures nothing. A missing,
 unreadable or unwritable file only means measuring again; a table timed in a window too small for the
 longer context is replaced by the first load whose window has room. Why each of these, with the
 measurements: ``docs/speculation.md``.
@@ -73,7 +74,7 @@ def cost_key(m: TapeModel) -> str:
             "method": METHOD_VERSION,
             "backend": m.backend_name,
             "engine": m.engine_version(),
-            "model": m.digest,
+            "model": m.layout_digest(),
             "runtime": identity,
             "cpu": cpu_name(),
             "cores": os.cpu_count(),

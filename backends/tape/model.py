@@ -118,6 +118,8 @@ class TapeModel(Protocol):
 
     def cost_identity(self) -> dict[str, Any]: ...
 
+    def layout_digest(self) -> str: ...
+
     def errors(self, action: str) -> AbstractContextManager[None]:
         """The engine's one translation of foreign exceptions into contract errors."""
         ...
@@ -394,6 +396,12 @@ class TapeModelBase(ABC):
         """Settings that change what a draft's check costs but not its numbers (none by default): part of
         the key a measured cost table is kept under (``backends.tape.draft_costs``)."""
         return {}
+
+    def layout_digest(self) -> str:
+        """What the model computes per token, not with which values (the key a cost table is kept under):
+        the model's digest unless the engine reads its layout. Files that differ only in weights' values or
+        in metadata (another chat template) cost the same to run and share one measurement."""
+        return self.digest
 
     def decode_format(self, cfg: DecodeConfig) -> ToolFormat:
         """The tool-call family a decode forces calls in: the one its parser protocols name, else the model's."""
