@@ -17,7 +17,7 @@ from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, EmbedResult, 
 from ..bundled import model_cache_dir
 from ..devices import read_gpus
 from ..digest import file_digest
-from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_scalars, is_gguf
+from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_layout_digest, gguf_scalars, is_gguf
 from ..registry import engine
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
@@ -86,6 +86,7 @@ class LlamaBackend:
                     llm, path=str(path), digest=digest, shape=shape, options=options, config=req.config,
                     requested_template=template,
                 )
+                model.layout = gguf_layout_digest(path)  # the key its draft costs are kept under
                 model.probe_rows()  # before the draft costs: a refused load measures nothing more
             except BaseException:
                 llm.close()

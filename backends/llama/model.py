@@ -33,7 +33,6 @@ from contract.errors import InvalidArgument, SnapshotRejected, UnsupportedFeatur
 from contract.sizing import ModelShape, kv_bytes_per_token
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
-from ..gguf_file import gguf_layout_digest
 from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import pack_state, refuse_diffs, unpack_state
@@ -174,13 +173,6 @@ class LlamaLoadedModel(TapeModelBase):
     def cost_identity(self) -> dict[str, Any]:
         """The thread count: it changes what a step and a check cost, not their numbers."""
         return {"n_threads": self.options.num_threads}
-
-    def layout_digest(self) -> str:
-        """The GGUF's architecture scalars and tensor table (``gguf_layout_digest``), else its digest."""
-        try:
-            return gguf_layout_digest(self.path)
-        except (OSError, ValueError):
-            return self.digest
 
     @property
     def vocab_size(self) -> int:

@@ -17,7 +17,7 @@ from contract.interfaces import StateCache
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
 
-from ..gguf_file import gguf_facts
+from ..gguf_file import gguf_facts, gguf_layout_digest
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .graph import paged_model, wants_batch_graph
@@ -107,6 +107,8 @@ class OpenVINOBackend:
                 device=self.device,
                 requested_template=template,
             )
+            if src.gguf is not None:  # an IR's graph file names its nodes per conversion: the GGUF's layout
+                loaded.layout = gguf_layout_digest(src.gguf)
             finish_load(loaded, self.cache, self.speculative)
         progress(1.0)
         return loaded

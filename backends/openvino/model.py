@@ -20,7 +20,6 @@ plain attributes.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -250,14 +249,6 @@ class OpenVINOLoadedModel(TapeModelBase):
     def cost_identity(self) -> dict[str, Any]:
         """With the batch graph a change of row count costs less (``graph.BATCH_GRAPH_MAX_WEIGHTS``)."""
         return {"batch_graph": self.batch_graph}
-
-    def layout_digest(self) -> str:
-        """The graph file (``openvino_model.xml``: operations, shapes and types; the values are in the .bin),
-        else the model's digest. IRs converted from GGUFs that differ only in metadata have the same one."""
-        try:
-            return "sha256:" + hashlib.sha256((self.ir / "openvino_model.xml").read_bytes()).hexdigest()
-        except OSError:
-            return self.digest
 
     @property
     def vocab_size(self) -> int:

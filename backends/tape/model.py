@@ -366,6 +366,8 @@ class TapeModelBase(ABC):
         self.rows_exact = False
         #: what the load measured of ``rows_exact``, for ``status`` ("" where nothing was probed)
         self.rows_probe = ""
+        #: the GGUF's layout (``layout_digest``), set by the backend before the draft costs; "": the digest
+        self.layout = ""
         self._sampling: SamplingParams | None = None
         #: the family replies' tool calls are parsed and forced in, and why (``status``)
         self.tool_format, self.tool_format_origin = model_format(template, config.tool_format)
@@ -399,9 +401,10 @@ class TapeModelBase(ABC):
 
     def layout_digest(self) -> str:
         """What the model computes per token, not with which values (the key a cost table is kept under):
-        the model's digest unless the engine reads its layout. Files that differ only in weights' values or
-        in metadata (another chat template) cost the same to run and share one measurement."""
-        return self.digest
+        ``layout`` where the backend read it from the GGUF (``gguf_layout_digest``), else the model's digest.
+        Files that differ only in weights' values or in metadata (another chat template) cost the same to
+        run and share one measurement."""
+        return self.layout or self.digest
 
     def decode_format(self, cfg: DecodeConfig) -> ToolFormat:
         """The tool-call family a decode forces calls in: the one its parser protocols name, else the model's."""
