@@ -48,6 +48,9 @@ log = logging.getLogger("modeld.server")
 
 #: how long a stop waits for the model worker before it gives up on a wedged one
 SHUTDOWN_WAIT_S = 10.0
+#: how long it waits for a worker the watchdog already found wedged (it made no progress for the whole
+#: wedge timeout; a cancel it has not seen by then is not seen in ten more seconds either)
+WEDGED_SHUTDOWN_WAIT_S = 1.0
 LINGER_MS = 500
 SEND_HWM = 100_000
 
@@ -232,12 +235,12 @@ class Daemon:
         # Queued requests that never started get ShuttingDown.
         pending = self.work.take_queued()
         self.work.stop_workers()
-        stuck = not self.workers.join(SHUTDOWN_WAIT_S)
+        wait_s = WEDGED_SHUTDOWN_WAIT_S if self.watchdog.wedged else SHUTDOWN_WAIT_S
+        stuck = not self.workers.join(wait_s)
         if stuck:
             # A wedged worker holds its socket and the model: the context cannot be terminated
             # cleanly, and waiting longer helps nobody. Answer what we can and leave.
-            log.error("the model worker did not stop within %.0f s (wedged); exiting without releasing it",
-                      SHUTDOWN_WAIT_S)
+            log.error("the model worker did not stop within %.0f s (wedged); exiting without releasing it", wait_s)
             self.exit_code = self.exit_code or 1
         self._drain_out(router, pull)
         for inf in [inf for inf, _msg in pending] + self.work.clear():

@@ -58,7 +58,8 @@ def test_a_wedged_worker_is_reported_and_its_waiters_are_told(tmp_path: Path) ->
             assert time.monotonic() - t0 < 5
         t0 = time.monotonic()
         code = d.stop(signal.SIGTERM, timeout_s=60.0)
-        assert time.monotonic() - t0 < 15, "SIGTERM waited out the wedged worker"
+        # (a worker found wedged gets 1 s to see the cancel, not the 10 s a busy one gets)
+        assert time.monotonic() - t0 < 8, "SIGTERM waited out the wedged worker"
         assert code == 1  # it could not release the model: a supervisor should know
     finally:
         d.stop(signal.SIGKILL)
@@ -71,7 +72,7 @@ def test_exit_when_wedged_hands_the_daemon_to_its_supervisor(tmp_path: Path) -> 
             with pytest.raises(EngineUnresponsive):
                 list(_start_decode(c))  # type: ignore[call-overload]
         assert d.proc is not None
-        d.proc.wait(timeout=WEDGE_S + 20)
+        d.proc.wait(timeout=WEDGE_S + 8)  # found wedged, then 1 s for the worker to see the cancel
         assert d.proc.returncode == 3
         assert "wedged" in d.log()
     finally:
