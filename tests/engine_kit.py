@@ -112,13 +112,14 @@ def decode(session: Session, n: int, **cfg: Any) -> tuple[list[int], str, Stream
     return [t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks), chunks[-1]
 
 
-def check_exact_rows(session: Session, man: ContextManifest, n: int = 240) -> None:
+def check_exact_rows(session: Session, man: ContextManifest, n: int = 240, *, reuse_only: bool = False) -> None:
     """What a model whose rows are exact (``rows_exact``) answers, on an edit past 512 keys.
 
     A seeded sampled pass drafts by default and draws what it draws without drafts; a greedy answer
     with drafts is the plain one token for token; the next turn resends the answer and asks on, reusing
     the decoded tokens (with ``exact_reuse`` too), and answers as it does after a cold prefill (which
-    is what stays resident).
+    is what stays resident). ``reuse_only``: the drafted greedy answer and the next turn alone (for a
+    load that differs from one already checked only in what it reuses).
     """
     asked = 0  # the suffix's tokens before the answer
 
@@ -132,25 +133,36 @@ def check_exact_rows(session: Session, man: ContextManifest, n: int = 240) -> No
         asked = resident - prefix
         return decode(session, tokens, **cfg)
 
-    # sampled: a shorter pass, drafts and what it draws are all it is asked for
-    sampled = {spec: edit(96, temperature=0.7, top_k=40, seed=11, speculative=spec) for spec in (False, None)}
-    drafted = sampled[None][2].usage
-    assert drafted is not None and drafted.drafted_tokens > 0
-    assert sampled[None][0] == sampled[False][0]
-    plain, text, plain_final = edit(speculative=False)
-    spec, _, final = edit(speculative=True)
-    assert plain_final.usage is not None and plain_final.usage.drafted_tokens == 0
+    if not reuse_only:
+        # sampled: a shorter pass, drafts and what it draws are all it is asked for
+        sampled = {spec: edit(96, temperature=0.7, top_k=40, seed=11, speculative=spec) for spec in (False, None)}
+        drafted = sampled[None][2].usage
+        assert drafted is not None and drafted.drafted_tokens > 0
+        assert sampled[None][0] == sampled[False][0]
+        plain, _, plain_final = edit(speculative=False)
+        assert plain_final.usage is not None and plain_final.usage.drafted_tokens == 0
+    spec, text, final = edit(speculative=True)
     assert final.usage is not None and final.usage.accepted_tokens > 0.5 * final.usage.drafted_tokens > 20
-    assert spec == plain and len(plain) > 150
+    assert len(spec) > 150 and (reuse_only or spec == plain)
     # the answer was decoded one token at a time or kept from checks: reused all the same
     follow = SuffixInput(text=EDIT_CONTINUATION + text + "\n```\nWhat changed?", render=False, manifest=man)
     reused = session.prefill_suffix(follow).reused_tokens
-    assert reused > asked + len(plain) // 2
+    assert reused > asked + len(spec) // 2
     warm = decode(session, 48, speculative=False)[0]
     session.ensure_prefix(PrefixInput(text="Something else entirely.", manifest=man))  # nothing of it stays
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX * 2, manifest=man))
     assert session.prefill_suffix(follow).reused_tokens < reused
     assert decode(session, 48, speculative=False)[0] == warm
+
+
+def forbid_measuring(monkeypatch: Any) -> None:
+    """Make a load that measures its draft check costs fail: it is expected to read the kept table."""
+    from backends.tape import draft_costs
+
+    def measured_again(_m: object, **_kw: object) -> None:
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(draft_costs, "measure", measured_again)
 
 
 def take(stream: Generator[StreamChunk, None, None], n: int) -> list[int]:

@@ -49,6 +49,7 @@ from tests.engine_kit import (
     QUESTION,
     Engine,
     decode,
+    forbid_measuring,
     greedy,
     manifest,
     take,
@@ -527,10 +528,7 @@ def test_draft_costs_are_measured_at_load_and_kept_for_the_next_load(
     # and how they grow with the context, measured after LONG_CONTEXT_TOKENS (never shrinking)
     assert costs.growth()[0] == 0.0 and min(costs.growth()) >= 0.0
 
-    def no_measuring(_m: object, **_kw: object) -> None:
-        raise AssertionError("measured again")
-
-    monkeypatch.setattr(draft_costs, "measure", no_measuring)
+    forbid_measuring(monkeypatch)
     again = engine.load()
     try:
         assert again.draft_costs == costs  # type: ignore[attr-defined]

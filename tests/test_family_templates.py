@@ -204,6 +204,7 @@ def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
     from backends.bundled import bundled_gguf_path, served_bundled_gguf
     from backends.gguf_file import gguf_layout_digest
     from backends.tape import draft_costs
+    from tests.engine_kit import forbid_measuring
     from tests.fixtures import truncated_gguf, untemplated_gguf
 
     bundled, bare = bundled_gguf_path(), untemplated_gguf()
@@ -216,10 +217,7 @@ def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
     finally:
         base.close()
 
-    def no_measuring(_m: object, **_kw: object) -> None:
-        raise AssertionError("measured again")
-
-    monkeypatch.setattr(draft_costs, "measure", no_measuring)
+    forbid_measuring(monkeypatch)
     other = _load(engine, "", str(bare))
     try:
         assert other.digest != digest and draft_costs.cost_key(other) == key and other.draft_costs == costs

@@ -392,7 +392,7 @@ def test_a_row_invariant_layout_makes_drafts_and_reuse_exact(
         assert m.probe is not None and m.probe.exact and m.probe.max_diff == 0.0 and m.rows_exact
         assert m.speculation().rows_exact and "equal bit for bit" in m.speculation().rows_probe
         assert m.res.tokens == [] and m.kv_pos_max() == -1  # the probe left nothing resident
-        check_exact_rows(m.open_session(), m.manifest_defaults())
+        check_exact_rows(m.open_session(), m.manifest_defaults(), reuse_only=exact_reuse)
     finally:
         m.close()
 

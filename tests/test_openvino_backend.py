@@ -386,7 +386,7 @@ def test_exact_decode_makes_drafts_and_reuse_exact(model: OpenVINOLoadedModel, i
         assert model.step_rows == 1 and m.step_rows in (*EXACT_STEP_ROWS, MIN_PREFILL_ROWS)
         assert all(m.check_rows(n) >= m.step_rows for n in range(1, 17))
         s = m.open_session()
-        check_exact_rows(s, m.manifest_defaults())
+        check_exact_rows(s, m.manifest_defaults(), reuse_only=exact_reuse)
         # the last decoded token, recomputed as a prefill chunk: the same bits
         n = len(m.res.tokens)
         stepped = m.logits_at_end().copy()
