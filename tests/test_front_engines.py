@@ -117,6 +117,10 @@ def test_an_oversized_prompt_is_refused_before_any_prefill(front: Front) -> None
         assert exc.value.code == "context_length_exceeded"
         said = re.search(rf"the prompt is (\d+) tokens but the model's context window is {NUM_CTX}", exc.value.message)
         assert said is not None and int(said.group(1)) > 15_000, exc.value.message
+        # led by the sentence OpenAI-speaking clients look for
+        assert exc.value.body["message"].startswith(  # type: ignore[index]
+            f"This model's maximum context length is {NUM_CTX} tokens. However, your messages resulted in "
+            f"{said.group(1)} tokens"), exc.value.body
         assert took < 1.0, took
     text = big[1]["content"]
     for stream in (False, True):
@@ -131,6 +135,9 @@ def test_an_oversized_prompt_is_refused_before_any_prefill(front: Front) -> None
                                   stream=stream)
             error = refused.value.body["error"]
             assert error["type"] == "invalid_request_error" and f"context window is {NUM_CTX}" in error["message"]
+            # in Anthropic's words, which Claude Code reads to compact by the right amount (its own pattern)
+            over = re.match(r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)", error["message"])
+            assert over is not None and int(over.group(2)) == NUM_CTX - 1 < int(over.group(1)), error["message"]
     assert _prefilled(front) == before  # nothing was prefilled for any of them
 
 

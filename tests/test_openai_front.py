@@ -309,6 +309,24 @@ def test_framework_refusals_are_api_errors(front: Front) -> None:
                                                max_tokens=2).choices
 
 
+@pytest.mark.parametrize(("details", "prompt"), [({"prompt_tokens": 9000, "num_ctx": 8192}, 9000),
+                                                ({"requested_tokens": 100, "prefix_tokens": 8150, "num_ctx": 8192}, 8250),
+                                                ({"prefix_tokens": 9001, "num_ctx": 8192}, 9001)])
+def test_a_context_overflow_reads_as_each_api_says_it(details: dict[str, int], prompt: int) -> None:
+    """However the overflow was found (the front's count, a suffix or a prefix past the window), both APIs lead
+    with their own sentence and keep the daemon's; without numbers the daemon's message stands alone."""
+    from contract.errors import ContextOverflow
+    from modeld.front.errors import api_error
+
+    err = api_error(ContextOverflow("it does not fit", **details))
+    assert err.status == 400 and err.code == "context_length_exceeded"
+    assert err.openai()["error"]["message"] == (f"This model's maximum context length is 8192 tokens. However, your "
+                                                f"messages resulted in {prompt} tokens: it does not fit")
+    assert err.anthropic()["error"]["message"] == f"prompt is too long: {prompt} tokens > 8191 maximum: it does not fit"
+    bare = api_error(ContextOverflow("it does not fit"))
+    assert bare.openai()["error"]["message"] == bare.anthropic()["error"]["message"] == "it does not fit"
+
+
 def test_a_client_that_disconnects_cancels_its_decode(front: Front) -> None:
     sdk = front.sdk()
     stream = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "Talk at length."}],

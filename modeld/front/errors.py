@@ -39,10 +39,12 @@ class ApiError(Exception):
     """A request the front answers with an HTTP error: status, message, machine code, the field at fault."""
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, anthropic_message: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        #: the message in Anthropic's words where they differ from OpenAI's (None: ``message``)
+        self.anthropic_message = anthropic_message
         self.code = code
         self.param = param
         self.headers = headers or {}
@@ -55,14 +57,35 @@ class ApiError(Exception):
     def anthropic(self) -> dict[str, Any]:
         """Anthropic's error object."""
         kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
+        return {"type": "error", "error": {"type": kind, "message": self.anthropic_message or self.message}}
+
+
+def _overflow(exc: ContextOverflow) -> ApiError:
+    """A prompt past the context window, led by the words each API's clients look for: OpenAI's "This model's
+    maximum context length is M tokens" (with code ``context_length_exceeded``), Anthropic's "prompt is too
+    long: N tokens > M maximum" (the pattern Claude Code matches, reading how far over the prompt is), then the
+    daemon's own message. The longest prompt a window takes is one token short of it: the reply needs one."""
+    d = exc.details or {}
+    window, prompt = d.get("num_ctx"), d.get("prompt_tokens")
+    if prompt is None and isinstance(d.get("prefix_tokens"), int):
+        prompt = d["prefix_tokens"] + int(d.get("requested_tokens") or 0)
+    if not isinstance(window, int) or not isinstance(prompt, int):
+        return ApiError(400, exc.message, code="context_length_exceeded", param="messages")
+    return ApiError(
+        400,
+        f"This model's maximum context length is {window} tokens. However, your messages resulted in {prompt} "
+        f"tokens: {exc.message}",
+        code="context_length_exceeded",
+        param="messages",
+        anthropic_message=f"prompt is too long: {prompt} tokens > {window - 1} maximum: {exc.message}",
+    )
 
 
 def api_error(exc: ModeldError) -> ApiError:
     """A daemon error as the HTTP status a client expects."""
     details = {k: v for k, v in exc.details.items() if isinstance(v, (str, int, float))} if exc.details else {}
     if isinstance(exc, ContextOverflow):
-        return ApiError(400, exc.message, code="context_length_exceeded", param="messages")
+        return _overflow(exc)
     if isinstance(exc, (InvalidArgument, UnsupportedFeature)):
         param = details.get("field")
         return ApiError(400, exc.message, code=type(exc).__name__, param=str(param) if param else None)
