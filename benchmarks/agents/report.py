@@ -96,7 +96,7 @@ class AgentResult:
     agent: str
     argv: list[str]
     started: float  # wall clock
-    exit_code: int | None  # None: it ran past its timeout and was killed
+    exit_code: int | None  # the first task's that failed, else the last's; None: it ran past its timeout and was killed
     timed_out: bool
     seconds: float
     changed: bool
@@ -106,6 +106,7 @@ class AgentResult:
     diff: str = ""
     note: str = ""
     daemon_after: dict[str, Any] | None = None  # its status once the agent's requests were done (or settle ran out)
+    task_exits: list[int | None] = field(default_factory=list)  # each task's exit code in order (None: timed out)
 
     @property
     def errors(self) -> int:
@@ -146,6 +147,9 @@ HEADER = ("agent", "requests", "errors", "reuse", "prompt tok", "time s", "chang
 def _row(r: AgentResult) -> tuple[str, ...]:
     reuse = "-" if r.reuse is None else f"{r.reuse:.0%}"
     exit_code = "timeout" if r.timed_out else str(r.exit_code)
+    if len(r.task_exits) > 1 and any(code != 0 for code in r.task_exits):
+        # which tasks failed: a failure before a last task that ended well is not hidden behind its 0
+        exit_code = "/".join("timeout" if code is None else str(code) for code in r.task_exits)
     requests = str(len(r.access)) + ("" if len(r.requests) == len(r.access) else f" ({len(r.requests)} sent)")
     return (r.agent, requests, str(r.errors), reuse, f"{r.prompt_tokens:,}", f"{r.seconds:.0f}",
             "yes" if r.changed else "no", "yes" if r.fixed else "no", exit_code)

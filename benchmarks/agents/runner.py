@@ -191,7 +191,7 @@ class Run:
         started = time.time()
         self.starts.append(started)
         t0 = time.monotonic()
-        code: int | None = None
+        codes: list[int | None] = []
         timed_out = False
         for k, task in enumerate(self.args.task):
             ctx = Context(name=name, installed=self.installed, server=self.proxy.url, model=self.model,
@@ -202,8 +202,11 @@ class Run:
             _log(f"{name} (task {k + 1}): {' '.join(launch.argv)}")
             log = self.outdir / (f"{name}.log" if k == 0 else f"{name}-{k + 1}.log")
             code, timed_out = await _launch(launch, log, self.args.timeout)
+            codes.append(code)
             if timed_out:
                 break
+        failed = [c for c in codes if c != 0]
+        code = failed[0] if failed else (codes[-1] if codes else None)
         seconds = time.monotonic() - t0
         note = []
         aborted = self.proxy.abort()
@@ -232,8 +235,9 @@ class Run:
         result = AgentResult(agent=name, argv=launch.argv, started=started, exit_code=code, timed_out=timed_out,
                              seconds=seconds, changed=changes.changed(), fixed=changes.fixed(), requests=requests,
                              diff=changes.diff(), note="; ".join(note),
-                             daemon_after={k: status.get(k) for k in STATUS_KEYS} if status else None)
-        _log(f"{name}: {'timed out' if timed_out else f'exit {code}'} after {seconds:.0f} s, "
+                             daemon_after={k: status.get(k) for k in STATUS_KEYS} if status else None,
+                             task_exits=codes)
+        _log(f"{name}: {'timed out' if timed_out else f'exit {code}'} (tasks: {codes}) after {seconds:.0f} s, "
              f"{served} of {len(requests)} request(s) logged by the daemon, changed: {result.changed}")
         return result
 
