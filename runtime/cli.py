@@ -161,7 +161,7 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     for name, what in (("pull", "download a model into the store: user/repo:QUANT, user/repo/FILE.gguf or a path"),
                        ("ls", "list the stored models"), ("show", "one stored model in detail"),
                        ("rm", "delete a stored model"), ("alias", "another name for a stored model")):
-        sub.add_parser(name, help=f"{what} (see `modeld {name} --help`)", add_help=False)
+        sub.add_parser(name, help=f"{what} (see `modeld {name} --help`)", add_help=False, parents=parents(name))
 
     s = sub.add_parser("status", help="show the slot state")
     _common(s)
@@ -235,18 +235,20 @@ _DIR_OPTIONS = frozenset({"data_dir", "cache_dir"})
 
 
 def completion_parser() -> argparse.ArgumentParser:
-    """The whole command tree for completion: the client commands, and ``serve``'s and ``prepare``'s options.
+    """The whole command tree for completion: the client commands, and the options of ``serve``, ``prepare``
+    and the store's commands (``pull``, ``ls``, ``show``, ``rm``, ``alias``).
 
     Their parsers come from their own modules (so completion follows their
     options), imported only here: they pull in the daemon's modules, which a
-    client-only install may lack; then those two complete by name only.
+    client-only install may lack; then those complete by name only.
     """
     try:
         from modeld.prepare import build_parser as prepare_parser
         from modeld.serve import build_parser as serve_parser
+        from modeld.store.cli import command_parsers as store_parsers
     except ImportError:
         return build_parser()
-    return build_parser({"serve": serve_parser(), "prepare": prepare_parser()})
+    return build_parser({"serve": serve_parser(), "prepare": prepare_parser(), **store_parsers()})
 
 
 def completion_script(shell: str) -> str:

@@ -94,7 +94,7 @@ def _complete(script: Path, words: list[str]) -> list[str]:
     return out.stdout.split()
 
 
-def test_completion_bash_is_a_script_bash_accepts_that_completes_commands_and_serve_flags(tmp_path: Path) -> None:
+def test_completion_bash_is_a_script_bash_accepts_that_completes_commands_and_their_flags(tmp_path: Path) -> None:
     code, script, err = run_cli(["completion", "bash"], tty=False)
     assert code == 0, err
     assert "serve" in script and "--backend" in script
@@ -107,6 +107,10 @@ def test_completion_bash_is_a_script_bash_accepts_that_completes_commands_and_se
     assert set(_complete(path, ["modeld", "serve", "--backend", ""])) == {"auto", "llama", "openvino", "memory"}
     assert "--max-tokens" in _complete(path, ["modeld", "run", "--max"])  # a client command's option
     assert _complete(path, ["modeld", "prepare", "--on"]) == ["--only"]
+    # the store's commands, by their own parsers
+    assert _complete(path, ["modeld", "pull", "--rep"]) == ["--replace"]
+    assert _complete(path, ["modeld", "rm", "--fo"]) == ["--force"]
+    assert "--endpoint" in _complete(path, ["modeld", "ls", "--"])
 
 
 def test_completion_zsh_and_an_unknown_shell() -> None:

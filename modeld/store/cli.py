@@ -21,7 +21,7 @@ from .pull import PullError, pull
 from .refs import RefError
 from .store import ModelStore, StoredModel, StoreError, default_store_dir
 
-__all__ = ["COMMANDS", "build_parser", "main", "model_facts", "pull_into_store"]
+__all__ = ["COMMANDS", "build_parser", "command_parsers", "main", "model_facts", "pull_into_store"]
 
 COMMANDS = ("pull", "ls", "show", "rm", "alias")
 EXIT_ERROR = 1
@@ -38,31 +38,57 @@ def _common(p: argparse.ArgumentParser, *, endpoint: bool = False) -> None:
         p.add_argument("--endpoint", default=None, help="the daemon to ask what is loaded (default: as the client's)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="modeld", description="The local model store.")
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("pull", help="download a model into the store: user/repo:QUANT, user/repo/FILE.gguf or a path")
+def _pull_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("ref", help="user/repo:QUANT (e.g. Qwen/Qwen2.5-Coder-7B-Instruct-GGUF:Q4_K_M), "
                    "user/repo/FILE.gguf, or a local GGUF / OpenVINO IR directory")
     s.add_argument("--name", default="", help="the name to keep it under (default: repo:quant in lower case)")
     s.add_argument("--replace", action="store_true", help="replace a stored model of the same name")
     _common(s)
-    s = sub.add_parser("ls", help="list the stored models")
-    _common(s, endpoint=True)
-    s = sub.add_parser("show", help="one stored model: its source, files, checksums, what a load would see")
+
+
+def _show_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("name")
     _common(s)
-    s = sub.add_parser("rm", help="delete a stored model (refused while it is loaded, unless --force)")
+
+
+def _rm_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("name")
     s.add_argument("--force", action="store_true", help="unload it first when it is the loaded model")
     _common(s, endpoint=True)
-    s = sub.add_parser("alias", help="NAME TARGET: another name for a stored model; --rm NAME drops one; "
-                       "none: list them")
+
+
+def _alias_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("alias", nargs="?", default="")
     s.add_argument("target", nargs="?", default="")
     s.add_argument("--rm", action="store_true", help="remove the alias")
     _common(s)
+
+
+#: each command's help and the function that adds its arguments
+_COMMANDS: dict[str, tuple[str, Any]] = {
+    "pull": ("download a model into the store: user/repo:QUANT, user/repo/FILE.gguf or a path", _pull_args),
+    "ls": ("list the stored models", lambda s: _common(s, endpoint=True)),
+    "show": ("one stored model: its source, files, checksums, what a load would see", _show_args),
+    "rm": ("delete a stored model (refused while it is loaded, unless --force)", _rm_args),
+    "alias": ("NAME TARGET: another name for a stored model; --rm NAME drops one; none: list them", _alias_args),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modeld", description="The local model store.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (what, add_args) in _COMMANDS.items():
+        add_args(sub.add_parser(name, help=what))
     return p
+
+
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Each command's arguments on a parser of its own (no help option), for the completion script."""
+    out = {}
+    for name, (_what, add_args) in _COMMANDS.items():
+        out[name] = argparse.ArgumentParser(prog=f"modeld {name}", add_help=False)
+        add_args(out[name])
+    return out
 
 
 def model_facts(model: StoredModel, directory: Path) -> dict[str, Any]:
