@@ -113,13 +113,17 @@ def server_keys(data_dir: Path, *, create: bool = True) -> tuple[bytes, bytes]:
     return public, secret
 
 
+def keys_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modeld keys", description="The daemon's CURVE key pair for --curve tcp endpoints.")
+    p.add_argument("--data-dir", type=Path, default=None, help="where the keys live (default ~/.local/share/modeld)")
+    return p
+
+
 def keys_main(argv: list[str] | None = None) -> int:
     """``modeld keys``: print the daemon's CURVE public key (the one clients pass as --server-key)."""
     from .bootstrap import default_data_dir
 
-    p = argparse.ArgumentParser(prog="modeld keys", description="The daemon's CURVE key pair for --curve tcp endpoints.")
-    p.add_argument("--data-dir", type=Path, default=None, help="where the keys live (default ~/.local/share/modeld)")
-    args = p.parse_args(argv)
+    args = keys_parser().parse_args(argv)
     data_dir = args.data_dir or default_data_dir()
     try:
         public, _ = server_keys(data_dir)

@@ -154,9 +154,9 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     sub.add_parser("prepare", help="convert the bundled models once (see `modeld prepare --help`)", add_help=False,
                    parents=parents("prepare"))
     sub.add_parser("http", help="the OpenAI-compatible API alone, for a running daemon (see `modeld http --help`)",
-                   add_help=False)
+                   add_help=False, parents=parents("http"))
     sub.add_parser("keys", help="print the daemon's CURVE public key for --curve tcp endpoints (see `modeld keys --help`)",
-                   add_help=False)
+                   add_help=False, parents=parents("keys"))
 
     for name, what in (("pull", "download a model into the store: user/repo:QUANT, user/repo/FILE.gguf or a path"),
                        ("ls", "list the stored models"), ("show", "one stored model in detail"),
@@ -235,20 +235,30 @@ _DIR_OPTIONS = frozenset({"data_dir", "cache_dir"})
 
 
 def completion_parser() -> argparse.ArgumentParser:
-    """The whole command tree for completion: the client commands, and the options of ``serve``, ``prepare``
-    and the store's commands (``pull``, ``ls``, ``show``, ``rm``, ``alias``).
+    """The whole command tree for completion: the client commands, and the options of ``serve``, ``prepare``,
+    ``keys``, ``http`` and the store's commands (``pull``, ``ls``, ``show``, ``rm``, ``alias``).
 
     Their parsers come from their own modules (so completion follows their
     options), imported only here: they pull in the daemon's modules, which a
-    client-only install may lack; then those complete by name only.
+    client-only install may lack; then those complete by name only (``http``
+    alone without the http extra).
     """
+    own: dict[str, argparse.ArgumentParser] = {}
     try:
+        from modeld.netsec import keys_parser
         from modeld.prepare import build_parser as prepare_parser
         from modeld.serve import build_parser as serve_parser
         from modeld.store.cli import command_parsers as store_parsers
     except ImportError:
         return build_parser()
-    return build_parser({"serve": serve_parser(), "prepare": prepare_parser(), **store_parsers()})
+    own.update(serve=serve_parser(), prepare=prepare_parser(), keys=keys_parser(), **store_parsers())
+    try:
+        from modeld.front.main import build_parser as http_parser
+    except ImportError:
+        pass
+    else:
+        own["http"] = http_parser()
+    return build_parser(own)
 
 
 def completion_script(shell: str) -> str:

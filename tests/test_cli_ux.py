@@ -111,6 +111,8 @@ def test_completion_bash_is_a_script_bash_accepts_that_completes_commands_and_th
     assert _complete(path, ["modeld", "pull", "--rep"]) == ["--replace"]
     assert _complete(path, ["modeld", "rm", "--fo"]) == ["--force"]
     assert "--endpoint" in _complete(path, ["modeld", "ls", "--"])
+    assert _complete(path, ["modeld", "keys", "--da"]) == ["--data-dir"]
+    assert "--api-key" in _complete(path, ["modeld", "http", "--api"])
 
 
 def test_completion_zsh_and_an_unknown_shell() -> None:
