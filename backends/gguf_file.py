@@ -177,7 +177,7 @@ def gguf_scalars(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
-            return _parse_gguf_scalars(buf)
+            return _parse_gguf_scalars(buf)[0]
         except (struct.error, IndexError, UnicodeDecodeError, OverflowError) as exc:
             raise ValueError(f"{path} has a truncated or corrupt GGUF header: {exc}") from exc
 
@@ -209,12 +209,10 @@ def gguf_layout_digest(path: str | os.PathLike[str]) -> str:
     """
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
-            end: list[int] = []
-            scalars = _parse_gguf_scalars(buf, end=end)
+            scalars, off = _parse_gguf_scalars(buf)
             (n_tensors,) = struct.unpack_from("<Q", buf, 8)
             arch = str(scalars.get("general.architecture", ""))
             h = hashlib.sha256(repr(sorted((k, v) for k, v in scalars.items() if k.startswith(arch + "."))).encode())
-            off = end[0]
             for _ in range(n_tensors):
                 (n,) = struct.unpack_from("<Q", buf, off)
                 (n_dims,) = struct.unpack_from("<I", buf, off + 8 + n)
@@ -228,11 +226,9 @@ def gguf_layout_digest(path: str | os.PathLike[str]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _parse_gguf_scalars(
-    buf: mmap.mmap, where: dict[str, tuple[int, int]] | None = None, end: list[int] | None = None
-) -> dict[str, Any]:
-    """Scalar and string keys; ``where`` (when given) receives each scalar's (value type, offset), ``end``
-    the offset where the metadata ends (the tensor table's start)."""
+def _parse_gguf_scalars(buf: mmap.mmap, where: dict[str, tuple[int, int]] | None = None) -> tuple[dict[str, Any], int]:
+    """Scalar and string keys, and the offset where the metadata ends (the tensor table's start); ``where``
+    (when given) receives each scalar's (value type, offset)."""
     if buf[:4] != b"GGUF":
         raise ValueError("bad GGUF magic")
     (version,) = struct.unpack_from("<I", buf, 4)
@@ -278,9 +274,7 @@ def _parse_gguf_scalars(
         off = skip(vtype, off)
         if off > len(buf):
             raise IndexError("metadata runs past the end of the file")
-    if end is not None:
-        end.append(off)
-    return out
+    return out, off
 
 
 #: GGUF keys a model's publisher sets for its recommended sampling (llama.cpp reads the same keys)
