@@ -315,6 +315,9 @@ class ChatTurn:
         self._used = False
         self._cancelled = False
         self._events: Generator[ChatEvent, None, None] | None = None
+        #: what the turn has done before its result: the prompt, and once prefilled what was reused (a turn cut
+        #: short before its result, a client that went away, still did that much)
+        self.so_far = ChatUsage(prompt_tokens=count.prompt_tokens)
 
     @property
     def model_name(self) -> str:
@@ -359,6 +362,7 @@ class ChatTurn:
             prefilled_tokens=pre.prefilled_tokens + suf.prefilled_tokens,
             cached_tokens=pre.cached_tokens + suf.cached_tokens,
         )
+        self.so_far = prompt.model_copy(update={"prompt_tokens": self.count.prompt_tokens})
         self._events = _events(sess, self.cfg, prompt, pre.prefill_ms + suf.prefill_ms, self._started,
                                lambda: self._cancelled)
         return self._events

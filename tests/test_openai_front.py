@@ -327,10 +327,27 @@ def test_a_context_overflow_reads_as_each_api_says_it(details: dict[str, int], p
     assert bare.openai()["error"]["message"] == bare.anthropic()["error"]["message"] == "it does not fit"
 
 
-def test_a_client_that_disconnects_cancels_its_decode(front: Front) -> None:
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_a_client_that_disconnects_cancels_its_decode(front: Front, api: str) -> None:
     sdk = front.sdk()
-    stream = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "Talk at length."}],
-                                         max_tokens=3000, stream=True)
+    route = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}[api]
+
+    def cancelled() -> list[str]:
+        return [ln for ln in front.daemon.log().splitlines() if "modeld.access" in ln and f"POST {route} " in ln
+                and "finish_reason=cancelled" in ln]
+
+    before = len(cancelled())
+    stream: Any
+    if api == "chat":
+        stream = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "Talk at length."}],
+                                             max_tokens=3000, stream=True)
+    elif api == "responses":
+        stream = sdk.responses.create(model="ref", input="Talk at length.", max_output_tokens=3000, stream=True,
+                                      store=False)
+    else:
+        anthropic = pytest.importorskip("anthropic")
+        stream = anthropic.Anthropic(base_url=front.url.removesuffix("/v1"), api_key="none", max_retries=0).messages.create(
+            model="ref", max_tokens=3000, messages=[{"role": "user", "content": "Talk at length."}], stream=True)
     got = 0
     for _chunk in stream:
         got += 1
@@ -342,6 +359,13 @@ def test_a_client_that_disconnects_cancels_its_decode(front: Front) -> None:
         while c.status().busy_operation and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not c.status().busy_operation  # at 5 ms a token, 3000 tokens would take 15 s
+    # the access line says what the abandoned turn did: its prompt, and why it ended (logged once the response ended)
+    while len(cancelled()) == before and time.monotonic() < deadline + 5:
+        time.sleep(0.05)
+    found = cancelled()[before:]
+    assert found and "error=client_gone" in found[-1], found
+    fields = dict(kv.split("=", 1) for kv in found[-1].split() if "=" in kv)
+    assert int(fields["prompt_tokens"]) > 0, found[-1]
     out = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2)
     assert out.usage is not None and out.usage.completion_tokens == 2
 
@@ -358,7 +382,8 @@ def test_a_client_that_gives_up_on_a_plain_request_cancels_its_decode(front: Fro
             time.sleep(0.05)
         assert not c.status().busy_operation  # the decode was cancelled, the slot is free
     lines = [ln for ln in front.daemon.log().splitlines() if "modeld.access" in ln and " 499 " in ln]
-    assert lines and "error=client_gone" in lines[-1]
+    assert lines and "error=client_gone" in lines[-1] and "finish_reason=cancelled" in lines[-1], lines[-1:]
+    assert "prompt_tokens=" in lines[-1], lines[-1]
 
 
 def test_api_key(tmp_path: Path) -> None:

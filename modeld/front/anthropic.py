@@ -48,7 +48,7 @@ from contract.types import FinishReason
 from runtime.chat import ChatResult
 
 from .access import record_of
-from .core import STREAM_SEND_TIMEOUT_S, CallPieces, Serving, Turn, TurnRequest, fill_record
+from .core import STREAM_SEND_TIMEOUT_S, CallPieces, Serving, Turn, TurnRequest, close_events, fill_record
 from .errors import ApiError, api_error
 from .openai import call_schemas, tool_choice_options
 
@@ -372,8 +372,9 @@ async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -
         out.append(_event("content_block_start", {"index": index, "content_block": block}))
         return out
 
+    events = turn.aevents(record)
     try:
-        async for event in turn.aevents():
+        async for event in events:
             if event.result is not None:
                 for e in close_block():
                     yield e
@@ -412,3 +413,5 @@ async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -
         record.error = err.code or "error"
         body = err.anthropic()
         yield {"event": "error", "data": json.dumps(body)}
+    finally:
+        await close_events(events)

@@ -144,7 +144,7 @@ class Turn:
 
             tg.start_soon(watch)
             try:
-                async with contextlib.aclosing(self.aevents()) as events:
+                async with contextlib.aclosing(self.aevents(record_of(request))) as events:
                     async for event in events:
                         if event.result is not None:
                             result = event.result
@@ -161,18 +161,37 @@ class Turn:
         fill_record(record_of(request), result)
         return result
 
-    async def aevents(self) -> AsyncGenerator[ChatEvent, None]:
-        """``events`` for an async route: each step runs in a worker thread; cancelling closes the decode."""
+    async def aevents(self, record: AccessRecord | None = None) -> AsyncGenerator[ChatEvent, None]:
+        """``events`` for an async route: each step runs in a worker thread; cancelling closes the decode.
+
+        Closed before its end (the client went away), it leaves in ``record`` what the turn did: the prompt and what
+        was reused, finish reason "cancelled", error "client_gone" (a cancelled decode reports no token count)."""
         events = self.events()
+        ended = False
         try:
             while True:
                 event = await anyio.to_thread.run_sync(next, events, None)
                 if event is None:
+                    ended = True
                     return
                 yield event
+        except Exception:  # a failure, not a client that went away (that is a cancel or a close)
+            ended = True
+            raise
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(events.close)
+            if not ended and record is not None and not record.finish_reason:
+                u = self._turn.so_far
+                record.prompt_tokens, record.cached_tokens = u.prompt_tokens, u.reused_tokens
+                record.finish_reason, record.error = "cancelled", record.error or "client_gone"
+
+
+async def close_events(events: AsyncGenerator[ChatEvent, None]) -> None:
+    """Close a route's ``Turn.aevents`` before its response ends, even when the route was cancelled (the client
+    went away): the decode stops and the access record says what the turn did before it is logged."""
+    with anyio.CancelScope(shield=True):
+        await events.aclose()
 
 
 def created_at(active: ActiveModel) -> int:

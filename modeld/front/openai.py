@@ -32,7 +32,16 @@ from contract.types import EmbedRequest, StructuredOutputConfig, ToolCallDelta
 from runtime.chat import ChatResult
 
 from .access import record_of
-from .core import FINISH_REASONS, STREAM_SEND_TIMEOUT_S, CallPieces, Serving, Turn, TurnRequest, fill_record
+from .core import (
+    FINISH_REASONS,
+    STREAM_SEND_TIMEOUT_S,
+    CallPieces,
+    Serving,
+    Turn,
+    TurnRequest,
+    close_events,
+    fill_record,
+)
 from .errors import ApiError, api_error
 
 __all__ = ["ChatCompletionRequest", "call_schemas", "router", "tool_choice_options"]
@@ -356,8 +365,9 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, reque
 
     yield chunk({"role": "assistant", "content": ""})
     pieces = CallPieces()
+    events = turn.aevents(record)
     try:
-        async for event in turn.aevents():
+        async for event in events:
             if event.result is not None:
                 fill_record(record, event.result)
                 yield chunk({}, FINISH_REASONS.get(event.result.finish_reason, "stop"))
@@ -380,4 +390,6 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, reque
         record.error = err.code or "error"
         yield json.dumps(err.openai())
         return
+    finally:
+        await close_events(events)
     yield "[DONE]"

@@ -52,7 +52,7 @@ from contract.types import StructuredOutputConfig
 from runtime.chat import ChatResult
 
 from .access import record_of
-from .core import STREAM_SEND_TIMEOUT_S, CallPieces, Serving, Turn, TurnRequest, fill_record
+from .core import STREAM_SEND_TIMEOUT_S, CallPieces, Serving, Turn, TurnRequest, close_events, fill_record
 from .errors import ApiError, api_error
 from .openai import call_schemas, tool_choice_options
 from .stored import ResponseStore
@@ -601,8 +601,9 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
                              summary_index=0, part={"type": "summary_text", "text": ""}))
         return out
 
+    events = turn.aevents(record)
     try:
-        async for ev in turn.aevents():
+        async for ev in events:
             if ev.result is not None:
                 for e in close_current():
                     yield e
@@ -658,4 +659,5 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
                     error=err.openai()["error"])
         yield event("response.failed", response=reply.body())
     finally:
+        await close_events(events)
         running.turns.pop(reply.id, None)
