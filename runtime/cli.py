@@ -243,7 +243,6 @@ def completion_parser() -> argparse.ArgumentParser:
     client-only install may lack; then those complete by name only (``http``
     alone without the http extra).
     """
-    own: dict[str, argparse.ArgumentParser] = {}
     try:
         from modeld.netsec import keys_parser
         from modeld.prepare import build_parser as prepare_parser
@@ -251,7 +250,7 @@ def completion_parser() -> argparse.ArgumentParser:
         from modeld.store.cli import command_parsers as store_parsers
     except ImportError:
         return build_parser()
-    own.update(serve=serve_parser(), prepare=prepare_parser(), keys=keys_parser(), **store_parsers())
+    own = {"serve": serve_parser(), "prepare": prepare_parser(), "keys": keys_parser(), **store_parsers()}
     try:
         from modeld.front.main import build_parser as http_parser
     except ImportError:

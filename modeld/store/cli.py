@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,6 @@ from .store import ModelStore, StoredModel, StoreError, default_store_dir
 
 __all__ = ["COMMANDS", "build_parser", "command_parsers", "main", "model_facts", "pull_into_store"]
 
-COMMANDS = ("pull", "ls", "show", "rm", "alias")
 EXIT_ERROR = 1
 #: how long ``ls``/``rm`` wait for a running daemon's status
 STATUS_TIMEOUT_S = 5.0
@@ -65,13 +65,14 @@ def _alias_args(s: argparse.ArgumentParser) -> None:
 
 
 #: each command's help and the function that adds its arguments
-_COMMANDS: dict[str, tuple[str, Any]] = {
+_COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "pull": ("download a model into the store: user/repo:QUANT, user/repo/FILE.gguf or a path", _pull_args),
     "ls": ("list the stored models", lambda s: _common(s, endpoint=True)),
     "show": ("one stored model: its source, files, checksums, what a load would see", _show_args),
     "rm": ("delete a stored model (refused while it is loaded, unless --force)", _rm_args),
     "alias": ("NAME TARGET: another name for a stored model; --rm NAME drops one; none: list them", _alias_args),
 }
+COMMANDS = tuple(_COMMANDS)
 
 
 def build_parser() -> argparse.ArgumentParser:
