@@ -59,6 +59,9 @@ class Resident:
     stable_token_hash: str = ""
     #: the context is ``tokens[:live_len]``; None: all of ``tokens``
     live_len: int | None = None
+    #: the tape holds the head of a prefix whose prefill was cancelled under this manifest (no prefix is resident):
+    #: a prefix planned under a compatible manifest reuses it
+    partial: ContextManifest | None = None
 
     @property
     def live(self) -> list[int]:
@@ -74,7 +77,8 @@ class Resident:
                 prefix_tokens=len(prefix_tokens),
                 num_ctx=self.num_ctx,
             )
-        if self.manifest is None or not manifest.compatible_with(self.manifest):
+        under = self.manifest or self.partial
+        if under is None or not manifest.compatible_with(under):
             keep = 0
         else:
             keep = common_prefix_len(self.tokens, prefix_tokens)
@@ -114,15 +118,25 @@ class Resident:
             self.live_len = None
         self.prefix_len = len(tokens)
         self.manifest = manifest
+        self.partial = None
         self.stable_text = text
         self.tools = tools
         self.stable_token_hash = token_hash(tokens)
+
+    def keep_partial(self, manifest: ContextManifest) -> None:
+        """A prefix's prefill under ``manifest`` was cancelled: the tape (what the KV completed) is the head of that
+        prefix and nothing more; no prefix is resident until one is ensured."""
+        tokens = self.tokens
+        self.clear()
+        self.tokens = tokens
+        self.partial = manifest if tokens else None
 
     def clear(self) -> None:
         self.tokens = []
         self.live_len = None
         self.prefix_len = 0
         self.manifest = None
+        self.partial = None
         self.stable_text = ""
         self.tools = ""
         self.stable_token_hash = ""
@@ -242,6 +256,7 @@ class Resident:
         self.live_len = None
         self.prefix_len = snap.prefix_tokens
         self.manifest = snap.manifest
+        self.partial = None
         self.stable_text = snap.stable_text
         self.tools = snap.tools
         self.stable_token_hash = token_hash(self.tokens[: self.prefix_len])

@@ -27,7 +27,10 @@ from contextlib import contextmanager
 
 from .errors import Cancelled
 
-__all__ = ["beat", "check", "current", "interruptible", "last_beat", "prefill_progress", "prefilled", "prefilling"]
+__all__ = [
+    "beat", "check", "chunk_done", "current", "interruptible", "last_beat", "prefill_progress", "prefilled", "prefilling",
+    "set_chunk_delay",
+]
 
 _scope = threading.local()
 #: when engine work last showed progress (``beat``); the daemon's liveness watch reads it
@@ -76,6 +79,36 @@ def prefilled(position: int) -> None:
         span = _prefill[0]
         if span is not None and position > span[2]:
             _prefill[0] = (span[0], span[1], min(position, span[1]))
+
+
+#: seconds each prefill chunk is held back (``serve --prefill-chunk-delay-ms``): a slower machine on demand, for
+#: tests and demonstrations of what a long prefill does; 0 in normal serving
+_chunk_delay_s = [0.0]
+#: how often a held-back chunk still beats: the wedge watch reads progress, and a pause is not a wedge
+_DELAY_BEAT_S = 0.25
+
+
+def set_chunk_delay(seconds: float) -> None:
+    """Hold each prefill chunk back ``seconds`` (0: never), as if the machine were that much slower."""
+    _chunk_delay_s[0] = max(0.0, seconds)
+
+
+def chunk_done(position: int) -> None:
+    """A prefill chunk is in the KV, which now holds ``position`` tokens: ``prefilled``, then the chunk delay
+    (when one is set) for a request's prefill (inside ``prefilling``; a load's warm-up is not held back), which a
+    cancel ends at once."""
+    prefilled(position)
+    delay = _chunk_delay_s[0]
+    if delay <= 0 or _prefill[0] is None:
+        return
+    event = current()
+    end = time.monotonic() + delay
+    while (left := end - time.monotonic()) > 0:
+        if event is not None and event.wait(min(left, _DELAY_BEAT_S)):
+            return  # cancelled: the next ``check`` says so
+        if event is None:
+            time.sleep(min(left, _DELAY_BEAT_S))
+        beat()
 
 
 def prefill_progress() -> tuple[int, int] | None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.registry import ENGINES
+from contract import interrupt
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
 from contract.sizing import MemoryPool
@@ -299,6 +300,7 @@ def build_daemon(opts: ServeOptions, backend: Backend | None = None) -> Daemon:
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # snapshots and cached KV: the user's alone
     curve_keys = server_keys(data_dir) if opts.curve else None
     slot = build_slot(opts, endpoint, backend)
+    interrupt.set_chunk_delay(opts.prefill_chunk_delay_ms / 1000)
     blobs = BlobStore(data_dir / "blobs", max_bytes=opts.blob_disk, max_age_s=opts.blob_max_age_days * 86400)
     return Daemon(slot, endpoint, blobs, curve_keys=curve_keys, wedge_s=opts.wedge_timeout,
                   exit_when_wedged=opts.exit_when_wedged, stream_interval_s=opts.stream_interval_ms / 1000,
@@ -330,6 +332,7 @@ def load_config(opts: ServeOptions) -> Config:
     """The preloaded model's load config, from the flags."""
     return Config(
         num_ctx=opts.num_ctx,
+        num_batch=opts.num_batch,
         num_gpu_layers=opts.gpu_layers,
         flash_attn=opts.flash_attn,
         kv_cache_type=opts.kv_cache_type,

@@ -101,6 +101,8 @@ class Metrics:
         self.prompt_tokens = Counter("modeld_prompt_tokens", "prompt tokens by how they were served", ["kind"],
                                      registry=r)
         self.decoded = Counter("modeld_decoded_tokens", "tokens generated", registry=r)
+        self.wakeups = Counter("modeld_io_wakeups", "times the IO thread woke (a message, a reply, a timer): an idle "
+                               "daemon wakes for its timers only, twice a second", registry=r)
         self.drafts = Counter("modeld_draft_tokens", "speculative draft tokens, accepted or rejected", ["result"],
                               registry=r)
         self.ttft = Histogram("modeld_time_to_first_token_seconds",

@@ -159,6 +159,7 @@ class Daemon:
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(self._sleep_ms()))
+                self.metrics.wakeups.inc()
                 if wake in events:
                     _drain(wake_r)
                 if pull in events:

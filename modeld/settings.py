@@ -318,6 +318,10 @@ class ServeSettings(HttpSettings):
         "(never done without this flag)",
     )
     num_ctx: int = Field(0, ge=0, description="context window of the preloaded model (0 = memory-fitted)")
+    num_batch: int = Field(
+        0, ge=0, description="prompt tokens per prefill chunk (0 = the engine's default, 512): a cancel stops a "
+        "prefill between chunks and keeps the chunks done; smaller chunks stop sooner and cost a little speed",
+    )
     gpu_layers: GpuLayers = Field(
         GPU_LAYERS_AUTO,
         description="llama.cpp: layers of the preloaded model on the GPU: auto = as many as fit (all when they "
@@ -370,6 +374,10 @@ class ServeSettings(HttpSettings):
     embed_idle: NonNegative = Field(300.0, description="seconds before an idle embedding model is unloaded")
     memory_token_delay_ms: NonNegative = Field(
         0.0, description="memory backend only: simulated time per generated token"
+    )
+    prefill_chunk_delay_ms: NonNegative = Field(
+        0.0, description="hold each prefill chunk back MS milliseconds: a slower machine on demand, for tests and "
+        "demonstrations of a long first request (a cancel still stops it at once; 0 = off)",
     )
     temperature: Annotated[float | None, Field(ge=0.0, le=10.0)] = Field(
         None,

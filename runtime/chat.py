@@ -32,13 +32,14 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError
 
 from contract import wire
-from contract.errors import ContextOverflow, InvalidArgument, SessionClosed
+from contract.errors import Cancelled, ContextOverflow, InvalidArgument, SessionClosed
 from contract.types import (
     ChatMessage,
     DecodeConfig,
     FinishReason,
     OpenSessionRequest,
     PrefixInput,
+    Progress,
     StreamChunk,
     SuffixInput,
     TokenCount,
@@ -318,6 +319,10 @@ class ChatTurn:
         #: what the turn has done before its result: the prompt, and once prefilled what was reused (a turn cut
         #: short before its result, a client that went away, still did that much)
         self.so_far = ChatUsage(prompt_tokens=count.prompt_tokens)
+        #: while the prefill runs: how far it has come (the daemon's heartbeats carry it, about once a second)
+        self.progress: Progress | None = None
+        #: the prefill is over (the decode runs, or the turn ended)
+        self.prefilled = False
 
     @property
     def model_name(self) -> str:
@@ -331,11 +336,21 @@ class ChatTurn:
         return self._sess.closed
 
     def cancel(self) -> None:
-        """Cut the reply short, from any thread: its decode is cancelled (at once, or as soon as it starts after
-        the prefill) and ``events`` ends with a result whose finish_reason is "cancelled" (or the reply's own,
-        when it ended first)."""
+        """Cut the turn short, from any thread, whatever it is doing: a prefill stops at its next chunk (the KV
+        keeps the chunks it finished, for the next turn with the same head), a decode within a token, and a
+        turn that has not started sends nothing more. ``events`` then ends with a result whose finish_reason is
+        "cancelled" (or the reply's own, when it ended first)."""
         self._cancelled = True
         self._sess.cancel()
+
+    def _progressed(self, progress: Progress) -> None:
+        if progress.stage == "prefill":
+            self.progress = progress
+
+    def _sent(self) -> None:
+        # an operation went out: a cancel that came while nothing was in flight stops it now
+        if self._cancelled:
+            self._sess.cancel()
 
     def close(self) -> None:
         """Give the slot back: before ``events`` ran, without running the turn; after, ``events`` ends here (its
@@ -351,12 +366,27 @@ class ChatTurn:
             raise SessionClosed("this turn already ran")
         self._used = True
         sess = self._sess
+        sess.on_sent = self._sent
         try:
-            pre = sess.ensure_prefix(self._prefix)
-            suf = sess.prefill_suffix(self._suffix)
+            if self._cancelled:
+                raise Cancelled("the turn was cancelled before its prefill")
+            pre = sess.ensure_prefix(self._prefix, on_progress=self._progressed)
+            if self._cancelled:
+                raise Cancelled("the turn was cancelled during its prefill")
+            suf = sess.prefill_suffix(self._suffix, on_progress=self._progressed)
+        except Cancelled:
+            self.prefilled = True
+            sess.close()
+            if not self._cancelled:
+                raise  # not this turn's own cancel (the daemon is stopping): a failure
+            self._events = _cancelled_events(self.so_far, self._started)
+            return self._events
         except BaseException:
+            self.prefilled = True
             sess.close()
             raise
+        self.prefilled = True
+        self.progress = None
         prompt = ChatUsage(
             reused_tokens=pre.reused_tokens + suf.reused_tokens,
             prefilled_tokens=pre.prefilled_tokens + suf.prefilled_tokens,
@@ -366,6 +396,13 @@ class ChatTurn:
         self._events = _events(sess, self.cfg, prompt, pre.prefill_ms + suf.prefill_ms, self._started,
                                lambda: self._cancelled)
         return self._events
+
+
+def _cancelled_events(usage: ChatUsage, started: float) -> Generator[ChatEvent, None, None]:
+    """The end of a turn cancelled before its decode: no reply, finish_reason "cancelled"."""
+    yield ChatEvent(result=ChatResult(
+        message=ChatMessage(role="assistant", content=None), finish_reason="cancelled", usage=usage,
+        timing=ChatTiming(total_ms=(time.perf_counter() - started) * 1000)))
 
 
 def _events(

@@ -120,11 +120,50 @@ def _listening(path: Path) -> bool:
     return True
 
 
+#: the longest a thread reading replies waits for other threads' calls between two polls (``_SocketLock``)
+YIELD_LIMIT_S = 0.5
+
 #: a request the daemon holds gets a heartbeat every second; this much silence means the daemon is gone
 LIVENESS_S = 8 * wire.HEARTBEAT_INTERVAL_S
 
 #: the daemon's CURVE public key for ``--curve`` tcp endpoints (``modeld keys`` prints it)
 SERVER_KEY_ENV = "MODELD_SERVER_KEY"
+
+
+class _SocketLock:
+    """The request socket's lock (reentrant), which a thread polling in a loop hands over between its polls.
+
+    A reply is read under the lock, a quarter of a second of ``poll`` at a time. Python's locks are not fair:
+    the poller would take the lock again at once after each poll, and another thread's call (a cancel from
+    the thread that saw the caller go away) could wait for the poller's whole call, minutes behind a long
+    prefill. So a thread that wants the lock says so, and the poller waits for it to have had its turn
+    (``yield_to_waiters``) before it polls again.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._count = threading.Lock()
+        self._waiting = 0
+        self._turn = threading.Condition(self._count)
+
+    def __enter__(self) -> _SocketLock:
+        with self._count:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._count:
+                self._waiting -= 1
+                self._turn.notify_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+    def yield_to_waiters(self, limit_s: float = YIELD_LIMIT_S) -> None:
+        """Called without the lock: wait (at most ``limit_s``) until the threads waiting for it have taken it."""
+        with self._count:
+            self._turn.wait_for(lambda: self._waiting == 0, timeout=limit_s)
 
 
 class Client:
@@ -160,7 +199,10 @@ class Client:
         self.owner = owner
         self._lease_renew_s = lease_renew_s
         self._ctx = zmq.Context()
-        self._lock = threading.RLock()
+        self._lock = _SocketLock()
+        #: guards ``_sessions`` alone: the lease thread must never wait for the request socket (a reader polls
+        #: it for minutes behind a long prefill), or the daemon would see a live client's lease run out
+        self._sessions_lock = threading.Lock()
         self._sock: zmq.Socket[bytes] | None = None
         #: with CURVE: the main socket's monitor, which tells a refused handshake (a wrong server key) from silence
         self._handshakes: zmq.Socket[bytes] | None = None
@@ -264,6 +306,7 @@ class Client:
             if progress is not None and report is not None:
                 p, progress = progress, None
                 report(p)  # outside the lock: the callback may take its time (a terminal redraw)
+            self._lock.yield_to_waiters()  # another thread's call (a cancel) goes before this reader's next poll
             with self._lock:
                 buf = self._buffers.get(rid)
                 if buf is None:
@@ -326,7 +369,10 @@ class Client:
         on_progress: ProgressCallback | None = None,
     ) -> Message:
         """Send a request and wait for its reply; an ``error`` reply is raised as the daemon's class."""
-        rid = self._send(op, body, payloads)
+        return self._await(self._send(op, body, payloads), timeout_s, on_progress)
+
+    def _await(self, rid: bytes, timeout_s: float | None = None, on_progress: ProgressCallback | None = None) -> Message:
+        """The reply to request ``rid``, sent already; an ``error`` reply is raised as the daemon's class."""
         try:
             msg = self._recv(rid, timeout_s, on_progress)
         except ModeldError:
@@ -414,7 +460,7 @@ class Client:
     def open_session(self, req: OpenSessionRequest) -> RemoteSession:
         opened = self._request(Op.OPEN, self._fenced(req), OpenReply)
         sess = RemoteSession(self, opened)
-        with self._lock:
+        with self._sessions_lock:
             self._sessions[sess.session_id] = sess
             if opened.lease_s > 0:  # renew three times per lease: only the client's own messages renew it
                 self._lease_renew_s = min(self._lease_renew_s, opened.lease_s / 3)
@@ -469,7 +515,7 @@ class Client:
         try:
             sock.connect(self.endpoint)
             while not self._hb_stop.wait(self._lease_renew_s):
-                with self._lock:
+                with self._sessions_lock:
                     ids = list(self._sessions)
                 if not ids:
                     continue
@@ -482,14 +528,14 @@ class Client:
             sock.close(0)
 
     def _forget(self, session_id: str) -> None:
-        with self._lock:
+        with self._sessions_lock:
             self._sessions.pop(session_id, None)
 
     # --- lifecycle -------------------------------------------------------------------------------------
     def close(self) -> None:
         if self._closed:
             return
-        with self._lock:
+        with self._sessions_lock:
             open_sessions = list(self._sessions.values())
         for sess in open_sessions:
             try:
@@ -526,8 +572,11 @@ class RemoteSession:
         #: the sampling a request that sets none should get on this model (``SamplingParams.fill``)
         self.sampling: SamplingParams = opened.sampling
         self._closed = False
-        #: the request id of the decode in flight, for ``cancel``
-        self._decoding: bytes | None = None
+        #: the request id of the operation in flight (a prefill or a decode), for ``cancel``
+        self._running: bytes | None = None
+        #: called in the calling thread right after an operation that ``cancel`` stops was sent: a caller that
+        #: cancels from another thread checks here for a cancel that came before there was anything to stop
+        self.on_sent: Callable[[], None] | None = None
 
     def manifest(self, **overrides: str) -> ContextManifest:
         """A manifest for this model from the daemon's defaults, with ``overrides`` applied."""
@@ -541,13 +590,26 @@ class RemoteSession:
         """Make the stable prefix resident; ``on_progress`` receives a cold prefill's progress while it runs."""
         self._check_open()
         req = EnsurePrefixRequest.of(self.session_id, prefix)
-        return self._client._request(Op.ENSURE_PREFIX, req, PrefixStatus, on_progress=on_progress)
+        return wire.decode_body(PrefixStatus, self._stoppable(Op.ENSURE_PREFIX, req, on_progress))
 
     def prefill_suffix(self, suffix: SuffixInput, *, on_progress: ProgressCallback | None = None) -> SuffixStatus:
         """Prefill the turn after the prefix; ``on_progress`` receives the prefill's progress while it runs."""
         self._check_open()
         req = PrefillSuffixRequest.of(self.session_id, suffix)
-        return self._client._request(Op.PREFILL_SUFFIX, req, SuffixStatus, on_progress=on_progress)
+        return wire.decode_body(SuffixStatus, self._stoppable(Op.PREFILL_SUFFIX, req, on_progress))
+
+    def _stoppable(self, op: Op, req: BaseModel, on_progress: ProgressCallback | None) -> Message:
+        """A unary call that ``cancel`` stops (a prefill): the daemon then answers Cancelled, and keeps what the
+        prefill had computed."""
+        rid = self._client._send(op, req)
+        self._running = rid
+        try:
+            if self.on_sent is not None:
+                self.on_sent()
+            return self._client._await(rid, None, on_progress)
+        finally:
+            if self._running == rid:
+                self._running = None
 
     def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:
         """What ``prefix`` then ``suffix`` come to in tokens, and the window; nothing is prefilled."""
@@ -559,13 +621,17 @@ class RemoteSession:
         """Stream chunks; abandoning the iterator (break, close, GC) cancels the decode."""
         self._check_open()
         rid = self._client._send(Op.DECODE, DecodeRequest.of(self.session_id, cfg or DecodeConfig()))
-        self._decoding = rid
+        self._running = rid
+        if self.on_sent is not None:
+            self.on_sent()
         return self._stream(rid)
 
     def cancel(self) -> bool:
-        """Stop the decode in flight, from any thread: its stream goes on to the daemon's final chunk, whose
-        ``finish_reason`` is "cancelled" (or the decode's own, when it ended first). False when none is in flight."""
-        rid = self._decoding
+        """Stop the operation in flight, from any thread. A decode's stream goes on to the daemon's final chunk,
+        whose ``finish_reason`` is "cancelled" (or the decode's own, when it ended first); a prefill
+        (``ensure_prefix``, ``prefill_suffix``) raises Cancelled, and the KV keeps the chunks it had finished,
+        which the next prefill of the same text reuses. False when nothing is in flight."""
+        rid = self._running
         return rid is not None and self._client._cancel(rid)
 
     @property
@@ -591,8 +657,8 @@ class RemoteSession:
                     return
                 yield chunk
         finally:
-            if self._decoding == rid:
-                self._decoding = None
+            if self._running == rid:
+                self._running = None
             if not finished:
                 self._client._abandon(rid)
 

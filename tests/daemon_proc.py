@@ -39,6 +39,8 @@ class DaemonProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         #: run in the child before ``modeld serve`` (e.g. to set a resource limit)
         self.preexec: Callable[[], None] | None = None
+        #: variables set in the child's environment besides this process's
+        self.env: dict[str, str] = {}
 
     def start(self, ready_timeout_s: float = 120.0, wait_state: tuple[str, ...] = ("Ready", "Empty")) -> DaemonProcess:
         cmd = [
@@ -48,7 +50,7 @@ class DaemonProcess:
             "--data-dir", str(self.tmp / "data"),
             *self.extra,
         ]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **self.env}
         env.pop("MODELD_ENDPOINT", None)
         self._log = self.log_path.open("ab")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -148,14 +150,3 @@ def thread_nices(pid: int) -> dict[int, int]:
     return out
 
 
-def voluntary_switches(pid: int) -> int:
-    """Linux: how many times the threads of process ``pid`` have slept and woken (``voluntary_ctxt_switches``
-    summed over its live threads, from /proc)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-        except FileNotFoundError:
-            continue  # the thread ended meanwhile
-        total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
-    return total

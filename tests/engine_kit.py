@@ -12,6 +12,7 @@ and ``Session`` exactly as the daemon drives them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,10 @@ from contract.manifest import ContextManifest
 from contract.types import Config, DecodeConfig, OpenSessionRequest, PrefixInput, StreamChunk, SuffixInput
 
 NUM_CTX = 2048
+#: a fixed draft cost table (``MODELD_DRAFT_COSTS``) for tests that assert drafting: checks a little dearer than a
+#: step per row, as a quiet machine measures them; a table timed at load would make the drafts hang on how busy
+#: the machine was then (on a loaded one the policy may draft nothing)
+CHEAP_CHECKS = json.dumps([round(1.0 + 0.05 * r, 2) for r in range(16)])
 PARAGRAPH = (
     "The repository contains a daemon that keeps one language model resident and serves a persistent "
     "session over a local socket. Agents send a stable prefix with the system prompt, the tool list and "

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from backends.bundled import bundled_gguf_path
+from backends.tape.draft_costs import FIXED_ENV
 from contract import wire
 from contract.errors import Cancelled, FrameTooLarge, InvalidArgument, ShuttingDown
 from contract.messages import CancelReply, CancelRequest, EnsurePrefixRequest
@@ -36,7 +37,7 @@ from runtime import Client, RemoteSession
 
 from .conformance import SCENARIOS, SYSTEM, TURN_1, Target, fresh_profile, manifest_for
 from .daemon_proc import ROOT, DaemonProcess, thread_nices
-from .engine_kit import EDIT_CONTINUATION, take
+from .engine_kit import CHEAP_CHECKS, EDIT_CONTINUATION, take
 
 BACKENDS = ["llama", "openvino"]
 #: the bundled model as shipped, not the context-extended copy plain ``serve`` loads: the greedy
@@ -211,6 +212,7 @@ def test_a_daemon_with_exact_rows_answers_alike_with_drafts(
     q8_0 cache) reaches the preloaded model and status names the settings; then a 240-token edit
     answers the same, token for token, with and without drafts (the bench's edit, past 512 keys)."""
     d = DaemonProcess(tmp_path_factory.mktemp("exact-rows"), backend, None, *BUNDLED, "--num-ctx", "2048", *flags)
+    d.env[FIXED_ENV] = CHEAP_CHECKS  # drafting asserted: a fixed table, not one timed on a busy machine
     d.start(ready_timeout_s=600, wait_state=("Ready",))
     try:
         out = subprocess.run([sys.executable, "-m", "modeld", "status", "--endpoint", d.endpoint],
@@ -222,7 +224,7 @@ def test_a_daemon_with_exact_rows_answers_alike_with_drafts(
         # exact rows: sampled decodes draft by default too, and status says why (llama.cpp: its load's probe)
         assert len(speculation) == 1 and speculation[0].startswith(
             "on for greedy and sampled decodes; a check of 2 / 4 / 8 / 16 rows"), out
-        assert speculation[0].endswith("measured on this machine"), out
+        assert speculation[0].endswith("a prior (not measured)"), out  # the fixed table
         exact = [line.split(None, 2)[2] for line in out.splitlines() if line.startswith("exact rows ")]
         if backend == "llama":
             assert len(exact) == 1 and exact[0].startswith("yes: probed at load: "), out

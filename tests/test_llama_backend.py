@@ -24,6 +24,7 @@ from backends.llama import probe as rows_probe  # noqa: E402
 from backends.llama.model import STATE_MAGIC  # noqa: E402
 from backends.llama.native import map_errors  # noqa: E402
 from backends.llama.probe import RowsProbe  # noqa: E402
+from backends.tape.draft_costs import FIXED_ENV  # noqa: E402
 from backends.tape.session import TapeSession  # noqa: E402
 from backends.tape.state import frame_state, unpack_state  # noqa: E402
 from contract.errors import (  # noqa: E402
@@ -50,7 +51,7 @@ from contract.types import (  # noqa: E402
     StructuredOutputConfig,
     SuffixInput,
 )
-from tests.engine_kit import check_exact_rows  # noqa: E402
+from tests.engine_kit import CHEAP_CHECKS, check_exact_rows  # noqa: E402
 from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 
 pytestmark = pytest.mark.llama
@@ -378,7 +379,7 @@ def test_decode_stops_at_context_full(backend: LlamaBackend, model_path: Path, m
 
 @pytest.mark.parametrize("exact_reuse", [False, True], ids=["reuse", "exact_reuse"])
 def test_a_row_invariant_layout_makes_drafts_and_reuse_exact(
-    backend: LlamaBackend, model_path: Path, exact_reuse: bool
+    backend: LlamaBackend, model_path: Path, exact_reuse: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Flash attention over a quantized cache runs every row, alone or in any batch, through the same
     kernels, so a check's rows and a prefill's compute what one-token steps compute: the answer with
@@ -386,6 +387,7 @@ def test_a_row_invariant_layout_makes_drafts_and_reuse_exact(
     cold prefill (``exact_reuse`` then has nothing to recompute). The context passes 512 keys, where a
     one-token step over an f16 cache takes another attention path."""
     cfg = Config(num_ctx=NUM_CTX, flash_attn=True, kv_cache_type="q8_0", exact_reuse=exact_reuse)
+    monkeypatch.setenv(FIXED_ENV, CHEAP_CHECKS)  # drafting asserted: a fixed table, not one timed on a busy machine
     m = backend.load(OpenSessionRequest(path=str(model_path), config=cfg), lambda f: None)
     try:
         # the load's probe found this model's rows equal (Q4_1 has one kernel per row count) and said so

@@ -42,7 +42,7 @@ from backends.openvino.prepare import (  # noqa: E402
     is_complete_ir,
     prepare_ir,
 )
-from backends.tape.draft_costs import cost_key  # noqa: E402
+from backends.tape.draft_costs import FIXED_ENV, cost_key  # noqa: E402
 from backends.tape.session import TapeSession  # noqa: E402
 from backends.tape.state import unpack_state  # noqa: E402
 from contract.errors import (  # noqa: E402
@@ -67,7 +67,7 @@ from contract.types import (  # noqa: E402
     StructuredOutputConfig,
     SuffixInput,
 )
-from tests.engine_kit import LONG_PREFIX, NUM_CTX, PARAGRAPH, check_exact_rows, decode  # noqa: E402
+from tests.engine_kit import CHEAP_CHECKS, LONG_PREFIX, NUM_CTX, PARAGRAPH, check_exact_rows, decode  # noqa: E402
 from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 
 pytestmark = pytest.mark.openvino
@@ -371,13 +371,16 @@ def test_f32_precision_is_exact_too(ir_dir: Path) -> None:
 
 # --- decode ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("exact_reuse", [False, True], ids=["reuse", "exact_reuse"])
-def test_exact_decode_makes_drafts_and_reuse_exact(model: OpenVINOLoadedModel, ir_dir: Path, exact_reuse: bool) -> None:
+def test_exact_decode_makes_drafts_and_reuse_exact(
+    model: OpenVINOLoadedModel, ir_dir: Path, exact_reuse: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``exact_decode`` pads every decode step to the fewest rows that take a prefill's kernels on this
     CPU (measured at load) and every check to at least as many: a decoded token's logits are a
     prefill's bit for bit, the answer with drafts is the plain one token for token (a seeded sampled
     one too, which then drafts by default), and a warm turn reusing the answer answers as a cold
     prefill (``exact_reuse`` then has nothing to recompute). The context passes 512 keys."""
     cfg = Config(num_ctx=NUM_CTX, exact_decode=True, exact_reuse=exact_reuse)
+    monkeypatch.setenv(FIXED_ENV, CHEAP_CHECKS)  # drafting asserted: a fixed table, not one timed on a busy machine
     m = OpenVINOBackend().load(OpenSessionRequest(path=str(ir_dir), config=cfg), lambda _f: None)
     try:
         assert m.rows_exact and m.runtime_identity()["exact_decode"] is True

@@ -234,12 +234,15 @@ class LlamaLoadedModel(TapeModelBase):
         self.logits_live = False
         extends_exact = self.exact_len >= keep
         self.exact_len = min(self.exact_len, keep)
-        tail = tokens[keep:]
         try:
-            if tail:
-                interrupt.check("prefill")
+            if keep < len(tokens):
                 with self._abortable():
-                    llm.eval(tail)
+                    # batch by batch, as eval would batch the whole tail (the same batches, so the same
+                    # numerics), each one a point where a cancel stops and what came before stays
+                    for a in range(keep, len(tokens), llm.n_batch):
+                        interrupt.check("prefill")
+                        llm.eval(tokens[a : a + llm.n_batch])
+                        interrupt.chunk_done(llm.n_tokens)
                 self.logits_live = True
         finally:
             # eval advances n_tokens per completed batch; keep the tape equal to it

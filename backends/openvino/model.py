@@ -391,7 +391,7 @@ class OpenVINOLoadedModel(TapeModelBase):
             interrupt.check("prefill")  # between chunks: a cancel costs at most one chunk
             logits = self._infer(tokens[a:b], a, rows=bucket(b - a))
             self.res.tokens = list(tokens[:b])
-            interrupt.prefilled(b)  # the daemon's heartbeats carry the prefill's progress
+            interrupt.chunk_done(b)  # the daemon's heartbeats carry the prefill's progress
             if exact:
                 self.exact_len = b
         if keep < len(tokens):

@@ -15,6 +15,7 @@ measurements: ``docs/speculation.md``.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from .model import TapeModel
     from .session import DecodeSteps
 
-__all__ = ["FILE_NAME", "cost_key", "draft_costs", "measure"]
+__all__ = ["FILE_NAME", "FIXED_ENV", "cost_key", "draft_costs", "fixed_costs", "measure"]
 
 log = logging.getLogger("modeld.speculate")
 
@@ -92,6 +93,23 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+#: a fixed table instead of a measured one: check costs in plain steps for 1..MAX_DRAFT + 1 rows, as JSON (e.g.
+#: ``[1, 1.05, 1.1, …]``). For tests that assert drafting, whose answer must not hang on how busy the machine was
+#: during the load's timing; the table is then not measured (status says a prior)
+FIXED_ENV = "MODELD_DRAFT_COSTS"
+
+
+def fixed_costs() -> CheckCosts | None:
+    """The table ``MODELD_DRAFT_COSTS`` gives, None when it is not set; a malformed one is refused (ValueError)."""
+    raw = os.environ.get(FIXED_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        return CheckCosts([float(c) for c in json.loads(raw)])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{FIXED_ENV} must be a JSON list of {MAX_DRAFT + 1} positive costs: {exc}") from None
 
 
 def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:

@@ -17,7 +17,7 @@ from contract.types import OpenSessionRequest
 
 from ..bundled import model_cache_dir
 from ..resident import check_model_type
-from .draft_costs import draft_costs
+from .draft_costs import draft_costs, fixed_costs
 from .model import TapeModel, model_format
 from .templates import JinjaTemplate, choose_template, requested_template
 from .toolformats import require_format
@@ -58,8 +58,9 @@ def finish_load(model: LoadedTape, cache: StateCache | None, speculative: bool) 
         model.check_declared_template()
         model.warm_up()
         if speculative:
-            model.draft_costs = draft_costs(model, model_cache_dir())
-            model.draft_costs_measured = True
+            fixed = fixed_costs()
+            model.draft_costs = fixed if fixed is not None else draft_costs(model, model_cache_dir())
+            model.draft_costs_measured = fixed is None
     except BaseException:
         model.close()
         raise

@@ -20,7 +20,7 @@ from collections.abc import Generator
 from typing import Any, Protocol
 
 from contract import interrupt
-from contract.errors import InvalidArgument, ManifestMismatch, SessionClosed, UnsupportedFeature
+from contract.errors import Cancelled, InvalidArgument, ManifestMismatch, SessionClosed, UnsupportedFeature
 from contract.manifest import ContextManifest, common_prefix_len
 from contract.types import (
     ContextReport,
@@ -272,8 +272,13 @@ class TapeSession:
                 # the daemon's heartbeats carry how far this prefill has come
                 with m.errors("ensure_prefix: prefill"), interrupt.prefilling(m.reusable(plan.keep), len(tokens)):
                     kept = m.set_kv(tokens, m.reusable(plan.keep))
+            except Cancelled:
+                # The engines leave the tape equal to the chunks the KV completed: a cancelled prefill (a client
+                # gone, an agent's retry) keeps them for the next request with the same head.
+                m.res.keep_partial(prefix.manifest)
+                raise
             except BaseException:
-                m.clear_kv()  # a half-computed prefix is not trusted
+                m.clear_kv()  # a prefill that failed is not trusted
                 raise
         m.res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools, keep_tail=full_hit)
         if kept != plan.keep:
@@ -308,6 +313,15 @@ class TapeSession:
         try:
             with m.errors("prefill_suffix: prefill"), interrupt.prefilling(keep, len(target)):
                 kept = _set_kv(m, target, keep)
+        except Cancelled:
+            # The chunks the KV completed stay (the tape equals them), for the next request with the same head;
+            # the context is the stable prefix again, which a decode sees (``Resident.live``).
+            if len(res.tokens) >= prefix_len:
+                res.prefix_len = prefix_len
+                res.live_len = prefix_len
+            else:
+                m.clear_kv()
+            raise
         except BaseException:
             # Back to the stable prefix when it survived (the tape equals what the KV
             # completed); a damaged prefix is dropped so the next turn re-ensures it.

@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--task", action="append", default=[], metavar="TASK",
                    help="what each agent is asked to do, one run of the agent per task, in order on the same "
                    f"repository (repeatable; default: the {len(TASKS)} of benchmarks.agents.scratch.TASKS)")
+    p.add_argument("--tasks", type=int, default=0, metavar="N",
+                   help="run only the first N tasks per agent (default: all; --task names them instead)")
+    p.add_argument("--load", type=int, default=0, metavar="N",
+                   help="run N CPU-bound processes beside the daemon for the whole run: a slower machine on demand")
     p.add_argument("--install-only", action="store_true", help="install the agents and exit")
     p.add_argument("--reinstall", action="store_true", help="install the agents again even when the stamp matches")
     p.add_argument("--python", default=_base_python(),
@@ -74,7 +79,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown agent(s) {', '.join(unknown)}; known: {', '.join(AGENTS)}")
     args.agents = names
     args.task = args.task or list(TASKS)
+    if args.tasks < 0 or args.load < 0:
+        p.error("--tasks and --load take a count of 0 or more")
+    if args.tasks:
+        args.task = args.task[: args.tasks]
     return args
+
+
+#: what each --load process runs: a busy loop, until the run kills it (it also ends by itself after a day)
+_BUSY = "import time\nend = time.monotonic() + 86400\nwhile time.monotonic() < end:\n    pass\n"
+
+
+@contextlib.contextmanager
+def cpu_load(n: int) -> Iterator[None]:
+    """``n`` CPU-bound processes for the block (none for 0): what another program's work does to the daemon."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, "-c", _BUSY], stdin=subprocess.DEVNULL) for _ in range(n)]
+    if procs:
+        _log(f"load: {n} CPU-bound process(es) beside the daemon (pids {', '.join(str(p.pid) for p in procs)})")
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def _modeld(arg: str) -> str:
@@ -290,7 +320,7 @@ async def _run(args: argparse.Namespace, installed: Installed, outdir: Path) -> 
         run.attribute(results)
         await run.close()
         summary = {
-            "model": run.model, "context": run.context, "health": run.health, "task": args.task,
+            "model": run.model, "context": run.context, "health": run.health, "task": args.task, "load": args.load,
             "timeout_s": args.timeout, "outdir": str(outdir),
             "agents": [r.as_json() for r in results],
         }
@@ -313,4 +343,5 @@ def main(argv: list[str] | None = None) -> int:
     outdir = args.outdir or CACHE / "runs" / time.strftime("%Y%m%d-%H%M%S")
     outdir = outdir.resolve()
     outdir.mkdir(parents=True, exist_ok=True)
-    return asyncio.run(_run(args, installed, outdir))
+    with cpu_load(args.load):
+        return asyncio.run(_run(args, installed, outdir))

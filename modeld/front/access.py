@@ -3,7 +3,8 @@
 The line (logger ``modeld.access``, level INFO) says what an operator needs to
 see what an agent did, never what it said: method, route, status, the model
 that served it, whether it streamed, prompt / cached (reused) / completion
-tokens, the finish reason, time to first token and total time, and the error
+tokens, the finish reason, time to first token, what the prefill computed and its tokens per second, total
+time, and the error
 code of a refusal. Routes fill the request's ``AccessRecord``
 (``record_of(request)``); a streamed reply fills it as it ends, and the line
 is written once the last byte is sent (or the client went away: status 499).
@@ -42,13 +43,22 @@ class AccessRecord:
     completion_tokens: int = 0
     finish_reason: str = ""
     ttft_ms: float = 0.0
+    #: what the prefill computed (the prompt less what was reused) and how fast: a slow first request reads here
+    prefilled_tokens: int = 0
+    prefill_ms: float = 0.0
     total_ms: float = 0.0
     error: str = ""
     started: float = field(default_factory=time.perf_counter, repr=False)
 
+    @property
+    def prefill_tps(self) -> float:
+        """Prefill tokens per second (0 when nothing was prefilled)."""
+        return self.prefilled_tokens / (self.prefill_ms / 1000) if self.prefilled_tokens and self.prefill_ms > 0 else 0.0
+
     def fields(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("started")
+        out["prefill_tps"] = round(self.prefill_tps, 1)
         return out
 
     def line(self) -> str:
@@ -63,6 +73,9 @@ class AccessRecord:
             parts.append("stream=1")
         if self.ttft_ms:
             parts.append(f"ttft_ms={self.ttft_ms:.0f}")
+        if self.prefilled_tokens and self.prefill_ms > 0:
+            parts.append(f"prefilled_tokens={self.prefilled_tokens}")
+            parts.append(f"prefill_tps={self.prefill_tps:.0f}")
         parts.append(f"total_ms={self.total_ms:.0f}")
         return " ".join([head, *parts])
 

@@ -48,7 +48,16 @@ from contract.types import FinishReason
 from runtime.chat import ChatResult
 
 from .access import record_of
-from .core import STREAM_SEND_TIMEOUT_S, CallPieces, Serving, Turn, TurnRequest, close_events, fill_record
+from .core import (
+    KEEPALIVE_S,
+    STREAM_SEND_TIMEOUT_S,
+    CallPieces,
+    Serving,
+    Turn,
+    TurnRequest,
+    close_events,
+    fill_record,
+)
 from .errors import ApiError, api_error
 from .openai import call_schemas, tool_choice_options
 
@@ -58,8 +67,6 @@ log = logging.getLogger("modeld.http")
 
 #: the start of a system block that only carries a client's billing header (it changes every request)
 BILLING_HEADER = "x-anthropic-billing-header:"
-#: a stream sends a ping this often while nothing else is sent (a long prefill)
-PING_S = 5.0
 #: a decode's finish reason as stop_reason (cancelled: the API has no value for a reply a cancel cut short;
 #: "max_tokens" says the reply is incomplete, where "end_turn" would say the model ended it)
 STOP_REASONS: dict[FinishReason, str] = {
@@ -318,11 +325,8 @@ def router(serving: Serving) -> APIRouter:
         record.model = turn.model
         msg_id = f"msg_{uuid.uuid4().hex[:24]}"
         if body.stream:
-            def ping() -> ServerSentEvent:
-                return ServerSentEvent(event="ping", data=json.dumps({"type": "ping"}))
-
-            return EventSourceResponse(_stream(turn, msg_id, serving, request), ping=int(PING_S),
-                                       ping_message_factory=ping, send_timeout=STREAM_SEND_TIMEOUT_S)
+            return EventSourceResponse(_stream(turn, msg_id, serving, request), ping=int(KEEPALIVE_S),
+                                       ping_message_factory=lambda: _ping(turn), send_timeout=STREAM_SEND_TIMEOUT_S)
         result = await turn.result(request)
         return JSONResponse(message_body(result, turn.model, msg_id, serving))
 
@@ -332,6 +336,12 @@ def router(serving: Serving) -> APIRouter:
         return {"input_tokens": count.prompt_tokens}
 
     return r
+
+
+def _ping(turn: Turn) -> ServerSentEvent:
+    """A ``ping`` event; while the prefill runs it carries how far it came (``prefill``: the SDKs ignore it)."""
+    progress = turn.progress()
+    return ServerSentEvent(event="ping", data=json.dumps({"type": "ping", **({"prefill": progress} if progress else {})}))
 
 
 def _event(name: str, data: dict[str, Any]) -> dict[str, str]:
@@ -348,6 +358,7 @@ async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -
         "stop_reason": None, "stop_sequence": None,
         "usage": {"input_tokens": count.prompt_tokens - count.resident_tokens, "cache_creation_input_tokens": 0,
                   "cache_read_input_tokens": count.resident_tokens, "output_tokens": 0}}})
+    yield _event("ping", {})  # as the API does: a ping at once, then every KEEPALIVE_S while nothing else goes out
     index = -1
     open_kind = ""  # the kind of the block being streamed: "text", "thinking", "tool_use" or ""
     thinking = ""

@@ -19,12 +19,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncGenerator, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from sse_starlette import ServerSentEvent
 from starlette.requests import Request
 
 from contract.errors import ModeldError, Unavailable, WireError
@@ -44,12 +46,16 @@ from .errors import ApiError, api_error
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["FINISH_REASONS", "CallPieces", "Serving", "Turn", "TurnRequest"]
+__all__ = ["FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Serving", "Turn", "TurnRequest"]
 
 log = logging.getLogger("modeld.http")
 
 #: how often a request that is not streamed checks its client is still there
 DISCONNECT_POLL_S = 0.5
+#: a streamed reply sends something at least this often, from its first byte on: while a long prefill runs the
+#: client reads life (SSE comments, Messages' ``ping``, Responses' ``response.in_progress``) and how far it came,
+#: where an idle stream would be a dead one to it (docs/agents.md: what each agent waits)
+KEEPALIVE_S = 5.0
 #: a stream whose client stops reading for this long is ended (its decode cancelled): a client that
 #: gave up without closing the connection must not hold the slot until the context is full
 STREAM_SEND_TIMEOUT_S = 60.0
@@ -97,6 +103,24 @@ class Turn:
         if not self._done:
             self._done = True
             self._pool.give(self._client, healthy=healthy)
+
+    @property
+    def prefilling(self) -> bool:
+        """The turn's prefill has not ended yet (its client has seen nothing of the reply)."""
+        return not self._turn.prefilled
+
+    def progress(self) -> dict[str, int]:
+        """While the prefill runs, how far it has come: ``{"done": …, "total": …}`` tokens of the prefill the
+        daemon runs now (the stable prefix, then the conversation); empty when it has not said or is over."""
+        p = self._turn.progress
+        if p is None or self._turn.prefilled:
+            return {}
+        return {"done": p.done, "total": p.total}
+
+    def keepalive_comment(self) -> ServerSentEvent:
+        """The SSE comment a stream sends while it has nothing else to send: the prefill's progress while it runs."""
+        p = self.progress()
+        return ServerSentEvent(comment=f"prefill {p['done']}/{p['total']}" if p else "ping")
 
     def cancel(self) -> None:
         """Cut the reply short from another request: its events end with finish_reason "cancelled" (the slot and
@@ -170,7 +194,7 @@ class Turn:
         ended = False
         try:
             while True:
-                event = await anyio.to_thread.run_sync(next, events, None)
+                event = await self._step(events)
                 if event is None:
                     ended = True
                     return
@@ -185,6 +209,31 @@ class Turn:
                 u = self._turn.so_far
                 record.prompt_tokens, record.cached_tokens = u.prompt_tokens, u.reused_tokens
                 record.finish_reason, record.error = "cancelled", record.error or "client_gone"
+
+
+    async def _step(self, events: Generator[ChatEvent, None, None]) -> ChatEvent | None:
+        """The turn's next event, read in a worker thread. Cancelled while it waits (the client went away), it
+        cancels the turn, so the prefill or decode that thread waits on stops at its next chunk or token, and
+        returns once the thread has given the generator back (it must be closed after, never under, that thread).
+
+        A plain ``anyio.to_thread.run_sync`` would hold the cancel until the thread returns: for the whole of a
+        long prefill, or for ever while a decode streams text a parser holds back, with the slot held throughout.
+        """
+        idle = threading.Event()
+
+        def step() -> ChatEvent | None:
+            try:
+                return next(events, None)
+            finally:
+                idle.set()
+
+        try:
+            return await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.cancel)  # (it waits for the client's socket: not on the loop)
+                await anyio.to_thread.run_sync(idle.wait)
+            raise
 
 
 async def close_events(events: AsyncGenerator[ChatEvent, None]) -> None:
@@ -218,6 +267,8 @@ def fill_record(record: AccessRecord, result: ChatResult) -> None:
     record.completion_tokens = u.completion_tokens
     record.finish_reason = result.finish_reason  # the daemon's own: the log tells context_full and cancelled apart
     record.ttft_ms = result.timing.ttft_ms
+    record.prefilled_tokens = u.prefilled_tokens
+    record.prefill_ms = result.timing.prefill_ms
 
 
 @dataclass(frozen=True)

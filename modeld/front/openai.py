@@ -25,7 +25,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
 from contract.types import EmbedRequest, StructuredOutputConfig, ToolCallDelta
@@ -34,6 +34,7 @@ from runtime.chat import ChatResult
 from .access import record_of
 from .core import (
     FINISH_REASONS,
+    KEEPALIVE_S,
     STREAM_SEND_TIMEOUT_S,
     CallPieces,
     Serving,
@@ -306,7 +307,8 @@ def router(serving: Serving) -> APIRouter:
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventSourceResponse(_stream(turn, rid, created, include_usage, request),
+            return EventSourceResponse(_stream(turn, rid, created, include_usage, request), ping=int(KEEPALIVE_S),
+                                       ping_message_factory=lambda: _keepalive(turn, rid, created),
                                        send_timeout=STREAM_SEND_TIMEOUT_S)
         result = await turn.result(request)
         msg = result.message
@@ -352,6 +354,19 @@ def _call_piece(piece: ToolCallDelta) -> dict[str, Any]:
         return {"index": piece.index, "id": piece.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": piece.name, "arguments": piece.arguments}}
     return {"index": piece.index, "function": {"arguments": piece.arguments}}
+
+
+def _keepalive(turn: Turn, rid: str, created: int) -> ServerSentEvent:
+    """While the prefill runs: a chunk with an empty delta and how far the prefill came (``prefill``, which the SDKs
+    ignore), what a client's idle timer counts (Qwen Code's counts chunks, and the SDKs drop comments); after it,
+    while the reply streams, a comment (a chunk made here could land between two of the reply's)."""
+    if not turn.prefilling:
+        return turn.keepalive_comment()
+    progress = turn.progress()
+    return ServerSentEvent(data=json.dumps({
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": turn.model,
+        "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}],
+        **({"prefill": progress} if progress else {})}))
 
 
 async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, request: Request) -> Any:

@@ -45,14 +45,23 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
 from contract.types import StructuredOutputConfig
 from runtime.chat import ChatResult
 
 from .access import record_of
-from .core import STREAM_SEND_TIMEOUT_S, CallPieces, Serving, Turn, TurnRequest, close_events, fill_record
+from .core import (
+    KEEPALIVE_S,
+    STREAM_SEND_TIMEOUT_S,
+    CallPieces,
+    Serving,
+    Turn,
+    TurnRequest,
+    close_events,
+    fill_record,
+)
 from .errors import ApiError, api_error
 from .openai import call_schemas, tool_choice_options
 from .stored import ResponseStore
@@ -456,8 +465,11 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
         reply = Reply(body, tools, turn.model, serving)
         running.turns[reply.id] = turn
         if body.stream:
-            return EventSourceResponse(_stream(turn, reply, request, running, lambda: keep(reply, turn_req, tools_given)),
-                                       ping=15, send_timeout=STREAM_SEND_TIMEOUT_S)
+            numbered = _Events()
+            return EventSourceResponse(
+                _stream(turn, reply, request, running, lambda: keep(reply, turn_req, tools_given), numbered),
+                ping=int(KEEPALIVE_S), ping_message_factory=lambda: _keepalive(turn, reply, numbered),
+                send_timeout=STREAM_SEND_TIMEOUT_S)
         try:
             result = await turn.result(request)
         finally:
@@ -527,16 +539,35 @@ def _merge(messages: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> lis
     return [*head, *earlier, *rest]
 
 
+class _Events:
+    """A stream's events, numbered (``sequence_number``) in the order they are made: the reply's and the
+    keep-alives' alike."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def make(self, name: str, **data: Any) -> dict[str, str]:
+        self._next += 1
+        return {"event": name,
+                "data": json.dumps({"type": name, "sequence_number": self._next - 1, **data}, ensure_ascii=False)}
+
+
+def _keepalive(turn: Turn, reply: Reply, events: _Events) -> ServerSentEvent:
+    """While the prefill runs: ``response.in_progress`` again, with how far it came (``prefill``, which the SDKs
+    ignore), an event that a client's idle timer counts (Codex's counts events, not comments); afterwards, while
+    the reply streams, a comment (an event made here could overtake one the reply made and has not sent yet)."""
+    if not turn.prefilling:
+        return ServerSentEvent(comment="ping")
+    progress = turn.progress()
+    e = events.make("response.in_progress", response=reply.body(), **({"prefill": progress} if progress else {}))
+    return ServerSentEvent(event=e["event"], data=e["data"])
+
+
 async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
-                  on_done: Any) -> AsyncGenerator[dict[str, str], None]:
+                  on_done: Any, numbered: _Events) -> AsyncGenerator[dict[str, str], None]:
     """The documented event order, each event with its ``sequence_number``."""
     record = record_of(request)
-    seq = 0
-
-    def event(name: str, **data: Any) -> dict[str, str]:
-        nonlocal seq
-        seq += 1
-        return {"event": name, "data": json.dumps({"type": name, "sequence_number": seq - 1, **data}, ensure_ascii=False)}
+    event = numbered.make
 
     yield event("response.created", response=reply.body())
     yield event("response.in_progress", response=reply.body())
