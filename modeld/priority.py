@@ -1,4 +1,4 @@
-"""The model workers' CPU priority: nicer than the daemon's IO thread, so it answers at once during a decode.
+"""The model workers' CPU priority (``--engine-nice``): nicer than the daemon's IO thread, when asked.
 
 An engine step keeps every core busy (llama.cpp's OpenMP threads and
 OpenVINO's TBB threads spin between steps). When the IO thread wakes — a
@@ -10,9 +10,12 @@ threads are created by it and inherit that): p90 1.5 ms, p99 3.9-5.5 ms; the
 decode rate did not move beyond the noise (daemon / in process side by side in
 one run: llama.cpp 0.978 at equal priority vs 0.957 niced, OpenVINO 1.001 vs 1.078).
 
-The cost: when other programs on the machine compete for the cores (a build
-beside the agent), the engine gets the smaller share. ``--engine-nice 0``
-keeps the daemon's own priority.
+The cost, which made 0 the default: when other programs on the machine compete
+for the cores (a build beside the agent, a busy runner), the engine gets the
+smaller share. Nice 10 weighs 110 against a normal thread's 1,024 in Linux's
+scheduler: beside two CPU-bound processes on two cores the daemon ran at about
+15% of a core (the processes at 65% each), and a long first prefill took
+several times as long as llama-server's at its normal priority.
 
 Linux only: there a thread's priority is its own (``setpriority`` on its
 thread id). Elsewhere ``setpriority`` would renice the whole process, so the

@@ -262,14 +262,15 @@ class Daemon:
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the peer is gone (ROUTER_MANDATORY). EAGAIN: it stopped reading.
             if exc.errno in (errno.EHOSTUNREACH, zmq.EAGAIN):
-                self.work.cancel_peer(wire.peer_key(identity))
+                why = "its socket is gone" if exc.errno == errno.EHOSTUNREACH else "it stopped reading its replies"
+                self.work.cancel_peer(wire.peer_key(identity), why)
                 return False
             raise
 
     def _peer_vanished(self, peer: bytes) -> None:
         """Every connection of ``peer`` closed (its process is gone): its requests are cancelled and the
         session it holds is released as soon as the worker is free, not at the end of its lease."""
-        self.work.cancel_peer(peer)
+        self.work.cancel_peer(peer, "its connections all closed")
         held = self.handlers.sessions_of(peer)
         if any(self.slot.vanished(sid) for sid in held):
             log.info("a client's connections closed: releasing its session without waiting for its lease")

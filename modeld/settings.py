@@ -433,9 +433,9 @@ class ServeSettings(HttpSettings):
         DEFAULT_ENGINE_NICE,
         ge=0,
         le=MAX_NICE,
-        description="the model's threads run this much nicer than the daemon (Linux), so status, cancel and "
-        "heartbeats are answered within milliseconds while a decode keeps every core busy; competing programs "
-        "then take the larger share of the cores; 0 = the daemon's own priority",
+        description="the model's threads run this much nicer than the daemon (Linux): status, cancel and "
+        "heartbeats are answered a few ms sooner while a decode keeps every core busy, but any other busy "
+        "program then takes the larger share of the cores from the engine; 0 (the default) = one priority",
     )
 
     #: why ``backend`` was picked when it was "auto" (status shows it); derived, not a setting

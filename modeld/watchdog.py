@@ -104,7 +104,7 @@ class Watchdog:
         sid = self.slot.expired_holder()
         peer = self._handlers.session_peers.get(sid) if sid else None
         if peer is not None:
-            self._work.cancel_peer(peer)
+            self._work.cancel_peer(peer, f"its lease ran out (no renewal for {self.slot.lease_s:g} s)")
 
     def stalled_s(self, now: float | None = None) -> float:
         """Seconds the model worker has been running one request without progress (0 when idle)."""

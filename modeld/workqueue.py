@@ -9,6 +9,7 @@ worker), and a worker runs only what it claimed first, so each request gets one 
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -59,6 +60,9 @@ Emit = Callable[[Inflight, list[bytes]], None]
 Send = Callable[[bytes, list[bytes]], bool]
 
 _Item = tuple[Inflight, Message]
+
+# (the daemon's lines keep one logger name, whichever module writes them)
+log = logging.getLogger("modeld.server")
 
 
 def queue_deadline(msg: Message) -> float | None:
@@ -114,12 +118,16 @@ class WorkQueue:
             inf = self._inflight.get((identity, request_id))
         return inf.cancel if inf is not None else None
 
-    def cancel_peer(self, peer: bytes) -> None:
-        """Cancel every running or queued request of one client (``wire.peer_key``)."""
+    def cancel_peer(self, peer: bytes, why: str) -> None:
+        """Cancel every running or queued request of one client (``wire.peer_key``); the log says ``why``, so a
+        request the daemon ended of its own accord can be told from one its client cancelled."""
         with self._lock:
-            for (ident, _rid), inf in self._inflight.items():
-                if wire.peer_key(ident) == peer:
-                    inf.cancel.set()
+            hit = [inf for (ident, _rid), inf in self._inflight.items()
+                   if wire.peer_key(ident) == peer and not inf.cancel.is_set()]
+            for inf in hit:
+                inf.cancel.set()
+        if hit:
+            log.info("cancelled %s of a client: %s", ", ".join(inf.op.value for inf in hit), why)
 
     def cancel_all(self) -> None:
         with self._lock:

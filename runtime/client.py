@@ -120,50 +120,11 @@ def _listening(path: Path) -> bool:
     return True
 
 
-#: the longest a thread reading replies waits for other threads' calls between two polls (``_SocketLock``)
-YIELD_LIMIT_S = 0.5
-
 #: a request the daemon holds gets a heartbeat every second; this much silence means the daemon is gone
 LIVENESS_S = 8 * wire.HEARTBEAT_INTERVAL_S
 
 #: the daemon's CURVE public key for ``--curve`` tcp endpoints (``modeld keys`` prints it)
 SERVER_KEY_ENV = "MODELD_SERVER_KEY"
-
-
-class _SocketLock:
-    """The request socket's lock (reentrant), which a thread polling in a loop hands over between its polls.
-
-    A reply is read under the lock, a quarter of a second of ``poll`` at a time. Python's locks are not fair:
-    the poller would take the lock again at once after each poll, and another thread's call (a cancel from
-    the thread that saw the caller go away) could wait for the poller's whole call, minutes behind a long
-    prefill. So a thread that wants the lock says so, and the poller waits for it to have had its turn
-    (``yield_to_waiters``) before it polls again.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._count = threading.Lock()
-        self._waiting = 0
-        self._turn = threading.Condition(self._count)
-
-    def __enter__(self) -> _SocketLock:
-        with self._count:
-            self._waiting += 1
-        try:
-            self._lock.acquire()
-        finally:
-            with self._count:
-                self._waiting -= 1
-                self._turn.notify_all()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-    def yield_to_waiters(self, limit_s: float = YIELD_LIMIT_S) -> None:
-        """Called without the lock: wait (at most ``limit_s``) until the threads waiting for it have taken it."""
-        with self._count:
-            self._turn.wait_for(lambda: self._waiting == 0, timeout=limit_s)
 
 
 class Client:
@@ -199,9 +160,9 @@ class Client:
         self.owner = owner
         self._lease_renew_s = lease_renew_s
         self._ctx = zmq.Context()
-        self._lock = _SocketLock()
-        #: guards ``_sessions`` alone: the lease thread must never wait for the request socket (a reader polls
-        #: it for minutes behind a long prefill), or the daemon would see a live client's lease run out
+        self._lock = threading.RLock()
+        #: guards ``_sessions`` alone: the lease thread renews the leases without waiting for the request socket,
+        #: which a reader holds a quarter second at a time while it polls behind a long prefill
         self._sessions_lock = threading.Lock()
         self._sock: zmq.Socket[bytes] | None = None
         #: with CURVE: the main socket's monitor, which tells a refused handshake (a wrong server key) from silence
@@ -306,7 +267,6 @@ class Client:
             if progress is not None and report is not None:
                 p, progress = progress, None
                 report(p)  # outside the lock: the callback may take its time (a terminal redraw)
-            self._lock.yield_to_waiters()  # another thread's call (a cancel) goes before this reader's next poll
             with self._lock:
                 buf = self._buffers.get(rid)
                 if buf is None:

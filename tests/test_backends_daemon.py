@@ -119,9 +119,25 @@ def test_cancel_returns_slot_to_ready_quickly(backend_daemon: DaemonProcess) -> 
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priority is Linux's")
-def test_the_engine_threads_run_nicer_than_the_io_thread(backend_daemon: DaemonProcess) -> None:
-    """The model worker lowers its priority before the engine starts its threads, so they inherit it,
-    and the IO thread (the process's main thread) keeps the daemon's."""
+def test_the_engine_threads_run_nicer_than_the_io_thread_when_asked(
+    backend_daemon: DaemonProcess, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """By default every thread keeps the daemon's priority (a niced engine loses the cores to any busy program);
+    with ``--engine-nice 10`` the model worker lowers its priority before the engine starts its threads, so they
+    inherit it, and the IO thread (the process's main thread) keeps the daemon's."""
+    assert backend_daemon.proc is not None
+    plain = thread_nices(backend_daemon.proc.pid)
+    assert set(plain.values()) == {plain[backend_daemon.proc.pid]}, plain
+    niced = DaemonProcess(tmp_path_factory.mktemp("nice"), backend_daemon.backend, None, *BUNDLED, "--num-ctx", "512",
+                          "--engine-nice", "10", "--speculative", "off")
+    niced.start(ready_timeout_s=600, wait_state=("Ready",))
+    try:
+        _check_niced(niced)
+    finally:
+        niced.stop()
+
+
+def _check_niced(backend_daemon: DaemonProcess) -> None:
     with backend_daemon.client(timeout_s=120.0) as c:
         sess = c.open_session(OpenSessionRequest())
         m = manifest_for(sess, fresh_profile())

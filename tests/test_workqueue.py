@@ -98,7 +98,7 @@ def test_a_cancelled_wait_is_answered_by_the_worker_and_leaves_the_line() -> Non
     a, b = (work.post(identity, Op.OPEN, _open(b"r1")) for identity in (b"c1", b"c2"))
     assert work.defer(a, _open(b"r1")) and work.defer(b, _open(b"r1"))
     emitted: list[tuple[Inflight, list[bytes]]] = []
-    work.cancel_peer(wire.peer_key(b"c2"))
+    work.cancel_peer(wire.peer_key(b"c2"), "a test")
     assert b.cancel.is_set() and not a.cancel.is_set()
     work.sweep_deferred(lambda inf, frames: emitted.append((inf, frames)))
     assert [inf for inf, _ in emitted] == [b]

@@ -54,7 +54,7 @@ log = logging.getLogger("modeld.http")
 DISCONNECT_POLL_S = 0.5
 #: a streamed reply sends something at least this often, from its first byte on: while a long prefill runs the
 #: client reads life (SSE comments, Messages' ``ping``, Responses' ``response.in_progress``) and how far it came,
-#: where an idle stream would be a dead one to it (docs/agents.md: what each agent waits)
+#: where an idle stream would be a dead one to it (docs/first-request.md: what each agent waits)
 KEEPALIVE_S = 5.0
 #: a stream whose client stops reading for this long is ended (its decode cancelled): a client that
 #: gave up without closing the connection must not hold the slot until the context is full

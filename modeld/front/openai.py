@@ -25,7 +25,7 @@ import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sse_starlette.sse import EventSourceResponse, ServerSentEvent
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
 from contract.types import EmbedRequest, StructuredOutputConfig, ToolCallDelta
