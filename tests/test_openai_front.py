@@ -588,3 +588,29 @@ def test_a_daemon_killed_mid_stream_makes_the_sdk_raise(tmp_path: Path) -> None:
                     assert f.daemon.proc is not None
                     f.daemon.proc.send_signal(signal.SIGKILL)
         assert got >= 3
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
+def test_a_client_gone_while_its_request_waited_for_the_slot_leaves_it_free(front: Front, stream: bool) -> None:
+    """A request queued behind another turn whose client gives up while it waits: once the slot is free, its turn
+    (which ``begin`` then takes) is given back at once, not held by a reply nobody reads until the session's TTL
+    (a streamed reply whose client left before its first event never ran its generator)."""
+    sdk = front.sdk()
+    holder = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "Talk at length."}],
+                                         max_tokens=3000, stream=True)  # 15 s at 5 ms a token
+    next(iter(holder))
+    impatient = openai.OpenAI(base_url=front.url, api_key="none", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):  # it waits for the slot, and gives up
+        impatient.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}],
+                                          max_tokens=5, stream=stream)
+    impatient.close()
+    holder.close()  # the slot frees; the abandoned request's begin takes it, and must give it back
+    deadline = time.monotonic() + 5
+    with front.daemon.client(timeout_s=5.0) as c:
+        time.sleep(0.5)
+        while (c.status().session_open or c.status().busy_operation) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        st = c.status()
+        assert not st.session_open and not st.busy_operation, st
+    out = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2)
+    assert out.usage is not None and out.usage.completion_tokens == 2

@@ -55,6 +55,7 @@ from .core import (
     Serving,
     Turn,
     TurnRequest,
+    TurnStream,
     close_events,
     fill_record,
 )
@@ -321,11 +322,11 @@ def router(serving: Serving) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request) -> JSONResponse | EventSourceResponse:
         record = record_of(request)
         record.stream = body.stream
-        turn = await serving.abegin(turn_request(body, serving))
+        turn = await serving.abegin(turn_request(body, serving), request)
         record.model = turn.model
         msg_id = f"msg_{uuid.uuid4().hex[:24]}"
         if body.stream:
-            return EventSourceResponse(_stream(turn, msg_id, serving, request), ping=int(KEEPALIVE_S),
+            return TurnStream(turn, _stream(turn, msg_id, serving, request), ping=int(KEEPALIVE_S),
                                        ping_message_factory=lambda: _ping(turn), send_timeout=STREAM_SEND_TIMEOUT_S)
         result = await turn.result(request)
         return JSONResponse(message_body(result, turn.model, msg_id, serving))

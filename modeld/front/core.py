@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from sse_starlette import ServerSentEvent
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 
 from contract.errors import ModeldError, Unavailable, WireError
@@ -46,7 +46,7 @@ from .errors import ApiError, api_error
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Serving", "Turn", "TurnRequest"]
+__all__ = ["FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Serving", "Turn", "TurnRequest", "TurnStream"]
 
 log = logging.getLogger("modeld.http")
 
@@ -234,6 +234,22 @@ class Turn:
                 await anyio.to_thread.run_sync(self.cancel)  # (it waits for the client's socket: not on the loop)
                 await anyio.to_thread.run_sync(idle.wait)
             raise
+
+
+class TurnStream(EventSourceResponse):
+    """A streamed reply that gives its turn back when the response ends, however it ends: a client that went away
+    before the first event left a generator that never ran, and so never closed the turn it was to run."""
+
+    def __init__(self, turn: Turn, content: Any, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._turn = turn
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._turn.close)
 
 
 async def close_events(events: AsyncGenerator[ChatEvent, None]) -> None:
@@ -442,12 +458,33 @@ class Serving:
             raise
         return Turn(self.pool, client, chat_turn, chat_turn.model_name or model)
 
-    async def abegin(self, req: TurnRequest) -> Turn:
-        """``begin`` in a worker thread, its refusals as ``ApiError``."""
+    async def abegin(self, req: TurnRequest, request: Request | None = None) -> Turn:
+        """``begin`` in a worker thread, its refusals as ``ApiError``.
+
+        The slot a turn takes goes back at once when nobody will run the turn: the route was cancelled while
+        ``begin`` waited (the thread runs on to its end, and its turn is closed), or ``request``'s client went
+        away meanwhile (a 499): a turn left open would hold the slot, its lease renewed by a live client,
+        until the session's TTL."""
+        taken: list[Turn] = []
+
+        def run() -> Turn:
+            taken.append(self.begin(req))
+            return taken[-1]
+
         try:
-            return await anyio.to_thread.run_sync(self.begin, req)
+            turn = await anyio.to_thread.run_sync(run)
         except ModeldError as exc:
             raise api_error(exc) from None
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                for t in taken:
+                    await anyio.to_thread.run_sync(t.close)
+            raise
+        if request is not None and await request.is_disconnected():
+            await anyio.to_thread.run_sync(turn.close)
+            log.info("the client went away while its request waited for the slot")
+            raise ApiError(499, "the client closed the connection", code="client_gone")
+        return turn
 
     async def acount(self, req: TurnRequest) -> TokenCount:
         """``count`` in a worker thread, its refusals as ``ApiError``."""

@@ -40,6 +40,7 @@ from .core import (
     Serving,
     Turn,
     TurnRequest,
+    TurnStream,
     close_events,
     fill_record,
 )
@@ -301,13 +302,13 @@ def router(serving: Serving) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | EventSourceResponse:
         record = record_of(request)
         record.stream = body.stream
-        turn = await serving.abegin(turn_request(body))
+        turn = await serving.abegin(turn_request(body), request)
         record.model = turn.model
         created = int(time.time())
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventSourceResponse(_stream(turn, rid, created, include_usage, request), ping=int(KEEPALIVE_S),
+            return TurnStream(turn, _stream(turn, rid, created, include_usage, request), ping=int(KEEPALIVE_S),
                                        ping_message_factory=lambda: _keepalive(turn, rid, created),
                                        send_timeout=STREAM_SEND_TIMEOUT_S)
         result = await turn.result(request)

@@ -59,6 +59,7 @@ from .core import (
     Serving,
     Turn,
     TurnRequest,
+    TurnStream,
     close_events,
     fill_record,
 )
@@ -460,14 +461,14 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
         record = record_of(request)
         record.stream = body.stream
         turn_req, tools, tools_given = prepare(body)
-        turn = await serving.abegin(turn_req)
+        turn = await serving.abegin(turn_req, request)
         record.model = turn.model
         reply = Reply(body, tools, turn.model, serving)
         running.turns[reply.id] = turn
         if body.stream:
             numbered = _Events()
-            return EventSourceResponse(
-                _stream(turn, reply, request, running, lambda: keep(reply, turn_req, tools_given), numbered),
+            return TurnStream(
+                turn, _stream(turn, reply, request, running, lambda: keep(reply, turn_req, tools_given), numbered),
                 ping=int(KEEPALIVE_S), ping_message_factory=lambda: _keepalive(turn, reply, numbered),
                 send_timeout=STREAM_SEND_TIMEOUT_S)
         try:
