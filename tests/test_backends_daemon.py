@@ -127,7 +127,8 @@ def test_the_engine_threads_run_nicer_than_the_io_thread_when_asked(
     inherit it, and the IO thread (the process's main thread) keeps the daemon's."""
     assert backend_daemon.proc is not None
     plain = thread_nices(backend_daemon.proc.pid)
-    assert set(plain.values()) == {plain[backend_daemon.proc.pid]}, plain
+    # (the workspace cache's disk writer runs nicer by design: modeld.state_cache)
+    assert sum(nice != plain[backend_daemon.proc.pid] for nice in plain.values()) <= 1, plain
     niced = DaemonProcess(tmp_path_factory.mktemp("nice"), backend_daemon.backend, None, *BUNDLED, "--num-ctx", "512",
                           "--engine-nice", "10", "--speculative", "off")
     niced.start(ready_timeout_s=600, wait_state=("Ready",))
