@@ -151,7 +151,7 @@ class Client:
         on_progress: ProgressCallback | None = None,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
-        #: called with the progress of any request of this client (a call's own ``on_progress`` comes first)
+        #: called with the progress of any request of this client (after a call's own ``on_progress``)
         self.on_progress = on_progress
         #: the daemon's CURVE public key (``modeld keys``; env MODELD_SERVER_KEY): the sockets then speak CURVE
         key = server_key if server_key is not None else os.environ.get(SERVER_KEY_ENV, "")
@@ -261,7 +261,12 @@ class Client:
         not returned."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
-        report = on_progress if on_progress is not None else self.on_progress
+        callbacks = [cb for cb in (on_progress, self.on_progress) if cb is not None]
+        report: ProgressCallback | None = None
+        if callbacks:
+            def report(p: Progress) -> None:
+                for cb in callbacks:
+                    cb(p)
         progress: Progress | None = None
         while True:
             if progress is not None and report is not None:

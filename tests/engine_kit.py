@@ -25,7 +25,7 @@ NUM_CTX = 2048
 #: a fixed draft cost table (``MODELD_DRAFT_COSTS``) for tests that assert drafting: checks a little dearer than a
 #: step per row, as a quiet machine measures them; a table timed at load would make the drafts hang on how busy
 #: the machine was then (on a loaded one the policy may draft nothing)
-CHEAP_CHECKS = json.dumps([round(1.0 + 0.05 * r, 2) for r in range(16)])
+CHEAP_CHECKS = json.dumps([round(1.0 + 0.15 * r, 2) for r in range(16)])
 PARAGRAPH = (
     "The repository contains a daemon that keeps one language model resident and serves a persistent "
     "session over a local socket. Agents send a stable prefix with the system prompt, the tool list and "

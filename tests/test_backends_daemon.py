@@ -392,7 +392,8 @@ def _start_prefix(c: Client, sess: RemoteSession, prefix: PrefixInput) -> bytes:
 
 
 def test_cancel_stops_a_cold_prefill(backend_daemon: DaemonProcess) -> None:
-    """A cancelled ensure_prefix ends with Cancelled instead of finishing; nothing half-done stays resident."""
+    """A cancelled ensure_prefix ends with Cancelled instead of finishing: no prefix is resident, and the chunks
+    it had finished stay for the next prefill of the same text (an agent's retry), which goes on from there."""
     with backend_daemon.client(timeout_s=300.0) as c:
         sess = c.open_session(OpenSessionRequest())
         m = manifest_for(sess, fresh_profile())
@@ -402,9 +403,10 @@ def test_cancel_stops_a_cold_prefill(backend_daemon: DaemonProcess) -> None:
         assert reply.kind is Kind.ERROR
         assert isinstance(wire.error_of(reply), Cancelled)
         rep = sess.explain_context()
-        assert rep.resident_tokens == 0 and rep.prefix_tokens == 0
-        st = sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))  # the daemon serves on
-        assert st.prefilled_tokens == st.prefix_tokens - st.reused_tokens > 0
+        assert rep.prefix_tokens == 0 and rep.manifest_digest == ""  # no prefix: the head of one, at most
+        kept = rep.resident_tokens
+        st = sess.ensure_prefix(PrefixInput(text=LONG_SYSTEM, manifest=m))  # the daemon serves on
+        assert st.reused_tokens >= kept and st.prefilled_tokens == st.prefix_tokens - st.reused_tokens > 0
         sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
         assert list(sess.decode(DecodeConfig(max_tokens=4)))[-1].done
         sess.close()
@@ -429,8 +431,8 @@ def test_interrupted_client_call_cancels_the_prefill(backend_daemon: DaemonProce
         monkeypatch.setattr(c, "_recv", real_recv)
         while watcher.status().busy_operation:
             time.sleep(0.005)
-        assert sess.explain_context().resident_tokens == 0  # stopped, not finished
-        assert sess.ensure_prefix(PrefixInput(text="You are terse.", manifest=m)).prefix_tokens > 0
+        assert sess.explain_context().prefix_tokens == 0  # stopped, not finished
+        assert sess.ensure_prefix(PrefixInput(text=LONG_SYSTEM, manifest=m)).prefilled_tokens > 0  # (the rest)
         sess.close()
 
 

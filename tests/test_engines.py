@@ -42,6 +42,7 @@ from contract.types import (
     SuffixInput,
 )
 from tests.engine_kit import (
+    CHEAP_CHECKS,
     EDIT_CONTINUATION,
     LONG_PREFIX,
     NEAR_TIE,
@@ -435,10 +436,14 @@ def _assert_near_tie(engine: Engine, model: LoadedModel, at: int, plain: list[in
 
 
 def test_speculation_answers_like_plain_decoding_and_the_next_turn_reuses_it(
-    engine: Engine, model: LoadedModel, session: Session
+    engine: Engine, model: LoadedModel, session: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not engine.speculates:
         pytest.skip("the reference does not speculate")
+    from backends.tape.speculate import CheckCosts
+
+    # drafting asserted: a fixed table, not the one the load timed (or an earlier load, on a busier machine)
+    monkeypatch.setattr(model, "draft_costs", CheckCosts(json.loads(CHEAP_CHECKS)))
     man = manifest(model, "speculate")
     runs = {}
     follows = {}
