@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
 import time
 import uuid
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.agents.daemon import free_port
 from benchmarks.common import PREFIX_LINE, text_of_tokens
 from tests.daemon_proc import DaemonProcess
 
@@ -30,12 +30,6 @@ __all__ = ["LENGTHS", "rows", "section"]
 LENGTHS = (8192, 16384, 22528)
 NUM_CTX = 32768
 REQUEST_TIMEOUT_S = 1800.0
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _post(port: int, path: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -83,7 +77,7 @@ def _cold(port: int, prompts: dict[int, str]) -> dict[int, tuple[int, float]]:
 
 
 def _modeld(tmp: Path, backend: str, model: Path, prompts: dict[int, str]) -> dict[int, tuple[int, float]]:
-    port = _port()
+    port = free_port()
     d = DaemonProcess(tmp / f"cold-{backend}", backend, None, "--model", str(model), "--num-ctx", str(NUM_CTX),
                       "--http", f"127.0.0.1:{port}")
     d.start(ready_timeout_s=900, wait_state=("Ready",))
@@ -95,7 +89,7 @@ def _modeld(tmp: Path, backend: str, model: Path, prompts: dict[int, str]) -> di
 
 
 def _llama_server(binary: Path, model: Path, prompts: dict[int, str], log: Path) -> dict[int, tuple[int, float]]:
-    port = _port()
+    port = free_port()
     threads = str(os.cpu_count() or 2)
     with log.open("wb") as out:
         proc = subprocess.Popen([str(binary), "-m", str(model), "-c", str(NUM_CTX), "-np", "1", "-t", threads,

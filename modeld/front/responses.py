@@ -558,7 +558,7 @@ def _keepalive(turn: Turn, reply: Reply, events: _Events) -> ServerSentEvent:
     ignore), an event that a client's idle timer counts (Codex's counts events, not comments); afterwards, while
     the reply streams, a comment (an event made here could overtake one the reply made and has not sent yet)."""
     if not turn.prefilling:
-        return ServerSentEvent(comment="ping")
+        return turn.keepalive_comment()
     progress = turn.progress()
     e = events.make("response.in_progress", response=reply.body(), **({"prefill": progress} if progress else {}))
     return ServerSentEvent(event=e["event"], data=e["data"])
