@@ -62,6 +62,9 @@ class Resident:
     #: the tape holds the head of a prefix whose prefill was cancelled under this manifest (no prefix is resident):
     #: a prefix planned under a compatible manifest reuses it
     partial: ContextManifest | None = None
+    #: the conversation the tape holds after the prefix, a key per message (``backends.tape.miss.message_keys``);
+    #: None when not known (restored from a snapshot or the workspace cache)
+    messages: list[str] | None = None
 
     @property
     def live(self) -> list[int]:
@@ -116,6 +119,7 @@ class Resident:
         else:
             self.tokens = list(tokens)
             self.live_len = None
+            self.messages = []
         self.prefix_len = len(tokens)
         self.manifest = manifest
         self.partial = None
@@ -137,6 +141,7 @@ class Resident:
         self.prefix_len = 0
         self.manifest = None
         self.partial = None
+        self.messages = None
         self.stable_text = ""
         self.tools = ""
         self.stable_token_hash = ""
@@ -257,6 +262,7 @@ class Resident:
         self.prefix_len = snap.prefix_tokens
         self.manifest = snap.manifest
         self.partial = None
+        self.messages = None
         self.stable_text = snap.stable_text
         self.tools = snap.tools
         self.stable_token_hash = token_hash(self.tokens[: self.prefix_len])

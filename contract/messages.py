@@ -39,6 +39,7 @@ from .types import (
     DecodeConfig,
     EmbedResult,
     PrefixInput,
+    ReuseRecord,
     SamplingParams,
     SessionSnapshot,
     SuffixInput,
@@ -74,10 +75,16 @@ __all__ = [
     "TakeoverReply",
     "TakeoverRequest",
     "UnloadReply",
+    "WHY_KEPT",
+    "WhyReply",
+    "WhyRequest",
     "payload_frame",
 ]
 
 _M = TypeVar("_M", bound=BaseModel)
+
+#: how many requests' reuse the daemon keeps for ``why``
+WHY_KEPT = 256
 
 #: a session handle as the daemon issued it
 SessionId = Annotated[StrictStr, Field(min_length=1)]
@@ -331,6 +338,18 @@ class HeartbeatReply(_Reply):
     """``heartbeat``: the sessions whose lease was renewed (the others are gone)."""
 
     alive: list[str] = Field(default_factory=list)
+
+
+class WhyRequest(_Request):
+    """``why``: the last ``last`` requests' reuse (the daemon keeps ``WHY_KEPT``)."""
+
+    last: int = Field(default=20, ge=1, le=WHY_KEPT)
+
+
+class WhyReply(_Reply):
+    """``why``: the last requests' prompts, oldest first: how much was reused, and where and why it stopped."""
+
+    requests: list[ReuseRecord] = Field(default_factory=list)
 
 
 class CacheListRequest(_Request):

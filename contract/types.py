@@ -522,6 +522,57 @@ class SuffixInput(_Request):
         return self
 
 
+class MissCause(str, enum.Enum):
+    """Why part of a prompt was prefilled that the daemon had computed before, or had never seen (``ReuseMiss``)."""
+
+    FIRST_SIGHT = "first_sight"  # nothing held shares the prompt from here: a new agent, or a new conversation
+    SYSTEM_CHANGED = "system_changed"  # the system prompt differs from the resident one at this point
+    TOOLS_CHANGED = "tools_changed"  # the same system prompt with other tool definitions
+    HISTORY_REWRITTEN = "history_rewritten"  # an earlier message (or the model's own reply) came back changed
+    EVICTED = "evicted"  # this prompt was computed before, but neither the KV nor the workspace cache holds it now
+    MANIFEST_CHANGED = "manifest_changed"  # another model, template, runtime setting or BOS policy: nothing is reusable
+
+
+class ReuseMiss(_Report):
+    """Where a prompt's reuse stopped and why (``PrefixStatus.miss``, ``SuffixStatus.miss``).
+
+    None on a status means everything the daemon held that this prompt could use was used: what was
+    prefilled is new text after it.
+    """
+
+    cause: MissCause = MissCause.FIRST_SIGHT
+    #: the token index of the first difference: the prompt was prefilled from here
+    index: int = 0
+    #: how long the prompt the daemon compared with was (for ``evicted``: how much of this prompt it had computed)
+    held_tokens: int = 0
+    #: the conversation's message (0 = the first after the system prompt) where it differs; -1 when not known
+    message: int = -1
+    #: a few words of what the daemon held from ``index`` on, and of what the prompt has there
+    held_text: str = ""
+    new_text: str = ""
+    #: a short sentence for a log line (which manifest field changed, which message)
+    detail: str = ""
+
+    def brief(self) -> str:
+        """``cause@index`` (with the message when known): the access log's field."""
+        at = f"{self.cause.value}@{self.index}"
+        return f"{at}/m{self.message}" if self.message >= 0 else at
+
+
+class ReuseRecord(_Report):
+    """One request's prompt as the daemon served it (``modeld why``): how much was reused, and why not more."""
+
+    #: when its prefill ended (seconds since the epoch)
+    at: float = 0.0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    #: of ``reused_tokens``, restored by the workspace cache
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    prefill_ms: float = 0.0
+    miss: ReuseMiss | None = None
+
+
 class PrefixStatus(_Report):
     reused_tokens: int = 0
     prefilled_tokens: int = 0
@@ -535,6 +586,8 @@ class PrefixStatus(_Report):
     prefill_ms: float = 0.0
     #: of ``reused_tokens``, how many the workspace cache restored (not resident before the call)
     cached_tokens: int = 0
+    #: why the prefix was not all reused (None: it was, or what was prefilled is new)
+    miss: ReuseMiss | None = None
 
 
 class SuffixStatus(_Report):
@@ -550,6 +603,8 @@ class SuffixStatus(_Report):
     prefill_ms: float = 0.0
     #: of ``reused_tokens``, how many the workspace cache restored (not resident before the call)
     cached_tokens: int = 0
+    #: why the suffix was not all reused (None: it was, or what was prefilled is new)
+    miss: ReuseMiss | None = None
 
 
 class TokenCount(_Report):

@@ -84,6 +84,8 @@ from .messages import (
     TakeoverReply,
     TakeoverRequest,
     UnloadReply,
+    WhyReply,
+    WhyRequest,
     payload_frame,
 )
 from .types import (
@@ -156,6 +158,7 @@ class Op(str, enum.Enum):
     METRICS = "metrics"
     TAKEOVER = "takeover"
     COUNT_TOKENS = "count_tokens"
+    WHY = "why"
 
 
 class Kind(str, enum.Enum):
@@ -209,6 +212,7 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.METRICS: OpSchema(MetricsRequest, MetricsReply),
     Op.TAKEOVER: OpSchema(TakeoverRequest, TakeoverReply),
     Op.COUNT_TOKENS: OpSchema(CountTokensRequest, TokenCount),
+    Op.WHY: OpSchema(WhyRequest, WhyReply),
 }
 
 

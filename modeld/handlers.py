@@ -53,6 +53,8 @@ from contract.messages import (
     TakeoverReply,
     TakeoverRequest,
     UnloadReply,
+    WhyReply,
+    WhyRequest,
 )
 from contract.types import (
     ActiveModel,
@@ -152,6 +154,9 @@ class Handlers:
 
     def metrics_text(self, identity: bytes, req: MetricsRequest) -> MetricsReply:
         return MetricsReply(text=self.metrics.text())
+
+    def why(self, identity: bytes, req: WhyRequest) -> WhyReply:
+        return WhyReply(requests=self.metrics.recent(req.last))
 
     def cache_list(self, identity: bytes, req: CacheListRequest) -> CacheListReply:
         return CacheListReply(entries=self.slot.cache_entries(), cache=self.slot.status().cache)
@@ -263,6 +268,7 @@ IO_HANDLERS: dict[Op, Callable[[Handlers, bytes, Any], BaseModel]] = {
     Op.EXPLAIN: Handlers.explain,
     Op.CACHE_LIST: Handlers.cache_list,
     Op.METRICS: Handlers.metrics_text,
+    Op.WHY: Handlers.why,
 }
 
 HANDLERS: dict[Op, Callable[[Handlers, Any], BaseModel]] = {

@@ -13,6 +13,7 @@ state, memory, the workspace cache. Exposed as Prometheus text by
 | ``modeld_decoded_tokens_total`` | counter | tokens generated |
 | ``modeld_draft_tokens_total{result}`` | counter | speculative draft tokens ``accepted`` / ``rejected`` |
 | ``modeld_reuse_ratio`` | gauge | reused / (reused + prefilled) since start |
+| ``modeld_cache_misses_total{cause}`` | counter | requests whose prompt lost what the daemon held, by cause (``ReuseMiss``) |
 | ``modeld_time_to_first_token_seconds`` | histogram | a turn's prefill (prefix + suffix) plus decode to its first token |
 | ``modeld_decode_tokens_per_second`` | histogram | decode rate of each finished decode |
 | ``modeld_slot_state{state}`` | gauge | 1 for the slot's current state |
@@ -25,6 +26,8 @@ state, memory, the workspace cache. Exposed as Prometheus text by
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import psutil  # no stubs in the venv (ignore_missing_imports)
@@ -33,7 +36,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel
 
-from contract.types import DaemonStatus, PrefixStatus, SlotState, StreamChunk, SuffixStatus
+from contract.messages import WHY_KEPT
+from contract.types import DaemonStatus, PrefixStatus, ReuseRecord, SlotState, StreamChunk, SuffixStatus
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -94,6 +98,10 @@ class Metrics:
         self._reused = self._prefilled = 0
         #: session id -> prefill time of its current turn (ms), added to the decode's first token
         self._turn_ms: dict[str, float] = {}
+        #: session id -> its turn's prefix status, until its suffix makes the turn's ``ReuseRecord``
+        self._prefix: dict[str, PrefixStatus] = {}
+        #: the last requests' reuse, oldest first (``modeld why``)
+        self._recent: deque[ReuseRecord] = deque(maxlen=WHY_KEPT)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("modeld_requests", "requests answered, by operation", ["op"], registry=r)
@@ -103,6 +111,8 @@ class Metrics:
         self.decoded = Counter("modeld_decoded_tokens", "tokens generated", registry=r)
         self.wakeups = Counter("modeld_io_wakeups", "times the IO thread woke (a message, a reply, a timer): an idle "
                                "daemon wakes for its timers only, twice a second", registry=r)
+        self.misses = Counter("modeld_cache_misses", "requests whose prompt lost part of what the daemon held (or "
+                              "was new to it), by cause", ["cause"], registry=r)
         self.drafts = Counter("modeld_draft_tokens", "speculative draft tokens, accepted or rejected", ["result"],
                               registry=r)
         self.ttft = Histogram("modeld_time_to_first_token_seconds",
@@ -129,6 +139,13 @@ class Metrics:
                 self._reused += reply.reused_tokens
                 self._prefilled += reply.prefilled_tokens
                 self._turn_ms[session_id] = self._turn_ms.get(session_id, 0.0) + reply.prefill_ms
+                if isinstance(reply, PrefixStatus):
+                    self._prefix[session_id] = reply
+                    return
+                record = self._record(self._prefix.pop(session_id, None), reply)
+                self._recent.append(record)
+            if record.miss is not None:
+                self.misses.labels(record.miss.cause.value).inc()
         elif isinstance(reply, StreamChunk) and reply.done and reply.usage is not None:
             u = reply.usage
             self.decoded.inc(u.completion_tokens)
@@ -141,9 +158,26 @@ class Metrics:
             if u.tokens_per_second > 0:
                 self.rate.observe(u.tokens_per_second)
 
+    @staticmethod
+    def _record(pre: PrefixStatus | None, suf: SuffixStatus) -> ReuseRecord:
+        """A turn's prompt: its prefix (when it was ensured in this session) and its suffix."""
+        reused, cached, prefilled, ms = suf.reused_tokens, suf.cached_tokens, suf.prefilled_tokens, suf.prefill_ms
+        if pre is not None:
+            reused, cached = reused + pre.reused_tokens, cached + pre.cached_tokens
+            prefilled, ms = prefilled + pre.prefilled_tokens, ms + pre.prefill_ms
+        return ReuseRecord(at=time.time(), prompt_tokens=suf.prefix_tokens + suf.suffix_tokens, reused_tokens=reused,
+                           cached_tokens=cached, prefilled_tokens=prefilled, prefill_ms=ms,
+                           miss=(pre.miss if pre is not None else None) or suf.miss)
+
+    def recent(self, last: int) -> list[ReuseRecord]:
+        """The last ``last`` requests' reuse, oldest first."""
+        with self._lock:
+            return list(self._recent)[-last:]
+
     def forget(self, session_id: str) -> None:
         with self._lock:
             self._turn_ms.pop(session_id, None)
+            self._prefix.pop(session_id, None)
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

@@ -40,6 +40,7 @@ from contract.types import (
     OpenSessionRequest,
     PrefixInput,
     Progress,
+    ReuseMiss,
     StreamChunk,
     SuffixInput,
     TokenCount,
@@ -68,6 +69,8 @@ class ChatUsage(BaseModel):
     #: speculative decoding: draft tokens checked, and those the answer kept
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: where the prompt's reuse stopped and why, when it lost something the daemon held (None: nothing was lost)
+    miss: ReuseMiss | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -391,6 +394,7 @@ class ChatTurn:
             reused_tokens=pre.reused_tokens + suf.reused_tokens,
             prefilled_tokens=pre.prefilled_tokens + suf.prefilled_tokens,
             cached_tokens=pre.cached_tokens + suf.cached_tokens,
+            miss=pre.miss or suf.miss,  # the first place the prompt parted from what was held
         )
         self.so_far = prompt.model_copy(update={"prompt_tokens": self.count.prompt_tokens})
         self._events = _events(sess, self.cfg, prompt, pre.prefill_ms + suf.prefill_ms, self._started,

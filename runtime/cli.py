@@ -36,6 +36,7 @@ from contract.types import (
     LoadModelRequest,
     OpenSessionRequest,
     PrefixInput,
+    ReuseMiss,
     SamplingParams,
     SpeculationStatus,
     SuffixInput,
@@ -212,6 +213,10 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     _common(s)
 
     s = sub.add_parser("metrics", help="the daemon's metrics in the Prometheus text format")
+    _common(s)
+
+    s = sub.add_parser("why", help="the last requests' prompts: how much was reused, and where and why it stopped")
+    s.add_argument("last", nargs="?", type=int, default=20, help="how many requests (default 20, at most 256)")
     _common(s)
 
     s = sub.add_parser("cache", help="the workspace cache of prefix states: ls (list) or clear")
@@ -500,6 +505,33 @@ def _metrics(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def _why(client: Client, args: argparse.Namespace) -> int:
+    records = client.why(args.last)
+    if args.json:
+        _print_json([r.model_dump(mode="json") for r in records])
+        return 0
+    if not records:
+        print("(no requests yet)")
+        return 0
+    print(f"{'WHEN':8}  {'PROMPT':>7}  {'REUSED':>7}  {'CACHED':>7}  {'PREFILL':>7}  {'SECONDS':>7}  WHY NOT ALL")
+    for r in records:
+        when = time.strftime("%H:%M:%S", time.localtime(r.at))
+        print(f"{when:8}  {r.prompt_tokens:>7}  {r.reused_tokens:>7}  {r.cached_tokens:>7}  {r.prefilled_tokens:>7}  "
+              f"{r.prefill_ms / 1000:>7.1f}  {_why_line(r.miss)}")
+    return 0
+
+
+def _why_line(miss: ReuseMiss | None) -> str:
+    """``cause at token N (message M): detail`` and the two sides where they part."""
+    if miss is None:
+        return "-"
+    where = f"{miss.cause.value} at token {miss.index}" + (f" (message {miss.message})" if miss.message >= 0 else "")
+    line = f"{where}: {miss.detail}" if miss.detail else where
+    if miss.held_text or miss.new_text:
+        line += f"\n{'':57}held {miss.held_text!r}\n{'':57}new  {miss.new_text!r}"
+    return line
+
+
 def _cache(client: Client, args: argparse.Namespace) -> int:
     if args.action == "clear":
         n = client.cache_clear()
@@ -679,6 +711,7 @@ _COMMANDS = {
     "run": _run,
     "chat": run_chat,
     "cache": _cache,
+    "why": _why,
     "metrics": _metrics,
     "takeover": _takeover,
 }

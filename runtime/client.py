@@ -63,6 +63,8 @@ from contract.messages import (
     TakeoverReply,
     TakeoverRequest,
     UnloadReply,
+    WhyReply,
+    WhyRequest,
 )
 from contract.types import (
     ActiveModel,
@@ -77,6 +79,7 @@ from contract.types import (
     PrefixInput,
     PrefixStatus,
     Progress,
+    ReuseRecord,
     SamplingParams,
     SessionSnapshot,
     StreamChunk,
@@ -404,6 +407,10 @@ class Client:
     def metrics(self) -> str:
         """The daemon's metrics in the Prometheus text format."""
         return self._request(Op.METRICS, MetricsRequest(), MetricsReply).text
+
+    def why(self, last: int = 20) -> list[ReuseRecord]:
+        """The last ``last`` requests' prompts, oldest first: how much was reused, and where and why it stopped."""
+        return self._request(Op.WHY, wire.parse(WhyRequest, {"last": last}), WhyReply).requests
 
     # --- workspace cache -------------------------------------------------------------------------
     def cache_list(self) -> CacheListReply:

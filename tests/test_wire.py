@@ -49,6 +49,8 @@ from contract.messages import (
     TakeoverReply,
     TakeoverRequest,
     UnloadReply,
+    WhyReply,
+    WhyRequest,
     payload_frame,
 )
 from contract.types import (
@@ -62,10 +64,13 @@ from contract.types import (
     EmbedRequest,
     EmbedResult,
     LoadModelRequest,
+    MissCause,
     ModelInfo,
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    ReuseMiss,
+    ReuseRecord,
     SessionSnapshot,
     SlotState,
     StreamChunk,
@@ -147,6 +152,16 @@ SAMPLES: dict[Op, tuple[BaseModel, BaseModel]] = {
     Op.CACHE_CLEAR: (CacheClearRequest(owner_instance_id="o"), CacheClearReply(cleared=2)),
     Op.TAKEOVER: (TakeoverRequest(owner_instance_id="o2", epoch=3), TakeoverReply(owner="fp:0123", epoch=3, ended_session=True)),
     Op.METRICS: (MetricsRequest(), MetricsReply(text="# TYPE modeld_requests_total counter\nmodeld_requests_total 1.0\n")),
+    Op.WHY: (
+        WhyRequest(last=2),
+        WhyReply(requests=[
+            ReuseRecord(at=1.5, prompt_tokens=900, prefilled_tokens=900,
+                        miss=ReuseMiss(cause=MissCause.FIRST_SIGHT, new_text="<|im_start|>system")),
+            ReuseRecord(at=2.5, prompt_tokens=920, reused_tokens=460, prefilled_tokens=460,
+                        miss=ReuseMiss(cause=MissCause.SYSTEM_CHANGED, index=460, held_tokens=950, held_text=" 20:",
+                                       new_text=" twenty:", detail="the system prompt differs from character 1618")),
+        ]),
+    ),
     Op.COUNT_TOKENS: (
         CountTokensRequest(session_id="s1", prefix=PrefixInput(text="sys", tools='[{"type": "function"}]'),
                            suffix=SuffixInput(messages=[ChatMessage(role="user", content="hi")])),
@@ -176,7 +191,7 @@ def test_op_and_kind_frames_are_pinned() -> None:
     assert {op.value for op in Op} == {
         "status", "load", "unload", "describe", "embed", "open", "ensure_prefix", "prefill_suffix", "decode",
         "cancel", "explain", "snapshot", "restore", "close", "heartbeat", "cache_list", "cache_clear", "metrics", "takeover",
-            "count_tokens",
+            "count_tokens", "why",
     }
     assert {k.name: k.value for k in Kind} == {"OK": "ok", "DATA": "data", "END": "end", "ERROR": "error", "HEARTBEAT": "hb"}
     assert {k for k in Kind if k.terminal} == {Kind.OK, Kind.END, Kind.ERROR}

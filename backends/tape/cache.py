@@ -113,6 +113,7 @@ def restore_best(m: TapeModel, manifest: ContextManifest, target: list[int], hav
     m.res.live_len = None
     m.res.manifest = snap.manifest  # the same identity (the key says so); the caller commits its own
     m.res.partial = None
+    m.res.messages = None
     gained = m.reusable(covered) - have
     cache.note_restored(gained)
     log.info("workspace cache: restored %d tokens (%d beyond the resident tape)", len(snap.resident_token_ids), gained)

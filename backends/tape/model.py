@@ -34,6 +34,8 @@ from contract.types import DEFAULT_SAMPLING, Config, DecodeConfig, SamplingParam
 
 from ..resident import Resident
 from .cache import save_tape
+from .miss import SHARED as SHARED_SEEN
+from .miss import SeenPrompts
 from .output import resolve_protocols
 from .speculate import MAX_DRAFT, CheckCosts, SpeculationStats
 from .toolformats import FORMATS, ToolFormat, detect_format, require_format
@@ -94,6 +96,8 @@ class TapeModel(Protocol):
     tool_format: ToolFormat
     #: the workspace cache the daemon gave the model (None: none)
     cache: StateCache | None
+    #: the prompts this model prefilled (``backends.tape.miss``): a later miss on one of them is an eviction
+    seen: SeenPrompts
     #: decode passes speculate (prompt lookup) unless their DecodeConfig says otherwise
     speculative: bool
     #: the engine computes every row as a one-token step does, alone or in any batch
@@ -353,6 +357,8 @@ class TapeModelBase(ABC):
         self.exact_len = 0
         #: the workspace cache (``backends.tape.cache``); the backend sets it after the load
         self.cache: StateCache | None = None
+        #: fingerprints of the prompts this model prefilled: a miss on one of them is an eviction (``.miss``)
+        self.seen = SHARED_SEEN
         #: the daemon's default for ``DecodeConfig.speculative`` (``backends.tape.speculate``)
         self.speculative = True
         #: measured at load by the backend (``backends.tape.draft_costs``) when it speculates

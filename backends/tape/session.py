@@ -37,8 +37,9 @@ from contract.types import (
 )
 
 from ..resident import PrefixPlan, check_manifest_names
-from .cache import SAVE_MIN_TOKENS, restore_best, save_before_discard, save_tape
+from .cache import SAVE_MIN_TOKENS, cache_key, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
+from .miss import Held, message_keys, prefix_miss, suffix_miss
 from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix, with_tools
 from .model import stable_text as stable_render
 from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
@@ -91,6 +92,13 @@ def _splice(m: TapeModel, stable: list[int], text: str, resident: list[int]) -> 
     if k == lcp:
         return target
     return resident[:k] + m.tokenize(rest)
+
+
+def _held(m: TapeModel) -> Held:
+    """What the session holds now, for the miss report of the operation about to change it."""
+    res = m.res
+    return Held(list(res.tokens), res.manifest or res.partial, partial=res.manifest is None,
+                stable_text=res.stable_text, tools=res.tools, messages=res.messages)
 
 
 def _settle_context(m: TapeModel) -> None:
@@ -250,11 +258,15 @@ class TapeSession:
             rendered = render_prefix(m.template, prefix.text, parse_tools(prefix.tools), m.tool_format)
             tokens = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
             plan = m.res.plan_prefix(prefix.manifest, tokens)  # ContextOverflow before any change
+        held, key = _held(m), cache_key(m, prefix.manifest)
+        seen = m.seen.longest(key, tokens)
         cached = 0
+        restored: list[int] | None = None
         if m.reusable(plan.keep) < len(tokens) and restore_best(
             m, prefix.manifest, tokens, m.reusable(plan.keep), count_miss=True
         ):
             # A workspace switched back: the cache held more of this prefix than the tape.
+            restored = list(m.res.tokens)
             dropped = plan.dropped
             plan = m.res.plan_prefix(prefix.manifest, tokens)
             plan.dropped = dropped
@@ -276,6 +288,7 @@ class TapeSession:
                 # The engines leave the tape equal to the chunks the KV completed: a cancelled prefill (a client
                 # gone, an agent's retry) keeps them for the next request with the same head.
                 m.res.keep_partial(prefix.manifest)
+                m.seen.note(key, m.res.tokens)
                 raise
             except BaseException:
                 m.clear_kv()  # a prefill that failed is not trusted
@@ -285,7 +298,13 @@ class TapeSession:
             plan = PrefixPlan(keep=kept, tail=tokens[kept:], dropped=plan.dropped + plan.keep - kept)
         if len(plan.tail) >= SAVE_MIN_TOKENS:
             save_tape(m)  # the end of a freshly computed stable prefix: a save point
-        return m.res.prefix_status(plan, (time.perf_counter() - t0) * 1000, min(cached, kept))
+        m.seen.note(key, tokens)
+        status = m.res.prefix_status(plan, (time.perf_counter() - t0) * 1000, min(cached, kept))
+        status.miss = prefix_miss(held, prefix.manifest, tokens, prefix.text, prefix.tools, reused=plan.keep,
+                                  seen=seen, restored=restored, token_bytes=m.token_bytes,
+                                  last_manifest=m.seen.last_manifest)
+        m.seen.last_manifest = prefix.manifest
+        return status
 
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
         m = self._live()
@@ -299,8 +318,11 @@ class TapeSession:
             res.check_suffix(suffix.manifest, len(target) - res.prefix_len)
         # the LCP runs over everything the KV holds: the previous turn and reply included
         keep = m.reusable(common_prefix_len(res.tokens, target))
+        held, key = _held(m), cache_key(m, res.manifest)
+        seen = m.seen.longest(key, target)
         cached = 0
-        if keep < len(target) and m.cache is not None and res.manifest is not None:
+        restored: list[int] | None = None
+        if keep < len(target) and m.cache is not None:
             # another conversation under the same stable prefix may be in the cache
             context = (res.manifest, res.prefix_len, res.stable_text, res.tools, res.stable_token_hash)
             covered = restore_best(m, res.manifest, target, keep, count_miss=False)
@@ -308,6 +330,7 @@ class TapeSession:
             keep = m.reusable(common_prefix_len(res.tokens, target))
             if covered:
                 cached = keep
+                restored = list(res.tokens)
         if not cached:
             save_before_discard(m, keep)
         try:
@@ -316,6 +339,8 @@ class TapeSession:
         except Cancelled:
             # The chunks the KV completed stay (the tape equals them), for the next request with the same head;
             # the context is the stable prefix again, which a decode sees (``Resident.live``).
+            m.seen.note(key, res.tokens)
+            res.messages = None
             if len(res.tokens) >= prefix_len:
                 res.prefix_len = prefix_len
                 res.live_len = prefix_len
@@ -325,6 +350,7 @@ class TapeSession:
         except BaseException:
             # Back to the stable prefix when it survived (the tape equals what the KV
             # completed); a damaged prefix is dropped so the next turn re-ensures it.
+            res.messages = None
             if len(res.tokens) >= prefix_len:
                 try:
                     _set_kv(m, res.tokens[:prefix_len], prefix_len)
@@ -339,7 +365,13 @@ class TapeSession:
         res.prefix_len = prefix_len
         reused = max(0, kept - prefix_len)
         from_cache = max(0, min(cached, kept) - prefix_len)
-        return res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
+        m.seen.note(key, target)
+        new_messages = message_keys(suffix)
+        res.messages = new_messages
+        status = res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
+        status.miss = suffix_miss(held, target, new_messages, prefix_len=prefix_len, reused=kept, seen=seen,
+                                  restored=restored, token_bytes=m.token_bytes)
+        return status
 
     def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:
         """What ensure_prefix(prefix) + prefill_suffix(suffix) would leave resident; the KV is untouched."""

@@ -3,8 +3,8 @@
 The line (logger ``modeld.access``, level INFO) says what an operator needs to
 see what an agent did, never what it said: method, route, status, the model
 that served it, whether it streamed, prompt / cached (reused) / completion
-tokens, the finish reason, time to first token, what the prefill computed and its tokens per second, total
-time, and the error
+tokens, where and why the prompt's reuse stopped when it lost what the daemon held (``miss``), the finish
+reason, time to first token, what the prefill computed and its tokens per second, total time, and the error
 code of a refusal. Routes fill the request's ``AccessRecord``
 (``record_of(request)``); a streamed reply fills it as it ends, and the line
 is written once the last byte is sent (or the client went away: status 499).
@@ -46,6 +46,8 @@ class AccessRecord:
     #: what the prefill computed (the prompt less what was reused) and how fast: a slow first request reads here
     prefilled_tokens: int = 0
     prefill_ms: float = 0.0
+    #: where the prompt's reuse stopped and why (``ReuseMiss.brief``: ``cause@index``), when it lost something
+    miss: str = ""
     total_ms: float = 0.0
     error: str = ""
     started: float = field(default_factory=time.perf_counter, repr=False)
@@ -65,7 +67,7 @@ class AccessRecord:
         """The plain-text form: ``METHOD ROUTE STATUS key=value …`` (empty values left out)."""
         head = f"{self.method} {self.route} {self.status}"
         parts = []
-        for key in ("model", "prompt_tokens", "cached_tokens", "completion_tokens", "finish_reason", "error"):
+        for key in ("model", "prompt_tokens", "cached_tokens", "miss", "completion_tokens", "finish_reason", "error"):
             value = getattr(self, key)
             if value:
                 parts.append(f"{key}={value}")

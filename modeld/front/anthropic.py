@@ -58,6 +58,7 @@ from .core import (
     TurnStream,
     close_events,
     fill_record,
+    with_miss,
 )
 from .errors import ApiError, api_error
 from .openai import call_schemas, tool_choice_options
@@ -279,8 +280,8 @@ def turn_request(req: MessagesRequest | CountTokensRequest, serving: Serving) ->
 # --- replies ---------------------------------------------------------------------------------------
 def _usage(result: ChatResult) -> dict[str, Any]:
     u = result.usage
-    return {"input_tokens": u.prompt_tokens - u.reused_tokens, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": u.reused_tokens, "output_tokens": u.completion_tokens}
+    return with_miss({"input_tokens": u.prompt_tokens - u.reused_tokens, "cache_creation_input_tokens": 0,
+                      "cache_read_input_tokens": u.reused_tokens, "output_tokens": u.completion_tokens}, u)
 
 
 def _stop_reason(result: ChatResult) -> str:

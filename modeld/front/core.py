@@ -39,7 +39,7 @@ from contract.types import (
     TokenCount,
     ToolCallDelta,
 )
-from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn
+from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage
 
 from .access import AccessRecord, record_of
 from .errors import ApiError, api_error
@@ -208,6 +208,7 @@ class Turn:
             if not ended and record is not None and not record.finish_reason:
                 u = self._turn.so_far
                 record.prompt_tokens, record.cached_tokens = u.prompt_tokens, u.reused_tokens
+                record.miss = u.miss.brief() if u.miss is not None else ""
                 record.finish_reason, record.error = "cancelled", record.error or "client_gone"
 
 
@@ -275,11 +276,20 @@ def reusable_after(exc: ModeldError) -> bool:
     return not isinstance(exc, (Unavailable, WireError))
 
 
+def with_miss(usage: dict[str, Any], u: ChatUsage) -> dict[str, Any]:
+    """``usage`` with ``cache_miss`` (``ReuseMiss``: where the prompt's reuse stopped and why) when the prompt lost
+    something the daemon held: an extension field every API's SDK ignores."""
+    if u.miss is not None:
+        usage["cache_miss"] = u.miss.model_dump(mode="json")
+    return usage
+
+
 def fill_record(record: AccessRecord, result: ChatResult) -> None:
     """The access-log fields of a finished turn."""
     u = result.usage
     record.prompt_tokens = u.prompt_tokens
     record.cached_tokens = u.reused_tokens
+    record.miss = u.miss.brief() if u.miss is not None else ""
     record.completion_tokens = u.completion_tokens
     record.finish_reason = result.finish_reason  # the daemon's own: the log tells context_full and cancelled apart
     record.ttft_ms = result.timing.ttft_ms

@@ -43,6 +43,7 @@ from .core import (
     TurnStream,
     close_events,
     fill_record,
+    with_miss,
 )
 from .errors import ApiError, api_error
 
@@ -273,7 +274,7 @@ def tool_calls_out(calls: list[Any], first_index: int = 0) -> list[dict[str, Any
 
 def usage_out(result: ChatResult) -> dict[str, Any]:
     u = result.usage
-    return {
+    return with_miss({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
@@ -283,7 +284,7 @@ def usage_out(result: ChatResult) -> dict[str, Any]:
             "accepted_prediction_tokens": u.accepted_tokens,
             "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens,
         },
-    }
+    }, u)
 
 
 def router(serving: Serving) -> APIRouter:

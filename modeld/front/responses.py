@@ -62,6 +62,7 @@ from .core import (
     TurnStream,
     close_events,
     fill_record,
+    with_miss,
 )
 from .errors import ApiError, api_error
 from .openai import call_schemas, tool_choice_options
@@ -341,9 +342,10 @@ class Reply:
 
     def finish(self, result: ChatResult) -> None:
         u = result.usage
-        self.usage = {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.reused_tokens},
-                      "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                      "total_tokens": u.prompt_tokens + u.completion_tokens}
+        self.usage = with_miss({
+            "input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.reused_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.prompt_tokens + u.completion_tokens}, u)
         if result.finish_reason in ("length", "context_full"):
             self.status = "incomplete"
             self.incomplete = {"reason": "max_output_tokens"}

@@ -1,0 +1,207 @@
+"""A reason for every miss: each request's usage (``cache_miss``), its access-log line, ``/metrics`` and
+``modeld why`` say where its reuse stopped and why, whenever the prompt lost part of what the daemon held.
+
+Both engines serve the bundled model through a real daemon process and its HTTP front, driven by the official
+SDKs. Each test opens its own agent (a system prompt headed by a line no other test sends), so the causes are
+the tests' own: a changed system prompt, changed tools, an edited message, a conversation evicted by another,
+a template switched under the model. A request that only adds to what was held reports none.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from contract.types import Config, LoadModelRequest  # noqa: E402
+from tests.test_openai_front import Front  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ENGINES = [pytest.param("llama", marks=pytest.mark.llama), pytest.param("openvino", marks=pytest.mark.openvino)]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
+    with Front(tmp_path_factory.mktemp(f"miss-{request.param}"), "--num-ctx", "4096", backend=request.param) as f:
+        yield f
+
+
+def _system(words: int = 40) -> str:
+    """An agent's system prompt: a head line nobody sent before, then rules (a few hundred tokens)."""
+    rules = [f"Rule {i}: keep function number {i} short, typed and tested before it is merged." for i in range(words)]
+    return f"# agent {uuid.uuid4().hex}\nYou are a careful coding agent.\n" + "\n".join(rules)
+
+
+TOOL_READ = {"type": "function", "function": {"name": "read_file", "description": "Read a file of the workspace.",
+                                              "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                             "required": ["path"]}}}
+TOOL_GREP = {"type": "function", "function": {"name": "grep", "description": "Search the workspace for a pattern.",
+                                              "parameters": {"type": "object",
+                                                             "properties": {"pattern": {"type": "string"}},
+                                                             "required": ["pattern"]}}}
+
+
+def _chat(front: Front, system: str, messages: list[dict[str, Any]], **kw: Any) -> Any:
+    return front.sdk().chat.completions.create(
+        model="default", messages=[{"role": "system", "content": system}, *messages], max_tokens=8, temperature=0,
+        **kw)
+
+
+def _miss(reply: Any) -> dict[str, Any] | None:
+    """The usage's ``cache_miss`` extension (the SDK keeps the fields it does not know)."""
+    extra = reply.usage.model_extra or {}
+    miss = extra.get("cache_miss")
+    assert miss is None or isinstance(miss, dict)
+    return miss
+
+
+def _reply(reply: Any) -> dict[str, Any]:
+    return {"role": "assistant", "content": reply.choices[0].message.content or ""}
+
+
+def _prompt_tokens(reply: Any) -> int:
+    return int(reply.usage.prompt_tokens)
+
+
+U1 = {"role": "user", "content": "Which rule speaks of function number 7?"}
+U2 = {"role": "user", "content": "And which one of number 12?"}
+
+
+def test_a_new_agent_is_first_sight_and_its_next_turn_reports_no_miss(front: Front) -> None:
+    system = _system()
+    first = _chat(front, system, [U1])
+    miss = _miss(first)
+    assert miss is not None and miss["cause"] == "first_sight", miss
+    assert miss["index"] <= 8  # at most the template's opening is shared with another agent's prompt
+    assert "# agent" in miss["new_text"]
+    # the next turn resends the conversation and the reply: all of it is reused, nothing is missed
+    second = _chat(front, system, [U1, _reply(first), U2])
+    assert _miss(second) is None
+    assert second.usage.prompt_tokens_details.cached_tokens >= _prompt_tokens(first)
+
+
+def test_a_changed_system_prompt_is_reported_at_the_token_it_changed(front: Front) -> None:
+    system = _system()
+    first = _chat(front, system, [U1])
+    changed = system.replace("Rule 20:", "Rule twenty:")
+    second = _chat(front, changed, [U1])
+    miss = _miss(second)
+    assert miss is not None and miss["cause"] == "system_changed", miss
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # reuse stopped where the prompt changed, well inside the system prompt
+    assert miss["index"] == cached and 100 < miss["index"] < _prompt_tokens(first) - 50
+    assert "20" in miss["held_text"] and "twenty" in miss["new_text"]
+    assert miss["held_tokens"] >= _prompt_tokens(first)
+
+
+def test_changed_tools_are_reported_as_such(front: Front) -> None:
+    system = _system()
+    _chat(front, system, [U1], tools=[TOOL_READ])
+    again = _chat(front, system, [U1], tools=[TOOL_READ])
+    assert _miss(again) is None  # the same tools: all reused
+    other = _chat(front, system, [U1], tools=[TOOL_GREP])
+    miss = _miss(other)
+    assert miss is not None and miss["cause"] == "tools_changed", miss
+    assert miss["index"] == other.usage.prompt_tokens_details.cached_tokens > 100
+
+
+def test_an_edited_message_is_history_rewritten_at_that_message(front: Front) -> None:
+    system = _system()
+    first = _chat(front, system, [U1])
+    reply = _reply(first)
+    second = _chat(front, system, [U1, reply, U2])
+    assert _miss(second) is None
+    # the agent sends the history again with the model's reply edited: history rewritten, at that message
+    third = _chat(front, system, [U1, {"role": "assistant", "content": "Rule 7, surely."}, U2])
+    miss = _miss(third)
+    assert miss is not None and miss["cause"] == "history_rewritten" and miss["message"] == 1, miss
+    assert miss["index"] == third.usage.prompt_tokens_details.cached_tokens > _prompt_tokens(first) - 20
+    # a conversation that parts at its first message is another conversation under the same agent
+    fourth = _chat(front, system, [{"role": "user", "content": "Which rule speaks of function number 9?"}])
+    miss = _miss(fourth)
+    assert miss is not None and miss["cause"] == "first_sight" and miss["message"] == 0, miss
+
+
+def test_the_access_log_metrics_and_why_carry_the_cause(front: Front) -> None:
+    system = _system()
+    _chat(front, system, [U1])
+    second = _chat(front, system.replace("Rule 5:", "Rule five:"), [U1])
+    index = _miss(second)["index"]  # type: ignore[index]
+    lines = [ln for ln in front.daemon.log().splitlines() if "modeld.access" in ln and "/v1/chat/completions" in ln]
+    assert f"miss=system_changed@{index}" in lines[-1]
+    with front.daemon.client(timeout_s=10.0) as c:
+        records = c.why(2)
+        metrics = c.metrics()
+    assert [r.miss.cause.value if r.miss else None for r in records] == ["first_sight", "system_changed"]
+    assert records[-1].miss is not None and records[-1].miss.index == index
+    assert records[-1].reused_tokens == index and records[-1].prompt_tokens == _prompt_tokens(second)
+    found = re.search(r'modeld_cache_misses_total\{cause="system_changed"\} (\d+)', metrics)
+    assert found is not None and int(found.group(1)) >= 1
+
+
+def test_the_cli_prints_the_last_requests_and_why(front: Front) -> None:
+    import subprocess
+    import sys
+
+    system = _system()
+    _chat(front, system, [U1])
+    _chat(front, system + "\nRule extra: one more.", [U1])  # the prompt only grew: the rules before it are kept
+    out = subprocess.run([sys.executable, "-m", "modeld", "why", "2", "--endpoint", front.daemon.endpoint],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["WHEN", "PROMPT", "REUSED"]
+    assert "first_sight at token" in out
+    data = json.loads(subprocess.run(
+        [sys.executable, "-m", "modeld", "why", "1", "--json", "--endpoint", front.daemon.endpoint],
+        capture_output=True, text=True, timeout=60, check=True).stdout)
+    assert len(data) == 1 and data[0]["prompt_tokens"] > data[0]["reused_tokens"] > 100
+
+
+# --- a small RAM cache: conversations evict one another; a template switched under the model ------------------
+@pytest.fixture(scope="module", params=ENGINES)
+def tight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    """A daemon whose workspace cache holds nothing (a RAM budget smaller than any entry, no disk tier)."""
+    pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
+    with Front(tmp_path_factory.mktemp(f"tight-{request.param}"), "--num-ctx", "4096", "--cache-ram", "4KiB",
+               "--cache-disk", "0", backend=request.param) as f:
+        yield f
+
+
+def test_a_conversation_evicted_by_another_is_reported_evicted(tight: Front) -> None:
+    a, b = _system(), _system()
+    first = _chat(tight, a, [U1])
+    _chat(tight, b, [U1])  # another agent: its prefix replaces the first one's in the KV, and nothing is cached
+    again = _chat(tight, a, [U1, _reply(first), U2])
+    miss = _miss(again)
+    assert miss is not None and miss["cause"] == "evicted", miss
+    assert miss["index"] == again.usage.prompt_tokens_details.cached_tokens < 16
+    # the daemon had computed the whole first prompt, to the block
+    assert miss["held_tokens"] >= _prompt_tokens(first) - 64
+
+
+def test_a_template_switched_under_the_model_is_a_manifest_change(tight: Front, tmp_path: Path) -> None:
+    from tests.test_templates import PREAMBLE_TEMPLATE
+
+    system = _system()
+    _chat(tight, system, [U1])
+    template = tmp_path / "preamble.jinja"
+    template.write_text(PREAMBLE_TEMPLATE, encoding="utf-8")
+    with tight.daemon.client(timeout_s=300.0) as c:
+        active = c.status().active
+        assert active is not None
+        c.load_model(LoadModelRequest(model_name=active.model_name, type=active.type, path=active.path,
+                                      config=Config(num_ctx=4096, chat_template=str(template))))
+    after = _chat(tight, system, [U1])
+    miss = _miss(after)
+    assert miss is not None and miss["cause"] == "manifest_changed", miss
+    assert "template_digest" in miss["detail"] and "model_digest" not in miss["detail"]
