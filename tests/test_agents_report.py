@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from benchmarks.agents.report import AgentResult, table
 
 
@@ -16,3 +19,32 @@ def test_a_failed_task_shows_even_when_the_last_one_ended_well() -> None:
     assert table([_result([0, 0, 1, 0])]).splitlines()[-1].endswith(" 0/0/1/0")
     assert table([_result([0, 1, None])]).splitlines()[-1].endswith(" 0/1/timeout")
     assert table([_result([None])]).splitlines()[-1].endswith(" timeout")
+
+
+def test_a_replay_takes_the_generation_requests_in_order_with_one_output_token(tmp_path: Path) -> None:
+    from benchmarks.agents.replay import one_token, recorded
+    from benchmarks.agents.replay import table as replay_table
+
+    run = tmp_path / "run"
+    (run / "claude").mkdir(parents=True)
+    (run / "codex").mkdir()
+    (run / "agents.json").write_text(json.dumps({"context": 4096, "agents": [{"agent": "codex"}, {"agent": "claude"}]}))
+    files = {
+        "claude/001-v1_messages_count_tokens.json": ("POST", "/v1/messages/count_tokens", {"messages": []}),
+        "claude/002-v1_messages.json": ("POST", "/v1/messages?beta=true",
+                                        {"max_tokens": 32000, "stream": True, "thinking": {"type": "adaptive"}}),
+        "claude/003-root.json": ("HEAD", "/", None),
+        "codex/001-v1_responses.json": ("POST", "/v1/responses", {"stream": True, "max_output_tokens": None}),
+    }
+    for name, (method, path, body) in files.items():
+        (run / name).write_text(json.dumps({"method": method, "path": path, "request_body": body}))
+    got = recorded(run)
+    assert list(got) == ["codex", "claude"]  # the run's order
+    assert [r["file"] for r in got["claude"]] == ["002-v1_messages.json"]  # generation requests only
+    assert one_token("/v1/messages?beta=true", got["claude"][0]["body"]) == {"max_tokens": 1, "stream": False}
+    assert one_token("/v1/responses", got["codex"][0]["body"]) == {"stream": False, "max_output_tokens": 1}
+    assert one_token("/v1/chat/completions", {"max_completion_tokens": 9, "stream": True,
+                                              "stream_options": {}}) == {"stream": False, "max_tokens": 1}
+    rows = replay_table({"modeld": {"codex": [(200, 4.0), (200, 0.5), (200, 0.5)]},
+                         "llama-server": {"codex": [(200, 8.0), (500, 0.1), (200, 2.0)]}}).splitlines()
+    assert rows[-1] == "| codex | 3 | 4.0, 1.0 | 8.0, 2.0 (1 not 200) | 0.50x, 0.50x |"

@@ -21,9 +21,17 @@ Output, in ``--outdir`` (default ``.cache/agents/runs/TIME``): ``<agent>.log`` (
 ``<agent>/NNN-<route>.json`` (each request it sent and the response), ``daemon.log``, ``agents.json``
 (everything), ``scratch/<agent>/{repo,home}`` (its repository and configs). The exit status is 0 even
 when agents fail (this is a report); 2 when the agents could not be installed or the daemon did not start.
+
+``python -m benchmarks.agents replay RUN``: a run's requests replayed against modeld, llama-server and
+llama-cpp-python's server, one output token each (``benchmarks.agents.replay``).
 """
 
 import sys
+
+if sys.argv[1:2] == ["replay"]:  # python -m benchmarks.agents replay RUN (benchmarks.agents.replay)
+    from benchmarks.agents.replay import main as replay
+
+    sys.exit(replay(sys.argv[2:]))
 
 from benchmarks.agents.runner import main
 

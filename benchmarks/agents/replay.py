@@ -1,0 +1,223 @@
+"""``python -m benchmarks.agents replay RUN``: what the agents of a ``make agents`` run sent, replayed against modeld
+and its peers, one output token each: the time to the first token of every request, side by side.
+
+The recording proxy kept every request body an agent sent (``RUN/<agent>/NNN-<route>.json``). Each server is
+started fresh on the run's model (the context-extended bundled GGUF, the run's context window, the machine's cores
+as threads) and gets the agents' generation requests in the order they ran: chat completions, Responses and
+Messages, not streamed, with their output cut to one token (and Claude Code's ``thinking`` left out, which the
+bundled model's template ignores). What is timed is each request's wall time as a client sees it, which with one
+output token is its prefill. The servers:
+
+* ``modeld``: ``modeld serve --backend auto`` as ``make run`` starts it;
+* ``llama-server``: llama.cpp's own server at its defaults (its RAM prompt cache on), one slot (``-np 1``: its
+  default splits the window in four, where the agents' first requests do not fit);
+* ``llama-cpp-python``: llama-cpp-python's server (chat completions only: the other APIs are counted as missing).
+
+Prints a table per agent: requests, the first request's seconds, the later requests' seconds summed, on each server,
+and modeld's ratio to llama-server. Nothing here asserts a timing.
+
+    python -m benchmarks.agents replay .cache/agents/runs/20261128-003814 [--servers modeld,llama-server]
+        [--only codex,claude] [--out replay.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from benchmarks.agents.daemon import Daemon, free_port, get_json
+
+__all__ = ["ROUTES", "main", "one_token", "recorded"]
+
+#: the generation routes replayed (``count_tokens`` and the probes are not prefills)
+ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
+SERVERS = ("modeld", "llama-server", "llama-cpp-python")
+REQUEST_TIMEOUT_S = 1800.0
+
+
+def recorded(run: Path, only: set[str] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """{agent: its recorded generation requests in the order sent}, agents in the order the run ran them."""
+    meta = json.loads((run / "agents.json").read_text())
+    order = [a["agent"] for a in meta.get("agents", []) if isinstance(a, dict) and "agent" in a]
+    order += sorted(p.name for p in run.iterdir() if p.is_dir() and p.name not in order and p.name != "scratch")
+    out: dict[str, list[dict[str, Any]]] = {}
+    for agent in order:
+        if only and agent not in only or not (run / agent).is_dir():
+            continue
+        reqs = []
+        for f in sorted((run / agent).glob("*.json")):
+            rec = json.loads(f.read_text())
+            path = str(rec.get("path", "")).split("?")[0]
+            if rec.get("method") == "POST" and path in ROUTES and isinstance(rec.get("request_body"), dict):
+                reqs.append({"path": rec["path"], "body": rec["request_body"], "file": f.name})
+        if reqs:
+            out[agent] = reqs
+    return out
+
+
+def one_token(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The request as replayed: not streamed, one output token."""
+    b = dict(body)
+    b["stream"] = False
+    b.pop("stream_options", None)
+    route = path.split("?")[0]
+    if route == "/v1/chat/completions":
+        b.pop("max_completion_tokens", None)
+        b["max_tokens"] = 1
+    elif route == "/v1/responses":
+        b["max_output_tokens"] = 1
+    else:
+        b["max_tokens"] = 1
+        b.pop("thinking", None)  # a thinking budget must be below max_tokens; the bundled template ignores it
+    return b
+
+
+def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, float]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+    try:
+        t0 = time.perf_counter()
+        c.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "Authorization": "Bearer none",
+                                                   "x-api-key": "none", "anthropic-version": "2023-06-01"})
+        r = c.getresponse()
+        r.read()
+        return r.status, time.perf_counter() - t0
+    except OSError:
+        return 0, time.perf_counter() - t0
+    finally:
+        c.close()
+
+
+def _wait(port: int, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited {proc.returncode} while starting")
+        status, _ = get_json(f"http://127.0.0.1:{port}/health")
+        if status == 200:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"nothing answered on port {port} within {timeout_s:.0f} s")
+
+
+@contextmanager
+def _process(argv: list[str], log: Path, port: int) -> Iterator[int]:
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait(port, proc)
+            yield port
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@contextmanager
+def _server(name: str, model: Path, context: int, outdir: Path) -> Iterator[int]:
+    threads = str(os.cpu_count() or 2)
+    port = free_port()
+    if name == "llama-server":
+        from benchmarks import llama_server
+
+        argv = [str(llama_server.ensure_built()), "-m", str(model), "-c", str(context), "-np", "1", "-t", threads,
+                "-tb", threads, "--host", "127.0.0.1", "--port", str(port)]
+        with _process(argv, outdir / "replay-llama-server.log", port) as p:
+            yield p
+    elif name == "llama-cpp-python":
+        argv = [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(context),
+                "--n_threads", threads, "--n_threads_batch", threads, "--port", str(port)]
+        with _process(argv, outdir / "replay-llama-cpp-python.log", port) as p:
+            yield p
+    else:
+        modeld = str(Path(sys.executable).with_name("modeld"))
+        daemon = Daemon(modeld, outdir / "replay-modeld.log", extra=["--num-ctx", str(context)])
+        asyncio.run(daemon.start(timeout=900.0))
+        try:
+            yield daemon.port
+        finally:
+            asyncio.run(daemon.stop())
+
+
+def replay(server: str, requests: dict[str, list[dict[str, Any]]], model: Path, context: int,
+           outdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """{agent: [(status, seconds) per request]} on a fresh ``server``."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    with _server(server, model, context, outdir) as port:
+        for agent, reqs in requests.items():
+            out[agent] = []
+            for r in reqs:
+                status, secs = _post(port, r["path"], one_token(r["path"], r["body"]))
+                out[agent].append((status, secs))
+                print(f"replay: {server:16} {agent:10} {r['file']:28} HTTP {status} {secs:7.1f} s", file=sys.stderr,
+                      flush=True)
+    return out
+
+
+def table(results: dict[str, dict[str, list[tuple[int, float]]]]) -> str:
+    """Per agent and server: requests answered, the first request's seconds, the later ones' summed."""
+    servers = list(results)
+    agents = list(next(iter(results.values())))
+    head = f"| agent | requests | {' | '.join(f'{s}: first, later (s)' for s in servers)} |"
+    if "modeld" in results and "llama-server" in results:
+        head += " modeld / llama-server: first, later |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def cell(rows: list[tuple[int, float]]) -> tuple[str, float | None, float | None]:
+        if not rows or rows[0][0] != 200:
+            return f"HTTP {rows[0][0] if rows else '-'}", None, None
+        later = [s for st, s in rows[1:] if st == 200]
+        bad = sum(1 for st, _ in rows if st != 200)
+        note = f" ({bad} not 200)" if bad else ""
+        return f"{rows[0][1]:.1f}, {sum(later):.1f}{note}", rows[0][1], sum(later)
+
+    for agent in agents:
+        cells = {s: cell(results[s].get(agent, [])) for s in servers}
+        row = f"| {agent} | {len(next(iter(results.values()))[agent])} | " + " | ".join(c[0] for c in cells.values()) + " |"
+        if "modeld" in cells and "llama-server" in cells:
+            (_, mf, ml), (_, pf, pl) = cells["modeld"], cells["llama-server"]
+            ratio = (f"{mf / pf:.2f}x" if mf and pf else "-", f"{ml / pl:.2f}x" if ml and pl else "-")
+            row += f" {ratio[0]}, {ratio[1]} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.agents replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("run", type=Path, help="a make agents run's directory (.cache/agents/runs/TIME)")
+    p.add_argument("--servers", default=",".join(SERVERS), help=f"which of {', '.join(SERVERS)} (default: all)")
+    p.add_argument("--only", default="", help="these agents (comma-separated)")
+    p.add_argument("--out", type=Path, default=None, help="write the seconds per request as JSON here")
+    args = p.parse_args(argv)
+    from backends.bundled import served_bundled_gguf
+
+    meta = json.loads((args.run / "agents.json").read_text())
+    context = int(meta.get("context") or 32768)
+    requests = recorded(args.run, set(args.only.split(",")) if args.only else None)
+    if not requests:
+        print(f"no recorded generation requests under {args.run}", file=sys.stderr)
+        return 2
+    model = served_bundled_gguf()
+    results = {}
+    for server in [s for s in args.servers.split(",") if s]:
+        if server not in SERVERS:
+            p.error(f"unknown server {server!r}: one of {', '.join(SERVERS)}")
+        results[server] = replay(server, requests, model, context, args.run)
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"replayed {sum(len(r) for r in requests.values())} requests of {len(requests)} agents from {args.run}, "
+          f"one output token each, context {context}, {os.cpu_count()} threads")
+    print(table(results))
+    return 0
