@@ -65,6 +65,8 @@ class Resident:
     #: the conversation the tape holds after the prefix, a key per message (``backends.tape.miss.message_keys``);
     #: None when not known (restored from a snapshot or the workspace cache)
     messages: list[str] | None = None
+    #: the tape from this token on is the model's reply, decoded after the last prefill (None: no reply)
+    reply_from: int | None = None
 
     @property
     def live(self) -> list[int]:
@@ -120,6 +122,7 @@ class Resident:
             self.tokens = list(tokens)
             self.live_len = None
             self.messages = []
+            self.reply_from = None
         self.prefix_len = len(tokens)
         self.manifest = manifest
         self.partial = None
@@ -142,6 +145,7 @@ class Resident:
         self.manifest = None
         self.partial = None
         self.messages = None
+        self.reply_from = None
         self.stable_text = ""
         self.tools = ""
         self.stable_token_hash = ""
@@ -263,6 +267,7 @@ class Resident:
         self.manifest = snap.manifest
         self.partial = None
         self.messages = None
+        self.reply_from = None
         self.stable_text = snap.stable_text
         self.tools = snap.tools
         self.stable_token_hash = token_hash(self.tokens[: self.prefix_len])

@@ -167,6 +167,41 @@ def test_the_cli_prints_the_last_requests_and_why(front: Front) -> None:
     assert len(data) == 1 and data[0]["prompt_tokens"] > data[0]["reused_tokens"] > 100
 
 
+# --- sub-agents from their parent ----------------------------------------------------------------------------
+def _task(who: str) -> dict[str, Any]:
+    """A sub-agent's (or the parent's) first message: its own task, long enough to be worth keeping (~100 tokens)."""
+    steps = " ".join(f"Step {i}: look at module {who}_{i} and note what it exports." for i in range(8))
+    return {"role": "user", "content": f"You are the {who} agent. {steps}"}
+
+
+def test_sub_agents_start_from_their_parents_prefix_and_nobody_loses_what_it_had(front: Front) -> None:
+    """A parent and two sub-agents interleaved, as an agent that forks them runs: the same system prompt and tools,
+    each its own conversation. Each sub-agent's first request reuses the parent's head; from then on every request
+    of each of the three reuses all it sent before (the other two's turns in between notwithstanding)."""
+    system, tools = _system(), [TOOL_READ, TOOL_GREP]
+    names = ("parent", "reviewer", "searcher")
+    history: dict[str, list[dict[str, Any]]] = {who: [_task(who)] for who in names}
+    sent: dict[str, int] = {}
+    head = 0
+    for rnd in range(3):
+        for who in names:
+            reply = _chat(front, system, history[who], tools=tools)
+            cached, miss = reply.usage.prompt_tokens_details.cached_tokens, _miss(reply)
+            if rnd == 0 and who == "parent":
+                assert miss is not None and miss["cause"] == "first_sight", miss
+                head = miss["index"]
+            elif rnd == 0:
+                # a sub-agent's first request: the parent's system prompt and tools come from the resident KV
+                assert miss is not None and miss["cause"] == "first_sight" and miss["message"] == 0, miss
+                assert cached == miss["index"] > 300, (who, cached, miss)
+            else:
+                # everything this conversation sent before is reused, from the KV or the workspace cache
+                assert miss is None and cached >= sent[who], (rnd, who, cached, sent[who], miss)
+            sent[who] = _prompt_tokens(reply)
+            history[who] += [_reply(reply), {"role": "user", "content": f"Round {rnd}: go on, {who}."}]
+    assert head <= 8
+
+
 # --- a small RAM cache: conversations evict one another; a template switched under the model ------------------
 @pytest.fixture(scope="module", params=ENGINES)
 def tight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
@@ -205,3 +240,21 @@ def test_a_template_switched_under_the_model_is_a_manifest_change(tight: Front, 
     miss = _miss(after)
     assert miss is not None and miss["cause"] == "manifest_changed", miss
     assert "template_digest" in miss["detail"] and "model_digest" not in miss["detail"]
+
+
+# --- previous_response_id across a restart --------------------------------------------------------------------
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_codex_turn_after_a_restart_is_warm_from_disk(engine: str, tmp_path: Path) -> None:
+    """Codex names its previous response: the stored conversation and the KV the stop wrote to the workspace
+    cache's disk tier survive a restart, so the next turn reuses the first turn's prompt and reply."""
+    pytest.importorskip("llama_cpp" if engine == "llama" else "openvino_genai")
+    flags = ("--num-ctx", "4096", "--cache-disk", "1GiB")
+    with Front(tmp_path, *flags, backend=engine) as f:
+        first = f.sdk().responses.create(model="default", instructions=_system(), input=U1["content"],
+                                         max_output_tokens=8, temperature=0)
+    with Front(tmp_path, *flags, backend=engine) as f:
+        second = f.sdk().responses.create(model="default", previous_response_id=first.id, input=U2["content"],
+                                          max_output_tokens=8, temperature=0)
+    had = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= had - 2, (second.usage, had)
+    assert (second.usage.model_extra or {}).get("cache_miss") is None

@@ -2,10 +2,12 @@
 
 Both engines follow the same rules, so they live here once:
 
-* **Save points.** Before an operation discards at least ``SAVE_MIN_TOKENS`` of
+* **Save points.** Before an operation discards more than ``MIN_GAIN_TOKENS`` of
   the tape (a request switched to another workspace: another system prompt, or
-  another conversation under the same one), the whole tape is saved first, so
-  switching back restores it. After ``ensure_prefix`` prefilled at least
+  another conversation under the same one: a sub-agent beside its parent), the
+  whole tape is saved first, so switching back restores it: a restore gives back
+  as little as that, and a copy of the state costs less than prefilling it again
+  (a tape holds at least ``SAVE_MIN_TOKENS``). After ``ensure_prefix`` prefilled at least
   ``SAVE_MIN_TOKENS`` of a stable prefix, the prefix is saved (a later save of
   the same tape with a conversation after it replaces that entry). When the
   model is unloaded or the daemon stops, the tape is saved (the cache writes it
@@ -78,8 +80,15 @@ def save_tape(m: TapeModel) -> bool:
 
 
 def save_before_discard(m: TapeModel, keep: int) -> None:
-    """Save the tape when an operation is about to keep only ``keep`` of it and drop a long stretch."""
-    if len(m.res.tokens) - keep >= SAVE_MIN_TOKENS:
+    """Save the tape when an operation is about to keep only ``keep`` of it and drop what a restore would give back.
+
+    A short stretch that is only the model's last reply (a template that drops earlier reasoning, a reply the
+    agent resent otherwise) is not worth a copy of the whole tape: no prompt will hold it again.
+    """
+    res = m.res
+    dropped = len(res.tokens) - keep
+    only_reply = res.reply_from is not None and keep >= res.reply_from
+    if dropped >= SAVE_MIN_TOKENS or (dropped > MIN_GAIN_TOKENS and not only_reply):
         save_tape(m)
 
 
@@ -114,6 +123,7 @@ def restore_best(m: TapeModel, manifest: ContextManifest, target: list[int], hav
     m.res.manifest = snap.manifest  # the same identity (the key says so); the caller commits its own
     m.res.partial = None
     m.res.messages = None
+    m.res.reply_from = None
     gained = m.reusable(covered) - have
     cache.note_restored(gained)
     log.info("workspace cache: restored %d tokens (%d beyond the resident tape)", len(snap.resident_token_ids), gained)

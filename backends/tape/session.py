@@ -327,6 +327,12 @@ class TapeSession:
             context = (res.manifest, res.prefix_len, res.stable_text, res.tools, res.stable_token_hash)
             covered = restore_best(m, res.manifest, target, keep, count_miss=False)
             res.manifest, res.prefix_len, res.stable_text, res.tools, res.stable_token_hash = context
+            if covered:
+                # spliced again against the restored tape: the replies in the model's own spelling are its
+                with m.errors("prefill_suffix"):
+                    target, prefix_len = self._suffix_target(m, suffix)
+                    res.check_suffix(suffix.manifest, len(target) - res.prefix_len)
+                seen = m.seen.longest(key, target)
             keep = m.reusable(common_prefix_len(res.tokens, target))
             if covered:
                 cached = keep
@@ -340,7 +346,7 @@ class TapeSession:
             # The chunks the KV completed stay (the tape equals them), for the next request with the same head;
             # the context is the stable prefix again, which a decode sees (``Resident.live``).
             m.seen.note(key, res.tokens)
-            res.messages = None
+            res.messages = res.reply_from = None
             if len(res.tokens) >= prefix_len:
                 res.prefix_len = prefix_len
                 res.live_len = prefix_len
@@ -350,7 +356,7 @@ class TapeSession:
         except BaseException:
             # Back to the stable prefix when it survived (the tape equals what the KV
             # completed); a damaged prefix is dropped so the next turn re-ensures it.
-            res.messages = None
+            res.messages = res.reply_from = None
             if len(res.tokens) >= prefix_len:
                 try:
                     _set_kv(m, res.tokens[:prefix_len], prefix_len)
@@ -368,6 +374,7 @@ class TapeSession:
         m.seen.note(key, target)
         new_messages = message_keys(suffix)
         res.messages = new_messages
+        res.reply_from = None
         status = res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
         status.miss = suffix_miss(held, target, new_messages, prefix_len=prefix_len, reused=kept, seen=seen,
                                   restored=restored, token_bytes=m.token_bytes)
@@ -436,6 +443,7 @@ class TapeSession:
         start = time.perf_counter()
         res = m.res
         prompt_tokens = len(res.tokens)
+        res.reply_from = prompt_tokens  # what the loop appends is the reply
         # no limit: until the end of generation or the context's end (a pass never decodes more than that)
         max_tokens = cfg.max_tokens if cfg.max_tokens is not None else m.num_ctx
         produced = 0
