@@ -29,6 +29,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -144,11 +145,20 @@ def _server(name: str, model: Path, context: int, outdir: Path) -> Iterator[int]
     else:
         modeld = str(Path(sys.executable).with_name("modeld"))
         daemon = Daemon(modeld, outdir / "replay-modeld.log", extra=["--num-ctx", str(context)])
-        asyncio.run(daemon.start(timeout=900.0))
+        # one loop for the daemon's whole life, running beside the requests: it reads the daemon's log pipe
+        loop = asyncio.new_event_loop()
+        runner = threading.Thread(target=loop.run_forever, name="replay-daemon", daemon=True)
+        runner.start()
         try:
-            yield daemon.port
+            asyncio.run_coroutine_threadsafe(daemon.start(timeout=900.0), loop).result()
+            try:
+                yield daemon.port
+            finally:
+                asyncio.run_coroutine_threadsafe(daemon.stop(), loop).result()
         finally:
-            asyncio.run(daemon.stop())
+            loop.call_soon_threadsafe(loop.stop)
+            runner.join(10)
+            loop.close()
 
 
 def replay(server: str, requests: dict[str, list[dict[str, Any]]], model: Path, context: int,
