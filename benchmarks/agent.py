@@ -20,11 +20,9 @@ history (exact mode answers alike by construction; tested in the suite).
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -32,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import text_of_tokens
+from benchmarks.common import served, text_of_tokens
 from runtime import Chat
 from tests.daemon_proc import DaemonProcess
 
@@ -204,37 +202,10 @@ def peer_server(tmp: Path, model: Path, n_ctx: int, *extra: str) -> Iterator[int
     ``extra``: more server flags (e.g. ``--cache true --cache_type ram``)."""
     port = _free_port()
     threads = str(os.cpu_count() or 1)  # its own default is half the cores
-    with (tmp / f"peer-{port}.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(n_ctx),
-             "--n_threads", threads, "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port), *extra],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-        try:
-            deadline = time.monotonic() + 120
-            while not _answers(port):
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"llama_cpp.server did not start; see {log.name}")
-                time.sleep(0.3)
-            yield port
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _answers(port: int) -> bool:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-    try:
-        c.request("GET", "/v1/models")
-        return c.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        c.close()
+    argv = [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(n_ctx),
+            "--n_threads", threads, "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port), *extra]
+    with served(argv, tmp / f"peer-{port}.log", port, path="/v1/models", timeout_s=120.0):
+        yield port
 
 
 def run_peer(tmp: Path, model: Path, n_ctx: int, sent: list[list[dict[str, Any]]]) -> list[float]:

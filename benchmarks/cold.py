@@ -13,7 +13,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.agents.daemon import free_port
-from benchmarks.common import PREFIX_LINE, text_of_tokens
+from benchmarks.common import PREFIX_LINE, served, text_of_tokens, wait_http
 from tests.daemon_proc import DaemonProcess
 
 __all__ = ["LENGTHS", "rows", "section"]
@@ -48,22 +47,6 @@ def _post(port: int, path: str, body: dict[str, Any]) -> tuple[float, dict[str, 
     return took, json.loads(raw)
 
 
-def _wait_http(port: int, path: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        try:
-            c.request("GET", path)
-            if c.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        finally:
-            c.close()
-        time.sleep(0.5)
-    raise RuntimeError(f"nothing answered {path} on port {port} within {timeout_s:.0f} s")
-
-
 def _cold(port: int, prompts: dict[int, str]) -> dict[int, tuple[int, float]]:
     """Per length: (prompt tokens, seconds) of a one-token chat completion on a prompt nobody sent before."""
     out: dict[int, tuple[int, float]] = {}
@@ -82,7 +65,7 @@ def _modeld(tmp: Path, backend: str, model: Path, prompts: dict[int, str]) -> di
                       "--http", f"127.0.0.1:{port}")
     d.start(ready_timeout_s=900, wait_state=("Ready",))
     try:
-        _wait_http(port, "/health")
+        wait_http(port, "/health")
         return _cold(port, prompts)
     finally:
         d.stop()
@@ -91,20 +74,10 @@ def _modeld(tmp: Path, backend: str, model: Path, prompts: dict[int, str]) -> di
 def _llama_server(binary: Path, model: Path, prompts: dict[int, str], log: Path) -> dict[int, tuple[int, float]]:
     port = free_port()
     threads = str(os.cpu_count() or 2)
-    with log.open("wb") as out:
-        proc = subprocess.Popen([str(binary), "-m", str(model), "-c", str(NUM_CTX), "-np", "1", "-t", threads,
-                                 "-tb", threads, "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT)
-        try:
-            _wait_http(port, "/health")
-            return _cold(port, prompts)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    argv = [str(binary), "-m", str(model), "-c", str(NUM_CTX), "-np", "1", "-t", threads, "-tb", threads,
+            "--host", "127.0.0.1", "--port", str(port)]
+    with served(argv, log, port, timeout_s=300.0):
+        return _cold(port, prompts)
 
 
 def section(tmp: Path, count: Callable[[str], int]) -> dict[str, dict[int, tuple[int, float]]]:

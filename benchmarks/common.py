@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import http.client
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from contract.interfaces import Session
@@ -70,3 +74,42 @@ def snapshot_vs_reprefill(
     sess.prefill_suffix(SuffixInput(text=turn, manifest=manifest))
     out["reprefill_ms"] = (time.perf_counter() - t0) * 1000
     return out
+
+
+def wait_http(port: int, path: str, timeout_s: float = 300.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Until ``GET path`` on 127.0.0.1:``port`` answers 200; raises when ``proc`` exits first or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited {proc.returncode} while starting")
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            c.request("GET", path)
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            c.close()
+        time.sleep(0.3)
+    raise RuntimeError(f"nothing answered {path} on port {port} within {timeout_s:.0f} s")
+
+
+@contextmanager
+def served(argv: list[str], log: Path, port: int, path: str = "/health", timeout_s: float = 600.0) -> Iterator[int]:
+    """A peer server (``argv``) with its output in ``log``, once ``path`` answers on ``port``; stopped after."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            try:
+                wait_http(port, path, timeout_s, proc)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{argv[0]}: {exc}; see {log}") from exc
+            yield port
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -27,7 +27,6 @@ import asyncio
 import http.client
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -36,7 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agents.daemon import Daemon, free_port, get_json
+from benchmarks.agents.daemon import Daemon, free_port
+from benchmarks.common import served
 
 __all__ = ["ROUTES", "main", "one_token", "recorded"]
 
@@ -98,34 +98,6 @@ def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, float]:
         c.close()
 
 
-def _wait(port: int, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited {proc.returncode} while starting")
-        status, _ = get_json(f"http://127.0.0.1:{port}/health")
-        if status == 200:
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"nothing answered on port {port} within {timeout_s:.0f} s")
-
-
-@contextmanager
-def _process(argv: list[str], log: Path, port: int) -> Iterator[int]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            _wait(port, proc)
-            yield port
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
 @contextmanager
 def _server(name: str, model: Path, context: int, outdir: Path) -> Iterator[int]:
     threads = str(os.cpu_count() or 2)
@@ -135,12 +107,12 @@ def _server(name: str, model: Path, context: int, outdir: Path) -> Iterator[int]
 
         argv = [str(llama_server.ensure_built()), "-m", str(model), "-c", str(context), "-np", "1", "-t", threads,
                 "-tb", threads, "--host", "127.0.0.1", "--port", str(port)]
-        with _process(argv, outdir / "replay-llama-server.log", port) as p:
+        with served(argv, outdir / "replay-llama-server.log", port) as p:
             yield p
     elif name == "llama-cpp-python":
         argv = [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(context),
                 "--n_threads", threads, "--n_threads_batch", threads, "--port", str(port)]
-        with _process(argv, outdir / "replay-llama-cpp-python.log", port) as p:
+        with served(argv, outdir / "replay-llama-cpp-python.log", port) as p:
             yield p
     else:
         modeld = str(Path(sys.executable).with_name("modeld"))
