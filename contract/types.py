@@ -378,6 +378,8 @@ class DaemonStatus(_Report):
     last_error: str = ""
     load_progress: float | None = None
     session_open: bool = False
+    #: sessions waiting for the slot (opens queued behind the one that holds it)
+    waiting: int = 0
     #: the daemon's process id, and seconds since it started
     pid: int = 0
     uptime_s: float = 0.0

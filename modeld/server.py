@@ -346,6 +346,7 @@ class Daemon:
         stalled = self.watchdog.stalled_s()
         st.worker_stalled_s = round(stalled, 1) if stalled >= 1.0 else None
         st.wedged = self.watchdog.wedged
+        st.waiting = self.work.waiting()
         return st
 
     def _io_status(self, identity: bytes, req: StatusRequest) -> DaemonStatus:

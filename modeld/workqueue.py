@@ -176,6 +176,12 @@ class WorkQueue:
             send(inf.identity, wire.encode_error(inf.request_id, ModelBusy(
                 "the slot stayed busy for the whole queue timeout", holder_busy=True, waiting=waiting)))
 
+    def waiting(self) -> int:
+        """Opens waiting for the slot: taken, not yet run by the worker, not yet answered."""
+        with self._lock:
+            return sum(1 for inf in self._inflight.values()
+                       if inf.op is Op.OPEN and not inf.started and not inf.answered)
+
     def fail_model_work(self, send: Send, err: ModeldError) -> None:
         """Answer ``err`` to every request of the model worker, running or waiting, and cancel it."""
         with self._lock:

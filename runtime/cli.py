@@ -350,6 +350,8 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         rows.append(("uptime", _duration(st.uptime_s)))
     if st.busy_operation:
         rows.append(("busy", st.busy_operation))
+    if st.waiting:
+        rows.append(("waiting", f"{st.waiting} session(s) for the slot"))
     if st.load_progress is not None:
         rows.append(("load progress", f"{st.load_progress * 100:.0f}%"))
     if st.active:

@@ -81,6 +81,21 @@ class DaemonProcess:
         except OSError:
             return ""
 
+    def wait_lines(self, match: Callable[[str], bool], count: int = 1, timeout_s: float = 120.0) -> list[str]:
+        """The log's lines that ``match``, once there are at least ``count`` of them.
+
+        The wait is a ceiling for a daemon that never writes them (the test then fails with the log's tail), not a
+        measure of speed: on a loaded machine a line comes late, and the test waits for it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = [ln for ln in self.log().splitlines() if match(ln)]
+            if len(found) >= count:
+                return found
+            if time.monotonic() > deadline or (self.proc is not None and self.proc.poll() is not None):
+                tail = "\n".join(self.log().splitlines()[-40:])
+                raise AssertionError(f"{len(found)} of {count} expected log lines after {timeout_s:.0f} s:\n{tail}")
+            time.sleep(0.05)
+
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         if self.proc is None:
             return 0

@@ -225,7 +225,7 @@ def test_opens_wait_for_the_slot_in_arrival_order(daemon: DaemonProcess) -> None
             t0 = time.monotonic()
             with pytest.raises(ModelBusy):  # no queue asked for: the answer comes at once
                 other.open_session(OpenSessionRequest())
-            assert time.monotonic() - t0 < 2.0
+            assert time.monotonic() - t0 < 15.0  # (not the 20 s call timeout)
             t0 = time.monotonic()
             with pytest.raises(ModelBusy, match="queue timeout"):
                 other.open_session(OpenSessionRequest(queue_timeout_s=0.5))

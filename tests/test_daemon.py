@@ -565,7 +565,7 @@ def test_a_stopped_client_loses_the_slot_after_its_lease(daemon: DaemonProcess, 
         proc.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         while client.status().session_open:
-            assert time.monotonic() - t0 < 2.0 + 1.5, "a stopped client kept the slot past its lease"
+            assert time.monotonic() - t0 < 10 * LEASE_S, "a stopped client kept the slot past its lease"
             time.sleep(0.05)
         client.open_session(MODEL_A).close()  # the slot serves the next client
     finally:

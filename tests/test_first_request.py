@@ -10,6 +10,7 @@ not with a big prompt, and the lease is shorter than the prefill, as the client'
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -68,8 +69,9 @@ def _wait_busy(front: Front, ops: tuple[str, ...] = ("ensure_prefix", "prefill_s
     raise AssertionError(f"the daemon never ran {ops}")
 
 
-def _free_after(front: Front, since: float, timeout_s: float = 10.0) -> float:
-    """Seconds from ``since`` until the slot is free (no operation, no session)."""
+def _free_after(front: Front, since: float, timeout_s: float = 120.0) -> float:
+    """Seconds from ``since`` until the slot is free (no operation, no session); the timeout is a ceiling for a slot
+    that stays held, not a measure of speed."""
     deadline = time.monotonic() + timeout_s
     with front.daemon.client(timeout_s=10.0) as c:
         while time.monotonic() < deadline:
@@ -78,6 +80,15 @@ def _free_after(front: Front, since: float, timeout_s: float = 10.0) -> float:
                 return time.monotonic() - since
             time.sleep(0.05)
     raise AssertionError(f"the slot was still held {timeout_s} s after the client went away")
+
+
+def _cancelled_prefills(front: Front) -> float:
+    """Prefills the daemon answered Cancelled (its metrics): a prefill cut short, not one that ran to its end."""
+    with front.daemon.client(timeout_s=10.0) as c:
+        text = c.metrics()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("modeld_errors_total{") and 'error="Cancelled"' in ln
+               and ('op="ensure_prefix"' in ln or 'op="prefill_suffix"' in ln))
 
 
 def _openai(front: Front, **kw: Any) -> Any:
@@ -117,31 +128,44 @@ ROUTES = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "message
 def test_a_client_gone_during_the_prefill_frees_the_slot_at_once(front: Front, api: str, stream: bool) -> None:
     system = _long_text(12)  # 12 chunks at 800 ms and more: the client leaves long before the prefill would end
     before = len(_access(front, ROUTES[api]))
+    cancelled = _cancelled_prefills(front)
+
+    def abandoned(ln: str) -> bool:
+        return "modeld.access" in ln and f"POST {ROUTES[api]} " in ln and "finish_reason=cancelled" in ln
+
+    gone = len(front.daemon.wait_lines(abandoned, 0))
     if stream:
         events = _request(front, api, system, stream=True, max_tokens=200)
         next(iter(events))  # the stream's first event comes at once, before the prefill
         _wait_busy(front)
         events.close()
     else:
-        # a client that gives up: the SDK's timeout closes the connection while the prefill runs
-        timeout = openai.APITimeoutError if api != "messages" else pytest.importorskip("anthropic").APITimeoutError
-        with pytest.raises(timeout):
-            _request(front, api, system, stream=False, max_tokens=200, timeout=3.0)
+        # a client that gives up on a reply that is not streamed: it closes its connection while the prefill runs
+        question = "What does helper_3 return for 2?"
+        body: dict[str, Any] = {"model": "default", "max_tokens": 200, "stream": False}
+        if api == "responses":
+            body = {"model": "default", "instructions": system, "input": question, "max_output_tokens": 200,
+                    "store": False}
+        elif api == "messages":
+            body["system"], body["messages"] = system, [{"role": "user", "content": question}]
+        else:
+            body["messages"] = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=120)
+        conn.request("POST", ROUTES[api], body=json.dumps(body).encode(),
+                     headers={"content-type": "application/json", "authorization": f"Bearer {API_KEY}",
+                              "x-api-key": API_KEY})
+        _wait_busy(front)
+        conn.close()
     left = time.monotonic()
-    assert _busy(front) in ("ensure_prefix", "prefill_suffix")  # it left during the prefill
-    assert _free_after(front, left) < 2.0
+    _free_after(front, left)
+    # it was the prefill that was cut short (the daemon answered it Cancelled), not a prefill that ran to its end
+    assert _cancelled_prefills(front) > cancelled
     # the next client is served at once, and the access line says what the abandoned turn did
     out = _openai(front).chat.completions.create(model="default", max_tokens=2, temperature=0,
                                                  messages=[{"role": "user", "content": "hi"}])
     assert out.usage is not None and out.usage.completion_tokens >= 1
-    deadline = time.monotonic() + 5
-
-    def abandoned() -> list[str]:
-        return [ln for ln in _access(front, ROUTES[api])[before:] if "finish_reason=cancelled" in ln]
-
-    while not abandoned() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert abandoned() and "error=client_gone" in abandoned()[0], _access(front, ROUTES[api])[before:]
+    last = front.daemon.wait_lines(abandoned, gone + 1)[-1]
+    assert "error=client_gone" in last, _access(front, ROUTES[api])[before:]
 
 
 def test_a_resent_request_reuses_the_chunks_the_first_attempt_finished(front: Front) -> None:
@@ -159,7 +183,7 @@ def test_a_resent_request_reuses_the_chunks_the_first_attempt_finished(front: Fr
                     break
     left = time.monotonic()
     assert done >= 3 * CHUNK, "no keep-alive carried the prefill's progress"
-    assert _free_after(front, left) < 2.0
+    _free_after(front, left)
     again = _openai(front).responses.create(model="default", instructions=system, input="What does helper_3 return?",
                                             max_output_tokens=16, store=False, temperature=0)
     assert again.usage is not None
@@ -213,14 +237,14 @@ def test_a_long_prefill_shows_life_on_every_streamed_api_and_outlasts_every_time
     started = time.monotonic()
     lines = list(_sse(front, ROUTES[api], body, headers))
     ended = time.monotonic()
-    first = lines[0][1] - started
-    assert first < 2.0, f"the first line came after {first:.1f} s"
     if api == "messages":  # a ping at once, as the API does
         kinds = [json.loads(ln.removeprefix("data: "))["type"] for ln, _ in lines if ln.startswith("data: {")]
         assert kinds[:2] == ["message_start", "ping"], kinds[:3]
     alive = _keepalives(api, lines)
     assert ended - started > 6.0  # (the prefill was long enough for a keep-alive to be due)
     assert alive, [ln for ln, _ in lines][:12]
+    # the stream began while the prefill ran: its first line came before the prefill's last progress
+    assert lines[0][1] < alive[-1][1] and not _keepalives(api, lines[:1]), lines[:3]
     assert all(0 <= p["done"] <= p["total"] for p, _ in alive)
     # it ran to its end: the API's own last event
     text = "\n".join(ln for ln, _ in lines)
@@ -240,12 +264,20 @@ def test_a_cancel_during_the_prefill_from_another_thread_stops_the_turn(front: F
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
     with Client(front.daemon.endpoint, timeout_s=60.0) as c:
         turn = Chat(c, profile="http").begin(messages, max_tokens=2, temperature=0)
-        timer = threading.Timer(1.5, turn.cancel)
-        timer.start()
-        started = time.monotonic()
+        cancelled = _cancelled_prefills(front)
+
+        def cancel_once_prefilling() -> None:  # once the prefill's progress says a chunk is done
+            deadline = time.monotonic() + 120
+            while (turn.progress is None or turn.progress.done < CHUNK) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            turn.cancel()
+
+        canceller = threading.Thread(target=cancel_once_prefilling)
+        canceller.start()
         result = [e.result for e in turn.events() if e.result is not None][0]
-        timer.join()
-        assert result.finish_reason == "cancelled" and time.monotonic() - started < 4.0
+        canceller.join()
+        # the prefill itself stopped (the daemon answered it Cancelled): it did not run on to its end
+        assert result.finish_reason == "cancelled" and _cancelled_prefills(front) > cancelled
         assert turn.finished
         again = Chat(c, profile="http").send(messages, max_tokens=2, temperature=0)
         assert again.usage.reused_tokens >= CHUNK, again.usage

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,10 +109,8 @@ def test_an_oversized_prompt_is_refused_before_any_prefill(front: Front) -> None
     before = _prefilled(front)
     big = [SYSTEM, {"role": "user", "content": "Summarise: " + "the quick brown fox jumps over the lazy dog. " * 1500}]
     for stream in (False, True):
-        t0 = time.perf_counter()
         with pytest.raises(openai.BadRequestError) as exc:
             sdk.chat.completions.create(model="any", messages=big, stream=stream)
-        took = time.perf_counter() - t0
         assert exc.value.code == "context_length_exceeded"
         said = re.search(rf"the prompt is (\d+) tokens but the model's context window is {NUM_CTX}", exc.value.message)
         assert said is not None and int(said.group(1)) > 15_000, exc.value.message
@@ -121,7 +118,6 @@ def test_an_oversized_prompt_is_refused_before_any_prefill(front: Front) -> None
         assert exc.value.body["message"].startswith(  # type: ignore[index]
             f"This model's maximum context length is {NUM_CTX} tokens. However, your messages resulted in "
             f"{said.group(1)} tokens"), exc.value.body
-        assert took < 1.0, took
     text = big[1]["content"]
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as exc:

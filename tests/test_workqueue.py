@@ -67,12 +67,14 @@ def test_deferred_opens_wait_while_the_slot_is_held_and_run_in_arrival_order() -
     assert all(work.defer(inf, _open(b"r")) for inf in waiting)
     no_wait = work.post(b"c9", Op.OPEN, _open(b"r", queue_timeout_s=0))
     assert not work.defer(no_wait, _open(b"r"))  # asks for no waiting: answered ModelBusy at once by the slot
-    assert work.pop_deferred() is None
+    assert work.waiting() == 5  # (status says so: first and no_wait are not taken by the worker yet)
+    assert work.claim(first) and work.claim(no_wait)
+    assert work.waiting() == 3 and work.pop_deferred() is None
     slot.holder = None
     served = []
     while (p := work.pop_deferred()) is not None:
         served.append(p.inf)
-    assert served == waiting and all(inf.started for inf in served)
+    assert served == waiting and all(inf.started for inf in served) and work.waiting() == 0
 
 
 def test_an_open_at_its_deadline_is_answered_once_and_never_run() -> None:
@@ -87,7 +89,7 @@ def test_an_open_at_its_deadline_is_answered_once_and_never_run() -> None:
     work.expire_waits(sent, inf.queue_deadline)
     work.expire_waits(sent, inf.queue_deadline + 1)
     [err] = sent.errors()
-    assert isinstance(err, ModelBusy) and err.details["waiting"] == 1
+    assert isinstance(err, ModelBusy) and err.details["waiting"] == 1 and work.waiting() == 0
     slot.holder = None
     assert work.pop_deferred() is None and not work.claim(inf)  # the worker must not run it now
 
