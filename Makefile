@@ -96,7 +96,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check contract runtime modeld backends tests benchmarks
+	$(VENV)/bin/ruff check contract runtime modeld backends harness tests benchmarks
 	$(VENV)/bin/mypy
 
 # The bench extra (llama-cpp-python's server for the peer, sentence-transformers, matplotlib) on top of setup,

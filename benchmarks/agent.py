@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import served, text_of_tokens
+from harness.daemon import DaemonProcess
 from runtime import Chat
-from tests.daemon_proc import DaemonProcess
 
 REPLY_TOKENS = 32
 TOOLS: list[dict[str, Any]] = [
@@ -273,7 +273,7 @@ def summarise(
 
 
 def section(tmp: Path, backend: str, count: Any, *, turns: int = 10, replay: int = 6, with_peer: bool = True) -> list[tuple[str, Any, str]]:
-    from tests.fixtures import tool_gguf
+    from harness.fixtures import tool_gguf
 
     model = tool_gguf()
     system = text_of_tokens(count, 1800, "src/pkg/module_{i}.py: class Handler{i}(Base): def run(self, x): return x * {i}")

@@ -21,7 +21,7 @@ from typing import Any
 
 from benchmarks.agents.daemon import free_port
 from benchmarks.common import PREFIX_LINE, served, text_of_tokens, wait_http
-from tests.daemon_proc import DaemonProcess
+from harness.daemon import DaemonProcess
 
 __all__ = ["LENGTHS", "rows", "section"]
 

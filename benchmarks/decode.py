@@ -100,8 +100,8 @@ from contract.types import (
     StreamChunk,
     SuffixInput,
 )
-from tests.daemon_proc import DaemonProcess
-from tests.engine_kit import EDIT_CONTINUATION, EDIT_TASK
+from harness.daemon import DaemonProcess
+from harness.prompts import EDIT_CONTINUATION, EDIT_TASK
 
 NUM_CTX = 4096
 #: repetitions of every (task, mode, side); a round runs each once, so a slow spell of a shared

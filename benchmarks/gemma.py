@@ -26,7 +26,7 @@ from benchmarks.agent import peer_server
 from benchmarks.decode import TASKS, _rate, _turn, exact_flags, paired_median, same_answer
 from benchmarks.run import FIRST_TURN, _sse_ttft, daemon_turns, table, warm_note
 from contract.types import OpenSessionRequest
-from tests.daemon_proc import DaemonProcess
+from harness.daemon import DaemonProcess
 
 NUM_CTX = 4096
 #: rounds of plain and speculative decodes of the edit turn (the order alternating by round)

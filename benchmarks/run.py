@@ -60,8 +60,8 @@ import psutil
 
 from benchmarks.common import PREFIX_LINE, SUFFIX_LINE, snapshot_vs_reprefill, text_of_tokens
 from contract.types import Config, DecodeConfig, LoadModelRequest, OpenSessionRequest, PrefixInput, SuffixInput
+from harness.daemon import ROOT, DaemonProcess
 from runtime import Client, RemoteSession
-from tests.daemon_proc import ROOT, DaemonProcess
 
 NUM_CTX = 4096
 #: status is polled this often while a decode of this many tokens streams (a few hundred samples: a p99

@@ -36,8 +36,8 @@ from typing import Any
 
 from benchmarks.agent import REPLY_TOKENS, peer_server, sdk_turns
 from benchmarks.common import PREFIX_LINE, text_of_exact_tokens, text_of_tokens
+from harness.daemon import DaemonProcess
 from runtime import Chat
-from tests.daemon_proc import DaemonProcess
 
 SUFFIX_SIZES = (16, 64, 256, 1024)
 PREFIX_TOKENS = 2000

@@ -25,8 +25,8 @@ from typing import Any
 
 from benchmarks.agent import peer_server, sdk_turns
 from benchmarks.common import text_of_tokens
+from harness.daemon import DaemonProcess
 from runtime import Chat
-from tests.daemon_proc import DaemonProcess
 
 N_CTX = 4096
 PROMPT_TOKENS = 1900

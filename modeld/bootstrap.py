@@ -39,11 +39,8 @@ from .state_cache import StateCacheStore
 from .store import Catalog, ModelStore, default_store_dir
 
 __all__ = [
-    "BACKENDS",
-    "BACKEND_CHOICES",
     "backend_choices",
     "PREPARE_STEPS",
-    "ServeOptions",
     "build_backend",
     "build_cache",
     "build_daemon",
@@ -68,11 +65,6 @@ def backend_choices() -> tuple[str, ...]:
     return ("auto", *ENGINES, "memory")
 
 
-#: ``backend_choices()`` at import, and the backends among them
-BACKEND_CHOICES = backend_choices()
-BACKENDS = BACKEND_CHOICES[1:]
-
-
 def prepare_steps() -> tuple[str, ...]:
     """What ``modeld prepare --only`` accepts: the engines' conversion steps (named as the engine), then the
     embedding models'."""
@@ -82,9 +74,6 @@ def prepare_steps() -> tuple[str, ...]:
 PREPARE_STEPS = prepare_steps()
 
 
-#: what the builders take: ``modeld.settings.ServeSettings`` itself, under the name the builders have always used
-#: (it declares no setting again)
-ServeOptions = ServeSettings
 
 
 def default_data_dir() -> Path:
@@ -135,19 +124,19 @@ def engine_facts(
     )
 
 
-def exclusive_settings(opts: ServeOptions) -> dict[str, str]:
+def exclusive_settings(opts: ServeSettings) -> dict[str, str]:
     """Per engine, the flags among ``opts`` that only it serves (none: empty): ``auto`` then picks it."""
     cfg = load_config(opts)
     return {s.name: given for s in ENGINES.values() if s.exclusive_settings is not None
             and (given := s.exclusive_settings(cfg))}
 
 
-def model_store(opts: ServeOptions) -> ModelStore:
+def model_store(opts: ServeSettings) -> ModelStore:
     """The daemon's model store: ``DATA_DIR/models`` (``modeld.store``)."""
     return ModelStore(default_store_dir(opts.data_dir))
 
 
-def resolve_model(opts: ServeOptions, log: Callable[[str], None] = print) -> ServeOptions:
+def resolve_model(opts: ServeSettings, log: Callable[[str], None] = print) -> ServeSettings:
     """``opts`` with ``--model`` as the path a load opens.
 
     A file or directory that exists is that; else a stored model's name, alias or the reference it was
@@ -179,7 +168,7 @@ def resolve_model(opts: ServeOptions, log: Callable[[str], None] = print) -> Ser
     return opts.model_copy(update={"model": str(model.path_in(directory)), "model_name": opts.model_name or model.name})
 
 
-def build_catalog(opts: ServeOptions) -> Catalog:
+def build_catalog(opts: ServeSettings) -> Catalog:
     """The models the daemon loads by name: its store's, the bundled one (for an engine), the preloaded one."""
     catalog = Catalog(model_store(opts))
     if opts.backend in ENGINES:
@@ -195,7 +184,7 @@ def build_catalog(opts: ServeOptions) -> Catalog:
     return catalog
 
 
-def resolve_backend(opts: ServeOptions) -> ServeOptions:
+def resolve_backend(opts: ServeSettings) -> ServeSettings:
     """``opts`` with ``backend="auto"`` replaced by the engine ``choose_backend`` picks for the preloaded model."""
     if opts.backend != "auto":
         return opts
@@ -208,7 +197,7 @@ def resolve_backend(opts: ServeOptions) -> ServeOptions:
     return opts.with_backend(name, f"auto: {reason}")
 
 
-def build_cache(opts: ServeOptions) -> StateCacheStore | None:
+def build_cache(opts: ServeSettings) -> StateCacheStore | None:
     """The workspace cache for the tape engines (none for the memory backend, or with both budgets 0)."""
     if opts.backend == "memory":
         return None
@@ -218,7 +207,7 @@ def build_cache(opts: ServeOptions) -> StateCacheStore | None:
     return StateCacheStore(directory, ram_budget=opts.cache_ram, disk_budget=opts.cache_disk)
 
 
-def build_backend(opts: ServeOptions, cache: StateCache | None = None) -> Backend:
+def build_backend(opts: ServeSettings, cache: StateCache | None = None) -> Backend:
     if opts.backend == "memory":
         from backends.memory import MemoryBackend
 
@@ -229,12 +218,12 @@ def build_backend(opts: ServeOptions, cache: StateCache | None = None) -> Backen
     raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(backend_choices())}")
 
 
-def build_planner(opts: ServeOptions) -> Planner:
+def build_planner(opts: ServeSettings) -> Planner:
     """The memory planner (``modeld.capacity``) under the settings' memory policy."""
     return make_planner(opts.memory)
 
 
-def build_embedder(opts: ServeOptions, generation_bytes: Callable[[], int]) -> Embedder | None:
+def build_embedder(opts: ServeSettings, generation_bytes: Callable[[], int]) -> Embedder | None:
     """The embedding side slot for the backend (none for the memory backend).
 
     ``generation_bytes`` is what the generation model holds now: the side slot's
@@ -261,7 +250,7 @@ def engine_build(backend: str) -> dict[str, Any]:
 
 
 def build_slot(
-    opts: ServeOptions, endpoint: str, backend: Backend | None = None, cache: StateCacheStore | None = None
+    opts: ServeSettings, endpoint: str, backend: Backend | None = None, cache: StateCacheStore | None = None
 ) -> SlotService:
     """The slot service over ``backend`` (default: the one ``opts`` names), with its planner, side slot and
     workspace cache (built from ``opts`` with the backend; a given backend comes with its own ``cache``)."""
@@ -292,7 +281,7 @@ def build_slot(
     return slot
 
 
-def build_daemon(opts: ServeOptions, backend: Backend | None = None) -> Daemon:
+def build_daemon(opts: ServeSettings, backend: Backend | None = None) -> Daemon:
     """The daemon, bound to nothing yet (``Daemon.serve`` binds), with its slot and snapshot blob store."""
     endpoint = opts.endpoint or default_endpoint()
     check_tcp_exposure(endpoint, curve=opts.curve, insecure=opts.insecure_tcp)  # ValueError before anything starts
@@ -307,7 +296,7 @@ def build_daemon(opts: ServeOptions, backend: Backend | None = None) -> Daemon:
                   engine_nice=opts.engine_nice)
 
 
-def preload_request(opts: ServeOptions) -> LoadModelRequest | None:
+def preload_request(opts: ServeSettings) -> LoadModelRequest | None:
     """The model to load at start: ``--model``, else the bundled model for an engine; None for none."""
     if opts.no_preload:
         return None
@@ -328,7 +317,7 @@ def preload_request(opts: ServeOptions) -> LoadModelRequest | None:
     )
 
 
-def load_config(opts: ServeOptions) -> Config:
+def load_config(opts: ServeSettings) -> Config:
     """The preloaded model's load config, from the flags."""
     return Config(
         num_ctx=opts.num_ctx,

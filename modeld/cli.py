@@ -11,8 +11,10 @@ instead of ending in a traceback; an engine's extra is its entry's in
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 EXIT_ERROR = 1
 #: the model store's commands (``modeld.store.cli``): daemon-side, they need huggingface_hub and the data dir
@@ -84,9 +86,37 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return EXIT_ERROR
+    from runtime.cli import Extensions
     from runtime.cli import main as client_main
 
-    return client_main(args)
+    return client_main(args, Extensions(parsers=daemon_parsers, pull=_pull))
+
+
+def daemon_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The daemon-side commands' parsers, for ``modeld completion``: those whose modules this install can import
+    (``http`` needs the http extra; a client-only install completes the client commands alone)."""
+    own: dict[str, argparse.ArgumentParser] = {}
+    try:
+        from .netsec import keys_parser
+        from .prepare import build_parser as prepare_parser
+        from .serve import build_parser as serve_parser
+        from .store.cli import command_parsers as store_parsers
+    except ImportError:
+        return own
+    own.update({"serve": serve_parser(), "prepare": prepare_parser(), "keys": keys_parser(), **store_parsers()})
+    try:
+        from .front.main import build_parser as http_parser
+    except ImportError:
+        return own
+    own["http"] = http_parser()
+    return own
+
+
+def _pull(name: str, data_dir: Path | None) -> str:
+    """``load NAME --pull``: NAME into the store (huggingface_hub and the store are the daemon's install)."""
+    from .store.cli import pull_into_store
+
+    return pull_into_store(name, data_dir)
 
 
 if __name__ == "__main__":

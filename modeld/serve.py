@@ -17,7 +17,7 @@ from typing import Any, TextIO
 from contract.types import KV_CACHE_TYPES
 
 from . import dirs
-from .bootstrap import BACKEND_CHOICES, build_daemon, preload_request, resolve_backend, resolve_model
+from .bootstrap import backend_choices, build_daemon, preload_request, resolve_backend, resolve_model
 from .logs import setup_logging
 from .sdnotify import notify
 from .server import EXIT_WEDGED
@@ -41,7 +41,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | Non
 
     flag("config", type=Path, metavar="PATH")
     flag("endpoint")
-    flag("backend", choices=BACKEND_CHOICES)
+    flag("backend", choices=backend_choices())
     flag("model")
     flag("model_name")
     flag("pull", action="store_true")

@@ -349,9 +349,6 @@ class Daemon:
         st.waiting = self.work.waiting()
         return st
 
-    def _io_status(self, identity: bytes, req: StatusRequest) -> DaemonStatus:
-        """Status as the IO thread answers it (also for a daemon that never served)."""
-        return self.handlers.status(identity, req)
 
 
 def _source_fd(frame: zmq.Frame) -> int:

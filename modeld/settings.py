@@ -135,10 +135,6 @@ def memory_key(setting: str) -> str:
     return field.alias or MEMORY_SETTINGS[setting]
 
 
-def _size_or_unset(value: Any) -> int | None:
-    return None if value is None else parse_size(value)
-
-
 def _size_or_auto(value: Any) -> int | None:
     return None if value is None else parse_size_or_auto(value)
 

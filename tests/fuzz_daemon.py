@@ -33,7 +33,7 @@ from contract import wire
 from contract.errors import REGISTRY
 from contract.types import OpenSessionRequest, PrefixInput, SuffixInput
 from contract.wire import Kind, Op
-from tests.daemon_proc import DaemonProcess
+from harness.daemon import DaemonProcess
 
 HANG_S = 10.0
 OPS = [op.value.encode() for op in Op]

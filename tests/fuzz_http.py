@@ -35,7 +35,7 @@ from pathlib import Path
 
 import psutil
 
-from tests.daemon_proc import DaemonProcess
+from harness.daemon import DaemonProcess
 from tests.test_front_limits import CHAT, HALF_HEAD, _chat, _limit_open_files, half_heads, room_for_connections
 from tests.test_openai_front import _port, _wait_http
 

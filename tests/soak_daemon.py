@@ -36,7 +36,7 @@ import psutil
 
 from contract.errors import ModeldError
 from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
-from tests.daemon_proc import DaemonProcess, streaming_client
+from harness.daemon import DaemonProcess, streaming_client
 
 LEASE_S = 2.0
 MODEL = OpenSessionRequest(model_name="soak", type="memory", path="/models/soak")

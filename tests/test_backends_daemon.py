@@ -33,11 +33,12 @@ from contract.types import (
     SuffixInput,
 )
 from contract.wire import Kind, Op
+from harness.daemon import ROOT, DaemonProcess, thread_nices
+from harness.prompts import EDIT_CONTINUATION
 from runtime import Client, RemoteSession
 
 from .conformance import SCENARIOS, SYSTEM, TURN_1, Target, fresh_profile, manifest_for
-from .daemon_proc import ROOT, DaemonProcess, thread_nices
-from .engine_kit import CHEAP_CHECKS, EDIT_CONTINUATION, take
+from .engine_kit import CHEAP_CHECKS, take
 
 BACKENDS = ["llama", "openvino"]
 #: the bundled model as shipped, not the context-extended copy plain ``serve`` loads: the greedy

@@ -13,8 +13,7 @@ import pytest
 from backends.bundled import bundled_gguf_path
 from contract.errors import InsufficientMemory
 from contract.types import Config, LoadModelRequest, OpenSessionRequest, SlotState
-
-from .daemon_proc import ROOT, DaemonProcess
+from harness.daemon import ROOT, DaemonProcess
 
 
 def test_load_that_cannot_fit_is_refused_and_daemon_keeps_serving(tmp_path: Path) -> None:

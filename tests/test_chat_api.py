@@ -23,10 +23,10 @@ import pytest
 
 from contract.errors import InvalidArgument, SessionClosed
 from contract.types import ChatMessage, Config, LoadModelRequest
+from harness.daemon import ROOT, DaemonProcess
+from harness.fixtures import WEATHER_TOOL, tool_gguf
 from runtime import Chat, Client
 from runtime.chat import ChatEvent, ChatResult, split_messages
-from tests.daemon_proc import ROOT, DaemonProcess
-from tests.fixtures import WEATHER_TOOL, tool_gguf
 
 SYSTEM = {"role": "system", "content": "You are a terse coding assistant."}
 CALL = {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "slot.py"}'}}

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.daemon_proc import ROOT
+from harness.daemon import ROOT
 
 
 def _pytest(tmp_path: Path, ci: str) -> subprocess.CompletedProcess[str]:

@@ -12,9 +12,9 @@ import pytest
 from backends.memory import MemoryBackend
 from contract.messages import StatusRequest
 from contract.types import SlotState, owner_fingerprint
-from modeld.bootstrap import ServeOptions, build_daemon, build_slot, preload_request
-
-from .daemon_proc import ROOT, DaemonProcess
+from harness.daemon import ROOT, DaemonProcess
+from modeld.bootstrap import build_daemon, build_slot, preload_request
+from modeld.settings import ServeSettings
 
 
 def modeld(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -89,33 +89,33 @@ def test_only_the_composition_root_imports_backends() -> None:
 
 def test_bootstrap_takes_a_backend_through_the_same_door(tmp_path: Path) -> None:
     """The daemon itself is built the same way by every ``modeld serve`` the daemon tests start."""
-    opts = ServeOptions(backend="memory", owner="o")
+    opts = ServeSettings(backend="memory", owner="o")
     slot = build_slot(opts, f"ipc://{tmp_path / 'm.sock'}", MemoryBackend())
     st = slot.status()
     assert (st.backend, st.state, st.owner_instance_id, st.embedding) == ("memory", SlotState.EMPTY, owner_fingerprint("o"), None)
     assert preload_request(opts) is None  # the memory backend preloads nothing unless asked
-    req = preload_request(ServeOptions(backend="memory", model="/m/x", num_ctx=64))
+    req = preload_request(ServeSettings(backend="memory", model="/m/x", num_ctx=64))
     assert req is not None and (req.model_name, req.type, req.config.num_ctx) == ("x", "memory", 64)
-    assert preload_request(ServeOptions(backend="llama", no_preload=True)) is None
-    req = preload_request(ServeOptions(backend="llama", flash_attn=True, kv_cache_type="q8_0"))
+    assert preload_request(ServeSettings(backend="llama", no_preload=True)) is None
+    req = preload_request(ServeSettings(backend="llama", flash_attn=True, kv_cache_type="q8_0"))
     assert req is not None and (req.config.flash_attn, req.config.kv_cache_type) == (True, "q8_0")
     assert not req.config.exact_decode
-    req = preload_request(ServeOptions(backend="openvino", exact_decode=True))
+    req = preload_request(ServeSettings(backend="openvino", exact_decode=True))
     assert req is not None and req.config.exact_decode
 
 
 def test_a_queued_preload_reads_as_loading_before_the_worker_takes_it(tmp_path: Path) -> None:
     """Right after ``serve`` starts, the slot is still Empty while its preload waits for the worker; status
     must not tell a client polling for readiness that there is no model (the bench and supervisors poll)."""
-    opts = ServeOptions(backend="memory", model="/m/x", num_ctx=64, data_dir=tmp_path / "data",
+    opts = ServeSettings(backend="memory", model="/m/x", num_ctx=64, data_dir=tmp_path / "data",
                         endpoint=f"ipc://{tmp_path / 'm.sock'}")
     daemon = build_daemon(opts, MemoryBackend())
     try:
-        assert daemon._io_status(b"", StatusRequest()).state is SlotState.EMPTY
+        assert daemon.handlers.status(b"", StatusRequest()).state is SlotState.EMPTY
         req = preload_request(opts)
         assert req is not None
         daemon.preload(req)
-        st = daemon._io_status(b"", StatusRequest())  # the worker has not started: nothing has run
+        st = daemon.handlers.status(b"", StatusRequest())  # the worker has not started: nothing has run
         assert (st.state, st.busy_operation) == (SlotState.LOADING, "load")
     finally:
         daemon._ctx.term()  # never served: nothing else holds its ZeroMQ context
@@ -126,12 +126,12 @@ def test_a_queued_preload_reads_as_loading_before_the_worker_takes_it(tmp_path: 
 
 @pytest.mark.parametrize("backend", ["llama", "openvino"])
 def test_bootstrap_preloads_the_bundled_model(backend: str) -> None:
-    req = preload_request(ServeOptions(backend=backend))
+    req = preload_request(ServeSettings(backend=backend))
     assert req is not None and req.model_name == "smollm2-135m-instruct" and req.path.endswith(".gguf")
 
 
 def test_version_and_help_list_every_command() -> None:
-    from tests.daemon_proc import ROOT
+    from harness.daemon import ROOT
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "modeld", "--version"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)

@@ -33,9 +33,9 @@ from contract.types import (
     SpeculationStatus,
 )
 from contract.wire import Kind
+from harness.daemon import ROOT, DaemonProcess
 from runtime.cli import _speculation_rows
 from runtime.progress import ProgressDisplay
-from tests.daemon_proc import ROOT, DaemonProcess
 
 MODELD = str(Path(sys.executable).parent / "modeld")
 #: the CLI with rich hidden: what a client install without the `cli` extra runs
@@ -131,6 +131,21 @@ def test_completion_without_shtab_says_how_to_install_it() -> None:
     code, out, err = run_cli(["completion", "bash"], tty=False, command=command)
     assert code == 1 and out == ""
     assert "shtab" in err and "pip install 'modeld[cli]'" in err
+
+
+def test_the_client_alone_completes_its_own_commands_and_cannot_pull(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``runtime.cli`` without the daemon's extensions (a client-only install): completion knows the client
+    commands but not ``serve``'s options, and ``load --pull`` says which install pulls, before any request."""
+    pytest.importorskip("shtab")
+    from modeld.cli import daemon_parsers
+    from runtime.cli import Extensions, completion_script, main
+
+    alone = completion_script("bash")
+    whole = completion_script("bash", Extensions(parsers=daemon_parsers))
+    assert "status" in alone and "--num-ctx" in whole and "--cache-ram" in whole and "--cache-ram" not in alone
+    code = main(["load", "acme/Tiny-GGUF:Q8_0", "--pull", "--endpoint", f"ipc://{tmp_path / 'none.sock'}"])
+    assert code == 1 and "the daemon's install" in capsys.readouterr().err
 
 
 # --- status -------------------------------------------------------------------------------------------

@@ -41,10 +41,10 @@ from contract.types import (
     Usage,
 )
 from contract.wire import Kind, Message, Op
+from harness.daemon import DaemonProcess
 from runtime import Client, RemoteSession
 
 from .conformance import SYSTEM, TURN_1, fresh_profile
-from .daemon_proc import DaemonProcess
 
 REQUEST = OpenSessionRequest(model_name="ref", type="memory", path="/models/ref", config=Config(num_ctx=1024))
 

@@ -10,9 +10,9 @@ import pytest
 
 from backends.memory import MemoryService
 from contract.types import Config, OpenSessionRequest
+from harness.daemon import DaemonProcess, free_tcp_endpoint
 
 from .conformance import SCENARIOS, Target
-from .daemon_proc import DaemonProcess, free_tcp_endpoint
 
 MEM_REQUEST = OpenSessionRequest(model_name="ref", type="memory", path="/models/ref", config=Config(num_ctx=1024))
 

@@ -1,7 +1,7 @@
 """Whole agent conversations on both engines: tool calls and results rendered by the model's template, kept warm.
 
 The tool-capable fixture (the bundled weights under a Qwen/Hermes-style
-template, tests/fixtures.py) runs a six-turn tool loop — a question, a tool
+template, harness/fixtures.py) runs a six-turn tool loop — a question, a tool
 call the model makes (grammar-forced, parsed by the Hermes parser), the tool's
 result, the model's answer, follow-ups — each request resending the whole
 history. Checked per turn: the resident prompt is the template's own rendering
@@ -35,7 +35,7 @@ from contract.types import (
     ToolCall,
     ToolCallFunction,
 )
-from tests.fixtures import WEATHER_TOOL, tool_gguf
+from harness.fixtures import WEATHER_TOOL, tool_gguf
 
 SYSTEM = "You are a weather assistant. Call get_weather for every city you are asked about, then answer in one sentence."
 TOOLS = json.dumps([WEATHER_TOOL])

@@ -49,10 +49,10 @@ from contract.types import (
     owner_fingerprint,
 )
 from contract.wire import Kind, Op
+from harness.daemon import ROOT, DaemonProcess, streaming_client
 from runtime import Client
 
 from .conformance import manifest_for
-from .daemon_proc import ROOT, DaemonProcess, streaming_client
 
 OWNER = "owner-A"
 #: the test daemon's session lease (``--lease``)

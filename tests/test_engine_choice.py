@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from modeld.bootstrap import ServeOptions, exclusive_settings, resolve_backend
+from harness.daemon import ROOT, DaemonProcess
+from modeld.bootstrap import exclusive_settings, resolve_backend
 from modeld.engine_choice import EngineFacts, choose_backend
-from tests.daemon_proc import ROOT, DaemonProcess
+from modeld.settings import ServeSettings
 
 BOTH = frozenset({"llama", "openvino"})
 X86 = EngineFacts(machine="x86_64", installed=BOTH, model_kind="gguf")
@@ -50,24 +51,24 @@ def test_the_reason_quotes_no_figure() -> None:
 
 
 def test_an_explicit_backend_always_wins() -> None:
-    opts = ServeOptions(backend="llama", model="/nowhere.gguf")
+    opts = ServeSettings(backend="llama", model="/nowhere.gguf")
     assert resolve_backend(opts) is opts
 
 
 def test_exclusive_settings_are_named_for_auto() -> None:
-    assert exclusive_settings(ServeOptions()) == {}
-    assert exclusive_settings(ServeOptions(kv_cache_type="f16")) == {}  # OpenVINO serves an f16 cache too
-    assert exclusive_settings(ServeOptions(exact_decode=True)) == {}  # and decodes exactly too
-    assert exclusive_settings(ServeOptions(flash_attn=True, kv_cache_type="q8_0")) == {
+    assert exclusive_settings(ServeSettings()) == {}
+    assert exclusive_settings(ServeSettings(kv_cache_type="f16")) == {}  # OpenVINO serves an f16 cache too
+    assert exclusive_settings(ServeSettings(exact_decode=True)) == {}  # and decodes exactly too
+    assert exclusive_settings(ServeSettings(flash_attn=True, kv_cache_type="q8_0")) == {
         "llama": "--flash-attn and --kv-cache-type q8_0"}
-    assert exclusive_settings(ServeOptions(kv_cache_type="q4_0")) == {"llama": "--kv-cache-type q4_0"}
+    assert exclusive_settings(ServeSettings(kv_cache_type="q4_0")) == {"llama": "--kv-cache-type q4_0"}
 
 
 def test_auto_on_this_machine_names_the_engine_and_the_reason() -> None:
     pytest.importorskip("llama_cpp")
-    opts = resolve_backend(ServeOptions(backend="auto"))  # the bundled model
+    opts = resolve_backend(ServeSettings(backend="auto"))  # the bundled model
     assert opts.backend in ("llama", "openvino") and opts.backend_reason.startswith("auto: ")
-    not_a_model = resolve_backend(ServeOptions(backend="auto", model=__file__))
+    not_a_model = resolve_backend(ServeSettings(backend="auto", model=__file__))
     assert not_a_model.backend == "llama" and "not a readable GGUF" in not_a_model.backend_reason
 
 
@@ -75,7 +76,7 @@ def test_auto_on_this_machine_names_the_engine_and_the_reason() -> None:
 def test_a_daemon_started_with_auto_says_which_engine_and_why(tmp_path: Path) -> None:
     pytest.importorskip("llama_cpp")
     pytest.importorskip("openvino_genai")
-    picked = resolve_backend(ServeOptions(backend="auto"))
+    picked = resolve_backend(ServeSettings(backend="auto"))
     d = DaemonProcess(tmp_path, "auto", None, "--cache-ram", "0", "--cache-disk", "0").start(wait_state=("Ready",))
     try:
         with d.client() as c:

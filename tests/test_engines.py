@@ -41,9 +41,10 @@ from contract.types import (
     StructuredOutputConfig,
     SuffixInput,
 )
+from harness.fixtures import WEATHER_TOOL
+from harness.prompts import EDIT_CONTINUATION
 from tests.engine_kit import (
     CHEAP_CHECKS,
-    EDIT_CONTINUATION,
     LONG_PREFIX,
     NEAR_TIE,
     NUM_CTX,
@@ -56,7 +57,6 @@ from tests.engine_kit import (
     take,
     turn,
 )
-from tests.fixtures import WEATHER_TOOL
 
 
 def _memory() -> Engine:

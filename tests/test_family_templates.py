@@ -30,7 +30,7 @@ from contract.types import (
     ToolCall,
     ToolCallFunction,
 )
-from tests.fixtures import WEATHER_TOOL
+from harness.fixtures import WEATHER_TOOL
 
 TEMPLATES = TEMPLATE_DIR
 SYSTEM = "You are a weather bot."
@@ -204,8 +204,8 @@ def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
     from backends.bundled import bundled_gguf_path, served_bundled_gguf
     from backends.gguf_file import gguf_layout_digest
     from backends.tape import draft_costs
+    from harness.fixtures import truncated_gguf, untemplated_gguf
     from tests.engine_kit import forbid_measuring
-    from tests.fixtures import truncated_gguf, untemplated_gguf
 
     bundled, bare = bundled_gguf_path(), untemplated_gguf()
     assert gguf_layout_digest(bundled) == gguf_layout_digest(bare) != gguf_layout_digest(served_bundled_gguf())
@@ -320,7 +320,7 @@ def test_a_forced_call_decodes_a_marker_the_vocabulary_has_as_a_control_token_as
     writes each marker as its control token, so the decode holds that token, never the marker's text in
     ordinary tokens; the call parses, and the next turn's prompt, which the template renders with the same
     control tokens, reuses the decoded call."""
-    from tests.fixtures import control_marker_gguf
+    from harness.fixtures import control_marker_gguf
 
     m = _load(engine, "", str(control_marker_gguf()), speculative=False)
     try:

@@ -325,7 +325,7 @@ def test_messages_max_tokens_32000_is_a_cap(front: Front) -> None:
 def think_front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
     """The bundled weights under a reasoning template (``<think>`` opened by the prompt)."""
     pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
-    from tests.fixtures import think_gguf
+    from harness.fixtures import think_gguf
 
     with Front(tmp_path_factory.mktemp(f"front-think-{request.param}"), "--model", str(think_gguf()),
                "--num-ctx", str(NUM_CTX), backend=request.param) as f:

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from tests.daemon_proc import DaemonProcess  # noqa: E402
+from harness.daemon import DaemonProcess  # noqa: E402
 from tests.test_openai_front import _port, _wait_http  # noqa: E402
 
 HALF_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"

@@ -30,11 +30,11 @@ from contract.types import (
     format_gpu_layers,
     parse_gpu_layers,
 )
-from modeld.bootstrap import ServeOptions, engine_facts, load_config
+from modeld.bootstrap import engine_facts, load_config
 from modeld.capacity import Policy, make_planner
 from modeld.engine_choice import EngineFacts, choose_backend
 from modeld.serve import load as load_serve_settings
-from modeld.settings import SettingsError
+from modeld.settings import ServeSettings, SettingsError
 from modeld.slot import SlotService
 from runtime import cli
 
@@ -346,7 +346,7 @@ def test_serve_options_carry_the_gpu_layers_into_auto(monkeypatch: pytest.Monkey
     monkeypatch.setattr(bootstrap, "engine_facts", spy)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x")
-    bootstrap.resolve_backend(ServeOptions(model=str(model), gpu_layers=7))
+    bootstrap.resolve_backend(ServeSettings(model=str(model), gpu_layers=7))
     assert seen == [7]
 
 

@@ -19,8 +19,8 @@ import pytest
 
 from contract.errors import DaemonTimeout, EngineUnresponsive
 from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+from harness.daemon import DaemonProcess
 from runtime import Client
-from tests.daemon_proc import DaemonProcess
 
 MODEL = OpenSessionRequest(model_name="m", type="memory", path="/models/m")
 WEDGE_S = 2.0
@@ -160,7 +160,7 @@ def test_a_killed_client_frees_the_slot_within_seconds_under_the_default_lease(l
     import subprocess
     import sys
 
-    from tests.daemon_proc import ROOT, streaming_client
+    from harness.daemon import ROOT, streaming_client
 
     d = leased_daemon
     with d.client() as c:

@@ -51,8 +51,8 @@ from contract.types import (  # noqa: E402
     StructuredOutputConfig,
     SuffixInput,
 )
+from harness.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 from tests.engine_kit import CHEAP_CHECKS, check_exact_rows  # noqa: E402
-from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 
 pytestmark = pytest.mark.llama
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 
+from harness.daemon import ROOT
 from modeld.llama_build import Build, choose, compute_capabilities
-from tests.daemon_proc import ROOT
 
 
 def machine(tools: set[str], smi: str = "", *, smi_fails: bool = False) -> tuple[Callable[[str], str | None],

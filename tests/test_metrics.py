@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from contract.errors import ModeldError
 from contract.wire import Op
+from harness.daemon import ROOT
 from runtime import Client
-from tests.daemon_proc import ROOT
 from tests.test_openai_front import Front
 
 SYSTEM = {"role": "system", "content": "You are a terse coding assistant."}

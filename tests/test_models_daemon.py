@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from harness.daemon import ROOT  # noqa: E402
 from modeld.store.pull import pull  # noqa: E402
 from modeld.store.store import ModelStore  # noqa: E402
-from tests.daemon_proc import ROOT  # noqa: E402
 from tests.hubstub import Hub, HubServer, Repo  # noqa: E402
 from tests.test_openai_front import Front  # noqa: E402
 

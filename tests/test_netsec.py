@@ -13,9 +13,9 @@ import pytest
 import zmq
 
 from contract.errors import ModeldError, Unavailable
+from harness.daemon import ROOT, DaemonProcess, free_tcp_endpoint
 from modeld.netsec import check_runtime_dir, check_tcp_exposure, is_loopback_tcp, server_keys
 from runtime import Client
-from tests.daemon_proc import ROOT, DaemonProcess, free_tcp_endpoint
 
 
 @pytest.mark.parametrize(

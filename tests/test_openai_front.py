@@ -19,8 +19,8 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from harness.daemon import ROOT, DaemonProcess  # noqa: E402
 from runtime import Client  # noqa: E402
-from tests.daemon_proc import ROOT, DaemonProcess  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You are a terse coding assistant."}
 
@@ -431,7 +431,7 @@ def test_serving_other_machines_without_a_key_is_warned_of(tmp_path: Path) -> No
 def tools_front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
     """A front on each engine serving the tool-capable fixture (its embedding model is the daemon's own)."""
     pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
-    from tests.fixtures import tool_gguf
+    from harness.fixtures import tool_gguf
 
     with Front(tmp_path_factory.mktemp(f"tools-{request.param}"), "--model", str(tool_gguf()), "--model-name", "tools",
                "--num-ctx", "2048", backend=request.param) as f:

@@ -67,8 +67,8 @@ from contract.types import (  # noqa: E402
     StructuredOutputConfig,
     SuffixInput,
 )
+from harness.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 from tests.engine_kit import CHEAP_CHECKS, LONG_PREFIX, NUM_CTX, PARAGRAPH, check_exact_rows, decode  # noqa: E402
-from tests.fixtures import WEATHER_TOOL, tool_gguf, truncated_gguf  # noqa: E402
 
 pytestmark = pytest.mark.openvino
 
@@ -447,7 +447,7 @@ def test_replay_snapshot_reprefills(model: OpenVINOLoadedModel, session: TapeSes
 
 
 def test_tool_template_renders_tools_and_tool_turns(backend: OpenVINOBackend) -> None:
-    """A tool-capable template (same weights, see tests/fixtures.py) gets tools, tool turns and thinking flags.
+    """A tool-capable template (same weights, see harness/fixtures.py) gets tools, tool turns and thinking flags.
 
     Its IR is the one the daemon tests load (the shared model cache): a fixture's conversion, not the
     developer's models, and made once a run rather than once more here."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_proc import ROOT, DaemonProcess
+from harness.daemon import ROOT, DaemonProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

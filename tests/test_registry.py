@@ -14,8 +14,9 @@ from contract.interfaces import Backend, StateCache
 from contract.sizing import OverheadModel
 from contract.types import Config
 from modeld import bootstrap, cli
-from modeld.bootstrap import ServeOptions, build_backend, build_slot, preload_request, prepare_models, resolve_backend
+from modeld.bootstrap import build_backend, build_slot, preload_request, prepare_models, resolve_backend
 from modeld.engine_choice import choose_backend
+from modeld.settings import ServeSettings
 
 #: a module no extra of the project brings: the fake engine's "package" when it is not installed
 MISSING_MODULE = "modeld_fake_engine_runtime"
@@ -75,7 +76,7 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch) -> EngineSpec:
 
 
 def test_bootstrap_builds_a_registered_engine(fake_engine: EngineSpec, tmp_path: Path) -> None:
-    opts = ServeOptions(backend="fake", speculative=False, cache_ram=0, cache_disk=0, data_dir=tmp_path)
+    opts = ServeSettings(backend="fake", speculative=False, cache_ram=0, cache_disk=0, data_dir=tmp_path)
     backend = build_backend(opts)
     assert isinstance(backend, FakeEngineBackend) and not backend.speculative
     slot = build_slot(opts, f"ipc://{tmp_path / 'f.sock'}")
@@ -96,9 +97,9 @@ def test_auto_considers_a_registered_engine(fake_engine: EngineSpec) -> None:
     name, reason = choose_backend(EngineFacts(machine="x86_64", installed=installed, model_kind="gguf"))
     assert name == "openvino" and "ran faster on OpenVINO" in reason
     # its exclusive settings reach the others through the facts bootstrap gathers
-    assert bootstrap.exclusive_settings(ServeOptions(num_ctx=123)) == {"fake": "--num-ctx 123"}
+    assert bootstrap.exclusive_settings(ServeSettings(num_ctx=123)) == {"fake": "--num-ctx 123"}
     # bootstrap finds it installed (its package is importable) and picks it for a model the others cannot read
-    picked = resolve_backend(ServeOptions(backend="auto", model=__file__))
+    picked = resolve_backend(ServeSettings(backend="auto", model=__file__))
     assert (picked.backend, picked.backend_reason) == ("fake", "auto: the fake engine takes this model")
 
 
@@ -111,7 +112,7 @@ def test_the_cli_names_a_registered_engines_extra(
     # `modeld serve --backend fake` without its package: the CLI says which extra installs it
     broken = EngineSpec(**{**FAKE.__dict__, "backend": missing_backend})
     monkeypatch.setitem(ENGINES, FAKE.name, broken)
-    monkeypatch.setattr(cli, "_daemon_main", lambda command: lambda rest: build_backend(ServeOptions(backend="fake")))
+    monkeypatch.setattr(cli, "_daemon_main", lambda command: lambda rest: build_backend(ServeSettings(backend="fake")))
     assert cli.main(["serve"]) == cli.EXIT_ERROR
     err = capsys.readouterr().err
     assert f"module {MISSING_MODULE!r} is not installed" in err and "pip install '.[fake]'" in err
@@ -122,6 +123,6 @@ def test_every_engine_entry_is_whole() -> None:
     """What the table promises of each real engine: a unique extra, and settings read from a load config."""
     assert len({spec.extra for spec in ENGINES.values()}) == len(ENGINES)
     for spec in ENGINES.values():
-        assert spec.name in bootstrap.BACKENDS and spec.overhead.name
+        assert spec.name in bootstrap.backend_choices() and spec.overhead.name
         if spec.exclusive_settings is not None:
             assert spec.exclusive_settings(Config()) == ""

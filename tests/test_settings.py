@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from pydantic_settings import BaseSettings
 
 import modeld
-from modeld import bootstrap
+from harness.daemon import ROOT, DaemonProcess
 from modeld.blobs import DEFAULT_MAX_BYTES
 from modeld.capacity import Policy
 from modeld.capacity.sizes import parse_size, parse_size_or_auto
@@ -44,8 +44,6 @@ from modeld.settings import (
     setting_value,
 )
 from modeld.slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
-
-from .daemon_proc import ROOT, DaemonProcess
 
 GiB = 2**30
 MiB = 2**20
@@ -190,7 +188,6 @@ def test_no_setting_is_declared_twice() -> None:
     for cls in models:
         if cls not in family:
             assert len(_declared(cls) & names) < 3, f"{cls.__module__}.{cls.__name__} repeats settings"
-    assert bootstrap.ServeOptions is ServeSettings  # the builders' name, no class of its own
 
 
 def test_the_defaults_are_the_daemons_and_the_fronts(config_home: Path) -> None:

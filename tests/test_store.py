@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.daemon import ROOT
 from modeld.store import pull as pull_mod
 from modeld.store import store as store_mod
 from modeld.store.cli import main as store_cli
 from modeld.store.pull import PullError, pull
 from modeld.store.refs import HubRef, RefError, choices, default_name, parse_ref, pick, quant_of
 from modeld.store.store import DOWNLOADS_DIR, ModelStore, StoreError
-from tests.daemon_proc import ROOT
 from tests.hubstub import COMMIT, Hub, HubServer, Repo
 
 REPO = "acme/Coder-1B-GGUF"

@@ -11,7 +11,7 @@ import pytest
 
 from contract.errors import ModelLoadFailed
 from contract.types import LoadModelRequest
-from tests.daemon_proc import ROOT, DaemonProcess
+from harness.daemon import ROOT, DaemonProcess
 
 pytestmark = pytest.mark.llama
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.daemon import ROOT
 from runtime import Client
-from tests.daemon_proc import ROOT
 
 CONTRIB = ROOT / "contrib"
 

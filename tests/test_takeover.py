@@ -9,7 +9,7 @@ import pytest
 
 from contract.errors import InvalidArgument, LostOwner, StaleFence
 from contract.types import OpenSessionRequest, PrefixInput, SuffixInput, owner_fingerprint
-from tests.daemon_proc import DaemonProcess
+from harness.daemon import DaemonProcess
 
 MODEL = OpenSessionRequest(model_name="m", type="memory", path="/models/m")
 

@@ -35,7 +35,7 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 def bare(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
     """The bundled weights in a GGUF that carries no chat template, as a base model's does."""
     pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
-    from tests.fixtures import untemplated_gguf
+    from harness.fixtures import untemplated_gguf
 
     with Front(tmp_path_factory.mktemp(f"bare-{request.param}"), "--model", str(untemplated_gguf()),
                "--model-name", "bare", "--num-ctx", "1024", backend=request.param) as f:

@@ -27,8 +27,8 @@ from backends.bundled import bundled_gguf_path
 from contract.interfaces import LoadedModel
 from contract.manifest import ContextManifest
 from contract.types import ChatMessage, Config, OpenSessionRequest, PrefixInput, SuffixInput
+from harness.daemon import ROOT, DaemonProcess
 from modeld.state_cache import StateCacheStore
-from tests.daemon_proc import ROOT, DaemonProcess
 from tests.engine_kit import PARAGRAPH, greedy
 
 A = "You are agent A, the main coder of this repository.\n" + PARAGRAPH * 6

@@ -383,10 +383,6 @@ class Serving:
         """The loaded model; 503 while one loads, 404 when none is."""
         return self._check_loaded(self._status())
 
-    def loaded_model(self) -> str:
-        """The loaded model's name; 503 while one loads, 404 when none is."""
-        return self.active().model_name
-
     def route(self, requested: str) -> Route:
         """Which model serves a request for ``requested``, and whether the slot must switch to it.
 
@@ -424,10 +420,6 @@ class Serving:
                            code="model_not_found", param="model")
         log.debug("a request for model %r is served by the loaded model %r", requested, loaded)
         return Route(loaded, switch=False)
-
-    def model_for(self, requested: str) -> str:
-        """The name of the model that serves a request for ``requested`` (``route``)."""
-        return self.route(requested).model
 
     def models(self) -> tuple[list[str], int]:
         """What ``/v1/models`` lists: the loaded model's name first, the aliases that lead to it, then every

@@ -1,0 +1,3 @@
+"""What the tests and the benchmarks both drive: a real ``modeld serve`` process (``harness.daemon``), the
+tool-capable model fixture built from the bundled GGUF (``harness.fixtures``) and shared prompts
+(``harness.prompts``). Neither owns it, so neither imports the other; it is not part of the installed package."""
