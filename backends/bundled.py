@@ -11,7 +11,7 @@ for four times the window (NTK-aware scaling: base · 4^(d/(d−2)) with the
 rotary dimension d = 64, so 100,000 → 418,293.66) and whose trained context
 says 32,768; the weights are the same bytes. Both engines read the two keys
 from the file, so no runtime flag is needed. Measured on code (perplexity by
-position, ``benchmarks/context_ext.py``, README): the original's climbs from
+position, ``benchmarks/context_ext.py``, docs/benchmarks.md): the original's climbs from
 3.8 before 8k to 67 at 8-16k and 6,000+ beyond; the copy's stays at 7.6-10.4
 out to 32k, for 9-13% more before 8k.
 """

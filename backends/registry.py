@@ -172,7 +172,7 @@ def _openvino_refusal(path: Path) -> str:
 
 
 #: where the choice's evidence is (figures measured on the project's machines, not on this one)
-EVIDENCE = "prefill-bound agent turns ran faster on OpenVINO in the project's x86-64 runs of make bench (README, Backends)"
+EVIDENCE = "prefill-bound agent turns ran faster on OpenVINO in the project's x86-64 runs of make bench (docs/benchmarks.md)"
 
 
 def _openvino_prefers(f: EngineFacts) -> Verdict:

@@ -123,7 +123,7 @@ PEER_REPS = 3
 SHORT_PAIRS = 40
 #: tokens each of those decodes (a prose answer runs longer than this)
 SHORT_TOKENS = 96
-#: the Config of exact decode per engine (README, Speculative decoding): a token's logits are the same
+#: the Config of exact decode per engine (docs/speculation.md): a token's logits are the same
 #: alone or as a row of a check, so drafts cannot change an answer; llama.cpp takes it with flash
 #: attention over a quantized cache, whose kernels are exact
 EXACT_DECODE: dict[str, dict[str, Any]] = {

@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
     p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,ttft,cold,capacity,embed",
                    help="comma-separated, in order")
-    p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (the README shows it)")
+    p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (docs/benchmarks.md shows it)")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     os.environ.setdefault("PYTHONPATH", str(ROOT))

@@ -290,7 +290,7 @@ class ActiveModel(_Report):
 
 
 class SpeculationStatus(_Report):
-    """How the loaded model speculates (``DaemonStatus.speculation``; README, Speculative decoding)."""
+    """How the loaded model speculates (``DaemonStatus.speculation``; docs/speculation.md)."""
 
     #: greedy decodes draft unless a request says otherwise (``modeld serve --speculative``)
     enabled: bool = False

@@ -1,6 +1,6 @@
 """Who may reach the daemon: the runtime directory's permissions, tcp exposure, CURVE keys.
 
-The threat model (README "Security"): the ipc socket lives in a per-user
+The threat model (docs/operations.md, "Security"): the ipc socket lives in a per-user
 directory the daemon creates 0700 and refuses to use when another user owns it
 or anyone else may enter it, so only the user's own processes connect. A tcp
 endpoint on a loopback address is reachable by every local user; any other

@@ -372,7 +372,7 @@ def test_sampling_is_seeded(model: LoadedModel, session: Session) -> None:
         return decode(session, 16, **cfg)[0]
 
     # the first pass samples from the prefill's logits; a repeat finds the turn resident and recomputes its
-    # last token by a one-token step, which rounds apart from a prefill (README, Backends): so two repeats,
+    # last token by a one-token step, which rounds apart from a prefill (docs/engines.md): so two repeats,
     # computed alike, are compared
     sample(temperature=0.9, top_p=0.9, top_k=40, seed=7)
     first = sample(temperature=0.9, top_p=0.9, top_k=40, seed=7)

@@ -1,4 +1,4 @@
-"""The layering the README states, read from the code's own imports (every ``import``, at any depth of a module).
+"""The layering docs/contributing.md states, read from the code's own imports (every ``import``, at any depth of a module).
 
 ``contract`` imports nothing of the project; ``runtime`` (what a client installs) only ``contract``; the engines
 (``backends``) only ``contract``; and no two packages import each other, directly or through a third.

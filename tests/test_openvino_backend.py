@@ -324,7 +324,7 @@ def test_suffix_reuse_is_the_exact_lcp(backend: OpenVINOBackend, ir_dir: Path) -
         s.ensure_prefix(PrefixInput(text="You are terse.", manifest=man))
         s.prefill_suffix(SuffixInput(text=q1, manifest=man))
         q1_end = len(m.res.tokens)
-        # decoded tokens are reused when a later prompt repeats them (the default, see README); these 8 follow
+        # decoded tokens are reused when a later prompt repeats them (the default, see docs/engines.md); these 8 follow
         # q1's end, past where q2 parts from q1, so the reuse below stops inside q1 (lcp < q1_end)
         greedy(s, 8)
         p = m.res.prefix_len
