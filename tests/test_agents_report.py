@@ -22,7 +22,7 @@ def test_a_failed_task_shows_even_when_the_last_one_ended_well() -> None:
 
 
 def test_a_replay_takes_the_generation_requests_in_order_with_one_output_token(tmp_path: Path) -> None:
-    from benchmarks.agents.replay import one_token, recorded
+    from benchmarks.agents.replay import one_token, prompt_tokens, recorded
     from benchmarks.agents.replay import table as replay_table
 
     run = tmp_path / "run"
@@ -45,6 +45,10 @@ def test_a_replay_takes_the_generation_requests_in_order_with_one_output_token(t
     assert one_token("/v1/responses", got["codex"][0]["body"]) == {"stream": False, "max_output_tokens": 1}
     assert one_token("/v1/chat/completions", {"max_completion_tokens": 9, "stream": True,
                                               "stream_options": {}}) == {"stream": False, "max_tokens": 1}
-    rows = replay_table({"modeld": {"codex": [(200, 4.0), (200, 0.5), (200, 0.5)]},
-                         "llama-server": {"codex": [(200, 8.0), (500, 0.1), (200, 2.0)]}}).splitlines()
-    assert rows[-1] == "| codex | 3 | 4.0, 1.0 | 8.0, 2.0 (1 not 200) | 0.50x, 0.50x |"
+    rows = replay_table({"modeld": {"codex": [(200, 4.0, 9600), (200, 0.5, 9700), (200, 0.5, 9800)]},
+                         "llama-server": {"codex": [(200, 8.0, 4990), (500, 0.1, 0), (200, 2.0, 5100)]}}).splitlines()
+    assert rows[-1] == "| codex | 3 | 4.0 (9,600), 1.0 | 8.0 (4,990), 2.0 (1 not 200) | 0.50x, 0.50x |"
+    # each API's usage: the prompt as the server counted it (a cache read is part of it)
+    assert prompt_tokens({"usage": {"prompt_tokens": 12}}) == 12
+    assert prompt_tokens({"usage": {"input_tokens": 3, "cache_read_input_tokens": 9}}) == 12
+    assert prompt_tokens({"error": "x"}) == 0

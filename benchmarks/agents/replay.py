@@ -38,7 +38,7 @@ from typing import Any
 from benchmarks.agents.daemon import Daemon, free_port
 from benchmarks.common import served
 
-__all__ = ["ROUTES", "main", "one_token", "recorded"]
+__all__ = ["ROUTES", "main", "one_token", "prompt_tokens", "recorded"]
 
 #: the generation routes replayed (``count_tokens`` and the probes are not prefills)
 ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
@@ -83,19 +83,40 @@ def one_token(path: str, body: dict[str, Any]) -> dict[str, Any]:
     return b
 
 
-def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, float]:
+def prompt_tokens(reply: Any) -> int:
+    """The prompt's tokens as the server counted them (its usage, in each API's own fields; 0 when it says none).
+
+    Servers render the same request to different prompts: a template without tool support may leave the tool
+    definitions out (llama-server's jinja rendering of the bundled ChatML template does), so the seconds of two
+    servers compare only beside their token counts."""
+    usage = reply.get("usage") if isinstance(reply, dict) else None
+    if not isinstance(usage, dict):
+        return 0
+    if "prompt_tokens" in usage:
+        return int(usage["prompt_tokens"] or 0)
+    return sum(int(usage.get(k) or 0) for k in ("input_tokens", "cache_read_input_tokens",
+                                                "cache_creation_input_tokens"))
+
+
+def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, float, int]:
+    """(status, seconds, prompt tokens) of one request."""
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
     try:
         t0 = time.perf_counter()
         c.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "Authorization": "Bearer none",
                                                    "x-api-key": "none", "anthropic-version": "2023-06-01"})
         r = c.getresponse()
-        r.read()
-        return r.status, time.perf_counter() - t0
+        raw = r.read()
+        took = time.perf_counter() - t0
     except OSError:
-        return 0, time.perf_counter() - t0
+        return 0, time.perf_counter() - t0, 0
     finally:
         c.close()
+    try:
+        tokens = prompt_tokens(json.loads(raw)) if r.status == 200 else 0
+    except ValueError:
+        tokens = 0
+    return r.status, took, tokens
 
 
 @contextmanager
@@ -134,36 +155,37 @@ def _server(name: str, model: Path, context: int, outdir: Path) -> Iterator[int]
 
 
 def replay(server: str, requests: dict[str, list[dict[str, Any]]], model: Path, context: int,
-           outdir: Path) -> dict[str, list[tuple[int, float]]]:
-    """{agent: [(status, seconds) per request]} on a fresh ``server``."""
-    out: dict[str, list[tuple[int, float]]] = {}
+           outdir: Path) -> dict[str, list[tuple[int, float, int]]]:
+    """{agent: [(status, seconds, prompt tokens) per request]} on a fresh ``server``."""
+    out: dict[str, list[tuple[int, float, int]]] = {}
     with _server(server, model, context, outdir) as port:
         for agent, reqs in requests.items():
             out[agent] = []
             for r in reqs:
-                status, secs = _post(port, r["path"], one_token(r["path"], r["body"]))
-                out[agent].append((status, secs))
-                print(f"replay: {server:16} {agent:10} {r['file']:28} HTTP {status} {secs:7.1f} s", file=sys.stderr,
-                      flush=True)
+                status, secs, tokens = _post(port, r["path"], one_token(r["path"], r["body"]))
+                out[agent].append((status, secs, tokens))
+                print(f"replay: {server:16} {agent:10} {r['file']:28} HTTP {status} {secs:7.1f} s {tokens:6} tokens",
+                      file=sys.stderr, flush=True)
     return out
 
 
-def table(results: dict[str, dict[str, list[tuple[int, float]]]]) -> str:
-    """Per agent and server: requests answered, the first request's seconds, the later ones' summed."""
+def table(results: dict[str, dict[str, list[tuple[int, float, int]]]]) -> str:
+    """Per agent and server: requests answered, the first request's seconds and prompt tokens, the later ones'
+    seconds summed."""
     servers = list(results)
     agents = list(next(iter(results.values())))
-    head = f"| agent | requests | {' | '.join(f'{s}: first, later (s)' for s in servers)} |"
+    head = f"| agent | requests | {' | '.join(f'{s}: first (its tokens), later (s)' for s in servers)} |"
     if "modeld" in results and "llama-server" in results:
         head += " modeld / llama-server: first, later |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
 
-    def cell(rows: list[tuple[int, float]]) -> tuple[str, float | None, float | None]:
+    def cell(rows: list[tuple[int, float, int]]) -> tuple[str, float | None, float | None]:
         if not rows or rows[0][0] != 200:
             return f"HTTP {rows[0][0] if rows else '-'}", None, None
-        later = [s for st, s in rows[1:] if st == 200]
-        bad = sum(1 for st, _ in rows if st != 200)
+        later = [s for st, s, _ in rows[1:] if st == 200]
+        bad = sum(1 for st, _, _ in rows if st != 200)
         note = f" ({bad} not 200)" if bad else ""
-        return f"{rows[0][1]:.1f}, {sum(later):.1f}{note}", rows[0][1], sum(later)
+        return f"{rows[0][1]:.1f} ({rows[0][2]:,}), {sum(later):.1f}{note}", rows[0][1], sum(later)
 
     for agent in agents:
         cells = {s: cell(results[s].get(agent, [])) for s in servers}
