@@ -122,9 +122,10 @@ THINK_CHATML_TEMPLATE = r"""{%- for message in messages %}
 """
 
 
-def tool_gguf(cache_dir: Path | None = None) -> Path:
-    """Path of the bundled GGUF with ``TOOL_CHATML_TEMPLATE``; built on first use."""
-    return templated_gguf(TOOL_CHATML_TEMPLATE, "tools", cache_dir)
+def tool_gguf(cache_dir: Path | None = None, src: Path | None = None) -> Path:
+    """Path of the bundled GGUF (or ``src``, e.g. the context-extended one) with ``TOOL_CHATML_TEMPLATE``; built on
+    first use."""
+    return templated_gguf(TOOL_CHATML_TEMPLATE, "tools" if src is None else f"tools-{src.stem}", cache_dir, src)
 
 
 def think_gguf(cache_dir: Path | None = None) -> Path:
@@ -137,9 +138,10 @@ def untemplated_gguf(cache_dir: Path | None = None) -> Path:
     return templated_gguf("", "notemplate", cache_dir)
 
 
-def templated_gguf(template: str, name: str, cache_dir: Path | None = None) -> Path:
-    """Path of the bundled GGUF with ``template`` as its chat template ("": none at all); built on first use."""
-    src = bundled_gguf_path()
+def templated_gguf(template: str, name: str, cache_dir: Path | None = None, src: Path | None = None) -> Path:
+    """Path of the bundled GGUF (or ``src``) with ``template`` as its chat template ("": none at all); built on
+    first use."""
+    src = src or bundled_gguf_path()
     st = src.stat()
     key = hashlib.sha256(f"{template}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out_dir = cache_dir or fixture_dir()

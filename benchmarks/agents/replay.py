@@ -133,11 +133,15 @@ def _server(name: str, model: Path, context: int, outdir: Path) -> Iterator[int]
     elif name == "llama-cpp-python":
         argv = [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(context),
                 "--n_threads", threads, "--n_threads_batch", threads, "--port", str(port)]
-        with served(argv, outdir / "replay-llama-cpp-python.log", port) as p:
+        with served(argv, outdir / "replay-llama-cpp-python.log", port, path="/v1/models") as p:  # (no /health)
             yield p
     else:
         modeld = str(Path(sys.executable).with_name("modeld"))
-        daemon = Daemon(modeld, outdir / "replay-modeld.log", extra=["--num-ctx", str(context)])
+        from backends.bundled import served_bundled_gguf
+
+        # make run's model unless another was asked for (the tool-template copy)
+        named = [] if model == served_bundled_gguf() else ["--model", str(model)]
+        daemon = Daemon(modeld, outdir / "replay-modeld.log", extra=["--num-ctx", str(context), *named])
         # one loop for the daemon's whole life, running beside the requests: it reads the daemon's log pipe
         loop = asyncio.new_event_loop()
         runner = threading.Thread(target=loop.run_forever, name="replay-daemon", daemon=True)
@@ -204,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--servers", default=",".join(SERVERS), help=f"which of {', '.join(SERVERS)} (default: all)")
     p.add_argument("--only", default="", help="these agents (comma-separated)")
     p.add_argument("--out", type=Path, default=None, help="write the seconds per request as JSON here")
+    p.add_argument("--tool-template", action="store_true",
+                   help="serve a copy of the model whose chat template renders tools (the same weights): every server "
+                        "then prefills the tool definitions, which a server that drops what the bundled template "
+                        "cannot express leaves out")
     args = p.parse_args(argv)
     from backends.bundled import served_bundled_gguf
 
@@ -214,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no recorded generation requests under {args.run}", file=sys.stderr)
         return 2
     model = served_bundled_gguf()
+    if args.tool_template:
+        from harness.fixtures import tool_gguf
+
+        model = tool_gguf(src=model)
     results = {}
     for server in [s for s in args.servers.split(",") if s]:
         if server not in SERVERS:
