@@ -178,17 +178,14 @@ EVIDENCE = "prefill-bound agent turns ran faster on OpenVINO in the project's x8
 def _openvino_prefers(f: EngineFacts) -> Verdict:
     """A GGUF it converts, on an x86-64 CPU, with no setting it lacks.
 
-    The rule is backed by ``make bench`` on the bundled model (2 cores, x86-64 with
-    AVX-512, ~2k-token prefix, 118-token turn): OpenVINO's cold TTFT was 2.1 s
-    against llama.cpp's 9.7 s, warm 0.19 s against 0.69 s, decode ~1.1x. On an
-    AVX2-only CPU (f32 there) OpenVINO still prefills 2-2.5x faster, cold 4.8 s
-    against 10.6 s, while llama.cpp decodes faster (~100 against ~56 tokens/s before
-    speculation); an agent's turns are prefill-bound, so the rule stands. It declines
+    The rule is backed by ``make bench`` on the bundled model (docs/benchmarks.md, docs/engines.md): OpenVINO
+    prefilled several times faster than llama.cpp on x86-64 with AVX-512 and still about twice as fast on an
+    AVX2-only CPU, where llama.cpp decodes faster; an agent's turns are prefill-bound, so the rule stands. It declines
     GPU layers (the OpenVINO backend here serves the CPU): a count or all, and under
     "auto" a GPU another engine's build offloads to; another engine's settings,
     another CPU architecture (not measured) and a GGUF its reader cannot convert
-    (``backends.openvino.prepare.check_convertible``). These figures were measured on
-    the project's machines: the reason ``status`` shows points at them and quotes none.
+    (``backends.openvino.prepare.check_convertible``). The measurements are the
+    project's machines': the reason ``status`` shows points at them and quotes none.
     """
     if f.num_gpu_layers > 0:
         return False, f"{f.num_gpu_layers} GPU layers were asked for; the OpenVINO backend serves the CPU"

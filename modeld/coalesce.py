@@ -4,15 +4,10 @@ Every frame of a decode stream wakes four threads outside the engine: the
 daemon's IO thread, the daemon's and the client's ZeroMQ IO threads, and the
 client. On a machine with as many cores as engine threads, each wake-up takes
 a core from the engine in the middle of a step, and its other threads wait for
-it at the next barrier; at ~100 tokens/s one frame per token cost about 6% of
-decode speed on 2 cores (measured with ``make bench``'s decode section).
-Measured per frame there: ~110 µs of the daemon's IO thread and ~200 µs of the
-client (receive, decode, validate), so even a frame per 20 ms took ~2% of a
-core beside the engine, and OpenVINO, whose two threads meet at every
-operation, lost about twice that (~3.5%). At one frame per 50 ms (the
-default) both engines decode within ~1% of in process (the bench's short
-pairs with the load order balanced: llama.cpp 0.993, OpenVINO 0.982-0.988;
-no frames at all until the end read 0.997 beside 0.991 at 50 ms).
+it at the next barrier: a frame per token cost a measurable share of decode
+speed on 2 cores, and OpenVINO, whose threads meet at every operation, lost
+more. At one frame per 50 ms (the default) both engines decode within about a
+percent of in process (docs/benchmarks.md, "Streaming frames and decode speed").
 
 So the worker sends a chunk at once when the last frame went out at least
 ``interval_s`` ago (the first chunk always goes at once: time to first token is

@@ -336,8 +336,8 @@ class ServeSettings(HttpSettings):
     exact_decode: bool = Field(
         False,
         description="compute every decoded token as a prefill computes it, so drafts (sampled ones too) and "
-        "reused replies never change an answer; OpenVINO: a decode step then costs more over a long context "
-        "(up to 1.85x at 2,000 tokens, 2.5x at 4,000); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)",
+        "reused replies never change an answer; OpenVINO: a decode step then costs more, the more so the longer the "
+        "context (docs/speculation.md); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)",
     )
     chat_template: str = Field(
         "",
