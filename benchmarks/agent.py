@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import served, text_of_tokens
-from harness.daemon import DaemonProcess
+from harness.daemon import DaemonProcess, free_port
 from runtime import Chat
 
 REPLY_TOKENS = 32
@@ -200,7 +200,7 @@ def peer_server(tmp: Path, model: Path, n_ctx: int, *extra: str) -> Iterator[int
     """llama-cpp-python's OpenAI server on a free loopback port, with the daemon's thread count; yields the port.
 
     ``extra``: more server flags (e.g. ``--cache true --cache_type ram``)."""
-    port = _free_port()
+    port = free_port()
     threads = str(os.cpu_count() or 1)  # its own default is half the cores
     argv = [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(n_ctx),
             "--n_threads", threads, "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port), *extra]
@@ -291,13 +291,13 @@ def section(tmp: Path, backend: str, count: Any, *, turns: int = 10, replay: int
     front: list[dict[str, float]] | None = None
     if with_peer:
         peer = run_peer(tmp, model, n_ctx, sent)
-        front = run_front(tmp, backend, model, n_ctx, _free_port(), sent)
+        front = run_front(tmp, backend, model, n_ctx, free_port(), sent)
     out = summarise(backend, rows, peer, differ, min(replay, turns), front)
     if front:
         chat_warm = statistics.median(r["ttft_ms"] for r in front[1:])
         for api, what in (("responses", "stateless, the whole input each turn"),
                           ("responses-stateful", "previous_response_id, only the new items")):
-            got = run_front(tmp, backend, model, n_ctx, _free_port(), sent, api=api)
+            got = run_front(tmp, backend, model, n_ctx, free_port(), sent, api=api)
             warm = statistics.median(r["ttft_ms"] for r in got[1:])
             cached = sum(r["cached"] for r in got[1:]) / max(1.0, sum(r["prompt"] for r in got[1:]))
             ratio = warm / chat_warm
@@ -317,11 +317,3 @@ def _disk_written(d: DaemonProcess) -> int:
 
     assert d.proc is not None
     return int(psutil.Process(d.proc.pid).io_counters().write_chars)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

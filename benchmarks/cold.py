@@ -19,9 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agents.daemon import free_port
-from benchmarks.common import PREFIX_LINE, served, text_of_tokens, wait_http
-from harness.daemon import DaemonProcess
+from benchmarks.common import PREFIX_LINE, served, text_of_tokens
+from harness.daemon import DaemonProcess, free_port, wait_http
 
 __all__ = ["LENGTHS", "rows", "section"]
 
@@ -65,7 +64,7 @@ def _modeld(tmp: Path, backend: str, model: Path, prompts: dict[int, str]) -> di
                       "--http", f"127.0.0.1:{port}")
     d.start(ready_timeout_s=900, wait_state=("Ready",))
     try:
-        wait_http(port, "/health")
+        wait_http(port, "/health", timeout_s=300.0)
         return _cold(port, prompts)
     finally:
         d.stop()

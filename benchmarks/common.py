@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.client
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -13,6 +12,7 @@ from typing import Any
 from contract.interfaces import Session
 from contract.manifest import ContextManifest
 from contract.types import PrefixInput, SuffixInput
+from harness.daemon import wait_http
 
 #: the stable prefix's filler: a repository map, one line per module
 PREFIX_LINE = "src/pkg/module_{i}.py: class Handler{i}(Base): def run(self, x): return x * {i}"
@@ -74,25 +74,6 @@ def snapshot_vs_reprefill(
     sess.prefill_suffix(SuffixInput(text=turn, manifest=manifest))
     out["reprefill_ms"] = (time.perf_counter() - t0) * 1000
     return out
-
-
-def wait_http(port: int, path: str, timeout_s: float = 300.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    """Until ``GET path`` on 127.0.0.1:``port`` answers 200; raises when ``proc`` exits first or the time is up."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server exited {proc.returncode} while starting")
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        try:
-            c.request("GET", path)
-            if c.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        finally:
-            c.close()
-        time.sleep(0.3)
-    raise RuntimeError(f"nothing answered {path} on port {port} within {timeout_s:.0f} s")
 
 
 @contextmanager

@@ -44,7 +44,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -223,12 +222,6 @@ def section_llama(tmp: Path, texts: dict[str, Any], peer: dict[str, float]) -> s
 
 
 # --- the peer: llama-cpp-python's own server ---------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _sse_ttft(port: int, system: str, user: str) -> float:
     body = json.dumps(
         {

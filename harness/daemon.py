@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -19,11 +20,35 @@ from runtime import Client
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_tcp_endpoint() -> str:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"tcp://127.0.0.1:{port}"
+        return int(s.getsockname()[1])
+
+
+def free_tcp_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def wait_http(port: int, path: str = "/health", timeout_s: float = 30.0,
+              proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Until ``GET path`` on 127.0.0.1:``port`` answers 200; raises when ``proc`` exits first or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited {proc.returncode} while starting")
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            c.request("GET", path)
+            if c.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            c.close()
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing answered {path} on port {port} within {timeout_s:.0f} s")
 
 
 class DaemonProcess:

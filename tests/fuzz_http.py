@@ -35,9 +35,8 @@ from pathlib import Path
 
 import psutil
 
-from harness.daemon import DaemonProcess
+from harness.daemon import DaemonProcess, free_port, wait_http
 from tests.test_front_limits import CHAT, HALF_HEAD, _chat, _limit_open_files, half_heads, room_for_connections
-from tests.test_openai_front import _port, _wait_http
 
 ACCESS = re.compile(r"modeld\.access: (\S+) (\S+) (\d{3})\b")
 
@@ -161,13 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="modeld-fuzz-http-") as tmp_name:
         tmp = Path(tmp_name)
-        port = _port()
+        port = free_port()
         d = DaemonProcess(tmp, "memory", None, "--model", "/models/ref", "--model-name", "ref",
                           "--http", f"127.0.0.1:{port}", "--http-header-timeout", "5", "--memory-token-delay-ms", "1")
         d.preexec = _limit_open_files
         d.start(wait_state=("Ready",))
         assert d.proc is not None
-        _wait_http(port)
+        wait_http(port)
         proc = psutil.Process(d.proc.pid)
         operations = _operations(port)
         rss0 = proc.memory_info().rss

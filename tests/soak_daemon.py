@@ -134,10 +134,10 @@ def http_phase(tmp: Path, turns: int) -> dict[str, object]:
     import http.client
     import json
 
+    from harness.daemon import free_port, wait_http
     from tests.test_front_limits import _post_big
-    from tests.test_openai_front import _port, _wait_http
 
-    port = _port()
+    port = free_port()
     d = DaemonProcess(tmp / "http", "memory", None, "--model", "/models/soak", "--model-name", "soak",
                       "--http", f"127.0.0.1:{port}", "--memory-token-delay-ms", "1").start(wait_state=("Ready",))
     errors: collections.Counter[str] = collections.Counter()
@@ -150,7 +150,7 @@ def http_phase(tmp: Path, turns: int) -> dict[str, object]:
         ("/v1/messages", {"model": "claude", "messages": messages, "max_tokens": 4, "stream": True}),
     ]
     try:
-        _wait_http(port)
+        wait_http(port)
         rss0, fds0 = _usage(d)
         rss_mid = 0.0
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

@@ -39,6 +39,7 @@ from runtime import Client, RemoteSession
 
 from .conformance import SCENARIOS, SYSTEM, TURN_1, Target, fresh_profile, manifest_for
 from .engine_kit import CHEAP_CHECKS, take
+from .test_metrics import samples
 
 BACKENDS = ["llama", "openvino"]
 #: the bundled model as shipped, not the context-extended copy plain ``serve`` loads: the greedy
@@ -158,8 +159,7 @@ def _check_niced(backend_daemon: DaemonProcess) -> None:
 
 
 def _counter(text: str, name: str, result: str) -> float:
-    line = next((x for x in text.splitlines() if x.startswith(f'{name}{{result="{result}"}}')), "")
-    return float(line.split()[-1]) if line else 0.0
+    return samples(text).get((name, (("result", result),)), 0.0)
 
 
 #: tokens a pass closed after 30 may decode: the bundled model's continuation of the edit runs all of

@@ -24,6 +24,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from tests.test_metrics import samples  # noqa: E402
 from tests.test_openai_front import Front  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -86,9 +87,9 @@ def _cancelled_prefills(front: Front) -> float:
     """Prefills the daemon answered Cancelled (its metrics): a prefill cut short, not one that ran to its end."""
     with front.daemon.client(timeout_s=10.0) as c:
         text = c.metrics()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-               if ln.startswith("modeld_errors_total{") and 'error="Cancelled"' in ln
-               and ('op="ensure_prefix"' in ln or 'op="prefill_suffix"' in ln))
+    return sum(value for (name, labels), value in samples(text).items() if name == "modeld_errors_total"
+               and dict(labels).get("error") == "Cancelled" and dict(labels).get("op") in ("ensure_prefix",
+                                                                                             "prefill_suffix"))
 
 
 def _openai(front: Front, **kw: Any) -> Any:

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from tests.test_metrics import samples  # noqa: E402
 from tests.test_openai_front import Front  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -69,8 +70,7 @@ def _prefilled(front: Front) -> float:
     """The daemon's count of prefilled tokens (its metrics)."""
     with front.daemon.client(timeout_s=10.0) as c:
         text = c.metrics()
-    found = re.search(r'^modeld_prompt_tokens_total\{kind="prefilled"\} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return samples(text).get(("modeld_prompt_tokens_total", (("kind", "prefilled"),)), 0.0)
 
 
 def test_tools_on_a_template_without_tool_support_round_trip(front: Front) -> None:

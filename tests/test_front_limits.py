@@ -14,8 +14,11 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from harness.daemon import DaemonProcess  # noqa: E402
-from tests.test_openai_front import _port, _wait_http  # noqa: E402
+from harness.daemon import (  # noqa: E402
+    DaemonProcess,  # noqa: E402
+    free_port,
+    wait_http,
+)
 
 HALF_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
 CHAT = {"model": "ref", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -83,11 +86,11 @@ def test_idle_half_sent_connections_cannot_starve_the_daemon(tmp_path: Path) -> 
     cannot = room_for_connections(1200)
     if cannot:
         pytest.skip(cannot)
-    port = _port()
+    port = free_port()
     d = _daemon(tmp_path, port, "--http-header-timeout", "600")
     d.preexec = _limit_open_files
     with d:
-        _wait_http(port)
+        wait_http(port)
         socks = half_heads(port, 1200)
         try:
             # a complete request sent while the last refused half-sent ones are fresh reads its 503 too, even
@@ -116,9 +119,9 @@ def test_idle_half_sent_connections_cannot_starve_the_daemon(tmp_path: Path) -> 
 
 
 def test_a_slow_request_head_is_closed_but_a_long_stream_is_not(tmp_path: Path) -> None:
-    port = _port()
+    port = free_port()
     with _daemon(tmp_path, port, "--http-header-timeout", "1", "--memory-token-delay-ms", "60"):
-        _wait_http(port)
+        wait_http(port)
         slow = socket.create_connection(("127.0.0.1", port), timeout=10)
         try:
             slow.sendall(HALF_HEAD)
@@ -169,9 +172,9 @@ def test_a_200_mb_body_is_refused_413_and_memory_stays_flat(tmp_path: Path) -> N
     import threading
 
     psutil = pytest.importorskip("psutil")
-    port = _port()
+    port = free_port()
     with _daemon(tmp_path, port) as d:
-        _wait_http(port)
+        wait_http(port)
         assert d.proc is not None
         proc = psutil.Process(d.proc.pid)
         assert _chat(port)[0] == 200

@@ -6,7 +6,6 @@ import http.client
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,37 +18,15 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from harness.daemon import ROOT, DaemonProcess  # noqa: E402
+from harness.daemon import ROOT, DaemonProcess, free_port, wait_http  # noqa: E402
 from runtime import Client  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You are a terse coding assistant."}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_http(port: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        try:
-            c.request("GET", "/health")
-            if c.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        finally:
-            c.close()
-        time.sleep(0.1)
-    raise RuntimeError("the HTTP front did not answer")
-
-
 class Front:
     def __init__(self, tmp: Path, *extra: str, backend: str = "memory") -> None:
-        self.port = _port()
+        self.port = free_port()
         model = ["--model", "/models/ref", "--model-name", "ref"] if backend == "memory" else []
         self.daemon = DaemonProcess(tmp, backend, None, *model, "--http", f"127.0.0.1:{self.port}", *extra)
         self.url = f"http://127.0.0.1:{self.port}/v1"
@@ -57,7 +34,7 @@ class Front:
 
     def __enter__(self) -> Front:
         self.daemon.start(wait_state=("Ready",))  # the preloaded model is in
-        _wait_http(self.port)
+        wait_http(self.port)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -421,7 +398,7 @@ def test_a_remote_address_needs_an_explicit_flag(tmp_path: Path) -> None:
 
 
 def test_serving_other_machines_without_a_key_is_warned_of(tmp_path: Path) -> None:
-    d = DaemonProcess(tmp_path, "memory", None, "--no-preload", "--http", f"0.0.0.0:{_port()}", "--http-allow-remote")
+    d = DaemonProcess(tmp_path, "memory", None, "--no-preload", "--http", f"0.0.0.0:{free_port()}", "--http-allow-remote")
     with d:
         assert "serves other machines with no --api-key" in d.log()
 
@@ -522,13 +499,13 @@ def test_a_busy_slot_queues_then_answers_503(tmp_path: Path) -> None:
 
 
 def test_the_front_as_its_own_process(tmp_path: Path) -> None:
-    port = _port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with DaemonProcess(tmp_path / "d", "memory", None, "--model", "/models/ref", "--model-name", "ref") as d:
         front = subprocess.Popen([sys.executable, "-m", "modeld", "http", "--endpoint", d.endpoint, "--http", f"127.0.0.1:{port}"],
                                  env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
-            _wait_http(port)
+            wait_http(port)
             sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
             out = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=3)
             sdk.close()
@@ -547,14 +524,14 @@ def test_a_daemon_killed_under_a_separate_front_ends_every_stream_as_a_failure(t
     import signal
 
     anthropic = pytest.importorskip("anthropic")
-    port = _port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     d = DaemonProcess(tmp_path / "d", "memory", None, "--model", "/models/ref", "--model-name", "ref",
                       "--memory-token-delay-ms", "20").start(wait_state=("Ready",))
     front = subprocess.Popen([sys.executable, "-m", "modeld", "http", "--endpoint", d.endpoint, "--http", f"127.0.0.1:{port}"],
                              env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        _wait_http(port)
+        wait_http(port)
         base = f"http://127.0.0.1:{port}"
         if api == "chat":
             sdk = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)

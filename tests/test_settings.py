@@ -9,7 +9,6 @@ import inspect
 import json
 import os
 import pkgutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from pydantic import BaseModel
 from pydantic_settings import BaseSettings
 
 import modeld
-from harness.daemon import ROOT, DaemonProcess
+from harness.daemon import ROOT, DaemonProcess, free_port
 from modeld.blobs import DEFAULT_MAX_BYTES
 from modeld.capacity import Policy
 from modeld.capacity.sizes import parse_size, parse_size_or_auto
@@ -62,13 +61,6 @@ def config_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for name in SETTINGS:
         monkeypatch.delenv(env_name(name), raising=False)
     return home
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def write_config(home: Path, body: str) -> Path:

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,19 +22,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Daemon", "DaemonError", "free_port", "get_json"]
+from harness.daemon import free_port
+
+__all__ = ["Daemon", "DaemonError", "get_json"]
 
 ACCESS_LOGGER = "modeld.access"
 
 
 class DaemonError(RuntimeError):
     """The daemon did not come up (its log says why)."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:

@@ -35,8 +35,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agents.daemon import Daemon, free_port
+from benchmarks.agents.daemon import Daemon
 from benchmarks.common import served
+from harness.daemon import free_port
 
 __all__ = ["ROUTES", "main", "one_token", "prompt_tokens", "recorded"]
 

@@ -15,12 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agents.daemon import Daemon, DaemonError, free_port, get_json
+from benchmarks.agents.daemon import Daemon, DaemonError, get_json
 from benchmarks.agents.install import Installed, InstallError, ensure_installed
 from benchmarks.agents.proxy import Proxy
 from benchmarks.agents.report import AccessLine, AgentResult, assign, table
 from benchmarks.agents.scratch import GIT_ENV, TASKS, make_repo
 from benchmarks.agents.specs import AGENTS, Context, Launch
+from harness.daemon import free_port
 
 __all__ = ["main"]
 
