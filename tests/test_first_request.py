@@ -25,10 +25,12 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from tests.test_metrics import samples  # noqa: E402
-from tests.test_openai_front import Front  # noqa: E402
+from tests.test_openai_front import Front, slot_free, wait_busy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+#: what the slot runs while a request prefills
+PREFILLS = ("ensure_prefix", "prefill_suffix")
 #: tokens per prefill chunk, and how long each is held back
 CHUNK = 64
 DELAY_MS = 800
@@ -53,34 +55,6 @@ def _long_text(chunks: int) -> str:
     lines = [f"# session {uuid.uuid4().hex}"]
     lines += [f"def helper_{i}(value):\n    return value * {i} + {i % 7}\n" for i in range(chunks * 3)]
     return "\n".join(lines)
-
-
-def _busy(front: Front) -> str:
-    with front.daemon.client(timeout_s=10.0) as c:
-        return c.status().busy_operation
-
-
-def _wait_busy(front: Front, ops: tuple[str, ...] = ("ensure_prefix", "prefill_suffix"), timeout_s: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        op = _busy(front)
-        if op in ops:
-            return op
-        time.sleep(0.05)
-    raise AssertionError(f"the daemon never ran {ops}")
-
-
-def _free_after(front: Front, since: float, timeout_s: float = 120.0) -> float:
-    """Seconds from ``since`` until the slot is free (no operation, no session); the timeout is a ceiling for a slot
-    that stays held, not a measure of speed."""
-    deadline = time.monotonic() + timeout_s
-    with front.daemon.client(timeout_s=10.0) as c:
-        while time.monotonic() < deadline:
-            st = c.status()
-            if not st.busy_operation and not st.session_open:
-                return time.monotonic() - since
-            time.sleep(0.05)
-    raise AssertionError(f"the slot was still held {timeout_s} s after the client went away")
 
 
 def _cancelled_prefills(front: Front) -> float:
@@ -138,7 +112,7 @@ def test_a_client_gone_during_the_prefill_frees_the_slot_at_once(front: Front, a
     if stream:
         events = _request(front, api, system, stream=True, max_tokens=200)
         next(iter(events))  # the stream's first event comes at once, before the prefill
-        _wait_busy(front)
+        wait_busy(front, PREFILLS)
         events.close()
     else:
         # a client that gives up on a reply that is not streamed: it closes its connection while the prefill runs
@@ -155,10 +129,9 @@ def test_a_client_gone_during_the_prefill_frees_the_slot_at_once(front: Front, a
         conn.request("POST", ROUTES[api], body=json.dumps(body).encode(),
                      headers={"content-type": "application/json", "authorization": f"Bearer {API_KEY}",
                               "x-api-key": API_KEY})
-        _wait_busy(front)
+        wait_busy(front, PREFILLS)
         conn.close()
-    left = time.monotonic()
-    _free_after(front, left)
+    slot_free(front, timeout_s=120.0)
     # it was the prefill that was cut short (the daemon answered it Cancelled), not a prefill that ran to its end
     assert _cancelled_prefills(front) > cancelled
     # the next client is served at once, and the access line says what the abandoned turn did
@@ -182,9 +155,8 @@ def test_a_resent_request_reuses_the_chunks_the_first_attempt_finished(front: Fr
                 done = int(progress.get("done", 0))
                 if done >= 3 * CHUNK:
                     break
-    left = time.monotonic()
     assert done >= 3 * CHUNK, "no keep-alive carried the prefill's progress"
-    _free_after(front, left)
+    slot_free(front, timeout_s=120.0)
     again = _openai(front).responses.create(model="default", instructions=system, input="What does helper_3 return?",
                                             max_output_tokens=16, store=False, temperature=0)
     assert again.usage is not None

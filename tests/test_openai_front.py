@@ -334,12 +334,12 @@ def test_a_client_that_disconnects_cancels_its_decode(front: Front, api: str) ->
     assert "error=client_gone" in found[-1], found
     fields = dict(kv.split("=", 1) for kv in found[-1].split() if "=" in kv)
     assert int(fields["prompt_tokens"]) > 0, found[-1]
-    _slot_free(front)
+    slot_free(front)
     out = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2)
     assert out.usage is not None and out.usage.completion_tokens == 2
 
 
-def _slot_free(front: Front, timeout_s: float = 60.0) -> None:
+def slot_free(front: Front, timeout_s: float = 60.0) -> None:
     """Wait until no session holds the slot and nothing runs on it (a ceiling for a slot that stays held, which
     fails the test; not a measure of how fast it frees)."""
     deadline = time.monotonic() + timeout_s
@@ -349,13 +349,15 @@ def _slot_free(front: Front, timeout_s: float = 60.0) -> None:
             time.sleep(0.05)
 
 
-def _decoding(front: Front, timeout_s: float = 60.0) -> None:
-    """Wait until the slot decodes (the request in flight has been prefilled)."""
+def wait_busy(front: Front, ops: tuple[str, ...] = ("decode",), timeout_s: float = 60.0) -> str:
+    """Wait until the slot runs one of ``ops`` (the default: the request in flight has been prefilled and
+    decodes); the one it runs."""
     deadline = time.monotonic() + timeout_s
     with front.daemon.client(timeout_s=10.0) as c:
-        while c.status().busy_operation != "decode":
-            assert time.monotonic() < deadline, f"no decode started\n{front.daemon.log()[-3000:]}"
+        while (op := c.status().busy_operation) not in ops:
+            assert time.monotonic() < deadline, f"the daemon never ran {ops}\n{front.daemon.log()[-3000:]}"
             time.sleep(0.02)
+    return op
 
 
 def _send(front: Front, body: dict[str, Any]) -> http.client.HTTPConnection:
@@ -372,12 +374,12 @@ def test_a_client_that_gives_up_on_a_plain_request_cancels_its_decode(front: Fro
     before = len(front.daemon.wait_lines(lambda ln: "modeld.access" in ln and " 499 " in ln, 0))
     conn = _send(front, {"model": "ref", "messages": [SYSTEM, {"role": "user", "content": "Talk at length."}],
                          "max_tokens": 3000})
-    _decoding(front)
+    wait_busy(front)
     conn.close()
     lines = front.daemon.wait_lines(lambda ln: "modeld.access" in ln and " 499 " in ln, before + 1)
     assert "error=client_gone" in lines[-1] and "finish_reason=cancelled" in lines[-1], lines[-1:]
     assert "prompt_tokens=" in lines[-1], lines[-1]
-    _slot_free(front)
+    slot_free(front)
 
 
 def test_api_key(tmp_path: Path) -> None:
@@ -595,7 +597,7 @@ def test_a_client_gone_while_its_request_waited_for_the_slot_leaves_it_free(fron
     holder = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "Talk at length."}],
                                          max_tokens=3000, stream=True)  # 15 s and more at 5 ms a token
     next(iter(holder))
-    _decoding(front)
+    wait_busy(front)
     waiting = _send(front, {"model": "ref", "messages": [SYSTEM, {"role": "user", "content": "hi"}], "max_tokens": 5,
                             "stream": stream})
     with front.daemon.client(timeout_s=10.0) as c:  # it waits for the slot: the front's client is queued
@@ -606,6 +608,6 @@ def test_a_client_gone_while_its_request_waited_for_the_slot_leaves_it_free(fron
     waiting.close()  # and gives up
     holder.close()  # the slot frees; the abandoned request's begin takes it, and must give it back
     front.daemon.wait_lines(gone, before + 1)  # the request that waited went with a 499
-    _slot_free(front)
+    slot_free(front)
     out = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2)
     assert out.usage is not None and out.usage.completion_tokens == 2
