@@ -221,8 +221,15 @@ class Turn:
         long prefill, or for ever while a decode streams text a parser holds back, with the slot held throughout.
         """
         idle = threading.Event()
+        lock = threading.Lock()
+        ran = abandoned = False
 
         def step() -> ChatEvent | None:
+            nonlocal ran
+            with lock:
+                if abandoned:  # the route was cancelled before this thread took the step: nothing to do
+                    return None
+                ran = True
             try:
                 return next(events, None)
             finally:
@@ -231,9 +238,15 @@ class Turn:
         try:
             return await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
         except anyio.get_cancelled_exc_class():
+            with lock:
+                abandoned = True
+                running = ran
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self.cancel)  # (it waits for the client's socket: not on the loop)
-                await anyio.to_thread.run_sync(idle.wait)
+                if running:
+                    # A step cancelled before a worker thread took it never runs (anyio drops it), and waiting for
+                    # its end would hold the slot for ever: only a step that started is waited for.
+                    await anyio.to_thread.run_sync(idle.wait)
             raise
 
 
