@@ -6,8 +6,8 @@ each send half a request header use up a 1,024 descriptor limit, and the next Ze
 libzmq abort the daemon (``Too many open files``). Here:
 
 * at start the soft ``RLIMIT_NOFILE`` is raised toward the hard one, and the connection cap is kept
-  ``RESERVED_FDS`` (and two accept bursts) below it, so the model, its files and the ZeroMQ clients
-  always find descriptors;
+  ``RESERVED_FDS``, the lingering refused connections and ``ACCEPT_BURSTS`` accept bursts below it, so the
+  model, its files and the ZeroMQ clients always find descriptors;
 * a connection past the cap is answered ``503`` (``Retry-After``) at once and half-closed, then lingers
   while its request is read and dropped: a client that wrote its request, or writes it after the answer,
   reads the ``503`` rather than a reset or a broken pipe. The linger ends as soon as the request is read
@@ -38,7 +38,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("modeld.front")
 
-__all__ = ["ACCEPT_BACKLOG", "DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "LINGER_MAX", "LINGER_READ_MAX",
+__all__ = ["ACCEPT_BACKLOG", "ACCEPT_BURSTS", "DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "LINGER_MAX", "LINGER_READ_MAX",
            "LINGER_S", "RESERVED_FDS", "connection_cap", "guarded_protocol"]
 
 #: open HTTP connections the front serves at once (agents hold a few; a browser tab six)
@@ -54,12 +54,18 @@ WANTED_FDS = 65536
 LINGER_S = 1.0
 #: bytes a lingering connection reads and drops before it is closed (a request of ordinary size is read whole)
 LINGER_READ_MAX = 1 << 20
-#: the listen backlog, which is also how many connections asyncio accepts in one go before the cap sees
-#: any of them: two such bursts are kept free below the limit as well. (Smaller, a flood of connects
-#: overflows the kernel's queue and each dropped SYN costs its client a one-second retry.)
+#: the listen backlog, which is also how many connections asyncio accepts in one tick of its loop before the
+#: cap sees any of them. (Smaller, a flood of connects overflows the kernel's queue and each dropped SYN costs
+#: its client a one-second retry.)
 ACCEPT_BACKLOG = 128
-#: refused connections that may linger at once: one of the two accept bursts kept free below the descriptor
-#: limit, so lingering never eats into ``RESERVED_FDS``
+#: accept bursts whose descriptors are open before the cap has closed any of them: asyncio accepts a burst in
+#: one tick, makes each connection (``connection_made``, where the cap refuses it) a tick or two later, and a
+#: refused connection's socket closes a tick after that, while the listener goes on accepting each tick. With
+#: two, a flood of 1,200 connects against a 1,024 limit reached ``EMFILE`` on a loaded machine; with three
+#: its peak stays below the reserve (docs/apis.md).
+ACCEPT_BURSTS = 3
+#: refused connections that may linger at once, on top of the accept bursts, so lingering never eats into
+#: ``RESERVED_FDS``
 LINGER_MAX = ACCEPT_BACKLOG
 
 
@@ -72,8 +78,8 @@ def _reply(status: str, kind: str, code: str, message: str, extra: str = "") -> 
 
 def connection_cap(wanted: int) -> int:
     """Raise the soft descriptor limit toward the hard one and return how many HTTP connections fit: at most
-    ``wanted``, always ``RESERVED_FDS`` and two accept bursts below the limit (and at least 8): one burst for
-    connections accepted before the cap sees them, one for refused connections lingering (``LINGER_MAX``)."""
+    ``wanted``, always ``RESERVED_FDS``, ``LINGER_MAX`` lingering refused connections and ``ACCEPT_BURSTS``
+    accept bursts (connections accepted before the cap has closed them) below the limit, and at least 8."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = WANTED_FDS if hard == resource.RLIM_INFINITY else min(hard, WANTED_FDS)
     if soft != resource.RLIM_INFINITY and soft < target:
@@ -83,7 +89,7 @@ def connection_cap(wanted: int) -> int:
         except (ValueError, OSError) as exc:  # a container may forbid it: the budget is what there is
             log.info("open files limit stays %d (%s)", soft, exc)
     limit = WANTED_FDS if soft == resource.RLIM_INFINITY else soft
-    cap = max(8, min(wanted, limit - RESERVED_FDS - 2 * ACCEPT_BACKLOG))
+    cap = max(8, min(wanted, limit - RESERVED_FDS - LINGER_MAX - ACCEPT_BURSTS * ACCEPT_BACKLOG))
     if cap < wanted:
         log.warning("the open files limit is %d: the HTTP front serves at most %d connections (--http-max-connections "
                     "%d asked for; raise `ulimit -n`)", limit, cap, wanted)
