@@ -52,3 +52,13 @@ def test_a_replay_takes_the_generation_requests_in_order_with_one_output_token(t
     assert prompt_tokens({"usage": {"prompt_tokens": 12}}) == 12
     assert prompt_tokens({"usage": {"input_tokens": 3, "cache_read_input_tokens": 9}}) == 12
     assert prompt_tokens({"error": "x"}) == 0
+
+
+def test_the_agents_get_the_slower_machines_time_under_load() -> None:
+    from benchmarks.agents.runner import TIMEOUT_S, load_timeout, parse_args
+
+    assert load_timeout(0, cpus=2) == TIMEOUT_S
+    assert load_timeout(2, cpus=2) == 2 * TIMEOUT_S  # two busy processes on two CPUs: each runs at half speed
+    assert parse_args(["--load", "2", "--tasks", "1"]).timeout == load_timeout(2)
+    assert parse_args(["--load", "2", "--timeout", "100"]).timeout == 100  # a timeout asked for is kept
+    assert parse_args(["--tasks", "1"]).task == parse_args([]).task[:1]

@@ -10,7 +10,8 @@ log, matched to the agent by when each request started), errors (status >= 400 o
 prefix reuse (cached ÷ prompt tokens over the requests after the first), prompt tokens, time, whether
 the repository changed, whether ``add`` now returns the sum, and the agent's exit code.
 
-Options: ``--only opencode,aider`` (a subset), ``--timeout 420`` (seconds per agent and task),
+Options: ``--only opencode,aider`` (a subset), ``--timeout 420`` (seconds per agent and task; more under ``--load``),
+``--tasks N``, ``--load N`` (N CPU-bound processes beside the daemon),
 ``--task TEXT`` (repeatable: the tasks instead of the two), ``--model NAME``
 (default: the first of ``/v1/models``), ``--context N``, ``--outdir DIR``, ``--backend``,
 ``--serve-arg ARG``, ``--settle S`` (wait after an agent for its requests to end), ``--claude-tools LIST``

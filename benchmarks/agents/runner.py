@@ -47,7 +47,9 @@ def _base_python() -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.agents", description=__doc__)
     p.add_argument("--only", default="", help=f"comma-separated agents to run (default: all of {','.join(AGENTS)})")
-    p.add_argument("--timeout", type=float, default=420.0, help="wall-clock seconds per agent and task (default 420)")
+    p.add_argument("--timeout", type=float, default=0.0,
+                   help=f"wall-clock seconds per agent and task (default {TIMEOUT_S:g}, and with --load N that "
+                        "much more for each process N adds per CPU: the agents get the slower machine's time)")
     p.add_argument("--settle", type=float, default=60.0,
                    help="seconds to wait after an agent for the daemon to log the requests it left and go idle (default 60)")
     p.add_argument("--model", default="", help="the model name the agents are told (default: the first of /v1/models)")
@@ -84,7 +86,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--tasks and --load take a count of 0 or more")
     if args.tasks:
         args.task = args.task[: args.tasks]
+    if not args.timeout:
+        args.timeout = load_timeout(args.load)
     return args
+
+
+#: seconds an agent has for one task on a machine that runs nothing else
+TIMEOUT_S = 420.0
+
+
+def load_timeout(load: int, cpus: int | None = None) -> float:
+    """The default time per agent and task beside ``load`` CPU-bound processes: ``TIMEOUT_S`` scaled by how many
+    runnable processes share each CPU (two on two CPUs: twice), so a run under --load measures whether the
+    agents complete, not whether they complete on a quiet machine's schedule."""
+    cpus = cpus or os.cpu_count() or 1
+    return TIMEOUT_S * (1 + load / cpus)
 
 
 #: what each --load process runs: a busy loop, until the run kills it (it also ends by itself after a day)

@@ -244,7 +244,7 @@ def llm(ctx: Context) -> Launch:
     env = base_env(ctx)
     env.update(LLM_USER_PATH=str(user))
     argv = [ctx.installed.exe("llm"), "prompt", "-m", "modeld", "--key", API_KEY, "--functions", LLM_TOOL,
-            "--td", "--cl", "3", "What is 2+3? Use the add tool."]
+            "--td", "--cl", "3", "-o", "max_tokens", str(ctx.output), "What is 2+3? Use the add tool."]
     return Launch(argv, env, ctx.repo)
 
 
