@@ -67,6 +67,8 @@ class Resident:
     messages: list[str] | None = None
     #: the tape from this token on is the model's reply, decoded after the last prefill (None: no reply)
     reply_from: int | None = None
+    #: the conversation the tape holds past the prefix (``SuffixInput.conversation``; "" when none is named)
+    conversation: str = ""
 
     @property
     def live(self) -> list[int]:
@@ -123,6 +125,7 @@ class Resident:
             self.live_len = None
             self.messages = []
             self.reply_from = None
+            self.conversation = ""
         self.prefix_len = len(tokens)
         self.manifest = manifest
         self.partial = None
@@ -146,6 +149,7 @@ class Resident:
         self.partial = None
         self.messages = None
         self.reply_from = None
+        self.conversation = ""
         self.stable_text = ""
         self.tools = ""
         self.stable_token_hash = ""
@@ -268,6 +272,7 @@ class Resident:
         self.partial = None
         self.messages = None
         self.reply_from = None
+        self.conversation = ""
         self.stable_text = snap.stable_text
         self.tools = snap.tools
         self.stable_token_hash = token_hash(self.tokens[: self.prefix_len])

@@ -131,8 +131,11 @@ class StateCache(Protocol):
         """Whether an entry under ``key`` already holds ``tokens`` (as the whole or a prefix of its tape)."""
         ...
 
-    def put(self, key: str, snap: SessionSnapshot) -> None:
-        """Keep ``snap``; entries under ``key`` whose tokens are a prefix of its tokens are dropped (it covers them)."""
+    def put(self, key: str, snap: SessionSnapshot, conversation: str = "") -> None:
+        """Keep ``snap``; entries under ``key`` whose tokens are a prefix of its tokens are dropped (it covers them).
+
+        ``conversation`` names whose state it is (``SuffixInput.conversation``): RAM gives up a conversation's
+        older entries before any conversation's newest."""
         ...
 
     def reject(self, key: str, snap: SessionSnapshot, reason: str) -> None:

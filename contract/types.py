@@ -352,6 +352,8 @@ class CacheEntryInfo(_Report):
     where: str = ""
     #: wall-clock time of the last use (seconds since the epoch)
     last_used: float = 0.0
+    #: the conversation whose state it is (``SuffixInput.conversation``; "" when not named, or a stable prefix)
+    conversation: str = ""
 
 
 def owner_fingerprint(owner: str) -> str:
@@ -512,6 +514,11 @@ class SuffixInput(_Request):
     render: bool = True
     #: the conversation after the stable prefix, oldest first (instead of ``text``)
     messages: list[ChatMessage] = Field(default_factory=list, max_length=100_000)
+    #: who holds this conversation: an agent's id for it (the HTTP front takes Claude Code's agent and session
+    #: ids, Codex's thread id, OpenCode's session id). The workspace cache keeps each conversation's newest state
+    #: in RAM before its older ones; "" leaves conversations to their tokens (an entry that extends another
+    #: replaces it)
+    conversation: str = Field("", max_length=256)
 
     @model_validator(mode="after")
     def _one_form(self) -> SuffixInput:

@@ -22,7 +22,10 @@ extends another replaces it (``put``), so entries do not repeat each other.
 Entries number in the tens (a 2k-token state of the bundled model is ~50 MB)
 and an LCP over each costs microseconds.
 
-**Tiers.** RAM is an LRU under ``ram_budget`` bytes. The disk tier, an LRU
+**Tiers.** RAM is an LRU under ``ram_budget`` bytes that gives up a named
+conversation's older entries (``SuffixInput.conversation``: an agent's id for it)
+before any conversation's newest, so a parent and its sub-agents keep their latest
+states while any of them holds an older one. The disk tier, an LRU
 under ``disk_budget`` bytes, is written back, not through: an entry is written
 by one background thread when RAM evicts it (or when it never fitted in RAM),
 and the entries still only in RAM are written when the cache closes (an unload
@@ -109,6 +112,8 @@ class _Entry:
     disk_bytes: int = 0
     #: a disk write is queued or running
     writing: bool = False
+    #: whose state it is (``SuffixInput.conversation``); "" when not named (RAM only: a file does not keep it)
+    conversation: str = ""
 
 
 def _ram_bytes(snap: SessionSnapshot) -> int:
@@ -182,7 +187,7 @@ class StateCacheStore:
                 for e in self._entries.values()
             )
 
-    def put(self, key: str, snap: SessionSnapshot) -> None:
+    def put(self, key: str, snap: SessionSnapshot, conversation: str = "") -> None:
         tokens = list(snap.resident_token_ids)
         n = len(tokens)
         if not self.enabled or self._closed or not tokens:
@@ -207,6 +212,7 @@ class StateCacheStore:
                 backend=snap.backend,
                 nbytes=nbytes,
                 last_used=time.time(),
+                conversation=conversation,
             )
             kept = False
             if nbytes <= self._ram_budget:
@@ -266,6 +272,7 @@ class StateCacheStore:
                     bytes=max(e.nbytes if e.snap is not None else 0, e.disk_bytes),
                     where="+".join(w for w, on in (("ram", e.snap is not None), ("disk", e.disk_bytes > 0 or e.writing)) if on),
                     last_used=e.last_used,
+                    conversation=e.conversation,
                 )
                 for e in self._entries.values()
             ]
@@ -340,10 +347,26 @@ class StateCacheStore:
 
     def _evict_ram(self) -> None:
         while self._ram_bytes > self._ram_budget and self._ram:
-            entry = self._entries[next(iter(self._ram))]
+            entry = self._entries[self._ram_victim()]
             if entry.snap is not None and not self._queue_write(entry, entry.snap):
                 self._evictions += 1  # gone for good: no disk copy
             self._unhold(entry)
+
+    def _ram_victim(self) -> str:
+        """The RAM entry to give up first: the least recently used of those a newer entry of the same named
+        conversation supersedes (a history the agent rewrote, a state it has moved past), else the least recently
+        used. So parallel sub-agents and their parent each keep their newest state while any of them has an older
+        one to give. Caller holds the lock."""
+        newest: dict[str, str] = {}
+        for eid in self._ram:  # least recently used first: the last one seen of a conversation is its newest
+            conv = self._entries[eid].conversation
+            if conv:
+                newest[conv] = eid
+        for eid in self._ram:
+            conv = self._entries[eid].conversation
+            if conv and newest[conv] != eid:
+                return eid
+        return next(iter(self._ram))
 
     def _queue_write(self, entry: _Entry, snap: SessionSnapshot) -> bool:
         """Queue ``entry``'s disk write unless it is on disk or queued already; False when the disk tier cannot

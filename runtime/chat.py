@@ -258,6 +258,7 @@ class Chat:
         *,
         check_fit: bool = True,
         enable_thinking: bool | None = None,
+        conversation: str = "",
         **decode: Any,
     ) -> ChatTurn:
         """Take the slot for one turn and check the prompt fits; nothing is prefilled yet.
@@ -268,14 +269,15 @@ class Chat:
         prompt's real size; ``check_fit=False`` only counts, for a caller that
         asks what a prompt comes to). The returned turn holds the slot until its
         ``events()`` end or it is closed. ``enable_thinking`` is the template's
-        reasoning switch (None: the template's default).
+        reasoning switch (None: the template's default); ``conversation`` names
+        whose conversation it is (``SuffixInput.conversation``).
         """
         if self._closed:
             raise SessionClosed("this chat is closed")
         unknown = sorted(set(decode) - _DECODE_FIELDS)
         if unknown:
             raise InvalidArgument(f"unknown decode options {unknown}", unknown=unknown)
-        system, conversation = split_messages(messages)
+        system, turns = split_messages(messages)
         tools_json = _tools_json(tools)
         cfg = wire.parse(DecodeConfig, decode)  # a bad option is an InvalidArgument naming it, before anything runs
         started = time.perf_counter()
@@ -283,7 +285,8 @@ class Chat:
         try:
             manifest = sess.manifest(profile=self._profile)
             prefix = PrefixInput(text=system, tools=tools_json, manifest=manifest)
-            suffix = SuffixInput(messages=conversation, manifest=manifest, enable_thinking=enable_thinking)
+            suffix = SuffixInput(messages=turns, manifest=manifest, enable_thinking=enable_thinking,
+                                 conversation=conversation)
             count = sess.count_tokens(prefix, suffix)
             if check_fit and count.prompt_tokens >= count.num_ctx:
                 raise ContextOverflow(

@@ -549,11 +549,12 @@ def _cache(client: Client, args: argparse.Namespace) -> int:
         print("the workspace cache is off (modeld serve --cache-ram 0 --cache-disk 0, or the memory backend)")
         return 0
     now = time.time()
-    print(f"{'ID':16}  {'BACKEND':8}  {'TOKENS':>6}  {'PREFIX':>6}  {'SIZE':>9}  {'WHERE':8}  LAST USED")
+    print(f"{'ID':16}  {'BACKEND':8}  {'TOKENS':>6}  {'PREFIX':>6}  {'SIZE':>9}  {'WHERE':8}  {'LAST USED':9}  CONVERSATION")
     for e in listing.entries:
         age = max(0.0, now - e.last_used)
         ago = f"{age:.0f}s ago" if age < 120 else f"{age / 60:.0f}m ago" if age < 7200 else f"{age / 3600:.0f}h ago"
-        print(f"{e.id:16}  {e.backend:8}  {e.tokens:>6}  {e.prefix_tokens:>6}  {_size(e.bytes):>9}  {e.where:8}  {ago}")
+        print(f"{e.id:16}  {e.backend:8}  {e.tokens:>6}  {e.prefix_tokens:>6}  {_size(e.bytes):>9}  {e.where:8}  "
+              f"{ago:9}  {e.conversation[:36] or '-'}")
     if not listing.entries:
         print("(no entries)")
     return 0

@@ -202,6 +202,26 @@ def test_sub_agents_start_from_their_parents_prefix_and_nobody_loses_what_it_had
     assert head <= 8
 
 
+def test_the_agents_own_ids_name_the_conversations_the_cache_keeps(front: Front) -> None:
+    """Claude Code's headers: its main agent's requests carry the session id, a sub-agent's its agent id as well.
+    Each conversation's state in the workspace cache is filed under the id its requests named, the sub-agent's
+    under its agent id (``modeld cache ls`` shows them); a request that names none files it under none."""
+    system, tools = _system(), [TOOL_READ, TOOL_GREP]
+    session, agent = f"session-{uuid.uuid4().hex}", f"agent-{uuid.uuid4().hex}"
+    main = {"x-claude-code-session-id": session}
+    sub = {"x-claude-code-session-id": session, "x-claude-code-agent-id": agent}
+    parent = [_task("parent")]
+    first = _chat(front, system, parent, tools=tools, extra_headers=main)
+    _chat(front, system, [_task("reviewer")], tools=tools, extra_headers=sub)  # the parent's tape is saved
+    parent += [_reply(first), {"role": "user", "content": "Go on."}]
+    again = _chat(front, system, parent, tools=tools, extra_headers=main)  # the sub-agent's is saved
+    assert _miss(again) is None and again.usage.prompt_tokens_details.cached_tokens >= _prompt_tokens(first)
+    _chat(front, system, [_task("anonymous")], tools=tools)  # the parent's again, as the session's
+    with front.daemon.client(timeout_s=60.0) as c:
+        named = {e.conversation for e in c.cache_list().entries}
+    assert {session, agent} <= named, named
+
+
 # --- a small RAM cache: conversations evict one another; a template switched under the model ------------------
 @pytest.fixture(scope="module", params=ENGINES)
 def tight(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:

@@ -1,5 +1,6 @@
-"""The front's step of a turn (``Turn._step``) when its route is cancelled: the turn is cancelled and the step ends,
-whenever the cancel comes, so a client that goes away never leaves the slot held."""
+"""The front's core without a daemon: a turn's step when its route is cancelled (``Turn._step``: the turn is cancelled and
+the step ends, whenever the cancel comes, so a client that goes away never leaves the slot held), and the conversation
+a request's headers name."""
 
 from __future__ import annotations
 
@@ -77,3 +78,17 @@ def test_a_step_cancelled_at_any_moment_ends_and_cancels_the_turn(delay_s: float
     runner.join(120)
     assert not runner.is_alive(), "a cancelled step never ended: the slot it holds would stay held"
     assert not failure, failure
+
+
+def test_the_conversation_a_request_continues_is_the_most_specific_id_its_headers_name() -> None:
+    from modeld.front.core import conversation_of
+
+    claude_main = {"x-claude-code-session-id": "s1", "user-agent": "claude-cli"}
+    claude_sub = {**claude_main, "x-claude-code-agent-id": "a7"}
+    assert conversation_of(claude_main) == "s1"
+    assert conversation_of(claude_sub) == "a7"  # a sub-agent is its own conversation within the session
+    assert conversation_of({"session-id": "t", "thread-id": "t"}) == "t"  # Codex
+    assert conversation_of({"x-session-id": "ses_1"}) == "ses_1"  # OpenCode
+    assert conversation_of({"x-claude-code-agent-id": "  ", "x-session-id": "ses_2"}) == "ses_2"  # blank: not an id
+    assert conversation_of({}) == ""
+    assert len(conversation_of({"thread-id": "x" * 1000})) == 256  # as long as the contract's field allows

@@ -106,6 +106,32 @@ def test_the_ram_budget_holds_and_evicts_least_recently_used_first() -> None:
     assert st["evictions"] == 1
 
 
+def test_ram_gives_up_a_conversations_older_state_before_another_conversations_newest() -> None:
+    """A parent and two sub-agents, each its newest state; the parent's history rewritten (a compaction) left an
+    older state of it, used more recently than the searcher's. Over budget, the parent's older state goes, not the
+    searcher's only one; without names the least recently used goes."""
+    one = snap([1]).state.__len__() + 8 + len("system")
+    for named in (True, False):
+        c = ram_only(4 * one + 10)
+
+        def put(tokens: list[int], who: str) -> None:
+            c.put(KEY_A, snap(tokens), conversation=who if named else "")  # noqa: B023 (used at once)
+
+        put([5], "searcher")
+        put([1], "parent")  # the parent's state before its history was rewritten
+        put([7], "reviewer")
+        put([2], "parent")  # the parent's history after: it does not extend [1]
+        put([8], "newcomer")  # one over the budget
+        left = {t for t in (1, 2, 5, 7, 8) if c.covers(KEY_A, [t])}
+        st = c.status()
+        assert st["ram_entries"] == 4 and st["evictions"] == 1
+        if named:
+            assert left == {2, 5, 7, 8}, left  # the parent's older state went
+            assert {e.conversation for e in c.entries()} == {"searcher", "reviewer", "parent", "newcomer"}
+        else:
+            assert left == {1, 2, 7, 8}, left  # least recently used: the searcher's only state
+
+
 def test_an_entry_larger_than_the_budget_is_not_kept() -> None:
     c = ram_only(500)
     c.put(KEY_A, snap([1, 2], state_size=1000))

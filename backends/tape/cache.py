@@ -61,8 +61,9 @@ def cache_key(m: TapeModel, manifest: ContextManifest) -> str:
     )
 
 
-def save_tape(m: TapeModel) -> bool:
-    """Put the whole tape (the KV kept past the context included) into the cache unless an entry holds it."""
+def save_tape(m: TapeModel, conversation: str | None = None) -> bool:
+    """Put the whole tape (the KV kept past the context included) into the cache unless an entry holds it, as
+    ``conversation``'s state (None: the conversation the tape holds)."""
     cache, res = m.cache, m.res
     if cache is None or res.manifest is None or len(res.tokens) < SAVE_MIN_TOKENS or m.closed:
         return False
@@ -72,7 +73,8 @@ def save_tape(m: TapeModel) -> bool:
     try:
         with m.errors("workspace cache: save"):
             state, kind = m.export_state()
-        cache.put(key, res.tape_snapshot(m.backend_name, state, kind))
+        cache.put(key, res.tape_snapshot(m.backend_name, state, kind),
+                  conversation=res.conversation if conversation is None else conversation)
     except (ModeldError, OSError, MemoryError) as exc:
         log.warning("workspace cache: could not save the tape: %s", exc)
         return False
@@ -124,6 +126,7 @@ def restore_best(m: TapeModel, manifest: ContextManifest, target: list[int], hav
     m.res.partial = None
     m.res.messages = None
     m.res.reply_from = None
+    m.res.conversation = ""  # (the request that restored it names its own once its prefill is done)
     gained = m.reusable(covered) - have
     cache.note_restored(gained)
     log.info("workspace cache: restored %d tokens (%d beyond the resident tape)", len(snap.resident_token_ids), gained)

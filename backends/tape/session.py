@@ -297,7 +297,7 @@ class TapeSession:
         if kept != plan.keep:
             plan = PrefixPlan(keep=kept, tail=tokens[kept:], dropped=plan.dropped + plan.keep - kept)
         if len(plan.tail) >= SAVE_MIN_TOKENS:
-            save_tape(m)  # the end of a freshly computed stable prefix: a save point
+            save_tape(m, conversation="")  # the end of a freshly computed stable prefix (nobody's own): a save point
         m.seen.note(key, tokens)
         status = m.res.prefix_status(plan, (time.perf_counter() - t0) * 1000, min(cached, kept))
         status.miss = prefix_miss(held, prefix.manifest, tokens, prefix.text, prefix.tools, reused=plan.keep,
@@ -347,6 +347,7 @@ class TapeSession:
             # the context is the stable prefix again, which a decode sees (``Resident.live``).
             m.seen.note(key, res.tokens)
             res.messages = res.reply_from = None
+            res.conversation = suffix.conversation  # what the KV completed past the prefix is this one's
             if len(res.tokens) >= prefix_len:
                 res.prefix_len = prefix_len
                 res.live_len = prefix_len
@@ -357,6 +358,7 @@ class TapeSession:
             # Back to the stable prefix when it survived (the tape equals what the KV
             # completed); a damaged prefix is dropped so the next turn re-ensures it.
             res.messages = res.reply_from = None
+            res.conversation = ""
             if len(res.tokens) >= prefix_len:
                 try:
                     _set_kv(m, res.tokens[:prefix_len], prefix_len)
@@ -375,6 +377,7 @@ class TapeSession:
         new_messages = message_keys(suffix)
         res.messages = new_messages
         res.reply_from = None
+        res.conversation = suffix.conversation
         status = res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
         status.miss = suffix_miss(held, target, new_messages, prefix_len=prefix_len, reused=kept, seen=seen,
                                   restored=restored, token_bytes=m.token_bytes)

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, Generator
+from collections.abc import AsyncGenerator, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from .errors import ApiError, api_error
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Serving", "Turn", "TurnRequest", "TurnStream"]
+__all__ = ["CONVERSATION_HEADERS", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Serving", "Turn", "TurnRequest", "TurnStream"]
 
 log = logging.getLogger("modeld.http")
 
@@ -84,6 +84,8 @@ class TurnRequest:
     model: str = ""
     #: the template's reasoning switch (None: the template's default)
     enable_thinking: bool | None = None
+    #: whose conversation it is (``SuffixInput.conversation``): from the request's headers (``conversation_of``)
+    conversation: str = ""
 
 
 class Turn:
@@ -284,6 +286,22 @@ def created_at(active: ActiveModel) -> int:
         return 0
 
 
+#: request headers that name the conversation a request continues, the most specific first: Claude Code's
+#: sub-agent id (a sub-agent's requests carry it; the main agent's carry none), then its session id, Codex's
+#: thread id and OpenCode's session id (a sub-agent there is a session of its own)
+CONVERSATION_HEADERS = ("x-claude-code-agent-id", "x-claude-code-session-id", "thread-id", "x-session-id")
+
+
+def conversation_of(headers: Mapping[str, str]) -> str:
+    """The conversation a request's headers name (``CONVERSATION_HEADERS``), "" when none does: the workspace cache
+    then tells conversations apart by their tokens."""
+    for name in CONVERSATION_HEADERS:
+        value = headers.get(name, "").strip()
+        if value:
+            return value[:256]
+    return ""
+
+
 def reusable_after(exc: ModeldError) -> bool:
     """Whether a client that raised ``exc`` may serve another request (not after a transport failure)."""
     return not isinstance(exc, (Unavailable, WireError))
@@ -464,7 +482,7 @@ class Serving:
             request = OpenSessionRequest(model_name=route.model, switch=True) if route.switch else None
             chat = Chat(client, profile=PROFILE, queue_timeout_s=self.queue_timeout_s, request=request)
             chat_turn = chat.begin(req.messages, req.tools or None, check_fit=check_fit,
-                                   enable_thinking=req.enable_thinking, **req.decode)
+                                   enable_thinking=req.enable_thinking, conversation=req.conversation, **req.decode)
         except ModeldError as exc:
             self.pool.give(client, healthy=reusable_after(exc))
             raise
@@ -481,6 +499,8 @@ class Serving:
         away meanwhile (a 499): a turn left open would hold the slot, its lease renewed by a live client,
         until the session's TTL."""
         taken: list[Turn] = []
+        if request is not None and not req.conversation:
+            req.conversation = conversation_of(request.headers)
 
         def run() -> Turn:
             taken.append(self.begin(req))
