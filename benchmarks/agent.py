@@ -213,6 +213,14 @@ def run_peer(tmp: Path, model: Path, n_ctx: int, sent: list[list[dict[str, Any]]
         return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent)]
 
 
+def run_llama_server(tmp: Path, model: Path, n_ctx: int, sent: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
+    """The message lists through llama.cpp's llama-server at its defaults (``benchmarks.llama_server.serving``)."""
+    from benchmarks import llama_server
+
+    with llama_server.serving(model, n_ctx, tmp / "agent-llama-server.log") as port:
+        return sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent)
+
+
 def run_front(tmp: Path, backend: str, model: Path, n_ctx: int, port: int, sent: list[list[dict[str, Any]]],
               api: str = "chat") -> list[dict[str, float]]:
     """The same message lists through modeld's HTTP front (a fresh daemon: turn 1 is cold again), by chat
@@ -236,8 +244,9 @@ def summarise(
     differ: int,
     replayed: int,
     front: list[dict[str, float]] | None = None,
+    llama: list[dict[str, float]] | None = None,
 ) -> list[tuple[str, Any, str]]:
-    """The section's table rows."""
+    """The section's table rows (``llama``: llama-server's turns, beside llama-cpp-python's server's ``peer``)."""
     out: list[tuple[str, Any, str]] = []
     met = 0
     for k, r in enumerate(rows):
@@ -247,6 +256,8 @@ def summarise(
         peer_note = f"; peer {peer[k]:,.0f} ms" if peer else ""
         if front:
             peer_note += f"; modeld over HTTP {front[k]['ttft_ms']:,.0f} ms (cached {front[k]['cached']:.0f})"
+        if llama:
+            peer_note += f"; llama-server {llama[k]['ttft_ms']:,.0f} ms (prompt {llama[k]['prompt']:.0f})"
         out.append((f"turn {k + 1} TTFT ms", r["ttft_ms"],
                     f"prompt {r['prompt']}, reused {r['reused']}, prefilled {r['prefilled']} (new {new}){peer_note}"))
     warm = [r["ttft_ms"] for r in rows[1:]]
@@ -262,6 +273,15 @@ def summarise(
             out.append(("median warm-turn TTFT ms (modeld, OpenAI SDK)", sdk_warm,
                         f"the same SDK code against modeld's HTTP front: {sdk_warm / peer_warm:.3f}x the peer"))
         out.append(("peer turn-1 TTFT ms", peer[0], f"modeld {rows[0]['ttft_ms']:,.0f} ms (both cold)"))
+    if llama:
+        ls_warm = statistics.median(r["ttft_ms"] for r in llama[1:])
+        ratio = statistics.median(warm) / ls_warm
+        out.append(("median warm-turn TTFT ms (llama-server)", ls_warm,
+                    "llama.cpp's server at its defaults (RAM prompt cache on), same message lists, file and threads"))
+        out.append(("modeld / llama-server warm TTFT", ratio, "target <= 0.50 " + ("(met)" if ratio <= 0.5 else "(MISSED)")))
+        out.append(("llama-server turn-1 TTFT ms", llama[0]["ttft_ms"],
+                    f"prompt {llama[0]['prompt']:.0f} tokens; modeld {rows[0]['ttft_ms']:,.0f} ms, {rows[0]['prompt']} "
+                    "tokens (both cold)"))
     over = [r["ttft_ms"] / r["engine_ms"] - 1 for r in rows[1:] if r["engine_ms"] > 0]
     if over:
         med = statistics.median(over)
@@ -289,10 +309,12 @@ def section(tmp: Path, backend: str, count: Any, *, turns: int = 10, replay: int
     on_disk = sum(p.stat().st_size for p in cache_dir.glob("*.kv")) if cache_dir.is_dir() else 0
     peer: list[float] | None = None
     front: list[dict[str, float]] | None = None
+    llama: list[dict[str, float]] | None = None
     if with_peer:
         peer = run_peer(tmp, model, n_ctx, sent)
+        llama = run_llama_server(tmp, model, n_ctx, sent)
         front = run_front(tmp, backend, model, n_ctx, free_port(), sent)
-    out = summarise(backend, rows, peer, differ, min(replay, turns), front)
+    out = summarise(backend, rows, peer, differ, min(replay, turns), front, llama)
     if front:
         chat_warm = statistics.median(r["ttft_ms"] for r in front[1:])
         for api, what in (("responses", "stateless, the whole input each turn"),

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import PREFIX_LINE, served, text_of_tokens
+from benchmarks.common import PREFIX_LINE, text_of_tokens
 from harness.daemon import DaemonProcess, free_port, wait_http
 
 __all__ = ["LENGTHS", "rows", "section"]
@@ -70,12 +69,10 @@ def _modeld(tmp: Path, backend: str, model: Path, prompts: dict[int, str]) -> di
         d.stop()
 
 
-def _llama_server(binary: Path, model: Path, prompts: dict[int, str], log: Path) -> dict[int, tuple[int, float]]:
-    port = free_port()
-    threads = str(os.cpu_count() or 2)
-    argv = [str(binary), "-m", str(model), "-c", str(NUM_CTX), "-np", "1", "-t", threads, "-tb", threads,
-            "--host", "127.0.0.1", "--port", str(port)]
-    with served(argv, log, port, timeout_s=300.0):
+def _llama_server(model: Path, prompts: dict[int, str], log: Path) -> dict[int, tuple[int, float]]:
+    from benchmarks import llama_server
+
+    with llama_server.serving(model, NUM_CTX, log) as port:
         return _cold(port, prompts)
 
 
@@ -89,8 +86,7 @@ def section(tmp: Path, count: Callable[[str], int]) -> dict[str, dict[int, tuple
     out: dict[str, dict[int, tuple[int, float]]] = {}
     out["modeld llama.cpp"] = _modeld(tmp, "llama", model, prompts)
     out["modeld OpenVINO"] = _modeld(tmp, "openvino", model, prompts)
-    binary = llama_server.ensure_built()
-    out[f"llama-server b{llama_server.VERSION}"] = _llama_server(binary, model, prompts, tmp / "llama-server.log")
+    out[llama_server.NAME] = _llama_server(model, prompts, tmp / "llama-server.log")
     return out
 
 

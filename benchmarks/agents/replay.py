@@ -127,9 +127,7 @@ def _server(name: str, model: Path, context: int, outdir: Path) -> Iterator[int]
     if name == "llama-server":
         from benchmarks import llama_server
 
-        argv = [str(llama_server.ensure_built()), "-m", str(model), "-c", str(context), "-np", "1", "-t", threads,
-                "-tb", threads, "--host", "127.0.0.1", "--port", str(port)]
-        with served(argv, outdir / "replay-llama-server.log", port) as p:
+        with llama_server.serving(model, context, outdir / "replay-llama-server.log") as p:
             yield p
     elif name == "llama-cpp-python":
         argv = [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(context),
