@@ -62,3 +62,31 @@ def test_the_agents_get_the_slower_machines_time_under_load() -> None:
     assert parse_args(["--load", "2", "--tasks", "1"]).timeout == load_timeout(2)
     assert parse_args(["--load", "2", "--timeout", "100"]).timeout == 100  # a timeout asked for is kept
     assert parse_args(["--tasks", "1"]).task == parse_args([]).task[:1]
+
+
+def test_a_peers_figures_come_from_what_the_proxy_recorded() -> None:
+    from benchmarks.agents.report import AccessLine, side_by_side, usage_of
+
+    chat_stream = {"method": "POST", "path": "/v1/chat/completions", "status": 200, "stream": True,
+                   "first_byte_ms": 1200.0, "duration_ms": 3000.0,
+                   "response_tail": 'a": 1}\n\ndata: {"choices": [], "usage": {"prompt_tokens": 900, '
+                                    '"completion_tokens": 12, "prompt_tokens_details": {"cached_tokens": 850}}}\n\n'
+                                    "data: [DONE]\n\n"}
+    line = AccessLine.from_proxied(chat_stream)
+    assert (line.prompt_tokens, line.cached_tokens, line.completion_tokens) == (900, 850, 12)
+    assert line.ttft_ms == 1200.0 and line.total_ms == 3000.0 and not line.failed
+    responses = {"response_tail": 'data: {"type": "response.completed", "response": {"usage": {"input_tokens": 50, '
+                                  '"output_tokens": 3, "input_tokens_details": {"cached_tokens": 40}}}}\n'}
+    assert usage_of(responses) == (50, 40, 3)
+    messages = {"response_body": {"usage": {"input_tokens": 10, "cache_read_input_tokens": 90, "output_tokens": 4}}}
+    assert usage_of(messages) == (100, 90, 4)  # Messages' input_tokens counts what was not read from the cache
+    assert usage_of({"response_tail": "data: [DONE]\n"}) == (0, 0, 0)
+    failed = AccessLine.from_proxied({"method": "POST", "path": "/v1/messages?beta=true", "status": 500,
+                                      "duration_ms": 5.0, "response_body": {"error": {}}})
+    assert failed.failed and failed.route == "/v1/messages" and failed.ttft_ms == 5.0
+
+    ours, theirs = _result([0]), _result([0])
+    ours.access, theirs.access = [line, line], [failed]
+    text = side_by_side([ours], [theirs], "llama-server")
+    row = text.splitlines()[-1].split()
+    assert row[:7] == ["claude", "2", "/", "1", "0", "/", "1"], row  # requests, then errors: modeld's / the peer's

@@ -16,7 +16,9 @@ Options: ``--only opencode,aider`` (a subset), ``--timeout 420`` (seconds per ag
 (default: the first of ``/v1/models``), ``--context N``, ``--outdir DIR``, ``--backend``,
 ``--serve-arg ARG``, ``--settle S`` (wait after an agent for its requests to end), ``--claude-tools LIST``
 (Claude Code's ``--tools``; default ``Bash,Edit,Read,Write``, ``default`` for its own set), ``--install-only``,
-``--reinstall``. With make: ``make agents AGENTS_ARGS="--only codex"``.
+``--reinstall``, ``--peer llama-server`` (then the same agents and tasks against llama.cpp's server on the file,
+window and model name modeld served, and both tables side by side; its figures come from the proxy's records, its
+time to first token is a stream's first event). With make: ``make agents AGENTS_ARGS="--only codex"``.
 
 Output, in ``--outdir`` (default ``.cache/agents/runs/TIME``): ``<agent>.log`` (its stdout and stderr),
 ``<agent>/NNN-<route>.json`` (each request it sent and the response), ``daemon.log``, ``agents.json``

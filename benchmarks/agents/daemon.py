@@ -24,7 +24,7 @@ from typing import Any
 
 from harness.daemon import free_port
 
-__all__ = ["Daemon", "DaemonError", "get_json"]
+__all__ = ["Daemon", "DaemonError", "LlamaServer", "get_json"]
 
 ACCESS_LOGGER = "modeld.access"
 
@@ -129,3 +129,46 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._reader, 5.0)
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class LlamaServer(Daemon):
+    """llama.cpp's ``llama-server`` in the daemon's place (``make agents --peer llama-server``): the file modeld
+    serves, the window and the model name the agents were told, one slot and the machine's threads, its
+    defaults otherwise (its RAM prompt cache on, its jinja chat template).
+
+    It writes no access log: the runner reads each request's figures from what the proxy recorded
+    (``AccessLine.from_proxied``), and ``status`` says nothing (it has no operation to wait for)."""
+
+    def __init__(self, log_path: Path, model: Path, name: str, context: int) -> None:
+        super().__init__("", log_path)
+        self.model, self.name, self.context = model, name, context
+
+    def argv(self) -> list[str]:
+        from benchmarks import llama_server
+
+        threads = str(os.cpu_count() or 2)
+        return [str(llama_server.ensure_built()), "-m", str(self.model), "-c", str(self.context), "-np", "1",
+                "-t", threads, "-tb", threads, "--alias", self.name, "--host", "127.0.0.1", "--port", str(self.port)]
+
+    async def start(self, timeout: float = 300.0) -> dict[str, Any]:
+        """Start it and wait for ``/health`` to answer 200 (``{"status": "ok"}`` once the model is in)."""
+        argv = await asyncio.to_thread(self.argv)  # (builds it the first time: minutes)
+        print(f"agents: {' '.join(argv)}", file=sys.stderr, flush=True)
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        self._reader = asyncio.create_task(self._read())
+        deadline = time.monotonic() + timeout
+        last: Any = None
+        while time.monotonic() < deadline:
+            if self.proc.returncode is not None:
+                raise DaemonError(f"llama-server exited {self.proc.returncode} while starting (log: {self.log_path})")
+            status, body = await asyncio.to_thread(get_json, self.url + "/health", 5.0)
+            last = body
+            if status == 200:
+                return {"status": "ok", "state": "Ready", "model": self.name}
+            await asyncio.sleep(1.0)
+        raise DaemonError(f"llama-server was not ready after {timeout:.0f} s (last /health: {last}; log: {self.log_path})")
+
+    def status(self) -> dict[str, Any] | None:
+        return {}

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import bisect
 import datetime
+import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["AccessLine", "AgentResult", "assign", "started_at", "table"]
+__all__ = ["AccessLine", "AgentResult", "assign", "side_by_side", "started_at", "table", "usage_of"]
 
 
 def _int(v: Any) -> int:
@@ -84,9 +86,66 @@ class AccessLine:
             ttft_ms=_float(rec.get("ttft_ms")), total_ms=_float(rec.get("total_ms")), error=rec.get("error") or None,
         )
 
+    @classmethod
+    def from_proxied(cls, rec: dict[str, Any]) -> AccessLine:
+        """The figures of a request the proxy recorded, for a server that writes no access log (a peer): its
+        status and error, the usage its response carried (``usage_of``), the first byte of the response for
+        the time to first token (a stream's first event; the whole reply otherwise) and its duration."""
+        prompt, cached, completion = usage_of(rec)
+        status = _int(rec.get("status"))
+        return cls(
+            method=str(rec.get("method") or ""), route=str(rec.get("path") or "").split("?", 1)[0], status=status,
+            model=None, stream=bool(rec.get("stream")), prompt_tokens=prompt, cached_tokens=cached,
+            completion_tokens=completion, finish_reason=None,
+            ttft_ms=_float(rec.get("first_byte_ms") if rec.get("stream") else rec.get("duration_ms")),
+            total_ms=_float(rec.get("duration_ms")), error=rec.get("error") or None,
+        )
+
     @property
     def failed(self) -> bool:
         return self.status >= 400 or bool(self.error)
+
+
+def _events(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON objects a recorded response carried: its body, or the SSE events in its stream's tail."""
+    body = rec.get("response_body")
+    if isinstance(body, dict):
+        return [body]
+    out: list[dict[str, Any]] = []
+    for line in str(rec.get("response_tail") or "").splitlines():
+        if line.startswith("data:"):
+            try:
+                event = json.loads(line[5:].strip())
+            except ValueError:
+                continue  # the tail's first line may be cut, and "[DONE]" is not JSON
+            if isinstance(event, dict):
+                out.append(event)
+    return out
+
+
+def usage_of(rec: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, cached, completion) tokens from the last usage a recorded response carried, in each API's own
+    fields (chat completions' ``usage``, Responses' ``response.usage``, Messages' ``usage`` with
+    ``cache_read_input_tokens``); zeros when it carried none."""
+    for event in reversed(_events(rec)):
+        usage = event.get("usage")
+        if not isinstance(usage, dict):
+            response = event.get("response") or event.get("message")
+            usage = response.get("usage") if isinstance(response, dict) else None
+        if not isinstance(usage, dict):
+            continue
+        if "prompt_tokens" in usage:  # chat completions
+            details = usage.get("prompt_tokens_details") or {}
+            return (_int(usage.get("prompt_tokens")), _int(details.get("cached_tokens")),
+                    _int(usage.get("completion_tokens")))
+        details = usage.get("input_tokens_details")
+        if isinstance(details, dict):  # Responses
+            return (_int(usage.get("input_tokens")), _int(details.get("cached_tokens")),
+                    _int(usage.get("output_tokens")))
+        cached = _int(usage.get("cache_read_input_tokens"))  # Messages: input_tokens is what was not cached
+        return (_int(usage.get("input_tokens")) + cached + _int(usage.get("cache_creation_input_tokens")), cached,
+                _int(usage.get("output_tokens")))
+    return 0, 0, 0
 
 
 @dataclass
@@ -163,6 +222,36 @@ def table(results: list[AgentResult]) -> str:
     for n, row in enumerate(rows):
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
         lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _median_first_ms(r: AgentResult) -> str:
+    firsts = [a.ttft_ms for a in r.access if a.ttft_ms is not None and a.status < 400]
+    return f"{statistics.median(firsts) / 1000:.1f}" if firsts else "-"
+
+
+SIDE_HEADER = ("agent", "requests", "errors", "reuse", "first token s (median)", "time s", "fixed")
+
+
+def side_by_side(ours: list[AgentResult], peer: list[AgentResult], peer_name: str) -> str:
+    """One row per agent: modeld's figure, then the peer's (``a / b``), for the same agents and tasks."""
+    by_name = {r.agent: r for r in peer}
+    rows = [SIDE_HEADER]
+    for r in ours:
+        p = by_name.get(r.agent)
+
+        def pair(f: Any, r: AgentResult = r, p: AgentResult | None = p) -> str:
+            return f"{f(r)} / {f(p) if p is not None else '-'}"
+
+        rows.append((r.agent, pair(lambda x: str(len(x.access))), pair(lambda x: str(x.errors)),
+                     pair(lambda x: "-" if x.reuse is None else f"{x.reuse:.0%}"), pair(_median_first_ms),
+                     pair(lambda x: f"{x.seconds:.0f}"), pair(lambda x: "yes" if x.fixed else "no")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(SIDE_HEADER))]
+    lines = [f"modeld / {peer_name}, the same agents and tasks"]
+    for n, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)

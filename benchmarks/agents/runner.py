@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agents.daemon import Daemon, DaemonError, get_json
+from benchmarks.agents.daemon import Daemon, DaemonError, LlamaServer, get_json
 from benchmarks.agents.install import Installed, InstallError, ensure_installed
 from benchmarks.agents.proxy import Proxy
-from benchmarks.agents.report import AccessLine, AgentResult, assign, table
+from benchmarks.agents.report import AccessLine, AgentResult, assign, side_by_side, table
 from benchmarks.agents.scratch import GIT_ENV, TASKS, make_repo
 from benchmarks.agents.specs import AGENTS, Context, Launch
 from harness.daemon import free_port
@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run only the first N tasks per agent (default: all; --task names them instead)")
     p.add_argument("--load", type=int, default=0, metavar="N",
                    help="run N CPU-bound processes beside the daemon for the whole run: a slower machine on demand")
+    p.add_argument("--peer", choices=["llama-server"], default="",
+                   help="then run the same agents and tasks against llama.cpp's llama-server (the file, window and "
+                        "model name modeld served; built on first use) and print both tables side by side")
     p.add_argument("--install-only", action="store_true", help="install the agents and exit")
     p.add_argument("--reinstall", action="store_true", help="install the agents again even when the stamp matches")
     p.add_argument("--python", default=_base_python(),
@@ -171,8 +174,10 @@ async def _launch(launch: Launch, log: Path, timeout: float) -> tuple[int | None
 class Run:
     """One harness run: a daemon, a proxy, the agents one after the other."""
 
-    def __init__(self, args: argparse.Namespace, installed: Installed, outdir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, installed: Installed, outdir: Path, peer: Run | None = None) -> None:
+        """``peer``: this run serves the agents with llama-server, on what that modeld run served them."""
         self.args = args
+        self.peer_of = peer
         self.installed = installed
         self.outdir = outdir
         self.daemons = 0
@@ -187,8 +192,16 @@ class Run:
     async def start_daemon(self) -> Daemon:
         self.daemons += 1
         suffix = "" if self.daemons == 1 else f"-{self.daemons}"
-        daemon = Daemon(_modeld(self.args.modeld), self.outdir / f"daemon{suffix}.log",
-                        backend=self.args.backend, extra=self.args.serve_arg)
+        daemon: Daemon
+        if self.peer_of is not None:
+            from backends.bundled import served_bundled_gguf
+
+            path = str((self.peer_of.health.get("active") or {}).get("path") or "") or str(served_bundled_gguf())
+            daemon = LlamaServer(self.outdir / f"llama-server{suffix}.log", Path(path), self.peer_of.model,
+                                 self.peer_of.context)
+        else:
+            daemon = Daemon(_modeld(self.args.modeld), self.outdir / f"daemon{suffix}.log",
+                            backend=self.args.backend, extra=self.args.serve_arg)
         try:
             self.health = await daemon.start()
         except BaseException:
@@ -202,6 +215,12 @@ class Run:
     async def setup(self) -> None:
         daemon = await self.start_daemon()
         _log(f"daemon ready at {daemon.url} ({self.health})")
+        if self.peer_of is not None:
+            self.model, self.context = self.peer_of.model, self.peer_of.context
+            self.proxy = Proxy(("127.0.0.1", daemon.port), free_port())
+            await self.proxy.start()
+            _log(f"recording proxy at {self.proxy.url}; model {self.model!r}, context {self.context}")
+            return
         self.model = self.args.model
         if not self.model:
             _, body = await asyncio.to_thread(get_json, daemon.url + "/v1/models")
@@ -212,9 +231,10 @@ class Run:
         if not self.model:
             raise DaemonError("the daemon lists no model (/v1/models); name one with --model")
         self.context = self.args.context
+        status = await asyncio.to_thread(daemon.status)
+        active = (status or {}).get("active") or {}
+        self.health["active"] = {"path": active.get("path") or ""}  # the file a peer run serves
         if not self.context:
-            status = await asyncio.to_thread(daemon.status)
-            active = (status or {}).get("active") or {}
             self.context = int(active.get("effective_context") or 0) or DEFAULT_CONTEXT
         self.proxy = Proxy(("127.0.0.1", daemon.port), free_port())
         await self.proxy.start()
@@ -303,6 +323,8 @@ class Run:
 
     async def settle(self, sent: int, timeout: float) -> int:
         """Wait up to ``timeout`` for the last agent's ``sent`` requests to be logged; returns how many are."""
+        if self.peer_of is not None:
+            return sent  # a peer writes no access log: the proxy's records are its figures
         deadline = time.monotonic() + timeout
         while True:
             served = len(assign(self.records(), self.starts)[-1])
@@ -311,13 +333,19 @@ class Run:
             await asyncio.sleep(0.25)
 
     def attribute(self, results: list[AgentResult]) -> None:
-        """Give each result the access-log lines of the requests it sent (a run cut short has fewer results)."""
+        """Give each result the access-log lines of the requests it sent (a run cut short has fewer results); a
+        peer's results get the figures the proxy recorded."""
+        if self.peer_of is not None:
+            for result in results:
+                result.access = [AccessLine.from_proxied(r) for r in result.requests if r.get("method") == "POST"]
+            return
         for result, recs in zip(results, assign(self.records(), self.starts), strict=False):
             result.access = [AccessLine.parse(r) for r in recs]
 
 
-async def _run(args: argparse.Namespace, installed: Installed, outdir: Path) -> int:
-    run = Run(args, installed, outdir)
+async def _run(args: argparse.Namespace, installed: Installed, outdir: Path,
+               peer: Run | None = None) -> tuple[int, Run, list[AgentResult]]:
+    run = Run(args, installed, outdir, peer)
     results: list[AgentResult] = []
     rc = 0
     try:
@@ -325,7 +353,7 @@ async def _run(args: argparse.Namespace, installed: Installed, outdir: Path) -> 
             await run.setup()
         except DaemonError as exc:
             _log(str(exc))
-            return 2
+            return 2, run, results
         for name in args.agents:
             try:
                 results.append(await run.agent(name))
@@ -337,6 +365,7 @@ async def _run(args: argparse.Namespace, installed: Installed, outdir: Path) -> 
         run.attribute(results)
         await run.close()
         summary = {
+            "server": "modeld" if peer is None else args.peer,
             "model": run.model, "context": run.context, "health": run.health, "task": args.task, "load": args.load,
             "timeout_s": args.timeout, "outdir": str(outdir),
             "agents": [r.as_json() for r in results],
@@ -344,6 +373,19 @@ async def _run(args: argparse.Namespace, installed: Installed, outdir: Path) -> 
         (outdir / "agents.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False, default=str) + "\n")
     print(table(results))
     print(f"\nlogs, request dumps and agents.json in {outdir}")
+    return rc, run, results
+
+
+async def _runs(args: argparse.Namespace, installed: Installed, outdir: Path) -> int:
+    """The agents against modeld; with ``--peer``, then against the peer on what modeld served, side by side."""
+    rc, run, results = await _run(args, installed, outdir)
+    if not args.peer or rc != 0:
+        return rc
+    _log(f"the same agents and tasks against {args.peer}")
+    (outdir / args.peer).mkdir(exist_ok=True)
+    rc, _, peer_results = await _run(args, installed, outdir / args.peer, run)
+    print()
+    print(side_by_side(results, peer_results, args.peer))
     return rc
 
 
@@ -361,4 +403,4 @@ def main(argv: list[str] | None = None) -> int:
     outdir = outdir.resolve()
     outdir.mkdir(parents=True, exist_ok=True)
     with cpu_load(args.load):
-        return asyncio.run(_run(args, installed, outdir))
+        return asyncio.run(_runs(args, installed, outdir))
