@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 from contract.errors import (
@@ -124,9 +124,10 @@ class _Holder:
     generation: int
     owner: str
     inner: Session
-    last_seen: float = field(default_factory=time.monotonic)
+    #: when its client was last heard (the slot's clock)
+    last_seen: float = 0.0
     #: the end of its last operation (heartbeats do not count): the session TTL runs from here
-    last_op: float = field(default_factory=time.monotonic)
+    last_op: float = 0.0
     in_operation: int = 0
     closed: bool = False
     #: its client's connections all closed: released at the next reap, lease or not
@@ -154,8 +155,12 @@ class SlotService:
         devices: Callable[[], Sequence[MemoryPool]] = lambda: (),
         build: str = "",
         gpu_offload: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: seconds from any fixed point, what leases, the session TTL and the idle unload are measured
+        on (a test advances its own instead of sleeping)."""
         self.backend = backend
+        self._clock = clock
         #: the models loadable by name (``modeld load NAME``, a request naming another model); None: by path only
         self.catalog = catalog
         #: the machine's GPUs now (``backends.devices.read_gpus``, wired by the composition root), for status
@@ -173,7 +178,7 @@ class SlotService:
         self.idle_unload_s = idle_unload_s
         #: release a session with no operation for this long, heartbeats or not (0 = never)
         self.session_ttl_s = session_ttl_s
-        self._last_active = time.monotonic()
+        self._last_active = self._clock()
         #: the owner epoch (``takeover`` needs a higher one) and the sessions a takeover ended
         self.owner_epoch = 0
         self._lost: set[str] = set()
@@ -230,7 +235,7 @@ class SlotService:
                 endpoint=self.endpoint,
                 embedding=self._embedder.status() if self._embedder is not None else None,
                 cache=dict(self.cache.status()) if self.cache is not None else None,
-                idle_s=None if self._loaded is None or self._holder is not None else round(time.monotonic() - self._last_active, 1),
+                idle_s=None if self._loaded is None or self._holder is not None else round(self._clock() - self._last_active, 1),
                 idle_unload_s=self.idle_unload_s,
                 session_ttl_s=self.session_ttl_s,
                 speculation=speculation,
@@ -431,7 +436,7 @@ class SlotService:
                 self._busy_op = ""
                 self._progress = None
                 self._last_error = ""
-                self._last_active = time.monotonic()
+                self._last_active = self._clock()
         except ModeldError:
             loaded.close()  # refused (a shutdown raced the load): nothing may stay resident unowned
             raise
@@ -539,11 +544,14 @@ class SlotService:
                     raise ModelNotActive("no model is loaded and the request names no path")
                 self._load_locked(req)  # a switch keeps the working model when the new one fails
             assert self._loaded is not None
+            now = self._clock()
             holder = _Holder(
                 session_id=uuid.uuid4().hex,
                 generation=self._generation,
                 owner=req.owner_instance_id,
                 inner=self._loaded.open_session(),
+                last_seen=now,
+                last_op=now,
             )
             try:
                 with self._state_lock:
@@ -620,14 +628,14 @@ class SlotService:
             raise SessionClosed("session was released (lease expired or closed)", session_id=holder.session_id)
         if self.owner and holder.owner != self.owner:
             raise StaleFence("the daemon's owner changed since this session was opened")
-        holder.last_seen = time.monotonic()
+        holder.last_seen = self._clock()
         return holder.inner
 
     def touch(self, session_id: str) -> bool:
         with self._state_lock:
             h = self._holder
             if h is not None and h.session_id == session_id and not h.closed:
-                h.last_seen = time.monotonic()
+                h.last_seen = self._clock()
                 return True
             return False
 
@@ -645,7 +653,7 @@ class SlotService:
         """The session id of a holder whose lease has run out, even mid-operation ("" when none)."""
         with self._state_lock:
             h = self._holder
-            if h is not None and not h.closed and time.monotonic() - h.last_seen > self.lease_s:
+            if h is not None and not h.closed and self._clock() - h.last_seen > self.lease_s:
                 return h.session_id
             return ""
 
@@ -662,7 +670,7 @@ class SlotService:
         h = self._holder
         if h is None or h.in_operation:
             return False
-        now = time.monotonic()
+        now = self._clock()
         lease_out = now - h.last_seen > self.lease_s
         ttl_out = self.session_ttl_s > 0 and now - h.last_op > self.session_ttl_s
         if not (lease_out or ttl_out or h.vanished):
@@ -686,16 +694,16 @@ class SlotService:
     def _unload_if_idle_locked(self) -> None:
         if not self.idle_unload_s or self._loaded is None or self._holder is not None or self._shutting_down:
             return
-        if time.monotonic() - self._last_active <= self.idle_unload_s or self._state is not SlotState.READY:
+        if self._clock() - self._last_active <= self.idle_unload_s or self._state is not SlotState.READY:
             return
-        log.info("unloading the model: idle for %.0f s", time.monotonic() - self._last_active)
+        log.info("unloading the model: idle for %.0f s", self._clock() - self._last_active)
         self._unload_locked()
 
     def _release_holder(self, holder: _Holder) -> None:
         if holder.closed:
             return
         holder.closed = True
-        self._last_active = time.monotonic()  # the idle clock starts when the last session goes
+        self._last_active = self._clock()  # the idle clock starts when the last session goes
         try:
             holder.inner.close()
         finally:
@@ -724,7 +732,7 @@ class SlotService:
                 return fn(inner)
             finally:
                 holder.in_operation -= 1
-                holder.last_seen = holder.last_op = self._last_active = time.monotonic()
+                holder.last_seen = holder.last_op = self._last_active = self._clock()
                 self._set_busy("")
 
     # --- shutdown ----------------------------------------------------------------------
@@ -831,13 +839,13 @@ class SlotSession:
         finally:
             it.close()  # cancels the backend within one token
             holder.in_operation -= 1
-            holder.last_op = time.monotonic()
+            holder.last_op = slot._clock()
             slot._set_busy("")
 
     def explain_context(self) -> ContextReport:
         """The context report; also the no-op that refreshes the session's TTL."""
         h = self._holder
-        h.last_op = time.monotonic()
+        h.last_op = self._slot._clock()
         if h.closed or self._slot._holder is not h:
             rep = h.inner.explain_context()
             return rep.model_copy(update={"closed": True})

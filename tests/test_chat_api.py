@@ -23,7 +23,7 @@ import pytest
 
 from contract.errors import InvalidArgument, SessionClosed
 from contract.types import ChatMessage, Config, LoadModelRequest
-from harness.daemon import ROOT, DaemonProcess
+from harness.daemon import ROOT, DaemonProcess, wait_until
 from harness.fixtures import WEATHER_TOOL, tool_gguf
 from runtime import Chat, Client
 from runtime.chat import ChatEvent, ChatResult, split_messages
@@ -214,7 +214,6 @@ def test_opens_wait_for_the_slot_in_arrival_order(daemon: DaemonProcess) -> None
             with daemon.client(timeout_s=20.0) as c:
                 s = c.open_session(OpenSessionRequest(queue_timeout_s=timeout_s))
                 order.append(name)
-                time.sleep(0.2)
                 s.close()
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -230,16 +229,16 @@ def test_opens_wait_for_the_slot_in_arrival_order(daemon: DaemonProcess) -> None
             with pytest.raises(ModelBusy, match="queue timeout"):
                 other.open_session(OpenSessionRequest(queue_timeout_s=0.5))
             assert 0.45 <= time.monotonic() - t0 < 5.0
-        first = threading.Thread(target=wait_then_hold, args=("first", 10.0))
-        second = threading.Thread(target=wait_then_hold, args=("second", 10.0))
+        first = threading.Thread(target=wait_then_hold, args=("first", 60.0))
+        second = threading.Thread(target=wait_then_hold, args=("second", 60.0))
         first.start()
-        time.sleep(0.3)  # the first is waiting before the second arrives
-        second.start()
-        time.sleep(0.3)
+        wait_until(lambda: holder_client.status().waiting == 1, "the first open queued")
+        second.start()  # it arrives after the first
+        wait_until(lambda: holder_client.status().waiting == 2, "the second open queued")
         assert order == []  # both wait while the holder holds the slot
         holder.close()
-        first.join(15)
-        second.join(15)
+        first.join(90)
+        second.join(90)
     assert not errors, errors
     assert order == ["first", "second"]
 

@@ -33,7 +33,7 @@ from contract.types import (
     SpeculationStatus,
 )
 from contract.wire import Kind
-from harness.daemon import ROOT, DaemonProcess
+from harness.daemon import ROOT, DaemonProcess, wait_until
 from runtime.cli import _speculation_rows
 from runtime.progress import ProgressDisplay
 
@@ -167,7 +167,8 @@ def memory_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonPr
 
 def test_status_shows_the_daemon_pid_and_uptime(memory_daemon: DaemonProcess) -> None:
     assert memory_daemon.proc is not None
-    time.sleep(1.1)  # an uptime of at least a second, whatever else ran first
+    with memory_daemon.client(timeout_s=30.0) as c:  # an uptime of at least a second, whatever else ran first
+        wait_until(lambda: c.status().uptime_s >= 1.0, "up a second")
     code, out, err = run_cli(["status", "--endpoint", memory_daemon.endpoint], tty=False)
     assert code == 0, err
     rows = _rows(out)

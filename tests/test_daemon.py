@@ -49,7 +49,7 @@ from contract.types import (
     owner_fingerprint,
 )
 from contract.wire import Kind, Op
-from harness.daemon import ROOT, DaemonProcess, streaming_client
+from harness.daemon import ROOT, DaemonProcess, streaming_client, wait_until
 from runtime import Client
 
 from .conformance import manifest_for
@@ -135,8 +135,8 @@ def test_session_survives_only_its_generation(client: Client, daemon: DaemonProc
     """A lease-expired holder whose slot was then switched sees a closed session."""
     sess = client.open_session(MODEL_A)
     client._sessions.clear()  # stop renewing the lease, as a client that hung would
-    time.sleep(2.8)
     with daemon.client(timeout_s=20.0, owner=OWNER) as other:
+        wait_until(lambda: not other.status().session_open, "the holder's lease reaped")
         other.load_model(load_req(MODEL_B))
     with pytest.raises((SessionClosed, SlotGenerationStale)):
         sess.ensure_prefix(PrefixInput(text="x"))

@@ -19,7 +19,7 @@ import pytest
 
 from contract.errors import DaemonTimeout, EngineUnresponsive
 from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
-from harness.daemon import DaemonProcess
+from harness.daemon import DaemonProcess, wait_until
 from runtime import Client
 
 MODEL = OpenSessionRequest(model_name="m", type="memory", path="/models/m")
@@ -119,7 +119,7 @@ def test_a_request_queued_when_the_daemon_dies_fails_within_seconds(tmp_path: Pa
 
             t = threading.Thread(target=wait_for_the_slot)
             t.start()
-            time.sleep(0.3)  # queued, and no heartbeat for it yet
+            wait_until(lambda: holder.status().waiting == 1, "the open queued")  # (and no heartbeat for it yet)
             assert d.proc is not None
             d.proc.send_signal(signal.SIGKILL)
             t0 = time.monotonic()

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from harness.daemon import ROOT, DaemonProcess, free_port, wait_http  # noqa: E402
+from harness.daemon import ROOT, DaemonProcess, free_port, wait_http, wait_until  # noqa: E402
 from runtime import Client  # noqa: E402
 
 SYSTEM = {"role": "system", "content": "You are a terse coding assistant."}
@@ -494,7 +494,7 @@ def test_a_busy_slot_queues_then_answers_503(tmp_path: Path) -> None:
             waiter = threading.Thread(target=lambda: done.append(
                 sdk.chat.completions.create(model="ref", messages=messages, max_tokens=2).usage.completion_tokens))  # type: ignore[union-attr]
             waiter.start()
-            time.sleep(0.3)
+            wait_until(lambda: holder.status().waiting == 1, "the request queued for the slot")
             session.close()
             waiter.join(10)
         assert done == [2]

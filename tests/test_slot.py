@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +50,19 @@ from modeld.slot import TRANSITIONS, SlotService, SlotSession
 S = SlotState
 OWNER = "owner-1"
 Edge = tuple[SlotState, SlotState]
+
+
+class Clock:
+    """The slot's clock in a test: time passes when the test says (``advance``), not while it sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 class RecordingSlot(SlotService):
@@ -325,18 +337,21 @@ def test_a_switch_leaves_old_handles_closed(slot: RecordingSlot) -> None:
 
 
 def test_lease_reap_releases_a_silent_holder() -> None:
-    s = RecordingSlot(MemoryBackend(), owner=OWNER, lease_s=0.05)
+    clock = Clock()
+    s = RecordingSlot(MemoryBackend(), owner=OWNER, lease_s=0.25, clock=clock)  # (times exact in binary)
     sess = s.open_session(open_req("a"))
     assert s.reap() is False  # fresh
     assert s.touch(sess.session_id) and not s.touch("nobody")
-    time.sleep(0.1)
+    clock.advance(0.25)
+    assert s.reap() is False  # at the lease, not past it
+    clock.advance(0.125)
     assert s.reap() is True
     assert (state(s), s.holder_id()) == (S.READY, "")
     with pytest.raises(SessionClosed):
         sess.ensure_prefix(PrefixInput(text="x"))
     # An expired holder also gives way to the next caller without a reaper.
     other = s.open_session(open_req("a"))
-    time.sleep(0.1)
+    clock.advance(0.5)
     s.load_model(load("b"))
     assert state(s) is S.READY and not s.touch(other.session_id)
     assert_in_table(s.taken)
@@ -485,17 +500,21 @@ def test_tour_takes_every_reachable_edge() -> None:
 
 # --- idle model, idle sessions ---------------------------------------------------------------------
 def test_an_idle_model_is_unloaded_after_idle_unload_s() -> None:
-    s = RecordingSlot(MemoryBackend(), owner=OWNER, idle_unload_s=0.2)
+    clock = Clock()
+    s = RecordingSlot(MemoryBackend(), owner=OWNER, idle_unload_s=0.25, clock=clock)  # (times exact in binary)
     s.load_model(load("a"))
-    assert s.status().idle_s is not None and s.status().idle_unload_s == 0.2
+    assert s.status().idle_s is not None and s.status().idle_unload_s == 0.25
     sess = s.open_session(open_req("a"))
-    time.sleep(0.3)
+    clock.advance(0.5)
     s.reap()
     assert state(s) is S.BUSY  # a session holds it: never idle
     sess.close()
     s.reap()
     assert state(s) is S.READY  # the idle clock starts at the close
-    time.sleep(0.3)
+    clock.advance(0.25)
+    s.reap()
+    assert state(s) is S.READY  # at the limit, not past it
+    clock.advance(0.125)
     s.reap()
     st = s.status()
     assert (st.state, st.generation, st.active, st.idle_s) == (S.EMPTY, 2, None, None)
@@ -505,17 +524,18 @@ def test_an_idle_model_is_unloaded_after_idle_unload_s() -> None:
 
 
 def test_a_session_without_operations_is_released_after_its_ttl() -> None:
-    s = RecordingSlot(MemoryBackend(), owner=OWNER, lease_s=60.0, session_ttl_s=0.3)
+    clock = Clock()
+    s = RecordingSlot(MemoryBackend(), owner=OWNER, lease_s=60.0, session_ttl_s=0.3, clock=clock)
     sess = s.open_session(open_req("a"))
     for _ in range(3):  # the no-op refresh: explain_context, well inside the TTL
-        time.sleep(0.15)
+        clock.advance(0.15)
         assert s.touch(sess.session_id)  # a heartbeat renews the lease, not the TTL
         sess.explain_context()
         s.reap()
     assert state(s) is S.BUSY
-    time.sleep(0.2)
+    clock.advance(0.2)
     assert s.touch(sess.session_id)
-    time.sleep(0.2)
+    clock.advance(0.2)
     s.reap()
     assert state(s) is S.READY and s.status().session_ttl_s == 0.3
     with pytest.raises(SessionClosed):
