@@ -81,6 +81,9 @@ def test_a_peers_figures_come_from_what_the_proxy_recorded() -> None:
     messages = {"response_body": {"usage": {"input_tokens": 10, "cache_read_input_tokens": 90, "output_tokens": 4}}}
     assert usage_of(messages) == (100, 90, 4)  # Messages' input_tokens counts what was not read from the cache
     assert usage_of({"response_tail": "data: [DONE]\n"}) == (0, 0, 0)
+    summary = {"method": "POST", "path": "/v1/chat/completions", "status": 200, "duration_ms": 9.0,
+               "usage": {"prompt_tokens": 984, "cached_tokens": 835, "completion_tokens": 15}}  # the proxy's summary
+    assert AccessLine.from_proxied(summary).cached_tokens == 835
     failed = AccessLine.from_proxied({"method": "POST", "path": "/v1/messages?beta=true", "status": 500,
                                       "duration_ms": 5.0, "response_body": {"error": {}}})
     assert failed.failed and failed.route == "/v1/messages" and failed.ttft_ms == 5.0

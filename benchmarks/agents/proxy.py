@@ -26,6 +26,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from benchmarks.agents.report import usage_of
+
 __all__ = ["Proxy", "describe_request"]
 
 #: how much of an event stream's end a dump keeps
@@ -166,9 +168,11 @@ class Proxy:
     def _dump(self, agent: _Agent | None, seq: int, path: str, record: dict[str, Any]) -> None:
         if agent is None:
             return
-        summary = {k: record[k] for k in ("seq", "method", "path", "status", "stream", "duration_ms", "error")
-                   if k in record}
+        summary = {k: record[k] for k in ("seq", "method", "path", "status", "stream", "duration_ms",
+                                          "first_byte_ms", "error") if k in record}
         summary.update(describe_request(record.get("request_body")))
+        prompt, cached, completion = usage_of(record)  # what the response said (a peer writes no access log)
+        summary["usage"] = {"prompt_tokens": prompt, "cached_tokens": cached, "completion_tokens": completion}
         agent.requests.append(summary)
         out = agent.dir / f"{seq:03d}-{_slug(path)}.json"
         out.write_text(json.dumps(record, indent=2, ensure_ascii=False, default=str) + "\n")

@@ -88,10 +88,16 @@ class AccessLine:
 
     @classmethod
     def from_proxied(cls, rec: dict[str, Any]) -> AccessLine:
-        """The figures of a request the proxy recorded, for a server that writes no access log (a peer): its
-        status and error, the usage its response carried (``usage_of``), the first byte of the response for
-        the time to first token (a stream's first event; the whole reply otherwise) and its duration."""
-        prompt, cached, completion = usage_of(rec)
+        """The figures of a request the proxy recorded (its dump, or the summary with the ``usage`` it read), for a
+        server that writes no access log (a peer): its status and error, the usage its response carried
+        (``usage_of``), the first byte of the response for the time to first token (a stream's first event;
+        the whole reply otherwise) and its duration."""
+        read = rec.get("usage")
+        if isinstance(read, dict) and "cached_tokens" in read:
+            prompt, cached, completion = (_int(read.get(k)) for k in ("prompt_tokens", "cached_tokens",
+                                                                      "completion_tokens"))
+        else:
+            prompt, cached, completion = usage_of(rec)
         status = _int(rec.get("status"))
         return cls(
             method=str(rec.get("method") or ""), route=str(rec.get("path") or "").split("?", 1)[0], status=status,
