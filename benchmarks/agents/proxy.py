@@ -241,7 +241,9 @@ class Proxy:
             while True:
                 try:
                     chunk = await anyio.to_thread.run_sync(resp.read1, 65536, abandon_on_cancel=True)
-                except (OSError, http.client.HTTPException) as exc:  # the upstream failed, or abort()
+                except (OSError, http.client.HTTPException, AttributeError, ValueError) as exc:
+                    # the upstream failed, or abort() closed the connection under the read (http.client then
+                    # fails inside, on a socket it has dropped)
                     error = f"upstream: {exc!r}"
                     break
                 if not chunk:
