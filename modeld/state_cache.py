@@ -112,7 +112,7 @@ class _Entry:
     disk_bytes: int = 0
     #: a disk write is queued or running
     writing: bool = False
-    #: whose state it is (``SuffixInput.conversation``); "" when not named (RAM only: a file does not keep it)
+    #: whose state it is (``SuffixInput.conversation``); "" when not named (a file keeps it in its header)
     conversation: str = ""
 
 
@@ -435,7 +435,8 @@ class StateCacheStore:
         snap = item.snap
         meta = snap.model_dump(mode="json", exclude={"state"})
         meta["state_digest"] = "sha256:" + hashlib.sha256(snap.state).hexdigest()  # left to this thread by the saver
-        header = json.dumps({"key": item.key, "snapshot": meta, "state_len": len(snap.state)}, separators=(",", ":")).encode()
+        header = json.dumps({"key": item.key, "snapshot": meta, "state_len": len(snap.state),
+                             "conversation": item.conversation}, separators=(",", ":")).encode()
         size = len(MAGIC) + _LEN.size + len(header) + len(snap.state) + _DIGEST_BYTES
         with self._lock:
             # room first: the tier never holds more than its budget, not even while a file is being written
@@ -478,8 +479,9 @@ class StateCacheStore:
                 self._entries.pop(e.id, None)
                 self._evictions += 1
 
-    def _read_header(self, path: Path, data: bytes | None = None) -> tuple[str, SessionSnapshot, int]:
-        """Key, snapshot bookkeeping (no state) and state length from a file's header; ValueError if not ours.
+    def _read_header(self, path: Path, data: bytes | None = None) -> tuple[str, SessionSnapshot, int, str]:
+        """Key, snapshot bookkeeping (no state), state length and conversation from a file's header; ValueError if
+        not ours.
 
         ``data``: the whole file, already read (a restore); else only the header is read (the start-up scan).
         """
@@ -500,17 +502,18 @@ class StateCacheStore:
         try:
             header = json.loads(raw)
             key, state_len = header["key"], header["state_len"]
+            conversation = header.get("conversation", "")  # (files of earlier versions have none)
             snap = SessionSnapshot.model_validate(header["snapshot"])
         except (ValueError, KeyError, TypeError, ValidationError) as exc:
             raise ValueError(f"header unreadable: {exc}") from exc
-        if not isinstance(key, str) or not isinstance(state_len, int) or state_len < 0:
+        if not isinstance(key, str) or not isinstance(state_len, int) or state_len < 0 or not isinstance(conversation, str):
             raise ValueError("header fields have the wrong types")
         if entry_id(key, snap.resident_token_ids) != path.stem:
             raise ValueError("the file name does not match its key and tokens")
         expected = head_len + hlen + state_len + _DIGEST_BYTES
         if size != expected:
             raise ValueError(f"file is {size} bytes; its header implies {expected}")
-        return key, snap, state_len
+        return key, snap, state_len, conversation
 
     def _read(self, entry: _Entry) -> SessionSnapshot | None:
         """The entry's snapshot from disk, verified; None (entry dropped, rejection counted) if it fails."""
@@ -519,7 +522,7 @@ class StateCacheStore:
             data = path.read_bytes()  # once: the header and the state come from these bytes
             if hashlib.sha256(data[:-_DIGEST_BYTES]).digest() != data[-_DIGEST_BYTES:]:
                 raise ValueError("content digest mismatch (the file is corrupt or was changed)")
-            key, meta, state_len = self._read_header(path, data)
+            key, meta, state_len, _ = self._read_header(path, data)
             if key != entry.key:
                 raise ValueError("key changed on disk")
             state = data[-_DIGEST_BYTES - state_len : -_DIGEST_BYTES]
@@ -549,7 +552,7 @@ class StateCacheStore:
                 st = path.stat()
                 if st.st_uid != me or st.st_mode & 0o077:
                     raise ValueError(f"mode {st.st_mode & 0o777:o} owner {st.st_uid}: not a private file of this user")
-                key, snap, _ = self._read_header(path)
+                key, snap, _, conversation = self._read_header(path)
             except (OSError, ValueError) as exc:
                 path.unlink(missing_ok=True)
                 self._note_rejection(f"{path.name}: {exc}")
@@ -564,6 +567,7 @@ class StateCacheStore:
                 nbytes=st.st_size,  # the state's RAM size, near enough, until it is read
                 last_used=st.st_mtime,
                 disk_bytes=st.st_size,
+                conversation=conversation,
             )
             self._entries[entry.id] = entry
             self._disk_bytes += st.st_size

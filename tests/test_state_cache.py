@@ -153,7 +153,7 @@ def test_entries_are_written_back_to_private_files_and_survive_a_restart(tmp_pat
     d = tmp_path / "cache"
     c = StateCacheStore(d, ram_budget=10**6, disk_budget=10**6)
     original = snap([5, 6, 7, 8], fill=3)
-    c.put(KEY_A, original)
+    c.put(KEY_A, original, conversation="agent-7")
     time.sleep(0.05)
     # write-back: RAM holds it, nothing is written while it stays there
     assert c.status()["disk_written_bytes"] == 0 and list(d.iterdir()) == []
@@ -165,7 +165,7 @@ def test_entries_are_written_back_to_private_files_and_survive_a_restart(tmp_pat
     assert c.status()["disk_written_bytes"] == files[0].stat().st_size
 
     again = StateCacheStore(d, ram_budget=10**6, disk_budget=10**6)
-    assert [(e.tokens, e.where) for e in again.entries()] == [(4, "disk")]
+    assert [(e.tokens, e.where, e.conversation) for e in again.entries()] == [(4, "disk", "agent-7")]
     found = again.lookup(KEY_A, [5, 6, 7, 8, 9], min_len=0, max_tokens=100)
     assert found is not None and found[1] == 4
     assert found[0] == original  # the same bytes and bookkeeping
