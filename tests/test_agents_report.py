@@ -90,6 +90,9 @@ def test_a_peers_figures_come_from_what_the_proxy_recorded() -> None:
 
     ours, theirs = _result([0]), _result([0])
     ours.access, theirs.access = [line, line], [failed]
+    ours.requests = [{"method": "POST", "duration_ms": d} for d in (1000.0, 3000.0, 2000.0)]
+    theirs.requests = [{"method": "POST", "duration_ms": 8000.0}, {"method": "GET", "duration_ms": 1.0}]
     text = side_by_side([ours], [theirs], "llama-server")
     row = text.splitlines()[-1].split()
     assert row[:7] == ["claude", "2", "/", "1", "0", "/", "1"], row  # requests, then errors: modeld's / the peer's
+    assert row[10:13] == ["2.0", "/", "8.0"], row  # the median request's seconds, as the proxy timed both
