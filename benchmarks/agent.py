@@ -213,12 +213,14 @@ def run_peer(tmp: Path, model: Path, n_ctx: int, sent: list[list[dict[str, Any]]
         return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent)]
 
 
-def run_llama_server(tmp: Path, model: Path, n_ctx: int, sent: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
-    """The message lists through llama.cpp's llama-server at its defaults (``benchmarks.llama_server.serving``)."""
+def run_llama_server(tmp: Path, model: Path, n_ctx: int, sent: list[list[dict[str, Any]]], *,
+                     tools: list[dict[str, Any]] | None = TOOLS, log: str = "agent-llama-server.log") -> list[dict[str, float]]:
+    """The message lists through a fresh llama.cpp llama-server at its defaults (``benchmarks.llama_server.serving``),
+    its output in ``tmp / log``."""
     from benchmarks import llama_server
 
-    with llama_server.serving(model, n_ctx, tmp / "agent-llama-server.log") as port:
-        return sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent)
+    with llama_server.serving(model, n_ctx, tmp / log) as port:
+        return sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent, tools=tools)
 
 
 def run_front(tmp: Path, backend: str, model: Path, n_ctx: int, port: int, sent: list[list[dict[str, Any]]],

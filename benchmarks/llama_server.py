@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["NAME", "SDIST", "ensure_built", "find", "serving"]
+__all__ = ["NAME", "SDIST", "command", "ensure_built", "find", "serving"]
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the sdist, pinned: its version is the llama.cpp build (b11434)
@@ -83,20 +83,23 @@ def ensure_built() -> Path:
     return binary
 
 
+def command(model: Path, n_ctx: int, port: int, *extra: str) -> list[str]:
+    """The llama-server command line (built first when it is not): ``model`` with an ``n_ctx`` window in one slot
+    (``-np 1``: its default splits the window between four) and the daemon's thread count on 127.0.0.1:``port``,
+    everything else at its defaults (its RAM prompt cache on, its jinja chat template); ``extra`` flags after those."""
+    threads = str(os.cpu_count() or 2)
+    return [str(ensure_built()), "-m", str(model), "-c", str(n_ctx), "-np", "1", "-t", threads, "-tb", threads,
+            "--host", "127.0.0.1", "--port", str(port), *extra]
+
+
 @contextlib.contextmanager
 def serving(model: Path, n_ctx: int, log: Path, *extra: str) -> Iterator[int]:
-    """llama-server on a free loopback port (built first when it is not), yielding the port: ``model`` with an
-    ``n_ctx`` window in one slot (``-np 1``: its default splits the window between four) and the daemon's thread
-    count, everything else at its defaults (its RAM prompt cache on, its jinja chat template); ``extra`` flags
-    after those."""
+    """llama-server (``command``) on a free loopback port, its output in ``log``; yields the port."""
     from benchmarks.common import served
     from harness.daemon import free_port
 
     port = free_port()
-    threads = str(os.cpu_count() or 2)
-    argv = [str(ensure_built()), "-m", str(model), "-c", str(n_ctx), "-np", "1", "-t", threads, "-tb", threads,
-            "--host", "127.0.0.1", "--port", str(port), *extra]
-    with served(argv, log, port, timeout_s=300.0):
+    with served(command(model, n_ctx, port, *extra), log, port, timeout_s=300.0):
         yield port
 
 

@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agent import peer_server, sdk_turns
+from benchmarks.agent import peer_server, run_llama_server, sdk_turns
 from benchmarks.common import text_of_tokens
 from harness.daemon import DaemonProcess
 from runtime import Chat
@@ -72,10 +72,7 @@ def _peer(tmp: Path, model: Path, sent: list[list[dict[str, Any]]], *flags: str)
 
 def _llama_server(tmp: Path, model: Path, sent: list[list[dict[str, Any]]], log: str) -> list[float]:
     """The message lists through llama-server at its defaults (its RAM prompt cache on): a fresh process."""
-    from benchmarks import llama_server
-
-    with llama_server.serving(model, N_CTX, tmp / log) as port:
-        return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent, tools=None)]
+    return [r["ttft_ms"] for r in run_llama_server(tmp, model, N_CTX, sent, tools=None, log=log)]
 
 
 def section(tmp: Path, backend: str, count: Any, *, with_peer: bool) -> list[tuple[str, Any, str]]:

@@ -71,25 +71,36 @@ class Daemon:
         return [self.modeld, "serve", "--backend", self.backend, "--http", f"127.0.0.1:{self.port}",
                 "--endpoint", self.endpoint, "--data-dir", str(self.tmp / "data"), *self.extra]
 
+    #: how errors name it
+    what = "the daemon"
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, MODELD_LOG_FORMAT="json")
+
+    def ready(self, status: int, body: Any) -> dict[str, Any] | None:
+        """The health a ``/health`` answer says once the server is ready; None before."""
+        return body if status == 200 and isinstance(body, dict) and body.get("state") == "Ready" else None
+
     async def start(self, timeout: float = 300.0) -> dict[str, Any]:
-        """Start it and wait for ``/health`` to say ``Ready``; returns that answer."""
-        env = dict(os.environ, MODELD_LOG_FORMAT="json")
-        print(f"agents: {' '.join(self.argv())}", file=sys.stderr, flush=True)
+        """Start it and wait for ``/health`` to say it is ready (``ready``); returns that health."""
+        argv = await asyncio.to_thread(self.argv)  # (a peer's is built the first time it is asked for: minutes)
+        print(f"agents: {' '.join(argv)}", file=sys.stderr, flush=True)
         self.proc = await asyncio.create_subprocess_exec(
-            *self.argv(), env=env, stdin=asyncio.subprocess.DEVNULL,
+            *argv, env=self.env(), stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         self._reader = asyncio.create_task(self._read())
         deadline = time.monotonic() + timeout
         last: Any = None
         while time.monotonic() < deadline:
             if self.proc.returncode is not None:
-                raise DaemonError(f"the daemon exited {self.proc.returncode} while starting (log: {self.log_path})")
+                raise DaemonError(f"{self.what} exited {self.proc.returncode} while starting (log: {self.log_path})")
             status, body = await asyncio.to_thread(get_json, self.url + "/health", 5.0)
             last = body
-            if status == 200 and isinstance(body, dict) and body.get("state") == "Ready":
-                return body
+            health = self.ready(status, body)
+            if health is not None:
+                return health
             await asyncio.sleep(1.0)
-        raise DaemonError(f"the daemon was not Ready after {timeout:.0f} s (last /health: {last}; log: {self.log_path})")
+        raise DaemonError(f"{self.what} was not ready after {timeout:.0f} s (last /health: {last}; log: {self.log_path})")
 
     async def _read(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -139,6 +150,8 @@ class LlamaServer(Daemon):
     It writes no access log: the runner reads each request's figures from what the proxy recorded
     (``AccessLine.from_proxied``), and ``status`` says nothing (it has no operation to wait for)."""
 
+    what = "llama-server"
+
     def __init__(self, log_path: Path, model: Path, name: str, context: int) -> None:
         super().__init__("", log_path)
         self.model, self.name, self.context = model, name, context
@@ -146,29 +159,14 @@ class LlamaServer(Daemon):
     def argv(self) -> list[str]:
         from benchmarks import llama_server
 
-        threads = str(os.cpu_count() or 2)
-        return [str(llama_server.ensure_built()), "-m", str(self.model), "-c", str(self.context), "-np", "1",
-                "-t", threads, "-tb", threads, "--alias", self.name, "--host", "127.0.0.1", "--port", str(self.port)]
+        return llama_server.command(self.model, self.context, self.port, "--alias", self.name)
 
-    async def start(self, timeout: float = 300.0) -> dict[str, Any]:
-        """Start it and wait for ``/health`` to answer 200 (``{"status": "ok"}`` once the model is in)."""
-        argv = await asyncio.to_thread(self.argv)  # (builds it the first time: minutes)
-        print(f"agents: {' '.join(argv)}", file=sys.stderr, flush=True)
-        self.proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, start_new_session=True)
-        self._reader = asyncio.create_task(self._read())
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            if self.proc.returncode is not None:
-                raise DaemonError(f"llama-server exited {self.proc.returncode} while starting (log: {self.log_path})")
-            status, body = await asyncio.to_thread(get_json, self.url + "/health", 5.0)
-            last = body
-            if status == 200:
-                return {"status": "ok", "state": "Ready", "model": self.name}
-            await asyncio.sleep(1.0)
-        raise DaemonError(f"llama-server was not ready after {timeout:.0f} s (last /health: {last}; log: {self.log_path})")
+    def env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def ready(self, status: int, body: Any) -> dict[str, Any] | None:
+        """``/health`` answers 200 (``{"status": "ok"}``) once the model is in."""
+        return {"status": "ok", "state": "Ready", "model": self.name} if status == 200 else None
 
     def status(self) -> dict[str, Any] | None:
         return {}

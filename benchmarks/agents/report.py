@@ -9,6 +9,7 @@ import bisect
 import datetime
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -222,8 +223,12 @@ def _row(r: AgentResult) -> tuple[str, ...]:
 
 def table(results: list[AgentResult]) -> str:
     """A plain-text table, one row per agent (``requests`` says how many the proxy saw when that differs)."""
-    rows = [HEADER, *(_row(r) for r in results)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    return _layout([HEADER, *(_row(r) for r in results)])
+
+
+def _layout(rows: Sequence[tuple[str, ...]]) -> str:
+    """Rows as plain-text columns (the first left-aligned, the rest right), a rule under the first (the header)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
         cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
@@ -256,10 +261,4 @@ def side_by_side(ours: list[AgentResult], peer: list[AgentResult], peer_name: st
         rows.append((r.agent, pair(lambda x: str(len(x.access))), pair(lambda x: str(x.errors)),
                      pair(lambda x: "-" if x.reuse is None else f"{x.reuse:.0%}"), pair(_median_request_s),
                      pair(lambda x: f"{x.seconds:.0f}"), pair(lambda x: "yes" if x.fixed else "no")))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(SIDE_HEADER))]
-    lines = [f"modeld / {peer_name}, the same agents and tasks"]
-    for n, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return f"modeld / {peer_name}, the same agents and tasks\n" + _layout(rows)

@@ -184,6 +184,8 @@ class Run:
         self.daemon: Daemon | None = None
         self.proxy: Proxy | None = None
         self.model = ""
+        #: the model file the daemon serves ("" when its status did not say): a peer run serves the same
+        self.model_path = ""
         self.context = 0
         self.health: dict[str, Any] = {}
         self.starts: list[float] = []  # when each agent started (wall clock)
@@ -196,7 +198,7 @@ class Run:
         if self.peer_of is not None:
             from backends.bundled import served_bundled_gguf
 
-            path = str((self.peer_of.health.get("active") or {}).get("path") or "") or str(served_bundled_gguf())
+            path = self.peer_of.model_path or str(served_bundled_gguf())
             daemon = LlamaServer(self.outdir / f"llama-server{suffix}.log", Path(path), self.peer_of.model,
                                  self.peer_of.context)
         else:
@@ -233,7 +235,7 @@ class Run:
         self.context = self.args.context
         status = await asyncio.to_thread(daemon.status)
         active = (status or {}).get("active") or {}
-        self.health["active"] = {"path": active.get("path") or ""}  # the file a peer run serves
+        self.model_path = str(active.get("path") or "")
         if not self.context:
             self.context = int(active.get("effective_context") or 0) or DEFAULT_CONTEXT
         self.proxy = Proxy(("127.0.0.1", daemon.port), free_port())
