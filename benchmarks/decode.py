@@ -36,13 +36,15 @@ of each side's fastest round per task); the fastest rounds once read 0.84 on
 one task against a median of 0.99, as in-process OpenVINO has lucky fast runs
 as well as slow spells.
 
-On llama.cpp the edit chat turn also goes to the peer, llama-cpp-python's own
-OpenAI server (same GGUF, threads and messages, streamed over HTTP), plain and
+On llama.cpp the edit chat turn also goes to the peers (same GGUF, threads and
+messages, streamed over HTTP): llama-cpp-python's own OpenAI server, plain and
 with its prompt-lookup drafts (``--draft_model prompt-lookup-decoding``, 4 and
-its default 10 tokens per draft), the servers taking turns round by round
-(``peer_rates``). Its rate is streamed chunks (one per token there) over the
-time from the first to the last, so compare its speculative / plain with ours,
-not its absolute rate with the daemon's engine-timed one.
+its default 10 tokens per draft), and llama.cpp's ``llama-server``, plain and
+with its n-gram drafts (``--spec-type ngram-simple`` and ``ngram-mod``), each
+peer's servers taking turns round by round (``peer_rates``). llama-server's rate
+is its own ``timings``; the other's is streamed chunks (one per token there)
+over the time from the first to the last, so compare a peer's speculative /
+plain with ours, not its absolute rate with the daemon's engine-timed one.
 
 Each speculative figure says whether the speculative answer is the plain one,
 token for token (``same_answer``): in the engines' default layouts a check's
@@ -117,7 +119,9 @@ TASKS: list[tuple[str, SuffixInput, int]] = [
 ]
 #: the peer's prompt-lookup draft lengths compared (``--draft_model_num_pred_tokens``; 10 is its default)
 PEER_DRAFTS = (4, 10)
-#: rounds of the peer's servers taking turns on the edit turn
+#: llama-server's ``--spec-type`` drafts compared (at their default sizes)
+LLAMA_SERVER_SPEC = ("ngram-simple", "ngram-mod")
+#: rounds of a peer's servers taking turns on the edit turn
 PEER_REPS = 3
 #: back-to-back pairs of short plain decodes, in process and through the daemon, for daemon / in-process
 SHORT_PAIRS = 40
@@ -341,10 +345,13 @@ def measure_both(tmp: Path, engine: str) -> tuple[dict[str, dict[str, dict[str, 
 
 
 def _peer_decode(port: int, messages: list[dict[str, str]], n: int) -> float:
-    """One streamed chat completion from the peer's server; decode tok/s between its first and last chunk."""
+    """One streamed chat completion from a peer server; decode tok/s: the server's own figure where it reports one
+    (llama-server's ``timings.predicted_per_second``: its drafts may send several tokens in one chunk), else streamed
+    chunks (one per token on llama-cpp-python's server) over the time between its first and last."""
     body = json.dumps({"messages": messages, "max_tokens": n, "temperature": 0, "stream": True})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     stamps: list[float] = []
+    reported = 0.0
     try:
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -354,46 +361,70 @@ def _peer_decode(port: int, messages: list[dict[str, str]], n: int) -> float:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            choices = json.loads(line[5:]).get("choices") or [{}]
+            event = json.loads(line[5:])
+            reported = float((event.get("timings") or {}).get("predicted_per_second") or reported)
+            choices = event.get("choices") or [{}]
             if choices[0].get("delta", {}).get("content"):
                 stamps.append(time.perf_counter())
     finally:
         conn.close()
+    if reported:
+        return reported
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else 0.0
 
 
-def peer_rates(tmp: Path, rounds: int = PEER_REPS) -> dict[str, list[float]]:
-    """The edit chat turn through llama-cpp-python's own server, plain and with its prompt-lookup
-    drafts of each length in ``PEER_DRAFTS``: one server each, taking turns round by round
-    (decode tok/s per round, keyed ``plain`` and ``lookup N``)."""
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": EDIT_TASK}]
-    n = next(n for name, _s, n in TASKS if name == "edit")
-    flags = {"plain": ()} | {
-        f"lookup {k}": ("--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", str(k))
+def _peer_servers(tmp: Path) -> dict[str, dict[str, Any]]:
+    """Per peer, its servers by mode: llama-cpp-python's server plain and with its prompt-lookup drafts of each
+    length in ``PEER_DRAFTS``; llama-server plain and with each of ``LLAMA_SERVER_SPEC`` (context managers that
+    yield a port)."""
+    from benchmarks import llama_server
+
+    model = bundled_gguf_path()
+    cpp = {"plain": partial(peer_server, tmp, model, NUM_CTX)} | {
+        f"lookup {k}": partial(peer_server, tmp, model, NUM_CTX, "--draft_model", "prompt-lookup-decoding",
+                               "--draft_model_num_pred_tokens", str(k))
         for k in PEER_DRAFTS
     }
-    rates: dict[str, list[float]] = {key: [] for key in flags}
-    with contextlib.ExitStack() as stack:
-        ports = {key: stack.enter_context(peer_server(tmp, bundled_gguf_path(), NUM_CTX, *f)) for key, f in flags.items()}
-        for port in ports.values():
-            _peer_decode(port, messages, 8)  # the prompt prefilled once; every round after reuses it
-        for rep in range(rounds):
-            order = list(ports.items()) if rep % 2 == 0 else list(reversed(ports.items()))
-            for key, port in order:
-                rates[key].append(_peer_decode(port, messages, n))
-    return rates
+    ls = {"plain": partial(llama_server.serving, model, NUM_CTX, tmp / "decode-llama-server-plain.log")} | {
+        spec: partial(llama_server.serving, model, NUM_CTX, tmp / f"decode-llama-server-{spec}.log", "--spec-type", spec)
+        for spec in LLAMA_SERVER_SPEC
+    }
+    return {"llama-cpp-python's server": cpp, llama_server.NAME: ls}
 
 
-def peer_rows(rates: dict[str, list[float]], ours: float) -> list[tuple[str, Any, str]]:
-    """The peer's rows: its rates, and its speculative / plain next to the daemon's (``ours``)."""
-    plain = rates["plain"]
-    speedups = ", ".join(f"{key} {paired_median(values, plain):.2f}x" for key, values in rates.items() if key != "plain")
-    return [(
-        "edit: the peer's plain / " + " / ".join(k for k in rates if k != "plain") + " tok/s",
-        " / ".join(f"{statistics.median(v):.1f}" for v in rates.values()),
-        f"llama-cpp-python's server, same turn, model and threads (median of {len(plain)}); "
-        f"its speculative / plain: {speedups}; modeld's: {ours:.2f}x",
-    )]
+def peer_rates(tmp: Path, rounds: int = PEER_REPS) -> dict[str, dict[str, list[float]]]:
+    """The edit chat turn through each peer (``_peer_servers``), plain and speculative: one server per mode, a
+    peer's servers taking turns round by round (decode tok/s per round, keyed by peer, then mode)."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": EDIT_TASK}]
+    n = next(n for name, _s, n in TASKS if name == "edit")
+    out: dict[str, dict[str, list[float]]] = {}
+    for peer, servers in _peer_servers(tmp).items():
+        rates: dict[str, list[float]] = {key: [] for key in servers}
+        with contextlib.ExitStack() as stack:
+            ports = {key: stack.enter_context(start()) for key, start in servers.items()}
+            for port in ports.values():
+                _peer_decode(port, messages, 8)  # the prompt prefilled once; every round after reuses it
+            for rep in range(rounds):
+                order = list(ports.items()) if rep % 2 == 0 else list(reversed(ports.items()))
+                for key, port in order:
+                    rates[key].append(_peer_decode(port, messages, n))
+        out[peer] = rates
+    return out
+
+
+def peer_rows(rates: dict[str, dict[str, list[float]]], ours: float) -> list[tuple[str, Any, str]]:
+    """Each peer's row: its rates, and its speculative / plain next to the daemon's (``ours``)."""
+    rows: list[tuple[str, Any, str]] = []
+    for peer, modes in rates.items():
+        plain = modes["plain"]
+        speedups = ", ".join(f"{key} {paired_median(values, plain):.2f}x" for key, values in modes.items() if key != "plain")
+        rows.append((
+            f"edit: {peer} plain / " + " / ".join(k for k in modes if k != "plain") + " tok/s",
+            " / ".join(f"{statistics.median(v):.1f}" for v in modes.values()),
+            f"same turn, model and threads (median of {len(plain)}); its speculative / plain: {speedups}; "
+            f"modeld's: {ours:.2f}x",
+        ))
+    return rows
 
 
 def _backend(engine: str) -> Any:

@@ -1,8 +1,8 @@
 """The ``gemma`` section of ``make bench``: Gemma 3 270M in Q4_K_M, the K-quant, sliding-window model.
 
 * TTFT, cold and warm, through a daemon serving the GGUF (``modeld serve --model GEMMA``; ``auto`` picks
-  llama.cpp, as OpenVINO cannot convert it) next to llama-cpp-python's own server on the same GGUF, turns and
-  threads (its ``gemma`` chat format, as the file carries no template, with the system text at the head of
+  llama.cpp, as OpenVINO cannot convert it) next to llama-cpp-python's own server and llama.cpp's
+  ``llama-server`` (its built-in ``gemma`` template) on the same GGUF, turns and threads (its ``gemma`` chat format, as the file carries no template, with the system text at the head of
   the user turn as the ``gemma3`` template puts it: that format drops a system message). The prefix (~2,000 tokens of the
   bundled tokenizer) is four times the 512-token sliding window, so a warm turn that kept only the window
   would show as a cold one.
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.bundled import gemma_gguf_path
+from benchmarks import llama_server
 from benchmarks.agent import peer_server
 from benchmarks.decode import TASKS, _rate, _turn, exact_flags, paired_median, same_answer
 from benchmarks.run import FIRST_TURN, _sse_ttft, daemon_turns, table, warm_note
@@ -74,6 +75,10 @@ def section(tmp: Path, texts: dict[str, Any]) -> str:
     with peer_server(tmp, gemma_gguf_path(), NUM_CTX, "--chat_format", "gemma") as port:
         peer_cold = _sse_ttft(port, "", f"{texts['system']}\n\n{FIRST_TURN}")
         peer_warm = statistics.median(_sse_ttft(port, "", f"{texts['system']}\n\n{s}") for s in texts["suffixes"])
+    # llama-server likewise, with its built-in gemma template (the file carries none)
+    with llama_server.serving(gemma_gguf_path(), NUM_CTX, tmp / "gemma-llama-server.log", "--chat-template", "gemma") as port:
+        ls_cold = _sse_ttft(port, "", f"{texts['system']}\n\n{FIRST_TURN}")
+        ls_warm = statistics.median(_sse_ttft(port, "", f"{texts['system']}\n\n{s}") for s in texts["suffixes"])
     ratio = r["warm_ttft_ms"] / r["cold_ttft_ms"]
     rows: list[tuple[str, Any, str]] = [
         ("engine (auto)", st.backend, st.backend_reason),
@@ -85,6 +90,9 @@ def section(tmp: Path, texts: dict[str, Any]) -> str:
         ("cold TTFT ms (peer)", peer_cold, "llama-cpp-python's server, same GGUF and turns, over HTTP streaming"),
         ("warm TTFT ms (peer)", peer_warm, "its longest-common-prefix cache (median of 3)"),
         ("modeld warm / peer warm", r["warm_ttft_ms"] / peer_warm, "below 1.0: modeld is faster"),
+        ("cold TTFT ms (llama-server)", ls_cold, f"{llama_server.NAME} at its defaults, same GGUF and turns"),
+        ("warm TTFT ms (llama-server)", ls_warm, "its slot's prefix and RAM prompt cache (median of 3)"),
+        ("modeld warm / llama-server warm", r["warm_ttft_ms"] / ls_warm, "below 1.0: modeld is faster"),
         ("decode tok/s (daemon)", r["decode_tok_s"], "128 greedy tokens, streamed"),
     ]
     layouts: list[tuple[str, tuple[str, ...]]] = [("default layout", ()), ("exact decode", exact_flags("llama"))]

