@@ -22,15 +22,16 @@ from typing import Any
 
 from contract.errors import InvalidArgument, SnapshotRejected
 
+from .defaults import DEFAULT_BLOB_BYTES
+
 _ID = re.compile(r"^sha256:[0-9a-f]{64}$")
 _NAME = re.compile(r"^[0-9a-f]{64}$")
 
-DEFAULT_MAX_BYTES = 4 * 2**30
 DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
 
 
 class BlobStore:
-    def __init__(self, root: Path, *, max_bytes: int = DEFAULT_MAX_BYTES, max_age_s: float = DEFAULT_MAX_AGE_S) -> None:
+    def __init__(self, root: Path, *, max_bytes: int = DEFAULT_BLOB_BYTES, max_age_s: float = DEFAULT_MAX_AGE_S) -> None:
         self.root = root
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s

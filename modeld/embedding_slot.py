@@ -53,11 +53,11 @@ from contract.errors import (
 from contract.interfaces import EmbeddingEngine, EngineFactory, PlanT
 from contract.types import EmbeddingStatus, EmbedInfo, EmbedRequest, EmbedResult
 
-__all__ = ["DEFAULT_IDLE_UNLOAD_S", "BudgetCheck", "EmbeddingSlot"]
+from .defaults import DEFAULT_EMBED_IDLE_S
+
+__all__ = ["BudgetCheck", "EmbeddingSlot"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_IDLE_UNLOAD_S = 300.0
 
 #: called with a model's estimated resident bytes before it loads; raises InsufficientMemory
 #: (or returns False) to refuse it
@@ -107,7 +107,7 @@ class EmbeddingSlot(Generic[PlanT]):
     def __init__(
         self,
         engine_factory: EngineFactory[PlanT],
-        idle_unload_s: float = DEFAULT_IDLE_UNLOAD_S,
+        idle_unload_s: float = DEFAULT_EMBED_IDLE_S,
         budget_check: BudgetCheck | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -115,16 +115,21 @@ def server_keys(data_dir: Path, *, create: bool = True) -> tuple[bytes, bytes]:
 
 def keys_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="modeld keys", description="The daemon's CURVE key pair for --curve tcp endpoints.")
-    p.add_argument("--data-dir", type=Path, default=None, help="where the keys live (default ~/.local/share/modeld)")
+    p.add_argument("--data-dir", type=Path, default=None, help="where the keys live (default: the daemon's data dir: $MODELD_DATA_DIR, else the config file's "
+                   "data_dir, else ~/.local/share/modeld)")
     return p
 
 
 def keys_main(argv: list[str] | None = None) -> int:
     """``modeld keys``: print the daemon's CURVE public key (the one clients pass as --server-key)."""
-    from .bootstrap import default_data_dir
+    from .settings import SettingsError, data_dir_of
 
     args = keys_parser().parse_args(argv)
-    data_dir = args.data_dir or default_data_dir()
+    try:
+        data_dir = data_dir_of(args.data_dir)
+    except SettingsError as exc:
+        print(f"modeld keys: {exc}", file=sys.stderr)
+        return 2
     try:
         public, _ = server_keys(data_dir)
     except (OSError, RuntimeError) as exc:

@@ -29,12 +29,12 @@ import os
 import sys
 import threading
 
+from .defaults import MAX_NICE
+
 __all__ = ["MAX_NICE", "lower_this_thread"]
 
 log = logging.getLogger("modeld")
 
-#: the nicest a thread can be
-MAX_NICE = 19
 
 
 def lower_this_thread(by: int) -> int | None:

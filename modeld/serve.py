@@ -12,16 +12,14 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
-
-from contract.types import KV_CACHE_TYPES
+from typing import TextIO
 
 from . import dirs
 from .bootstrap import backend_choices, build_daemon, preload_request, resolve_backend, resolve_model
 from .logs import setup_logging
 from .sdnotify import notify
 from .server import EXIT_WEDGED
-from .settings import ServeSettings, SettingsError, add_setting, layering_epilog, parse_settings
+from .settings import ServeSettings, SettingsError, add_flags, layering_epilog, parse_settings
 
 __all__ = ["add_serve_arguments", "build_parser", "load", "main", "serve"]
 
@@ -29,67 +27,10 @@ log = logging.getLogger("modeld")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | None = None) -> None:
-    """The ``modeld serve`` flags; their dest names are the settings' (``modeld.settings.add_setting``).
-
-    The help says what applies without a flag: ``current`` (the settings from
-    the environment and the config file), else the built-in defaults.
-    """
-    shown = current if current is not None else ServeSettings.model_construct()
-
-    def flag(name: str, **kw: Any) -> None:
-        add_setting(p, shown, name, **kw)
-
-    flag("config", type=Path, metavar="PATH")
-    flag("endpoint")
-    flag("backend", choices=backend_choices())
-    flag("model")
-    flag("model_name")
-    flag("pull", action="store_true")
-    flag("num_ctx", type=int)
-    flag("num_batch", type=int, metavar="N")
-    flag("gpu_layers", metavar="N|auto|all")
-    flag("flash_attn", action="store_true")
-    flag("kv_cache_type", choices=KV_CACHE_TYPES)
-    flag("exact_decode", action="store_true")
-    flag("chat_template", metavar="NAME|FILE")
-    flag("tool_format", metavar="NAME")
-    flag("owner")
-    flag("data_dir", type=Path)
-    flag("mem_max", metavar="SIZE")
-    flag("mem_reserve", metavar="SIZE")
-    flag("lease", type=float, metavar="S")
-    flag("no_preload", action="store_true")
-    flag("idle_unload", type=float, metavar="S")
-    flag("session_ttl", type=float, metavar="S")
-    flag("embed_idle", type=float, metavar="S")
-    flag("memory_token_delay_ms", type=float)
-    flag("prefill_chunk_delay_ms", type=float, metavar="MS")
-    flag("log_level")
-    flag("http", metavar="HOST:PORT")
-    flag("http_allow_remote", action="store_true")
-    flag("http_queue_timeout", type=float, metavar="S")
-    flag("http_max_body", metavar="SIZE")
-    flag("http_max_connections", type=int, metavar="N")
-    flag("http_header_timeout", type=float, metavar="S")
-    flag("strict_model_names", action="store_true")
-    flag("switch_on_request", choices=("on", "off"))
-    flag("keep_billing_header", action="store_true")
-    flag("alias", action="append", metavar="NAME=MODEL")
-    flag("temperature", type=float, metavar="T")
-    flag("log_format", choices=("plain", "json"))
-    flag("cache_ram", metavar="SIZE")
-    flag("cache_disk", metavar="SIZE")
-    flag("cache_dir", type=Path)
-    flag("wedge_timeout", type=float, metavar="S")
-    flag("exit_when_wedged", action="store_true")
-    flag("curve", action="store_true")
-    flag("insecure_tcp", action="store_true")
-    flag("blob_disk", metavar="SIZE")
-    flag("blob_max_age_days", type=float, metavar="DAYS")
-    flag("speculative", choices=("on", "off"))
-    flag("stream_interval_ms", type=float, metavar="MS")
-    flag("engine_nice", type=int, metavar="N")
-    flag("api_key")
+    """The ``modeld serve`` flags, one per setting (``modeld.settings.add_flags``); the help says what applies
+    without a flag: ``current`` (the settings from the environment and the config file), else the built-in
+    defaults."""
+    add_flags(p, ServeSettings, "serve", current, choices={"backend": backend_choices()})
 
 
 def build_parser(

@@ -46,9 +46,11 @@ import difflib
 import logging
 import os
 import tomllib
+import types
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self, TypeVar
+from typing import Annotated, Any, Literal, Self, TypeVar, Union, get_args, get_origin
 
 from pydantic import AfterValidator, BeforeValidator, Field, PrivateAttr, ValidationError
 from pydantic.fields import FieldInfo
@@ -67,12 +69,24 @@ from contract.endpoint import default_endpoint
 from contract.types import GPU_LAYERS_AUTO, KVCacheType, format_gpu_layers, parse_gpu_layers
 
 from . import dirs
-from .blobs import DEFAULT_MAX_BYTES
 from .capacity.policy import Policy
 from .capacity.sizes import format_size, parse_size, parse_size_or_auto
-from .priority import MAX_NICE
-from .server import DEFAULT_ENGINE_NICE, DEFAULT_STREAM_INTERVAL_S, DEFAULT_WEDGE_S, EXIT_WEDGED
-from .slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
+from .defaults import (
+    DEFAULT_BLOB_BYTES,
+    DEFAULT_EMBED_IDLE_S,
+    DEFAULT_ENGINE_NICE,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_LEASE_S,
+    DEFAULT_LISTEN,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_SESSION_TTL_S,
+    DEFAULT_STREAM_INTERVAL_S,
+    DEFAULT_WEDGE_S,
+    EXIT_WEDGED,
+    MAX_NICE,
+    QUEUE_TIMEOUT_S,
+)
 
 __all__ = [
     "CONFIG_ENV",
@@ -83,10 +97,16 @@ __all__ = [
     "SIZE_SETTINGS",
     "ConfigFileSource",
     "Environment",
+    "Flag",
+    "GROUPS",
     "HttpSettings",
+    "Reference",
     "ServeSettings",
     "SettingsError",
+    "add_flags",
     "add_setting",
+    "data_dir_of",
+    "command_settings",
     "env_name",
     "file_keys",
     "flag_name",
@@ -94,6 +114,7 @@ __all__ = [
     "load_settings",
     "memory_key",
     "parse_settings",
+    "reference",
     "setting_field",
     "setting_value",
 ]
@@ -174,6 +195,32 @@ def _expand_user(value: Path | None) -> Path | None:
     return value.expanduser() if value is not None else None
 
 
+@dataclass(frozen=True, eq=False)
+class Flag:
+    """How a setting shows on the command line: metadata of its field (``Annotated[T, Flag(...)]``), which
+    ``add_flags`` reads with the field's type, default and description to write the flag. Everything else
+    about the flag follows from the field: its name (``cache_ram`` → ``--cache-ram``), a switch for a bool that
+    is off by default and ``on``/``off`` for one that is on, a repeatable flag for a tuple, the choices of a
+    ``Literal``, argparse's ``int``/``float``/``Path`` for those types, and the text as given where the field's
+    own validator parses it (sizes, ``auto``)."""
+
+    #: what the help shows as the flag's value (sizes show SIZE without one)
+    metavar: str | None = None
+    #: the help's section (``GROUPS``)
+    group: str = ""
+    #: per command, the help there when it is not the field's description
+    help: Mapping[str, str] = field(default_factory=dict)
+    #: per command, what applies when the setting is unset, shown as the flag's default
+    unset: Mapping[str, str] = field(default_factory=dict)
+
+
+#: the help's sections
+DAEMON, MODEL, MEMORY, SESSIONS, HTTP = "the daemon", "the model", "memory and caches", "sessions and the engine", \
+    "the HTTP APIs"
+#: in the order the documentation lists them
+GROUPS = (MODEL, MEMORY, SESSIONS, HTTP, DAEMON)
+
+
 Size = Annotated[int, BeforeValidator(parse_size)]
 #: None = "auto": the workspace cache sizes the budget itself
 SizeOrAuto = Annotated[int | None, BeforeValidator(_size_or_auto)]
@@ -195,57 +242,57 @@ class HttpSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_ignore_empty=True, extra="forbid", frozen=True)
 
-    config: OptionalPath = Field(
+    config: Annotated[OptionalPath, Flag("PATH", DAEMON)] = Field(
         None, description="settings file, TOML: keys are these settings' names, e.g. session_ttl = 600"
     )
-    endpoint: str | None = Field(None, description="ipc://PATH or tcp://HOST:PORT")
-    data_dir: OptionalPath = Field(
+    endpoint: Annotated[str | None, Flag(None, DAEMON, help={"http": "the daemon: ipc://PATH or tcp://HOST:PORT"})] = Field(None, description="ipc://PATH or tcp://HOST:PORT")
+    data_dir: Annotated[OptionalPath, Flag(None, DAEMON, help={"http": "stored responses and the signing key, the daemon's data dir"})] = Field(
         None, description="snapshot blobs, stored HTTP responses, keys and state"
     )
-    log_level: Annotated[str, AfterValidator(_log_level)] = Field(
+    log_level: Annotated[str, AfterValidator(_log_level), Flag(None, DAEMON)] = Field(
         "INFO", description="DEBUG, INFO, WARNING, ERROR or CRITICAL"
     )
-    log_format: Literal["plain", "json"] = Field(
+    log_format: Annotated[Literal["plain", "json"], Flag(None, DAEMON)] = Field(
         "plain", description="plain lines, or one JSON object per line (access-log fields as keys)"
     )
-    http: str | None = Field(
+    http: Annotated[str | None, Flag("HOST:PORT", HTTP, help={"http": "serve the HTTP APIs there"}, unset={"http": DEFAULT_LISTEN})] = Field(
         None, description="also serve an OpenAI-compatible HTTP API there, e.g. 127.0.0.1:8377"
     )
-    http_allow_remote: bool = Field(False, description="let --http bind a non-loopback address")
+    http_allow_remote: Annotated[bool, Flag(None, HTTP)] = Field(False, description="let --http bind a non-loopback address")
     # repr=False: the key stays out of logs and tracebacks
-    api_key: str = Field("", repr=False, description="bearer key the HTTP API requires")
-    http_queue_timeout: NonNegative = Field(
-        300.0, description="seconds an HTTP request waits for a busy slot before 503"
+    api_key: Annotated[str, Flag(None, HTTP)] = Field("", repr=False, description="bearer key the HTTP API requires")
+    http_queue_timeout: Annotated[NonNegative, Flag("S", HTTP)] = Field(
+        QUEUE_TIMEOUT_S, description="seconds an HTTP request waits for a busy slot before 503"
     )
-    http_max_body: Size = Field(
-        32 * 2**20, description="largest HTTP request body; a larger one is refused with 413 unread"
+    http_max_body: Annotated[Size, Flag(None, HTTP)] = Field(
+        DEFAULT_MAX_BODY_BYTES, description="largest HTTP request body; a larger one is refused with 413 unread"
     )
-    http_max_connections: Annotated[int, Field(ge=1)] = Field(
-        512,
+    http_max_connections: Annotated[int, Field(ge=1), Flag("N", HTTP)] = Field(
+        DEFAULT_MAX_CONNECTIONS,
         description="open HTTP connections served at once; one past it is answered 503 and closed (the open files "
         "limit is raised where allowed, and the cap kept under it so ZeroMQ clients always find descriptors)",
     )
-    http_header_timeout: NonNegative = Field(
-        30.0,
+    http_header_timeout: Annotated[NonNegative, Flag("S", HTTP)] = Field(
+        DEFAULT_HEADER_TIMEOUT_S,
         description="seconds an HTTP connection may take to send a request head before it is answered 408 and "
         "closed (0 = no limit); a request being answered is never cut",
     )
-    strict_model_names: bool = Field(
+    strict_model_names: Annotated[bool, Flag(None, HTTP)] = Field(
         False,
         description="refuse (404) an HTTP request naming a model the daemon does not serve, instead of serving it "
         "with the loaded model (agents hard-code model names)",
     )
-    switch_on_request: bool = Field(
+    switch_on_request: Annotated[bool, Flag(None, HTTP)] = Field(
         True,
         description="an HTTP request naming another model the daemon knows (its store: modeld pull / modeld ls) "
         "switches the slot to it once the current request is done; off: refuse it (409) with the names served",
     )
-    keep_billing_header: bool = Field(
+    keep_billing_header: Annotated[bool, Flag(None, HTTP)] = Field(
         False,
         description="Messages API: keep a system block that only carries a client's billing header (Claude Code "
         "rewrites it every request, so by default it is left out of the prompt to keep the prefix warm)",
     )
-    alias: Aliases = Field(
+    alias: Annotated[Aliases, Flag("NAME=MODEL", HTTP)] = Field(
         (), description="NAME=MODEL: HTTP requests for model NAME are served by MODEL (repeatable)"
     )
 
@@ -287,6 +334,12 @@ class HttpSettings(BaseSettings):
             raise SettingsError(str(exc)) from None
 
     @property
+    def aliases(self) -> dict[str, str]:
+        """``alias`` as a mapping: model NAME → the MODEL that serves it."""
+        pairs = (item.partition("=") for item in self.alias)
+        return {name.strip(): target.strip() for name, _, target in pairs}
+
+    @property
     def config_file(self) -> Path:
         """The config file these settings were read from (it may be absent when it is the default)."""
         return self.config or dirs.config_file()
@@ -299,133 +352,133 @@ class ServeSettings(HttpSettings):
     memory policy's flags aside (``MEMORY_FLAGS``). ``build_daemon`` takes it.
     """
 
-    backend: Annotated[str, AfterValidator(_backend)] = Field(
+    backend: Annotated[str, AfterValidator(_backend), Flag(None, MODEL)] = Field(
         "auto",
         description="the engine; auto: OpenVINO on x86-64 for a model it converts (the faster engine here), "
         "else llama.cpp; status says which and why",
     )
-    model: str | None = Field(
+    model: Annotated[str | None, Flag(None, MODEL)] = Field(
         None, description="model to preload (default: the bundled model for llama/openvino)"
     )
-    model_name: str | None = Field(None, description="logical name of the preloaded model")
-    pull: bool = Field(
+    model_name: Annotated[str | None, Flag(None, MODEL)] = Field(None, description="logical name of the preloaded model")
+    pull: Annotated[bool, Flag(None, MODEL)] = Field(
         False,
         description="--model names a Hugging Face model (user/repo:QUANT) not yet in the store: pull it first "
         "(never done without this flag)",
     )
-    num_ctx: int = Field(0, ge=0, description="context window of the preloaded model (0 = memory-fitted)")
-    num_batch: int = Field(
+    num_ctx: Annotated[int, Flag(None, MODEL)] = Field(0, ge=0, description="context window of the preloaded model (0 = memory-fitted)")
+    num_batch: Annotated[int, Flag("N", MODEL)] = Field(
         0, ge=0, description="prompt tokens per prefill chunk (0 = the engine's default, 512): a cancel stops a "
         "prefill between chunks and keeps the chunks done; smaller chunks stop sooner and cost a little speed",
     )
-    gpu_layers: GpuLayers = Field(
+    gpu_layers: Annotated[GpuLayers, Flag("N|auto|all", MODEL)] = Field(
         GPU_LAYERS_AUTO,
         description="llama.cpp: layers of the preloaded model on the GPU: auto = as many as fit (all when they "
         "do), all = every layer or refuse, 0 = CPU only, N = that many (clamped to the model's layers, as "
         "llama-server clamps -ngl 999); the host holds the rest; a CPU build or no NVIDIA GPU: the CPU",
     )
-    flash_attn: bool = Field(
+    flash_attn: Annotated[bool, Flag(None, MODEL)] = Field(
         False,
         description="llama.cpp: flash attention for the preloaded model (a quantized KV cache needs it)",
     )
-    kv_cache_type: KVCacheType = Field(
+    kv_cache_type: Annotated[KVCacheType, Flag(None, MODEL)] = Field(
         "",
         description="llama.cpp: KV cache type of the preloaded model, f16 when unset; with --flash-attn, q8_0 "
         "makes a token's logits the same alone or in a batch, so speculation and reuse never change an answer",
     )
-    exact_decode: bool = Field(
+    exact_decode: Annotated[bool, Flag(None, MODEL)] = Field(
         False,
         description="compute every decoded token as a prefill computes it, so drafts (sampled ones too) and "
         "reused replies never change an answer; OpenVINO: a decode step then costs more, the more so the longer the "
         "context (docs/speculation.md); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)",
     )
-    chat_template: str = Field(
+    chat_template: Annotated[str, Flag("NAME|FILE", MODEL)] = Field(
         "",
         description="the preloaded model's chat template: a built-in name (chatml, qwen2_5, qwen3_coder, llama3, "
         "mistral, mistral_args, gpt_oss, deepseek_v3_1, gemma3) or a Jinja file; default: the model's own, else the "
         "one its vocabulary's turn tokens select, else ChatML (status says which)",
     )
-    tool_format: str = Field(
+    tool_format: Annotated[str, Flag("NAME", MODEL)] = Field(
         "",
         description="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, llama3_json, "
         "mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1); default: detected from the chat template",
     )
-    owner: str = Field("", description="owner instance id for fencing")
+    owner: Annotated[str, Flag(None, SESSIONS)] = Field("", description="owner instance id for fencing")
     memory: Policy = Field(
         Policy(),
         description="the memory planner's policy: the config file's [memory] table, MEMORY_SETTINGS' variables, "
         "--mem-max and --mem-reserve",
     )
-    lease: Positive = Field(DEFAULT_LEASE_S, description="seconds a silent client keeps its session")
-    no_preload: bool = Field(False, description="start with an empty slot")
-    idle_unload: NonNegative = Field(
+    lease: Annotated[Positive, Flag("S", SESSIONS)] = Field(DEFAULT_LEASE_S, description="seconds a silent client keeps its session")
+    no_preload: Annotated[bool, Flag(None, MODEL)] = Field(False, description="start with an empty slot")
+    idle_unload: Annotated[NonNegative, Flag("S", SESSIONS)] = Field(
         0.0,
         description="unload the chat model after S seconds with no session and no operation (0 = never)",
     )
-    session_ttl: NonNegative = Field(
+    session_ttl: Annotated[NonNegative, Flag("S", SESSIONS)] = Field(
         DEFAULT_SESSION_TTL_S,
         description="release a session that sent no operation for S seconds, even while its client renews the "
         "lease (0 = never; any operation, explain included, refreshes it)",
     )
-    embed_idle: NonNegative = Field(300.0, description="seconds before an idle embedding model is unloaded")
-    memory_token_delay_ms: NonNegative = Field(
+    embed_idle: Annotated[NonNegative, Flag("S", SESSIONS)] = Field(DEFAULT_EMBED_IDLE_S, description="seconds before an idle embedding model is unloaded")
+    memory_token_delay_ms: Annotated[NonNegative, Flag("MS", SESSIONS)] = Field(
         0.0, description="memory backend only: simulated time per generated token"
     )
-    prefill_chunk_delay_ms: NonNegative = Field(
+    prefill_chunk_delay_ms: Annotated[NonNegative, Flag("MS", SESSIONS)] = Field(
         0.0, description="hold each prefill chunk back MS milliseconds: a slower machine on demand, for tests and "
         "demonstrations of a long first request (a cancel still stops it at once; 0 = off)",
     )
-    temperature: Annotated[float | None, Field(ge=0.0, le=10.0)] = Field(
+    temperature: Annotated[float | None, Field(ge=0.0, le=10.0), Flag("T", MODEL)] = Field(
         None,
         description="temperature of requests that set no sampling parameter (default: the model's recommended "
         "sampling, else 0.8 with top-k 40, top-p 0.95, min-p 0.05); 0 = greedy, which speculative decoding needs",
     )
-    cache_ram: SizeOrAuto = Field(
+    cache_ram: Annotated[SizeOrAuto, Flag(None, MEMORY)] = Field(
         None,
         description="RAM for the workspace cache of prefix states, e.g. 2GiB; 0 = off; "
         "auto = half of what the model leaves spare, at most 4GiB",
     )
-    cache_disk: SizeOrAuto = Field(
+    cache_disk: Annotated[SizeOrAuto, Flag(None, MEMORY)] = Field(
         None,
         description="disk for the workspace cache (survives restarts), e.g. 8GiB; 0 = off; "
         "auto = a quarter of the free space, at most 16GiB",
     )
-    cache_dir: OptionalPath = Field(None, description="workspace cache directory (default DATA_DIR/cache)")
-    wedge_timeout: Positive = Field(
+    cache_dir: Annotated[OptionalPath, Flag(None, MEMORY)] = Field(None, description="workspace cache directory (default DATA_DIR/cache)")
+    wedge_timeout: Annotated[Positive, Flag("S", SESSIONS)] = Field(
         DEFAULT_WEDGE_S,
         description="report the model worker wedged after S seconds without progress: status says so and "
         "waiting requests get EngineUnresponsive",
     )
-    exit_when_wedged: bool = Field(
+    exit_when_wedged: Annotated[bool, Flag(None, SESSIONS)] = Field(
         False,
         description=f"then exit with status {EXIT_WEDGED}, for a supervisor (systemd Restart=) to restart the daemon",
     )
-    curve: bool = Field(
+    curve: Annotated[bool, Flag(None, DAEMON)] = Field(
         False,
         description="tcp endpoints speak ZeroMQ CURVE with the key pair in DATA_DIR/keys (`modeld keys` prints "
         "the public key clients need)",
     )
-    insecure_tcp: bool = Field(
+    insecure_tcp: Annotated[bool, Flag(None, DAEMON)] = Field(
         False,
         description="allow a tcp endpoint beyond loopback without CURVE (anyone reaching it controls the daemon)",
     )
-    blob_disk: Size = Field(
-        DEFAULT_MAX_BYTES, description="disk for snapshot blobs; the least recently used are pruned beyond it"
+    blob_disk: Annotated[Size, Flag(None, MEMORY)] = Field(
+        DEFAULT_BLOB_BYTES, description="disk for snapshot blobs; the least recently used are pruned beyond it"
     )
-    blob_max_age_days: NonNegative = Field(
+    blob_max_age_days: Annotated[NonNegative, Flag("DAYS", MEMORY)] = Field(
         7.0, description="snapshot blobs unused this long are pruned"
     )
-    speculative: bool = Field(
+    speculative: Annotated[bool, Flag(None, MODEL)] = Field(
         True,
         description="speculative decoding of greedy requests by default (a request's `speculative` wins): drafts copied from the "
         "context are checked in one batch, so answers that repeat what the model was shown decode faster",
     )
-    stream_interval_ms: NonNegative = Field(
+    stream_interval_ms: Annotated[NonNegative, Flag("MS", SESSIONS)] = Field(
         DEFAULT_STREAM_INTERVAL_S * 1000,
         description="a decode stream sends at most one frame per this many ms, the tokens decoded meanwhile "
         "together (fewer wake-ups beside the engine; the first token is never held); 0 = a frame per token",
     )
-    engine_nice: int = Field(
+    engine_nice: Annotated[int, Flag("N", SESSIONS)] = Field(
         DEFAULT_ENGINE_NICE,
         ge=0,
         le=MAX_NICE,
@@ -520,6 +573,15 @@ class ConfigFileSource(TomlConfigSettingsSource):
         if table:
             data["memory"] = table
         return _nest_memory(self._for, data)
+
+
+def data_dir_of(given: Path | None = None) -> Path:
+    """The data directory a command works in: ``given`` (its ``--data-dir``), else ``data_dir`` as ``modeld serve``
+    resolves it (``MODELD_DATA_DIR``, else the config file's, else the platform's), so the store, ``modeld keys``,
+    ``prepare`` and ``pull`` find what the daemon keeps. A config file that does not load raises SettingsError."""
+    if given is not None:
+        return Path(given).expanduser()
+    return HttpSettings.load().data_dir or dirs.data_dir()
 
 
 def file_keys() -> list[str]:
@@ -629,8 +691,79 @@ def _shown(name: str, value: Any) -> str | None:
     return str(value) or None
 
 
+def command_settings(cls: type[HttpSettings]) -> list[str]:
+    """The settings ``cls``' command takes as flags, in the order declared: its fields, the memory policy's
+    ``MEMORY_FLAGS`` in place of the nested ``memory``."""
+    out: list[str] = []
+    for name in cls.model_fields:
+        out += list(MEMORY_FLAGS) if name == "memory" else [name]
+    return out
+
+
+def flag_of(info: FieldInfo) -> Flag:
+    """The field's ``Flag`` metadata; the memory policy's fields (``MEMORY_FLAGS``, declared in
+    ``modeld.capacity.Policy``, which does not import this module) are flags of the memory section."""
+    return next((m for m in info.metadata if isinstance(m, Flag)), Flag(group=MEMORY))
+
+
+def _argparse_kw(name: str, info: FieldInfo, flag: Flag) -> dict[str, Any]:
+    """argparse's keywords for setting ``name`` (``Flag``'s docstring says how each follows from the field)."""
+    kw: dict[str, Any] = {}
+    if flag.metavar or name in SIZE_SETTINGS:
+        kw["metavar"] = flag.metavar or "SIZE"
+    ann = info.annotation
+    if get_origin(ann) in (Union, types.UnionType):
+        kinds = [a for a in get_args(ann) if a is not type(None)]
+        ann = kinds[0] if len(kinds) == 1 else None
+    if ann is bool:
+        if info.default is True:
+            kw["choices"] = ("on", "off")  # pydantic reads on/off as a bool
+        else:
+            kw = {"action": "store_true"}
+    elif get_origin(ann) is tuple:
+        kw["action"] = "append"
+    elif get_origin(ann) is Literal:
+        kw["choices"] = tuple(a for a in get_args(ann) if a != "")
+    elif any(isinstance(m, BeforeValidator) for m in info.metadata):
+        pass  # the field's validator reads the text (a size, "auto")
+    elif ann in (int, float, Path):
+        kw["type"] = ann
+    return kw
+
+
+def add_flags(
+    p: argparse.ArgumentParser,
+    cls: type[HttpSettings],
+    command: str,
+    current: HttpSettings | None = None,
+    *,
+    choices: Mapping[str, tuple[str, ...]] | None = None,
+) -> None:
+    """Command ``command``'s flags: one per setting of ``cls`` (``command_settings``), written from its field
+    (``Flag``), in the help's sections; the help shows ``current``'s values, else the built-in ones.
+    ``choices`` gives the choices known only at run time (the engines registered)."""
+    shown = current if current is not None else cls.model_construct()
+    sections: dict[str, Any] = {}
+    for name in command_settings(cls):
+        info = setting_field(cls, name)
+        flag = flag_of(info)
+        if flag.group not in sections:
+            sections[flag.group] = p.add_argument_group(flag.group) if flag.group else p
+        kw = _argparse_kw(name, info, flag)
+        if choices and name in choices:
+            kw["choices"] = choices[name]
+        add_setting(sections[flag.group], shown, name, unset=flag.unset.get(command, ""),
+                    help=flag.help.get(command, ""), **kw)
+
+
 def add_setting(
-    p: argparse.ArgumentParser, current: HttpSettings, name: str, *, unset: str = "", help: str = "", **kw: Any
+    p: argparse.ArgumentParser | argparse._ArgumentGroup,
+    current: HttpSettings,
+    name: str,
+    *,
+    unset: str = "",
+    help: str = "",
+    **kw: Any,
 ) -> None:
     """The flag of setting ``name``, with no argparse default (``argparse.SUPPRESS``: a flag left out takes no
     part, so the environment and the config file fill it in). Its help is ``help``, else the field's description,
@@ -639,6 +772,49 @@ def add_setting(
     value = _shown(name, setting_value(current, name)) or unset
     where = f"default: {value}; env {env_name(name)}" if value else f"env {env_name(name)}"
     p.add_argument(flag_name(name), dest=name, default=argparse.SUPPRESS, help=f"{text} ({where})", **kw)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One setting as the documentation lists it (``reference``)."""
+
+    section: str
+    flag: str
+    variable: str
+    default: str
+    description: str
+    #: the commands that take it as a flag
+    commands: tuple[str, ...]
+
+
+#: the defaults that depend on the user and the platform, as the documentation states them
+_PLATFORM_DEFAULTS = {
+    "config": "$XDG_CONFIG_HOME/modeld/config.toml, else ~/.config/modeld/config.toml",
+    "data_dir": "$XDG_DATA_HOME/modeld, else ~/.local/share/modeld",
+    "endpoint": "ipc://$XDG_RUNTIME_DIR/modeld/modeld.sock, else ipc:///tmp/modeld-UID/modeld.sock",
+}
+
+
+def reference() -> list[Reference]:
+    """Every ``modeld serve`` setting, by the help's sections, for the documentation (generated, so it cannot
+    drift from the fields): its flag with its value's form, variable, built-in default and description."""
+    http = set(command_settings(HttpSettings))
+    shown = ServeSettings.model_construct()
+    out: list[Reference] = []
+    for name in command_settings(ServeSettings):
+        info = setting_field(ServeSettings, name)
+        flag = flag_of(info)
+        kw = _argparse_kw(name, info, flag)
+        form = ("{" + ",".join(kw["choices"]) + "}") if "choices" in kw else kw.get("metavar", "")
+        if not form and kw.get("action") is None:
+            form = name.upper()
+        out.append(Reference(
+            section=flag.group, flag=f"{flag_name(name)} {form}".strip(), variable=env_name(name),
+            default=_PLATFORM_DEFAULTS.get(name) or _shown(name, setting_value(shown, name)) or "",
+            description=info.description or "",
+            commands=("serve", "http") if name in http else ("serve",),
+        ))
+    return sorted(out, key=lambda r: GROUPS.index(r.section))
 
 
 def layering_epilog(config: Path, note: str) -> str:

@@ -79,14 +79,11 @@ from contract.types import (
 )
 from contract.wire import PROTOCOL_VERSION
 
+from .defaults import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
 from .store.catalog import Catalog
 
 log = logging.getLogger("modeld")
 
-DEFAULT_LEASE_S = 30.0
-#: a session whose client keeps renewing its lease but sends no operation is released after this
-#: (seed 000's idle TTL); any operation, ``explain`` included, refreshes it
-DEFAULT_SESSION_TTL_S = 1800.0
 
 #: plans the memory-fitted request for a load (``modeld.capacity.make_planner``);
 #: without one the request is loaded as asked and the backend's describe answers

@@ -20,6 +20,7 @@ from contract.errors import EngineUnresponsive
 from contract.types import Heartbeat, Progress
 from contract.wire import Kind
 
+from .defaults import DEFAULT_WEDGE_S, EXIT_WEDGED
 from .handlers import Handlers
 from .slot import SlotService
 from .workqueue import Inflight, Send, WorkQueue
@@ -32,11 +33,6 @@ log = logging.getLogger("modeld.server")
 #: the IO thread wakes at least this often for its timers (lease reaping, the wedge watch); otherwise it
 #: sleeps until a frame, a heartbeat that is due or a stop wakes it: an idle daemon wakes twice a second
 REAP_INTERVAL_S = 0.5
-#: a model worker that shows no progress (``interrupt.beat``) for this long is wedged; well above any
-#: legitimate step (a prefill chunk, a graph node, a decoded token; a load reports progress too)
-DEFAULT_WEDGE_S = 120.0
-#: the exit status when ``--exit-when-wedged`` stops a daemon whose worker is wedged
-EXIT_WEDGED = 3
 
 
 class Watchdog:

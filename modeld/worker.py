@@ -22,6 +22,7 @@ from contract.types import LoadModelRequest
 from contract.wire import Kind, Message, Op
 
 from .coalesce import ChunkCoalescer
+from .defaults import DEFAULT_ENGINE_NICE, DEFAULT_STREAM_INTERVAL_S
 from .handlers import HANDLERS, STREAM_HANDLERS, Handlers
 from .metrics import Metrics
 from .priority import lower_this_thread
@@ -34,13 +35,6 @@ __all__ = ["DEFAULT_ENGINE_NICE", "DEFAULT_STREAM_INTERVAL_S", "OUT_ENDPOINT", "
 # (the daemon's lines keep one logger name, whichever module writes them)
 log = logging.getLogger("modeld.server")
 
-#: a decode stream's frames at most this often (``modeld.coalesce``; what it costs and saves: docs/daemon.md)
-DEFAULT_STREAM_INTERVAL_S = 0.050
-#: how much nicer the model workers (and the engine threads they start) run than the IO thread: none by default.
-#: A nicer engine answers status a few ms sooner during a decode, but loses the cores to any other busy program:
-#: beside two CPU-bound processes on two cores, nice 10 left the engine about a tenth of a core's time
-#: (``modeld.priority``), and an agent's first request took minutes where it takes seconds
-DEFAULT_ENGINE_NICE = 0
 #: where the workers' replies go: the IO thread binds a PULL socket there, each worker connects a PUSH
 OUT_ENDPOINT = "inproc://modeld-worker-out"
 

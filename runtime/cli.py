@@ -176,8 +176,8 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     s.add_argument("--pull", action="store_true",
                    help="NAME is a Hugging Face reference (user/repo:QUANT) not yet in the store: pull it first")
     s.add_argument("--data-dir", default=None,
-                   help="with --pull: the daemon's data dir, whose models/ the pull fills (default: $MODELD_DATA_DIR, "
-                   "else the platform's)")
+                   help="with --pull: the daemon's data dir, whose models/ the pull fills (default: as `modeld serve` "
+                   "resolves it: $MODELD_DATA_DIR, else the config file's data_dir, else the platform's)")
     _gpu_layers_flag(s)
     s.add_argument("--expected-generation", type=int, default=0)
     _common(s)

@@ -256,8 +256,9 @@ class _Pool:
 def test_route_decisions(requested: str, want: tuple[str, bool]) -> None:
     from contract.types import ActiveModel, DaemonStatus, SlotState
     from modeld.front.core import Serving
+    from modeld.settings import HttpSettings
 
     st = DaemonStatus(state=SlotState.READY, active=ActiveModel(model_name="SmolLM2.Q4_1.gguf"),
                       models={"names": ["qwen:q4_k_m", "SmolLM2.Q4_1.gguf"], "aliases": {"coder": "qwen:q4_k_m"}})
-    route = Serving(_Pool(st), queue_timeout_s=1).route(requested)  # type: ignore[arg-type]
+    route = Serving(_Pool(st), HttpSettings.model_construct(http_queue_timeout=1)).route(requested)  # type: ignore[arg-type]
     assert (route.model, route.switch) == want

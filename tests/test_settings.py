@@ -3,6 +3,7 @@ declared once, and the one size parser."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import inspect
@@ -12,37 +13,51 @@ import pkgutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings
 
 import modeld
 from harness.daemon import ROOT, DaemonProcess, free_port
-from modeld.blobs import DEFAULT_MAX_BYTES
 from modeld.capacity import Policy
 from modeld.capacity.sizes import parse_size, parse_size_or_auto
-from modeld.front.app import DEFAULT_MAX_BODY_BYTES
-from modeld.front.guard import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
-from modeld.front.main import DEFAULT_LISTEN
+from modeld.defaults import (
+    DEFAULT_BLOB_BYTES,
+    DEFAULT_EMBED_IDLE_S,
+    DEFAULT_ENGINE_NICE,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_LEASE_S,
+    DEFAULT_LISTEN,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_SESSION_TTL_S,
+    DEFAULT_STREAM_INTERVAL_S,
+    DEFAULT_WEDGE_S,
+    QUEUE_TIMEOUT_S,
+)
 from modeld.front.main import build_parser as build_http_parser
-from modeld.front.server import QUEUE_TIMEOUT_S
 from modeld.serve import build_parser
-from modeld.server import DEFAULT_ENGINE_NICE, DEFAULT_STREAM_INTERVAL_S, DEFAULT_WEDGE_S
 from modeld.settings import (
     MEMORY_FLAGS,
     MEMORY_SETTINGS,
+    SESSIONS,
     SIZE_SETTINGS,
+    Flag,
     HttpSettings,
+    NonNegative,
     ServeSettings,
     SettingsError,
+    add_flags,
+    data_dir_of,
     env_name,
     flag_name,
     load_settings,
+    parse_settings,
     setting_value,
 )
-from modeld.slot import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
+from modeld.store import default_store_dir
 
 GiB = 2**30
 MiB = 2**20
@@ -131,6 +146,79 @@ def test_every_flag_is_a_setting_and_every_setting_a_flag() -> None:
     assert http_dests == set(HttpSettings.model_fields)
 
 
+def test_each_flag_is_written_from_its_field() -> None:
+    """The kind of flag follows from the field: a switch for a bool off by default, on/off for one on by default,
+    a repeatable flag for a tuple, a Literal's choices, argparse's type for int/float/Path, the text as given
+    where the field's validator parses it (a size shows SIZE), the metavar and the section from ``Flag``."""
+    p = build_parser()
+    actions = {a.dest: a for a in p._actions}
+    assert isinstance(actions["flash_attn"], argparse._StoreTrueAction)
+    assert actions["speculative"].choices == ("on", "off") and actions["switch_on_request"].choices == ("on", "off")
+    assert isinstance(actions["alias"], argparse._AppendAction)
+    assert actions["kv_cache_type"].choices == ("f16", "f32", "q8_0", "q4_0")
+    assert actions["log_format"].choices == ("plain", "json")
+    assert (actions["num_ctx"].type, actions["lease"].type, actions["cache_dir"].type) == (int, float, Path)
+    assert actions["cache_ram"].type is None and actions["cache_ram"].metavar == "SIZE"
+    assert actions["mem_max"].metavar == "SIZE" and actions["gpu_layers"].type is None
+    assert actions["lease"].metavar == "S" and actions["gpu_layers"].metavar == "N|auto|all"
+    sections = {g.title: {a.dest for a in g._group_actions} for g in p._action_groups}
+    assert {"lease", "session_ttl"} <= sections[SESSIONS] and "cache_ram" in sections["memory and caches"]
+
+
+class _OneMore(ServeSettings):
+    """The settings with one more, declared as the contributing guide says: one field."""
+
+    answer_delay: Annotated[NonNegative, Flag("S", SESSIONS)] = Field(
+        0.0, description="hold each answer back S seconds"
+    )
+
+
+def _one_more_parser(current: _OneMore | None, note: str, config: Path | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modeld serve")
+    add_flags(p, _OneMore, "serve", current)
+    return p
+
+
+def test_a_new_setting_is_one_field(config_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Added as one field, a setting has its flag, its variable, its config key and its help, and reaches the
+    component that takes the settings whole."""
+    assert parse_settings(_OneMore, ["--answer-delay", "2.5"], _one_more_parser).answer_delay == 2.5
+    write_config(config_home, "answer_delay = 3\n")
+    assert parse_settings(_OneMore, [], _one_more_parser).answer_delay == 3
+    monkeypatch.setenv("MODELD_ANSWER_DELAY", "1.5")
+    current = parse_settings(_OneMore, [], _one_more_parser)
+    assert current.answer_delay == 1.5
+    monkeypatch.setenv("COLUMNS", "1000")
+    text = " ".join(_one_more_parser(current, "", None).format_help().split())
+    assert "--answer-delay S hold each answer back S seconds (default: 1.5; env MODELD_ANSWER_DELAY)" in text
+    with pytest.raises(SettingsError, match="answer_delay"):
+        parse_settings(_OneMore, ["--answer-delay", "-1"], _one_more_parser)
+    # the front's components take HttpSettings whole: a field of it is there without being handed on
+    from modeld.front.core import Serving
+
+    serving = Serving(None, current)  # type: ignore[arg-type]
+    assert serving.settings.answer_delay == 1.5  # type: ignore[attr-defined]
+
+
+def test_the_configuration_page_lists_every_setting_from_its_field() -> None:
+    """docs/configuration.md's table is written at build time by docs/hooks/settings_reference.py from
+    ``modeld.settings.reference``: one row per flag, each with its variable, in a known section."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("settings_reference", ROOT / "docs" / "hooks" / "settings_reference.py")
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = hook.on_page_markdown("before\n" + hook.MARKER + "\nafter", page=None)
+    rows = [line for line in page.splitlines() if line.startswith("| `--")]
+    assert len(rows) == len(FLAGS)
+    for name in FLAGS:
+        assert sum(f"| `{flag_name(name)}" in row and f"`{env_name(name)}`" in row for row in rows) == 1, name
+    assert "| `--lease S` | `MODELD_LEASE` | `30` | seconds a silent client keeps its session |" in page
+    assert "(also `modeld http`)" in next(row for row in rows if row.startswith("| `--api-key"))
+    assert page.startswith("before\n") and page.endswith("after")
+
+
 def test_no_flag_has_an_argparse_default() -> None:
     assert vars(build_parser().parse_args([])) == {}
     assert vars(build_http_parser().parse_args([])) == {}
@@ -184,8 +272,9 @@ def test_no_setting_is_declared_twice() -> None:
 
 def test_the_defaults_are_the_daemons_and_the_fronts(config_home: Path) -> None:
     s = load_settings()
-    assert (s.lease, s.session_ttl, s.wedge_timeout, s.engine_nice, s.blob_disk) == (
-        DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S, DEFAULT_WEDGE_S, DEFAULT_ENGINE_NICE, DEFAULT_MAX_BYTES)
+    assert (s.lease, s.session_ttl, s.wedge_timeout, s.engine_nice, s.blob_disk, s.embed_idle) == (
+        DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S, DEFAULT_WEDGE_S, DEFAULT_ENGINE_NICE, DEFAULT_BLOB_BYTES,
+        DEFAULT_EMBED_IDLE_S)
     assert s.stream_interval_ms == DEFAULT_STREAM_INTERVAL_S * 1000
     assert (s.http_queue_timeout, s.http_max_body, s.http_max_connections, s.http_header_timeout) == (
         QUEUE_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_HEADER_TIMEOUT_S)
@@ -464,6 +553,27 @@ def test_serve_help_lists_every_flag_with_its_variable(config_home: Path, monkey
     assert "(default: 1.50GiB; env MODELD_BLOB_DISK)" in text
     assert str(config_home / "modeld" / "config.toml") in text
     assert "sekrit-key" not in out.stdout
+
+
+def test_every_command_finds_the_data_dir_the_config_file_names(config_home: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``data_dir`` in the config file (or MODELD_DATA_DIR) is where serve, the store, ``keys`` and ``pull`` all
+    look: one resolution, not each command's own."""
+    monkeypatch.delenv("MODELD_DATA_DIR", raising=False)
+    there = tmp_path / "from-the-file"
+    write_config(config_home, f'data_dir = "{there}"\n')
+    assert load_settings().data_dir == there == data_dir_of()
+    assert default_store_dir() == there / "models"
+    assert data_dir_of(tmp_path / "flag") == tmp_path / "flag"
+    out = run("keys")
+    assert out.returncode == 0, out.stderr
+    assert str(there / "keys") in out.stderr and (there / "keys").is_dir()
+    monkeypatch.setenv("MODELD_DATA_DIR", str(tmp_path / "from-the-env"))
+    assert data_dir_of() == tmp_path / "from-the-env" and default_store_dir() == tmp_path / "from-the-env" / "models"
+    monkeypatch.delenv("MODELD_DATA_DIR")
+    write_config(config_home, "data_dir = 5\n")
+    out = run("keys")
+    assert out.returncode == 2 and "data_dir" in out.stderr, out.stderr
 
 
 def test_serve_help_survives_a_broken_config_file(config_home: Path) -> None:

@@ -14,6 +14,6 @@ a client of the daemon (it imports ``runtime``, never a backend). Modules:
 
 from .app import create_app
 from .main import build_front, main
-from .server import HttpFront, is_loopback, parse_aliases, parse_listen
+from .server import HttpFront, is_loopback, parse_listen
 
-__all__ = ["HttpFront", "build_front", "create_app", "is_loopback", "main", "parse_aliases", "parse_listen"]
+__all__ = ["HttpFront", "build_front", "create_app", "is_loopback", "main", "parse_listen"]

@@ -180,7 +180,7 @@ def _tool_result_text(block: Block, where: str) -> str:
 
 def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    system = system_text(req.system, keep_billing_header=serving.keep_billing_header)
+    system = system_text(req.system, keep_billing_header=serving.settings.keep_billing_header)
     if system:
         out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from contract.errors import ModeldError
 
+from ..defaults import DEFAULT_MAX_BODY_BYTES
 from ..metrics import CONTENT_TYPE
 from . import anthropic, openai, responses
 from .access import AccessLog, record_of
@@ -32,9 +33,6 @@ from .stored import ResponseStore
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "create_app"]
 
-#: the largest request body accepted: far above the largest agent request measured (~22k tokens of
-#: prompt, tools included, is about 1 MB of JSON); a larger one is refused with 413 before parsing
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 #: paths answered without the API key (a load balancer's probe)
 _OPEN_PATHS = frozenset({"/", "/health"})
 
@@ -119,9 +117,8 @@ async def _no_body() -> Message:
     return {"type": "http.disconnect"}
 
 
-def create_app(serving: Serving, *, api_key: str = "", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               store: ResponseStore | None = None) -> ASGIApp:
-    """The front's ASGI app over ``serving``."""
+def create_app(serving: Serving, *, store: ResponseStore | None = None) -> ASGIApp:
+    """The front's ASGI app over ``serving`` (whose settings give the API key and the largest body)."""
     app = FastAPI(title="modeld", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
 
     @app.exception_handler(ApiError)
@@ -196,5 +193,5 @@ def create_app(serving: Serving, *, api_key: str = "", max_body_bytes: int = DEF
     app.include_router(openai.router(serving))
     app.include_router(anthropic.router(serving))
     app.include_router(responses.router(serving, store or ResponseStore(None)))
-    edge = EdgeChecks(app, api_key=api_key, max_body_bytes=max_body_bytes)
+    edge = EdgeChecks(app, api_key=serving.settings.api_key, max_body_bytes=serving.settings.http_max_body)
     return AccessLog(edge)

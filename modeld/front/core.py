@@ -41,6 +41,7 @@ from contract.types import (
 )
 from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage
 
+from ..settings import HttpSettings
 from .access import AccessRecord, record_of
 from .errors import ApiError, api_error
 from .pool import ClientPool
@@ -374,27 +375,14 @@ class CallPieces:
 class Serving:
     """What every API route runs on: the daemon's clients, the model names it answers to, the queue timeout."""
 
-    def __init__(
-        self,
-        pool: ClientPool,
-        *,
-        queue_timeout_s: float,
-        aliases: dict[str, str] | None = None,
-        strict_model_names: bool = False,
-        sealer: Sealer | None = None,
-        keep_billing_header: bool = False,
-        switch_on_request: bool = True,
-    ) -> None:
+    def __init__(self, pool: ClientPool, settings: HttpSettings, *, sealer: Sealer | None = None) -> None:
         self.pool = pool
-        #: a request naming another model the daemon knows switches the slot to it (else 409)
-        self.switch_on_request = switch_on_request
-        self.queue_timeout_s = queue_timeout_s
-        self.aliases = dict(aliases or {})
-        self.strict_model_names = strict_model_names
+        #: the front's settings (``HttpSettings``, passed whole): the queue's timeout, the model names it
+        #: answers (aliases, strict names, switching on request), the billing header
+        self.settings = settings
+        self.aliases = settings.aliases
         #: signs what clients echo back (thinking signatures, reasoning blobs)
         self.sealer = sealer or Sealer.from_file(None)
-        #: Messages API: keep a system block that only carries a client's per-request billing header
-        self.keep_billing_header = keep_billing_header
 
     # --- model names ---------------------------------------------------------------------------
     def _status(self) -> DaemonStatus:
@@ -438,13 +426,13 @@ class Serving:
         if canonical:
             if canonical == loaded:
                 return Route(loaded, switch=True)
-            if not self.switch_on_request:
+            if not self.settings.switch_on_request:
                 raise ApiError(409, f"model {requested!r} is not loaded, and this daemon does not switch models on "
                                f"request (--switch-on-request off); loaded: {loaded or 'none'}; it can load: "
                                f"{', '.join(names)} (modeld load NAME)", code="model_not_loaded", param="model")
             return Route(canonical, switch=True)
         self._check_loaded(st)
-        if self.strict_model_names:
+        if self.settings.strict_model_names:
             answered = sorted({loaded, *self.aliases})
             raise ApiError(404, f"model {requested!r} is not served here; this daemon serves {loaded!r} "
                            f"(names it answers to: {', '.join(answered)}; it can load: {', '.join(names) or 'none'})",
@@ -480,7 +468,7 @@ class Serving:
         client = self.pool.take()
         try:
             request = OpenSessionRequest(model_name=route.model, switch=True) if route.switch else None
-            chat = Chat(client, profile=PROFILE, queue_timeout_s=self.queue_timeout_s, request=request)
+            chat = Chat(client, profile=PROFILE, queue_timeout_s=self.settings.http_queue_timeout, request=request)
             chat_turn = chat.begin(req.messages, req.tools or None, check_fit=check_fit,
                                    enable_thinking=req.enable_thinking, conversation=req.conversation, **req.decode)
         except ModeldError as exc:

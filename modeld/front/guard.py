@@ -36,15 +36,13 @@ from typing import Any
 import h11  # uvicorn's own HTTP parser, which the protocol extended here runs on
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..defaults import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
+
 log = logging.getLogger("modeld.front")
 
 __all__ = ["ACCEPT_BACKLOG", "ACCEPT_BURSTS", "DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_CONNECTIONS", "LINGER_MAX", "LINGER_READ_MAX",
            "LINGER_S", "RESERVED_FDS", "connection_cap", "guarded_protocol"]
 
-#: open HTTP connections the front serves at once (agents hold a few; a browser tab six)
-DEFAULT_MAX_CONNECTIONS = 512
-#: seconds a connection may take to send a request head
-DEFAULT_HEADER_TIMEOUT_S = 30.0
 #: descriptors kept for everything that is not an HTTP connection: the model's files, ZeroMQ's sockets and
 #: their clients, the workspace cache, logs
 RESERVED_FDS = 256

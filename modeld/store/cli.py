@@ -1,7 +1,7 @@
 """``modeld pull | ls | show | rm | alias``: the model store from the command line.
 
-They work on the store directly (``--data-dir``, else ``$MODELD_DATA_DIR``, else the platform's data
-dir: the daemon's default), so they run with or without a daemon. ``ls`` and ``rm`` ask a running
+They work on the store directly (``--data-dir``, else the daemon's data dir as ``modeld serve`` resolves
+it: ``$MODELD_DATA_DIR``, else the config file's ``data_dir``, else the platform's), so they run with or without a daemon. ``ls`` and ``rm`` ask a running
 daemon what it has loaded (``--endpoint``); ``rm`` refuses to delete the loaded model unless
 ``--force``, which unloads it first.
 """
@@ -18,6 +18,7 @@ from typing import Any
 
 from runtime.cli import _size  # the client commands' sizes, as `modeld status` prints them
 
+from ..settings import SettingsError
 from .pull import PullError, pull
 from .refs import RefError
 from .store import ModelStore, StoredModel, StoreError, default_store_dir
@@ -25,14 +26,16 @@ from .store import ModelStore, StoredModel, StoreError, default_store_dir
 __all__ = ["COMMANDS", "build_parser", "command_parsers", "main", "model_facts", "pull_into_store"]
 
 EXIT_ERROR = 1
+#: the settings (the config file naming the data dir) did not load
+EXIT_USAGE = 2
 #: how long ``ls``/``rm`` wait for a running daemon's status
 STATUS_TIMEOUT_S = 5.0
 
 
 def _common(p: argparse.ArgumentParser, *, endpoint: bool = False) -> None:
     p.add_argument("--data-dir", type=Path, default=None,
-                   help="the daemon's data dir; the store is its models/ (default: $MODELD_DATA_DIR, else the "
-                   "platform's, as `modeld serve`)")
+                   help="the daemon's data dir; the store is its models/ (default: as `modeld serve` resolves it: "
+                   "$MODELD_DATA_DIR, else the config file's data_dir, else the platform's)")
     p.add_argument("--json", action="store_true", help="print JSON")
     if endpoint:
         p.add_argument("--endpoint", default=None, help="the daemon to ask what is loaded (default: as the client's)")
@@ -258,7 +261,11 @@ _RUN = {"pull": _pull, "ls": _ls, "show": _show, "rm": _rm, "alias": _alias}
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    store = ModelStore(default_store_dir(args.data_dir))
+    try:
+        store = ModelStore(default_store_dir(args.data_dir))
+    except SettingsError as exc:
+        print(f"modeld {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return _RUN[args.command](store, args)
     except (PullError, RefError, StoreError) as exc:

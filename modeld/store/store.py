@@ -86,16 +86,11 @@ class StoredModel(BaseModel):
 
 
 def default_store_dir(data_dir: Path | None = None) -> Path:
-    """``DATA_DIR/models``: ``data_dir``, else ``$MODELD_DATA_DIR``, else the platform's (``modeld.dirs``)."""
-    if data_dir is None:
-        env = os.environ.get("MODELD_DATA_DIR", "")
-        if env:
-            data_dir = Path(env).expanduser()
-        else:
-            from .. import dirs
+    """``DATA_DIR/models``: ``data_dir``, else the daemon's (``modeld.settings.data_dir_of``: ``$MODELD_DATA_DIR``,
+    else the config file's, else the platform's)."""
+    from ..settings import data_dir_of
 
-            data_dir = dirs.data_dir()
-    return data_dir / "models"
+    return data_dir_of(data_dir) / "models"
 
 
 def check_name(name: str) -> str:
