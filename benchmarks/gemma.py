@@ -75,8 +75,10 @@ def section(tmp: Path, texts: dict[str, Any]) -> str:
     with peer_server(tmp, gemma_gguf_path(), NUM_CTX, "--chat_format", "gemma") as port:
         peer_cold = _sse_ttft(port, "", f"{texts['system']}\n\n{FIRST_TURN}")
         peer_warm = statistics.median(_sse_ttft(port, "", f"{texts['system']}\n\n{s}") for s in texts["suffixes"])
-    # llama-server likewise, with its built-in gemma template (the file carries none)
-    with llama_server.serving(gemma_gguf_path(), NUM_CTX, tmp / "gemma-llama-server.log", "--chat-template", "gemma") as port:
+    # llama-server likewise, with its built-in gemma template (the file carries none; with its jinja on, a
+    # --chat-template NAME is read as the template's text, so the prompt would be the word "gemma")
+    with llama_server.serving(gemma_gguf_path(), NUM_CTX, tmp / "gemma-llama-server.log", "--no-jinja",
+                              "--chat-template", "gemma") as port:
         ls_cold = _sse_ttft(port, "", f"{texts['system']}\n\n{FIRST_TURN}")
         ls_warm = statistics.median(_sse_ttft(port, "", f"{texts['system']}\n\n{s}") for s in texts["suffixes"])
     ratio = r["warm_ttft_ms"] / r["cold_ttft_ms"]

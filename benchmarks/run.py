@@ -240,7 +240,11 @@ def _sse_ttft(port: int, system: str, user: str) -> float:
     ttft = float("nan")
     for raw in resp:
         line = raw.decode().strip()
-        if line.startswith("data:") and '"content"' in line:
+        if not line.startswith("data:") or line == "data: [DONE]":
+            continue
+        choices = json.loads(line[5:]).get("choices") or [{}]
+        # the first text: llama-server's first chunk carries the role and a null content
+        if choices[0].get("delta", {}).get("content"):
             ttft = (time.perf_counter() - t0) * 1000
             break
     conn.close()
