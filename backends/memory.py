@@ -336,9 +336,6 @@ class MemoryBackend:
     def memory_pools(self) -> Sequence[MemoryPool]:
         return ()
 
-    def embed(self, req: EmbedRequest) -> EmbedResult:
-        raise UnsupportedFeature("the memory backend computes no embeddings")
-
     def close(self) -> None:
         return None
 
@@ -374,7 +371,7 @@ class MemoryService:
 
     def embed(self, req: EmbedRequest) -> EmbedResult:
         self._fence(req.owner_instance_id)
-        return self._backend.embed(req)
+        raise UnsupportedFeature("the reference service computes no embeddings")
 
 
 def with_owner_fence(owner_instance_id: str) -> MemoryService:

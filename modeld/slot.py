@@ -49,6 +49,7 @@ from contract.errors import (
     ShuttingDown,
     SlotGenerationStale,
     StaleFence,
+    UnsupportedFeature,
 )
 from contract.interfaces import Backend, CacheAdmin, Embedder, LoadedModel, Session
 from contract.manifest import ContextManifest
@@ -587,7 +588,8 @@ class SlotService:
         self._check_fence(req.owner_instance_id)
         self._check_type(req.type)
         if self._embedder is None:
-            return self.backend.embed(req)
+            # the generation model never embeds: Llama.embed on it would wipe the resident KV
+            raise UnsupportedFeature("no embedding model is configured for this daemon")
         result, info = self._embedder.embed_with_info(req)
         return result.model_copy(update={"tokens": list(info.tokens), "truncated": list(info.truncated)})
 

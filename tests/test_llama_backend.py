@@ -43,7 +43,6 @@ from contract.manifest import ContextManifest, common_prefix_len  # noqa: E402
 from contract.types import (  # noqa: E402
     Config,
     DecodeConfig,
-    EmbedRequest,
     OpenSessionRequest,
     PrefixInput,
     SessionSnapshot,
@@ -202,8 +201,6 @@ def test_backend_mismatch_and_invalid_config(backend: LlamaBackend, model_path: 
         with pytest.raises(UnsupportedFeature, match="exact_decode on llama.cpp needs .* flash_attn=true"):
             backend.load(OpenSessionRequest(path=str(model_path), config=Config(exact_decode=True, **layout)),
                          lambda f: None)
-    with pytest.raises(UnsupportedFeature):
-        backend.embed(EmbedRequest(text="x"))
 
 
 @pytest.mark.parametrize(

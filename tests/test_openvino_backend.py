@@ -60,7 +60,6 @@ from contract.manifest import ContextManifest, common_prefix_len  # noqa: E402
 from contract.types import (  # noqa: E402
     Config,
     DecodeConfig,
-    EmbedRequest,
     OpenSessionRequest,
     PrefixInput,
     SessionSnapshot,
@@ -515,8 +514,6 @@ def test_backend_mismatch_and_unsupported_config(backend: OpenVINOBackend, ir_di
         backend.load(OpenSessionRequest(path=str(ir_dir), config=Config(num_ctx=100_000)), lambda _f: None)
     with pytest.raises(ModelLoadFailed):
         backend.load(OpenSessionRequest(path=str(ir_dir), digest="sha256:" + "1" * 64), lambda _f: None)
-    with pytest.raises(UnsupportedFeature):
-        backend.embed(EmbedRequest(path=str(ir_dir), text="hi"))
 
 
 # --- structured output ------------------------------------------------------------------------------

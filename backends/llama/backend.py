@@ -9,10 +9,10 @@ from pathlib import Path
 import llama_cpp
 
 from backends.resident import check_model_type
-from contract.errors import ModelLoadFailed, UnsupportedFeature
+from contract.errors import ModelLoadFailed
 from contract.interfaces import StateCache
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
-from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
+from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, ModelInfo, OpenSessionRequest
 
 from ..bundled import model_cache_dir
 from ..devices import read_gpus
@@ -153,10 +153,6 @@ class LlamaBackend:
         if not self._offload():
             return ()
         return tuple(self._gpus())
-
-    def embed(self, req: EmbedRequest) -> EmbedResult:
-        # Llama.embed on the generation instance would wipe the resident KV.
-        raise UnsupportedFeature("embeddings are served by the embedding side slot, not the llama generation model")
 
     def close(self) -> None:
         return None

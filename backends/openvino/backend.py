@@ -15,7 +15,7 @@ from backends.resident import check_model_type
 from contract.errors import Internal, UnsupportedFeature
 from contract.interfaces import StateCache
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
-from contract.types import DeviceInfo, EmbedRequest, EmbedResult, ModelInfo, OpenSessionRequest
+from contract.types import DeviceInfo, ModelInfo, OpenSessionRequest
 
 from ..gguf_file import gguf_facts, gguf_layout_digest
 from ..tape.loading import check_load, finish_load, template_report
@@ -213,9 +213,6 @@ class OpenVINOBackend:
                     total = int(core.get_property(dev, "GPU_DEVICE_TOTAL_MEM_SIZE"))
             out.append(DeviceInfo(kind=kind, id=dev, name=name, total_bytes=total, free_bytes=free))
         return out
-
-    def embed(self, req: EmbedRequest) -> EmbedResult:
-        raise UnsupportedFeature("embeddings are not served by the openvino generation backend")
 
     def close(self) -> None:
         self._core = None
