@@ -301,6 +301,12 @@ class StateCacheStore:
                     self._queue_write(entry, entry.snap)
                 self._unhold(entry)
 
+    def drain(self) -> None:
+        """Wait until every disk write queued so far is done (written or given up): what the disk tier holds is
+        then settled (a test's seam, and a point a caller may wait for before reading the directory)."""
+        if self._writer is not None:
+            self._queue.join()
+
     def close(self) -> None:
         """Write the entries only RAM holds (newest first), finish the queued disk writes (at most
         ``CLOSE_WAIT_S`` in all), then stop the writer."""
@@ -414,6 +420,7 @@ class StateCacheStore:
         while True:
             item = self._queue.get()
             if item is None:
+                self._queue.task_done()
                 return
             try:
                 self._write(item)
@@ -425,6 +432,9 @@ class StateCacheStore:
                         live.writing = False
                         if live.snap is None:
                             self._entries.pop(live.id, None)
+            finally:
+                if item is not None:
+                    self._queue.task_done()
 
     def _write(self, item: _Entry) -> None:
         assert self._dir is not None and item.snap is not None

@@ -154,7 +154,7 @@ def test_entries_are_written_back_to_private_files_and_survive_a_restart(tmp_pat
     c = StateCacheStore(d, ram_budget=10**6, disk_budget=10**6)
     original = snap([5, 6, 7, 8], fill=3)
     c.put(KEY_A, original, conversation="agent-7")
-    time.sleep(0.05)
+    c.drain()
     # write-back: RAM holds it, nothing is written while it stays there
     assert c.status()["disk_written_bytes"] == 0 and list(d.iterdir()) == []
     c.close()  # a stop writes what only RAM holds
@@ -192,7 +192,7 @@ def test_a_conversation_extending_one_tape_writes_nothing_until_it_leaves_ram(tm
     for turn in range(5):
         tape += [100 + turn] * 3
         c.put(KEY_A, snap(list(tape)))  # each turn's save replaces the one before (it extends it)
-    time.sleep(0.05)
+    c.drain()
     st = c.status()
     assert st["ram_entries"] == 1 and st["disk_written_bytes"] == 0
     c.close()
@@ -207,7 +207,7 @@ def test_a_state_a_few_tokens_past_a_file_is_not_written(tmp_path: Path) -> None
     written = c.status()["disk_written_bytes"]
     c.put(KEY_A, snap(list(range(1, 311))))  # 10 tokens more: RAM holds it, the file stays
     c.release_ram()
-    time.sleep(0.05)
+    c.drain()
     st = c.status()
     assert st["disk_written_bytes"] == written and st["disk_entries"] == 1
     found = c.lookup(KEY_A, list(range(1, 320)), min_len=0, max_tokens=1000)
