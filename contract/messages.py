@@ -36,6 +36,7 @@ from pydantic import (
 from .types import (
     ActiveModel,
     CacheEntryInfo,
+    CacheStatus,
     DecodeConfig,
     EmbedResult,
     PrefixInput,
@@ -360,7 +361,7 @@ class CacheListReply(_Reply):
     """``cache_list``: the workspace cache's entries, most recently used first, and its status (None: off)."""
 
     entries: list[CacheEntryInfo] = Field(default_factory=list)
-    cache: dict[str, Any] | None = None
+    cache: CacheStatus | None = None
 
 
 class CacheClearRequest(_Request):

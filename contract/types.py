@@ -14,15 +14,19 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
-from typing import Any, Literal, TypedDict, get_args
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# pydantic validates a TypedDict from typing_extensions on Python < 3.12 (pydantic itself depends on it)
+from typing_extensions import TypedDict
 
 from .errors import InvalidArgument
 from .manifest import ContextManifest
 
 __all__ = [
     "ActiveModel",
+    "BlobStatus",
     "CacheEntryInfo",
     "CacheStatus",
     "ChatMessage",
@@ -44,6 +48,7 @@ __all__ = [
     "LoadModelRequest",
     "Heartbeat",
     "ModelInfo",
+    "ModelsStatus",
     "OpenSessionRequest",
     "PrefixInput",
     "PrefixStatus",
@@ -255,6 +260,30 @@ class EmbeddingStatus(TypedDict):
     last_error: str
 
 
+class BlobStatus(TypedDict):
+    """The snapshot blob store in ``DaemonStatus.blobs`` (a plain map on the wire)."""
+
+    blobs: int
+    bytes: int
+    max_bytes: int
+    max_age_s: float
+    #: blobs pruned (over the budget or the age limit) since the daemon started
+    pruned: int
+
+
+class ModelsStatus(TypedDict):
+    """The model store in ``DaemonStatus.models`` (a plain map on the wire)."""
+
+    #: the store's directory, its models and their bytes
+    dir: str
+    models: int
+    bytes: int
+    #: every name a request may give (stored models, the bundled one, the preloaded one, aliases)
+    names: list[str]
+    #: alias → the stored model it names
+    aliases: dict[str, str]
+
+
 class LoadModelRequest(_ModelHandle):
     """Explicitly activate the single slot; conditional when expected_generation != 0."""
 
@@ -386,13 +415,14 @@ class DaemonStatus(_Report):
     pid: int = 0
     uptime_s: float = 0.0
     endpoint: str = ""
-    embedding: dict[str, Any] | None = None
-    #: the workspace cache (``CacheStatus``); None when it is off
-    cache: dict[str, Any] | None = None
-    #: the snapshot blob store: blobs, bytes, max_bytes, max_age_s, pruned
-    blobs: dict[str, Any] | None = None
-    #: the model store (``modeld pull``): dir, models, bytes; None when the daemon has none
-    models: dict[str, Any] | None = None
+    #: the embedding side slot; None when the daemon has none
+    embedding: EmbeddingStatus | None = None
+    #: the workspace cache; None when it is off
+    cache: CacheStatus | None = None
+    #: the snapshot blob store
+    blobs: BlobStatus | None = None
+    #: the model store (``modeld pull``); None when the daemon has none
+    models: ModelsStatus | None = None
     #: seconds the loaded model has had no session and no operation (None: no model, or a session holds it)
     idle_s: float | None = None
     #: the model is unloaded after this long idle (0 = never)

@@ -18,9 +18,9 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from contract.errors import InvalidArgument, SnapshotRejected
+from contract.types import BlobStatus
 
 from .defaults import DEFAULT_BLOB_BYTES
 
@@ -109,7 +109,7 @@ class BlobStore:
             self._count, self._bytes = len(files) - gone, total
             return gone
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> BlobStatus:
         """What ``status`` shows: blobs, bytes, the budget, the age limit, how many were pruned since start."""
         with self._lock:
             return {

@@ -66,9 +66,10 @@ class SlotCollector(Collector):
         if c is not None:
             size = GaugeMetricFamily("modeld_cache_bytes", "workspace cache bytes", labels=["tier"])
             count = GaugeMetricFamily("modeld_cache_entries", "workspace cache entries", labels=["tier"])
-            for tier in ("ram", "disk"):
-                size.add_metric([tier], float(c.get(f"{tier}_bytes", 0)))
-                count.add_metric([tier], float(c.get(f"{tier}_entries", 0)))
+            size.add_metric(["ram"], float(c["ram_bytes"]))
+            size.add_metric(["disk"], float(c["disk_bytes"]))
+            count.add_metric(["ram"], float(c["ram_entries"]))
+            count.add_metric(["disk"], float(c["disk_entries"]))
             yield size
             yield count
             lookups = CounterMetricFamily("modeld_cache_lookups", "workspace switches that asked the cache",

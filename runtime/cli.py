@@ -382,26 +382,25 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         rows += _embedding_rows(st.embedding)
     if st.cache is not None:
         c = st.cache
-        rate = "-" if c.get("hit_rate") is None else f"{c['hit_rate'] * 100:.0f}%"
+        hit_rate = c["hit_rate"]
+        rate = "-" if hit_rate is None else f"{hit_rate * 100:.0f}%"
         rows += [
-            ("cache ram", f"{c.get('ram_entries', 0)} entries, {_size(c.get('ram_bytes', 0))} of "
-                          f"{_size(c.get('ram_budget_bytes', 0))}"),
-            ("cache disk", f"{c.get('disk_entries', 0)} entries, {_size(c.get('disk_bytes', 0))} of "
-                           f"{_size(c.get('disk_budget_bytes', 0))}" + (f" in {c['disk_dir']}" if c.get("disk_dir") else "")),
-            ("cache hits", f"{c.get('hits', 0)} of {c.get('hits', 0) + c.get('misses', 0)} switches ({rate}), "
-                           f"{c.get('restored_tokens', 0)} tokens restored"),
+            ("cache ram", f"{c['ram_entries']} entries, {_size(c['ram_bytes'])} of {_size(c['ram_budget_bytes'])}"),
+            ("cache disk", f"{c['disk_entries']} entries, {_size(c['disk_bytes'])} of {_size(c['disk_budget_bytes'])}"
+                           + (f" in {c['disk_dir']}" if c["disk_dir"] else "")),
+            ("cache hits", f"{c['hits']} of {c['hits'] + c['misses']} switches ({rate}), "
+                           f"{c['restored_tokens']} tokens restored"),
         ]
-        if c.get("rejected"):
-            rows.append(("cache rejected", f"{c['rejected']} (last: {c.get('last_rejection', '')})"))
+        if c["rejected"]:
+            rows.append(("cache rejected", f"{c['rejected']} (last: {c['last_rejection']})"))
     if st.idle_s is not None:
         rows.append(("idle", f"{st.idle_s:.0f} s" + (f" (unloads after {st.idle_unload_s:.0f} s)" if st.idle_unload_s else "")))
     if st.blobs is not None:
         b = st.blobs
-        rows.append(("snapshot blobs", f"{b.get('blobs', 0)}, {_size(b.get('bytes', 0))} of {_size(b.get('max_bytes', 0))}"
-                                       f" (pruned {b.get('pruned', 0)})"))
+        rows.append(("snapshot blobs", f"{b['blobs']}, {_size(b['bytes'])} of {_size(b['max_bytes'])} (pruned {b['pruned']})"))
     if st.models is not None:
         m = st.models
-        rows.append(("model store", f"{m.get('models', 0)} models, {_size(m.get('bytes', 0))} in {m.get('dir', '')}"))
+        rows.append(("model store", f"{m['models']} models, {_size(m['bytes'])} in {m['dir']}"))
     if st.last_error:
         rows.append(("last error", st.last_error))
     print(_table(rows))

@@ -309,10 +309,10 @@ def test_cli_run_twice_is_warm(backend_daemon: DaemonProcess) -> None:
     first = run("Say hi.")
     second = run("Say bye.")
     # The first run shares at most the template header with earlier prompts.
-    assert first["prefix"]["reused_tokens"] < first["prefix"]["prefix_tokens"]  # type: ignore[index]
-    assert second["prefix"]["reused_tokens"] == second["prefix"]["prefix_tokens"]  # type: ignore[index]
-    assert second["prefix"]["prefilled_tokens"] == 0  # type: ignore[index]
-    assert second["usage"]["completion_tokens"] > 0  # type: ignore[index]
+    assert first["prefix"]["reused_tokens"] < first["prefix"]["prefix_tokens"]
+    assert second["prefix"]["reused_tokens"] == second["prefix"]["prefix_tokens"]
+    assert second["prefix"]["prefilled_tokens"] == 0
+    assert second["usage"]["completion_tokens"] > 0
 
 
 def test_embed_while_a_chat_session_decodes(backend_daemon: DaemonProcess) -> None:
@@ -328,7 +328,7 @@ def test_embed_while_a_chat_session_decodes(backend_daemon: DaemonProcess) -> No
         assert res.dims == 384 and len(res.vectors) == 2
         for v in res.vectors:
             assert abs(sum(x * x for x in v) - 1.0) < 1e-3
-        assert tools.status().embedding["loaded"] is True  # type: ignore[index]
+        assert tools.status().embedding["loaded"] is True
         after = list(stream)
         assert after and after[-1].done and not before[-1].done
         assert after[-1].usage is not None and after[-1].usage.completion_tokens >= len(before)

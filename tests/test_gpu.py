@@ -21,6 +21,7 @@ from contract.types import (
     GPU_LAYERS_ALL,
     GPU_LAYERS_AUTO,
     ActiveModel,
+    CacheStatus,
     Config,
     DaemonStatus,
     DeviceInfo,
@@ -230,8 +231,10 @@ class FitRecorder:
     def release_ram(self) -> None:
         pass
 
-    def status(self) -> dict[str, Any]:
-        return {"ram_bytes": 0, "ram_budget_bytes": 0}
+    def status(self) -> CacheStatus:
+        return CacheStatus(ram_entries=0, ram_bytes=0, ram_budget_bytes=0, disk_entries=0, disk_bytes=0,
+                           disk_budget_bytes=0, disk_dir="", disk_written_bytes=0, hits=0, misses=0, hit_rate=None,
+                           restored_tokens=0, saves=0, evictions=0, rejected=0, last_rejection="")
 
 
 def _slot(gpus: tuple[MemoryPool, ...], host_free: int = 8 * GiB) -> tuple[SlotService, GpuMemoryBackend, FitRecorder]:

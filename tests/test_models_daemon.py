@@ -75,29 +75,29 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
 
 def test_models_lists_every_loadable_model_the_loaded_one_first(two: Front) -> None:
     st = status(two)
-    assert st.active.model_name == "alpha" and st.active.path.endswith("alpha.gguf")  # type: ignore[attr-defined]
+    assert st.active.model_name == "alpha" and st.active.path.endswith("alpha.gguf")
     assert [m.id for m in two.sdk().models.list()] == ["alpha", "beta", "b"]
-    assert st.models["models"] == 2 and st.models["bytes"] > 0  # type: ignore[attr-defined]
+    assert st.models["models"] == 2 and st.models["bytes"] > 0
     out = cli(two, "status")
     assert "model store" in out.stdout and "2 models" in out.stdout, out.stdout + out.stderr
 
 
 def test_a_request_naming_a_stored_model_switches_the_slot_and_answers(two: Front) -> None:
     sdk = two.sdk()
-    before = status(two).generation  # type: ignore[attr-defined]
+    before = status(two).generation
     out = sdk.chat.completions.create(model="beta", messages=HI, max_tokens=3)
     assert out.model == "beta" and out.choices[0].message.content
     st = status(two)
-    assert st.active.model_name == "beta" and st.generation == before + 1  # type: ignore[attr-defined]
+    assert st.active.model_name == "beta" and st.generation == before + 1
     # its alias, and a name an agent hard-codes, are served by it without another switch
     assert sdk.chat.completions.create(model="b", messages=HI, max_tokens=2).model == "beta"
     assert sdk.chat.completions.create(model="gpt-4o", messages=HI, max_tokens=2).model == "beta"
-    assert status(two).generation == before + 1  # type: ignore[attr-defined]
+    assert status(two).generation == before + 1
     assert [m.id for m in sdk.models.list()] == ["beta", "alpha", "b"]
     # and back, by the CLI's load by name (no --path)
     out_load = cli(two, "load", "alpha")
     assert out_load.returncode == 0, out_load.stderr
-    assert status(two).active.model_name == "alpha"  # type: ignore[attr-defined]
+    assert status(two).active.model_name == "alpha"
     unknown = cli(two, "load", "nothing-known")
     assert unknown.returncode == 1 and "alpha" in unknown.stderr and "beta" in unknown.stderr
 
@@ -137,7 +137,7 @@ def test_ls_and_rm_know_the_loaded_model(two: Front) -> None:
     forced = cli(two, "rm", "beta", "--force")
     assert forced.returncode == 0, forced.stderr
     st = status(two)
-    assert st.active is None and st.models["models"] == 1  # type: ignore[attr-defined]
+    assert st.active is None and st.models["models"] == 1
     assert [m.id for m in two.sdk().models.list()] == ["alpha"]  # the alias went with it
     # an empty slot: a request naming a stored model loads it
     assert two.sdk().chat.completions.create(model="alpha", messages=HI, max_tokens=1).model == "alpha"
@@ -151,7 +151,7 @@ def test_load_ref_pull_fetches_then_loads_by_name(two: Front) -> None:
         out = subprocess.run([sys.executable, "-m", "modeld", "load", "acme/Third-GGUF:Q4_0", "--pull"],
                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
         assert out.returncode == 0, out.stderr
-        assert status(two).active.model_name == "third:q4_0"  # type: ignore[attr-defined]
+        assert status(two).active.model_name == "third:q4_0"
         again = subprocess.run([sys.executable, "-m", "modeld", "load", "acme/Third-GGUF:Q4_0", "--pull"],
                                capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
         assert again.returncode == 0 and len(hub.requests) == 1  # in the store already: nothing fetched again
@@ -169,7 +169,7 @@ def test_switch_on_request_off_refuses_with_the_names(tmp_path: Path) -> None:
             sdk.chat.completions.create(model="beta", messages=HI, max_tokens=2)
         msg = refused.value.message
         assert "--switch-on-request off" in msg and "loaded: alpha" in msg and "beta" in msg
-        assert status(f).active.model_name == "alpha"  # type: ignore[attr-defined]
+        assert status(f).active.model_name == "alpha"
         assert sdk.chat.completions.create(model="alpha", messages=HI, max_tokens=1).model == "alpha"
 
 
@@ -189,8 +189,8 @@ def test_serve_model_ref_pulls_only_when_told(tmp_path: Path, monkeypatch: pytes
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         with f:
             st = status(f)
-            assert st.active.model_name == "tiny"  # type: ignore[attr-defined]
-            assert st.active.path.endswith("tiny-Q8_0.gguf")  # type: ignore[attr-defined]
+            assert st.active.model_name == "tiny"
+            assert st.active.path.endswith("tiny-Q8_0.gguf")
             assert [m.id for m in f.sdk().models.list()] == ["tiny", "tiny:q8_0"]
         assert [m.name for m in ModelStore(tmp_path / "pulled" / "data" / "models").models()] == ["tiny:q8_0"]
 
@@ -219,10 +219,10 @@ def test_a_real_engine_switches_between_two_stored_models_by_name(tmp_path: Path
         other = sdk.chat.completions.create(model="gemma", messages=ask, max_tokens=8, temperature=0)
         st = status(f)
         assert other.model == "gemma" and other.usage.completion_tokens > 0
-        assert st.active.model_name == "gemma" and st.active.path.endswith(gemma.name)  # type: ignore[attr-defined]
+        assert st.active.model_name == "gemma" and st.active.path.endswith(gemma.name)
         with pytest.raises(openai.InternalServerError, match="ModelLoadFailed"):
             sdk.chat.completions.create(model="broken", messages=ask, max_tokens=4)
-        assert status(f).active.model_name == "gemma"  # type: ignore[attr-defined]
+        assert status(f).active.model_name == "gemma"
         back = sdk.chat.completions.create(model="smol", messages=ask, max_tokens=8, temperature=0)
         assert back.model == "smol" and back.choices[0].message.content == first.choices[0].message.content
 
@@ -254,11 +254,12 @@ class _Pool:
     ("", ("SmolLM2.Q4_1.gguf", False)),
 ])
 def test_route_decisions(requested: str, want: tuple[str, bool]) -> None:
-    from contract.types import ActiveModel, DaemonStatus, SlotState
+    from contract.types import ActiveModel, DaemonStatus, ModelsStatus, SlotState
     from modeld.front.core import Serving
     from modeld.settings import HttpSettings
 
     st = DaemonStatus(state=SlotState.READY, active=ActiveModel(model_name="SmolLM2.Q4_1.gguf"),
-                      models={"names": ["qwen:q4_k_m", "SmolLM2.Q4_1.gguf"], "aliases": {"coder": "qwen:q4_k_m"}})
+                      models=ModelsStatus(dir="/m", models=1, bytes=1, names=["qwen:q4_k_m", "SmolLM2.Q4_1.gguf"],
+                                          aliases={"coder": "qwen:q4_k_m"}))
     route = Serving(_Pool(st), HttpSettings.model_construct(http_queue_timeout=1)).route(requested)  # type: ignore[arg-type]
     assert (route.model, route.switch) == want

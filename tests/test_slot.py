@@ -439,11 +439,11 @@ def test_embed_goes_to_the_side_slot_and_never_touches_the_generation_slot() -> 
     cut = s.embed(EmbedRequest(owner_instance_id=OWNER, texts=["a b c d e", "f"], truncate=True))
     assert (cut.tokens, cut.truncated) == ([5, 1], [0])
     st = s.status()
-    assert (st.state, st.embedding["loaded"], st.embedding["loads"]) == (S.BUSY, True, 1)  # type: ignore[index]
-    assert st.embedding["resident_bytes"] == 1000 and s.taken == taken  # type: ignore[index]
+    assert (st.state, st.embedding["loaded"], st.embedding["loads"]) == (S.BUSY, True, 1)
+    assert st.embedding["resident_bytes"] == 1000 and s.taken == taken
     now[0] += 11  # idle past idle_unload_s: the reaper unloads the side slot
     s.reap()
-    assert s.status().embedding["loaded"] is False and factory.engines[0].closed  # type: ignore[index]
+    assert s.status().embedding["loaded"] is False and factory.engines[0].closed
     assert state(s) is S.BUSY  # the session kept the generation slot
     sess.close()
     s.shutdown()

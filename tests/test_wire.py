@@ -55,17 +55,21 @@ from contract.messages import (
 )
 from contract.types import (
     ActiveModel,
+    BlobStatus,
     CacheEntryInfo,
+    CacheStatus,
     ChatMessage,
     Config,
     ContextReport,
     DaemonStatus,
     DecodeConfig,
+    EmbeddingStatus,
     EmbedRequest,
     EmbedResult,
     LoadModelRequest,
     MissCause,
     ModelInfo,
+    ModelsStatus,
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
@@ -96,13 +100,23 @@ SNAP = SessionSnapshot(
 )
 HANDLE = {"owner_instance_id": "o", "model_name": "m", "type": "memory", "path": "/models/m"}
 
+#: the status maps as a daemon fills them
+EMBEDDING = EmbeddingStatus(backend="llama", loaded=False, model_name="", path="", digest="", dims=0, window=0, pooling="",
+                            resident_bytes=0, last_used=None, idle_s=None, idle_unload_s=300.0, loads=0,
+                            embedded_inputs=0, last_error="")
+CACHE = CacheStatus(ram_entries=1, ram_bytes=10, ram_budget_bytes=100, disk_entries=0, disk_bytes=0,
+                    disk_budget_bytes=0, disk_dir="", disk_written_bytes=0, hits=3, misses=1, hit_rate=0.75,
+                    restored_tokens=2048, saves=4, evictions=0, rejected=0, last_rejection="")
+
 #: one request and one reply of every operation, with as many fields set as is useful
 SAMPLES: dict[Op, tuple[BaseModel, BaseModel]] = {
     Op.STATUS: (
         StatusRequest(),
         DaemonStatus(owner_instance_id="o", backend="memory", protocol_version=1, state=SlotState.BUSY, active=ACTIVE,
                      generation=3, busy_operation="decode", load_progress=0.5, session_open=True, pid=42,
-                     embedding={"loaded": False, "last_used": None}),
+                     embedding=EMBEDDING, cache=CACHE,
+                     blobs=BlobStatus(blobs=1, bytes=2, max_bytes=3, max_age_s=4.0, pruned=0),
+                     models=ModelsStatus(dir="/m", models=1, bytes=5, names=["a"], aliases={"b": "a"})),
     ),
     Op.LOAD: (LoadModelRequest(**HANDLE, config=Config(num_ctx=2048, tensor_split=[0.5, 0.5]), expected_generation=2), ACTIVE),
     Op.UNLOAD: (UnloadModelRequest(owner_instance_id="o", expected_generation=3), UnloadReply(generation=4)),
@@ -147,7 +161,7 @@ SAMPLES: dict[Op, tuple[BaseModel, BaseModel]] = {
         CacheListRequest(),
         CacheListReply(entries=[CacheEntryInfo(id="ab12", backend="llama", tokens=2048, prefix_tokens=1990,
                                                bytes=47_000_000, where="ram+disk", last_used=1.5)],
-                       cache={"ram_entries": 1, "hits": 3, "hit_rate": 0.75}),
+                       cache=CACHE),
     ),
     Op.CACHE_CLEAR: (CacheClearRequest(owner_instance_id="o"), CacheClearReply(cleared=2)),
     Op.TAKEOVER: (TakeoverRequest(owner_instance_id="o2", epoch=3), TakeoverReply(owner="fp:0123", epoch=3, ended_session=True)),

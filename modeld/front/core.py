@@ -414,9 +414,8 @@ class Serving:
         """
         st = self._status()
         target = self.aliases.get(requested, requested)
-        known = st.models or {}
-        stored_aliases: dict[str, str] = dict(known.get("aliases") or {})
-        names: list[str] = list(known.get("names") or [])
+        stored_aliases = dict(st.models["aliases"]) if st.models is not None else {}
+        names = list(st.models["names"]) if st.models is not None else []
         by_lower = {n.lower(): n for n in names}  # the store's names are lower case, a preloaded file's may not be
         canonical = by_lower.get(stored_aliases.get(target.lower(), target.lower()), "")
         loaded = st.active.model_name if st.active is not None else ""
@@ -446,10 +445,10 @@ class Serving:
         created there (``created_at``; now when none is loaded)."""
         st = self._status()
         loaded = st.active.model_name if st.active is not None else ""
-        known = st.models or {}
         names = [*([loaded] if loaded else []),
                  *sorted(a for a, t in self.aliases.items() if t == loaded and a != loaded)]
-        for n in [*(known.get("names") or []), *sorted(known.get("aliases") or {})]:
+        stored = [*st.models["names"], *sorted(st.models["aliases"])] if st.models is not None else []
+        for n in stored:
             if n not in names:
                 names.append(n)
         if not names:

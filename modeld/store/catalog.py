@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from contract.types import ModelsStatus
+
 from .store import ModelStore
 
 __all__ = ["Catalog", "Known"]
@@ -49,7 +51,7 @@ class Catalog:
         """``models``, then the store's aliases."""
         return [*self.models(), *sorted(self.store.aliases())]
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> ModelsStatus:
         """``DaemonStatus.models``: the store's directory, its models and bytes, the names a request may give."""
         n, size = self.store.disk_usage()
         return {"dir": str(self.store.root), "models": n, "bytes": size, "names": self.models(),
