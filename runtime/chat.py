@@ -377,6 +377,10 @@ class ChatTurn:
             if self._cancelled:
                 raise Cancelled("the turn was cancelled before its prefill")
             pre = sess.ensure_prefix(self._prefix, on_progress=self._progressed)
+            self.so_far = self.so_far.model_copy(update={
+                "reused_tokens": pre.reused_tokens, "prefilled_tokens": pre.prefilled_tokens,
+                "cached_tokens": pre.cached_tokens, "miss": pre.miss})
+            self.progress = None
             if self._cancelled:
                 raise Cancelled("the turn was cancelled during its prefill")
             suf = sess.prefill_suffix(self._suffix, on_progress=self._progressed)
@@ -385,6 +389,10 @@ class ChatTurn:
             sess.close()
             if not self._cancelled:
                 raise  # not this turn's own cancel (the daemon is stopping): a failure
+            # the chunks the cancelled prefill finished stay in the KV (the next turn with the same head reuses
+            # them): count them, as the daemon last reported its progress
+            done = self.progress.done if self.progress is not None else 0
+            self.so_far = self.so_far.model_copy(update={"prefilled_tokens": self.so_far.prefilled_tokens + done})
             self._events = _cancelled_events(self.so_far, self._started)
             return self._events
         except BaseException:

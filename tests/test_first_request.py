@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -98,6 +99,11 @@ def _access(front: Front, route: str) -> list[str]:
 ROUTES = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
 
 
+def _cancelled_line(route: str) -> Callable[[str], bool]:
+    """An access line of a request to ``route`` that ended cancelled."""
+    return lambda ln: "modeld.access" in ln and f"POST {route} " in ln and "finish_reason=cancelled" in ln
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "plain"])
 @pytest.mark.parametrize("api", APIS)
 def test_a_client_gone_during_the_prefill_frees_the_slot_at_once(front: Front, api: str, stream: bool) -> None:
@@ -105,9 +111,7 @@ def test_a_client_gone_during_the_prefill_frees_the_slot_at_once(front: Front, a
     before = len(_access(front, ROUTES[api]))
     cancelled = _cancelled_prefills(front)
 
-    def abandoned(ln: str) -> bool:
-        return "modeld.access" in ln and f"POST {ROUTES[api]} " in ln and "finish_reason=cancelled" in ln
-
+    abandoned = _cancelled_line(ROUTES[api])
     gone = len(front.daemon.wait_lines(abandoned, 0))
     if stream:
         events = _request(front, api, system, stream=True, max_tokens=200)
@@ -147,6 +151,7 @@ def test_a_resent_request_reuses_the_chunks_the_first_attempt_finished(front: Fr
     where that one stopped. The stream's ``response.in_progress`` keep-alives say how far the prefill came."""
     system = _long_text(8)
     done = 0
+    gone = len(front.daemon.wait_lines(_cancelled_line("/v1/responses"), 0))
     with _openai(front).responses.create(model="default", instructions=system, input="What does helper_3 return?",
                                          max_output_tokens=16, stream=True, store=False, temperature=0) as events:
         for event in events:
@@ -157,6 +162,10 @@ def test_a_resent_request_reuses_the_chunks_the_first_attempt_finished(front: Fr
                     break
     assert done >= 3 * CHUNK, "no keep-alive carried the prefill's progress"
     slot_free(front, timeout_s=120.0)
+    # the access line of the abandoned request counts the chunks its prefill finished
+    last = front.daemon.wait_lines(_cancelled_line("/v1/responses"), gone + 1)[-1]
+    counted = re.search(r"prefilled_tokens=(\d+)", last)
+    assert counted is not None and int(counted.group(1)) >= done, (done, last)
     again = _openai(front).responses.create(model="default", instructions=system, input="What does helper_3 return?",
                                             max_output_tokens=16, store=False, temperature=0)
     assert again.usage is not None

@@ -75,8 +75,10 @@ class AccessRecord:
             parts.append("stream=1")
         if self.ttft_ms:
             parts.append(f"ttft_ms={self.ttft_ms:.0f}")
-        if self.prefilled_tokens and self.prefill_ms > 0:
+        if self.prefilled_tokens:
+            # (a prefill cut short counts the chunks it finished, and has no rate)
             parts.append(f"prefilled_tokens={self.prefilled_tokens}")
+        if self.prefill_tps:
             parts.append(f"prefill_tps={self.prefill_tps:.0f}")
         parts.append(f"total_ms={self.total_ms:.0f}")
         return " ".join([head, *parts])

@@ -212,6 +212,8 @@ class Turn:
                 u = self._turn.so_far
                 record.prompt_tokens, record.cached_tokens = u.prompt_tokens, u.reused_tokens
                 record.miss = u.miss.brief() if u.miss is not None else ""
+                # a prefill cut short: the chunks it finished (kept for the next turn with the same head)
+                record.prefilled_tokens = u.prefilled_tokens
                 record.finish_reason, record.error = "cancelled", record.error or "client_gone"
 
 
