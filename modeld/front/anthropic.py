@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
@@ -52,6 +52,7 @@ from .core import (
     KEEPALIVE_S,
     STREAM_SEND_TIMEOUT_S,
     CallPieces,
+    Loose,
     Serving,
     Turn,
     TurnRequest,
@@ -77,11 +78,7 @@ STOP_REASONS: dict[FinishReason, str] = {
 }
 
 
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class Block(_Loose):
+class Block(Loose):
     type: str
     text: str | None = None
     # tool_use
@@ -97,30 +94,30 @@ class Block(_Loose):
     signature: str | None = None
 
 
-class Message(_Loose):
+class Message(Loose):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
-class Tool(_Loose):
+class Tool(Loose):
     name: str = Field(min_length=1, max_length=256)
     type: str | None = None
     description: str | None = None
     input_schema: dict[str, Any] | None = None
 
 
-class ToolChoice(_Loose):
+class ToolChoice(Loose):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Loose):
+class Thinking(Loose):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
 
 
-class MessagesRequest(_Loose):
+class MessagesRequest(Loose):
     model: str = ""
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None
@@ -135,7 +132,7 @@ class MessagesRequest(_Loose):
     thinking: Thinking | None = None
 
 
-class CountTokensRequest(_Loose):
+class CountTokensRequest(Loose):
     model: str = ""
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 
@@ -47,7 +48,7 @@ from .errors import ApiError, api_error
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["CONVERSATION_HEADERS", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Serving", "Turn", "TurnRequest", "TurnStream"]
+__all__ = ["CONVERSATION_HEADERS", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Turn", "TurnRequest", "TurnStream"]
 
 log = logging.getLogger("modeld.http")
 
@@ -70,6 +71,13 @@ _ANY_MODEL = frozenset({"", "modeld", "default"})
 FINISH_REASONS: dict[FinishReason, str] = {
     "stop": "stop", "length": "length", "context_full": "length", "tool_calls": "tool_calls", "cancelled": "length",
 }
+
+
+class Loose(BaseModel):
+    """A request part of any API: the fields the front reads are typed; unknown fields are accepted (clients
+    send many, and each API grows)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 @dataclass

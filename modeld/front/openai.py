@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
@@ -37,6 +37,7 @@ from .core import (
     KEEPALIVE_S,
     STREAM_SEND_TIMEOUT_S,
     CallPieces,
+    Loose,
     Serving,
     Turn,
     TurnRequest,
@@ -50,30 +51,24 @@ from .errors import ApiError, api_error
 __all__ = ["ChatCompletionRequest", "call_schemas", "router", "tool_choice_options"]
 
 
-class _Loose(BaseModel):
-    """A request part: the fields we read are typed; unknown fields are accepted (clients send many)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class ContentPart(_Loose):
+class ContentPart(Loose):
     type: str
     text: str | None = None
     refusal: str | None = None
 
 
-class FunctionCall(_Loose):
+class FunctionCall(Loose):
     name: str = Field(min_length=1)
     arguments: str | dict[str, Any] = ""
 
 
-class ToolCallIn(_Loose):
+class ToolCallIn(Loose):
     id: str = ""
     type: str = "function"
     function: FunctionCall
 
 
-class MessageIn(_Loose):
+class MessageIn(Loose):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -82,41 +77,41 @@ class MessageIn(_Loose):
     reasoning_content: str | None = None
 
 
-class FunctionDef(_Loose):
+class FunctionDef(Loose):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
 
-class ToolDef(_Loose):
+class ToolDef(Loose):
     type: str = "function"
     function: FunctionDef | None = None
 
 
-class NamedFunction(_Loose):
+class NamedFunction(Loose):
     name: str
 
 
-class NamedToolChoice(_Loose):
+class NamedToolChoice(Loose):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Loose):
+class JsonSchemaFormat(Loose):
     name: str = ""
     schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
-class ResponseFormat(_Loose):
+class ResponseFormat(Loose):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StreamOptions(_Loose):
+class StreamOptions(Loose):
     include_usage: bool = False
 
 
-class EmbeddingsRequest(_Loose):
+class EmbeddingsRequest(Loose):
     """``/v1/embeddings``: text input only (token-id arrays are refused); ``encoding_format`` is accepted and the
     vectors always come back as floats, which the SDKs read whatever they asked for."""
 
@@ -124,7 +119,7 @@ class EmbeddingsRequest(_Loose):
     input: str | Annotated[list[str], Field(min_length=1)]
 
 
-class ChatCompletionRequest(_Loose):
+class ChatCompletionRequest(Loose):
     model: str = ""
     messages: list[MessageIn] = Field(min_length=1)
     tools: list[ToolDef] | None = None

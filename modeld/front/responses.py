@@ -44,7 +44,7 @@ from typing import Any, Literal
 import anyio
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
@@ -56,6 +56,7 @@ from .core import (
     KEEPALIVE_S,
     STREAM_SEND_TIMEOUT_S,
     CallPieces,
+    Loose,
     Serving,
     Turn,
     TurnRequest,
@@ -75,21 +76,17 @@ log = logging.getLogger("modeld.http")
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
 
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class TextFormat(_Loose):
+class TextFormat(Loose):
     type: Literal["text", "json_schema", "json_object"] = "text"
     name: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
 
 
-class TextConfig(_Loose):
+class TextConfig(Loose):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Loose):
+class ResponsesRequest(Loose):
     model: str = ""
     input: str | list[dict[str, Any]] = Field(default_factory=list)
     instructions: str | None = None
