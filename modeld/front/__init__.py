@@ -5,10 +5,16 @@
 a client of the daemon (it imports ``runtime``, never a backend). Modules:
 
 * ``core``: the serving core every API shares (a request in the neutral form
-  becomes one ``runtime.Chat`` turn; refusals before any reply byte);
-* ``openai``: chat completions, models, embeddings;
-* ``app``: the shared routes, edge checks and error shapes; ``access``: the
-  access log; ``pool``: long-lived daemon clients; ``server``: uvicorn;
+  becomes one ``runtime.Chat`` turn; refusals before any reply byte; keep-alives);
+* one package per API, each ``protocol`` (request and reply models),
+  ``translate`` (to and from the core's turn) and ``routes``: ``openai`` (chat
+  completions, models, embeddings), ``responses`` (the Responses API, with
+  ``stored``: the responses kept for ``previous_response_id``) and
+  ``anthropic`` (Messages); ``app`` mounts each with one line;
+* ``app``: the shared routes, edge checks and error shapes; ``errors``: the
+  daemon's errors as each API's; ``access``: the access log; ``guard``: the
+  connection cap and header deadline; ``pool``: long-lived daemon clients;
+  ``sealing``: signatures on what clients echo back; ``server``: uvicorn;
   ``main``: ``modeld http``, and ``build_front``, the front its settings describe.
 """
 

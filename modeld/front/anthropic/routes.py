@@ -1,0 +1,143 @@
+"""The Anthropic Messages API: the routes, plain and streamed (SSE, keep-alives while the prefill runs)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from contract.errors import ModeldError
+
+from ..access import record_of
+from ..core import (
+    KEEPALIVE_S,
+    STREAM_SEND_TIMEOUT_S,
+    CallPieces,
+    Serving,
+    Turn,
+    TurnStream,
+    close_events,
+    fill_record,
+)
+from ..errors import api_error
+from .protocol import CountTokensRequest, MessagesRequest
+from .translate import message_body, stop_reason, tool_id, turn_request, usage_of
+
+
+def router(serving: Serving) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/messages", response_model=None)
+    async def messages(body: MessagesRequest, request: Request) -> JSONResponse | EventSourceResponse:
+        record = record_of(request)
+        record.stream = body.stream
+        turn = await serving.abegin(turn_request(body, serving), request)
+        record.model = turn.model
+        msg_id = f"msg_{uuid.uuid4().hex[:24]}"
+        if body.stream:
+            return TurnStream(turn, _stream(turn, msg_id, serving, request), ping=int(KEEPALIVE_S),
+                                       ping_message_factory=lambda: _ping(turn), send_timeout=STREAM_SEND_TIMEOUT_S)
+        result = await turn.result(request)
+        return JSONResponse(message_body(result, turn.model, msg_id, serving))
+
+    @r.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:
+        count = await serving.acount(turn_request(body, serving))
+        return {"input_tokens": count.prompt_tokens}
+
+    return r
+
+
+def _ping(turn: Turn) -> ServerSentEvent:
+    """A ``ping`` event; while the prefill runs it carries how far it came (``prefill``: the SDKs ignore it)."""
+    progress = turn.progress()
+    return ServerSentEvent(event="ping", data=json.dumps({"type": "ping", **({"prefill": progress} if progress else {})}))
+
+
+def _event(name: str, data: dict[str, Any]) -> dict[str, str]:
+    return {"event": name, "data": json.dumps({"type": name, **data}, ensure_ascii=False)}
+
+
+async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -> AsyncGenerator[dict[str, str], None]:
+    """The documented event order: message_start, then per block content_block_start / deltas / stop,
+    message_delta (stop reason, usage), message_stop; an error after the start is an ``error`` event."""
+    record = record_of(request)
+    count = turn.count
+    yield _event("message_start", {"message": {
+        "id": msg_id, "type": "message", "role": "assistant", "model": turn.model, "content": [],
+        "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": count.prompt_tokens - count.resident_tokens, "cache_creation_input_tokens": 0,
+                  "cache_read_input_tokens": count.resident_tokens, "output_tokens": 0}}})
+    yield _event("ping", {})  # as the API does: a ping at once, then every KEEPALIVE_S while nothing else goes out
+    index = -1
+    open_kind = ""  # the kind of the block being streamed: "text", "thinking", "tool_use" or ""
+    thinking = ""
+    pieces = CallPieces()
+
+    def close_block() -> list[dict[str, str]]:
+        nonlocal open_kind, thinking
+        out = []
+        if open_kind == "thinking":
+            out.append(_event("content_block_delta", {"index": index, "delta": {
+                "type": "signature_delta", "signature": serving.sealer.sign(thinking)}}))
+        if open_kind:
+            out.append(_event("content_block_stop", {"index": index}))
+        open_kind, thinking = "", ""
+        return out
+
+    def open_block(kind: str, block: dict[str, Any]) -> list[dict[str, str]]:
+        nonlocal index, open_kind
+        out = close_block()
+        index += 1
+        open_kind = kind
+        out.append(_event("content_block_start", {"index": index, "content_block": block}))
+        return out
+
+    events = turn.aevents(record)
+    try:
+        async for event in events:
+            if event.result is not None:
+                for e in close_block():
+                    yield e
+                result = event.result
+                fill_record(record, result)
+                usage = usage_of(result)
+                yield _event("message_delta", {"delta": {"stop_reason": stop_reason(result),
+                                                         "stop_sequence": result.stop_sequence or None},
+                                               "usage": usage})
+                yield _event("message_stop", {})
+                return
+            if event.thinking:
+                if open_kind != "thinking":
+                    for e in open_block("thinking", {"type": "thinking", "thinking": ""}):
+                        yield e
+                thinking += event.thinking
+                yield _event("content_block_delta", {"index": index, "delta": {"type": "thinking_delta",
+                                                                               "thinking": event.thinking}})
+            if event.text:
+                if open_kind != "text":
+                    for e in open_block("text", {"type": "text", "text": ""}):
+                        yield e
+                yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": event.text}})
+            # a call's block opens at its first piece; its input streams as the model writes the arguments (they
+            # are a JSON object, so the partial_json pieces joined are the input), and the next block closes it
+            for piece in pieces.of(event):
+                if piece.id or piece.name:
+                    for e in open_block("tool_use", {"type": "tool_use", "id": tool_id(piece.id), "name": piece.name,
+                                                     "input": {}}):
+                        yield e
+                if piece.arguments and open_kind == "tool_use":
+                    yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
+                                                                                   "partial_json": piece.arguments}})
+    except ModeldError as exc:
+        err = api_error(exc)
+        record.error = err.code or "error"
+        body = err.anthropic()
+        yield {"event": "error", "data": json.dumps(body)}
+    finally:
+        await close_events(events)

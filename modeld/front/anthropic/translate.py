@@ -1,0 +1,194 @@
+"""The Anthropic Messages API: a request to the serving core's neutral turn (``core.TurnRequest``), and a turn's result
+to the API's reply."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+from runtime.chat import ChatResult
+
+from ..core import (
+    Serving,
+    TurnRequest,
+    with_miss,
+)
+from ..errors import ApiError
+from ..openai.translate import call_schemas, tool_choice_options
+from .protocol import BILLING_HEADER, STOP_REASONS, Block, CountTokensRequest, MessagesRequest, Tool
+
+log = logging.getLogger("modeld.http")
+
+
+# --- request mapping -------------------------------------------------------------------------------
+def _text_of_blocks(blocks: list[Block], where: str, *, allow: tuple[str, ...] = ("text",)) -> str:
+    parts = []
+    for i, b in enumerate(blocks):
+        if b.type in allow and b.text is not None:
+            parts.append(b.text)
+        else:
+            raise ApiError(400, f"{where}[{i}] is a {b.type!r} block; this model reads text only",
+                           code="unsupported_content", param=where)
+    return "\n\n".join(parts) if len(parts) > 1 else "".join(parts)
+
+
+def system_text(system: str | list[Block] | None, *, keep_billing_header: bool) -> str:
+    """The stable prefix: the system text, blocks joined by a blank line, the billing header left out."""
+    if system is None or isinstance(system, str):
+        text = system or ""
+        if not keep_billing_header and text.startswith(BILLING_HEADER):
+            return ""
+        return text
+    kept = [b for b in system if keep_billing_header or b.type != "text" or not (b.text or "").startswith(BILLING_HEADER)]
+    return _text_of_blocks(kept, "system")
+
+
+def _tool_result_text(block: Block, where: str) -> str:
+    content = block.content
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    else:
+        text = _text_of_blocks(content, f"{where}.content")
+    return f"Error: {text}" if block.is_error else text
+
+
+def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    system = system_text(req.system, keep_billing_header=serving.settings.keep_billing_header)
+    if system:
+        out.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}].content"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        if m.role == "assistant":
+            texts: list[str] = []
+            calls: list[dict[str, Any]] = []
+            reasoning = ""
+            for j, b in enumerate(m.content):
+                if b.type == "text":
+                    texts.append(b.text or "")
+                elif b.type == "tool_use":
+                    if not b.id or not b.name:
+                        raise ApiError(400, f"{where}[{j}]: a tool_use block needs an id and a name", param=where)
+                    calls.append({"id": b.id, "type": "function", "function": {
+                        "name": b.name, "arguments": json.dumps(b.input if b.input is not None else {}, ensure_ascii=False)}})
+                elif b.type == "thinking":
+                    if b.thinking and b.signature and serving.sealer.verify(b.thinking, b.signature):
+                        reasoning += b.thinking
+                    else:
+                        log.info("a thinking block the daemon did not sign was left out of the prompt")
+                elif b.type == "redacted_thinking":
+                    continue
+                else:
+                    raise ApiError(400, f"{where}[{j}] is a {b.type!r} block, which an assistant turn cannot carry here",
+                                   code="unsupported_content", param=where)
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            if calls:
+                msg["tool_calls"] = calls
+            if reasoning:
+                msg["reasoning_content"] = reasoning
+            if msg["content"] is None and not calls and not reasoning:
+                msg["content"] = ""
+            out.append(msg)
+            continue
+        # a user (or system) turn: tool results first, as the calls they answer precede them, then its text
+        texts = []
+        for j, b in enumerate(m.content):
+            if b.type == "tool_result":
+                if not b.tool_use_id:
+                    raise ApiError(400, f"{where}[{j}]: a tool_result block needs a tool_use_id", param=where)
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _tool_result_text(b, f"{where}[{j}]")})
+            elif b.type == "text":
+                texts.append(b.text or "")
+            else:
+                raise ApiError(400, f"{where}[{j}] is a {b.type!r} block; this model reads text only",
+                               code="unsupported_content", param=where)
+        if texts:
+            out.append({"role": m.role, "content": "\n\n".join(texts) if len(texts) > 1 else texts[0]})
+    return out
+
+
+def _tools(tools: list[Tool] | None) -> list[dict[str, Any]]:
+    out = []
+    for t in tools or []:
+        if t.type not in (None, "custom"):
+            log.info("the server tool %r (%s) is not run by this daemon; left out of the prompt", t.name, t.type)
+            continue
+        fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema or {"type": "object", "properties": {}}}
+        if t.description:
+            fn["description"] = t.description
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _thinking(req: MessagesRequest | CountTokensRequest) -> bool | None:
+    if req.thinking is None:
+        return None
+    return req.thinking.type != "disabled"
+
+
+def turn_request(req: MessagesRequest | CountTokensRequest, serving: Serving) -> TurnRequest:
+    tools = _tools(req.tools)
+    decode: dict[str, Any] = {}
+    if isinstance(req, MessagesRequest):
+        if req.max_tokens is not None:
+            decode["max_tokens"] = req.max_tokens
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(req, name) is not None:
+                decode[name] = getattr(req, name)
+        if req.stop_sequences:
+            decode["stop"] = list(req.stop_sequences)
+    choice = req.tool_choice
+    if choice is not None:
+        names = call_schemas(tools)
+        plain = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
+        if choice.type == "tool" and not choice.name:
+            raise ApiError(400, "tool_choice of type 'tool' needs a name", param="tool_choice.name")
+        decode.update(tool_choice_options(plain, choice.name if choice.type == "tool" else None, names))
+    return TurnRequest(messages=_messages(req, serving), tools=tools, decode=decode, model=req.model,
+                       enable_thinking=_thinking(req))
+
+
+# --- replies ---------------------------------------------------------------------------------------
+def usage_of(result: ChatResult) -> dict[str, Any]:
+    u = result.usage
+    return with_miss({"input_tokens": u.prompt_tokens - u.reused_tokens, "cache_creation_input_tokens": 0,
+                      "cache_read_input_tokens": u.reused_tokens, "output_tokens": u.completion_tokens}, u)
+
+
+def stop_reason(result: ChatResult) -> str:
+    if result.stop_sequence:
+        return "stop_sequence"
+    return STOP_REASONS.get(result.finish_reason, "end_turn")
+
+
+def tool_id(call_id: str) -> str:
+    return call_id if call_id.startswith("toolu_") else f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def _input_of(arguments: str) -> Any:
+    try:
+        value = json.loads(arguments) if arguments else {}
+    except ValueError:
+        return {"arguments": arguments}  # the model's text as it wrote it, never lost
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def message_body(result: ChatResult, model: str, msg_id: str, serving: Serving) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    msg = result.message
+    if msg.reasoning:
+        content.append({"type": "thinking", "thinking": msg.reasoning, "signature": serving.sealer.sign(msg.reasoning)})
+    if msg.content:
+        content.append({"type": "text", "text": msg.content})
+    for call in msg.tool_calls:
+        content.append({"type": "tool_use", "id": tool_id(call.id), "name": call.function.name,
+                        "input": _input_of(call.function.arguments)})
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
+            "stop_reason": stop_reason(result), "stop_sequence": result.stop_sequence or None, "usage": usage_of(result)}

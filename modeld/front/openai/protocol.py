@@ -1,0 +1,105 @@
+"""The OpenAI API (chat completions, models, embeddings): the request models (validated at the edge: a malformed field
+is a 400 naming it) and the reply models (what ``/openapi.json`` declares)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from ..core import (
+    Loose,
+)
+
+
+class ContentPart(Loose):
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class FunctionCall(Loose):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(Loose):
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall
+
+
+class MessageIn(Loose):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDef(Loose):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(Loose):
+    type: str = "function"
+    function: FunctionDef | None = None
+
+
+class NamedFunction(Loose):
+    name: str
+
+
+class NamedToolChoice(Loose):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(Loose):
+    name: str = ""
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+
+
+class ResponseFormat(Loose):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(Loose):
+    include_usage: bool = False
+
+
+class EmbeddingsRequest(Loose):
+    """``/v1/embeddings``: text input only (token-id arrays are refused); ``encoding_format`` is accepted and the
+    vectors always come back as floats, which the SDKs read whatever they asked for."""
+
+    model: str = ""
+    input: str | Annotated[list[str], Field(min_length=1)]
+
+
+class ChatCompletionRequest(Loose):
+    model: str = ""
+    messages: list[MessageIn] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=10.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    #: llama-server's and Ollama's extension (over the last ``repeat_last_n`` tokens)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repeat_last_n: int | None = Field(None, ge=0, le=1_000_000)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None

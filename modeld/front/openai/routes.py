@@ -1,0 +1,150 @@
+"""The OpenAI API (chat completions, models, embeddings): the routes, plain and streamed (SSE, keep-alives while the
+prefill runs)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from contract.errors import ModeldError
+from contract.types import EmbedRequest
+
+from ..access import record_of
+from ..core import (
+    FINISH_REASONS,
+    KEEPALIVE_S,
+    STREAM_SEND_TIMEOUT_S,
+    CallPieces,
+    Serving,
+    Turn,
+    TurnStream,
+    close_events,
+    fill_record,
+)
+from ..errors import api_error
+from .protocol import ChatCompletionRequest, EmbeddingsRequest
+from .translate import call_piece, tool_calls_out, turn_request, usage_out
+
+
+def router(serving: Serving) -> APIRouter:
+    r = APIRouter()
+
+    @r.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        try:
+            names, created = await anyio.to_thread.run_sync(serving.models)
+        except ModeldError as exc:
+            raise api_error(exc) from None
+        return {"object": "list",
+                "data": [{"id": n, "object": "model", "created": created, "owned_by": "modeld"} for n in names]}
+
+    @r.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | EventSourceResponse:
+        record = record_of(request)
+        record.stream = body.stream
+        turn = await serving.abegin(turn_request(body), request)
+        record.model = turn.model
+        created = int(time.time())
+        rid = "chatcmpl-" + uuid.uuid4().hex[:24]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return TurnStream(turn, _stream(turn, rid, created, include_usage, request), ping=int(KEEPALIVE_S),
+                                       ping_message_factory=lambda: _keepalive(turn, rid, created),
+                                       send_timeout=STREAM_SEND_TIMEOUT_S)
+        result = await turn.result(request)
+        msg = result.message
+        message: dict[str, Any] = {"role": "assistant", "content": msg.content}
+        if msg.tool_calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls_out(msg.tool_calls)]
+        if msg.reasoning:
+            message["reasoning_content"] = msg.reasoning
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": turn.model,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": FINISH_REASONS.get(result.finish_reason, "stop")}],
+            "usage": usage_out(result),
+        })
+
+    @r.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingsRequest, request: Request) -> JSONResponse:
+        texts = [body.input] if isinstance(body.input, str) else body.input
+
+        def run() -> Any:
+            with serving.pool.client() as c:
+                return c.embed(EmbedRequest(texts=texts))
+
+        try:
+            res = await anyio.to_thread.run_sync(run)
+        except ModeldError as exc:
+            raise api_error(exc) from None
+        record_of(request).model = res.model_name
+        record_of(request).prompt_tokens = res.tokens
+        return JSONResponse({
+            "object": "list",
+            "model": res.model_name,
+            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(res.vectors)],
+            "usage": {"prompt_tokens": res.tokens, "total_tokens": res.tokens},
+        })
+
+    return r
+
+
+def _keepalive(turn: Turn, rid: str, created: int) -> ServerSentEvent:
+    """While the prefill runs: a chunk with an empty delta and how far the prefill came (``prefill``, which the SDKs
+    ignore), what a client's idle timer counts (Qwen Code's counts chunks, and the SDKs drop comments); after it,
+    while the reply streams, a comment (a chunk made here could land between two of the reply's)."""
+    if not turn.prefilling:
+        return turn.keepalive_comment()
+    progress = turn.progress()
+    return ServerSentEvent(data=json.dumps({
+        "id": rid, "object": "chat.completion.chunk", "created": created, "model": turn.model,
+        "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}],
+        **({"prefill": progress} if progress else {})}))
+
+
+async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, request: Request) -> Any:
+    """The reply as ``chat.completion.chunk`` events; an error after the start is an ``error`` event and no
+    ``[DONE]`` (the SDK raises it); a disconnect cancels the decode within one token."""
+    record = record_of(request)
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": turn.model,
+                           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    pieces = CallPieces()
+    events = turn.aevents(record)
+    try:
+        async for event in events:
+            if event.result is not None:
+                fill_record(record, event.result)
+                yield chunk({}, FINISH_REASONS.get(event.result.finish_reason, "stop"))
+                if include_usage:
+                    yield json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                      "model": turn.model, "choices": [], "usage": usage_out(event.result)})
+                break
+            delta: dict[str, Any] = {}
+            if event.text:
+                delta["content"] = event.text
+            if event.thinking:
+                delta["reasoning_content"] = event.thinking
+            calls = [call_piece(p) for p in pieces.of(event)]
+            if calls:
+                delta["tool_calls"] = calls
+            if delta:
+                yield chunk(delta)
+    except ModeldError as exc:
+        err = api_error(exc)
+        record.error = err.code or "error"
+        yield json.dumps(err.openai())
+        return
+    finally:
+        await close_events(events)
+    yield "[DONE]"

@@ -1,0 +1,164 @@
+"""The OpenAI API (chat completions, models, embeddings): a request to the serving core's neutral turn
+(``core.TurnRequest``), and a turn's result to the API's reply."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from contract.types import StructuredOutputConfig, ToolCallDelta
+from runtime.chat import ChatResult
+
+from ..core import (
+    TurnRequest,
+    with_miss,
+)
+from ..errors import ApiError
+from .protocol import ChatCompletionRequest, ContentPart, NamedToolChoice
+
+
+# --- request mapping -------------------------------------------------------------------------------
+def text_of(content: str | list[ContentPart] | None, where: str) -> str | None:
+    """Message content as text: text (and refusal) parts joined; any other part is refused."""
+    if content is None or isinstance(content, str):
+        return content
+    parts = []
+    for i, part in enumerate(content):
+        if part.type in ("text", "input_text", "output_text") and part.text is not None:
+            parts.append(part.text)
+        elif part.type == "refusal" and part.refusal is not None:
+            parts.append(part.refusal)
+        else:
+            raise ApiError(400, f"{where}.content[{i}] is a {part.type!r} part; this model reads text only",
+                           code="unsupported_content", param=f"{where}.content")
+    return "".join(parts)
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                               "content": text_of(m.content, f"messages[{i}]")}
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name,
+                              "arguments": c.function.arguments if isinstance(c.function.arguments, str)
+                              else json.dumps(c.function.arguments, ensure_ascii=False)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name and m.role == "tool":
+            msg["name"] = m.name
+        if m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
+        if m.role == "tool" and msg["content"] is None:
+            msg["content"] = ""
+        out.append(msg)
+    return out
+
+
+def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    tools = []
+    for i, t in enumerate(req.tools or []):
+        if t.type != "function" or t.function is None:
+            raise ApiError(400, f"tools[{i}] has type {t.type!r}; chat completions take function tools",
+                           param=f"tools[{i}].type")
+        tools.append({"type": "function", "function": t.function.model_dump(exclude_none=True)})
+    return tools
+
+
+def call_schemas(tools: list[dict[str, Any]]) -> dict[str, str]:
+    """Each function tool's name and the JSON schema of its arguments, as a forced call holds them."""
+    return {t["function"]["name"]: json.dumps(t["function"].get("parameters") or {}) for t in tools}
+
+
+def tool_choice_options(choice: str | None, forced: str | None, schemas: dict[str, str]) -> dict[str, Any]:
+    """Decode options for a tool choice: ``choice`` auto/none/required, or ``forced`` (one function's
+    name); ``schemas`` holds each tool's arguments schema (``call_schemas``)."""
+    names = list(schemas)
+    if choice == "none":
+        return {"parser_protocols": []}
+    if choice in (None, "auto") and forced is None:
+        return {}
+    if not names:
+        raise ApiError(400, "tool_choice forces a call but no tools were given", param="tool_choice")
+    if forced is not None:
+        if forced not in names:
+            raise ApiError(400, f"tool_choice names {forced!r}, which is not among the tools", param="tool_choice")
+        names = [forced]
+    return {"structured_output": StructuredOutputConfig(tool_call={n: schemas[n] for n in names})}
+
+
+def _decode(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    if req.n not in (None, 1):
+        raise ApiError(400, "n > 1 is not supported: one model slot decodes one reply", param="n")
+    if req.logprobs:
+        raise ApiError(400, "logprobs are not supported", param="logprobs")
+    opts: dict[str, Any] = {}
+    limit = req.max_completion_tokens or req.max_tokens
+    if limit is not None:
+        opts["max_tokens"] = limit
+    for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repeat_penalty",
+                 "repeat_last_n", "seed"):
+        value = getattr(req, name)
+        if value is not None:
+            opts[name] = value
+    if req.stop:
+        opts["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps({"type": "object"}))
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+        if not isinstance(schema, dict):
+            raise ApiError(400, "response_format json_schema needs json_schema.schema (an object)",
+                           param="response_format.json_schema.schema")
+        opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps(schema))
+    choice = req.tool_choice
+    forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    plain = choice if isinstance(choice, str) else None
+    calls = tool_choice_options(plain, forced, call_schemas(tools))
+    if "structured_output" in calls and "structured_output" in opts:
+        raise ApiError(400, "a forced tool call and a response_format cannot be combined", param="tool_choice")
+    opts.update(calls)
+    return opts
+
+
+def turn_request(req: ChatCompletionRequest) -> TurnRequest:
+    tools = _tools(req)
+    return TurnRequest(messages=_messages(req), tools=tools, decode=_decode(req, tools), model=req.model)
+
+
+# --- replies ---------------------------------------------------------------------------------------
+def tool_calls_out(calls: list[Any], first_index: int = 0) -> list[dict[str, Any]]:
+    return [
+        {"index": first_index + i, "id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+         "function": {"name": c.function.name, "arguments": c.function.arguments}}
+        for i, c in enumerate(calls)
+    ]
+
+
+def usage_out(result: ChatResult) -> dict[str, Any]:
+    u = result.usage
+    return with_miss({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.reused_tokens},
+        # OpenAI's names for predicted-output tokens: here, speculative drafts kept and rejected
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": u.accepted_tokens,
+            "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens,
+        },
+    }, u)
+
+
+def call_piece(piece: ToolCallDelta) -> dict[str, Any]:
+    """A ``choices[0].delta.tool_calls`` entry: the first of a call carries its id, type and name."""
+    if piece.id or piece.name:
+        return {"index": piece.index, "id": piece.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": piece.name, "arguments": piece.arguments}}
+    return {"index": piece.index, "function": {"arguments": piece.arguments}}

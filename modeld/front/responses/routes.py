@@ -1,0 +1,295 @@
+"""The OpenAI Responses API: the routes, plain and streamed (SSE, keep-alives while the prefill runs)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from contract.errors import ModeldError
+
+from ..access import record_of
+from ..core import (
+    KEEPALIVE_S,
+    STREAM_SEND_TIMEOUT_S,
+    CallPieces,
+    Serving,
+    Turn,
+    TurnRequest,
+    TurnStream,
+    close_events,
+    fill_record,
+)
+from ..errors import ApiError, api_error
+from ..stored import ResponseStore
+from .protocol import InputTokensRequest, ResponsesRequest
+from .translate import Reply, ToolMap, build_output, conversation, decode_options, merge_earlier, new_id, thinking_of
+
+
+# --- routes ----------------------------------------------------------------------------------------
+class _Running:
+    """Responses being generated, by id, so ``cancel`` can stop one."""
+
+    def __init__(self) -> None:
+        self.turns: dict[str, Turn] = {}
+
+
+def router(serving: Serving, store: ResponseStore) -> APIRouter:
+    r = APIRouter()
+    running = _Running()
+
+    def prepare(body: ResponsesRequest) -> tuple[TurnRequest, ToolMap, list[dict[str, Any]]]:
+        """The turn for ``body``, its tools, and the conversation it continues (for storing)."""
+        earlier: list[dict[str, Any]] = []
+        tools_given = body.tools
+        if body.previous_response_id:
+            stored = store.get(body.previous_response_id)
+            if stored is None:
+                raise ApiError(404, f"no stored response {body.previous_response_id!r} (unknown, deleted or pruned)",
+                               code="previous_response_not_found", param="previous_response_id")
+            earlier = list(stored.get("conversation") or [])
+            if tools_given is None:
+                tools_given = stored.get("tools")
+        tools = ToolMap(tools_given)
+        messages = conversation(body, tools, serving)
+        if earlier:
+            # the stored instructions led the earlier turns; this request's (if any) replace them
+            if body.instructions is not None and earlier and earlier[0].get("role") == "system":
+                earlier = earlier[1:]
+            elif body.instructions is None and earlier and earlier[0].get("role") == "system":
+                messages = [earlier[0], *messages]
+                earlier = earlier[1:]
+        if body.instructions:
+            messages = [{"role": "system", "content": body.instructions}, *messages]
+        full = merge_earlier(messages, earlier)
+        if not full:
+            raise ApiError(400, "input is empty", param="input")
+        turn_req = TurnRequest(messages=full, tools=tools.functions, decode=decode_options(body, tools), model=body.model,
+                               enable_thinking=thinking_of(body))
+        return turn_req, tools, tools_given or []
+
+    def keep(reply: Reply, turn_req: TurnRequest, tools_given: list[dict[str, Any]]) -> None:
+        if reply.req.store:
+            store.put(reply.id, {"response": reply.body(),
+                                 "conversation": [*turn_req.messages, reply.assistant_message()],
+                                 "tools": tools_given})
+
+    @r.post("/v1/responses", response_model=None)
+    async def create(body: ResponsesRequest, request: Request) -> JSONResponse | EventSourceResponse:
+        record = record_of(request)
+        record.stream = body.stream
+        turn_req, tools, tools_given = prepare(body)
+        turn = await serving.abegin(turn_req, request)
+        record.model = turn.model
+        reply = Reply(body, tools, turn.model, serving)
+        running.turns[reply.id] = turn
+        if body.stream:
+            numbered = _Events()
+            return TurnStream(
+                turn, _stream(turn, reply, request, running, lambda: keep(reply, turn_req, tools_given), numbered),
+                ping=int(KEEPALIVE_S), ping_message_factory=lambda: _keepalive(turn, reply, numbered),
+                send_timeout=STREAM_SEND_TIMEOUT_S)
+        try:
+            result = await turn.result(request)
+        finally:
+            running.turns.pop(reply.id, None)
+        build_output(reply, result)
+        reply.finish(result)
+        keep(reply, turn_req, tools_given)
+        return JSONResponse(reply.body())
+
+    @r.post("/v1/responses/input_tokens")
+    async def input_tokens(body: InputTokensRequest) -> dict[str, Any]:
+        turn_req, _, _ = prepare(body)
+        count = await serving.acount(turn_req)
+        return {"object": "response.input_tokens", "input_tokens": count.prompt_tokens}
+
+    @r.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str) -> dict[str, Any]:
+        stored = store.get(response_id)
+        if stored is None:
+            raise ApiError(404, f"no stored response {response_id!r}", code="not_found", param="response_id")
+        out: dict[str, Any] = stored["response"]
+        return out
+
+    @r.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str) -> dict[str, Any]:
+        if not store.delete(response_id):
+            raise ApiError(404, f"no stored response {response_id!r}", code="not_found", param="response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @r.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str) -> dict[str, Any]:
+        turn = running.turns.get(response_id)
+        if turn is None:
+            stored = store.get(response_id)
+            if stored is None:
+                raise ApiError(404, f"no response {response_id!r} is running or stored", code="not_found",
+                               param="response_id")
+            out: dict[str, Any] = stored["response"]
+            return out  # already finished: nothing to cancel
+        # the decode stops within a token; the request that runs it answers with the reply cut there
+        await anyio.to_thread.run_sync(turn.cancel)
+        return {"id": response_id, "object": "response", "status": "cancelled"}
+
+    return r
+
+
+class _Events:
+    """A stream's events, numbered (``sequence_number``) in the order they are made: the reply's and the
+    keep-alives' alike."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def make(self, name: str, **data: Any) -> dict[str, str]:
+        self._next += 1
+        return {"event": name,
+                "data": json.dumps({"type": name, "sequence_number": self._next - 1, **data}, ensure_ascii=False)}
+
+
+def _keepalive(turn: Turn, reply: Reply, events: _Events) -> ServerSentEvent:
+    """While the prefill runs: ``response.in_progress`` again, with how far it came (``prefill``, which the SDKs
+    ignore), an event that a client's idle timer counts (Codex's counts events, not comments); afterwards, while
+    the reply streams, a comment (an event made here could overtake one the reply made and has not sent yet)."""
+    if not turn.prefilling:
+        return turn.keepalive_comment()
+    progress = turn.progress()
+    e = events.make("response.in_progress", response=reply.body(), **({"prefill": progress} if progress else {}))
+    return ServerSentEvent(event=e["event"], data=e["data"])
+
+
+async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
+                  on_done: Any, numbered: _Events) -> AsyncGenerator[dict[str, str], None]:
+    """The documented event order, each event with its ``sequence_number``."""
+    record = record_of(request)
+    event = numbered.make
+
+    yield event("response.created", response=reply.body())
+    yield event("response.in_progress", response=reply.body())
+    current: dict[str, Any] | None = None  # the item being streamed: a message, a reasoning item or a call
+    text = ""
+    pieces = CallPieces()
+
+    def close_current() -> list[dict[str, str]]:
+        nonlocal current, text
+        out: list[dict[str, str]] = []
+        if current is None:
+            return out
+        index = len(reply.output) - 1
+        if current["type"] in ("function_call", "custom_tool_call"):
+            item = reply.call_item(current["name"], text, current["call_id"])
+            item["id"] = current["id"]
+            if current["call_id"] not in pieces.finished:
+                item["status"] = "incomplete"  # the reply ended inside the call: its arguments are cut short
+            reply.output[index] = item
+            if item["type"] == "function_call":
+                out.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                 arguments=item["arguments"]))
+            else:  # a custom tool's input is the text inside the arguments: it goes whole once they are
+                out.append(event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
+                                 delta=item["input"]))
+                out.append(event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                                 input=item["input"]))
+            out.append(event("response.output_item.done", output_index=index, item=item))
+            current, text = None, ""
+            return out
+        if current["type"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": []}
+            current["content"] = [part]
+            out.append(event("response.output_text.done", item_id=current["id"], output_index=index, content_index=0,
+                             text=text))
+            out.append(event("response.content_part.done", item_id=current["id"], output_index=index, content_index=0,
+                             part=part))
+            current["status"] = "completed"
+        else:
+            reply.seal_reasoning(current, text)
+            out.append(event("response.reasoning_summary_text.done", item_id=current["id"], output_index=index,
+                             summary_index=0, text=text))
+            out.append(event("response.reasoning_summary_part.done", item_id=current["id"], output_index=index,
+                             summary_index=0, part={"type": "summary_text", "text": text}))
+        out.append(event("response.output_item.done", output_index=index, item=current))
+        current, text = None, ""
+        return out
+
+    def open_item(item: dict[str, Any]) -> list[dict[str, str]]:
+        nonlocal current
+        out = close_current()
+        reply.output.append(item)
+        current = item
+        index = len(reply.output) - 1
+        shown = {**item, "content": []} if item["type"] == "message" else {**item, "summary": []}
+        out.append(event("response.output_item.added", output_index=index, item=shown))
+        if item["type"] == "message":
+            out.append(event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
+                             part={"type": "output_text", "text": "", "annotations": []}))
+        else:
+            out.append(event("response.reasoning_summary_part.added", item_id=item["id"], output_index=index,
+                             summary_index=0, part={"type": "summary_text", "text": ""}))
+        return out
+
+    events = turn.aevents(record)
+    try:
+        async for ev in events:
+            if ev.result is not None:
+                for e in close_current():
+                    yield e
+                fill_record(record, ev.result)
+                reply.finish(ev.result)
+                on_done()
+                # (the API has no event for a cancelled response: one cut short ends as incomplete ones do)
+                final = {"completed": "response.completed", "incomplete": "response.incomplete",
+                         "cancelled": "response.incomplete"}.get(reply.status, "response.completed")
+                yield event(final, response=reply.body())
+                return
+            if ev.thinking:
+                if current is None or current["type"] != "reasoning":
+                    for e in open_item(reply.reasoning_item("")):
+                        yield e
+                text += ev.thinking
+                yield event("response.reasoning_summary_text.delta", item_id=current["id"] if current else "",
+                            output_index=len(reply.output) - 1, summary_index=0, delta=ev.thinking)
+            if ev.text:
+                if current is None or current["type"] != "message":
+                    for e in open_item({"type": "message", "id": new_id("msg"), "status": "in_progress",
+                                        "role": "assistant", "content": []}):
+                        yield e
+                text += ev.text
+                yield event("response.output_text.delta", item_id=current["id"] if current else "",
+                            output_index=len(reply.output) - 1, content_index=0, delta=ev.text)
+            # a call's item opens at its first piece and its arguments stream as the model writes them; the next
+            # item (or the end) closes it with the whole arguments
+            for piece in pieces.of(ev):
+                if piece.id or piece.name:
+                    for e in close_current():
+                        yield e
+                    item = reply.call_item(piece.name, "", piece.id)
+                    item["status"] = "in_progress"
+                    reply.output.append(item)
+                    current = {**item, "name": piece.name}  # the name as the model wrote it (call_item maps it back)
+                    shown = {**item, "arguments": ""} if item["type"] == "function_call" else {**item, "input": ""}
+                    yield event("response.output_item.added", output_index=len(reply.output) - 1, item=shown)
+                if current is None or current["type"] not in ("function_call", "custom_tool_call"):
+                    continue
+                text += piece.arguments
+                if piece.arguments and current["type"] == "function_call":
+                    yield event("response.function_call_arguments.delta", item_id=current["id"],
+                                output_index=len(reply.output) - 1, delta=piece.arguments)
+    except ModeldError as exc:
+        err = api_error(exc)
+        record.error = err.code or "error"
+        reply.status = "failed"
+        reply.error = {"code": err.code or "server_error", "message": err.message}
+        # the stream's error event, then the failed response. The event also carries the error as an
+        # object, as OpenAI's own error events do: the SDKs raise on it rather than end as if all went well
+        yield event("error", code=reply.error["code"], message=err.message, param=err.param,
+                    error=err.openai()["error"])
+        yield event("response.failed", response=reply.body())
+    finally:
+        await close_events(events)
+        running.turns.pop(reply.id, None)

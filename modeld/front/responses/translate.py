@@ -1,0 +1,344 @@
+"""The OpenAI Responses API: a request to the serving core's neutral turn (``core.TurnRequest``), and a turn's result
+to the API's reply."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from contract.types import StructuredOutputConfig
+from runtime.chat import ChatResult
+
+from ..core import (
+    Serving,
+    with_miss,
+)
+from ..errors import ApiError
+from ..openai.translate import call_schemas, tool_choice_options
+from .protocol import ENCRYPTED_REASONING, ResponsesRequest
+
+log = logging.getLogger("modeld.http")
+
+
+# --- tools -----------------------------------------------------------------------------------------
+class ToolMap:
+    """The request's tools as function tools, and how a call's name maps back to the tool the client gave."""
+
+    def __init__(self, tools: list[dict[str, Any]] | None) -> None:
+        self.functions: list[dict[str, Any]] = []
+        #: flattened name -> (namespace or "", the name the client knows, "function" | "custom")
+        self.origin: dict[str, tuple[str, str, str]] = {}
+        self.dropped: list[str] = []
+        for i, tool in enumerate(tools or []):
+            kind = tool.get("type")
+            if kind == "function":
+                self._add(tool, "", f"tools[{i}]")
+            elif kind == "namespace":
+                inner = tool.get("tools")
+                if not isinstance(inner, list):
+                    raise ApiError(400, f"tools[{i}]: a namespace tool needs a list of tools", param=f"tools[{i}].tools")
+                for j, t in enumerate(inner):
+                    if isinstance(t, dict) and t.get("type", "function") in ("function", "custom"):
+                        self._add(t, str(tool.get("name") or ""), f"tools[{i}].tools[{j}]")
+            elif kind == "custom":
+                self._add(tool, "", f"tools[{i}]")
+            else:
+                self.dropped.append(str(kind))
+        if self.dropped:
+            log.info("tools this daemon does not run were left out of the prompt: %s", ", ".join(self.dropped))
+
+    def _add(self, tool: dict[str, Any], namespace: str, where: str) -> None:
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, f"{where} has no name", param=f"{where}.name")
+        flat = name if name not in self.origin else f"{namespace}__{name}" if namespace else name
+        custom = tool.get("type") == "custom"
+        params: Any = ({"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+                       if custom else tool.get("parameters") or {"type": "object", "properties": {}})
+        fn: dict[str, Any] = {"name": flat, "parameters": params}
+        if tool.get("description"):
+            fn["description"] = tool["description"]
+        self.functions.append({"type": "function", "function": fn})
+        self.origin[flat] = (namespace, name, "custom" if custom else "function")
+
+    def flat_name(self, name: str, namespace: str = "") -> str:
+        for flat, (ns, known, _) in self.origin.items():
+            if known == name and (not namespace or ns == namespace):
+                return flat
+        return name
+
+
+# --- input items -----------------------------------------------------------------------------------
+def _part_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be a string or a list of content parts", param=where)
+    parts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text", "summary_text") and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append(part["refusal"])
+        else:
+            raise ApiError(400, f"{where}[{i}] is a {kind!r} part; this model reads text only",
+                           code="unsupported_content", param=where)
+    return "".join(parts)
+
+
+def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving) -> list[dict[str, Any]]:
+    """The request's input items as OpenAI-shaped messages (the stored conversation is prepended by the caller)."""
+    out: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": req.input}] \
+        if isinstance(req.input, str) else req.input
+    reasoning = ""
+
+    def assistant() -> dict[str, Any]:
+        """The assistant message a call or text joins: the last one, unless a tool result or a turn followed it."""
+        nonlocal reasoning
+        if out and out[-1]["role"] == "assistant":
+            msg = out[-1]
+        else:
+            msg = {"role": "assistant", "content": None}
+            out.append(msg)
+        if reasoning:
+            msg["reasoning_content"] = msg.get("reasoning_content", "") + reasoning
+            reasoning = ""
+        return msg
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ApiError(400, f"{where} must be an object", param=where)
+        kind = item.get("type", "message")
+        if reasoning and kind in ("message", "function_call_output", "custom_tool_call_output") \
+                and item.get("role") != "assistant":
+            assistant()  # a turn that was all reasoning (a reply cut inside its thinking) is still a turn
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ApiError(400, f"{where}.role must be user, assistant, system or developer", param=f"{where}.role")
+            text = _part_text(item.get("content", ""), f"{where}.content")
+            if role == "assistant":
+                msg = assistant()
+                msg["content"] = (msg["content"] or "") + text
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind in ("function_call", "custom_tool_call"):
+            call_id, name = item.get("call_id"), item.get("name")
+            if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
+                raise ApiError(400, f"{where} needs a call_id and a name", param=where)
+            if kind == "custom_tool_call":
+                arguments = json.dumps({"input": str(item.get("input", ""))}, ensure_ascii=False)
+            else:
+                arguments = str(item.get("arguments", ""))
+            msg = assistant()
+            msg.setdefault("tool_calls", []).append({"id": call_id, "type": "function", "function": {
+                "name": tools.flat_name(name, str(item.get("namespace") or "")), "arguments": arguments}})
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise ApiError(400, f"{where} needs a call_id", param=where)
+            output = item.get("output", "")
+            text = output if isinstance(output, str) else _part_text(output, f"{where}.output")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
+        elif kind == "reasoning":
+            sealed = item.get("encrypted_content")
+            opened = serving.sealer.open(sealed) if isinstance(sealed, str) else None
+            if opened is not None and isinstance(opened.get("reasoning"), str):
+                reasoning += opened["reasoning"]
+            else:
+                summary = item.get("summary") or []
+                reasoning += _part_text(summary, f"{where}.summary") if summary else ""
+        elif kind == "item_reference":
+            raise ApiError(400, f"{where}: item references are not supported; send the item itself", param=where)
+        else:
+            log.info("an input item of type %r was left out of the prompt", kind)
+    if reasoning:
+        assistant()
+    return out
+
+
+def decode_options(req: ResponsesRequest, tools: ToolMap) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    if req.max_output_tokens is not None:
+        opts["max_tokens"] = req.max_output_tokens
+    for name in ("temperature", "top_p"):
+        if getattr(req, name) is not None:
+            opts[name] = getattr(req, name)
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps({"type": "object"}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if not isinstance(fmt.schema_, dict):
+            raise ApiError(400, "text.format json_schema needs a schema (an object)", param="text.format.schema")
+        opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps(fmt.schema_))
+    choice = req.tool_choice
+    names = call_schemas(tools.functions)
+    if isinstance(choice, dict):
+        forced = choice.get("name")
+        if choice.get("type") not in ("function", "custom") or not isinstance(forced, str):
+            raise ApiError(400, "tool_choice must be auto, none, required or {type: function, name}", param="tool_choice")
+        calls = tool_choice_options(None, tools.flat_name(forced, str(choice.get("namespace") or "")), names)
+    elif choice in (None, "auto", "none", "required"):
+        calls = tool_choice_options(choice, None, names)
+    else:
+        raise ApiError(400, f"tool_choice {choice!r} is not one of auto, none, required or a named function",
+                       param="tool_choice")
+    if "structured_output" in calls and "structured_output" in opts:
+        raise ApiError(400, "a forced tool call and text.format cannot be combined", param="tool_choice")
+    opts.update(calls)
+    return opts
+
+
+def thinking_of(req: ResponsesRequest) -> bool | None:
+    effort = (req.reasoning or {}).get("effort")
+    if effort is None:
+        return None
+    return effort not in ("none", "minimal")
+
+
+# --- output ----------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class Reply:
+    """The response object of one request, built as its turn runs (streamed or not)."""
+
+    def __init__(self, req: ResponsesRequest, tools: ToolMap, model: str, serving: Serving) -> None:
+        self.id = new_id("resp")
+        self.req = req
+        self.tools = tools
+        self.model = model
+        self.serving = serving
+        self.created = int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self.status = "in_progress"
+        self.usage: dict[str, Any] | None = None
+        self.incomplete: dict[str, Any] | None = None
+        self.error: dict[str, Any] | None = None
+
+    def reasoning_item(self, text: str) -> dict[str, Any]:
+        item: dict[str, Any] = {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": "in_progress"}
+        if text:
+            item["summary"] = [{"type": "summary_text", "text": text}]
+        return item
+
+    def seal_reasoning(self, item: dict[str, Any], text: str) -> None:
+        item["status"] = "completed"
+        item["summary"] = [{"type": "summary_text", "text": text}]
+        if ENCRYPTED_REASONING in (self.req.include or []):
+            item["encrypted_content"] = self.serving.sealer.seal({"reasoning": text})
+
+    def call_item(self, name: str, arguments: str, call_id: str) -> dict[str, Any]:
+        namespace, known, kind = self.tools.origin.get(name, ("", name, "function"))
+        item: dict[str, Any] = {"id": new_id("fc"), "call_id": call_id or new_id("call"), "status": "completed"}
+        if kind == "custom":
+            try:
+                given = json.loads(arguments) if arguments else {}
+            except ValueError:
+                given = {"input": arguments}
+            value = given.get("input", "") if isinstance(given, dict) else arguments
+            item.update(type="custom_tool_call", name=known, input=value if isinstance(value, str) else json.dumps(value))
+        else:
+            item.update(type="function_call", name=known, arguments=arguments)
+        if namespace:
+            item["namespace"] = namespace
+        return item
+
+    def finish(self, result: ChatResult) -> None:
+        u = result.usage
+        self.usage = with_miss({
+            "input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.reused_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.prompt_tokens + u.completion_tokens}, u)
+        if result.finish_reason in ("length", "context_full"):
+            self.status = "incomplete"
+            self.incomplete = {"reason": "max_output_tokens"}
+        elif result.finish_reason == "cancelled":
+            self.status = "cancelled"  # POST /v1/responses/{id}/cancel cut it short
+        else:
+            self.status = "completed"
+
+    def body(self) -> dict[str, Any]:
+        req = self.req
+        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"type": "text"}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
+            "model": self.model, "output": self.output, "usage": self.usage, "error": self.error,
+            "incomplete_details": self.incomplete, "instructions": req.instructions,
+            "previous_response_id": req.previous_response_id, "tools": req.tools or [],
+            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "text": {"format": fmt}, "reasoning": req.reasoning or {"effort": None, "summary": None},
+            "store": req.store, "metadata": req.metadata or {}, "output_text": self.output_text(),
+        }
+
+    def output_text(self) -> str:
+        return "".join(part.get("text", "") for item in self.output if item.get("type") == "message"
+                       for part in item.get("content", []))
+
+    def assistant_message(self) -> dict[str, Any]:
+        """This reply as the assistant message a later turn resends (the stored conversation's last turn)."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.output_text() or None}
+        calls = []
+        for item in self.output:
+            if item["type"] == "function_call":
+                calls.append({"id": item["call_id"], "type": "function", "function": {
+                    "name": self.tools.flat_name(item["name"], item.get("namespace", "")), "arguments": item["arguments"]}})
+            elif item["type"] == "custom_tool_call":
+                calls.append({"id": item["call_id"], "type": "function", "function": {
+                    "name": self.tools.flat_name(item["name"], item.get("namespace", "")),
+                    "arguments": json.dumps({"input": item["input"]}, ensure_ascii=False)}})
+            elif item["type"] == "reasoning":
+                msg["reasoning_content"] = "".join(s.get("text", "") for s in item.get("summary", []))
+        if calls:
+            msg["tool_calls"] = calls
+        if msg["content"] is None and not calls:
+            msg["content"] = ""
+        return msg
+
+
+def _message_item(text: str) -> dict[str, Any]:
+    return {"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def build_output(reply: Reply, result: ChatResult) -> None:
+    msg = result.message
+    if msg.reasoning:
+        item = reply.reasoning_item(msg.reasoning)
+        reply.seal_reasoning(item, msg.reasoning)
+        reply.output.append(item)
+    if msg.content:
+        reply.output.append(_message_item(msg.content))
+    for call in msg.tool_calls:
+        reply.output.append(reply.call_item(call.function.name, call.function.arguments, call.id))
+
+
+def merge_earlier(messages: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The stored conversation, then the new input; a leading system message stays first.
+
+    An assistant item the new input opens with (a ``function_call`` after the stored reply) joins the
+    stored reply's assistant message, as items within one request do: the conversation renders as the
+    same items sent whole would.
+    """
+    if not earlier:
+        return messages
+    head = [m for m in messages[:1] if m.get("role") == "system"]
+    rest = messages[len(head):]
+    if rest and earlier[-1].get("role") == "assistant" and rest[0].get("role") == "assistant":
+        last, first = earlier[-1], rest[0]
+        joined = {**last, "content": ((last.get("content") or "") + (first.get("content") or "")) or None}
+        calls = [*(last.get("tool_calls") or []), *(first.get("tool_calls") or [])]
+        if calls:
+            joined["tool_calls"] = calls
+        if first.get("reasoning_content"):
+            joined["reasoning_content"] = (last.get("reasoning_content") or "") + first["reasoning_content"]
+        earlier, rest = [*earlier[:-1], joined], rest[1:]
+    return [*head, *earlier, *rest]
