@@ -3,7 +3,8 @@ real daemon process; it must never answer 5xx and keep serving.
 
 1. **schemathesis** reads ``/openapi.json`` and sends ``--examples`` generated requests per operation
    (its examples, coverage and fuzzing phases: valid bodies, boundary values, wrong types, missing and
-   unknown fields), with the check ``not_a_server_error``. The counts per route and status come from the
+   unknown fields), with the checks ``CHECKS``: no 5xx, and every reply's status, content type and body as the
+   route declares them. The counts per route and status come from the
    daemon's own access log, not from the generator.
 2. **slowloris**: 50 connections each dribbling a request head a byte at a time while 20 chat requests
    are timed.
@@ -59,11 +60,16 @@ def _operations(port: int) -> list[tuple[str, str, re.Pattern[str]]]:
             for p, ops in paths.items() for method in ops]
 
 
+#: what every reply is checked for: no 5xx, a status the route declares, its declared content type, and a body
+#: that validates against the schema the route declares for that status (``modeld.front``'s reply models)
+CHECKS = ("not_a_server_error", "status_code_conformance", "content_type_conformance", "response_schema_conformance")
+
+
 def schema_run(port: int, examples: int, seed: int, out: Path) -> tuple[int, str]:
     exe = shutil.which("schemathesis", path=str(Path(sys.executable).parent))
     if exe is None:
         return 2, "schemathesis is not installed (make fuzz installs the fuzz extra)"
-    cmd = [exe, "run", f"http://127.0.0.1:{port}/openapi.json", "--checks", "not_a_server_error",
+    cmd = [exe, "run", f"http://127.0.0.1:{port}/openapi.json", "--checks", ",".join(CHECKS),
            "--max-examples", str(examples), "--phases", "examples,coverage,fuzzing", "--continue-on-failure",
            "--seed", str(seed), "--no-color", "--request-timeout", "60", "--suppress-health-check", "all"]
     with out.open("w") as log:

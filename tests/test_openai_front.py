@@ -63,6 +63,59 @@ def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
         c.close()
 
 
+def _post_json(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        c.request("POST", path, json.dumps(body), {"content-type": "application/json", "x-api-key": "none",
+                                                   "authorization": "Bearer none"})
+        r = c.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        c.close()
+
+
+def test_every_reply_has_the_shape_the_schema_declares(front: Front) -> None:
+    """Each route's reply validates against the model ``/openapi.json`` declares for its status (the same check
+    ``make fuzz`` runs with schemathesis on generated requests), replies and refusals, on each API."""
+    from modeld.front.anthropic import protocol as messages
+    from modeld.front.app import Health
+    from modeld.front.openai import protocol as chat
+    from modeld.front.responses import protocol as responses
+
+    status, raw = _get(front.port, "/openapi.json")
+    spec = json.loads(raw)
+    declared = spec["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "413", "500", "503"} <= set(declared)
+    assert declared["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/ChatCompletion")
+    assert "text/event-stream" in declared["200"]["content"]
+    ask = [{"role": "user", "content": "hi"}]
+    cases: list[tuple[str, dict[str, Any], int, type[Any]]] = [
+        ("/v1/chat/completions", {"model": "ref", "messages": ask, "max_tokens": 4}, 200, chat.ChatCompletion),
+        ("/v1/chat/completions", {"model": "ref", "messages": "no"}, 400, chat.ErrorBody),
+        ("/v1/messages", {"model": "ref", "messages": ask, "max_tokens": 4}, 200, messages.MessageOut),
+        ("/v1/messages", {"model": "ref", "messages": "no", "max_tokens": 4}, 400, messages.ErrorBody),
+        ("/v1/messages/count_tokens", {"model": "ref", "messages": ask}, 200, messages.TokenCount),
+        ("/v1/responses", {"model": "ref", "input": "hi", "max_output_tokens": 4}, 200, responses.Response),
+        ("/v1/responses", {"model": "ref", "input": 5}, 400, chat.ErrorBody),
+        ("/v1/responses/input_tokens", {"model": "ref", "input": "hi"}, 200, responses.InputTokens),
+    ]
+    for path, body, want, shape in cases:
+        status, reply = _post_json(front.port, path, body)
+        assert status == want, (path, body, reply)
+        shape.model_validate(reply)
+    stored = _post_json(front.port, "/v1/responses", {"model": "ref", "input": "hi", "max_output_tokens": 4})[1]
+    status, raw = _get(front.port, f"/v1/responses/{stored['id']}")
+    assert status == 200
+    responses.Response.model_validate(json.loads(raw))
+    status, raw = _get(front.port, f"/v1/responses/{stored['id']}", "DELETE")
+    assert status == 200
+    responses.DeletedResponse.model_validate(json.loads(raw))
+    status, raw = _get(front.port, "/v1/models")
+    chat.ModelList.model_validate(json.loads(raw))
+    status, raw = _get(front.port, "/health")
+    Health.model_validate(json.loads(raw))
+
+
 def test_models_health_and_root(front: Front) -> None:
     models = front.sdk().models.list().data
     assert [m.id for m in models] == ["ref"]

@@ -12,7 +12,7 @@ shape of the API the path belongs to.
 from __future__ import annotations
 
 import hmac
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 from fastapi import FastAPI, Request
@@ -27,8 +27,9 @@ from ..defaults import DEFAULT_MAX_BODY_BYTES
 from ..metrics import CONTENT_TYPE
 from . import anthropic, openai, responses
 from .access import AccessLog, record_of
-from .core import Serving
+from .core import Serving, Shape, declared
 from .errors import ApiError, api_error
+from .openai.protocol import ErrorBody
 from .stored import ResponseStore
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "create_app"]
@@ -117,6 +118,18 @@ async def _no_body() -> Message:
     return {"type": "http.disconnect"}
 
 
+class Greeting(Shape):
+    name: Literal["modeld"]
+    status: Literal["ok"]
+
+
+class Health(Shape):
+    status: Literal["ok"]
+    #: the slot's state (``SlotState``) and the loaded model (None: no model)
+    state: str
+    model: str | None
+
+
 def create_app(serving: Serving, *, store: ResponseStore | None = None) -> ASGIApp:
     """The front's ASGI app over ``serving`` (whose settings give the API key and the largest body)."""
     app = FastAPI(title="modeld", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
@@ -160,11 +173,15 @@ def create_app(serving: Serving, *, store: ResponseStore | None = None) -> ASGIA
             response.headers[name] = value
         return response
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+    @app.get("/", responses=declared(Greeting, ErrorBody))
     async def root() -> dict[str, Any]:
         return {"name": "modeld", "status": "ok"}
 
-    @app.get("/health")
+    @app.head("/", responses=declared(Greeting, ErrorBody))
+    async def root_head() -> dict[str, Any]:  # Claude Code's first request: is the server there
+        return {"name": "modeld", "status": "ok"}
+
+    @app.get("/health", responses=declared(Health, ErrorBody))
     async def health() -> dict[str, Any]:
         def status() -> dict[str, Any]:
             with serving.pool.client() as c:
@@ -176,7 +193,8 @@ def create_app(serving: Serving, *, store: ResponseStore | None = None) -> ASGIA
         except ModeldError as exc:
             raise api_error(exc) from None
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={**declared(None, ErrorBody), 200: {"content": {CONTENT_TYPE: {}}, "description": "the metrics"}})
     async def metrics() -> Response:
         """The daemon's Prometheus metrics (the same text as `modeld metrics`)."""
 

@@ -48,7 +48,7 @@ from .errors import ApiError, api_error
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["CONVERSATION_HEADERS", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Turn", "TurnRequest", "TurnStream"]
+__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream"]
 
 log = logging.getLogger("modeld.http")
 
@@ -71,6 +71,29 @@ _ANY_MODEL = frozenset({"", "modeld", "default"})
 FINISH_REASONS: dict[FinishReason, str] = {
     "stop": "stop", "length": "length", "context_full": "length", "tool_calls": "tool_calls", "cancelled": "length",
 }
+
+
+class Shape(BaseModel):
+    """A reply's declared shape, as ``/openapi.json`` publishes it and ``make fuzz`` checks every reply against it:
+    the fields every reply carries; extension fields (``prefill``, ``usage.cache_miss``) are allowed beside them."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+def declared(ok: type[BaseModel] | None, error: type[BaseModel], *, stream: bool = False) -> dict[int | str, Any]:
+    """A route's ``responses=``: its reply (``ok``; ``stream``: or an SSE stream of events) and the statuses any
+    route answers with ``error``'s shape: a malformed request (400), a wrong key (401), an unknown model or
+    response (404), a switch refused (409), a body too large (413), the daemon's failure (500), a busy slot or a
+    daemon gone (503)."""
+    out: dict[int | str, Any] = {}
+    if ok is not None:
+        out[200] = {"model": ok, **({"content": {"text/event-stream": {}}} if stream else {})}
+    for status, what in ((400, "a malformed request"), (401, "a missing or wrong API key"),
+                         (404, "an unknown model or response"), (409, "a model switch refused"),
+                         (413, "a body over --http-max-body"), (500, "the daemon failed"),
+                         (503, "the slot stayed busy, or the daemon is gone")):
+        out[status] = {"model": error, "description": what}
+    return out
 
 
 class Loose(BaseModel):

@@ -9,9 +9,7 @@ from pydantic import Field
 
 from contract.types import FinishReason
 
-from ..core import (
-    Loose,
-)
+from ..core import Loose, Shape
 
 #: the start of a system block that only carries a client's billing header (it changes every request)
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -86,3 +84,47 @@ class CountTokensRequest(Loose):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+
+
+# --- replies (declared in /openapi.json; ``make fuzz`` checks every reply against them) --------------------------
+class MessageUsage(Shape):
+    #: what was prefilled, what was reused, nothing created on request (every prefilled token is kept), the reply
+    input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+    output_tokens: int
+
+
+class ContentBlockOut(Shape):
+    """A reply's block: ``text``, ``thinking`` (signed) or ``tool_use`` (their other fields as the API defines)."""
+
+    type: Literal["text", "thinking", "tool_use"]
+
+
+class MessageOut(Shape):
+    """A message (``stream: true``: its events instead)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlockOut]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class TokenCount(Shape):
+    input_tokens: int
+
+
+class ErrorDetail(Shape):
+    type: str
+    message: str
+
+
+class ErrorBody(Shape):
+    """Anthropic's error object (the Messages API's routes)."""
+
+    type: Literal["error"]
+    error: ErrorDetail

@@ -22,17 +22,18 @@ from ..core import (
     Turn,
     TurnStream,
     close_events,
+    declared,
     fill_record,
 )
 from ..errors import api_error
-from .protocol import CountTokensRequest, MessagesRequest
+from .protocol import CountTokensRequest, ErrorBody, MessageOut, MessagesRequest, TokenCount
 from .translate import message_body, stop_reason, tool_id, turn_request, usage_of
 
 
 def router(serving: Serving) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/v1/messages", response_model=None)
+    @r.post("/v1/messages", response_model=None, responses=declared(MessageOut, ErrorBody, stream=True))
     async def messages(body: MessagesRequest, request: Request) -> JSONResponse | EventSourceResponse:
         record = record_of(request)
         record.stream = body.stream
@@ -45,7 +46,7 @@ def router(serving: Serving) -> APIRouter:
         result = await turn.result(request)
         return JSONResponse(message_body(result, turn.model, msg_id, serving))
 
-    @r.post("/v1/messages/count_tokens")
+    @r.post("/v1/messages/count_tokens", responses=declared(TokenCount, ErrorBody))
     async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:
         count = await serving.acount(turn_request(body, serving))
         return {"input_tokens": count.prompt_tokens}

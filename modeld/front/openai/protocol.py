@@ -7,9 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from ..core import (
-    Loose,
-)
+from ..core import Loose, Shape
 
 
 class ContentPart(Loose):
@@ -103,3 +101,103 @@ class ChatCompletionRequest(Loose):
     logprobs: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+
+# --- replies (declared in /openapi.json; ``make fuzz`` checks every reply against them) --------------------------
+class PromptTokensDetails(Shape):
+    #: the prompt's tokens reused from what the daemon held
+    cached_tokens: int
+
+
+class CompletionTokensDetails(Shape):
+    #: speculative drafts kept and rejected (OpenAI's names for predicted-output tokens)
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
+class Usage(Shape):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+
+
+class FunctionCallOut(Shape):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(Shape):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
+class AssistantMessage(Shape):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+    #: the model's reasoning, where its template separates it
+    reasoning_content: str | None = None
+
+
+class Choice(Shape):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter"]
+
+
+class ChatCompletion(Shape):
+    """A chat completion (``stream: true``: ``chat.completion.chunk`` events instead)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class ModelCard(Shape):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(Shape):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class EmbeddingOut(Shape):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float]
+
+
+class EmbeddingUsage(Shape):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(Shape):
+    object: Literal["list"]
+    model: str
+    data: list[EmbeddingOut]
+    usage: EmbeddingUsage
+
+
+class ErrorDetail(Shape):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(Shape):
+    """OpenAI's error object (every route but the Messages API's)."""
+
+    error: ErrorDetail

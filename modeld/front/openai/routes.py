@@ -26,17 +26,18 @@ from ..core import (
     Turn,
     TurnStream,
     close_events,
+    declared,
     fill_record,
 )
 from ..errors import api_error
-from .protocol import ChatCompletionRequest, EmbeddingsRequest
+from .protocol import ChatCompletion, ChatCompletionRequest, EmbeddingList, EmbeddingsRequest, ErrorBody, ModelList
 from .translate import call_piece, tool_calls_out, turn_request, usage_out
 
 
 def router(serving: Serving) -> APIRouter:
     r = APIRouter()
 
-    @r.get("/v1/models")
+    @r.get("/v1/models", responses=declared(ModelList, ErrorBody))
     async def models() -> dict[str, Any]:
         try:
             names, created = await anyio.to_thread.run_sync(serving.models)
@@ -45,7 +46,7 @@ def router(serving: Serving) -> APIRouter:
         return {"object": "list",
                 "data": [{"id": n, "object": "model", "created": created, "owned_by": "modeld"} for n in names]}
 
-    @r.post("/v1/chat/completions", response_model=None)
+    @r.post("/v1/chat/completions", response_model=None, responses=declared(ChatCompletion, ErrorBody, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | EventSourceResponse:
         record = record_of(request)
         record.stream = body.stream
@@ -72,7 +73,7 @@ def router(serving: Serving) -> APIRouter:
             "usage": usage_out(result),
         })
 
-    @r.post("/v1/embeddings")
+    @r.post("/v1/embeddings", responses=declared(EmbeddingList, ErrorBody))
     async def embeddings(body: EmbeddingsRequest, request: Request) -> JSONResponse:
         texts = [body.input] if isinstance(body.input, str) else body.input
 

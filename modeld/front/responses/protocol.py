@@ -7,9 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..core import (
-    Loose,
-)
+from ..core import Loose, Shape
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 
@@ -45,3 +43,64 @@ class ResponsesRequest(Loose):
 
 class InputTokensRequest(ResponsesRequest):
     """``POST /v1/responses/input_tokens``: what a request's input would come to."""
+
+
+# --- replies (declared in /openapi.json; ``make fuzz`` checks every reply against them) --------------------------
+class InputTokensDetails(Shape):
+    #: the input's tokens reused from what the daemon held
+    cached_tokens: int
+
+
+class OutputTokensDetails(Shape):
+    reasoning_tokens: int
+
+
+class ResponseUsage(Shape):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class OutputItem(Shape):
+    """An output item: ``message``, ``reasoning``, ``function_call`` or ``custom_tool_call`` (their other fields
+    as the API defines them)."""
+
+    type: str
+    id: str
+
+
+class Response(Shape):
+    """A response object (``stream: true``: its events instead; ``response.completed`` carries this)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "cancelled", "failed"]
+    model: str
+    output: list[OutputItem]
+    #: None while it runs
+    usage: ResponseUsage | None
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    output_text: str
+
+
+class DeletedResponse(Shape):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
+class InputTokens(Shape):
+    object: Literal["response.input_tokens"]
+    input_tokens: int
+
+
+class ResponseRef(Shape):
+    """``POST /v1/responses/{id}/cancel``: the response's status (the whole response when it had finished)."""
+
+    id: str
+    object: Literal["response"]
+    status: str

@@ -23,11 +23,13 @@ from ..core import (
     TurnRequest,
     TurnStream,
     close_events,
+    declared,
     fill_record,
 )
 from ..errors import ApiError, api_error
+from ..openai.protocol import ErrorBody
 from ..stored import ResponseStore
-from .protocol import InputTokensRequest, ResponsesRequest
+from .protocol import DeletedResponse, InputTokens, InputTokensRequest, Response, ResponseRef, ResponsesRequest
 from .translate import Reply, ToolMap, build_output, conversation, decode_options, merge_earlier, new_id, thinking_of
 
 
@@ -79,7 +81,7 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
                                  "conversation": [*turn_req.messages, reply.assistant_message()],
                                  "tools": tools_given})
 
-    @r.post("/v1/responses", response_model=None)
+    @r.post("/v1/responses", response_model=None, responses=declared(Response, ErrorBody, stream=True))
     async def create(body: ResponsesRequest, request: Request) -> JSONResponse | EventSourceResponse:
         record = record_of(request)
         record.stream = body.stream
@@ -103,13 +105,13 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
         keep(reply, turn_req, tools_given)
         return JSONResponse(reply.body())
 
-    @r.post("/v1/responses/input_tokens")
+    @r.post("/v1/responses/input_tokens", responses=declared(InputTokens, ErrorBody))
     async def input_tokens(body: InputTokensRequest) -> dict[str, Any]:
         turn_req, _, _ = prepare(body)
         count = await serving.acount(turn_req)
         return {"object": "response.input_tokens", "input_tokens": count.prompt_tokens}
 
-    @r.get("/v1/responses/{response_id}")
+    @r.get("/v1/responses/{response_id}", responses=declared(Response, ErrorBody))
     async def retrieve(response_id: str) -> dict[str, Any]:
         stored = store.get(response_id)
         if stored is None:
@@ -117,13 +119,13 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
         out: dict[str, Any] = stored["response"]
         return out
 
-    @r.delete("/v1/responses/{response_id}")
+    @r.delete("/v1/responses/{response_id}", responses=declared(DeletedResponse, ErrorBody))
     async def delete(response_id: str) -> dict[str, Any]:
         if not store.delete(response_id):
             raise ApiError(404, f"no stored response {response_id!r}", code="not_found", param="response_id")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
-    @r.post("/v1/responses/{response_id}/cancel")
+    @r.post("/v1/responses/{response_id}/cancel", responses=declared(ResponseRef, ErrorBody))
     async def cancel(response_id: str) -> dict[str, Any]:
         turn = running.turns.get(response_id)
         if turn is None:
