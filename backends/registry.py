@@ -4,9 +4,12 @@ A spec is everything the rest of modeld knows about an engine: how to build its
 backend and its embedding engine, its ``modeld prepare`` step, the pip extra that
 installs it (and the modules that extra brings, for the CLI's message), its memory
 overhead (``contract.sizing.OverheadModel``, calibrated by ``make bench``), and what
-``--backend auto`` weighs (``modeld.engine_choice``). The composition root
-(``modeld.bootstrap``), ``auto`` and the CLI read this table; none of them names an
-engine. Adding an engine is one entry here.
+``--backend auto`` weighs (``modeld.engine_choice``), and what the daemon builds around it (a workspace cache
+for a tape engine, an embedding slot, the bundled model for an engine that serves
+files). The composition root (``modeld.bootstrap``), ``auto`` and the CLI read this
+table; none of them names an engine. Adding an engine is one entry here; the
+contract's reference backend (``memory``, no inference) is an entry too, one
+``auto`` never picks.
 
 This module stays light: it imports no engine package. Every factory imports its
 engine when it is called, so an engine whose package is not installed breaks none
@@ -73,14 +76,16 @@ class EngineSpec:
     missing: str
     #: its runtime's memory beyond weights and KV (``contract.sizing``), calibrated by ``make bench``
     overhead: OverheadModel
-    #: the Backend for ``modeld serve``: (workspace cache, speculative) → backend
-    backend: Callable[[StateCache | None, bool], Backend]
-    #: the embedding side slot's engine factory (``contract.interfaces.EngineFactory``)
-    embedder: Callable[[], EngineFactory[Any]]
+    #: the Backend for ``modeld serve``: (workspace cache, the serve settings by name) → backend; the engine reads
+    #: the settings it takes (``speculative``; the reference backend's ``memory_token_delay_ms``)
+    backend: Callable[[StateCache | None, Mapping[str, Any]], Backend]
+    #: the embedding side slot's engine factory (``contract.interfaces.EngineFactory``); None: it embeds nothing
+    embedder: Callable[[], EngineFactory[Any]] | None
     #: ``modeld prepare``'s step for it: (a GGUF, or None for the bundled ones; log) → outputs; None: no step
     prepare: Callable[[Path | None, Callable[[str], None]], list[Path]] | None = None
-    #: where ``auto`` ranks it: lower is asked first; the last one takes what every other declines
-    auto_rank: int = 0
+    #: where ``auto`` ranks it: lower is asked first; the last one takes what every other declines; None: ``auto``
+    #: never picks it (it must be named)
+    auto_rank: int | None = 0
     #: its preferences in ``auto`` once it is installed and another engine is too (None: it takes the model)
     prefers: Callable[[EngineFacts], Verdict] | None = None
     #: a model format of its own: the kind ``EngineFacts.model_kind`` names, how it reads, and its test
@@ -95,15 +100,22 @@ class EngineSpec:
     gpu_offload: Callable[[], bool] | None = None
     #: what its installed build was built with, for status (None: nothing to say); imports the engine
     build_info: Callable[[], str] | None = None
+    #: its models are files (the bundled model is preloaded, ``--model`` is looked up in the store); False: any
+    #: text names a model (the reference backend's models are names)
+    serves_files: bool = True
+    #: it keeps a token tape whose KV the workspace cache saves and restores (False: the daemon builds no cache)
+    tape: bool = True
+    #: what ``modeld serve`` logs when it starts on it ("": nothing)
+    notice: str = ""
 
 
 # --- llama.cpp ----------------------------------------------------------------------------
 
 
-def _llama_backend(cache: StateCache | None, speculative: bool) -> Backend:
+def _llama_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
     from backends.llama import LlamaBackend
 
-    return LlamaBackend(cache=cache, speculative=speculative)
+    return LlamaBackend(cache=cache, speculative=bool(settings.get("speculative", True)))
 
 
 def _llama_embedder() -> EngineFactory[Any]:
@@ -135,10 +147,10 @@ def _llama_only_settings(cfg: Config) -> str:
 # --- OpenVINO -----------------------------------------------------------------------------
 
 
-def _openvino_backend(cache: StateCache | None, speculative: bool) -> Backend:
+def _openvino_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
     from backends.openvino import OpenVINOBackend
 
-    return OpenVINOBackend(cache=cache, speculative=speculative)
+    return OpenVINOBackend(cache=cache, speculative=bool(settings.get("speculative", True)))
 
 
 def _openvino_embedder() -> EngineFactory[Any]:
@@ -209,6 +221,15 @@ def _openvino_prefers(f: EngineFacts) -> Verdict:
     return True, f"x86-64 CPU and a GGUF OpenVINO converts; {EVIDENCE}"
 
 
+# --- the contract's reference backend -----------------------------------------------------
+
+
+def _memory_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
+    from backends.memory import MemoryBackend
+
+    return MemoryBackend(token_delay_s=float(settings.get("memory_token_delay_ms", 0.0)) / 1000.0)
+
+
 # --- the table ----------------------------------------------------------------------------
 
 ENGINES: dict[str, EngineSpec] = {
@@ -259,6 +280,22 @@ ENGINES: dict[str, EngineSpec] = {
             own_format="an OpenVINO IR directory",
             is_own_model=_is_ir,
             refusal=_openvino_refusal,
+        ),
+        EngineSpec(
+            name="memory",
+            title="the memory reference backend",
+            package="backends",
+            extra="server",
+            modules=(),
+            missing="",
+            # no weights and no KV: byte-length token proxies
+            overhead=OverheadModel(name="memory", fixed_bytes=0, logits_copies=0.0, compute_rows=0.0, kq_copies=0.0),
+            backend=_memory_backend,
+            embedder=None,
+            auto_rank=None,
+            serves_files=False,
+            tape=False,
+            notice="serving the memory reference backend: no inference, byte-length token proxies",
         ),
     )
 }

@@ -61,8 +61,15 @@ __all__ = [
 
 def backend_choices() -> tuple[str, ...]:
     """What ``--backend`` accepts, as the registry holds it now (an engine registered after import included):
-    ``auto`` (``modeld.engine_choice``), the registered engines and the contract's reference backend."""
-    return ("auto", *ENGINES, "memory")
+    ``auto`` (``modeld.engine_choice``) and the registered engines (the contract's reference backend among them)."""
+    return ("auto", *ENGINES)
+
+
+def serves_files(backend: str) -> bool:
+    """Whether ``backend``'s models are files (``EngineSpec.serves_files``; ``auto`` picks an engine that serves
+    files): the bundled model is preloaded and ``--model`` is looked up in the store."""
+    spec = ENGINES.get(backend)
+    return spec is None or spec.serves_files
 
 
 def prepare_steps() -> tuple[str, ...]:
@@ -156,7 +163,7 @@ def resolve_model(opts: ServeSettings, log: Callable[[str], None] = print) -> Se
             from .store.pull import pull
 
             found = store.get(pull(store, opts.model, log=log).name)
-        elif opts.backend != "memory":
+        elif serves_files(opts.backend):
             if not hub:
                 raise ValueError(f"--model {opts.model!r} is no file here and no model in the store ({store.root}; "
                                  "modeld ls)")
@@ -171,7 +178,7 @@ def resolve_model(opts: ServeSettings, log: Callable[[str], None] = print) -> Se
 def build_catalog(opts: ServeSettings) -> Catalog:
     """The models the daemon loads by name: its store's, the bundled one (for an engine), the preloaded one."""
     catalog = Catalog(model_store(opts))
-    if opts.backend in ENGINES:
+    if opts.backend in ENGINES and serves_files(opts.backend):
         from backends.bundled import BUNDLED_MODEL_NAME, served_bundled_gguf
 
         try:
@@ -198,8 +205,9 @@ def resolve_backend(opts: ServeSettings) -> ServeSettings:
 
 
 def build_cache(opts: ServeSettings) -> StateCacheStore | None:
-    """The workspace cache for the tape engines (none for the memory backend, or with both budgets 0)."""
-    if opts.backend == "memory":
+    """The workspace cache for a tape engine (``EngineSpec.tape``; none with both budgets 0)."""
+    spec = ENGINES.get(opts.backend)
+    if spec is None or not spec.tape:
         return None
     if opts.cache_ram == 0 and opts.cache_disk == 0:
         return None
@@ -208,13 +216,10 @@ def build_cache(opts: ServeSettings) -> StateCacheStore | None:
 
 
 def build_backend(opts: ServeSettings, cache: StateCache | None = None) -> Backend:
-    if opts.backend == "memory":
-        from backends.memory import MemoryBackend
-
-        return MemoryBackend(token_delay_s=opts.memory_token_delay_ms / 1000.0)
+    """The engine's backend (``EngineSpec.backend``), given the serve settings by name to read its own."""
     spec = ENGINES.get(opts.backend)
     if spec is not None:
-        return spec.backend(cache, opts.speculative)
+        return spec.backend(cache, opts.model_dump())
     raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(backend_choices())}")
 
 
@@ -224,17 +229,18 @@ def build_planner(opts: ServeSettings) -> Planner:
 
 
 def build_embedder(opts: ServeSettings, generation_bytes: Callable[[], int]) -> Embedder | None:
-    """The embedding side slot for the backend (none for the memory backend).
+    """The embedding side slot for the engine (none for one that embeds nothing: ``EngineSpec.embedder``).
 
     ``generation_bytes`` is what the generation model holds now: the side slot's
     budget check takes it off --mem-max, which both models share.
     """
-    if opts.backend == "memory":
+    spec = ENGINES.get(opts.backend)
+    if spec is None or spec.embedder is None:
         return None
     from .embedding_slot import EmbeddingSlot
 
     check = make_budget_check(opts.memory, other_bytes=generation_bytes)
-    return EmbeddingSlot(ENGINES[opts.backend].embedder(), idle_unload_s=opts.embed_idle, budget_check=check)
+    return EmbeddingSlot(spec.embedder(), idle_unload_s=opts.embed_idle, budget_check=check)
 
 
 def engine_build(backend: str) -> dict[str, Any]:
@@ -301,7 +307,7 @@ def preload_request(opts: ServeSettings) -> LoadModelRequest | None:
     if opts.no_preload:
         return None
     model, name = opts.model, opts.model_name
-    if model is None and opts.backend in ENGINES:
+    if model is None and opts.backend in ENGINES and serves_files(opts.backend):
         from backends.bundled import BUNDLED_MODEL_NAME, served_bundled_gguf
 
         model = str(served_bundled_gguf())  # its context extended four-fold (``backends.bundled``)

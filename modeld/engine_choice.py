@@ -28,7 +28,9 @@ __all__ = ["EngineFacts", "choose_backend"]
 
 def choose_backend(f: EngineFacts, engines: Iterable[EngineSpec] | None = None) -> tuple[str, str]:
     """The engine's name (of ``engines``, default: every registered one) and a one-line reason."""
-    ranked = sorted(ENGINES.values() if engines is None else engines, key=lambda s: s.auto_rank)
+    # an engine with no rank (the reference backend) is never picked: it must be named
+    ranked = sorted((s for s in (ENGINES.values() if engines is None else engines) if s.auto_rank is not None),
+                    key=lambda s: s.auto_rank or 0)
     declined = ""
     for i, spec in enumerate(ranked):
         later = ranked[i + 1:]

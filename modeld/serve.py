@@ -14,6 +14,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
+from backends.registry import ENGINES
+
 from . import dirs
 from .bootstrap import backend_choices, build_daemon, preload_request, resolve_backend, resolve_model
 from .logs import setup_logging
@@ -122,8 +124,9 @@ def serve(opts: ServeSettings) -> int:
     signal.signal(signal.SIGINT, on_signal)
 
     preload = preload_request(opts)
-    if opts.backend == "memory":
-        log.warning("serving the memory reference backend: no inference, byte-length token proxies")
+    spec = ENGINES.get(opts.backend)
+    if spec is not None and spec.notice:
+        log.warning("%s", spec.notice)
     if preload is not None:
         daemon.preload(preload)
 

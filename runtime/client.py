@@ -649,6 +649,12 @@ class RemoteSession:
         self._check_open()
         self._client._request(Op.RESTORE, RestoreRequest.of(self.session_id, snap), ContextReport)
 
+    def abandon(self) -> None:
+        """Stop renewing this session's lease without closing it, as a client that hung would: the daemon
+        releases the session (and the slot) when the lease runs out, and answers a later call on it as on a
+        closed session (``SessionClosed``). Operations sent meanwhile still renew nothing."""
+        self._client._forget(self.session_id)
+
     def close(self, timeout_s: float | None = None) -> None:
         if self._closed:
             return

@@ -134,7 +134,7 @@ def test_switch_requires_released_session_and_invalidates_old_handle(client: Cli
 def test_session_survives_only_its_generation(client: Client, daemon: DaemonProcess) -> None:
     """A lease-expired holder whose slot was then switched sees a closed session."""
     sess = client.open_session(MODEL_A)
-    client._sessions.clear()  # stop renewing the lease, as a client that hung would
+    sess.abandon()  # stop renewing the lease, as a client that hung would
     with daemon.client(timeout_s=20.0, owner=OWNER) as other:
         wait_until(lambda: not other.status().session_open, "the holder's lease reaped")
         other.load_model(load_req(MODEL_B))
@@ -361,7 +361,7 @@ def test_lease_is_renewed_while_client_lives(daemon: DaemonProcess, client: Clie
             assert watcher.status().session_open, "the session was released while its client renewed the lease"
             time.sleep(0.1)
         sess.ensure_prefix(PrefixInput(text="still mine", manifest=manifest_for(sess, "lease")))
-        client._sessions.clear()  # the lease thread stops renewing it, as a client that hung would
+        sess.abandon()  # the lease thread stops renewing it, as a client that hung would
         stopped = time.monotonic()
         while watcher.status().session_open:
             assert time.monotonic() - stopped < 5 * LEASE_S, "the session was kept with no renewal"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,9 @@ MISSING_MODULE = "modeld_fake_engine_runtime"
 class FakeEngineBackend(MemoryBackend):
     """The contract's reference backend under another name: what the fake engine builds."""
 
-    def __init__(self, cache: StateCache | None, speculative: bool) -> None:
+    def __init__(self, cache: StateCache | None, settings: Mapping[str, Any]) -> None:
         super().__init__()
-        self.cache, self.speculative = cache, speculative
+        self.cache, self.speculative = cache, bool(settings["speculative"])
 
 
 class FakeEmbedder:
@@ -36,11 +37,11 @@ class FakeEmbedder:
     backend = "fake"
 
 
-def fake_backend(cache: StateCache | None, speculative: bool) -> Backend:
-    return FakeEngineBackend(cache, speculative)
+def fake_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
+    return FakeEngineBackend(cache, settings)
 
 
-def missing_backend(cache: StateCache | None, speculative: bool) -> Backend:
+def missing_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
     __import__(MISSING_MODULE)  # an engine's factory imports its package when called
     raise AssertionError("unreachable")
 
@@ -117,6 +118,21 @@ def test_the_cli_names_a_registered_engines_extra(
     err = capsys.readouterr().err
     assert f"module {MISSING_MODULE!r} is not installed" in err and "pip install '.[fake]'" in err
     assert MISSING_MODULE not in sys.modules
+
+
+def test_the_reference_backend_is_an_entry_auto_never_picks(tmp_path: Path) -> None:
+    """``memory`` is registered like the engines: named, it builds the reference backend with its own setting, no
+    workspace cache, no embedding slot, no bundled model; ``auto`` never picks it, even where nothing else is
+    installed."""
+    opts = ServeSettings(backend="memory", memory_token_delay_ms=7, data_dir=tmp_path, model="any-name")
+    backend = build_backend(opts)
+    assert isinstance(backend, MemoryBackend) and backend.token_delay_s == 0.007
+    assert bootstrap.build_cache(opts) is None and bootstrap.build_embedder(opts, lambda: 0) is None
+    assert preload_request(opts.model_copy(update={"model": None})) is None
+    assert bootstrap.resolve_model(opts) == opts  # a name, not a file to find in the store
+    assert "memory" in bootstrap.backend_choices()
+    only = EngineFacts(machine="x86_64", installed=frozenset({"memory"}), model_kind="gguf")
+    assert choose_backend(only)[0] != "memory"
 
 
 def test_every_engine_entry_is_whole() -> None:
