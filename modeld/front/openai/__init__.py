@@ -1,6 +1,6 @@
 """The OpenAI API: ``/v1/chat/completions`` (plain and streamed), ``/v1/models``, ``/v1/embeddings``.
 
-Requests are validated at the edge by the models below: a malformed field is a
+Requests are validated at the edge by the models of ``protocol``: a malformed field is a
 400 naming it (``param``), and fields this daemon does not act on are accepted
 and ignored where OpenAI documents them as hints (``user``, ``store``,
 ``metadata``, ``prompt_cache_key``, ``parallel_tool_calls``, penalties), never
