@@ -27,7 +27,6 @@ from contract.interfaces import Backend, Embedder, StateCache
 from contract.sizing import MemoryPool
 from contract.types import Config, LoadModelRequest
 
-from . import dirs
 from .blobs import BlobStore
 from .capacity import format_size, make_budget_check, make_planner
 from .engine_choice import EngineFacts, choose_backend
@@ -48,7 +47,6 @@ __all__ = [
     "build_planner",
     "build_catalog",
     "build_slot",
-    "default_data_dir",
     "engine_build",
     "embed_cache_dir",
     "model_cache_dir",
@@ -79,13 +77,6 @@ def prepare_steps() -> tuple[str, ...]:
 
 
 PREPARE_STEPS = prepare_steps()
-
-
-
-
-def default_data_dir() -> Path:
-    """``--data-dir`` when not given: ``$XDG_DATA_HOME/modeld``, else ``~/.local/share/modeld`` (``modeld.dirs``)."""
-    return dirs.data_dir()
 
 
 def engine_facts(
@@ -140,7 +131,7 @@ def exclusive_settings(opts: ServeSettings) -> dict[str, str]:
 
 def model_store(opts: ServeSettings) -> ModelStore:
     """The daemon's model store: ``DATA_DIR/models`` (``modeld.store``)."""
-    return ModelStore(default_store_dir(opts.data_dir))
+    return ModelStore(default_store_dir(opts.data_home))  # resolved once, with the settings
 
 
 def resolve_model(opts: ServeSettings, log: Callable[[str], None] = print) -> ServeSettings:
@@ -211,7 +202,7 @@ def build_cache(opts: ServeSettings) -> StateCacheStore | None:
         return None
     if opts.cache_ram == 0 and opts.cache_disk == 0:
         return None
-    directory = opts.cache_dir or (opts.data_dir or default_data_dir()) / "cache"
+    directory = opts.cache_dir or opts.data_home / "cache"
     return StateCacheStore(directory, ram_budget=opts.cache_ram, disk_budget=opts.cache_disk)
 
 
@@ -291,7 +282,7 @@ def build_daemon(opts: ServeSettings, backend: Backend | None = None) -> Daemon:
     """The daemon, bound to nothing yet (``Daemon.serve`` binds), with its slot and snapshot blob store."""
     endpoint = opts.endpoint or default_endpoint()
     check_tcp_exposure(endpoint, curve=opts.curve, insecure=opts.insecure_tcp)  # ValueError before anything starts
-    data_dir = opts.data_dir or default_data_dir()
+    data_dir = opts.data_home
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)  # snapshots and cached KV: the user's alone
     curve_keys = server_keys(data_dir) if opts.curve else None
     slot = build_slot(opts, endpoint, backend)

@@ -334,6 +334,11 @@ class HttpSettings(BaseSettings):
             raise SettingsError(str(exc)) from None
 
     @property
+    def data_home(self) -> Path:
+        """The data directory: ``data_dir``, else the platform's (``modeld.dirs.data_dir``)."""
+        return self.data_dir or dirs.data_dir()
+
+    @property
     def aliases(self) -> dict[str, str]:
         """``alias`` as a mapping: model NAME → the MODEL that serves it."""
         pairs = (item.partition("=") for item in self.alias)
@@ -581,7 +586,7 @@ def data_dir_of(given: Path | None = None) -> Path:
     ``prepare`` and ``pull`` find what the daemon keeps. A config file that does not load raises SettingsError."""
     if given is not None:
         return Path(given).expanduser()
-    return HttpSettings.load().data_dir or dirs.data_dir()
+    return HttpSettings.load().data_home
 
 
 def file_keys() -> list[str]:

@@ -11,7 +11,6 @@ import uvicorn
 
 from runtime import Client
 
-from .. import dirs
 from ..defaults import QUEUE_TIMEOUT_S
 from ..settings import HttpSettings
 from .app import create_app
@@ -62,7 +61,7 @@ class HttpFront:
         # a client waits for its reply as long as a request may queue, and then some
         self.pool = ClientPool(lambda: Client(endpoint, timeout_s=settings.http_queue_timeout + 60))
         # the key that signs what clients echo back, and the stored responses, live in the data dir
-        data_dir = settings.data_dir or dirs.data_dir()
+        data_dir = settings.data_home
         serving = Serving(self.pool, settings, sealer=Sealer.from_file(data_dir / "http.key"))
         app = create_app(serving, store=ResponseStore(data_dir / "responses"))
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
