@@ -331,12 +331,17 @@ def main(argv: list[str] | None = None, ext: Extensions | None = None) -> int:
 
 
 def _status(client: Client, args: argparse.Namespace) -> int:
-    st = client.status()
-    if args.json:
-        _print_json(st.model_dump(mode="json"))
-        return 0
+    print(status_text(client.status(), client.endpoint, as_json=args.json))
+    return 0
+
+
+def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) -> str:
+    """What ``modeld status`` prints for ``st`` (the daemon's own endpoint, else ``endpoint``): a table of rows,
+    or the status as JSON."""
+    if as_json:
+        return json.dumps(st.model_dump(mode="json"), indent=2, ensure_ascii=False)
     rows: list[tuple[str, Any]] = [
-        ("endpoint", st.endpoint or client.endpoint),
+        ("endpoint", st.endpoint or endpoint),
         ("backend", f"{st.backend} {st.backend_version}".strip() + (f" ({st.backend_reason})" if st.backend_reason else "")),
         ("state", st.state.value),
         ("generation", st.generation),
@@ -403,8 +408,7 @@ def _status(client: Client, args: argparse.Namespace) -> int:
         rows.append(("model store", f"{m['models']} models, {_size(m['bytes'])} in {m['dir']}"))
     if st.last_error:
         rows.append(("last error", st.last_error))
-    print(_table(rows))
-    return 0
+    return _table(rows)
 
 
 def _device_row(d: DeviceInfo) -> str:

@@ -7,7 +7,6 @@ actually placing the layers) is not checked here.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -356,19 +355,9 @@ def test_serve_options_carry_the_gpu_layers_into_auto(monkeypatch: pytest.Monkey
 # --- the CLI's rows ----------------------------------------------------------------------------------
 
 
-class StatusClient:
-    endpoint = "ipc:///tmp/x"
-
-    def __init__(self, st: DaemonStatus) -> None:
-        self.st = st
-
-    def status(self) -> DaemonStatus:
-        return self.st
-
-
-def _status_out(st: DaemonStatus, capsys: pytest.CaptureFixture[str], json: bool = False) -> str:
-    cli._status(StatusClient(st), argparse.Namespace(json=json))  # type: ignore[arg-type]
-    return capsys.readouterr().out
+def _status_out(st: DaemonStatus, json: bool = False) -> str:
+    """What ``modeld status`` prints for ``st``."""
+    return cli.status_text(st, "ipc:///tmp/x", as_json=json)
 
 
 def _rows(out: str) -> dict[str, str]:
@@ -379,36 +368,38 @@ def _rows(out: str) -> dict[str, str]:
     return {p[0]: p[1] for p in pairs if len(p) == 2}
 
 
-def test_status_rows_without_a_gpu_say_none(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = _rows(_status_out(DaemonStatus(backend="llama"), capsys))
+def test_status_rows_without_a_gpu_say_none() -> None:
+    rows = _rows(_status_out(DaemonStatus(backend="llama")))
     assert rows["gpus"] == "none"
     assert "gpu offload" not in rows and "build" not in rows
 
 
-def test_status_rows_with_gpus_and_the_build(capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_rows_with_gpus_and_the_build() -> None:
     active = ActiveModel(model_name="m", config=Config(num_gpu_layers=30), gpu_layers=30, n_layer=30,
                          gpu_layers_reason="all")
     st = DaemonStatus(backend="llama", devices=[L4.device_info()], gpu_offload=True, build="CUDA : ARCHS = 890",
                       active=active)
-    rows = _rows(_status_out(st, capsys))
+    rows = _rows(_status_out(st))
     assert rows["gpu 0"] == "NVIDIA L4, 20.0 GiB free of 24.0 GiB"
     assert (rows["gpu offload"], rows["build"], rows["gpu layers"]) == ("yes", "CUDA : ARCHS = 890", "30 of 30 (all)")
-    cpu_build = _status_out(st.model_copy(update={"gpu_offload": False, "active": None}), capsys)
+    cpu_build = _status_out(st.model_copy(update={"gpu_offload": False, "active": None}))
     assert "no: this llama build has no GPU backend" in cpu_build
 
 
-def test_status_json_carries_the_devices(capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_json_carries_the_devices() -> None:
     import json
 
     st = DaemonStatus(devices=[L4.device_info()], gpu_offload=True, build="b")
-    got = json.loads(_status_out(st, capsys, json=True))
+    got = json.loads(_status_out(st, json=True))
     assert got["devices"] == [{"kind": "gpu", "id": "0", "name": "NVIDIA L4", "total_bytes": 24 * GiB,
                                "free_bytes": 20 * GiB}]
     assert (got["gpu_offload"], got["build"]) == (True, "b")
 
 
 def test_gpu_layers_row() -> None:
-    assert cli._gpu_layers_row(ActiveModel(gpu_layers=12, n_layer=30, gpu_layers_reason="gpu memory")) == (
-        "12 of 30 (gpu memory)")
-    assert cli._gpu_layers_row(ActiveModel(gpu_layers_reason="no gpu")) == "0 (no gpu)"
-    assert cli._gpu_layers_row(ActiveModel(config=Config(num_gpu_layers=-1))) == "all"  # an older daemon
+    def row(active: ActiveModel) -> str:
+        return _rows(_status_out(DaemonStatus(backend="llama", active=active)))["gpu layers"]
+
+    assert row(ActiveModel(gpu_layers=12, n_layer=30, gpu_layers_reason="gpu memory")) == "12 of 30 (gpu memory)"
+    assert row(ActiveModel(gpu_layers_reason="no gpu")) == "0 (no gpu)"
+    assert row(ActiveModel(config=Config(num_gpu_layers=-1))) == "all"  # an older daemon

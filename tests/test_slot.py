@@ -243,11 +243,30 @@ def test_a_failed_switch_keeps_the_model_that_fits_alongside(slot: RecordingSlot
     assert (S.SWITCHING, S.READY) in slot.taken
 
 
+def one_at_a_time(room_for_both: bool = False) -> Any:
+    """A planner for a machine with room for one model at a time (unless ``room_for_both``): with the old model's
+    memory counted as free the new one gets a 64-token window, without it 32 (so they do not fit side by side)."""
+
+    def planner(_b: Any, _req: OpenSessionRequest, credit: int) -> Any:
+        from contract.types import ModelInfo
+
+        return ModelInfo(effective_context=64 if credit or room_for_both else 32)
+
+    return planner
+
+
+def warm(slot: SlotService, name: str = "a") -> None:
+    """A turn on the loaded model, so it holds memory (a switch then credits it to the new one)."""
+    sess = slot.open_session(open_req(name))
+    assert hot_loop(sess)
+    sess.close()
+
+
 def test_a_failed_switch_that_released_the_old_model_loads_it_again() -> None:
     backend = RefusingBackend()
-    slot = RecordingSlot(backend, owner=OWNER)
-    slot._fits_alongside = lambda *_a: False  # type: ignore[method-assign]  # room for one model only
+    slot = RecordingSlot(backend, owner=OWNER, planner=one_at_a_time())
     slot.load_model(load("a"))
+    warm(slot)
     backend.refuse.add("/models/b")
     with pytest.raises(ModelLoadFailed):
         slot.load_model(load("b"))
@@ -271,19 +290,22 @@ def test_a_failed_switch_that_released_the_old_model_loads_it_again() -> None:
     assert_in_table(slot.taken)
 
 
-def test_fits_alongside_asks_the_planner_without_the_old_models_memory() -> None:
-    plans = {0: 32, 100: 64}
-
-    def planner(_b: Any, req: OpenSessionRequest, credit: int) -> Any:
-        from contract.types import ModelInfo
-
-        return ModelInfo(effective_context=plans[min(credit, 100)])
-
-    slot = SlotService(MemoryBackend(), planner=planner)
-    with_credit = planner(None, load("a"), 100)
-    assert not slot._fits_alongside(load("a"), with_credit)  # a smaller context alone: they do not fit
-    plans[0] = 64
-    assert slot._fits_alongside(load("a"), with_credit)
+@pytest.mark.parametrize("room_for_both", [True, False])
+def test_a_switch_keeps_the_old_model_loaded_only_when_the_planner_fits_both(room_for_both: bool) -> None:
+    """Whether the two models fit side by side is the planner's answer without the old model's memory: when it
+    gives the new model the same window, the old one stays loaded until the new one is in (a failed switch leaves
+    it serving, the same generation); otherwise it is released first (and loaded again after the failure)."""
+    backend = RefusingBackend()
+    slot = SlotService(backend, owner=OWNER, planner=one_at_a_time(room_for_both))
+    slot.load_model(load("a"))
+    warm(slot)
+    backend.refuse.add("/models/b")
+    with pytest.raises(ModelLoadFailed):
+        slot.load_model(load("b"))
+    st = slot.status()
+    assert st.active is not None and st.active.model_name == "a" and st.state is S.READY
+    assert st.generation == (1 if room_for_both else 2)
+    assert ("loaded again" in st.last_error) is not room_for_both
 
 
 # --- sessions ------------------------------------------------------------------------------------

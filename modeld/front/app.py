@@ -2,16 +2,17 @@
 
 Routes: ``GET``/``HEAD /`` (200: clients probe it), ``/health``, ``/metrics``
 (the daemon's Prometheus text), ``/openapi.json``, and each protocol's
-router (``openai``). A request is checked at the edge before a route runs:
+router (``APIS``: one entry per API, ``front.api.HttpApi``). A request is checked at the edge before a route runs:
 the API key (``Authorization: Bearer`` or ``x-api-key``, compared in constant
 time), the body size (413 past ``max_body_bytes``, before anything is parsed),
 and the body's schema (400 naming the field). Errors are rendered in the
-shape of the API the path belongs to.
+shape of the API the path belongs to (``HttpApi.prefixes``).
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import anyio
@@ -27,40 +28,40 @@ from ..defaults import DEFAULT_MAX_BODY_BYTES
 from ..metrics import CONTENT_TYPE
 from . import anthropic, openai, responses
 from .access import AccessLog, record_of
+from .api import HttpApi, error_body
 from .core import Serving, Shape, declared
 from .errors import ApiError, api_error
 from .openai.protocol import ErrorBody
 from .stored import ResponseStore
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "create_app"]
+__all__ = ["APIS", "DEFAULT_MAX_BODY_BYTES", "create_app"]
+
+#: the HTTP APIs the app mounts: a new API is its package and one entry here
+APIS: tuple[HttpApi, ...] = (openai.API, anthropic.API, responses.API)
 
 #: paths answered without the API key (a load balancer's probe)
 _OPEN_PATHS = frozenset({"/", "/health"})
 
 
-def _anthropic_path(path: str) -> bool:
-    return path.startswith("/v1/messages")
-
-
-def error_response(path: str, err: ApiError) -> JSONResponse:
+def error_response(apis: Sequence[HttpApi], path: str, err: ApiError) -> JSONResponse:
     """``err`` in the shape of the API ``path`` belongs to."""
-    body = err.anthropic() if _anthropic_path(path) else err.openai()
-    return JSONResponse(body, status_code=err.status, headers=err.headers)
+    return JSONResponse(error_body(apis, path, err), status_code=err.status, headers=err.headers)
 
 
 class EdgeChecks:
     """ASGI middleware: the API key and the body size, before the app reads anything."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str, max_body_bytes: int, apis: Sequence[HttpApi]) -> None:
         self.app = app
         self.api_key = api_key.encode()
         self.max_body_bytes = max_body_bytes
+        self.apis = apis
 
     async def _refuse(self, scope: Scope, send: Send, err: ApiError) -> None:
         record = scope.get("state", {}).get("access")
         if record is not None:
             record.error = err.code or ""
-        response = error_response(scope.get("path", ""), err)
+        response = error_response(self.apis, scope.get("path", ""), err)
         await response(scope, _no_body, send)
 
     def _authorized(self, scope: Scope) -> bool:
@@ -130,14 +131,16 @@ class Health(Shape):
     model: str | None
 
 
-def create_app(serving: Serving, *, store: ResponseStore | None = None) -> ASGIApp:
-    """The front's ASGI app over ``serving`` (whose settings give the API key and the largest body)."""
+def create_app(serving: Serving, *, store: ResponseStore | None = None, apis: Sequence[HttpApi] = APIS) -> ASGIApp:
+    """The front's ASGI app over ``serving`` (whose settings give the API key and the largest body), serving
+    ``apis``."""
     app = FastAPI(title="modeld", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    store = store or ResponseStore(None)
 
     @app.exception_handler(ApiError)
     async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
         record_of(request).error = exc.code or str(exc.status)
-        return error_response(request.url.path, exc)
+        return error_response(apis, request.url.path, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -156,7 +159,7 @@ def create_app(serving: Serving, *, store: ResponseStore | None = None) -> ASGIA
                 message += f" (and {len(problems) - 1} more)"
         err = ApiError(400, message, code="invalid_request", param=param)
         record_of(request).error = "invalid_request"
-        return error_response(request.url.path, err)
+        return error_response(apis, request.url.path, err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -168,7 +171,7 @@ def create_app(serving: Serving, *, store: ResponseStore | None = None) -> ASGIA
         elif exc.status_code == 404:
             detail = f"no route {request.method} {request.url.path}"
         record_of(request).error = code
-        response = error_response(request.url.path, ApiError(exc.status_code, detail, code=code))
+        response = error_response(apis, request.url.path, ApiError(exc.status_code, detail, code=code))
         for name, value in (exc.headers or {}).items():
             response.headers[name] = value
         return response
@@ -208,8 +211,7 @@ def create_app(serving: Serving, *, store: ResponseStore | None = None) -> ASGIA
             raise api_error(exc) from None
         return Response(text, media_type=CONTENT_TYPE)
 
-    app.include_router(openai.router(serving))
-    app.include_router(anthropic.router(serving))
-    app.include_router(responses.router(serving, store or ResponseStore(None)))
-    edge = EdgeChecks(app, api_key=serving.settings.api_key, max_body_bytes=serving.settings.http_max_body)
+    for api in apis:
+        app.include_router(api.router(serving, store))
+    edge = EdgeChecks(app, api_key=serving.settings.api_key, max_body_bytes=serving.settings.http_max_body, apis=apis)
     return AccessLog(edge)

@@ -35,7 +35,12 @@ core's turn), ``routes`` (the routes and their streams).
 
 from __future__ import annotations
 
+from ..api import HttpApi
+from ..errors import ApiError
 from .protocol import STOP_REASONS, MessagesRequest
 from .routes import router
 
-__all__ = ["STOP_REASONS", "MessagesRequest", "router"]
+#: the app's entry for it (``app.APIS``): Anthropic's error object on its paths
+API = HttpApi("Anthropic Messages", lambda serving, _store: router(serving), ("/v1/messages",), ApiError.anthropic)
+
+__all__ = ["API", "STOP_REASONS", "MessagesRequest", "router"]

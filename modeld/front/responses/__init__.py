@@ -37,7 +37,12 @@ core's turn), ``routes`` (the routes and their streams).
 
 from __future__ import annotations
 
+from ..api import HttpApi
+from ..errors import ApiError
 from .protocol import ResponsesRequest
 from .routes import router
 
-__all__ = ["ResponsesRequest", "router"]
+#: the app's entry for it (``app.APIS``): it keeps the front's stored responses
+API = HttpApi("OpenAI Responses", router, ("/v1/responses",), ApiError.openai)
+
+__all__ = ["API", "ResponsesRequest", "router"]
