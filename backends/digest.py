@@ -7,6 +7,7 @@ JSON file so a daemon restart does not rehash either.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -43,8 +44,7 @@ def file_digest(path: str | os.PathLike[str], cache_dir: Path | None = None) -> 
                 h.update(chunk)
         digest = "sha256:" + h.hexdigest()
         if cache_dir is not None:
-            disk[skey] = digest
-            _save_disk(cache_dir, disk)
+            _save_disk(cache_dir, {skey: digest})
     with _lock:
         _memo[key] = digest
     return digest
@@ -64,7 +64,7 @@ def _load_disk(cache_dir: Path | None) -> dict[str, str]:
 
 def _save_disk(cache_dir: Path, data: dict[str, str]) -> None:
     try:
-        save_json_map(cache_dir / DIGESTS_FILE, data)
+        merge_json_map(cache_dir / DIGESTS_FILE, data)
     except OSError:
         pass  # the cache is an optimisation; hashing again is always correct
 
@@ -81,6 +81,18 @@ def load_json_map(path: Path) -> dict[str, Any]:
 def save_json_map(path: Path, data: dict[str, Any]) -> None:
     """Replace ``path`` with ``data`` atomically (a reader sees the old file or the new one); raises OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
     tmp.write_text(json.dumps(data, indent=0, sort_keys=True))
     os.replace(tmp, path)
+
+
+def merge_json_map(path: Path, updates: dict[str, Any]) -> None:
+    """Add ``updates`` to the map in ``path`` (read, merged and replaced under an exclusive lock on a file beside
+    it): processes sharing the cache (daemons, a test run's workers, ``modeld prepare``) never lose each other's
+    entries to a read-modify-write race. Raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.with_name(path.name + ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        data = load_json_map(path)
+        data.update(updates)
+        save_json_map(path, data)

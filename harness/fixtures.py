@@ -149,7 +149,8 @@ def templated_gguf(template: str, name: str, cache_dir: Path | None = None, src:
     if dest.is_file():
         return dest
     out_dir.mkdir(parents=True, exist_ok=True)
-    template_file = out_dir / f"{name}-chatml-{key}.jinja"
+    # per process: the suite's workers may build the same fixture at once (the last rename wins, whole either way)
+    template_file = out_dir / f".{name}-chatml-{key}.{os.getpid()}.jinja"
     template_file.write_text(template, encoding="utf-8")
     tmp = out_dir / f".{dest.name}.{os.getpid()}.tmp"
     try:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from contract.manifest import canonical_digest
 from contract.types import DecodeConfig
 
-from ..digest import load_json_map, save_json_map
+from ..digest import load_json_map, merge_json_map
 from .speculate import MAX_DRAFT, CheckCosts
 
 if TYPE_CHECKING:
@@ -156,10 +156,8 @@ def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:
         return CheckCosts.prior()
     log.info("draft check costs measured in %.2f s (in plain steps): %s", time.perf_counter() - t0, costs)
     if cache_dir is not None:
-        table = _load(cache_dir)
-        table[key] = {"costs": costs.table(), "growth": costs.growth(), "switch": costs.switch(),
-                      "context": tokens if tokens >= MIN_LONG_CONTEXT_TOKENS else 0}
-        _save(cache_dir, table)
+        _save(cache_dir, {key: {"costs": costs.table(), "growth": costs.growth(), "switch": costs.switch(),
+                                "context": tokens if tokens >= MIN_LONG_CONTEXT_TOKENS else 0}})
     return costs
 
 
@@ -231,9 +229,9 @@ def _load(cache_dir: Path | None) -> dict[str, Any]:
     return load_json_map(cache_dir / FILE_NAME) if cache_dir is not None else {}
 
 
-def _save(cache_dir: Path, table: dict[str, Any]) -> None:
+def _save(cache_dir: Path, entries: dict[str, Any]) -> None:
     try:
-        save_json_map(cache_dir / FILE_NAME, table)
+        merge_json_map(cache_dir / FILE_NAME, entries)
     except OSError as exc:
         # measuring again at the next load is always correct
         log.warning("could not keep the draft cost table in %s: %s", cache_dir, exc)
