@@ -11,6 +11,7 @@ library. The engines run the same layer on real models in tests/test_engines.py.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -33,7 +34,7 @@ from backends.tape.speculate import (
     PromptLookup,
     match_class,
 )
-from backends.tape.state import frame_state, header_diffs, pack_state, unpack_state
+from backends.tape.state import frame_state, header_diffs, pack_state, state_buffer, unpack_state
 from contract.errors import (
     BackendMismatch,
     ContextOverflow,
@@ -1034,6 +1035,23 @@ def test_state_framing() -> None:
     assert header_diffs({"n": 1, "k": "x"}, {"n": 2, "k": "x"}) == ["n: snapshot 1 != session 2"]
     with pytest.raises(ValueError, match="16 bytes"):
         pack_state(b"short", {})
+
+
+def test_a_state_buffer_is_bytes_the_engine_fills_in_place() -> None:
+    """What the engines export into: one ``bytes`` object, the framing written, the body filled through its
+    address; a large one too (huge pages asked for), and every one its own object."""
+    for size in (5, 8 * 2**20):
+        out, start, address = state_buffer(MAGIC, {"n": size}, size)
+        assert type(out) is bytes and len(out) == start + size
+        body = b"x" * size
+        ctypes.memmove(address + start, body, size)
+        header, got = unpack_state(MAGIC, out, "a toy snapshot")
+        assert header == {"n": size} and bytes(got) == body
+    one, _, _ = state_buffer(MAGIC, {}, 3)
+    two, _, _ = state_buffer(MAGIC, {}, 3)
+    assert one is not two
+    with pytest.raises(ValueError, match="16 bytes"):
+        state_buffer(b"short", {}, 1)
 
 
 def test_a_cost_table_measured_on_a_busy_machine_is_not_kept() -> None:

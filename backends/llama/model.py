@@ -35,7 +35,7 @@ from contract.types import Config, DecodeConfig, SessionSnapshot
 
 from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
-from ..tape.state import pack_state, refuse_diffs, unpack_state
+from ..tape.state import refuse_diffs, state_buffer, unpack_state
 from ..tape.templates import check_renders, choose_template, render_defaults, renders_tools
 from . import probe
 from .native import KV_GGML_TYPES, map_errors, runtime_version
@@ -375,15 +375,14 @@ class LlamaLoadedModel(TapeModelBase):
         header = self.state_header() | {"exact_len": self.exact_len}
         ctx = self._llm.ctx
         size = int(llama_cpp.llama_state_seq_get_size(ctx, 0))
-        out, start = pack_state(STATE_MAGIC, header, size)
+        out, start, address = state_buffer(STATE_MAGIC, header, size)
         n = 0
         if size:
-            dst = (ctypes.c_uint8 * size).from_buffer(out, start)
+            dst = ctypes.cast(address + start, ctypes.POINTER(ctypes.c_uint8))
             n = int(llama_cpp.llama_state_seq_get_data(ctx, dst, size, 0))
-            del dst  # the buffer may be resized only once no ctypes view holds it
-        if n < size:
-            del out[start + n :]
-        return bytes(out), "kv"
+        if n < size:  # (llama.cpp wrote less than it sized: the bytes it wrote)
+            return out[: start + n], "kv"
+        return out, "kv"
 
     def import_state(self, snap: SessionSnapshot, *, backup: bool = True) -> None:
         if snap.state_kind != "kv":

@@ -20,6 +20,7 @@ plain attributes.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -38,7 +39,7 @@ from contract.types import Config, DecodeConfig, SessionSnapshot
 
 from ..tape.model import TapeModelBase
 from ..tape.session import DecodeSteps
-from ..tape.state import pack_state, refuse_diffs, unpack_state
+from ..tape.state import refuse_diffs, state_buffer, unpack_state
 from ..tape.templates import JinjaTemplate, check_renders, choose_template
 from .graph import EXACT_STEP_ROWS, MIN_PREFILL_ROWS, VERIFY_ROWS, WARM_BUCKETS_UP_TO, bucket, verify_rows
 from .guidance import TokenGuide, build_tokenizer, compile_grammar
@@ -524,14 +525,17 @@ class OpenVINOLoadedModel(TapeModelBase):
         }
         per_pool = n_blocks * self._block_bytes
         # One allocation, filled in place: a 2k-token snapshot is ~50 MB.
-        out, off = pack_state(STATE_MAGIC, header, per_pool * len(self._views) + sum(4 * v.shape[0] for _, v in logits))
+        size = per_pool * len(self._views) + sum(4 * v.shape[0] for _, v in logits)
+        out, off, address = state_buffer(STATE_MAGIC, header, size)
+        body = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(address + off))
+        at = 0
         for view in self._views:
-            np.frombuffer(out, np.uint8, per_pool, off)[:] = view[:n_blocks].reshape(-1)
-            off += per_pool
+            body[at : at + per_pool] = view[:n_blocks].reshape(-1)
+            at += per_pool
         for _, v in logits:
-            np.frombuffer(out, np.float32, v.shape[0], off)[:] = v
-            off += 4 * v.shape[0]
-        return bytes(out), "kv"
+            body[at : at + 4 * v.shape[0]].view(np.float32)[:] = v
+            at += 4 * v.shape[0]
+        return out, "kv"
 
     def import_state(self, snap: SessionSnapshot, *, backup: bool = True) -> None:
         """``backup`` is moot: every check runs before the pools are touched, and a failed copy clears them."""

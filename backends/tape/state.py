@@ -11,8 +11,10 @@ restore refuses foreign bytes before it touches the KV. No pickle, ever.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
+import sys
 from typing import Any
 
 from contract.errors import SnapshotRejected
@@ -31,6 +33,52 @@ def pack_state(magic: bytes, header: dict[str, Any], body_size: int = 0) -> tupl
     out = bytearray(start + body_size)
     out[:start] = magic + _LEN.pack(len(head)) + head
     return out, start
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+
+
+_PAGE = 4096
+#: Linux's madvise advice for transparent huge pages: a 45-MB state then costs ~20 page faults, not ~11,000
+#: (a 2k-token save took 13 ms here instead of 37)
+_MADV_HUGEPAGE = 14
+_madvise: Any = None
+if sys.platform.startswith("linux"):
+    _madvise = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _huge_pages(address: int, size: int) -> None:
+    """Ask for huge pages under the buffer's whole pages (a hint: refused, it is ordinary memory)."""
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + size) // _PAGE * _PAGE
+    if _madvise is not None and end > start:
+        _madvise(start, end - start, _MADV_HUGEPAGE)
+
+
+def state_buffer(magic: bytes, header: dict[str, Any], body_size: int) -> tuple[bytes, int, int]:
+    """A ``bytes`` for ``magic | header | body`` with the framing written and the body left for the engine to
+    fill in place; returns it, where the body starts and the address of its first byte.
+
+    A snapshot's state is ``bytes`` (what the cache, the wire and the disk tier take), and a 2k-token state is
+    ~45 MB: filling a ``bytearray`` and copying it into ``bytes`` touched 90 MB of fresh pages, ~80 ms of a
+    switch on a 2-core VM, where one buffer costs ~40 (~13 on huge pages). So the engine writes into the ``bytes``
+    object itself, before anything else holds it (CPython's own C code builds ``bytes`` the same way: allocate,
+    then fill).
+    """
+    if len(magic) != MAGIC_BYTES:
+        raise ValueError(f"a state magic is {MAGIC_BYTES} bytes, got {len(magic)}")
+    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    start = MAGIC_BYTES + _LEN.size + len(head)
+    out: bytes = _new_bytes(None, start + body_size)  # uninitialised: every byte is written below or by the engine
+    address = ctypes.cast(ctypes.c_char_p(out), ctypes.c_void_p).value
+    assert address is not None  # (a bytes object always has its buffer)
+    _huge_pages(address, start + body_size)
+    framing = magic + _LEN.pack(len(head)) + head
+    ctypes.memmove(address, framing, start)
+    return out, start, address
 
 
 def frame_state(magic: bytes, header: dict[str, Any], body: bytes) -> bytes:
