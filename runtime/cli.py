@@ -90,8 +90,12 @@ def _duration(seconds: float) -> str:
     return f"{s}s"
 
 
+def _json_text(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False)
+
+
 def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=False, ensure_ascii=False))
+    print(_json_text(obj))
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -339,7 +343,7 @@ def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) 
     """What ``modeld status`` prints for ``st`` (the daemon's own endpoint, else ``endpoint``): a table of rows,
     or the status as JSON."""
     if as_json:
-        return json.dumps(st.model_dump(mode="json"), indent=2, ensure_ascii=False)
+        return _json_text(st.model_dump(mode="json"))
     rows: list[tuple[str, Any]] = [
         ("endpoint", st.endpoint or endpoint),
         ("backend", f"{st.backend} {st.backend_version}".strip() + (f" ({st.backend_reason})" if st.backend_reason else "")),

@@ -59,7 +59,7 @@ def toy_router(serving: Serving) -> APIRouter:
     return r
 
 
-TOY = HttpApi("Toy", lambda serving, _store: toy_router(serving), ("/toy",), toy_error)
+TOY = HttpApi(lambda serving, _store: toy_router(serving), ("/toy",), toy_error)
 
 
 # --- mounted with one entry ---------------------------------------------------------------------------------

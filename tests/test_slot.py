@@ -34,6 +34,7 @@ from contract.errors import (
 )
 from contract.types import (
     Config,
+    DaemonStatus,
     DecodeConfig,
     EmbedRequest,
     LoadModelRequest,
@@ -262,9 +263,11 @@ def warm(slot: SlotService, name: str = "a") -> None:
     sess.close()
 
 
-def test_a_failed_switch_that_released_the_old_model_loads_it_again() -> None:
+def failed_switch(room_for_both: bool = False) -> tuple[RecordingSlot, RefusingBackend, DaemonStatus]:
+    """Model "a" loaded and warm, then a switch to "b", whose file the backend refuses: the slot, the backend and
+    the status after, with "a" serving again whichever way the switch went."""
     backend = RefusingBackend()
-    slot = RecordingSlot(backend, owner=OWNER, planner=one_at_a_time())
+    slot = RecordingSlot(backend, owner=OWNER, planner=one_at_a_time(room_for_both))
     slot.load_model(load("a"))
     warm(slot)
     backend.refuse.add("/models/b")
@@ -272,11 +275,14 @@ def test_a_failed_switch_that_released_the_old_model_loads_it_again() -> None:
         slot.load_model(load("b"))
     st = slot.status()
     assert st.active is not None and st.active.model_name == "a" and st.state is S.READY
+    return slot, backend, st
+
+
+def test_a_failed_switch_that_released_the_old_model_loads_it_again() -> None:
+    slot, backend, st = failed_switch()
     assert st.generation == 2  # loaded again: a new generation
     assert "ModelLoadFailed" in st.last_error and "previous model was loaded again" in st.last_error
-    sess = slot.open_session(open_req("a"))
-    assert hot_loop(sess)
-    sess.close()
+    warm(slot)
     # and when the previous model cannot come back either: Failed, both reasons, one unload away
     backend.refuse.add("/models/a")
     with pytest.raises(ModelLoadFailed):
@@ -295,15 +301,7 @@ def test_a_switch_keeps_the_old_model_loaded_only_when_the_planner_fits_both(roo
     """Whether the two models fit side by side is the planner's answer without the old model's memory: when it
     gives the new model the same window, the old one stays loaded until the new one is in (a failed switch leaves
     it serving, the same generation); otherwise it is released first (and loaded again after the failure)."""
-    backend = RefusingBackend()
-    slot = SlotService(backend, owner=OWNER, planner=one_at_a_time(room_for_both))
-    slot.load_model(load("a"))
-    warm(slot)
-    backend.refuse.add("/models/b")
-    with pytest.raises(ModelLoadFailed):
-        slot.load_model(load("b"))
-    st = slot.status()
-    assert st.active is not None and st.active.model_name == "a" and st.state is S.READY
+    _, _, st = failed_switch(room_for_both)
     assert st.generation == (1 if room_for_both else 2)
     assert ("loaded again" in st.last_error) is not room_for_both
 

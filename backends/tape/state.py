@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import mmap
 import struct
-import sys
 from typing import Any
 
 from contract.errors import SnapshotRejected
@@ -24,15 +24,20 @@ MAGIC_BYTES = 16
 _LEN = struct.Struct("<I")
 
 
-def pack_state(magic: bytes, header: dict[str, Any], body_size: int = 0) -> tuple[bytearray, int]:
-    """A buffer for ``magic | header | body``, the framing filled in; returns it and where the body starts."""
+def _framing(magic: bytes, header: dict[str, Any]) -> bytes:
+    """``magic | header length | header``: what comes before the body."""
     if len(magic) != MAGIC_BYTES:
         raise ValueError(f"a state magic is {MAGIC_BYTES} bytes, got {len(magic)}")
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    start = MAGIC_BYTES + _LEN.size + len(head)
-    out = bytearray(start + body_size)
-    out[:start] = magic + _LEN.pack(len(head)) + head
-    return out, start
+    return magic + _LEN.pack(len(head)) + head
+
+
+def pack_state(magic: bytes, header: dict[str, Any], body_size: int = 0) -> tuple[bytearray, int]:
+    """A buffer for ``magic | header | body``, the framing filled in; returns it and where the body starts."""
+    framing = _framing(magic, header)
+    out = bytearray(len(framing) + body_size)
+    out[: len(framing)] = framing
+    return out, len(framing)
 
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
@@ -40,20 +45,19 @@ _new_bytes.restype = ctypes.py_object
 _new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
 
 
-_PAGE = 4096
-#: Linux's madvise advice for transparent huge pages: a 45-MB state then costs ~20 page faults, not ~11,000
-#: (a 2k-token save took 13 ms here instead of 37)
-_MADV_HUGEPAGE = 14
+#: transparent huge pages where the system has them (Linux): a 45-MB state then costs ~20 page faults, not
+#: ~11,000 (a 2k-token save took 13 ms here instead of 37)
+_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 _madvise: Any = None
-if sys.platform.startswith("linux"):
+if _MADV_HUGEPAGE is not None:
     _madvise = ctypes.CDLL(None, use_errno=True).madvise
     _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def _huge_pages(address: int, size: int) -> None:
     """Ask for huge pages under the buffer's whole pages (a hint: refused, it is ordinary memory)."""
-    start = -(-address // _PAGE) * _PAGE
-    end = (address + size) // _PAGE * _PAGE
+    start = -(-address // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (address + size) // mmap.PAGESIZE * mmap.PAGESIZE
     if _madvise is not None and end > start:
         _madvise(start, end - start, _MADV_HUGEPAGE)
 
@@ -68,15 +72,12 @@ def state_buffer(magic: bytes, header: dict[str, Any], body_size: int) -> tuple[
     object itself, before anything else holds it (CPython's own C code builds ``bytes`` the same way: allocate,
     then fill).
     """
-    if len(magic) != MAGIC_BYTES:
-        raise ValueError(f"a state magic is {MAGIC_BYTES} bytes, got {len(magic)}")
-    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    start = MAGIC_BYTES + _LEN.size + len(head)
+    framing = _framing(magic, header)
+    start = len(framing)
     out: bytes = _new_bytes(None, start + body_size)  # uninitialised: every byte is written below or by the engine
     address = ctypes.cast(ctypes.c_char_p(out), ctypes.c_void_p).value
     assert address is not None  # (a bytes object always has its buffer)
     _huge_pages(address, start + body_size)
-    framing = magic + _LEN.pack(len(head)) + head
     ctypes.memmove(address, framing, start)
     return out, start, address
 

@@ -28,8 +28,6 @@ __all__ = ["HttpApi", "error_body"]
 class HttpApi:
     """One HTTP API as the app mounts it."""
 
-    #: how reasons and the docs call it
-    name: str
     #: its routes over the serving core (and the front's stored responses, for an API that keeps them)
     router: Callable[[Serving, ResponseStore], APIRouter]
     #: the path prefixes of its routes: an error raised before a route runs on such a path is in its shape

@@ -41,6 +41,6 @@ from .protocol import STOP_REASONS, MessagesRequest
 from .routes import router
 
 #: the app's entry for it (``app.APIS``): Anthropic's error object on its paths
-API = HttpApi("Anthropic Messages", lambda serving, _store: router(serving), ("/v1/messages",), ApiError.anthropic)
+API = HttpApi(lambda serving, _store: router(serving), ("/v1/messages",), ApiError.anthropic)
 
 __all__ = ["API", "STOP_REASONS", "MessagesRequest", "router"]

@@ -26,7 +26,7 @@ from .routes import router
 from .translate import call_schemas, tool_choice_options
 
 #: the app's entry for it (``app.APIS``)
-API = HttpApi("OpenAI", lambda serving, _store: router(serving),
-              ("/v1/chat/completions", "/v1/models", "/v1/embeddings"), ApiError.openai)
+API = HttpApi(lambda serving, _store: router(serving), ("/v1/chat/completions", "/v1/models", "/v1/embeddings"),
+              ApiError.openai)
 
 __all__ = ["API", "ChatCompletionRequest", "call_schemas", "router", "tool_choice_options"]

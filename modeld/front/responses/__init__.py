@@ -43,6 +43,6 @@ from .protocol import ResponsesRequest
 from .routes import router
 
 #: the app's entry for it (``app.APIS``): it keeps the front's stored responses
-API = HttpApi("OpenAI Responses", router, ("/v1/responses",), ApiError.openai)
+API = HttpApi(router, ("/v1/responses",), ApiError.openai)
 
 __all__ = ["API", "ResponsesRequest", "router"]
