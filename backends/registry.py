@@ -27,7 +27,9 @@ from contract.interfaces import Backend, EngineFactory, StateCache
 from contract.sizing import OverheadModel
 from contract.types import GPU_LAYERS_ALL, QUANTIZED_KV_CACHE_TYPES, Config
 
-__all__ = ["ENGINES", "X86_64", "EngineFacts", "EngineSpec", "engine"]
+from .formats import GGUF, OPENVINO_IR, ModelFormat
+
+__all__ = ["ENGINES", "X86_64", "EngineFacts", "EngineSpec", "engine", "model_format", "model_formats"]
 
 X86_64 = frozenset({"x86_64", "amd64", "x64"})
 
@@ -40,7 +42,7 @@ class EngineFacts:
     machine: str
     #: the engines whose package is installed (``EngineSpec.package``)
     installed: frozenset[str]
-    #: "gguf", an engine's own format (its ``EngineSpec.own_kind``, e.g. "ir") or "other" (missing, unreadable)
+    #: the model's format (``ModelFormat.kind``: "gguf", "ir", …) or "other" (missing, unreadable, no engine's)
     model_kind: str
     #: for a GGUF, per engine: why it cannot serve this file (absent or "": it can)
     refusals: Mapping[str, str] = field(default_factory=dict)
@@ -88,10 +90,8 @@ class EngineSpec:
     auto_rank: int | None = 0
     #: its preferences in ``auto`` once it is installed and another engine is too (None: it takes the model)
     prefers: Callable[[EngineFacts], Verdict] | None = None
-    #: a model format of its own: the kind ``EngineFacts.model_kind`` names, how it reads, and its test
-    own_kind: str = ""
-    own_format: str = ""
-    is_own_model: Callable[[Path], bool] | None = None
+    #: the model formats it reads (``backends.formats``): the store, ``pull`` and ``auto`` know no others
+    formats: tuple[ModelFormat, ...] = ()
     #: why it cannot serve a GGUF ("": it can); asked only while it is installed
     refusal: Callable[[Path], str] | None = None
     #: the settings in a load config that only it offers, as flags ("" for none)
@@ -166,10 +166,6 @@ def _openvino_prepare(gguf: Path | None, log: Callable[[str], None]) -> list[Pat
 
     return [prepare_ir(source, progress=log)
             for source in ([gguf] if gguf is not None else [bundled_gguf_path(), served_bundled_gguf()])]
-
-
-def _is_ir(path: Path) -> bool:
-    return path.is_dir() and (path / "openvino_model.xml").is_file()
 
 
 def _openvino_refusal(path: Path) -> str:
@@ -253,6 +249,7 @@ ENGINES: dict[str, EngineSpec] = {
             # every other engine is asked first: llama.cpp serves what they decline, and its load
             # says what it cannot serve
             auto_rank=100,
+            formats=(GGUF,),
             exclusive_settings=_llama_only_settings,
             gpu_offload=_llama_gpu_offload,
             build_info=_llama_build_info,
@@ -276,9 +273,7 @@ ENGINES: dict[str, EngineSpec] = {
             prepare=_openvino_prepare,
             auto_rank=10,
             prefers=_openvino_prefers,
-            own_kind="ir",
-            own_format="an OpenVINO IR directory",
-            is_own_model=_is_ir,
+            formats=(GGUF, OPENVINO_IR),
             refusal=_openvino_refusal,
         ),
         EngineSpec(
@@ -304,3 +299,17 @@ ENGINES: dict[str, EngineSpec] = {
 def engine(name: str) -> EngineSpec:
     """The spec registered as ``name``; KeyError for an unknown one."""
     return ENGINES[name]
+
+
+def model_formats() -> list[ModelFormat]:
+    """Every registered engine's formats, each once, in the table's order (GGUF first)."""
+    out: dict[str, ModelFormat] = {}
+    for spec in ENGINES.values():
+        for fmt in spec.formats:
+            out.setdefault(fmt.kind, fmt)
+    return list(out.values())
+
+
+def model_format(kind: str) -> ModelFormat | None:
+    """The registered format ``kind`` names (an earlier manifest's alias too); None for none."""
+    return next((f for f in model_formats() if kind == f.kind or kind in f.aliases), None)

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from backends.registry import ENGINES
+from backends.formats import GGUF
+from backends.registry import ENGINES, model_formats
 from contract import interrupt
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
@@ -98,18 +99,10 @@ def engine_facts(
     found = list(reader()) if num_gpu_layers != 0 else []
     offloading = frozenset(s.name for s in ENGINES.values()
                            if found and s.name in installed and s.gpu_offload is not None and s.gpu_offload())
-    own = next((s.own_kind for s in ENGINES.values() if s.is_own_model is not None and s.is_own_model(p)), "")
+    kind = next((fmt.kind for fmt in model_formats() if fmt.is_model(p)), "other")
     refusals: dict[str, str] = {}
-    if own:
-        kind = own
-    elif p.is_dir():
-        kind = "other"
-    else:
-        from backends.gguf_file import is_gguf
-
-        kind = "gguf" if p.is_file() and is_gguf(p) else "other"
-        if kind == "gguf":  # an engine's reader is imported only where its package is installed
-            refusals = {s.name: s.refusal(p) for s in ENGINES.values() if s.refusal is not None and s.name in installed}
+    if kind == GGUF.kind:  # an engine's reader is imported only where its package is installed
+        refusals = {s.name: s.refusal(p) for s in ENGINES.values() if s.refusal is not None and s.name in installed}
     return EngineFacts(
         machine=platform.machine(),
         installed=installed,

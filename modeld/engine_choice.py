@@ -4,8 +4,8 @@ The engines of ``backends.registry`` are asked in their ``auto_rank`` order; the
 first that takes the model serves it, and the last takes whatever all the others
 declined, with the first decline as its reason. An engine:
 
-* takes a model in its own format (an OpenVINO IR directory) when installed, and
-  declines it otherwise (the load will say so);
+* takes a model in a format only it reads (``EngineSpec.formats``: an OpenVINO IR
+  directory) when installed, and declines it otherwise (the load will say so);
 * declines when its package is not installed;
 * takes the model when no engine after it is installed;
 * else answers by its own preferences (``EngineSpec.prefers``: OpenVINO's are a
@@ -37,10 +37,11 @@ def choose_backend(f: EngineFacts, engines: Iterable[EngineSpec] | None = None) 
         if not later:
             return spec.name, declined or f"{spec.title} is the only engine"
         installed = spec.name in f.installed
-        if spec.own_kind and f.model_kind == spec.own_kind:
+        own = next((fmt for fmt in spec.formats if fmt.kind == f.model_kind), None)
+        if own is not None and not any(fmt.kind == own.kind for s in ranked if s is not spec for fmt in s.formats):
             if installed:
-                return spec.name, f"the model is {spec.own_format}"
-            declined = declined or f"the model is {spec.own_format} but {spec.missing} (the load will say so)"
+                return spec.name, f"the model is {own.title}"
+            declined = declined or f"the model is {own.title} but {spec.missing} (the load will say so)"
             continue
         if not installed:
             declined = declined or spec.missing

@@ -123,7 +123,7 @@ def test_pull_by_file_and_a_split_gguf_comes_whole(hub: Hub, store: ModelStore) 
 
 def test_an_openvino_ir_is_pulled_as_ir_and_small_files_are_checked_by_blob_id(hub: Hub, store: ModelStore) -> None:
     m = pull(store, "acme/coder-ov", endpoint=hub.url, log=quiet)
-    assert m.format == "openvino" and m.primary == "" and {f.name for f in m.files} == {
+    assert m.format == "ir" and m.primary == "" and {f.name for f in m.files} == {
         "openvino_model.xml", "openvino_model.bin", "config.json"}
     hub.corrupt.add("config.json")  # a small (non-LFS) file is checked against its git blob id
     with pytest.raises(PullError, match="checksum"):
@@ -213,13 +213,13 @@ def test_a_name_taken_is_refused_unless_replaced(hub: Hub, store: ModelStore) ->
 
 def test_a_local_file_is_linked_in_and_a_split_part_points_to_its_first(tmp_path: Path, store: ModelStore) -> None:
     src = tmp_path / "my-model-Q4_0.gguf"
-    src.write_bytes(blob(10_000, 9))
+    src.write_bytes(b"GGUF" + blob(10_000, 9))  # the magic a GGUF begins with
     m = pull(store, str(src), log=quiet)
     _, d = store.get(m.name)
     assert m.name == "my-model:q4_0" and m.source == str(src)
     assert os.stat(d / src.name).st_ino == os.stat(src).st_ino  # a hard link: no second copy
-    (tmp_path / "big-00001-of-00002.gguf").write_bytes(b"a")
-    (tmp_path / "big-00002-of-00002.gguf").write_bytes(b"b")
+    (tmp_path / "big-00001-of-00002.gguf").write_bytes(b"GGUF-a")
+    (tmp_path / "big-00002-of-00002.gguf").write_bytes(b"GGUF-b")
     with pytest.raises(PullError, match="first part"):
         pull(store, str(tmp_path / "big-00002-of-00002.gguf"), log=quiet)
     assert {f.name for f in pull(store, str(tmp_path / "big-00001-of-00002.gguf"), log=quiet).files} == {
@@ -268,7 +268,7 @@ def test_the_listing_follows_the_store_on_disk(tmp_path: Path) -> None:
     """The store caches its listing by the root's mtime: a model another process adds is seen at once."""
     a, b = ModelStore(tmp_path), ModelStore(tmp_path)
     src = tmp_path.parent / f"{tmp_path.name}-x-Q8_0.gguf"
-    src.write_bytes(b"x" * 10)
+    src.write_bytes(b"GGUF" + b"x" * 10)
     assert a.models() == []
     pull(b, str(src), log=quiet)
     assert [m.name for m in a.models()] == [b.models()[0].name]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from backends.registry import model_format
 from runtime.cli import _size  # the client commands' sizes, as `modeld status` prints them
 
 from ..settings import SettingsError
@@ -96,27 +97,16 @@ def command_parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def model_facts(model: StoredModel, directory: Path) -> dict[str, Any]:
-    """What a load would see of a stored model: its architecture, trained context and layers (GGUF header),
+    """What a load would see of a stored model: its architecture, trained context and layers (its format's header),
     and the engine ``modeld serve --backend auto`` would pick for it, with the reason."""
     path = model.path_in(directory)
     out: dict[str, Any] = {"path": str(path)}
-    if model.format == "gguf":
+    fmt = model_format(model.format)
+    if fmt is not None:
         try:
-            from backends.gguf_file import gguf_scalars
-
-            sc = gguf_scalars(path)
-            arch = str(sc.get("general.architecture", ""))
-            out.update(architecture=arch, context=int(sc.get(f"{arch}.context_length", 0) or 0),
-                       layers=int(sc.get(f"{arch}.block_count", 0) or 0))
+            out.update(fmt.facts(path))
         except (ImportError, OSError, ValueError) as exc:
             out["header_error"] = str(exc)
-    else:
-        try:
-            cfg = json.loads((path / "config.json").read_text())
-            out.update(architecture=str(cfg.get("model_type", "")), context=int(cfg.get("max_position_embeddings", 0)),
-                       layers=int(cfg.get("num_hidden_layers", 0)))
-        except (OSError, ValueError):
-            pass
     try:
         from ..bootstrap import engine_facts
         from ..engine_choice import choose_backend

@@ -32,7 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .refs import Choice, HubRef, RefError, choices, default_name, parse_ref, pick
+from backends.formats import GGUF
+from backends.registry import model_formats
+
+from .refs import Choice, HubRef, RefError, choices, default_name, label, parse_ref, pick
 from .store import ModelStore, StoredFile, StoredModel, StoreError, check_name
 
 __all__ = ["PullError", "import_local", "plan_pull", "pull", "pull_hub"]
@@ -221,7 +224,7 @@ def pull_hub(store: ModelStore, ref: HubRef, *, name: str = "", endpoint: str | 
     parts = {f.path: downloads / f"{f.sha256 or f.blob_id or f.path.replace('/', '_')}.part" for f in plan.files}
     have = sum(min(p.stat().st_size, f.size) for f in plan.files if (p := parts[f.path]).exists())
     _check_disk(downloads, plan.size - have)
-    log(f"modeld pull: {plan.ref.repo}@{plan.revision[:12]}: {plan.choice.label}, {plan.size / 2**20:.1f} MiB"
+    log(f"modeld pull: {plan.ref.repo}@{plan.revision[:12]}: {label(plan.choice)}, {plan.size / 2**20:.1f} MiB"
         + (f" ({have / 2**20:.1f} MiB already here)" if have else ""))
     headers = build_hf_headers(token=token)
     headers["Accept-Encoding"] = "identity"  # the bytes as stored: sizes and hashes are the file's
@@ -258,7 +261,8 @@ def pull_hub(store: ModelStore, ref: HubRef, *, name: str = "", endpoint: str | 
 
 
 def _gguf_license(directory: Path, chosen: Choice) -> str:
-    if chosen.kind != "gguf":
+    """The license a GGUF's header names (a repository's card says it for the other formats)."""
+    if chosen.kind != GGUF.kind:
         return ""
     try:
         from backends.gguf_file import gguf_scalars
@@ -280,20 +284,14 @@ def import_local(store: ModelStore, path: Path, *, name: str = "", replace: bool
                  log: Log = print) -> StoredModel:
     """A GGUF file (a split one's parts with it) or an OpenVINO IR directory into ``store``, linked or copied."""
     path = path.resolve()
-    if path.is_dir():
-        if not (path / "openvino_model.xml").is_file():
-            raise PullError(f"{path} is a directory without an openvino_model.xml: not an OpenVINO IR")
-        files = sorted(p for p in path.iterdir() if p.is_file())
-        chosen = Choice("openvino", tuple(p.name for p in files), "", "")
-    else:
-        found = [c for c in choices({p.name: p.stat().st_size for p in path.parent.iterdir() if p.is_file()})
-                 if path.name in c.files]
-        if not found or found[0].kind != "gguf":
-            raise PullError(f"{path} is not a GGUF file (its name ends in .gguf)")
-        chosen = found[0]
-        if chosen.primary != path.name:
-            raise PullError(f"{path} is part of a split GGUF: name its first part, {path.parent / chosen.primary}")
-        files = [path.parent / f for f in chosen.files]
+    fmt = next((f for f in model_formats() if f.is_model(path)), None)
+    if fmt is None:
+        raise PullError(f"{path} is no model an engine here reads: not " + ", nor ".join(f.title for f in model_formats()))
+    try:
+        chosen = fmt.local(path)
+    except ValueError as exc:
+        raise PullError(str(exc)) from exc
+    files = [(path if path.is_dir() else path.parent) / f for f in chosen.files]
     model_name = check_name(name or default_name(path))
     store.check_free(model_name, replace=replace)  # before anything is fetched or linked
     staged = store.staging(model_name)

@@ -4,10 +4,14 @@ A reference is one of:
 
 * ``user/repo:QUANT``: the GGUF in the Hugging Face repository whose file name carries that
   quantization (``Q4_K_M`` matches ``…-q4_k_m.gguf`` and the parts of a split one, not ``…-q4_k_m_l.gguf``);
-* ``user/repo``: the repository's only GGUF, else its ``Q4_K_M`` (the quant llama-server and Ollama
-  default to), else its OpenVINO IR; several others are listed to choose from;
+* ``user/repo``: the repository's only model, else its ``Q4_K_M`` GGUF (the quant llama-server and
+  Ollama default to); several others are listed to choose from;
 * ``user/repo/path/FILE.gguf``: that file (and, for a split GGUF's first part, the other parts);
+  ``user/repo/path/openvino_model.xml``: the OpenVINO IR in that folder;
 * a local file or directory (``./x.gguf``, ``/models/ir``): linked or copied into the store.
+
+What a repository offers is asked of the registered engines' formats (``backends.formats``): which
+files make a model, how a reference names one, how a list shows it. This module names none.
 
 ``hf.co/`` and ``huggingface.co/`` in front of a repository, as Ollama writes them, are accepted.
 A ``@REVISION`` after the repository (``user/repo@v2:Q8_0``) pins a branch, tag or commit.
@@ -17,8 +21,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from backends.formats import GGUF, Choice, ModelFormat, quant_of
+from backends.registry import model_format, model_formats
 
 from ..capacity.sizes import format_size
 
@@ -29,7 +36,9 @@ __all__ = [
     "RefError",
     "choices",
     "default_name",
+    "format_of",
     "is_hub_ref",
+    "label",
     "parse_ref",
     "pick",
     "ref_of",
@@ -40,12 +49,7 @@ __all__ = [
 DEFAULT_QUANT = "Q4_K_M"
 
 _HUB_PREFIXES = ("https://huggingface.co/", "huggingface.co/", "hf.co/")
-_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
-#: a quantization name as GGUF files carry it: Q4_K_M, IQ3_XXS, Q8_0, F16, BF16, TQ1_0, MXFP4 …
-_QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d+(?:_[A-Z0-9]+)*|BF16|F16|F32|TQ\d_\d|MXFP4(?:_MOE)?)(?=[-.]|$)",
-                    re.IGNORECASE)
 _REPO_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_IR_MARKER = "openvino_model.xml"
 
 
 class RefError(ValueError):
@@ -70,26 +74,17 @@ class HubRef:
         return f"{self.repo}{rev}:{self.quant}" if self.quant else f"{self.repo}{rev}"
 
 
-@dataclass(frozen=True)
-class Choice:
-    """What one pull fetches from a repository: a GGUF (all parts of a split one) or an OpenVINO IR directory."""
+def format_of(kind: str) -> ModelFormat:
+    """The format a choice's or a stored model's ``kind`` names; RefError when no registered engine reads it."""
+    fmt = model_format(kind)
+    if fmt is None:
+        raise RefError(f"no engine here reads models of the format {kind!r}")
+    return fmt
 
-    kind: str  # "gguf" | "openvino"
-    #: the files, in the repository's paths; a split GGUF's parts in order
-    files: tuple[str, ...]
-    #: the quant the GGUF's name carries ("" when none, and for an IR)
-    quant: str = ""
-    #: what a load opens: the GGUF (a split one's first part) or the IR's directory ("" for the repository root)
-    primary: str = ""
-    sizes: tuple[int, ...] = field(default=())
 
-    @property
-    def label(self) -> str:
-        """How the choice is named in a list of them."""
-        if self.kind == "openvino":
-            return f"OpenVINO IR in {self.primary or '/'}"
-        parts = f" ({len(self.files)} parts)" if len(self.files) > 1 else ""
-        return f"{self.primary}{parts}"
+def label(c: Choice) -> str:
+    """How a choice is named in a list of a repository's models."""
+    return format_of(c.kind).label(c)
 
 
 def is_hub_ref(text: str) -> bool:
@@ -135,63 +130,34 @@ def parse_ref(text: str) -> HubRef | Path:
     file = "/".join(parts[2:])
     if file and quant:
         raise RefError(f"{text}:{quant}: name a file or a quant, not both")
-    if file and not (file.lower().endswith(".gguf") or file.endswith("/" + _IR_MARKER) or file == _IR_MARKER):
-        raise RefError(f"{file!r} is not a GGUF file (…/FILE.gguf), nor an OpenVINO IR's {_IR_MARKER}")
+    if file and not any(fmt.names(file) for fmt in model_formats()):
+        raise RefError(f"{file!r} names no model: not " + ", nor ".join(fmt.title for fmt in model_formats()))
     return HubRef(repo=f"{owner}/{repo_name}", quant=quant, file=file, revision=revision)
 
 
-def quant_of(filename: str) -> str:
-    """The quantization a GGUF's file name carries (upper case), else ""."""
-    stem = _PART.sub(".gguf", Path(filename).name)
-    found = _QUANT.findall(stem[: -len(".gguf")] if stem.lower().endswith(".gguf") else stem)
-    return found[-1].upper() if found else ""
-
-
 def choices(files: dict[str, int]) -> list[Choice]:
-    """What a repository with ``files`` (path → size) offers: each GGUF once (split parts gathered), each IR."""
-    out: list[Choice] = []
-    parts: dict[str, list[tuple[int, str]]] = {}
-    for path in sorted(files):
-        if not path.lower().endswith(".gguf"):
-            continue
-        m = _PART.search(path)
-        if m:
-            parts.setdefault(path[: m.start()], []).append((int(m.group(1)), path))
-        else:
-            out.append(Choice("gguf", (path,), quant_of(path), path, (files[path],)))
-    for _, numbered in sorted(parts.items()):
-        ordered = tuple(p for _, p in sorted(numbered))
-        out.append(Choice("gguf", ordered, quant_of(ordered[0]), ordered[0], tuple(files[p] for p in ordered)))
-    for path in sorted(files):
-        if path == _IR_MARKER or path.endswith("/" + _IR_MARKER):
-            folder = path[: -len(_IR_MARKER)].rstrip("/")
-            inside = tuple(p for p in sorted(files) if (not folder or p.startswith(folder + "/"))
-                           and "/" not in p[len(folder) + 1 if folder else 0:] and not p.lower().endswith(".gguf"))
-            out.append(Choice("openvino", inside, "", folder, tuple(files[p] for p in inside)))
-    return out
+    """What a repository with ``files`` (path → size) offers: each model once, in every registered format."""
+    return [c for fmt in model_formats() for c in fmt.choices(files)]
 
 
 def ref_of(c: Choice, repo: str, *, by_file: bool = False) -> str:
     """The reference that pulls ``c`` from ``repo`` (by file when its quant does not tell it apart)."""
-    if c.kind == "openvino":
-        return f"{repo}/{c.primary + '/' if c.primary else ''}{_IR_MARKER}"
-    return f"{repo}:{c.quant}" if c.quant and not by_file else f"{repo}/{c.primary}"
+    return f"{repo}:{c.quant}" if c.quant and not by_file else f"{repo}/{format_of(c.kind).reference_file(c)}"
 
 
 def _listing(found: list[Choice], repo: str) -> str:
-    quants = [c.quant for c in found if c.kind == "gguf" and c.quant]
-    rows = [(ref_of(c, repo, by_file=quants.count(c.quant) > 1), c.label, format_size(sum(c.sizes))) for c in found]
+    quants = [c.quant for c in found if c.quant]
+    rows = [(ref_of(c, repo, by_file=quants.count(c.quant) > 1), label(c), format_size(sum(c.sizes))) for c in found]
     width = max(len(r[0]) for r in rows)
-    return "\n".join(f"  {ref:{width}}  {label}, {size}" for ref, label, size in rows)
+    return "\n".join(f"  {ref:{width}}  {what}, {size}" for ref, what, size in rows)
 
 
 def pick(found: list[Choice], ref: HubRef) -> Choice:
     """The choice ``ref`` names among a repository's; RefError lists them when it names none or several."""
     if not found:
-        raise RefError(f"{ref.repo} has no GGUF file and no OpenVINO IR to pull")
+        raise RefError(f"{ref.repo} has no model to pull: no " + ", nor ".join(f.title for f in model_formats()))
     if ref.file:
-        hit = [c for c in found if ref.file in c.files or (c.kind == "openvino" and ref.file.endswith(_IR_MARKER)
-                                                           and c.primary == ref.file[: -len(_IR_MARKER)].rstrip("/"))]
+        hit = [c for c in found if format_of(c.kind).named_by(c, ref.file)]
         if not hit:
             raise RefError(f"{ref.repo} has no file {ref.file!r}; it has:\n{_listing(found, ref.repo)}")
         return hit[0]
@@ -220,8 +186,9 @@ def default_name(ref: HubRef | Path, chosen: Choice | None = None) -> str:
         if quant and stem.lower().endswith(quant.lower()):
             stem = stem[: -len(quant)].rstrip("-._")
         return (f"{stem}:{quant}" if quant else stem).lower()
-    base = re.sub(r"[-_.]gguf$", "", ref.repo.split("/")[1], flags=re.IGNORECASE)
-    if base.lower().endswith(("-ov", "-openvino", "_ov")) and chosen is not None and chosen.kind == "openvino":
-        base = base.rsplit("-", 1)[0].rsplit("_", 1)[0]
+    base = ref.repo.split("/")[1]
+    fmt = format_of(chosen.kind) if chosen is not None else GGUF  # a quant names a GGUF
+    suffix = next((s for s in fmt.repo_suffixes if base.lower().endswith(s) and len(base) > len(s)), "")
+    base = base[: len(base) - len(suffix)]
     quant = chosen.quant if chosen is not None else ref.quant
     return (f"{base}:{quant}" if quant else base).lower()

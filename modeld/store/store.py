@@ -24,7 +24,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from backends.registry import model_format
 
 __all__ = [
     "DOWNLOADS_DIR",
@@ -69,7 +71,7 @@ class StoredModel(BaseModel):
     repo: str = ""
     #: the commit the files came from, "" for a local import
     revision: str = ""
-    #: "gguf" or "openvino"
+    #: its format's kind (``backends.formats``): "gguf", "ir", …; an earlier manifest's "openvino" reads as "ir"
     format: str
     quant: str = ""
     #: what a load opens, inside the model's directory: the GGUF (a split one's first part) or the IR's folder
@@ -80,6 +82,12 @@ class StoredModel(BaseModel):
     license: str = ""
     #: when it came into the store, Unix time
     added: float = 0.0
+
+    @field_validator("format")
+    @classmethod
+    def _current_kind(cls, kind: str) -> str:
+        fmt = model_format(kind)
+        return fmt.kind if fmt is not None else kind
 
     def path_in(self, directory: Path) -> Path:
         return directory / self.primary if self.primary else directory

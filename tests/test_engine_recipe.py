@@ -1,0 +1,130 @@
+"""The contributing guide's engine recipe: an engine is its package plus one ``EngineSpec`` entry in the registry.
+
+A toy engine, registered by that one entry with a model format of its own (a directory marked by ``toy.json``),
+is reached by everything that names no engine: ``modeld pull`` finds its models in a repository, names and
+stores them, a local one is imported, ``--backend auto`` picks it for its format, the store's facts read its
+config, and the composition root builds its backend for ``serve``. No module outside the entry is touched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends import registry
+from backends.formats import MarkedDirectory
+from backends.memory import MemoryBackend
+from backends.registry import EngineSpec
+from contract.interfaces import Backend, StateCache
+from contract.sizing import OverheadModel
+from modeld import bootstrap
+from modeld.engine_choice import choose_backend
+from modeld.settings import ServeSettings
+from modeld.store.cli import model_facts
+from modeld.store.pull import PullError, pull
+from modeld.store.refs import HubRef, RefError, parse_ref
+from modeld.store.store import ModelStore
+from tests.hubstub import Hub, HubServer, Repo
+
+# --- the toy engine: what its package and its one entry hold ---------------------------------------------------
+TOY = MarkedDirectory(kind="toy", title="a toy model directory", marker="toy.json", repo_suffixes=("-toy",))
+
+
+class ToyBackend(MemoryBackend):
+    """The engine's backend: the reference backend, told apart by a setting it reads from the serve settings."""
+
+    def __init__(self, greeting: str) -> None:
+        super().__init__()
+        self.greeting = greeting
+
+
+def toy_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
+    return ToyBackend(greeting=str(settings.get("backend", "")))
+
+
+TOY_ENGINE = EngineSpec(name="toy", title="the toy engine", package="json", extra="server", modules=(),
+                        missing="the toy engine is not installed", overhead=OverheadModel(name="toy", fixed_bytes=0),
+                        backend=toy_backend, embedder=None, auto_rank=5, formats=(TOY,), tape=False)
+
+
+@pytest.fixture
+def toy_registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setitem(registry.ENGINES, TOY_ENGINE.name, TOY_ENGINE)  # the one entry
+    yield
+
+
+CONFIG = json.dumps({"model_type": "toyformer", "max_position_embeddings": 2048, "num_hidden_layers": 3}).encode()
+
+
+@pytest.fixture
+def hub() -> Iterator[Hub]:
+    h = Hub(repos={"acme/coder-toy": Repo({"toy.json": b"{}", "weights.bin": b"w" * 5000, "config.json": CONFIG}),
+                   "acme/mixed": Repo({"m-Q4_K_M.gguf": b"GGUF" + b"q" * 100, "toy/toy.json": b"{}",
+                                       "toy/weights.bin": b"w" * 300})})
+    with HubServer(h):
+        yield h
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+def test_a_registered_engine_s_format_is_pulled_chosen_and_served(toy_registered: None, hub: Hub,
+                                                                    tmp_path: Path) -> None:
+    store = ModelStore(tmp_path / "models")
+    m = pull(store, "acme/coder-toy", endpoint=hub.url, log=quiet)
+    assert (m.format, m.name, m.primary) == ("toy", "coder", "")  # the repository's "-toy" dropped from the name
+    assert {f.name for f in m.files} == {"toy.json", "weights.bin", "config.json"}
+    _, directory = store.get("coder")
+    facts = model_facts(m, directory)
+    assert (facts["architecture"], facts["context"], facts["layers"]) == ("toyformer", 2048, 3)
+    assert (facts["engine"], facts["engine_reason"]) == ("toy", "the model is a toy model directory")
+
+    # a reference by its marker file picks it beside a GGUF; the listing offers both, each its own way
+    assert parse_ref("acme/mixed/toy/toy.json") == HubRef("acme/mixed", file="toy/toy.json")
+    mixed = pull(store, "acme/mixed/toy/toy.json", endpoint=hub.url, log=quiet, name="mixed-toy")
+    assert (mixed.format, mixed.primary, [f.name for f in mixed.files]) == ("toy", "toy", ["toy/toy.json",
+                                                                                           "toy/weights.bin"])
+    with pytest.raises(RefError) as listing:
+        pull(store, "acme/mixed:Q8_0", endpoint=hub.url, log=quiet)
+    assert "acme/mixed/toy/toy.json  toy model directory in toy" in str(listing.value)
+    assert "acme/mixed:Q4_K_M" in str(listing.value)
+
+    # serve: the name resolves through the store, auto picks the engine for its format, the root builds its backend
+    opts = bootstrap.resolve_model(ServeSettings(backend="auto", model="coder", data_dir=tmp_path), log=quiet)
+    assert opts.model == str(directory) and opts.model_name == "coder"
+    opts = bootstrap.resolve_backend(opts)
+    assert opts.backend == "toy"
+    backend = bootstrap.build_backend(opts)
+    assert isinstance(backend, ToyBackend) and backend.greeting == "toy"
+
+
+def test_a_local_model_of_the_format_is_imported_and_others_are_refused(toy_registered: None, tmp_path: Path) -> None:
+    store = ModelStore(tmp_path / "models")
+    src = tmp_path / "mine"
+    src.mkdir()
+    (src / "toy.json").write_text("{}")
+    (src / "weights.bin").write_bytes(b"w" * 64)
+    m = pull(store, str(src), log=quiet)
+    assert (m.format, m.name) == ("toy", "mine")
+    assert bootstrap.engine_facts(str(src)).model_kind == "toy"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(PullError, match="not a GGUF file, nor an OpenVINO IR directory, nor a toy model directory"):
+        pull(store, str(empty), log=quiet)
+
+
+def test_without_the_entry_nothing_knows_the_format(tmp_path: Path) -> None:
+    """The control: the same repository and directory without the toy engine registered."""
+    assert "toy" not in registry.ENGINES
+    with pytest.raises(RefError, match="names no model"):
+        parse_ref("acme/coder-toy/toy.json")
+    src = tmp_path / "mine"
+    src.mkdir()
+    (src / "toy.json").write_text("{}")
+    assert bootstrap.engine_facts(str(src)).model_kind == "other"
+    assert choose_backend(bootstrap.engine_facts(str(src)))[0] != "toy"
