@@ -51,7 +51,7 @@ from contract.types import (
 
 from .client import Client, RemoteSession
 
-__all__ = ["Chat", "ChatEvent", "ChatResult", "ChatTiming", "ChatTurn", "ChatUsage", "split_messages"]
+__all__ = ["Chat", "ChatEvent", "ChatResult", "ChatTiming", "ChatTurn", "ChatUsage", "chat_message", "split_messages"]
 
 #: DecodeConfig fields a chat call may set
 _DECODE_FIELDS = frozenset(DecodeConfig.model_fields)
@@ -125,7 +125,9 @@ def _content(value: Any) -> str | None:
     raise InvalidArgument(f"message content must be a string or a list of parts, got {type(value).__name__}")
 
 
-def _message(raw: Mapping[str, Any] | ChatMessage) -> ChatMessage:
+def chat_message(raw: Mapping[str, Any] | ChatMessage) -> ChatMessage:
+    """A message in OpenAI's chat shape (content parts, tool calls with object arguments, ``reasoning_content``)
+    as the contract's ``ChatMessage``; InvalidArgument naming what is wrong."""
     if isinstance(raw, ChatMessage):
         return raw
     if not isinstance(raw, Mapping):
@@ -164,7 +166,7 @@ def split_messages(messages: Iterable[Mapping[str, Any] | ChatMessage]) -> tuple
     items = []
     for i, m in enumerate(messages):
         try:
-            items.append(_message(m))
+            items.append(chat_message(m))
         except InvalidArgument as exc:
             raise InvalidArgument(f"messages[{i}]: {exc.message}", index=i, **exc.details) from None
     systems: list[str] = []

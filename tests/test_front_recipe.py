@@ -21,7 +21,7 @@ from starlette.testclient import TestClient
 from harness.daemon import DaemonProcess
 from modeld.front.api import HttpApi
 from modeld.front.app import APIS, create_app
-from modeld.front.core import Loose, Serving, Shape, TurnRequest, declared
+from modeld.front.core import Loose, Serving, Shape, TurnRequest, declared, turn_messages
 from modeld.front.errors import ApiError
 from modeld.front.pool import ClientPool
 from modeld.settings import HttpSettings
@@ -53,7 +53,7 @@ def toy_router(serving: Serving) -> APIRouter:
 
     @r.post("/toy/count", responses=declared(CountOut, ToyError))
     async def count(body: CountIn) -> dict[str, Any]:
-        got = await serving.acount(TurnRequest(messages=[{"role": "user", "content": body.text}], model=body.model))
+        got = await serving.acount(TurnRequest(messages=turn_messages([{"role": "user", "content": body.text}]), model=body.model))
         return {"tokens": got.prompt_tokens}
 
     return r

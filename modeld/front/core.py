@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, Generator, Mapping
+from collections.abc import AsyncGenerator, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +30,10 @@ from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 
-from contract.errors import ModeldError, Unavailable, WireError
+from contract.errors import InvalidArgument, ModeldError, Unavailable, WireError
 from contract.types import (
     ActiveModel,
+    ChatMessage,
     DaemonStatus,
     FinishReason,
     OpenSessionRequest,
@@ -40,7 +41,7 @@ from contract.types import (
     TokenCount,
     ToolCallDelta,
 )
-from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage
+from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage, chat_message
 
 from ..settings import HttpSettings
 from .access import AccessRecord, record_of
@@ -48,7 +49,7 @@ from .errors import ApiError, api_error
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream"]
+__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "turn_messages"]
 
 log = logging.getLogger("modeld.http")
 
@@ -107,8 +108,8 @@ class Loose(BaseModel):
 class TurnRequest:
     """A request in the neutral form: what ``runtime.Chat`` takes, and the model name the client sent."""
 
-    #: OpenAI-shaped messages (roles system, user, assistant, tool)
-    messages: list[dict[str, Any]]
+    #: the messages (roles system, user, assistant, tool), leading system ones first; ``turn_messages`` makes them
+    messages: list[ChatMessage]
     #: OpenAI function tools (``{"type": "function", "function": {...}}``)
     tools: list[dict[str, Any]] = field(default_factory=list)
     #: ``DecodeConfig`` fields the client set
@@ -118,6 +119,18 @@ class TurnRequest:
     enable_thinking: bool | None = None
     #: whose conversation it is (``SuffixInput.conversation``): from the request's headers (``conversation_of``)
     conversation: str = ""
+
+
+def turn_messages(raw: Iterable[Mapping[str, Any] | ChatMessage]) -> list[ChatMessage]:
+    """An API's messages, in OpenAI's chat shape, as ``TurnRequest.messages``: a message no template could take
+    (a bad role, an oversized text) is the 400 the serving core would answer for it, naming the message."""
+    out = []
+    for i, m in enumerate(raw):
+        try:
+            out.append(chat_message(m))
+        except InvalidArgument as exc:
+            raise api_error(InvalidArgument(f"messages[{i}]: {exc.message}", index=i, **exc.details)) from None
+    return out
 
 
 class Turn:

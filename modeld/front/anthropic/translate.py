@@ -13,6 +13,7 @@ from runtime.chat import ChatResult
 from ..core import (
     Serving,
     TurnRequest,
+    turn_messages,
     with_miss,
 )
 from ..errors import ApiError
@@ -151,7 +152,7 @@ def turn_request(req: MessagesRequest | CountTokensRequest, serving: Serving) ->
         if choice.type == "tool" and not choice.name:
             raise ApiError(400, "tool_choice of type 'tool' needs a name", param="tool_choice.name")
         decode.update(tool_choice_options(plain, choice.name if choice.type == "tool" else None, names))
-    return TurnRequest(messages=_messages(req, serving), tools=tools, decode=decode, model=req.model,
+    return TurnRequest(messages=turn_messages(_messages(req, serving)), tools=tools, decode=decode, model=req.model,
                        enable_thinking=_thinking(req))
 
 

@@ -12,6 +12,7 @@ from runtime.chat import ChatResult
 
 from ..core import (
     TurnRequest,
+    turn_messages,
     with_miss,
 )
 from ..errors import ApiError
@@ -129,7 +130,7 @@ def _decode(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str
 
 def turn_request(req: ChatCompletionRequest) -> TurnRequest:
     tools = _tools(req)
-    return TurnRequest(messages=_messages(req), tools=tools, decode=_decode(req, tools), model=req.model)
+    return TurnRequest(messages=turn_messages(_messages(req)), tools=tools, decode=_decode(req, tools), model=req.model)
 
 
 # --- replies ---------------------------------------------------------------------------------------

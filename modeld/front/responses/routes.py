@@ -25,6 +25,7 @@ from ..core import (
     close_events,
     declared,
     fill_record,
+    turn_messages,
 )
 from ..errors import ApiError, api_error
 from ..openai.protocol import ErrorBody
@@ -71,14 +72,15 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
         full = merge_earlier(messages, earlier)
         if not full:
             raise ApiError(400, "input is empty", param="input")
-        turn_req = TurnRequest(messages=full, tools=tools.functions, decode=decode_options(body, tools), model=body.model,
+        turn_req = TurnRequest(messages=turn_messages(full), tools=tools.functions, decode=decode_options(body, tools), model=body.model,
                                enable_thinking=thinking_of(body))
         return turn_req, tools, tools_given or []
 
     def keep(reply: Reply, turn_req: TurnRequest, tools_given: list[dict[str, Any]]) -> None:
         if reply.req.store:
             store.put(reply.id, {"response": reply.body(),
-                                 "conversation": [*turn_req.messages, reply.assistant_message()],
+                                 "conversation": [*(m.model_dump(exclude_defaults=True) for m in turn_req.messages),
+                                                  reply.assistant_message()],
                                  "tools": tools_given})
 
     @r.post("/v1/responses", response_model=None, responses=declared(Response, ErrorBody, stream=True))
