@@ -53,7 +53,7 @@ from contract.types import (
     check_conversation,
 )
 
-from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type
+from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type, check_token_ids
 
 BACKEND_NAME = "memory"
 DEFAULT_NUM_CTX = 4096
@@ -269,6 +269,14 @@ class MemorySession:
         final = StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
         final.stop_sequence = matched
         yield final
+
+    def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
+        self._live()
+        return _tokens(text)  # the reference has no BOS: add_special adds nothing
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        self._live()
+        return bytes(check_token_ids(tokens, 256)).decode("utf-8", "replace")
 
     def explain_context(self) -> ContextReport:
         closed = self._closed or self._model.closed

@@ -16,11 +16,22 @@ restores.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from contract.errors import BackendMismatch, ContextOverflow, ManifestMismatch, SnapshotRejected
+from contract.errors import BackendMismatch, ContextOverflow, InvalidArgument, ManifestMismatch, SnapshotRejected
 from contract.manifest import ContextManifest, byte_hash, common_prefix_len, token_hash
 from contract.types import ContextReport, PrefixStatus, SessionSnapshot, SuffixStatus
+
+
+def check_token_ids(tokens: Sequence[int], vocab_size: int) -> list[int]:
+    """``tokens`` as a list when every id is one of the model's ``vocab_size``; InvalidArgument naming the first
+    that is not."""
+    for i, t in enumerate(tokens):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"tokens[{i}] is {t}, not a token of this model (its ids are 0..{vocab_size - 1})",
+                                  index=i, token=t, vocab_size=vocab_size)
+    return list(tokens)
 
 
 def check_model_type(model_type: str, backend: str) -> None:

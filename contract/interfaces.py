@@ -73,6 +73,15 @@ class Session(Protocol):
         """
         ...
 
+    def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
+        """``text`` as the model tokenizes it, special tokens parsed; ``add_special`` leads with the model's BOS
+        where the model adds one. Nothing resident changes."""
+        ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Token ids as text, special tokens as their text; InvalidArgument for an id outside the vocabulary."""
+        ...
+
     def explain_context(self) -> ContextReport: ...
 
     def snapshot(self) -> SessionSnapshot:

@@ -34,6 +34,7 @@ from pydantic import (
 )
 
 from .types import (
+    MAX_TEXT_CHARS,
     ActiveModel,
     CacheEntryInfo,
     CacheStatus,
@@ -47,6 +48,7 @@ from .types import (
 )
 
 __all__ = [
+    "MAX_DETOKENIZE_TOKENS",
     "BytesFrame",
     "CacheClearReply",
     "CacheClearRequest",
@@ -57,6 +59,8 @@ __all__ = [
     "CloseReply",
     "CountTokensRequest",
     "DecodeRequest",
+    "DetokenizeReply",
+    "DetokenizeRequest",
     "EmbedReply",
     "EnsurePrefixRequest",
     "F32MatrixFrame",
@@ -75,6 +79,8 @@ __all__ = [
     "StatusRequest",
     "TakeoverReply",
     "TakeoverRequest",
+    "TokenizeReply",
+    "TokenizeRequest",
     "UnloadReply",
     "WHY_KEPT",
     "WhyReply",
@@ -245,6 +251,38 @@ class CountTokensRequest(SessionRef):
 
     prefix: PrefixInput
     suffix: SuffixInput
+
+
+#: the most token ids one ``detokenize`` takes (a text of the largest size a request carries, at 4 bytes a token)
+MAX_DETOKENIZE_TOKENS = MAX_TEXT_CHARS // 4
+
+
+class TokenizeRequest(SessionRef):
+    """``tokenize``: ``text`` as the session's model tokenizes it (special tokens such as ``<|im_start|>`` parsed);
+    the KV is not touched."""
+
+    text: StrictStr = Field("", max_length=MAX_TEXT_CHARS)
+    #: lead with the model's BOS token where the model adds one (llama-server's ``add_special``)
+    add_special: StrictBool = False
+
+
+class TokenizeReply(_Reply):
+    """``tokenize``: the token ids."""
+
+    tokens: list[int] = Field(default_factory=list)
+
+
+class DetokenizeRequest(SessionRef):
+    """``detokenize``: token ids as the text they spell, special tokens as their text; an id outside the model's
+    vocabulary is an ``InvalidArgument`` naming it."""
+
+    tokens: list[int] = Field(default_factory=list, max_length=MAX_DETOKENIZE_TOKENS)
+
+
+class DetokenizeReply(_Reply):
+    """``detokenize``: the text (bytes that do not end a UTF-8 character become U+FFFD)."""
+
+    text: str = ""
 
 
 class DecodeRequest(SessionRef, DecodeConfig):

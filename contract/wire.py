@@ -67,6 +67,8 @@ from .messages import (
     CloseReply,
     CountTokensRequest,
     DecodeRequest,
+    DetokenizeReply,
+    DetokenizeRequest,
     EmbedReply,
     EnsurePrefixRequest,
     F32MatrixFrame,
@@ -83,6 +85,8 @@ from .messages import (
     StatusRequest,
     TakeoverReply,
     TakeoverRequest,
+    TokenizeReply,
+    TokenizeRequest,
     UnloadReply,
     WhyReply,
     WhyRequest,
@@ -159,6 +163,8 @@ class Op(str, enum.Enum):
     TAKEOVER = "takeover"
     COUNT_TOKENS = "count_tokens"
     WHY = "why"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
 
 
 class Kind(str, enum.Enum):
@@ -212,6 +218,8 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.METRICS: OpSchema(MetricsRequest, MetricsReply),
     Op.TAKEOVER: OpSchema(TakeoverRequest, TakeoverReply),
     Op.COUNT_TOKENS: OpSchema(CountTokensRequest, TokenCount),
+    Op.TOKENIZE: OpSchema(TokenizeRequest, TokenizeReply),
+    Op.DETOKENIZE: OpSchema(DetokenizeRequest, DetokenizeReply),
     Op.WHY: OpSchema(WhyRequest, WhyReply),
 }
 
@@ -310,8 +318,9 @@ def decode_request(frames: list[bytes]) -> Message:
     return Message(request_id=bytes(rid), body=unpack(frames[3]), payloads=[bytes(p) for p in frames[4:]], op=op)
 
 
-#: operations whose body carries prompt text, tools, a grammar or texts to embed
-_TEXT_OPS = frozenset({Op.ENSURE_PREFIX, Op.PREFILL_SUFFIX, Op.DECODE, Op.EMBED, Op.COUNT_TOKENS})
+#: operations whose body carries prompt text, tools, a grammar, texts to embed or token ids
+_TEXT_OPS = frozenset({Op.ENSURE_PREFIX, Op.PREFILL_SUFFIX, Op.DECODE, Op.EMBED, Op.COUNT_TOKENS, Op.TOKENIZE,
+                       Op.DETOKENIZE})
 
 
 def body_limit(op: Op) -> int:

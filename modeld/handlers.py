@@ -37,6 +37,8 @@ from contract.messages import (
     CloseReply,
     CountTokensRequest,
     DecodeRequest,
+    DetokenizeReply,
+    DetokenizeRequest,
     EmbedReply,
     EnsurePrefixRequest,
     HeartbeatReply,
@@ -52,6 +54,8 @@ from contract.messages import (
     StatusRequest,
     TakeoverReply,
     TakeoverRequest,
+    TokenizeReply,
+    TokenizeRequest,
     UnloadReply,
     WhyReply,
     WhyRequest,
@@ -202,6 +206,12 @@ class Handlers:
     def count_tokens(self, req: CountTokensRequest) -> TokenCount:
         return self.session(req).count_tokens(req.prefix, req.suffix)
 
+    def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
+        return TokenizeReply(tokens=self.session(req).tokenize(req.text, add_special=req.add_special))
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeReply:
+        return DetokenizeReply(text=self.session(req).detokenize(req.tokens))
+
     def snapshot(self, req: SnapshotRequest) -> SnapshotReply:
         snap = self.session(req).snapshot()
         return SnapshotReply.of(snap, state_id=self.blobs.put(snap.state), include_state=req.include_state)
@@ -280,6 +290,8 @@ HANDLERS: dict[Op, Callable[[Handlers, Any], BaseModel]] = {
     Op.ENSURE_PREFIX: Handlers.ensure_prefix,
     Op.PREFILL_SUFFIX: Handlers.prefill_suffix,
     Op.COUNT_TOKENS: Handlers.count_tokens,
+    Op.TOKENIZE: Handlers.tokenize,
+    Op.DETOKENIZE: Handlers.detokenize,
     Op.SNAPSHOT: Handlers.snapshot,
     Op.RESTORE: Handlers.restore,
     Op.CLOSE: Handlers.close,

@@ -841,6 +841,12 @@ class SlotSession:
             holder.last_op = slot._clock()
             slot._set_busy("")
 
+    def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
+        return self._slot.run_op(self._holder, "tokenize", lambda s: s.tokenize(text, add_special=add_special))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self._slot.run_op(self._holder, "detokenize", lambda s: s.detokenize(tokens))
+
     def explain_context(self) -> ContextReport:
         """The context report; also the no-op that refreshes the session's TTL."""
         h = self._holder

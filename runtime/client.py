@@ -48,6 +48,8 @@ from contract.messages import (
     CloseReply,
     CountTokensRequest,
     DecodeRequest,
+    DetokenizeReply,
+    DetokenizeRequest,
     EmbedReply,
     EnsurePrefixRequest,
     HeartbeatRequest,
@@ -62,6 +64,8 @@ from contract.messages import (
     StatusRequest,
     TakeoverReply,
     TakeoverRequest,
+    TokenizeReply,
+    TokenizeRequest,
     UnloadReply,
     WhyReply,
     WhyRequest,
@@ -633,6 +637,18 @@ class RemoteSession:
                 self._running = None
             if not finished:
                 self._client._abandon(rid)
+
+    def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
+        """``text`` in the model's tokens (special tokens parsed; the model's BOS first with ``add_special``)."""
+        self._check_open()
+        req = TokenizeRequest(session_id=self.session_id, text=text, add_special=add_special)
+        return self._client._request(Op.TOKENIZE, req, TokenizeReply).tokens
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Token ids as text; InvalidArgument for an id the model does not have."""
+        self._check_open()
+        req = DetokenizeRequest(session_id=self.session_id, tokens=list(tokens))
+        return self._client._request(Op.DETOKENIZE, req, DetokenizeReply).text
 
     def explain_context(self) -> ContextReport:
         self._check_open()

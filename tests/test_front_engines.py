@@ -417,3 +417,29 @@ def test_a_streamed_call_comes_as_its_arguments_are_written_in_all_three_apis(fr
     parts = [e.delta.partial_json for e in got if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
     assert len(starts) == 1 and starts[0].content_block.name == "read_file" and len(parts) > 1, got
     assert set(json.loads("".join(parts))) == {"path"}
+
+
+# --- tokens ------------------------------------------------------------------------------------
+def test_tokenize_and_detokenize_round_trip_on_the_model(front: Front) -> None:
+    """llama-server's ``/tokenize`` and ``/detokenize`` on the loaded model: special tokens parse as in a prompt,
+    ids come back as the text, and an id outside the vocabulary is a 400 naming it, the daemon serving on."""
+    import httpx
+
+    text = "<|im_start|>user\nFix the failing test in café.py, then run it.<|im_end|>\n"
+    with httpx.Client(base_url=front.url.removesuffix("/v1"), timeout=600,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as h:
+        tokens = h.post("/tokenize", json={"content": text}).json()["tokens"]
+        marker = h.post("/tokenize", json={"content": "<|im_start|>"}).json()["tokens"]
+        assert len(marker) == 1 and tokens[0] == marker[0]  # one special token, as a prompt holds it
+        assert len(tokens) < len(text.encode()) / 2  # words, not bytes
+        assert h.post("/detokenize", json={"tokens": tokens}).json() == {"content": text}
+        with_bos = h.post("/tokenize", json={"content": text, "add_special": True}).json()["tokens"]
+        assert with_bos[len(with_bos) - len(tokens):] == tokens and len(with_bos) - len(tokens) in (0, 1)
+
+        bad = h.post("/detokenize", json={"tokens": [tokens[0], 10**9]})
+        assert bad.status_code == 400 and "tokens[1]" in bad.json()["error"]["message"]
+        assert h.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+        pieces = h.post("/tokenize", json={"content": "x", "with_pieces": True})
+        assert pieces.status_code == 400 and pieces.json()["error"]["param"] == "with_pieces"
+        assert h.post("/tokenize", json={"content": 7}).status_code == 400  # a field of the wrong type, named
+        assert h.post("/tokenize", json={"content": text}).json()["tokens"] == tokens  # still serving, the same

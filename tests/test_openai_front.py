@@ -81,6 +81,7 @@ def test_every_reply_has_the_shape_the_schema_declares(front: Front) -> None:
     from modeld.front.app import Health
     from modeld.front.openai import protocol as chat
     from modeld.front.responses import protocol as responses
+    from modeld.front.tokens import protocol as tokens
 
     status, raw = _get(front.port, "/openapi.json")
     spec = json.loads(raw)
@@ -98,11 +99,17 @@ def test_every_reply_has_the_shape_the_schema_declares(front: Front) -> None:
         ("/v1/responses", {"model": "ref", "input": "hi", "max_output_tokens": 4}, 200, responses.Response),
         ("/v1/responses", {"model": "ref", "input": 5}, 400, chat.ErrorBody),
         ("/v1/responses/input_tokens", {"model": "ref", "input": "hi"}, 200, responses.InputTokens),
+        ("/tokenize", {"content": "héllo"}, 200, tokens.TokenizeOut),
+        ("/detokenize", {"tokens": [104, 105]}, 200, tokens.DetokenizeOut),
+        ("/detokenize", {"tokens": [104, 256]}, 400, chat.ErrorBody),
     ]
     for path, body, want, shape in cases:
         status, reply = _post_json(front.port, path, body)
         assert status == want, (path, body, reply)
         shape.model_validate(reply)
+    # the reference backend's tokens are the text's UTF-8 bytes
+    assert _post_json(front.port, "/tokenize", {"content": "héllo"})[1] == {"tokens": list("héllo".encode())}
+    assert _post_json(front.port, "/detokenize", {"tokens": [104, 105]})[1] == {"content": "hi"}
     stored = _post_json(front.port, "/v1/responses", {"model": "ref", "input": "hi", "max_output_tokens": 4})[1]
     status, raw = _get(front.port, f"/v1/responses/{stored['id']}")
     assert status == 200

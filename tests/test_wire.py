@@ -32,6 +32,8 @@ from contract.messages import (
     CloseReply,
     CountTokensRequest,
     DecodeRequest,
+    DetokenizeReply,
+    DetokenizeRequest,
     EmbedReply,
     EnsurePrefixRequest,
     F32MatrixFrame,
@@ -48,6 +50,8 @@ from contract.messages import (
     StatusRequest,
     TakeoverReply,
     TakeoverRequest,
+    TokenizeReply,
+    TokenizeRequest,
     UnloadReply,
     WhyReply,
     WhyRequest,
@@ -181,6 +185,9 @@ SAMPLES: dict[Op, tuple[BaseModel, BaseModel]] = {
                            suffix=SuffixInput(messages=[ChatMessage(role="user", content="hi")])),
         TokenCount(prompt_tokens=120, prefix_tokens=100, num_ctx=8192, resident_tokens=100),
     ),
+    Op.TOKENIZE: (TokenizeRequest(session_id="s1", text="<|im_start|>user\nhi", add_special=True),
+                  TokenizeReply(tokens=[1, 9, 4093, 198, 6004])),
+    Op.DETOKENIZE: (DetokenizeRequest(session_id="s1", tokens=[1, 9, 4093]), DetokenizeReply(text="<|im_start|>user")),
 }
 
 
@@ -205,7 +212,7 @@ def test_op_and_kind_frames_are_pinned() -> None:
     assert {op.value for op in Op} == {
         "status", "load", "unload", "describe", "embed", "open", "ensure_prefix", "prefill_suffix", "decode",
         "cancel", "explain", "snapshot", "restore", "close", "heartbeat", "cache_list", "cache_clear", "metrics", "takeover",
-            "count_tokens", "why",
+            "count_tokens", "why", "tokenize", "detokenize",
     }
     assert {k.name: k.value for k in Kind} == {"OK": "ok", "DATA": "data", "END": "end", "ERROR": "error", "HEARTBEAT": "hb"}
     assert {k for k in Kind if k.terminal} == {Kind.OK, Kind.END, Kind.ERROR}
@@ -444,7 +451,8 @@ def test_bad_reply_frames_are_typed_errors(frames: list[bytes], error: type[Mode
 @pytest.mark.parametrize("op", list(Op))
 def test_each_operation_has_its_own_limits(op: Op) -> None:
     """Checked on the raw frames, before the body is parsed: a status cannot carry a big body or any frame."""
-    small = op not in (Op.ENSURE_PREFIX, Op.PREFILL_SUFFIX, Op.DECODE, Op.EMBED, Op.COUNT_TOKENS)
+    small = op not in (Op.ENSURE_PREFIX, Op.PREFILL_SUFFIX, Op.DECODE, Op.EMBED, Op.COUNT_TOKENS, Op.TOKENIZE,
+                       Op.DETOKENIZE)
     assert wire.body_limit(op) == (wire.MAX_SMALL_BODY_BYTES if small else wire.MAX_BODY_BYTES)
     # a body one byte over the operation's limit (unparsable: it is refused before parsing)
     big = b"\xc1" * (wire.body_limit(op) + 1) if small else None

@@ -16,7 +16,7 @@ rollback rests on the others' bookkeeping (tape, epochs, pending token), so they
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from typing import Any, Protocol
 
 from contract import interrupt
@@ -36,7 +36,7 @@ from contract.types import (
     check_conversation,
 )
 
-from ..resident import PrefixPlan, check_manifest_names
+from ..resident import PrefixPlan, check_manifest_names, check_token_ids
 from .cache import SAVE_MIN_TOKENS, cache_key, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
 from .miss import Held, message_keys, prefix_miss, suffix_miss
@@ -215,6 +215,19 @@ class TapeSession:
         check_manifest_names(manifest, m.backend_name, m.digest)
         if manifest.bos_policy not in BOS_POLICIES:
             raise InvalidArgument(f"bos_policy {manifest.bos_policy!r} is not one of {BOS_POLICIES}")
+
+    def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
+        """``text`` in the model's tokens, special tokens parsed; BOS first under the model's own policy when asked."""
+        m = self._live()
+        with m.errors("tokenize"):
+            return m.tokenize(text, bos_policy="model" if add_special else None)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Token ids as the text they spell, special tokens as their text."""
+        m = self._live()
+        ids = check_token_ids(tokens, m.vocab_size)
+        with m.errors("detokenize"):
+            return m.prompt_text(ids)
 
     def explain_context(self) -> ContextReport:
         m = self._m

@@ -10,7 +10,8 @@ a client of the daemon (it imports ``runtime``, never a backend). Modules:
   ``translate`` (to and from the core's turn) and ``routes``: ``openai`` (chat
   completions, models, embeddings), ``responses`` (the Responses API, with
   ``stored``: the responses kept for ``previous_response_id``) and
-  ``anthropic`` (Messages); ``app`` mounts each with one line;
+  ``anthropic`` (Messages), and ``tokens`` (``/tokenize``, ``/detokenize``: protocol and routes only, a
+  session call rather than a turn); ``app`` mounts each with one line;
 * ``app``: the shared routes, edge checks and error shapes; ``errors``: the
   daemon's errors as each API's; ``access``: the access log; ``guard``: the
   connection cap and header deadline; ``pool``: long-lived daemon clients;

@@ -21,9 +21,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, Generator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from pydantic import BaseModel, ConfigDict
@@ -52,6 +52,8 @@ from .sealing import Sealer
 __all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "turn_messages"]
 
 log = logging.getLogger("modeld.http")
+
+T = TypeVar("T")
 
 #: how often a request that is not streamed checks its client is still there
 DISCONNECT_POLL_S = 0.5
@@ -553,6 +555,33 @@ class Serving:
             log.info("the client went away while its request waited for the slot")
             raise ApiError(499, "the client closed the connection", code="client_gone")
         return turn
+
+    def on_session(self, model: str, call: Callable[[Any], T]) -> T:
+        """``call`` on a session of the model ``model`` routes to (``route``), the slot taken for the call only, in
+        arrival order with the turns (blocking: call it in a worker thread)."""
+        route = self.route(model)
+        client = self.pool.take()
+        healthy = True
+        try:
+            req = OpenSessionRequest(model_name=route.model if route.switch else "", switch=route.switch,
+                                     queue_timeout_s=self.settings.http_queue_timeout)
+            sess = client.open_session(req)
+            try:
+                return call(sess)
+            finally:
+                sess.close()
+        except ModeldError as exc:
+            healthy = reusable_after(exc)
+            raise
+        finally:
+            self.pool.give(client, healthy=healthy)
+
+    async def aon_session(self, model: str, call: Callable[[Any], T]) -> T:
+        """``on_session`` in a worker thread, its refusals as ``ApiError``."""
+        try:
+            return await anyio.to_thread.run_sync(self.on_session, model, call)
+        except ModeldError as exc:
+            raise api_error(exc) from None
 
     async def acount(self, req: TurnRequest) -> TokenCount:
         """``count`` in a worker thread, its refusals as ``ApiError``."""

@@ -1,0 +1,33 @@
+"""``POST /tokenize`` and ``POST /detokenize`` on a session of the loaded model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from ..core import Serving, declared
+from ..errors import ApiError
+from ..openai.protocol import ErrorBody
+from .protocol import DetokenizeIn, DetokenizeOut, TokenizeIn, TokenizeOut
+
+
+def router(serving: Serving) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/tokenize", responses=declared(TokenizeOut, ErrorBody))
+    async def tokenize(body: TokenizeIn) -> dict[str, Any]:
+        if body.with_pieces:
+            raise ApiError(400, "with_pieces is not served here: /detokenize a token for its text",
+                           code="unsupported", param="with_pieces")
+        if not body.parse_special:
+            raise ApiError(400, "parse_special false is not served here: special tokens are parsed, as in a prompt",
+                           code="unsupported", param="parse_special")
+        tokens = await serving.aon_session(body.model, lambda s: s.tokenize(body.content, add_special=body.add_special))
+        return {"tokens": tokens}
+
+    @r.post("/detokenize", responses=declared(DetokenizeOut, ErrorBody))
+    async def detokenize(body: DetokenizeIn) -> dict[str, Any]:
+        return {"content": await serving.aon_session(body.model, lambda s: s.detokenize(body.tokens))}
+
+    return r
