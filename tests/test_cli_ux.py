@@ -261,12 +261,14 @@ def test_the_display_waits_out_its_delay_and_draws_only_on_a_terminal() -> None:
 NUM_CTX = 4096
 #: small batches: llama.cpp reports progress per batch
 NUM_BATCH = 64
-#: how long a test's cold prefill should run: long enough for a bar (shown from 2 s) and several heartbeats
-PREFILL_TARGET_S = 6.0
-#: about this many tokens per item of ``_long_system``; at least this many items, and no more than fit
+#: a cold prefill's prompt: about ``TOKENS_PER_ITEM * ITEMS`` tokens, ~10 batches
 TOKENS_PER_ITEM = 20
-MIN_ITEMS, MAX_ITEMS = 30, 150
-MIN_PREFILL = MIN_ITEMS * TOKENS_PER_ITEM * 3 // 4
+ITEMS = 30
+MIN_PREFILL = ITEMS * TOKENS_PER_ITEM * 3 // 4
+#: each batch of a prefill held back this long (the daemon's ``--prefill-chunk-delay-ms``): a cold prefill lasts
+#: ~6 s on any machine, long enough for a bar (shown from 2 s) and several heartbeats, where a prompt sized to a
+#: rate measured at the start would hang the tests on how busy the machine was then
+CHUNK_DELAY_MS = 600
 #: what the bar (and the plain lines) show of a prefill, and nothing else prints
 BAR = re.compile(r"\d+/\d+ tokens")
 
@@ -280,25 +282,13 @@ def _long_system(tag: str, items: int) -> str:
 def llama_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     from backends.bundled import bundled_gguf_path
 
-    d = DaemonProcess(tmp_path_factory.mktemp("ux-llama"), "llama", None, "--cache-ram", "0", "--cache-disk", "0")
+    d = DaemonProcess(tmp_path_factory.mktemp("ux-llama"), "llama", None, "--cache-ram", "0", "--cache-disk", "0",
+                      "--prefill-chunk-delay-ms", str(CHUNK_DELAY_MS))
     with d.start(ready_timeout_s=300, wait_state=("Ready",)):
         with d.client(timeout_s=300) as c:
             c.load_model(LoadModelRequest(model_name="smol", path=str(bundled_gguf_path()),
                                           config=Config(num_ctx=NUM_CTX, num_batch=NUM_BATCH)))
         yield d
-
-
-@pytest.fixture(scope="module")
-def items(llama_daemon: DaemonProcess) -> int:
-    """How many items make a cold prefill of about ``PREFILL_TARGET_S`` on this machine (measured once)."""
-    with llama_daemon.client(timeout_s=300) as c:
-        sess = c.open_session(OpenSessionRequest())
-        t0 = time.monotonic()
-        st = sess.ensure_prefix(PrefixInput(text=_long_system("calibration", MIN_ITEMS), manifest=sess.manifest()))
-        elapsed = time.monotonic() - t0
-        sess.close()
-    rate = st.prefilled_tokens / max(elapsed, 1e-3)
-    return max(MIN_ITEMS, min(MAX_ITEMS, round(PREFILL_TARGET_S * rate / TOKENS_PER_ITEM)))
 
 
 @pytest.mark.llama
@@ -354,7 +344,7 @@ def test_status_says_how_the_model_drafts() -> None:
 @pytest.mark.llama
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_cold_prefill_reports_growing_progress_to_the_caller_and_nobody_else(llama_daemon: DaemonProcess, items: int) -> None:
+def test_a_cold_prefill_reports_growing_progress_to_the_caller_and_nobody_else(llama_daemon: DaemonProcess) -> None:
     seen: list[tuple[float, Progress]] = []
     waiting: list[Progress] = []
     with llama_daemon.client(timeout_s=300) as c, llama_daemon.client(timeout_s=300, on_progress=waiting.append) as other:
@@ -364,7 +354,7 @@ def test_a_cold_prefill_reports_growing_progress_to_the_caller_and_nobody_else(l
         waiter = threading.Thread(target=lambda: opened.append(other.open_session(OpenSessionRequest(queue_timeout_s=600))))
         waiter.start()
         t0 = time.monotonic()
-        st = sess.ensure_prefix(PrefixInput(text=_long_system("callback", items), manifest=sess.manifest()),
+        st = sess.ensure_prefix(PrefixInput(text=_long_system("callback", ITEMS), manifest=sess.manifest()),
                                 on_progress=lambda p: seen.append((time.monotonic() - t0, p)))
         sess.close()
         waiter.join(timeout=300)
@@ -379,10 +369,10 @@ def test_a_cold_prefill_reports_growing_progress_to_the_caller_and_nobody_else(l
     assert waiting == []
 
 
-def _run_turn(d: DaemonProcess, items: int, tag: str, *extra: str, tty: bool,
+def _run_turn(d: DaemonProcess, tag: str, *extra: str, tty: bool,
               command: list[str] | None = None) -> tuple[int, str, str]:
     system = d.tmp / f"{tag}.txt"
-    system.write_text(_long_system(tag, items))
+    system.write_text(_long_system(tag, ITEMS))
     return run_cli(["run", "Say hi.", "--system-file", str(system), "--max-tokens", "1", "--endpoint", d.endpoint,
                     *extra], tty=tty, command=command)
 
@@ -390,13 +380,13 @@ def _run_turn(d: DaemonProcess, items: int, tag: str, *extra: str, tty: bool,
 @pytest.mark.llama
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_cold_prefill_on_a_terminal_shows_a_bar_and_a_warm_turn_does_not(llama_daemon: DaemonProcess, items: int) -> None:
-    code, out, err = _run_turn(llama_daemon, items, "terminal", tty=True)
+def test_a_cold_prefill_on_a_terminal_shows_a_bar_and_a_warm_turn_does_not(llama_daemon: DaemonProcess) -> None:
+    code, out, err = _run_turn(llama_daemon, "terminal", tty=True)
     assert code == 0, err
     assert "prefill" in err and BAR.search(err) and "%" in err, err
     assert "\x1b[" in err  # drawn (and erased) in place, not printed as lines
     assert "[prefix reused" in err  # the turn's summary follows the bar
-    code, out, err = _run_turn(llama_daemon, items, "terminal", tty=True)  # the same prompt again: warm
+    code, out, err = _run_turn(llama_daemon, "terminal", tty=True)  # the same prompt again: warm
     assert code == 0, err
     assert not BAR.search(err), err
 
@@ -404,12 +394,12 @@ def test_a_cold_prefill_on_a_terminal_shows_a_bar_and_a_warm_turn_does_not(llama
 @pytest.mark.llama
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_no_bar_with_json_on_a_terminal_nor_on_a_pipe(llama_daemon: DaemonProcess, items: int) -> None:
-    code, out, err = _run_turn(llama_daemon, items, "json", "--json", tty=True)
+def test_no_bar_with_json_on_a_terminal_nor_on_a_pipe(llama_daemon: DaemonProcess) -> None:
+    code, out, err = _run_turn(llama_daemon, "json", "--json", tty=True)
     assert code == 0, err
     assert err == ""
     assert json.loads(out)["prefix"]["prefilled_tokens"] > MIN_PREFILL
-    code, out, err = _run_turn(llama_daemon, items, "pipe", tty=False)
+    code, out, err = _run_turn(llama_daemon, "pipe", tty=False)
     assert code == 0, err
     assert not BAR.search(err) and "%" not in err, err
     assert "[prefix reused" in err
@@ -418,8 +408,8 @@ def test_no_bar_with_json_on_a_terminal_nor_on_a_pipe(llama_daemon: DaemonProces
 @pytest.mark.llama
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_without_rich_a_terminal_gets_plain_progress_lines(llama_daemon: DaemonProcess, items: int) -> None:
-    code, out, err = _run_turn(llama_daemon, items, "plain", tty=True, command=MODELD_WITHOUT_RICH)
+def test_without_rich_a_terminal_gets_plain_progress_lines(llama_daemon: DaemonProcess) -> None:
+    code, out, err = _run_turn(llama_daemon, "plain", tty=True, command=MODELD_WITHOUT_RICH)
     assert code == 0, err
     lines = [line for line in err.splitlines() if line.startswith("modeld: prefill ")]
     assert lines, err
@@ -430,8 +420,8 @@ def test_without_rich_a_terminal_gets_plain_progress_lines(llama_daemon: DaemonP
 @pytest.mark.llama
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_chat_shows_the_bar_until_the_reply_starts(llama_daemon: DaemonProcess, items: int) -> None:
-    session = f"/system {_long_system('chat', items)}\nSay hi.\n/bye\n"
+def test_chat_shows_the_bar_until_the_reply_starts(llama_daemon: DaemonProcess) -> None:
+    session = f"/system {_long_system('chat', ITEMS)}\nSay hi.\n/bye\n"
     code, out, err = run_cli(["chat", "--max-tokens", "8", "--endpoint", llama_daemon.endpoint], tty=True, stdin=session)
     assert code == 0, err
     assert "prefill" in err and BAR.search(err), err
