@@ -67,7 +67,7 @@ def _version() -> str:
         return "(not installed)"
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     """Bytes in binary units, as people read them (``1.5 GiB``)."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
@@ -394,8 +394,8 @@ def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) 
         hit_rate = c["hit_rate"]
         rate = "-" if hit_rate is None else f"{hit_rate * 100:.0f}%"
         rows += [
-            ("cache ram", f"{c['ram_entries']} entries, {_size(c['ram_bytes'])} of {_size(c['ram_budget_bytes'])}"),
-            ("cache disk", f"{c['disk_entries']} entries, {_size(c['disk_bytes'])} of {_size(c['disk_budget_bytes'])}"
+            ("cache ram", f"{c['ram_entries']} entries, {size_text(c['ram_bytes'])} of {size_text(c['ram_budget_bytes'])}"),
+            ("cache disk", f"{c['disk_entries']} entries, {size_text(c['disk_bytes'])} of {size_text(c['disk_budget_bytes'])}"
                            + (f" in {c['disk_dir']}" if c["disk_dir"] else "")),
             ("cache hits", f"{c['hits']} of {c['hits'] + c['misses']} switches ({rate}), "
                            f"{c['restored_tokens']} tokens restored"),
@@ -406,17 +406,17 @@ def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) 
         rows.append(("idle", f"{st.idle_s:.0f} s" + (f" (unloads after {st.idle_unload_s:.0f} s)" if st.idle_unload_s else "")))
     if st.blobs is not None:
         b = st.blobs
-        rows.append(("snapshot blobs", f"{b['blobs']}, {_size(b['bytes'])} of {_size(b['max_bytes'])} (pruned {b['pruned']})"))
+        rows.append(("snapshot blobs", f"{b['blobs']}, {size_text(b['bytes'])} of {size_text(b['max_bytes'])} (pruned {b['pruned']})"))
     if st.models is not None:
         m = st.models
-        rows.append(("model store", f"{m['models']} models, {_size(m['bytes'])} in {m['dir']}"))
+        rows.append(("model store", f"{m['models']} models, {size_text(m['bytes'])} in {m['dir']}"))
     if st.last_error:
         rows.append(("last error", st.last_error))
     return _table(rows)
 
 
 def _device_row(d: DeviceInfo) -> str:
-    return f"{d.name or d.kind + ':' + d.id}, {_size(d.free_bytes)} free of {_size(d.total_bytes)}"
+    return f"{d.name or d.kind + ':' + d.id}, {size_text(d.free_bytes)} free of {size_text(d.total_bytes)}"
 
 
 def _device_rows(devices: list[DeviceInfo]) -> list[tuple[str, Any]]:
@@ -484,7 +484,7 @@ def _embedding_rows(e: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """The embedding side slot (``EmbeddingStatus``): its model, when loaded, and its use."""
     if e.get("loaded"):
         what = (f"{e.get('model_name') or e.get('path', '')} ({e.get('backend', '')}, {e.get('dims', 0)} dims, "
-                f"window {e.get('window', 0)}), {_size(e.get('resident_bytes', 0))}")
+                f"window {e.get('window', 0)}), {size_text(e.get('resident_bytes', 0))}")
     else:
         what = f"not loaded ({e.get('backend', '')}; loads on the first embed)"
     rows: list[tuple[str, Any]] = [("embedding", what)]
@@ -560,7 +560,7 @@ def _cache(client: Client, args: argparse.Namespace) -> int:
     for e in listing.entries:
         age = max(0.0, now - e.last_used)
         ago = f"{age:.0f}s ago" if age < 120 else f"{age / 60:.0f}m ago" if age < 7200 else f"{age / 3600:.0f}h ago"
-        print(f"{e.id:16}  {e.backend:8}  {e.tokens:>6}  {e.prefix_tokens:>6}  {_size(e.bytes):>9}  {e.where:8}  "
+        print(f"{e.id:16}  {e.backend:8}  {e.tokens:>6}  {e.prefix_tokens:>6}  {size_text(e.bytes):>9}  {e.where:8}  "
               f"{ago:9}  {e.conversation[:36] or '-'}")
     if not listing.entries:
         print("(no entries)")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.registry import model_format
-from runtime.cli import _size  # the client commands' sizes, as `modeld status` prints them
+from runtime.cli import size_text  # the client commands' sizes, as `modeld status` prints them
 
 from ..settings import SettingsError
 from .pull import PullError, pull
@@ -150,7 +150,7 @@ def _pull(store: ModelStore, args: argparse.Namespace) -> int:
     if args.json:
         print(m.model_dump_json(indent=2))
     else:
-        print(f"{m.name}  {_size(m.size)}  {m.quant or m.format}  ({m.source})")
+        print(f"{m.name}  {size_text(m.size)}  {m.quant or m.format}  ({m.source})")
     return 0
 
 
@@ -175,9 +175,9 @@ def _ls(store: ModelStore, args: argparse.Namespace) -> int:
         print(f"{'NAME':40}  {'SIZE':>9}  {'QUANT':8}  {'CONTEXT':>7}  {'ENGINE':8}  LOADED")
         for r in rows:
             mark = "yes" if r["loaded"] else ("-" if loaded is None else "")
-            print(f"{r['name']:40}  {_size(r['size']):>9}  {r['quant']:8}  {r['context']:>7}  {r['engine']:8}  {mark}")
+            print(f"{r['name']:40}  {size_text(r['size']):>9}  {r['quant']:8}  {r['context']:>7}  {r['engine']:8}  {mark}")
         n, total = store.disk_usage()
-        print(f"{n} model{'s' if n != 1 else ''}, {_size(total)} in {store.root}"
+        print(f"{n} model{'s' if n != 1 else ''}, {size_text(total)} in {store.root}"
               + ("" if loaded is not None else "; no daemon answered, so LOADED is unknown"))
     for a, t in sorted(aliases.items()):
         print(f"alias {a} -> {t}")
@@ -192,7 +192,7 @@ def _show(store: ModelStore, args: argparse.Namespace) -> int:
         print(json.dumps({**m.model_dump(mode="json"), **facts, "aliases": aliases, "directory": str(d)}, indent=2))
         return 0
     rows: list[tuple[str, Any]] = [("name", m.name), ("source", m.source), ("revision", m.revision or "-"),
-                                   ("format", m.format), ("quant", m.quant or "-"), ("size", _size(m.size)),
+                                   ("format", m.format), ("quant", m.quant or "-"), ("size", size_text(m.size)),
                                    ("license", m.license or "-"), ("architecture", facts.get("architecture", "-")),
                                    ("context", facts.get("context", "-")), ("layers", facts.get("layers", "-")),
                                    ("engine", f"{facts.get('engine', '')} ({facts.get('engine_reason', '')})"),
@@ -201,7 +201,7 @@ def _show(store: ModelStore, args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k.ljust(width)}  {v}")
     for f in m.files:
-        print(f"  {f.name}  {_size(f.size)}  sha256:{f.sha256}")
+        print(f"  {f.name}  {size_text(f.size)}  sha256:{f.sha256}")
     return 0
 
 
@@ -223,7 +223,7 @@ def _rm(store: ModelStore, args: argparse.Namespace) -> int:
         if client is not None:
             client.close()
     store.remove(m.name)
-    print(f"removed {m.name} ({_size(m.size)})")
+    print(f"removed {m.name} ({size_text(m.size)})")
     return 0
 
 
