@@ -76,11 +76,11 @@ def test_the_cli_imports_no_daemon_for_client_commands() -> None:
 
 
 def test_only_the_composition_root_imports_backends() -> None:
-    """Starting the daemon reads the engine table (``backends.registry``, which imports no engine) and nothing else
-    of the backends until an engine is built."""
+    """Starting the daemon reads the engine table (``backends.registry`` and the model formats it lists,
+    ``backends.formats``, which import no engine) and nothing else of the backends until an engine is built."""
     code = (
         "import sys, modeld.serve, modeld.prepare, modeld.slot, modeld.embedding_slot, modeld.capacity; "
-        "bad = sorted(m for m in sys.modules if m.startswith('backends') and m not in ('backends', 'backends.registry')"
+        "bad = sorted(m for m in sys.modules if m.startswith('backends') and m not in ('backends', 'backends.registry', 'backends.formats')"
         " or m.startswith(('llama_cpp', 'openvino'))); print(bad); sys.exit(1 if bad else 0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
