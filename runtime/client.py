@@ -94,6 +94,8 @@ from contract.types import (
 )
 from contract.wire import Kind, Message, Op
 
+from .fairlock import FairLock
+
 #: what the CURVE client's monitor reports: the handshake's outcome
 _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -167,7 +169,8 @@ class Client:
         self.owner = owner
         self._lease_renew_s = lease_renew_s
         self._ctx = zmq.Context()
-        self._lock = threading.RLock()
+        #: the socket's: handed over in arrival order, so a reader polling in a loop cannot starve another call
+        self._lock = FairLock()
         #: guards ``_sessions`` alone: the lease thread renews the leases without waiting for the request socket,
         #: which a reader holds a quarter second at a time while it polls behind a long prefill
         self._sessions_lock = threading.Lock()
