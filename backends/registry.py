@@ -29,7 +29,8 @@ from contract.types import GPU_LAYERS_ALL, QUANTIZED_KV_CACHE_TYPES, Config
 
 from .formats import GGUF, OPENVINO_IR, ModelFormat
 
-__all__ = ["ENGINES", "X86_64", "EngineFacts", "EngineSpec", "engine", "model_format", "model_formats"]
+__all__ = ["ENGINES", "X86_64", "EngineFacts", "EngineSpec", "engine", "format_on_disk", "model_format", "model_formats",
+           "not_a_known_format"]
 
 X86_64 = frozenset({"x86_64", "amd64", "x64"})
 
@@ -308,6 +309,16 @@ def model_formats() -> list[ModelFormat]:
         for fmt in spec.formats:
             out.setdefault(fmt.kind, fmt)
     return list(out.values())
+
+
+def format_on_disk(path: Path) -> ModelFormat | None:
+    """The registered format ``path`` on disk is a model of; None for none."""
+    return next((f for f in model_formats() if f.is_model(path)), None)
+
+
+def not_a_known_format() -> str:
+    """What a path or a file that no registered format takes is not: "not a GGUF file, nor an OpenVINO IR …"."""
+    return "not " + ", nor ".join(f.title for f in model_formats())
 
 
 def model_format(kind: str) -> ModelFormat | None:

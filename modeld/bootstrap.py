@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.formats import GGUF
-from backends.registry import ENGINES, model_formats
+from backends.registry import ENGINES, format_on_disk
 from contract import interrupt
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
@@ -99,7 +99,8 @@ def engine_facts(
     found = list(reader()) if num_gpu_layers != 0 else []
     offloading = frozenset(s.name for s in ENGINES.values()
                            if found and s.name in installed and s.gpu_offload is not None and s.gpu_offload())
-    kind = next((fmt.kind for fmt in model_formats() if fmt.is_model(p)), "other")
+    fmt = format_on_disk(p)
+    kind = fmt.kind if fmt is not None else "other"
     refusals: dict[str, str] = {}
     if kind == GGUF.kind:  # an engine's reader is imported only where its package is installed
         refusals = {s.name: s.refusal(p) for s in ENGINES.values() if s.refusal is not None and s.name in installed}

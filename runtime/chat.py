@@ -51,7 +51,7 @@ from contract.types import (
 
 from .client import Client, RemoteSession
 
-__all__ = ["Chat", "ChatEvent", "ChatResult", "ChatTiming", "ChatTurn", "ChatUsage", "chat_message", "split_messages"]
+__all__ = ["Chat", "ChatEvent", "ChatResult", "ChatTiming", "ChatTurn", "ChatUsage", "chat_message", "chat_messages", "split_messages"]
 
 #: DecodeConfig fields a chat call may set
 _DECODE_FIELDS = frozenset(DecodeConfig.model_fields)
@@ -161,14 +161,20 @@ def _json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def split_messages(messages: Iterable[Mapping[str, Any] | ChatMessage]) -> tuple[str, list[ChatMessage]]:
-    """The stable prefix (the leading system messages, joined by blank lines) and the conversation after it."""
+def chat_messages(messages: Iterable[Mapping[str, Any] | ChatMessage]) -> list[ChatMessage]:
+    """Each of ``messages`` as ``chat_message`` makes it; InvalidArgument naming the message (``messages[i]``)."""
     items = []
     for i, m in enumerate(messages):
         try:
             items.append(chat_message(m))
         except InvalidArgument as exc:
             raise InvalidArgument(f"messages[{i}]: {exc.message}", index=i, **exc.details) from None
+    return items
+
+
+def split_messages(messages: Iterable[Mapping[str, Any] | ChatMessage]) -> tuple[str, list[ChatMessage]]:
+    """The stable prefix (the leading system messages, joined by blank lines) and the conversation after it."""
+    items = chat_messages(messages)
     systems: list[str] = []
     while items and items[0].role == "system":
         systems.append(items.pop(0).content or "")

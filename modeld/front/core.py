@@ -41,7 +41,7 @@ from contract.types import (
     TokenCount,
     ToolCallDelta,
 )
-from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage, chat_message
+from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage, chat_messages
 
 from ..settings import HttpSettings
 from .access import AccessRecord, record_of
@@ -126,13 +126,10 @@ class TurnRequest:
 def turn_messages(raw: Iterable[Mapping[str, Any] | ChatMessage]) -> list[ChatMessage]:
     """An API's messages, in OpenAI's chat shape, as ``TurnRequest.messages``: a message no template could take
     (a bad role, an oversized text) is the 400 the serving core would answer for it, naming the message."""
-    out = []
-    for i, m in enumerate(raw):
-        try:
-            out.append(chat_message(m))
-        except InvalidArgument as exc:
-            raise api_error(InvalidArgument(f"messages[{i}]: {exc.message}", index=i, **exc.details)) from None
-    return out
+    try:
+        return chat_messages(raw)
+    except InvalidArgument as exc:
+        raise api_error(exc) from None
 
 
 class Turn:

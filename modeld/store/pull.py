@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.formats import GGUF
-from backends.registry import model_formats
+from backends.registry import format_on_disk, not_a_known_format
 
 from .refs import Choice, HubRef, RefError, choices, default_name, label, parse_ref, pick
 from .store import ModelStore, StoredFile, StoredModel, StoreError, check_name
@@ -284,9 +284,9 @@ def import_local(store: ModelStore, path: Path, *, name: str = "", replace: bool
                  log: Log = print) -> StoredModel:
     """A GGUF file (a split one's parts with it) or an OpenVINO IR directory into ``store``, linked or copied."""
     path = path.resolve()
-    fmt = next((f for f in model_formats() if f.is_model(path)), None)
+    fmt = format_on_disk(path)
     if fmt is None:
-        raise PullError(f"{path} is no model an engine here reads: not " + ", nor ".join(f.title for f in model_formats()))
+        raise PullError(f"{path} is no model an engine here reads: {not_a_known_format()}")
     try:
         chosen = fmt.local(path)
     except ValueError as exc:

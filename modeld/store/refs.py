@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.formats import GGUF, Choice, ModelFormat, quant_of
-from backends.registry import model_format, model_formats
+from backends.registry import model_format, model_formats, not_a_known_format
 
 from ..capacity.sizes import format_size
 
@@ -131,7 +131,7 @@ def parse_ref(text: str) -> HubRef | Path:
     if file and quant:
         raise RefError(f"{text}:{quant}: name a file or a quant, not both")
     if file and not any(fmt.names(file) for fmt in model_formats()):
-        raise RefError(f"{file!r} names no model: not " + ", nor ".join(fmt.title for fmt in model_formats()))
+        raise RefError(f"{file!r} names no model: {not_a_known_format()}")
     return HubRef(repo=f"{owner}/{repo_name}", quant=quant, file=file, revision=revision)
 
 
@@ -155,7 +155,7 @@ def _listing(found: list[Choice], repo: str) -> str:
 def pick(found: list[Choice], ref: HubRef) -> Choice:
     """The choice ``ref`` names among a repository's; RefError lists them when it names none or several."""
     if not found:
-        raise RefError(f"{ref.repo} has no model to pull: no " + ", nor ".join(f.title for f in model_formats()))
+        raise RefError(f"{ref.repo} has no model to pull: its files are {not_a_known_format()}")
     if ref.file:
         hit = [c for c in found if format_of(c.kind).named_by(c, ref.file)]
         if not hit:
