@@ -119,6 +119,13 @@ class MemoryModel:
         """None: the reference model computes no logits to check a draft with."""
         return None
 
+    def idle_pending(self) -> bool:
+        """False: the reference model has nothing to measure."""
+        return False
+
+    def idle_work(self) -> None:
+        return None
+
     def sampling_defaults(self) -> SamplingParams:
         """The documented defaults (the reference model has no metadata recommending others)."""
         return DEFAULT_SAMPLING

@@ -168,7 +168,7 @@ def oracle(rec: Recorded, costs: CheckCosts, num_ctx: int) -> float:
 def record(engine: str, exact: bool = False, model: str | None = None) -> dict[str, Any]:  # pragma: no cover
     """Each decode task and prose prompt of ``benchmarks.decode`` answered plainly, in process, on
     ``model`` (a GGUF path; the bundled model by default) with exact decode's settings when
-    ``exact``, and the cost table the model measured at load."""
+    ``exact``, and the model's cost table (kept from an earlier load, else measured first, as an idle daemon does)."""
     from backends.bundled import bundled_gguf_path
     from benchmarks.decode import EXACT_DECODE, NUM_CTX, PROSE_PROMPTS, TASKS, _backend, prefill_turn
     from contract.types import ChatMessage, Config, DecodeConfig, OpenSessionRequest, SuffixInput
@@ -177,6 +177,7 @@ def record(engine: str, exact: bool = False, model: str | None = None) -> dict[s
     req = OpenSessionRequest(path=model or str(bundled_gguf_path()), config=Config(num_ctx=NUM_CTX, **settings))
     loaded = _backend(engine).load(req, lambda _f: None)
     try:
+        loaded.idle_work()  # the check costs, when none are kept for this model and machine
         sess = loaded.open_session()
         manifest = loaded.manifest_defaults().model_copy(update={"profile": "bench-replay"})
         turns = list(TASKS) + [(f"prose prompt {i}", SuffixInput(messages=[ChatMessage(role="user", content=text)]), 128)

@@ -424,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     os.environ.setdefault("PYTHONPATH", str(ROOT))
+    # every daemon's turns are timed after its draft costs are (a first load on this machine times them when idle)
+    DaemonProcess.wait_for_costs = True
     count = gguf_token_counter()
     texts: dict[str, Any] = {
         "system": text_of_tokens(count, 2000, PREFIX_LINE),

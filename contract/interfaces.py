@@ -192,6 +192,16 @@ class LoadedModel(Protocol):
         """How the model drafts (its check costs, drafts kept so far); None: its engine does not draft."""
         ...
 
+    def idle_pending(self) -> bool:
+        """Whether the model has work for an idle slot (measuring its draft costs) that it can do now."""
+        ...
+
+    def idle_work(self) -> None:
+        """Do that work. The daemon runs it on the model thread while no request waits, inside an
+        ``interrupt.interruptible`` scope that the next request's arrival sets; it then stops at its next
+        unit of work (``Cancelled``), leaving the model as it found it."""
+        ...
+
     def close(self) -> None:
         """Release the model and its KV; sessions opened on it become closed."""
         ...

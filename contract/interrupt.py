@@ -95,8 +95,8 @@ def set_chunk_delay(seconds: float) -> None:
 
 def chunk_done(position: int) -> None:
     """A prefill chunk is in the KV, which now holds ``position`` tokens: ``prefilled``, then the chunk delay
-    (when one is set) for a request's prefill (inside ``prefilling``; a load's warm-up is not held back), which a
-    cancel ends at once."""
+    (when one is set) for a request's prefill, or the draft costs' timing (inside ``prefilling``; a load's warm-up
+    is not held back), which a cancel ends at once."""
     prefilled(position)
     delay = _chunk_delay_s[0]
     if delay <= 0 or _prefill[0] is None:

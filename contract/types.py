@@ -323,9 +323,12 @@ class SpeculationStatus(_Report):
 
     #: greedy decodes draft unless a request says otherwise (``modeld serve --speculative``)
     enabled: bool = False
-    #: the check costs were measured on this machine (when the model first loaded; otherwise drafts a
-    #: request asks for are priced by a prior)
+    #: the check costs were measured on this machine (kept from an earlier load, or timed while the slot was
+    #: idle after this one; until then drafts are priced by a prior)
     measured: bool = False
+    #: no table is kept for this model and machine yet: the model worker times the checks while the slot is
+    #: idle with nothing resident (status ``busy measure``), and a request that arrives stops it
+    pending: bool = False
     #: what a check of 2, 4, 8 and 16 rows costs after a short context, in one-token steps (keys: rows,
     #: as text, a map key msgpack and JSON both take)
     check_costs: dict[str, float] = Field(default_factory=dict)

@@ -12,6 +12,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 from contract.errors import ModeldError
 from contract.types import OpenSessionRequest
@@ -65,6 +66,13 @@ def wait_http(port: int, path: str = "/health", timeout_s: float = 30.0,
 class DaemonProcess:
     """``modeld serve`` as a child process with its own endpoint and data dir."""
 
+    #: ``start`` waits after Ready until the model's draft check costs are timed (``SpeculationStatus.pending``),
+    #: as on a daemon that sat idle once: the bench sets it, so its turns draft by a measured table and no
+    #: timing is cut short by them; tests serve at once, as a daemon an agent starts does
+    wait_for_costs: ClassVar[bool] = False
+    #: how long that wait may take (the timing prefills 2,048 tokens; minutes on a busy machine)
+    COSTS_TIMEOUT_S: ClassVar[float] = 900.0
+
     def __init__(self, tmp: Path, backend: str = "memory", endpoint: str | None = None, *extra: str) -> None:
         self.tmp = tmp
         tmp.mkdir(parents=True, exist_ok=True)
@@ -100,6 +108,9 @@ class DaemonProcess:
                 try:
                     st = c.status(timeout_s=1.0)
                     if st.state.value in wait_state:
+                        if self.wait_for_costs:
+                            wait_until(lambda: not self._costs_pending(c), "the draft costs to be timed",
+                                       timeout_s=self.COSTS_TIMEOUT_S, poll_s=0.5)
                         return self
                 except ModeldError:
                     pass
@@ -110,6 +121,11 @@ class DaemonProcess:
 
     def client(self, **kw: object) -> Client:
         return Client(self.endpoint, **kw)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _costs_pending(c: Client) -> bool:
+        st = c.status(timeout_s=5.0)
+        return st.speculation is not None and st.speculation.pending
 
     def log(self) -> str:
         try:

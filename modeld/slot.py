@@ -734,6 +734,26 @@ class SlotService:
                 holder.last_seen = holder.last_op = self._last_active = self._clock()
                 self._set_busy("")
 
+    # --- idle work (the model worker) -------------------------------------------------
+    def idle_pending(self) -> bool:
+        """Whether the loaded model has work for the idle slot (``LoadedModel.idle_work``) it can do now."""
+        with self._state_lock:
+            loaded = self._loaded if self._state is SlotState.READY and self._holder is None else None
+        return loaded is not None and loaded.idle_pending()
+
+    def idle_work(self) -> None:
+        """Run the loaded model's idle work (status says ``measure`` meanwhile); the worker's interrupt scope
+        stops it when a request arrives."""
+        with self._op_lock:
+            loaded = self._loaded
+            if loaded is None or not self.idle_pending():
+                return
+            self._set_busy("measure")
+            try:
+                loaded.idle_work()
+            finally:
+                self._set_busy("")
+
     # --- shutdown ----------------------------------------------------------------------
     def shutdown(self) -> None:
         with self._state_lock:

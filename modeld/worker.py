@@ -101,6 +101,7 @@ class Workers:
         out, emit = self._emitter()
         try:
             while True:
+                self._idle_work()
                 item = self._work.next_model_work()
                 if item is None:
                     if self._stopping.is_set():
@@ -117,6 +118,20 @@ class Workers:
             except Exception:
                 log.error("error while unloading at shutdown: %s", traceback.format_exc())
             out.close(0)
+
+    def _idle_work(self) -> None:
+        """What the loaded model does while nothing waits (``LoadedModel.idle_work``: its draft costs' timing),
+        stopped at its next unit of work by the next request's arrival, so a request never waits for it."""
+        if self._stopping.is_set() or not self.slot.idle_pending() or not self._work.start_idle():
+            return
+        try:
+            with interrupt.interruptible(self._work.arrived):
+                self.slot.idle_work()
+        except Cancelled:
+            log.info("idle work (draft cost timing) stopped for a request; it runs again when the slot is idle "
+                     "with nothing resident")
+        except Exception:
+            log.error("idle work failed: %s", traceback.format_exc())
 
     def _embed_main(self) -> None:
         lower_this_thread(self.engine_nice)

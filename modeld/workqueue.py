@@ -90,6 +90,8 @@ class WorkQueue:
         self._lock = threading.Lock()
         #: opens waiting for the slot, oldest first (worker thread only)
         self._parked: deque[Parked] = deque()
+        #: set by every request for the model worker (and by shutdown): it stops the worker's idle work
+        self.arrived = threading.Event()
 
     # --- the IO thread ---------------------------------------------------------------------------
     def post(self, identity: bytes, op: Op, msg: Message) -> Inflight:
@@ -102,6 +104,8 @@ class WorkQueue:
         if op is Op.OPEN:
             inf.queue_deadline = queue_deadline(msg)
         (self.embed if op is Op.EMBED else self.model).put((inf, msg))
+        if op is not Op.EMBED:
+            self.arrived.set()
         return inf
 
     def wake(self) -> None:
@@ -112,6 +116,7 @@ class WorkQueue:
         """Wake both workers to stop (a None each: the model worker stops on it once stopping is set)."""
         self.model.put(None)
         self.embed.put(None)
+        self.arrived.set()
 
     def cancel_event(self, identity: bytes, request_id: bytes) -> threading.Event | None:
         with self._lock:
@@ -219,6 +224,12 @@ class WorkQueue:
             return self.model.get(timeout=PARKED_POLL_S if self._parked else None)
         except queue.Empty:
             return None
+
+    def start_idle(self) -> bool:
+        """Whether the model worker may start idle work: no request queued or waiting. ``arrived`` is cleared
+        first, so a request posted from here on stops that work (``interrupt``)."""
+        self.arrived.clear()
+        return self.model.empty() and not self._parked
 
     def claim(self, inf: Inflight) -> bool:
         """The worker takes ``inf`` to run: False when the IO thread answered it already."""

@@ -470,7 +470,8 @@ def _speculation_rows(sp: SpeculationStatus) -> list[tuple[str, Any]]:
         what += f"; a check of {rows} rows costs {steps} one-token steps"
         if sp.check_growth_per_1k:
             what += f" (16 rows: +{sp.check_growth_per_1k:.2f} per 1,000 tokens of context)"
-        what += ", measured on this machine" if sp.measured else ", a prior (not measured)"
+        what += (", measured on this machine" if sp.measured
+                 else ", a prior until timed (when the slot is idle)" if sp.pending else ", a prior (not measured)")
     kept = (f"{sp.accepted_tokens} of {sp.drafted_tokens} drafted tokens kept "
             f"({sp.accepted_tokens / sp.drafted_tokens:.0%})" if sp.drafted_tokens else "none drafted yet")
     out: list[tuple[str, Any]] = [("speculation", what), ("drafts", kept)]

@@ -14,11 +14,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from backends.bundled import bundled_gguf_path
-from backends.tape.draft_costs import FIXED_ENV
+from backends.tape.draft_costs import FILE_NAME, FIXED_ENV
 from contract import wire
 from contract.errors import Cancelled, FrameTooLarge, InvalidArgument, ShuttingDown
 from contract.messages import CancelReply, CancelRequest, EnsurePrefixRequest
@@ -33,7 +34,7 @@ from contract.types import (
     SuffixInput,
 )
 from contract.wire import Kind, Op
-from harness.daemon import ROOT, DaemonProcess, thread_nices
+from harness.daemon import ROOT, DaemonProcess, thread_nices, wait_until
 from harness.prompts import EDIT_CONTINUATION
 from runtime import Client, RemoteSession
 
@@ -50,7 +51,7 @@ BUNDLED = ("--model", str(bundled_gguf_path()))
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend_proc(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """One daemon per engine for the module (a start loads the model and measures its check costs)."""
+    """One daemon per engine for the module."""
     d = DaemonProcess(tmp_path_factory.mktemp(request.param), request.param, None, *BUNDLED, "--num-ctx", "2048")
     d.start(ready_timeout_s=600, wait_state=("Ready",))
     try:
@@ -189,9 +190,10 @@ def test_speculation_through_the_daemon(backend_daemon: DaemonProcess) -> None:
                  for kind in ("accepted", "rejected")}
         assert moved == {"accepted": final.usage.accepted_tokens,
                          "rejected": final.usage.drafted_tokens - final.usage.accepted_tokens}
-        # status shows the costs the drafts were priced by, measured at load, and counts the drafts
+        # status shows the costs the drafts were priced by (kept, timed while idle, or the prior until then:
+        # test_a_daemon_times_its_draft_costs_while_idle), and counts the drafts
         assert drafts_before is not None and drafts_after is not None
-        assert drafts_after.enabled and drafts_after.measured
+        assert drafts_after.enabled
         costs = drafts_after.check_costs
         assert list(costs) == ["2", "4", "8", "16"] and 1.0 <= costs["2"] <= costs["4"] <= costs["8"] <= costs["16"]
         assert (drafts_after.drafted_tokens - drafts_before.drafted_tokens,
@@ -211,6 +213,51 @@ def test_speculation_through_the_daemon(backend_daemon: DaemonProcess) -> None:
         assert prompt + len(got) <= sess.explain_context().resident_tokens < prompt + LONG_PASS
         assert edit() == (plain, final) or edit()[0] == plain  # and the session serves on
         sess.close()
+
+
+@pytest.mark.llama
+def test_a_daemon_times_its_draft_costs_while_idle(tmp_path: Path) -> None:
+    """A first load on a machine (no table kept) is Ready before its draft check costs are timed: the model
+    worker times them while the slot is idle. A request that arrives meanwhile is served, the timing stopped
+    for it (and left pending: the tape it leaves is resident). A daemon left idle times them to the end and
+    keeps them, so the next load reads them and times nothing. Each chunk of a prefill, the timing's own
+    included, is held back 3 s: the timing cannot end before the request arrives."""
+    cache = tmp_path / "models"
+
+    def start(name: str, *extra: str) -> DaemonProcess:
+        d = DaemonProcess(tmp_path / name, "llama", None, *BUNDLED, "--num-ctx", "2048", *extra)
+        d.env["MODELD_MODEL_CACHE"] = str(cache)
+        return d.start(ready_timeout_s=600, wait_state=("Ready",))
+
+    first = start("first", "--prefill-chunk-delay-ms", "3000")
+    try:
+        with first.client(timeout_s=300.0) as c:
+            st = c.status()
+            assert st.state is SlotState.READY and st.speculation is not None
+            assert st.speculation.pending and not st.speculation.measured
+            sess = c.open_session(OpenSessionRequest())
+            m = manifest_for(sess, fresh_profile())
+            sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+            sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
+            assert [ch for ch in sess.decode(DecodeConfig(max_tokens=4)) if ch.done]
+            sess.close()
+            st = c.status()
+            assert st.speculation is not None and st.speculation.pending and not st.speculation.measured
+        assert "idle work (draft cost timing) stopped for a request" in first.log()
+        assert not (cache / FILE_NAME).exists()
+    finally:
+        first.stop()
+
+    with start("idle") as idle, idle.client(timeout_s=60.0) as c:
+        wait_until(lambda: not c.status().speculation.pending, "the draft costs timed",  # type: ignore[union-attr]
+                   timeout_s=900, poll_s=0.5)
+        timed = c.status().speculation
+    assert timed is not None and timed.measured and timed.check_costs
+    assert len(json.loads((cache / FILE_NAME).read_text())) == 1
+
+    with start("again") as again, again.client(timeout_s=60.0) as c:
+        kept = c.status().speculation
+    assert kept is not None and kept.measured and not kept.pending and kept.check_costs == timed.check_costs
 
 
 @pytest.mark.parametrize(

@@ -213,7 +213,9 @@ def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
         gguf_layout_digest(truncated_gguf(bundled, tmp_path / "cut.gguf", keep_fraction=0.01))
     base = _load(engine, "")
     try:
+        base.idle_work()  # timed as an idle daemon times them, where no table is kept yet
         costs, key, digest = base.draft_costs, draft_costs.cost_key(base), base.digest
+        assert base.draft_costs_measured
     finally:
         base.close()
 
@@ -221,6 +223,7 @@ def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
     other = _load(engine, "", str(bare))
     try:
         assert other.digest != digest and draft_costs.cost_key(other) == key and other.draft_costs == costs
+        assert other.draft_costs_measured and not other.idle_pending()
     finally:
         other.close()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -35,8 +36,10 @@ from backends.tape.speculate import (
     match_class,
 )
 from backends.tape.state import frame_state, header_diffs, pack_state, state_buffer, unpack_state
+from contract import interrupt
 from contract.errors import (
     BackendMismatch,
+    Cancelled,
     ContextOverflow,
     Internal,
     InvalidArgument,
@@ -976,27 +979,74 @@ def test_manifest_defaults_name_the_engine(model: ToyModel) -> None:
 
 
 def test_the_load_wiring_every_engine_shares(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``check_load`` refuses a request before a load; ``finish_load`` measures the draft costs of a
-    speculating backend, hands the model its cache and default, and closes a model it refuses."""
+    """``check_load`` refuses a request before a load; ``finish_load`` reads the kept draft costs of a
+    speculating backend (timing none), hands the model its cache and default, and closes a model it refuses."""
     with pytest.raises(BackendMismatch):
         check_load(OpenSessionRequest(type="other"), "toy")
     with pytest.raises(InvalidArgument):
         check_load(OpenSessionRequest(type="toy", config=Config(chat_template="no-such-template")), "toy")
     assert check_load(OpenSessionRequest(type="toy"), "toy") is None
-    measured = CheckCosts.prior()
-    monkeypatch.setattr("backends.tape.loading.draft_costs", lambda m, cache_dir: measured)
+    kept = CheckCosts([1.0 + 0.25 * r for r in range(MAX_DRAFT + 1)])
+    monkeypatch.setattr("backends.tape.loading.kept_costs", lambda m, cache_dir: kept)
     cache = object()
     plain, speculating = ToyModel(), ToyModel()
     finish_load(plain, None, False)
     assert (plain.speculative, plain.draft_costs_measured, plain.cache) == (False, False, None)
     finish_load(speculating, cache, True)  # type: ignore[arg-type]
     assert (speculating.speculative, speculating.draft_costs_measured, speculating.cache) == (True, True, cache)
-    assert speculating.draft_costs is measured
+    assert speculating.draft_costs is kept and not speculating.costs_pending
     declared = ToyModel()
     declared.config = Config(prompt_template_digest="sha256:else")
     with pytest.raises(ModelLoadFailed, match="declares template"):
         finish_load(declared, None, True)
     assert declared.closed and declared.cache is None
+
+
+def test_draft_costs_are_timed_when_the_slot_is_idle_and_an_arrival_stops_the_timing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A load with no kept table times nothing: it drafts by the prior, pending. ``idle_work`` times the checks
+    while nothing is resident; a request's arrival (the interrupt scope's event) stops it with the KV cleared
+    and nothing kept, and a later idle moment times them and keeps the table for the next load."""
+    monkeypatch.setenv("MODELD_MODEL_CACHE", str(tmp_path))
+    monkeypatch.delenv(costs_mod.FIXED_ENV, raising=False)
+    m = ToyModel(num_ctx=4096)
+    finish_load(m, None, True)
+    assert (m.draft_costs, m.draft_costs_measured, m.costs_pending) == (CheckCosts.prior(), False, True)
+    assert m.speculation().pending and not (tmp_path / costs_mod.FILE_NAME).exists()
+    # a resident tape is never evicted for it
+    m.set_kv([5, 6, 7], 0)
+    assert not m.idle_pending()
+    m.idle_work()
+    assert m.kv == [5, 6, 7] and m.costs_pending
+    m.clear_kv()
+    assert m.idle_pending()
+    # a request arrived: the real timing stops at its next unit of work
+    arrived = threading.Event()
+    arrived.set()
+    with pytest.raises(Cancelled), interrupt.interruptible(arrived):
+        m.idle_work()
+    assert m.kv == [] and m.res.tokens == [] and m.costs_pending and not m.draft_costs_measured
+    assert not (tmp_path / costs_mod.FILE_NAME).exists()
+    # idle again: timed to the end, kept
+    calls: list[str] = []
+    monkeypatch.setattr(costs_mod, "measure", _fixed_measure(calls))
+    m.idle_work()
+    assert len(calls) == 2 and m.draft_costs_measured and not m.costs_pending and not m.idle_pending()
+    assert m.kv == [] and m.draft_costs.cost(2) == 1.5
+    # the next load reads it and has nothing to do when idle
+    again = ToyModel(num_ctx=4096)
+    finish_load(again, None, True)
+    assert again.draft_costs == m.draft_costs and again.draft_costs_measured and not again.idle_pending()
+    assert len(calls) == 2
+    # a timing that stays implausible (the cores were taken) keeps the prior, measured no, and is not retried
+    monkeypatch.setenv("MODELD_MODEL_CACHE", str(tmp_path / "other"))
+    disturbed = ToyModel(num_ctx=4096)
+    finish_load(disturbed, None, True)
+    monkeypatch.setattr(costs_mod, "measure", lambda m, context=0: ({1: 1.0, 2: 9.0, 4: 9.0, 8: 9.0, 16: 20.0}, 0.0))
+    disturbed.idle_work()
+    assert disturbed.draft_costs == CheckCosts.prior() and not disturbed.draft_costs_measured
+    assert not disturbed.idle_pending()
 
 
 # --- the rules ---------------------------------------------------------------------------------------------------

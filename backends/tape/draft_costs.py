@@ -2,9 +2,11 @@
 
 The draft policy (``backends.tape.speculate``) needs what a check of ``r`` rows costs against a plain
 one-token step, and how that grows with the context. It depends on the engine, its kernels, the threads
-and the CPU, so it is timed at load on a throwaway context (a short one, then a longer one when the
-window has room), taking the fastest of ``REPS`` interleaved rounds, and then fixed, so drafts are a
-function of the tape and answers repeat. The table is kept on disk (``draft-costs.json`` in the model
+and the CPU, so it is timed on a throwaway context (a short one, then a longer one when the window
+has room), taking the fastest of ``REPS`` interleaved rounds, and then fixed, so drafts are a function
+of the tape and answers repeat. It is timed while the slot is idle after the load, not in it: on a busy
+machine the timing took 110 s, which a load (and the agent's first request behind it) would wait for;
+until it is done, drafts are priced by the prior. The table is kept on disk (``draft-costs.json`` in the model
 cache directory) under a key naming the engine, its version, the model's layout (``layout_digest``: the
 same weights under another chat template share a table), the kernels' settings and the CPU, not the
 context size: a restarted daemon drafts as before and measures nothing. A missing,
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from contract import interrupt
 from contract.manifest import canonical_digest
 from contract.types import DecodeConfig
 
@@ -34,7 +37,7 @@ if TYPE_CHECKING:
     from .model import TapeModel
     from .session import DecodeSteps
 
-__all__ = ["FILE_NAME", "FIXED_ENV", "cost_key", "draft_costs", "fixed_costs", "measure"]
+__all__ = ["FILE_NAME", "FIXED_ENV", "cost_key", "draft_costs", "fixed_costs", "kept_costs", "measure", "measure_costs"]
 
 log = logging.getLogger("modeld.speculate")
 
@@ -113,29 +116,46 @@ def fixed_costs() -> CheckCosts | None:
 
 
 def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:
-    """The model's check costs: from ``cache_dir`` when measured before, else measured (and stored).
+    """The model's check costs: from ``cache_dir`` when measured before, else measured now (and stored)."""
+    kept = kept_costs(m, cache_dir)
+    if kept is not None:
+        return kept
+    return measure_costs(m, cache_dir) or CheckCosts.prior()
 
-    Runs on a model with nothing resident (at load, before any session): it
-    prefills a throwaway context (a short one, then a longer one) and clears the
-    KV again. The longer one costs a prefill of ``LONG_CONTEXT_TOKENS`` tokens
-    once per model and machine (~3 s on OpenVINO, ~11 s on llama.cpp here).
-    """
+
+def kept_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts | None:
+    """The check costs a load drafts by without timing anything: the table kept in ``cache_dir`` for this
+    model and machine (the prior where the window is too small for drafts to matter); None: none is kept,
+    so they are still to be measured (``measure_costs``)."""
     rows = m.check_rows(max(TIMED_ROWS))
     if m.num_ctx < rows + 2:
         return CheckCosts.prior()  # a context this small leaves drafts little room anyway
+    stored = _load(cache_dir).get(cost_key(m))
+    if stored is None or (not _grows(stored) and _longest(m) >= MIN_LONG_CONTEXT_TOKENS):
+        return None  # (the second: timed in a window too small to see the growth this window can measure)
+    try:
+        costs = CheckCosts(stored["costs"], stored["growth"], stored["switch"])
+    except (TypeError, ValueError, KeyError, IndexError):
+        log.warning("ignoring a malformed draft cost table in %s", cache_dir)
+        return None
+    log.info("draft check costs (in plain steps, kept from an earlier load): %s", costs)
+    return costs
+
+
+def measure_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts | None:
+    """Time the checks on a model with nothing resident and keep the table in ``cache_dir``.
+
+    It prefills a throwaway context (a short one, then a longer one) and clears
+    the KV again: a prefill of ``LONG_CONTEXT_TOKENS`` tokens once per model and
+    machine (~3 s on OpenVINO, ~11 s on llama.cpp here, several times that on a
+    busy machine). The daemon runs it while the slot is idle, not in the load
+    (``TapeModelBase.idle_work``): inside an ``interrupt.interruptible`` scope a
+    request that arrives stops it between two timed checks or prefill chunks
+    (``Cancelled``), with the KV cleared and nothing kept. A table that stays
+    implausible (another program held the cores) gives None: drafts keep the prior until the next load.
+    """
     key = cost_key(m)
-    stored = _load(cache_dir).get(key)
-    longest = min(LONG_CONTEXT_TOKENS, m.num_ctx - rows - 1)
-    if stored is not None and not _grows(stored) and longest >= MIN_LONG_CONTEXT_TOKENS:
-        stored = None  # timed in a window too small to see the growth this window can measure
-    if stored is not None:
-        try:
-            costs = CheckCosts(stored["costs"], stored["growth"], stored["switch"])
-        except (TypeError, ValueError, KeyError, IndexError):
-            log.warning("ignoring a malformed draft cost table in %s", cache_dir)
-        else:
-            log.info("draft check costs (in plain steps, kept from an earlier load): %s", costs)
-            return costs
+    longest = _longest(m)
     t0 = time.perf_counter()
     for _attempt in range(MEASURE_ATTEMPTS):
         short, switch = measure(m)
@@ -153,12 +173,17 @@ def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:
     else:
         # kept in memory only: the next load measures again, on a quieter machine
         log.warning("draft check costs stayed disturbed; drafts are priced by the prior until the next load")
-        return CheckCosts.prior()
+        return None
     log.info("draft check costs measured in %.2f s (in plain steps): %s", time.perf_counter() - t0, costs)
     if cache_dir is not None:
         _save(cache_dir, {key: {"costs": costs.table(), "growth": costs.growth(), "switch": costs.switch(),
                                 "context": tokens if tokens >= MIN_LONG_CONTEXT_TOKENS else 0}})
     return costs
+
+
+def _longest(m: TapeModel) -> int:
+    """The longer context the checks are timed on again, as the window allows."""
+    return min(LONG_CONTEXT_TOKENS, m.num_ctx - m.check_rows(max(TIMED_ROWS)) - 1)
 
 
 def _grows(stored: dict[str, Any]) -> bool:
@@ -182,16 +207,21 @@ def measure(m: TapeModel, reps: int = REPS, context: int = CONTEXT_TOKENS) -> tu
     filler = m.tokenize(_FILLER)
     n = max(1, min(context, m.num_ctx - max(rows) - 1))
     context_tokens = (filler * (n // max(len(filler), 1) + 1))[:n]
-    m.set_kv(context_tokens, 0)
-    steps = m.decode_steps(DecodeConfig(max_tokens=1, temperature=0.0))
     same: dict[int, list[float]] = {r: [] for r in [1, *rows]}
     into: dict[int, list[float]] = {r: [] for r in rows}
     back: dict[int, list[float]] = {r: [] for r in rows}
+    steps: DecodeSteps | None = None
     try:
+        # a request that arrives stops it between chunks; inside a prefill's window, so that a slower machine on
+        # demand (``serve --prefill-chunk-delay-ms``) slows it as it slows a request's prefill
+        with interrupt.prefilling(0, len(context_tokens)):
+            m.set_kv(context_tokens, 0)
+        steps = m.decode_steps(DecodeConfig(max_tokens=1, temperature=0.0))
         steps.start()
         token = steps.sample()
         for rep in range(reps + 1):
             for r in rows:
+                interrupt.check("draft cost measurement")
                 # each run ends on a step, so the next one's first step follows a step (the first
                 # round, untimed, follows the prefill)
                 timed = [_time_check(steps, token, k) for k in (1, r, r, 1)]
@@ -201,7 +231,8 @@ def measure(m: TapeModel, reps: int = REPS, context: int = CONTEXT_TOKENS) -> tu
                     same[r].append(timed[2])
                     back[r].append(timed[3])
     finally:
-        steps.close()
+        if steps is not None:
+            steps.close()
         m.clear_kv()
     step = min(same[1])
     switch = statistics.median(

@@ -17,8 +17,9 @@ from contract.types import OpenSessionRequest
 
 from ..bundled import model_cache_dir
 from ..resident import check_model_type
-from .draft_costs import draft_costs, fixed_costs
+from .draft_costs import fixed_costs, kept_costs
 from .model import TapeModel, model_format
+from .speculate import CheckCosts
 from .templates import JinjaTemplate, choose_template, requested_template
 from .toolformats import require_format
 
@@ -29,6 +30,7 @@ class LoadedTape(TapeModel, Protocol):
     """A just-built engine model, as ``finish_load`` drives it (``TapeModelBase`` gives all of it)."""
 
     draft_costs_measured: bool
+    costs_pending: bool
 
     def check_declared_template(self) -> None: ...
 
@@ -51,16 +53,20 @@ def finish_load(model: LoadedTape, cache: StateCache | None, speculative: bool) 
     """The built model checked, warmed up, costed and given the backend's workspace cache and speculation default.
 
     The profile's declared template is checked first, then the engine warms up; a backend that
-    speculates measures the draft checks' costs (``draft_costs``, kept per machine in the model
-    cache). Any failure closes the model before it is raised: a half-loaded model holds no memory.
+    speculates reads the draft checks' costs kept for this model and machine (``draft_costs``, in the
+    model cache). Where none are kept it drafts by the prior and leaves the timing to the slot's first
+    idle moment (``TapeModelBase.idle_work``): the load, and the first request behind it, never wait for it.
+    Any failure closes the model before it is raised: a half-loaded model holds no memory.
     """
     try:
         model.check_declared_template()
         model.warm_up()
         if speculative:
             fixed = fixed_costs()
-            model.draft_costs = fixed if fixed is not None else draft_costs(model, model_cache_dir())
-            model.draft_costs_measured = fixed is None
+            kept = fixed if fixed is not None else kept_costs(model, model_cache_dir())
+            model.draft_costs = kept if kept is not None else CheckCosts.prior()
+            model.draft_costs_measured = fixed is None and kept is not None
+            model.costs_pending = kept is None
     except BaseException:
         model.close()
         raise

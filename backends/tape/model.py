@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from contract.errors import (
+    Cancelled,
     InvalidArgument,
     ModelLoadFailed,
     SessionClosed,
@@ -32,8 +33,10 @@ from contract.interfaces import StateCache
 from contract.manifest import ContextManifest, canonical_digest
 from contract.types import DEFAULT_SAMPLING, Config, DecodeConfig, SamplingParams, SessionSnapshot, SpeculationStatus
 
+from ..bundled import model_cache_dir
 from ..resident import Resident
 from .cache import save_tape
+from .draft_costs import measure_costs
 from .miss import SHARED as SHARED_SEEN
 from .miss import SeenPrompts
 from .output import resolve_protocols
@@ -361,9 +364,12 @@ class TapeModelBase(ABC):
         self.seen = SHARED_SEEN
         #: the daemon's default for ``DecodeConfig.speculative`` (``backends.tape.speculate``)
         self.speculative = True
-        #: measured at load by the backend (``backends.tape.draft_costs``) when it speculates
+        #: kept from an earlier load, or measured while the slot is idle (``backends.tape.draft_costs``), when it
+        #: speculates; the prior until then
         self.draft_costs = CheckCosts.prior()
         self.draft_costs_measured = False
+        #: no table is kept for this model and machine: ``idle_work`` measures one
+        self.costs_pending = False
         #: draft tokens checked and kept by every decode pass since the load
         self.drafts = SpeculationStats()
         #: the engine's kernels compute a token's row the same alone, in a draft's check or in a
@@ -459,6 +465,29 @@ class TapeModelBase(ABC):
         """``n``: an engine that pads checks to compiled shapes says so here."""
         return n
 
+    def idle_pending(self) -> bool:
+        """Whether ``idle_work`` has something to do now: the draft costs are unmeasured and nothing is resident
+        (the measurement prefills a throwaway context, which would evict a tape)."""
+        return self.costs_pending and not self.closed and not self.res.tokens
+
+    def idle_work(self) -> None:
+        """Measure the draft check costs (``draft_costs.measure_costs``), run by the daemon while the slot is
+        idle, inside an ``interrupt.interruptible`` scope that a request's arrival sets: then it raises
+        ``Cancelled`` with the KV cleared and stays pending, for the next idle moment with nothing resident."""
+        if not self.idle_pending():
+            return
+        try:
+            with self.errors("draft cost timing"):
+                measured = measure_costs(self, model_cache_dir())
+        except Cancelled:
+            raise  # still pending
+        except BaseException:
+            self.costs_pending = False  # a failure is not retried at every idle moment (the next load times them)
+            raise
+        self.costs_pending = False
+        if measured is not None:
+            self.draft_costs, self.draft_costs_measured = measured, True
+
     def speculation(self) -> SpeculationStatus:
         """How this model drafts: the daemon's default, the check costs its drafts are priced by, and
         the draft tokens kept so far (``DaemonStatus.speculation``)."""
@@ -466,6 +495,7 @@ class TapeModelBase(ABC):
         return SpeculationStatus(
             enabled=self.speculative,
             measured=self.draft_costs_measured,
+            pending=self.costs_pending,
             check_costs={str(rows): round(costs.cost(rows), 2) for rows in STATUS_CHECK_ROWS},
             check_growth_per_1k=round(costs.growth()[MAX_DRAFT], 2),
             drafted_tokens=self.drafts.drafted,
