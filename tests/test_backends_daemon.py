@@ -225,7 +225,7 @@ def test_a_daemon_times_its_draft_costs_while_idle(tmp_path: Path) -> None:
     cache = tmp_path / "models"
 
     def start(name: str, *extra: str) -> DaemonProcess:
-        d = DaemonProcess(tmp_path / name, "llama", None, *BUNDLED, "--num-ctx", "2048", *extra)
+        d = DaemonProcess(tmp_path / name, "llama", None, *BUNDLED, "--num-ctx", "1024", *extra)
         d.env["MODELD_MODEL_CACHE"] = str(cache)
         return d.start(ready_timeout_s=600, wait_state=("Ready",))
 
