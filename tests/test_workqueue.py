@@ -133,3 +133,21 @@ def test_shutdown_ends_every_wait() -> None:
     emitted: list[tuple[Inflight, list[bytes]]] = []
     work.sweep_deferred(lambda inf, frames: emitted.append((inf, frames)))
     assert [type(wire.error_of(wire.decode_reply(frames))) for _inf, frames in emitted] == [ShuttingDown]
+
+
+def test_idle_work_starts_only_with_nothing_queued_and_any_model_request_stops_it() -> None:
+    """``start_idle`` clears ``arrived`` and says whether the model worker may start idle work; every request for
+    the model worker (not an embedding) and shutdown set it, which stops that work (``interrupt``)."""
+    work, _slot, _stopping = _queue()
+    assert work.start_idle() and not work.arrived.is_set()
+    work.post(b"c1", Op.EMBED, _embed(b"e1"))  # the embedding worker's: the model worker's idle work goes on
+    assert not work.arrived.is_set()
+    work.wake()  # the IO thread's periodic wake-up (leases) neither stops it ...
+    assert not work.arrived.is_set()
+    assert not work.start_idle()  # ... nor lets it start while the wake-up is queued
+    assert work.model.get_nowait() is None and work.start_idle()
+    inf = work.post(b"c1", Op.OPEN, _open(b"r1"))
+    assert work.arrived.is_set() and not work.start_idle() and not work.arrived.is_set()
+    assert work.model.get_nowait() == (inf, _open(b"r1")) and work.start_idle()
+    work.stop_workers()
+    assert work.arrived.is_set()
