@@ -805,12 +805,17 @@ def _fixed_measure(calls: list[str]) -> Any:
     return measure
 
 
+def _load_costs(m: Any, cache_dir: Any) -> CheckCosts:
+    """What a load drafts by once the idle slot has timed the checks: the kept table, else a new one."""
+    return costs_mod.kept_costs(m, cache_dir) or costs_mod.measure_costs(m, cache_dir) or CheckCosts.prior()
+
+
 def test_draft_costs_are_measured_once_per_model_and_kept_on_disk(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
     calls: list[str] = []
     monkeypatch.setattr(costs_mod, "measure", _fixed_measure(calls))
-    first = costs_mod.draft_costs(ToyModel(num_ctx=4096), tmp_path)
+    first = _load_costs(ToyModel(num_ctx=4096), tmp_path)
     # timed after a short context and after LONG_CONTEXT_TOKENS: how a check's cost grows with the context
     long = costs_mod.LONG_CONTEXT_TOKENS
     assert calls == ["sha256:toymodel", f"sha256:toymodel after {long}"]
@@ -818,35 +823,35 @@ def test_draft_costs_are_measured_once_per_model_and_kept_on_disk(
     span = long - costs_mod.CONTEXT_TOKENS
     assert first.cost(2, span) == pytest.approx(2.0, abs=0.01) and first.cost(16, span) == pytest.approx(5.5, abs=0.01)
     # a restart (a new model object of the same identity) reads the table: the same drafts as before
-    assert costs_mod.draft_costs(ToyModel(num_ctx=2048), tmp_path) == first and len(calls) == 2
+    assert _load_costs(ToyModel(num_ctx=2048), tmp_path) == first and len(calls) == 2
     other = ToyModel(num_ctx=1024)
     other._digest = "sha256:other"
-    costs_mod.draft_costs(other, tmp_path)
+    _load_costs(other, tmp_path)
     # another model is measured; a window smaller than LONG_CONTEXT_TOKENS is measured as full as it goes
     assert calls[2:] == ["sha256:other", f"sha256:other after {1024 - MAX_DRAFT - 2}"]
     assert len(json.loads((tmp_path / costs_mod.FILE_NAME).read_text())) == 2
     # a damaged file, a malformed entry or no directory at all only mean measuring again
     del calls[:]
     (tmp_path / costs_mod.FILE_NAME).write_text("{not json")
-    assert costs_mod.draft_costs(ToyModel(num_ctx=4096), tmp_path) == first and len(calls) == 2
+    assert _load_costs(ToyModel(num_ctx=4096), tmp_path) == first and len(calls) == 2
     key = costs_mod.cost_key(ToyModel(num_ctx=4096))
     for malformed in ([1.0, -2.0], {"costs": first.table()}, {"costs": first.table(), "growth": [-1.0] * 16},
                       {"costs": first.table(), "growth": first.growth()},  # measured before the switch was
                       {"costs": first.table(), "growth": first.growth(), "switch": "fast"}):
         (tmp_path / costs_mod.FILE_NAME).write_text(json.dumps({key: malformed}))
         del calls[:]
-        assert costs_mod.draft_costs(ToyModel(num_ctx=4096), tmp_path) == first and len(calls) == 2
+        assert _load_costs(ToyModel(num_ctx=4096), tmp_path) == first and len(calls) == 2
     del calls[:]
-    assert costs_mod.draft_costs(ToyModel(num_ctx=4096), None) == first and len(calls) == 2
+    assert _load_costs(ToyModel(num_ctx=4096), None) == first and len(calls) == 2
     blocked = tmp_path / "file"
     blocked.write_text("")
-    assert costs_mod.draft_costs(ToyModel(num_ctx=4096), blocked / "sub") == first and len(calls) == 4
+    assert _load_costs(ToyModel(num_ctx=4096), blocked / "sub") == first and len(calls) == 4
     # a window too small for a longer measurement: the short one alone, no growth
     del calls[:]
-    small = costs_mod.draft_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), None)
+    small = _load_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), None)
     assert calls == ["sha256:toymodel"] and small.growth() == [0.0] * (MAX_DRAFT + 1)
     # a context too small for a full draft's check keeps the prior table and measures nothing
-    assert costs_mod.draft_costs(ToyModel(num_ctx=16), tmp_path) == CheckCosts.prior() and len(calls) == 1
+    assert _load_costs(ToyModel(num_ctx=16), tmp_path) == CheckCosts.prior() and len(calls) == 1
 
 
 class LlamaNamedToy(ToyModel):
@@ -865,18 +870,18 @@ def test_a_cost_table_serves_every_window_and_a_growthless_one_is_replaced(
     for cls in (ToyModel, LlamaNamedToy):
         assert costs_mod.cost_key(cls(num_ctx=1024)) == costs_mod.cost_key(cls(num_ctx=32768))
     # a window too small to time the longer context keeps a table with no growth ...
-    small = costs_mod.draft_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), tmp_path)
+    small = _load_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), tmp_path)
     assert calls == ["sha256:toymodel"] and small.growth() == [0.0] * (MAX_DRAFT + 1)
     # ... which another small window reads, while a window with room measures the growth and replaces it
-    assert costs_mod.draft_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), tmp_path) == small
+    assert _load_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), tmp_path) == small
     assert len(calls) == 1
-    full = costs_mod.draft_costs(ToyModel(num_ctx=8192), tmp_path)
+    full = _load_costs(ToyModel(num_ctx=8192), tmp_path)
     assert calls[1:] == ["sha256:toymodel", f"sha256:toymodel after {costs_mod.LONG_CONTEXT_TOKENS}"]
     assert full.growth() != small.growth()
     # from then on every window, small or large, drafts by the full table and measures nothing
     for n in (costs_mod.MIN_LONG_CONTEXT_TOKENS, 2048, 32768):
-        assert costs_mod.draft_costs(LlamaNamedToy(num_ctx=n), tmp_path) == full
-    assert costs_mod.draft_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), tmp_path) == full
+        assert _load_costs(LlamaNamedToy(num_ctx=n), tmp_path) == full
+    assert _load_costs(ToyModel(num_ctx=costs_mod.MIN_LONG_CONTEXT_TOKENS), tmp_path) == full
     assert len(calls) == 3
 
 

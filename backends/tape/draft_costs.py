@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .model import TapeModel
     from .session import DecodeSteps
 
-__all__ = ["FILE_NAME", "FIXED_ENV", "cost_key", "draft_costs", "fixed_costs", "kept_costs", "measure", "measure_costs"]
+__all__ = ["FILE_NAME", "FIXED_ENV", "cost_key", "fixed_costs", "kept_costs", "measure", "measure_costs"]
 
 log = logging.getLogger("modeld.speculate")
 
@@ -113,14 +113,6 @@ def fixed_costs() -> CheckCosts | None:
         return CheckCosts([float(c) for c in json.loads(raw)])
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{FIXED_ENV} must be a JSON list of {MAX_DRAFT + 1} positive costs: {exc}") from None
-
-
-def draft_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts:
-    """The model's check costs: from ``cache_dir`` when measured before, else measured now (and stored)."""
-    kept = kept_costs(m, cache_dir)
-    if kept is not None:
-        return kept
-    return measure_costs(m, cache_dir) or CheckCosts.prior()
 
 
 def kept_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts | None:
