@@ -327,7 +327,7 @@ class SpeculationStatus(_Report):
     #: idle after this one; until then drafts are priced by a prior)
     measured: bool = False
     #: no table is kept for this model and machine yet: the model worker times the checks while the slot is
-    #: idle with nothing resident (status ``busy measure``), and a request that arrives stops it
+    #: idle with nothing resident, and a request that arrives stops it (no busy operation: it waits for none)
     pending: bool = False
     #: what a check of 2, 4, 8 and 16 rows costs after a short context, in one-token steps (keys: rows,
     #: as text, a map key msgpack and JSON both take)

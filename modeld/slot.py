@@ -742,17 +742,12 @@ class SlotService:
         return loaded is not None and loaded.idle_pending()
 
     def idle_work(self) -> None:
-        """Run the loaded model's idle work (status says ``measure`` meanwhile); the worker's interrupt scope
-        stops it when a request arrives."""
+        """Run the loaded model's idle work; the worker's interrupt scope stops it when a request arrives. Status
+        shows no busy operation meanwhile: a request does not wait for it (``speculation.pending`` says it runs)."""
         with self._op_lock:
             loaded = self._loaded
-            if loaded is None or not self.idle_pending():
-                return
-            self._set_busy("measure")
-            try:
+            if loaded is not None and self.idle_pending():
                 loaded.idle_work()
-            finally:
-                self._set_busy("")
 
     # --- shutdown ----------------------------------------------------------------------
     def shutdown(self) -> None:
