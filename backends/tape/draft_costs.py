@@ -139,8 +139,7 @@ def measure_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts | None:
 
     It prefills a throwaway context (a short one, then a longer one) and clears
     the KV again: a prefill of ``LONG_CONTEXT_TOKENS`` tokens once per model and
-    machine (~3 s on OpenVINO, ~11 s on llama.cpp here, several times that on a
-    busy machine). The daemon runs it while the slot is idle, not in the load
+    machine (seconds to tens of seconds here, far more on a busy machine). The daemon runs it while the slot is idle, not in the load
     (``TapeModelBase.idle_work``): inside an ``interrupt.interruptible`` scope a
     request that arrives stops it between two timed checks or prefill chunks
     (``Cancelled``), with the KV cleared and nothing kept. A table that stays
@@ -152,10 +151,9 @@ def measure_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts | None:
     for _attempt in range(MEASURE_ATTEMPTS):
         short, switch = measure(m)
         longer: dict[int, float] | None = None
-        tokens = longest
-        if tokens >= MIN_LONG_CONTEXT_TOKENS:
-            longer, _ = measure(m, context=tokens)
-        costs = CheckCosts.from_points(short, m.check_rows, longer, tokens - CONTEXT_TOKENS, switch)
+        if longest >= MIN_LONG_CONTEXT_TOKENS:
+            longer, _ = measure(m, context=longest)
+        costs = CheckCosts.from_points(short, m.check_rows, longer, longest - CONTEXT_TOKENS, switch)
         costs = CheckCosts(
             [round(c, 2) for c in costs.table()], [round(g, 3) for g in costs.growth()], round(costs.switch(), 3)
         )
@@ -169,7 +167,7 @@ def measure_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts | None:
     log.info("draft check costs measured in %.2f s (in plain steps): %s", time.perf_counter() - t0, costs)
     if cache_dir is not None:
         _save(cache_dir, {key: {"costs": costs.table(), "growth": costs.growth(), "switch": costs.switch(),
-                                "context": tokens if tokens >= MIN_LONG_CONTEXT_TOKENS else 0}})
+                                "context": longest if longest >= MIN_LONG_CONTEXT_TOKENS else 0}})
     return costs
 
 
