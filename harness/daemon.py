@@ -109,8 +109,12 @@ class DaemonProcess:
                     st = c.status(timeout_s=1.0)
                     if st.state.value in wait_state:
                         if self.wait_for_costs:
-                            wait_until(lambda: not self._costs_pending(c), "the draft costs to be timed",
-                                       timeout_s=self.COSTS_TIMEOUT_S, poll_s=0.5)
+                            try:
+                                wait_until(lambda: not self._costs_pending(c), "the draft costs to be timed",
+                                           timeout_s=self.COSTS_TIMEOUT_S, poll_s=0.5)
+                            except AssertionError:
+                                self.stop()  # as a daemon never Ready is: no process outlives a failed start
+                                raise
                         return self
                 except ModeldError:
                     pass

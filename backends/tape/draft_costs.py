@@ -5,7 +5,7 @@ one-token step, and how that grows with the context. It depends on the engine, i
 and the CPU, so it is timed on a throwaway context (a short one, then a longer one when the window
 has room), taking the fastest of ``REPS`` interleaved rounds, and then fixed, so drafts are a function
 of the tape and answers repeat. It is timed while the slot is idle after the load, not in it: on a busy
-machine the timing took 110 s, which a load (and the agent's first request behind it) would wait for;
+machine the timing takes minutes, which a load (and the agent's first request behind it) would wait for;
 until it is done, drafts are priced by the prior. The table is kept on disk (``draft-costs.json`` in the model
 cache directory) under a key naming the engine, its version, the model's layout (``layout_digest``: the
 same weights under another chat template share a table), the kernels' settings and the CPU, not the
@@ -139,11 +139,12 @@ def measure_costs(m: TapeModel, cache_dir: Path | None) -> CheckCosts | None:
 
     It prefills a throwaway context (a short one, then a longer one) and clears
     the KV again: a prefill of ``LONG_CONTEXT_TOKENS`` tokens once per model and
-    machine (seconds to tens of seconds here, far more on a busy machine). The daemon runs it while the slot is idle, not in the load
+    machine. The daemon runs it while the slot is idle, not in the load
     (``TapeModelBase.idle_work``): inside an ``interrupt.interruptible`` scope a
     request that arrives stops it between two timed checks or prefill chunks
     (``Cancelled``), with the KV cleared and nothing kept. A table that stays
-    implausible (another program held the cores) gives None: drafts keep the prior until the next load.
+    implausible (another program held the cores) gives None: drafts keep the
+    prior until the next load.
     """
     key = cost_key(m)
     longest = _longest(m)
