@@ -876,6 +876,11 @@ class StreamChunk(_Report):
     #: the same calls as they are written, piece by piece (a call's pieces come before or with the call itself)
     tool_call_deltas: list[ToolCallDelta] = Field(default_factory=list)
     token_ids: list[int] = Field(default_factory=list)
+    #: when a frame carries several decode steps merged (``modeld serve --stream-interval-ms``): ``text`` and
+    #: ``thinking`` in the pieces the steps produced, so a reader can hand them on one by one, as a server that
+    #: sends a frame a token does (empty: the field is one piece)
+    text_pieces: list[str] = Field(default_factory=list)
+    thinking_pieces: list[str] = Field(default_factory=list)
     error: ErrorInfo | None = None
     done: bool = False
     finish_reason: FinishReason = ""

@@ -19,6 +19,14 @@ interval of 0 every chunk is its own frame.
 
 A speculative step yields several chunks back to back; they merge into one
 frame the same way.
+
+A merged chunk keeps the pieces its text and reasoning came in (``text_pieces``,
+``thinking_pieces``), and the client (``runtime.chat``) hands them on one by one:
+the HTTP APIs send one event per decode step, as servers that send a frame a
+token do. Readers count on that: litellm (aider, mini-swe-agent) ends a stream
+as "the model is repeating the same chunk" after 100 equal deltas, and a reply
+that repeats a few tokens, decoded at a steady rate, gave 100 equal merged deltas
+where the same reply token by token gives none.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from collections.abc import Callable
 
 from contract.types import StreamChunk
 
-__all__ = ["ChunkCoalescer", "merge", "mergeable"]
+__all__ = ["ChunkCoalescer", "merge", "mergeable", "pieces"]
 
 
 def mergeable(first: StreamChunk, then: StreamChunk) -> bool:
@@ -40,14 +48,24 @@ def mergeable(first: StreamChunk, then: StreamChunk) -> bool:
     return not (then.text and calls)
 
 
+def pieces(whole: str, parts: list[str]) -> list[str]:
+    """A chunk's field as its pieces: ``parts`` when it was merged, else the field itself (none when empty)."""
+    return list(parts) if parts else [whole] if whole else []
+
+
 def merge(first: StreamChunk, then: StreamChunk) -> StreamChunk:
-    """One data chunk saying what ``first`` and then ``then`` said: texts joined, lists extended."""
+    """One data chunk saying what ``first`` and then ``then`` said: texts joined, lists extended, and each text's
+    pieces kept (``text_pieces``, ``thinking_pieces``), so a reader can still send them apart."""
+    text = pieces(first.text, first.text_pieces) + pieces(then.text, then.text_pieces)
+    thinking = pieces(first.thinking, first.thinking_pieces) + pieces(then.thinking, then.thinking_pieces)
     return StreamChunk(
         text=first.text + then.text,
         thinking=first.thinking + then.thinking,
         tool_calls=[*first.tool_calls, *then.tool_calls],
         tool_call_deltas=[*first.tool_call_deltas, *then.tool_call_deltas],
         token_ids=[*first.token_ids, *then.token_ids],
+        text_pieces=text if len(text) > 1 else [],
+        thinking_pieces=thinking if len(thinking) > 1 else [],
     )
 
 

@@ -109,6 +109,23 @@ class ChatEvent(BaseModel):
     tool_call_deltas: list[ToolCallDelta] = Field(default_factory=list)
     result: ChatResult | None = None
 
+    @classmethod
+    def steps(cls, chunk: StreamChunk) -> list[ChatEvent]:
+        """A frame's events: one, or where the daemon merged several decode steps into the frame, one per step's
+        reasoning and text (``text_pieces``, ``thinking_pieces``; its calls in one event after them), in their
+        order: an HTTP API then sends a delta a step, as a server that sends a frame a token does."""
+        if not (chunk.text_pieces or chunk.thinking_pieces):
+            if chunk.text or chunk.thinking or chunk.tool_calls or chunk.tool_call_deltas:
+                return [cls(text=chunk.text, thinking=chunk.thinking, tool_calls=list(chunk.tool_calls),
+                            tool_call_deltas=list(chunk.tool_call_deltas))]
+            return []
+        # a merged frame's reasoning comes before its text, and its text before its calls (``modeld.coalesce``)
+        out = [cls(thinking=p) for p in chunk.thinking_pieces or ([chunk.thinking] if chunk.thinking else [])]
+        out += [cls(text=p) for p in chunk.text_pieces or ([chunk.text] if chunk.text else [])]
+        if chunk.tool_calls or chunk.tool_call_deltas:
+            out.append(cls(tool_calls=list(chunk.tool_calls), tool_call_deltas=list(chunk.tool_call_deltas)))
+        return out
+
 
 def _content(value: Any) -> str | None:
     """OpenAI content: a string, None, or a list of parts whose text parts are joined."""
@@ -450,9 +467,7 @@ def _events(
             text.append(chunk.text)
             thinking.append(chunk.thinking)
             calls += chunk.tool_calls
-            if chunk.text or chunk.thinking or chunk.tool_calls or chunk.tool_call_deltas:
-                yield ChatEvent(text=chunk.text, thinking=chunk.thinking, tool_calls=list(chunk.tool_calls),
-                                tool_call_deltas=list(chunk.tool_call_deltas))
+            yield from ChatEvent.steps(chunk)
     finally:
         stream.close()
         sess.close()  # the slot is free for the next agent; the KV stays resident

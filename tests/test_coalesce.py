@@ -6,6 +6,7 @@ import pytest
 
 from contract.types import ErrorInfo, StreamChunk, ToolCall, ToolCallFunction
 from modeld.coalesce import ChunkCoalescer, merge, mergeable
+from runtime.chat import ChatEvent
 
 
 class Clock:
@@ -29,7 +30,7 @@ def test_first_chunk_goes_at_once_then_one_frame_per_interval() -> None:
     clock.now += 0.005
     assert c.push(text("c", 3)) == []
     clock.now += 0.010  # 25 ms since the last frame
-    assert c.push(text("d", 4)) == [StreamChunk(text="bcd", token_ids=[2, 3, 4])]
+    assert c.push(text("d", 4)) == [StreamChunk(text="bcd", token_ids=[2, 3, 4], text_pieces=["b", "c", "d"])]
     clock.now += 0.030  # a slow step: its chunk is due at once
     assert c.push(text("e", 5)) == [text("e", 5)]
 
@@ -59,7 +60,7 @@ def test_flush_hands_over_held_text_once() -> None:
     c.push(text("a", 1))
     c.push(text("b", 2))
     c.push(text("c", 3))
-    assert c.flush() == [StreamChunk(text="bc", token_ids=[2, 3])]
+    assert c.flush() == [StreamChunk(text="bc", token_ids=[2, 3], text_pieces=["b", "c"])]
     assert c.flush() == []
     assert c.push(text("d", 4)) == []  # the flush counts as a frame: the interval starts again
 
@@ -76,7 +77,27 @@ def test_merge_joins_every_channel() -> None:
     a = StreamChunk(thinking="hm", token_ids=[1])
     b = StreamChunk(thinking=" ok", text="Hi", token_ids=[2, 3])
     c = StreamChunk(tool_calls=[call], token_ids=[4])
-    assert merge(merge(a, b), c) == StreamChunk(thinking="hm ok", text="Hi", tool_calls=[call], token_ids=[1, 2, 3, 4])
+    assert merge(merge(a, b), c) == StreamChunk(thinking="hm ok", text="Hi", tool_calls=[call], token_ids=[1, 2, 3, 4],
+                                                thinking_pieces=["hm", " ok"])
+
+
+def test_a_merged_chunk_keeps_its_pieces_and_the_client_hands_them_on_one_by_one() -> None:
+    """A reply that repeats a few tokens, merged a steady number of steps a frame, makes equal frames; the pieces
+    it came in are kept, and the chat client yields an event a piece (what the HTTP APIs send a delta for)."""
+    steps = [StreamChunk(thinking="so"), StreamChunk(thinking=" yes"), *(text(s, i) for i, s in enumerate("#\n```\n"))]
+    merged = steps[0]
+    for step in steps[1:]:
+        merged = merge(merged, step)
+    assert (merged.thinking, merged.text) == ("so yes", "#\n```\n")
+    assert (merged.thinking_pieces, merged.text_pieces) == (["so", " yes"], ["#", "\n", "`", "`", "`", "\n"])
+    assert merge(text("a", 1), StreamChunk(token_ids=[2])).text_pieces == []  # one piece: none listed
+    merged = merge(merged, StreamChunk(tool_calls=[ToolCall(id="f")], token_ids=[9]))
+    events = ChatEvent.steps(merged)
+    assert [(e.thinking, e.text) for e in events[:-1]] == [("so", ""), (" yes", ""), *(("", s) for s in "#\n```\n")]
+    assert [c.id for c in events[-1].tool_calls] == ["f"] and not events[-1].text
+    # an unmerged frame stays one event
+    one = StreamChunk(thinking="t", text="x", tool_calls=[ToolCall(id="g")])
+    assert [(e.thinking, e.text, len(e.tool_calls)) for e in ChatEvent.steps(one)] == [("t", "x", 1)]
 
 
 @pytest.mark.parametrize(

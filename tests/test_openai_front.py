@@ -203,6 +203,33 @@ def test_chat_streamed_with_usage(front: Front) -> None:
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
 
 
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_a_stream_sends_a_delta_a_decode_step_though_the_daemon_merges_frames(front: Front, api: str) -> None:
+    """At 5 ms a token the daemon merges ~10 steps a frame (its 50-ms stream interval); each API still sends a
+    delta a step, as a server that sends a frame a token does. (litellm, under aider and mini-swe-agent, ends a
+    stream after 100 equal deltas: a reply that repeats a few tokens made them when merged frames were sent.)"""
+    sdk = front.sdk()
+    deltas: list[str] = []
+    if api == "chat":
+        for chunk in sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "Go on."}],
+                                                 max_tokens=120, stream=True, temperature=0):
+            if chunk.choices and chunk.choices[0].delta.content:
+                deltas.append(chunk.choices[0].delta.content)
+    elif api == "responses":
+        for event in sdk.responses.create(model="ref", input="Go on.", max_output_tokens=120, stream=True, store=False):
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+    else:
+        anthropic = pytest.importorskip("anthropic")
+        client = anthropic.Anthropic(base_url=front.url.removesuffix("/v1"), api_key="none", max_retries=0)
+        for ev in client.messages.create(model="ref", max_tokens=120, messages=[{"role": "user", "content": "Go on."}],
+                                         stream=True):
+            if ev.type == "content_block_delta" and ev.delta.type == "text_delta":
+                deltas.append(ev.delta.text)
+    # the reference backend's token is one character of text
+    assert len(deltas) == 120 and all(len(d) == 1 for d in deltas), deltas
+
+
 def test_tool_turns_are_accepted(front: Front) -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "slot.py"}'}}
     tool = {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {}}}}
