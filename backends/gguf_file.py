@@ -1,10 +1,10 @@
 """GGUF files: metadata for planning and identity, read without loading weights.
 
-Two readers, both here: ``read_gguf`` parses the whole header with the ``gguf``
-package (every array too: ~2 s for the bundled model's vocabulary, so its
-result is cached per file by ``gguf_facts``); ``gguf_scalars`` reads only the
-scalar keys straight from the mapped header in a few milliseconds, for a load
-that needs a handful of numbers before the engine opens the file itself.
+Everything is read straight from the mapped header: ``read_gguf`` (the shape, template, tokenizer facts, the
+tensor table) walks the vocabulary's arrays without decoding them, so it takes tens of milliseconds where the
+``gguf`` package's reader, which turns every array element into a numpy view, took 2-3 s for the bundled model
+(on every load and describe: ``tests/test_gguf_file.py`` holds the two readers equal); ``gguf_scalars`` reads
+only the scalar keys, for a load that needs a handful of numbers before the engine opens the file itself.
 """
 
 from __future__ import annotations
@@ -53,30 +53,24 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
+#: arrays ``read_gguf`` leaves out of ``GGUFFacts.raw`` (the vocabulary: tens of thousands of elements)
+_VOCAB_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                 "tokenizer.ggml.scores")
+
+
 def read_gguf(path: str | Path) -> GGUFFacts:
     """Scalar metadata and tensor totals; raises ValueError for a file that is not a valid GGUF."""
-    from gguf import GGUFReader  # imported lazily: only the backends need it
-
     p = Path(path)
     if not is_gguf(p):
         raise ValueError(f"{p} is not a GGUF file (bad magic)")
     try:
-        reader = GGUFReader(str(p), "r")
-    except Exception as exc:  # gguf raises ValueError/IndexError/struct.error on truncation
+        with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            header = _Header(buf)
+            raw, arrays, off = header.metadata(skip=_VOCAB_ARRAYS)
+            tensors = header.tensors(off)
+            control = header.control_tokens(arrays.get("tokenizer.ggml.tokens"), arrays.get("tokenizer.ggml.token_type"))
+    except (struct.error, IndexError, UnicodeDecodeError, OverflowError, ValueError, KeyError, MemoryError) as exc:
         raise ValueError(f"{p} is not a readable GGUF: {type(exc).__name__}: {exc}") from exc
-    raw: dict[str, Any] = {}
-    for name, fld in reader.fields.items():
-        if name.startswith("tokenizer.ggml.") and name in (
-            "tokenizer.ggml.tokens",
-            "tokenizer.ggml.merges",
-            "tokenizer.ggml.token_type",
-            "tokenizer.ggml.scores",
-        ):
-            continue  # large arrays we never need here
-        try:
-            raw[name] = fld.contents()
-        except Exception:  # an exotic field type; irrelevant for planning
-            continue
     arch = str(raw.get("general.architecture", ""))
 
     def g(key: str, default: Any = 0) -> Any:
@@ -87,6 +81,7 @@ def read_gguf(path: str | Path) -> GGUFFacts:
     n_head_kv = int(max(n_head_kv_raw) if isinstance(n_head_kv_raw, list) else n_head_kv_raw)
     n_embd = int(g("embedding_length", 0) or 0)
     head_default = n_embd // n_head if n_head else 0
+    tokens = arrays.get("tokenizer.ggml.tokens")
     shape = ModelShape(
         n_ctx_train=int(g("context_length", 0) or 0),
         n_layer=int(g("block_count", 0) or 0),
@@ -94,10 +89,9 @@ def read_gguf(path: str | Path) -> GGUFFacts:
         n_head_kv=n_head_kv,
         head_dim_k=int(g("attention.key_length", head_default) or head_default),
         head_dim_v=int(g("attention.value_length", head_default) or head_default),
-        weights_bytes=int(sum(int(t.n_bytes) for t in reader.tensors)),
+        weights_bytes=sum(n_bytes for _, n_bytes in tensors),
         n_embd=n_embd,
-        # The token list's length, without decoding the strings.
-        n_vocab=len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0,
+        n_vocab=tokens[2] if tokens is not None else 0,  # the token list's length, its strings left undecoded
         sliding_window=int(g("attention.sliding_window", 0) or 0),
     )
     return GGUFFacts(
@@ -111,9 +105,9 @@ def read_gguf(path: str | Path) -> GGUFFacts:
         eos_token_id=int(raw.get("tokenizer.ggml.eos_token_id", -1)),
         add_bos_token=(bool(raw["tokenizer.ggml.add_bos_token"]) if "tokenizer.ggml.add_bos_token" in raw else None),
         pooling_type=int(g("pooling_type", -1)),
-        tensor_types=frozenset(t.tensor_type.name for t in reader.tensors),
+        tensor_types=frozenset(name for name, _ in tensors),
         raw=raw,
-        control_tokens=_control_tokens(reader),
+        control_tokens=control,
     )
 
 
@@ -121,17 +115,127 @@ def read_gguf(path: str | Path) -> GGUFFacts:
 _WHOLE_TOKEN_TYPES = (3, 4)
 
 
-def _control_tokens(reader: Any) -> frozenset[str]:
-    """The texts of the vocabulary's control and user-defined tokens (empty when the header has no vocabulary)."""
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    types = reader.fields.get("tokenizer.ggml.token_type")
-    if tokens is None or types is None or len(tokens.data) != len(types.data):
-        return frozenset()
-    return frozenset(
-        bytes(tokens.parts[tokens.data[i]]).decode("utf-8", "replace")
-        for i, part in enumerate(types.data)
-        if int(types.parts[part][0]) in _WHOLE_TOKEN_TYPES
-    )
+class _Header:
+    """The walk of a mapped GGUF header (the gguf specification's layout: magic, version, tensor and key
+    counts, the key/value metadata, then the tensor table)."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        if buf[:4] != GGUF_MAGIC:
+            raise ValueError("bad GGUF magic")
+        (version,) = struct.unpack_from("<I", buf, 4)
+        if version < 2:
+            raise ValueError(f"GGUF version {version} is not supported")
+        self.buf = buf
+        self.n_tensors, self.n_kv = struct.unpack_from("<QQ", buf, 8)
+
+    def string(self, at: int) -> tuple[str, int]:
+        (n,) = struct.unpack_from("<Q", self.buf, at)
+        end = at + 8 + n
+        if end > len(self.buf):
+            raise IndexError("a string runs past the end of the file")
+        return bytes(self.buf[at + 8 : end]).decode("utf-8"), end
+
+    def skip_strings(self, at: int, count: int) -> int:
+        for _ in range(count):
+            (n,) = struct.unpack_from("<Q", self.buf, at)
+            at += 8 + n
+        if at > len(self.buf):
+            raise IndexError("an array runs past the end of the file")
+        return at
+
+    def value(self, vtype: int, at: int) -> tuple[Any, int]:
+        """One value and the offset after it: a scalar, a string, or an array as a list (nested ones too)."""
+        if vtype in _GGUF_SCALARS:
+            (v,) = struct.unpack_from(_GGUF_SCALARS[vtype], self.buf, at)
+            return v, at + struct.calcsize(_GGUF_SCALARS[vtype])
+        if vtype == _GGUF_STRING:
+            return self.string(at)
+        if vtype == _GGUF_ARRAY:
+            etype, count = struct.unpack_from("<IQ", self.buf, at)
+            at += 12
+            if etype in _GGUF_SCALARS:
+                code = _GGUF_SCALARS[etype]
+                size = struct.calcsize(code)
+                end = at + count * size
+                if end > len(self.buf):
+                    raise IndexError("an array runs past the end of the file")
+                return list(struct.unpack_from(f"<{count}{code[1]}", self.buf, at)), end
+            items = []
+            for _ in range(count):
+                item, at = self.value(etype, at)
+                items.append(item)
+            return items, at
+        raise ValueError(f"unknown GGUF value type {vtype}")
+
+    def skip_array(self, at: int) -> tuple[tuple[int, int, int], int]:
+        """An array passed over undecoded: (element type, offset of its first element, count) and the end."""
+        etype, count = struct.unpack_from("<IQ", self.buf, at)
+        first = at + 12
+        if etype in _GGUF_SCALARS:
+            end = first + count * struct.calcsize(_GGUF_SCALARS[etype])
+            if end > len(self.buf):
+                raise IndexError("an array runs past the end of the file")
+            return (etype, first, count), end
+        if etype == _GGUF_STRING:
+            return (etype, first, count), self.skip_strings(first, count)
+        raise ValueError(f"array of GGUF value type {etype} left undecoded")
+
+    def metadata(self, skip: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, tuple[int, int, int]], int]:
+        """Every key's value but the arrays in ``skip``, which are passed over and located; the offset after."""
+        out: dict[str, Any] = {}
+        located: dict[str, tuple[int, int, int]] = {}
+        off = 24
+        for _ in range(self.n_kv):
+            key, off = self.string(off)
+            (vtype,) = struct.unpack_from("<I", self.buf, off)
+            off += 4
+            if vtype == _GGUF_ARRAY and key in skip:
+                located[key], off = self.skip_array(off)
+            else:
+                out[key], off = self.value(vtype, off)
+        return out, located, off
+
+    def tensors(self, off: int) -> list[tuple[str, int]]:
+        """Each tensor's type name and size in bytes (elements × the type's bytes per block ÷ its block)."""
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # the type table: imported lazily
+
+        out = []
+        names: set[str] = set()
+        for _ in range(self.n_tensors):
+            name, off = self.string(off)
+            if name in names:
+                raise ValueError(f"tensor {name!r} appears twice")
+            names.add(name)
+            (n_dims,) = struct.unpack_from("<I", self.buf, off)
+            dims = struct.unpack_from(f"<{n_dims}Q", self.buf, off + 4)
+            (raw_type,) = struct.unpack_from("<I", self.buf, off + 4 + 8 * n_dims)
+            off += 4 + 8 * n_dims + 4 + 8  # the dims, the type and the data offset
+            ggml_type = GGMLQuantizationType(raw_type)
+            block, type_bytes = GGML_QUANT_SIZES[ggml_type]
+            n_elements = 1
+            for d in dims:
+                n_elements *= d
+            out.append((ggml_type.name, n_elements * type_bytes // block))
+        return out
+
+    def control_tokens(self, tokens: tuple[int, int, int] | None,
+                       types: tuple[int, int, int] | None) -> frozenset[str]:
+        """The texts of the vocabulary's control and user-defined tokens (none without a vocabulary)."""
+        if tokens is None or types is None or tokens[2] != types[2] or tokens[0] != _GGUF_STRING:
+            return frozenset()
+        etype, first, count = types
+        if etype not in (4, 5):  # (u)int32, as the gguf writer stores token types
+            return frozenset()
+        kinds = struct.unpack_from(f"<{count}{_GGUF_SCALARS[etype][1]}", self.buf, first)
+        wanted = {i for i, kind in enumerate(kinds) if kind in _WHOLE_TOKEN_TYPES}
+        found = set()
+        at = tokens[1]
+        for i in range(count):
+            (n,) = struct.unpack_from("<Q", self.buf, at)
+            if i in wanted:
+                found.add(bytes(self.buf[at + 8 : at + 8 + n]).decode("utf-8", "replace"))
+            at += 8 + n
+        return frozenset(found)
 
 
 # --- cached facts -------------------------------------------------------------------------
@@ -140,7 +244,7 @@ _facts_lock = threading.Lock()
 
 
 def gguf_facts(path: str | os.PathLike[str]) -> GGUFFacts:
-    """``read_gguf`` cached per (resolved path, size, mtime): it takes ~2 s."""
+    """``read_gguf`` cached per (resolved path, size, mtime)."""
     p = Path(path)
     st = p.stat()
     key = (str(p.resolve()), st.st_size, st.st_mtime_ns)
@@ -155,7 +259,7 @@ def gguf_facts(path: str | os.PathLike[str]) -> GGUFFacts:
 
 
 def cached_gguf_facts(path: Path) -> GGUFFacts | None:
-    """``gguf_facts`` only when it was already read (it costs ~2 s otherwise)."""
+    """``gguf_facts`` only when it was already read."""
     st = path.stat()
     with _facts_lock:
         return _facts_cache.get((str(path.resolve()), st.st_size, st.st_mtime_ns))
@@ -170,10 +274,8 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 def gguf_scalars(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The scalar metadata of a GGUF header, arrays skipped; a few ms.
 
-    ``gguf.GGUFReader`` (behind ``read_gguf``) parses every vocabulary array into
-    numpy objects and takes ~2 s for this model; a load needs only a handful of
-    scalars before llama.cpp opens the file itself. ValueError for a file that is
-    not a readable GGUF.
+    A load needs only a handful of scalars before llama.cpp opens the file itself.
+    ValueError for a file that is not a readable GGUF.
     """
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:

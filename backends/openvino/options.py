@@ -170,7 +170,7 @@ def shape_of_source(src: Source) -> ModelShape:
         hit = _shape_cache.get(key)
     if hit is not None:
         return hit
-    shape = read_gguf(src.gguf).shape  # ~2 s: it parses the vocabulary arrays too
+    shape = read_gguf(src.gguf).shape
     with _shape_lock:
         _shape_cache[key] = shape
     return shape
