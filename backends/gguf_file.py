@@ -67,7 +67,8 @@ def read_gguf(path: str | Path) -> GGUFFacts:
         with open(p, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             header = _Header(buf)
             raw, arrays, off = header.metadata(skip=_VOCAB_ARRAYS)
-            tensors = header.tensors(off)
+            alignment = raw.get("general.alignment", 32)
+            tensors = header.tensors(off, alignment if isinstance(alignment, int) and alignment > 0 else 32)
             control = header.control_tokens(arrays.get("tokenizer.ggml.tokens"), arrays.get("tokenizer.ggml.token_type"))
     except (struct.error, IndexError, UnicodeDecodeError, OverflowError, ValueError, KeyError, MemoryError) as exc:
         raise ValueError(f"{p} is not a readable GGUF: {type(exc).__name__}: {exc}") from exc
@@ -195,12 +196,16 @@ class _Header:
                 out[key], off = self.value(vtype, off)
         return out, located, off
 
-    def tensors(self, off: int) -> list[tuple[str, int]]:
-        """Each tensor's type name and size in bytes (elements × the type's bytes per block ÷ its block)."""
+    def tensors(self, off: int, alignment: int) -> list[tuple[str, int]]:
+        """Each tensor's type name and size in bytes (elements × the type's bytes per block ÷ its block).
+
+        ValueError when a tensor's data runs past the end of the file: a truncated download keeps its header,
+        and an engine that maps the file would read past its end (OpenVINO's GGUF reader crashed the process)."""
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # the type table: imported lazily
 
         out = []
         names: set[str] = set()
+        extent = 0  # how far past the data section's start the tensors reach
         for _ in range(self.n_tensors):
             name, off = self.string(off)
             if name in names:
@@ -208,14 +213,20 @@ class _Header:
             names.add(name)
             (n_dims,) = struct.unpack_from("<I", self.buf, off)
             dims = struct.unpack_from(f"<{n_dims}Q", self.buf, off + 4)
-            (raw_type,) = struct.unpack_from("<I", self.buf, off + 4 + 8 * n_dims)
+            raw_type, data_at = struct.unpack_from("<IQ", self.buf, off + 4 + 8 * n_dims)
             off += 4 + 8 * n_dims + 4 + 8  # the dims, the type and the data offset
             ggml_type = GGMLQuantizationType(raw_type)
             block, type_bytes = GGML_QUANT_SIZES[ggml_type]
             n_elements = 1
             for d in dims:
                 n_elements *= d
-            out.append((ggml_type.name, n_elements * type_bytes // block))
+            n_bytes = n_elements * type_bytes // block
+            extent = max(extent, data_at + n_bytes)
+            out.append((ggml_type.name, n_bytes))
+        data_start = -(-off // alignment) * alignment  # the data section begins at the next aligned offset
+        if data_start + extent > len(self.buf):
+            raise ValueError(f"its tensor data needs {data_start + extent:,} bytes and the file has "
+                             f"{len(self.buf):,} (truncated?)")
         return out
 
     def control_tokens(self, tokens: tuple[int, int, int] | None,

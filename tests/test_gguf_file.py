@@ -73,7 +73,19 @@ def test_a_k_quant_s_tensor_sizes_fill_its_file() -> None:
 
 def test_a_truncated_or_foreign_file_is_refused(tmp_path: Path) -> None:
     from backends.bundled import bundled_gguf_path
+    from harness.fixtures import truncated_gguf
 
+    # the header whole, the tensor data cut (a download that stopped): engines that map it would read past its end
+    half = truncated_gguf(bundled_gguf_path(), tmp_path / "half.gguf", 0.5)
+    with pytest.raises(ValueError, match=r"tensor data needs .* \(truncated\?\)"):
+        read_gguf(half)
+    whole = tmp_path / "whole.gguf"
+    whole.write_bytes(bundled_gguf_path().read_bytes())
+    assert read_gguf(whole).shape.weights_bytes > 0
+    last = tmp_path / "last.gguf"  # one byte short
+    last.write_bytes(bundled_gguf_path().read_bytes()[:-1])
+    with pytest.raises(ValueError, match="truncated"):
+        read_gguf(last)
     head = bundled_gguf_path().read_bytes()[:200_000]  # the header stops inside the vocabulary
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(head)
