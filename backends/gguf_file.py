@@ -118,7 +118,7 @@ _WHOLE_TOKEN_TYPES = (3, 4)
 
 class _Header:
     """The walk of a mapped GGUF header (the gguf specification's layout: magic, version, tensor and key
-    counts, the key/value metadata, then the tensor table)."""
+    counts, the key/value metadata, then the tensor table); every reader here goes through it."""
 
     def __init__(self, buf: mmap.mmap) -> None:
         if buf[:4] != GGUF_MAGIC:
@@ -136,65 +136,100 @@ class _Header:
             raise IndexError("a string runs past the end of the file")
         return bytes(self.buf[at + 8 : end]).decode("utf-8"), end
 
-    def skip_strings(self, at: int, count: int) -> int:
-        for _ in range(count):
-            (n,) = struct.unpack_from("<Q", self.buf, at)
-            at += 8 + n
-        if at > len(self.buf):
-            raise IndexError("an array runs past the end of the file")
-        return at
-
-    def value(self, vtype: int, at: int) -> tuple[Any, int]:
-        """One value and the offset after it: a scalar, a string, or an array as a list (nested ones too)."""
+    def skip(self, vtype: int, at: int) -> int:
+        """The offset after a value, read no further than its lengths."""
         if vtype in _GGUF_SCALARS:
-            (v,) = struct.unpack_from(_GGUF_SCALARS[vtype], self.buf, at)
-            return v, at + struct.calcsize(_GGUF_SCALARS[vtype])
+            return at + struct.calcsize(_GGUF_SCALARS[vtype])
         if vtype == _GGUF_STRING:
-            return self.string(at)
+            (n,) = struct.unpack_from("<Q", self.buf, at)
+            return at + 8 + int(n)
         if vtype == _GGUF_ARRAY:
             etype, count = struct.unpack_from("<IQ", self.buf, at)
             at += 12
             if etype in _GGUF_SCALARS:
-                code = _GGUF_SCALARS[etype]
-                size = struct.calcsize(code)
-                end = at + count * size
-                if end > len(self.buf):
-                    raise IndexError("an array runs past the end of the file")
-                return list(struct.unpack_from(f"<{count}{code[1]}", self.buf, at)), end
-            items = []
+                return at + int(count) * struct.calcsize(_GGUF_SCALARS[etype])
+            if etype == _GGUF_STRING:  # a vocabulary: tens of thousands, so the loop stays tight
+                for _ in range(count):
+                    at += 8 + struct.unpack_from("<Q", self.buf, at)[0]
+                return at
             for _ in range(count):
-                item, at = self.value(etype, at)
-                items.append(item)
-            return items, at
+                at = self.skip(etype, at)
+            return at
         raise ValueError(f"unknown GGUF value type {vtype}")
 
-    def skip_array(self, at: int) -> tuple[tuple[int, int, int], int]:
-        """An array passed over undecoded: (element type, offset of its first element, count) and the end."""
-        etype, count = struct.unpack_from("<IQ", self.buf, at)
-        first = at + 12
-        if etype in _GGUF_SCALARS:
-            end = first + count * struct.calcsize(_GGUF_SCALARS[etype])
-            if end > len(self.buf):
-                raise IndexError("an array runs past the end of the file")
-            return (etype, first, count), end
-        if etype == _GGUF_STRING:
-            return (etype, first, count), self.skip_strings(first, count)
-        raise ValueError(f"array of GGUF value type {etype} left undecoded")
+    def value(self, vtype: int, at: int) -> Any:
+        """One value: a scalar, a string, or an array as a list (nested ones too)."""
+        if vtype in _GGUF_SCALARS:
+            return struct.unpack_from(_GGUF_SCALARS[vtype], self.buf, at)[0]
+        if vtype == _GGUF_STRING:
+            return self.string(at)[0]
+        if vtype == _GGUF_ARRAY:
+            etype, count = struct.unpack_from("<IQ", self.buf, at)
+            at += 12
+            if etype in _GGUF_SCALARS:
+                return list(struct.unpack_from(f"<{count}{_GGUF_SCALARS[etype][1]}", self.buf, at))
+            items = []
+            for _ in range(count):
+                items.append(self.value(etype, at))
+                at = self.skip(etype, at)
+            return items
+        raise ValueError(f"unknown GGUF value type {vtype}")
 
-    def metadata(self, skip: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, tuple[int, int, int]], int]:
-        """Every key's value but the arrays in ``skip``, which are passed over and located; the offset after."""
-        out: dict[str, Any] = {}
-        located: dict[str, tuple[int, int, int]] = {}
+    def entries(self) -> tuple[list[tuple[str, int, int]], int]:
+        """Each metadata key with its value's type and offset, and the offset where the metadata ends (the
+        tensor table's start)."""
+        out = []
         off = 24
         for _ in range(self.n_kv):
             key, off = self.string(off)
             (vtype,) = struct.unpack_from("<I", self.buf, off)
-            off += 4
+            out.append((key, vtype, off + 4))
+            off = self.skip(vtype, off + 4)
+            if off > len(self.buf):
+                raise IndexError("the metadata runs past the end of the file")
+        return out, off
+
+    def scalars(self, where: dict[str, tuple[int, int]] | None = None) -> tuple[dict[str, Any], int]:
+        """Scalar and string keys, and the offset where the metadata ends; ``where`` (when given) receives each
+        scalar's (value type, offset)."""
+        entries, end = self.entries()
+        out: dict[str, Any] = {}
+        for key, vtype, at in entries:
+            if vtype in _GGUF_SCALARS or vtype == _GGUF_STRING:
+                out[key] = self.value(vtype, at)
+            if where is not None and vtype in _GGUF_SCALARS:
+                where[key] = (vtype, at)
+        return out, end
+
+    def metadata(self, skip: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, tuple[int, int, int]], int]:
+        """Every key's value but the arrays in ``skip``, which are located instead (element type, offset of the
+        first element, count); the offset where the metadata ends."""
+        entries, end = self.entries()
+        out: dict[str, Any] = {}
+        located: dict[str, tuple[int, int, int]] = {}
+        for key, vtype, at in entries:
             if vtype == _GGUF_ARRAY and key in skip:
-                located[key], off = self.skip_array(off)
+                etype, count = struct.unpack_from("<IQ", self.buf, at)
+                located[key] = (etype, at + 12, count)
             else:
-                out[key], off = self.value(vtype, off)
-        return out, located, off
+                out[key] = self.value(vtype, at)
+        return out, located, end
+
+    def tensor_table(self, off: int) -> tuple[list[tuple[str, tuple[int, ...], int, int, int, int]], int]:
+        """Each tensor's (name, dimensions, type, data offset, where its entry starts, where its name, dimensions
+        and type end), and the offset where the table ends."""
+        out = []
+        for _ in range(self.n_tensors):
+            name, at = self.string(off)
+            (n_dims,) = struct.unpack_from("<I", self.buf, at)
+            dims = struct.unpack_from(f"<{n_dims}Q", self.buf, at + 4)
+            raw_type, data_at = struct.unpack_from("<IQ", self.buf, at + 4 + 8 * n_dims)
+            typed_end = at + 4 + 8 * n_dims + 4
+            out.append((name, dims, raw_type, data_at, off, typed_end))
+            off = typed_end + 8
+        if off > len(self.buf):
+            raise IndexError("the tensor table runs past the end of the file")
+        return out, off
 
     def tensors(self, off: int, alignment: int) -> list[tuple[str, int]]:
         """Each tensor's type name and size in bytes (elements × the type's bytes per block ÷ its block).
@@ -203,18 +238,14 @@ class _Header:
         and an engine that maps the file would read past its end (OpenVINO's GGUF reader crashed the process)."""
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # the type table: imported lazily
 
+        table, end = self.tensor_table(off)
         out = []
         names: set[str] = set()
         extent = 0  # how far past the data section's start the tensors reach
-        for _ in range(self.n_tensors):
-            name, off = self.string(off)
+        for name, dims, raw_type, data_at, _, _ in table:
             if name in names:
                 raise ValueError(f"tensor {name!r} appears twice")
             names.add(name)
-            (n_dims,) = struct.unpack_from("<I", self.buf, off)
-            dims = struct.unpack_from(f"<{n_dims}Q", self.buf, off + 4)
-            raw_type, data_at = struct.unpack_from("<IQ", self.buf, off + 4 + 8 * n_dims)
-            off += 4 + 8 * n_dims + 4 + 8  # the dims, the type and the data offset
             ggml_type = GGMLQuantizationType(raw_type)
             block, type_bytes = GGML_QUANT_SIZES[ggml_type]
             n_elements = 1
@@ -223,7 +254,7 @@ class _Header:
             n_bytes = n_elements * type_bytes // block
             extent = max(extent, data_at + n_bytes)
             out.append((ggml_type.name, n_bytes))
-        data_start = -(-off // alignment) * alignment  # the data section begins at the next aligned offset
+        data_start = -(-end // alignment) * alignment  # the data section begins at the next aligned offset
         if data_start + extent > len(self.buf):
             raise ValueError(f"its tensor data needs {data_start + extent:,} bytes and the file has "
                              f"{len(self.buf):,} (truncated?)")
@@ -242,10 +273,10 @@ class _Header:
         found = set()
         at = tokens[1]
         for i in range(count):
-            (n,) = struct.unpack_from("<Q", self.buf, at)
+            end = self.skip(_GGUF_STRING, at)
             if i in wanted:
-                found.add(bytes(self.buf[at + 8 : at + 8 + n]).decode("utf-8", "replace"))
-            at += 8 + n
+                found.add(bytes(self.buf[at + 8 : end]).decode("utf-8", "replace"))
+            at = end
         return frozenset(found)
 
 
@@ -290,7 +321,7 @@ def gguf_scalars(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
-            return _parse_gguf_scalars(buf)[0]
+            return _Header(buf).scalars()[0]
         except (struct.error, IndexError, UnicodeDecodeError, OverflowError) as exc:
             raise ValueError(f"{path} has a truncated or corrupt GGUF header: {exc}") from exc
 
@@ -303,7 +334,7 @@ def patch_scalars(path: str | os.PathLike[str], values: dict[str, int | float]) 
     """
     with open(path, "r+b") as fh, mmap.mmap(fh.fileno(), 0) as buf:
         where: dict[str, tuple[int, int]] = {}
-        _parse_gguf_scalars(buf, where)
+        _Header(buf).scalars(where)
         for key, value in values.items():
             if key not in where:
                 raise KeyError(f"{path} has no scalar {key!r} to patch")
@@ -322,72 +353,15 @@ def gguf_layout_digest(path: str | os.PathLike[str]) -> str:
     """
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         try:
-            scalars, off = _parse_gguf_scalars(buf)
-            (n_tensors,) = struct.unpack_from("<Q", buf, 8)
+            header = _Header(buf)
+            scalars, off = header.scalars()
             arch = str(scalars.get("general.architecture", ""))
             h = hashlib.sha256(repr(sorted((k, v) for k, v in scalars.items() if k.startswith(arch + "."))).encode())
-            for _ in range(n_tensors):
-                (n,) = struct.unpack_from("<Q", buf, off)
-                (n_dims,) = struct.unpack_from("<I", buf, off + 8 + n)
-                info_end = off + 8 + n + 4 + 8 * n_dims + 4  # name, dims and type; the data offset left out
-                if info_end > len(buf):
-                    raise IndexError("the tensor table runs past the end of the file")
-                h.update(bytes(buf[off:info_end]))
-                off = info_end + 8
+            for *_, start, typed_end in header.tensor_table(off)[0]:
+                h.update(bytes(buf[start:typed_end]))  # name, dims and type; the data offset left out
         except (struct.error, IndexError, UnicodeDecodeError, OverflowError) as exc:
             raise ValueError(f"{path} has a truncated or corrupt GGUF header: {exc}") from exc
     return "sha256:" + h.hexdigest()
-
-
-def _parse_gguf_scalars(buf: mmap.mmap, where: dict[str, tuple[int, int]] | None = None) -> tuple[dict[str, Any], int]:
-    """Scalar and string keys, and the offset where the metadata ends (the tensor table's start); ``where``
-    (when given) receives each scalar's (value type, offset)."""
-    if buf[:4] != b"GGUF":
-        raise ValueError("bad GGUF magic")
-    (version,) = struct.unpack_from("<I", buf, 4)
-    if version < 2:
-        raise ValueError(f"GGUF version {version} is not supported")
-    _n_tensors, n_kv = struct.unpack_from("<QQ", buf, 8)
-    off = 24
-    out: dict[str, Any] = {}
-
-    def string(at: int) -> tuple[str, int]:
-        (n,) = struct.unpack_from("<Q", buf, at)
-        end = at + 8 + n
-        if end > len(buf):
-            raise IndexError("string runs past the end of the file")
-        return bytes(buf[at + 8 : end]).decode("utf-8"), end
-
-    def skip(vtype: int, at: int) -> int:
-        if vtype in _GGUF_SCALARS:
-            return at + struct.calcsize(_GGUF_SCALARS[vtype])
-        if vtype == _GGUF_STRING:
-            (n,) = struct.unpack_from("<Q", buf, at)
-            return at + 8 + int(n)
-        if vtype == _GGUF_ARRAY:
-            etype, count = struct.unpack_from("<IQ", buf, at)
-            at += 12
-            if etype in _GGUF_SCALARS:
-                return at + int(count) * struct.calcsize(_GGUF_SCALARS[etype])
-            for _ in range(count):
-                at = skip(etype, at)
-            return at
-        raise ValueError(f"unknown GGUF value type {vtype}")
-
-    for _ in range(n_kv):
-        key, off = string(off)
-        (vtype,) = struct.unpack_from("<I", buf, off)
-        off += 4
-        if vtype in _GGUF_SCALARS:
-            (out[key],) = struct.unpack_from(_GGUF_SCALARS[vtype], buf, off)
-            if where is not None:
-                where[key] = (vtype, off)
-        elif vtype == _GGUF_STRING:
-            out[key], _ = string(off)
-        off = skip(vtype, off)
-        if off > len(buf):
-            raise IndexError("metadata runs past the end of the file")
-    return out, off
 
 
 #: GGUF keys a model's publisher sets for its recommended sampling (llama.cpp reads the same keys)
