@@ -888,6 +888,14 @@ class StreamChunk(_Report):
     stop_sequence: str = ""
     usage: Usage | None = None
 
+    def thinking_steps(self) -> list[str]:
+        """``thinking`` in the pieces it was decoded in (none when empty)."""
+        return list(self.thinking_pieces) if self.thinking_pieces else [self.thinking] if self.thinking else []
+
+    def text_steps(self) -> list[str]:
+        """``text`` in the pieces it was decoded in (none when empty)."""
+        return list(self.text_pieces) if self.text_pieces else [self.text] if self.text else []
+
     @classmethod
     def final(
         cls,

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from contract.types import StreamChunk
 
-__all__ = ["ChunkCoalescer", "merge", "mergeable", "pieces"]
+__all__ = ["ChunkCoalescer", "merge", "mergeable"]
 
 
 def mergeable(first: StreamChunk, then: StreamChunk) -> bool:
@@ -48,16 +48,11 @@ def mergeable(first: StreamChunk, then: StreamChunk) -> bool:
     return not (then.text and calls)
 
 
-def pieces(whole: str, parts: list[str]) -> list[str]:
-    """A chunk's field as its pieces: ``parts`` when it was merged, else the field itself (none when empty)."""
-    return list(parts) if parts else [whole] if whole else []
-
-
 def merge(first: StreamChunk, then: StreamChunk) -> StreamChunk:
     """One data chunk saying what ``first`` and then ``then`` said: texts joined, lists extended, and each text's
     pieces kept (``text_pieces``, ``thinking_pieces``), so a reader can still send them apart."""
-    text = pieces(first.text, first.text_pieces) + pieces(then.text, then.text_pieces)
-    thinking = pieces(first.thinking, first.thinking_pieces) + pieces(then.thinking, then.thinking_pieces)
+    text = first.text_steps() + then.text_steps()
+    thinking = first.thinking_steps() + then.thinking_steps()
     return StreamChunk(
         text=first.text + then.text,
         thinking=first.thinking + then.thinking,

@@ -120,8 +120,8 @@ class ChatEvent(BaseModel):
                             tool_call_deltas=list(chunk.tool_call_deltas))]
             return []
         # a merged frame's reasoning comes before its text, and its text before its calls (``modeld.coalesce``)
-        out = [cls(thinking=p) for p in chunk.thinking_pieces or ([chunk.thinking] if chunk.thinking else [])]
-        out += [cls(text=p) for p in chunk.text_pieces or ([chunk.text] if chunk.text else [])]
+        out = [cls(thinking=p) for p in chunk.thinking_steps()]
+        out += [cls(text=p) for p in chunk.text_steps()]
         if chunk.tool_calls or chunk.tool_call_deltas:
             out.append(cls(tool_calls=list(chunk.tool_calls), tool_call_deltas=list(chunk.tool_call_deltas)))
         return out
