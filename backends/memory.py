@@ -53,6 +53,7 @@ from contract.types import (
     check_conversation,
 )
 
+from .registry import check_options
 from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type, check_token_ids
 
 BACKEND_NAME = "memory"
@@ -327,6 +328,7 @@ class MemoryBackend:
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> MemoryModel:
         check_model_type(req.type, BACKEND_NAME)
+        check_options(BACKEND_NAME, req.config)
         progress(0.0)
         model = MemoryModel(req, self.token_delay_s)
         progress(1.0)
@@ -334,6 +336,7 @@ class MemoryBackend:
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
         check_model_type(req.type, BACKEND_NAME)
+        check_options(BACKEND_NAME, req.config)
         n = req.config.num_ctx or DEFAULT_NUM_CTX
         return ModelInfo(
             model_max_context=MAX_NUM_CTX,

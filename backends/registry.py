@@ -3,7 +3,8 @@
 A spec is everything the rest of modeld knows about an engine: how to build its
 backend and its embedding engine, its ``modeld prepare`` step, the pip extra that
 installs it (and the modules that extra brings, for the CLI's message), its memory
-overhead (``contract.sizing.OverheadModel``, calibrated by ``make bench``), and what
+overhead (``contract.sizing.OverheadModel``, calibrated by ``make bench``), the options only it
+takes in a load's ``Config.options`` (``EngineOptions``), what
 ``--backend auto`` weighs (``modeld.engine_choice``), and what the daemon builds around it (a workspace cache
 for a tape engine, an embedding slot, the bundled model for an engine that serves
 files). The composition root (``modeld.bootstrap``), ``auto`` and the CLI read this
@@ -21,16 +22,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from contract.errors import InvalidArgument
 from contract.interfaces import Backend, EngineFactory, StateCache
 from contract.sizing import OverheadModel
-from contract.types import GPU_LAYERS_ALL, QUANTIZED_KV_CACHE_TYPES, Config
+from contract.types import GPU_LAYERS_ALL, QUANTIZED_KV_CACHE_TYPES, Config, EngineOption
 
 from .formats import GGUF, OPENVINO_IR, ModelFormat
 
-__all__ = ["ENGINES", "X86_64", "EngineFacts", "EngineSpec", "engine", "format_on_disk", "model_format", "model_formats",
-           "not_a_known_format"]
+__all__ = ["ENGINES", "X86_64", "EngineFacts", "EngineOptions", "EngineSpec", "engine", "engine_options",
+           "exclusive_given", "format_on_disk", "model_format", "model_formats", "not_a_known_format", "option_list"]
 
 X86_64 = frozenset({"x86_64", "amd64", "x64"})
 
@@ -59,6 +63,16 @@ class EngineFacts:
 
 #: an engine's preference in ``auto``: (takes the model, why); see ``EngineSpec.prefers``
 Verdict = tuple[bool, str]
+
+
+class EngineOptions(BaseModel):
+    """The base of an engine's options model (``EngineSpec.options``): each field is an option of
+    ``Config.options``, its description what ``describe`` and the docs say of it; None is "unset"."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_Options = TypeVar("_Options", bound=EngineOptions)
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,65 @@ class EngineSpec:
     tape: bool = True
     #: what ``modeld serve`` logs when it starts on it ("": nothing)
     notice: str = ""
+    #: the options it takes in a load's ``Config.options`` (``engine_options`` checks them; ``describe``,
+    #: ``serve --engine-option`` and ``modeld load --option`` pass them); None: it takes none
+    options: type[EngineOptions] | None = None
+
+
+def engine_options(name: str, cfg: Config, model: type[_Options]) -> _Options:
+    """``cfg.options`` as the options model of engine ``name`` (``model``, its ``EngineSpec.options``); an option
+    it does not take, or a value it does not, is InvalidArgument naming the engine's options."""
+    try:
+        return model.model_validate(cfg.options)
+    except ValidationError as exc:
+        title = engine(name).title if name in ENGINES else name
+        takes = ", ".join(model.model_fields) or "none"
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'options'}: "
+                             f"{'not an option it takes' if e['type'] == 'extra_forbidden' else e['msg']}"
+                             for e in exc.errors())
+        raise InvalidArgument(f"engine option refused by {title}: {problems} (its options: {takes})",
+                              options=sorted(cfg.options)) from exc
+
+
+def check_options(name: str, cfg: Config) -> None:
+    """Refuse (InvalidArgument) a load whose ``Config.options`` engine ``name`` does not take."""
+    spec = engine(name)
+    if spec.options is not None:
+        engine_options(name, cfg, spec.options)
+    elif cfg.options:
+        raise InvalidArgument(f"engine option refused by {spec.title}: it takes none (given: "
+                              f"{', '.join(sorted(cfg.options))})", options=sorted(cfg.options))
+
+
+def option_list(name: str) -> list[EngineOption]:
+    """The options engine ``name`` takes, as ``describe`` lists them (none for an unknown engine)."""
+    spec = ENGINES.get(name)
+    if spec is None or spec.options is None:
+        return []
+    out = []
+    for field_name, f in spec.options.model_fields.items():
+        schema = spec.options.model_json_schema()["properties"][field_name]
+        kinds = [s for s in schema.get("anyOf", [schema]) if s.get("type") != "null"]
+        kind = kinds[0] if kinds else {}
+        out.append(EngineOption(name=field_name, type=str(kind.get("type", "")),
+                                choices=[str(c) for c in kind.get("enum", [])],
+                                default="unset" if f.default is None else str(f.default),
+                                description=f.description or ""))
+    return out
+
+
+def exclusive_given(cfg: Config) -> dict[str, str]:
+    """Per engine, what among ``cfg`` only it offers, as flags ("--flash-attn", "--engine-option NAME"): ``auto``
+    leaves the model to an engine that takes everything asked for."""
+    out: dict[str, str] = {}
+    for spec in ENGINES.values():
+        given = [spec.exclusive_settings(cfg)] if spec.exclusive_settings is not None else []
+        takes = set(spec.options.model_fields) if spec.options is not None else set()
+        others = {f for s in ENGINES.values() if s is not spec and s.options is not None for f in s.options.model_fields}
+        given += [f"--engine-option {o}" for o in sorted(cfg.options) if o in takes and o not in others]
+        if text := " and ".join(g for g in given if g):
+            out[spec.name] = text
+    return out
 
 
 # --- llama.cpp ----------------------------------------------------------------------------
@@ -145,6 +218,15 @@ def _llama_only_settings(cfg: Config) -> str:
     return " and ".join(given)
 
 
+class LlamaOptions(EngineOptions):
+    """What only llama.cpp takes in ``Config.options``."""
+
+    extra_bufts: bool | None = Field(
+        None, description="the CPU's repacked forms of the weights (llama.cpp's extra buffer types); unset: on, "
+        "except on a build that reports AMX (its AMX matrix product crashed the process; MODELD_LLAMA_EXTRA_BUFTS=1|0 "
+        "sets what unset means) and in the exact-decode layout, which keeps the file's weights")
+
+
 # --- OpenVINO -----------------------------------------------------------------------------
 
 
@@ -180,6 +262,15 @@ def _openvino_refusal(path: Path) -> str:
     return ""
 
 
+class OpenVINOOptions(EngineOptions):
+    """What only the OpenVINO backend takes in ``Config.options``."""
+
+    inference_precision: Literal["bf16", "f16", "f32"] | None = Field(
+        None, description="the precision the device computes in (OpenVINO's INFERENCE_PRECISION_HINT); unset: the "
+        "device's default (bf16 on a CPU with AVX-512 BF16 or AMX, else f32); f32 computes alike on every x86-64 CPU "
+        "and is what kv_cache_type f32 needs")
+
+
 #: where the choice's evidence is (figures measured on the project's machines, not on this one)
 EVIDENCE = "prefill-bound agent turns ran faster on OpenVINO in the project's x86-64 runs of make bench (docs/benchmarks.md)"
 
@@ -205,9 +296,6 @@ def _openvino_prefers(f: EngineFacts) -> Verdict:
         # a GPU decodes a 7B model at 100+ tokens/s where two CPU cores give a few: that outweighs any CPU engine
         return False, (f"GPU {f.gpus[0]} found and {offloading[0]}'s build offloads to it; "
                        "the OpenVINO backend serves the CPU")
-    for name, given in f.exclusive.items():
-        if given and name != "openvino":
-            return False, f"{given} asked for: {engine(name).title} settings the OpenVINO backend does not offer"
     if f.machine.lower() not in X86_64:
         return False, f"CPU architecture {f.machine!r}: OpenVINO is measured faster on x86-64 only"
     if f.model_kind != "gguf":
@@ -254,6 +342,7 @@ ENGINES: dict[str, EngineSpec] = {
             exclusive_settings=_llama_only_settings,
             gpu_offload=_llama_gpu_offload,
             build_info=_llama_build_info,
+            options=LlamaOptions,
         ),
         EngineSpec(
             name="openvino",
@@ -276,6 +365,7 @@ ENGINES: dict[str, EngineSpec] = {
             prefers=_openvino_prefers,
             formats=(GGUF, OPENVINO_IR),
             refusal=_openvino_refusal,
+            options=OpenVINOOptions,
         ),
         EngineSpec(
             name="memory",

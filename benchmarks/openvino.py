@@ -110,10 +110,11 @@ def measure(
             out["ir_conversion_ms"] = _ms(t0)
     ir = prepare_ir(gguf) if gguf.suffix == ".gguf" else gguf
 
-    backend = OpenVINOBackend(inference_precision=inference_precision)
+    backend = OpenVINOBackend()
     num_ctx = max(4096, prefix_tokens + 2 * suffix_tokens + decode_tokens + 64)
+    options = {"inference_precision": inference_precision} if inference_precision else {}
     t0 = time.perf_counter()
-    m = backend.load(OpenSessionRequest(path=str(ir), config=Config(num_ctx=num_ctx)), lambda _f: None)
+    m = backend.load(OpenSessionRequest(path=str(ir), config=Config(num_ctx=num_ctx, options=options)), lambda _f: None)
     out["load_ms"] = _ms(t0)
     out["inference_precision"] = m.inference_precision
     out["kv_precision"] = m.kv_precision

@@ -40,6 +40,8 @@ __all__ = [
     "EmbedInfo",
     "EmbedResult",
     "EmbeddingStatus",
+    "EngineOption",
+    "EngineOptionValue",
     "DEFAULT_SAMPLING",
     "ErrorInfo",
     "GPU_LAYERS_ALL",
@@ -78,6 +80,11 @@ KV_CACHE_TYPES: tuple[str, ...] = tuple(t for t in get_args(KVCacheType) if t)
 #: the quantized ones: llama.cpp needs flash attention for them, and the OpenVINO backend does not offer them
 QUANTIZED_KV_CACHE_TYPES = ("q8_0", "q4_0")
 MAX_TEXT_CHARS = 16 * 1024 * 1024
+#: ``Config.options``: an engine option's value (the engine's options model checks and converts it)
+EngineOptionValue = str | int | float | bool
+#: ``Config.options``: at most this many, each name at most ``MAX_OPTION_NAME`` characters
+MAX_ENGINE_OPTIONS = 32
+MAX_OPTION_NAME = 64
 
 #: ``Config.num_gpu_layers``: every layer on the GPU, refused when they do not all fit
 GPU_LAYERS_ALL = -1
@@ -169,6 +176,18 @@ class Config(_Request):
     #: cache, refuses the setting without that layout, and refuses a model whose load probe finds
     #: its rows apart on this CPU (some quantizations' batch kernels round apart from one-row ones)
     exact_decode: bool = False
+    #: what only the loading engine offers, by name (an extension): its registry entry declares the
+    #: options it takes (``describe`` lists them), and a load with one it does not take is refused
+    options: dict[str, EngineOptionValue] = Field(default_factory=dict, max_length=MAX_ENGINE_OPTIONS)
+
+    @field_validator("options")
+    @classmethod
+    def _option_names(cls, v: dict[str, EngineOptionValue]) -> dict[str, EngineOptionValue]:
+        for name in v:
+            if not name or len(name) > MAX_OPTION_NAME or not name.replace("_", "").isalnum() or not name.isascii():
+                raise ValueError(f"an engine option's name is letters, digits and '_' (at most {MAX_OPTION_NAME}), "
+                                 f"got {name[:MAX_OPTION_NAME]!r}")
+        return v
 
 
 class Fence(_Request):
@@ -474,6 +493,19 @@ class DeviceInfo(_Report):
     free_bytes: int = 0
 
 
+class EngineOption(_Report):
+    """One option an engine takes in ``Config.options``, as ``describe`` lists it."""
+
+    name: str = ""
+    #: "boolean", "string", "integer" or "number" (the JSON Schema type)
+    type: str = ""
+    #: the values it takes when they are few (empty: any of its type)
+    choices: list[str] = Field(default_factory=list)
+    #: what an unset option means
+    default: str = ""
+    description: str = ""
+
+
 class ModelInfo(_Report):
     """What the daemon reports about a model: from its metadata and the device's memory."""
 
@@ -503,6 +535,8 @@ class ModelInfo(_Report):
     #: the tool-call format a load would use and why, as ``ActiveModel.tool_format``
     tool_format: str = ""
     supports_gpu_offload: bool = False
+    #: the options the loading engine takes in ``Config.options``
+    engine_options: list[EngineOption] = Field(default_factory=list)
     devices: list[DeviceInfo] = Field(default_factory=list)
     #: why ``resolved_gpu_layers`` (``modeld.capacity.GPU_REASONS``: "all", "gpu memory", "no gpu", …)
     gpu_layers_reason: str = ""

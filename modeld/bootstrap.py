@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.formats import GGUF
-from backends.registry import ENGINES, format_on_disk
+from backends.registry import ENGINES, exclusive_given, format_on_disk
 from contract import interrupt
 from contract.endpoint import default_endpoint
 from contract.interfaces import Backend, Embedder, StateCache
@@ -33,7 +33,7 @@ from .capacity import format_size, make_budget_check, make_planner
 from .engine_choice import EngineFacts, choose_backend
 from .netsec import check_tcp_exposure, server_keys
 from .server import Daemon
-from .settings import ServeSettings
+from .settings import ServeSettings, option_map
 from .slot import Planner, SlotService
 from .state_cache import StateCacheStore
 from .store import Catalog, ModelStore, default_store_dir
@@ -118,9 +118,7 @@ def engine_facts(
 
 def exclusive_settings(opts: ServeSettings) -> dict[str, str]:
     """Per engine, the flags among ``opts`` that only it serves (none: empty): ``auto`` then picks it."""
-    cfg = load_config(opts)
-    return {s.name: given for s in ENGINES.values() if s.exclusive_settings is not None
-            and (given := s.exclusive_settings(cfg))}
+    return exclusive_given(load_config(opts))
 
 
 def model_store(opts: ServeSettings) -> ModelStore:
@@ -319,6 +317,7 @@ def load_config(opts: ServeSettings) -> Config:
         exact_decode=opts.exact_decode,
         chat_template=opts.chat_template,
         tool_format=opts.tool_format,
+        options=option_map(opts.engine_option),
     )
 
 

@@ -8,9 +8,11 @@ declined, with the first decline as its reason. An engine:
   directory) when installed, and declines it otherwise (the load will say so);
 * declines when its package is not installed;
 * takes the model when no engine after it is installed;
+* declines when the load asks for a setting or an engine option only another engine
+  offers (``backends.registry.exclusive_given``);
 * else answers by its own preferences (``EngineSpec.prefers``: OpenVINO's are a
-  GGUF it converts on an x86-64 CPU with no setting only llama.cpp offers, with the
-  ``make bench`` figures behind them in its docstring).
+  GGUF it converts on an x86-64 CPU, with the ``make bench`` figures behind them in
+  its docstring).
 
 An explicit ``--backend`` always wins. The rule is a pure function of
 ``EngineFacts`` and the table, so it is tested on injected machines and engines;
@@ -48,6 +50,11 @@ def choose_backend(f: EngineFacts, engines: Iterable[EngineSpec] | None = None) 
             continue
         if not any(s.name in f.installed for s in later):
             return spec.name, " and ".join(s.missing for s in later)
+        theirs = next(((name, given) for name, given in f.exclusive.items() if given and name != spec.name), None)
+        if theirs is not None:  # a setting or engine option only another engine offers
+            owner = ENGINES[theirs[0]].title if theirs[0] in ENGINES else theirs[0]
+            declined = declined or f"{theirs[1]} asked for: {owner} settings {spec.title} does not offer"
+            continue
         takes, reason = spec.prefers(f) if spec.prefers is not None else (True, f"{spec.title} is preferred")
         if takes:
             return spec.name, reason

@@ -190,6 +190,19 @@ def _check_aliases(value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
+def _check_option_pairs(value: tuple[str, ...]) -> tuple[str, ...]:
+    for item in value:
+        name, sep, _ = item.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"an engine option is NAME=VALUE, got {item!r}")
+    return value
+
+
+def option_map(pairs: tuple[str, ...]) -> dict[str, str]:
+    """``--engine-option`` pairs as ``Config.options`` (the engine's options model converts the values)."""
+    return {name.strip(): value.strip() for name, _, value in (p.partition("=") for p in pairs)}
+
+
 def _expand_user(value: Path | None) -> Path | None:
     # a shell expands "~" on the command line, nothing does in a variable or the file
     return value.expanduser() if value is not None else None
@@ -231,6 +244,8 @@ Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 OptionalPath = Annotated[Path | None, AfterValidator(_expand_user)]
 #: NAME=MODEL pairs: a list in the config file, comma-separated in the variable
 Aliases = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_aliases), AfterValidator(_check_aliases)]
+#: NAME=VALUE pairs, as the aliases
+EngineOptionPairs = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_aliases), AfterValidator(_check_option_pairs)]
 
 
 class HttpSettings(BaseSettings):
@@ -407,6 +422,11 @@ class ServeSettings(HttpSettings):
         "",
         description="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, llama3_json, "
         "mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1); default: detected from the chat template",
+    )
+    engine_option: Annotated[EngineOptionPairs, Flag("NAME=VALUE", MODEL)] = Field(
+        (), description="an option only the preloaded model's engine offers (repeatable; `modeld describe` and "
+        "docs/engines.md list each engine's): llama.cpp extra_bufts=true|false, OpenVINO "
+        "inference_precision=bf16|f16|f32; with --backend auto, an option only one engine takes picks it",
     )
     owner: Annotated[str, Flag(None, SESSIONS)] = Field("", description="owner instance id for fencing")
     memory: Policy = Field(

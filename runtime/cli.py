@@ -120,6 +120,8 @@ def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
                    help="compute every decoded token as a prefill computes it, so drafts and reused replies never "
                    "change an answer (OpenVINO: slower decode over a long context; llama.cpp: needs --flash-attn "
                    "--kv-cache-type q8_0)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", type=_option_pair,
+                   help="an option only the loading engine offers (repeatable); `modeld describe` lists them")
     p.add_argument("--chat-template", default="", metavar="NAME|FILE",
                    help="serve with this chat template: a built-in name (chatml, qwen2_5, qwen3_coder, llama3, mistral, "
                    "mistral_args, gpt_oss, deepseek_v3_1, gemma3) or a Jinja file on the daemon's machine (default: "
@@ -379,6 +381,7 @@ def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) 
                                         (f"KV cache {cfg.kv_cache_type}", bool(cfg.kv_cache_type)),
                                         ("exact decode", cfg.exact_decode),
                                         ("exact reuse", cfg.exact_reuse)) if on]
+        chosen += [f"{name}={value}" for name, value in sorted(cfg.options.items())]
         if chosen:
             rows.append(("settings", ", ".join(chosen)))
         rows.append(("gpu layers", _gpu_layers_row(st.active)))
@@ -568,7 +571,8 @@ def _cache(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def _handle(args: argparse.Namespace) -> dict[str, Any]:
+def model_handle(args: argparse.Namespace) -> dict[str, Any]:
+    """The model a command's flags name, with its load config: the fields of a load, describe or open request."""
     return {
         "model_name": getattr(args, "name", "") or "",
         "type": args.type,
@@ -578,8 +582,20 @@ def _handle(args: argparse.Namespace) -> dict[str, Any]:
         "config": Config(num_ctx=args.num_ctx, num_gpu_layers=getattr(args, "gpu_layers", 0),
                          flash_attn=args.flash_attn, kv_cache_type=args.kv_cache_type,
                          exact_decode=args.exact_decode, chat_template=_template_arg(args.chat_template),
-                         tool_format=args.tool_format),
+                         tool_format=args.tool_format, options=_option_pairs(args.option)),
     }
+
+
+def _option_pair(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"an engine option is NAME=VALUE, got {text!r}")
+    return name.strip(), value.strip()
+
+
+def _option_pairs(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    """``--option NAME=VALUE``s as ``Config.options`` (the daemon's engine checks and converts the values)."""
+    return dict(pairs)
 
 
 def _template_arg(value: str) -> str:
@@ -603,7 +619,7 @@ def _load(client: Client, args: argparse.Namespace, pull: Callable[[str, Path | 
         except (ValueError, RuntimeError) as exc:  # the store's and the pull's errors say why
             print(f"modeld load: {exc}", file=sys.stderr)
             return EXIT_ERROR
-    req = LoadModelRequest(**_handle(args), expected_generation=args.expected_generation)
+    req = LoadModelRequest(**model_handle(args), expected_generation=args.expected_generation)
     with showing_progress(client, enabled=not args.json):
         active = client.load_model(req)
     if args.json:
@@ -625,19 +641,21 @@ def _unload(client: Client, args: argparse.Namespace) -> int:
 
 
 def _describe(client: Client, args: argparse.Namespace) -> int:
-    info = client.describe(OpenSessionRequest(**_handle(args)))
+    info = client.describe(OpenSessionRequest(**model_handle(args)))
     if args.json:
         _print_json(info.model_dump(mode="json"))
     else:
-        rows = [(k, v) for k, v in info.model_dump(mode="json", exclude={"devices"}).items()
+        rows = [(k, v) for k, v in info.model_dump(mode="json", exclude={"devices", "engine_options"}).items()
                 if v not in (None, "", [], 0, False)]
         rows += _device_rows(info.devices)
+        rows += [(f"option {o.name}", f"{'|'.join(o.choices) or o.type}, default {o.default}: {o.description}")
+                 for o in info.engine_options]
         print(_table(rows))
     return 0
 
 
 def _embed(client: Client, args: argparse.Namespace) -> int:
-    res = client.embed(EmbedRequest(**_handle(args), texts=list(args.texts), truncate=args.truncate))
+    res = client.embed(EmbedRequest(**model_handle(args), texts=list(args.texts), truncate=args.truncate))
     if args.json:
         _print_json({"vectors": res.vectors, "dims": res.dims, "model_name": res.model_name})
         return 0
@@ -655,7 +673,7 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         with open(args.system_file, encoding="utf-8") as f:
             system = f.read()
     with showing_progress(client, enabled=not args.json):  # an auto-load, the prefills
-        sess = client.open_session(OpenSessionRequest(**_handle(args)))
+        sess = client.open_session(OpenSessionRequest(**model_handle(args)))
         t0 = time.perf_counter()  # the turn: prefix, suffix, first token
         try:
             manifest = sess.manifest()

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 # Tests must never talk to a daemon the developer is running.
@@ -9,7 +11,9 @@ os.environ.pop("MODELD_OWNER", None)
 # nor read the developer's settings: every MODELD_* variable and the config file are theirs
 for _name in [n for n in os.environ if n.startswith("MODELD_") and n != "MODELD_LLAMA_EXTRA_BUFTS"]:
     os.environ.pop(_name)
-os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="modeld-test-config-")
+os.environ["XDG_CONFIG_HOME"] = _config_home = tempfile.mkdtemp(prefix="modeld-test-config-")
+# each run (and each xdist worker) makes its own; leave none behind in the system's temp dir
+atexit.register(shutil.rmtree, _config_home, ignore_errors=True)
 
 #: what `make setup` installs and the suites import (or skip without): in CI every one must import, since a
 #: skip is for a developer's partial install, and a green run that ran no engine test proves nothing

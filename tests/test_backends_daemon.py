@@ -263,8 +263,9 @@ def test_a_daemon_times_its_draft_costs_while_idle(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("backend", "flags", "settings"),
     [
-        ("llama", ("--flash-attn", "--kv-cache-type", "q8_0", "--exact-decode"),
-         "flash attention, KV cache q8_0, exact decode"),
+        # the layout keeps the file's weights: the engine option says the same, and reaches status as given
+        ("llama", ("--flash-attn", "--kv-cache-type", "q8_0", "--exact-decode", "--engine-option", "extra_bufts=false"),
+         "flash attention, KV cache q8_0, exact decode, extra_bufts=false"),
         ("openvino", ("--exact-decode",), "exact decode"),
     ],
 )
@@ -272,7 +273,7 @@ def test_a_daemon_with_exact_rows_answers_alike_with_drafts(
     tmp_path_factory: pytest.TempPathFactory, backend: str, flags: tuple[str, ...], settings: str
 ) -> None:
     """``--exact-decode`` (llama.cpp: with the layout whose rows are exact, flash attention over a
-    q8_0 cache) reaches the preloaded model and status names the settings; then a 240-token edit
+    q8_0 cache, and an engine option) reaches the preloaded model and status names the settings; then a 240-token edit
     answers the same, token for token, with and without drafts (the bench's edit, past 512 keys)."""
     d = DaemonProcess(tmp_path_factory.mktemp("exact-rows"), backend, None, *BUNDLED, "--num-ctx", "2048", *flags)
     d.env[FIXED_ENV] = CHEAP_CHECKS  # drafting asserted: a fixed table, not one timed on a busy machine

@@ -202,6 +202,9 @@ def test_load_passes_the_attention_kernel_and_kv_cache_type(memory_daemon: Daemo
     code, _, err = run_cli(["load", "m", "--type", "memory", "--path", "/models/m", "--kv-cache-type", "q5_1",
                             "--endpoint", memory_daemon.endpoint], tty=False)
     assert code == 2 and "invalid choice: 'q5_1'" in err
+    code, _, err = run_cli(["load", "m", "--type", "memory", "--path", "/models/m", "--option", "greeting=hi",
+                            "--endpoint", memory_daemon.endpoint], tty=False)
+    assert code == 1 and "refused by the memory reference backend: it takes none (given: greeting)" in err, err
 
 
 # --- the heartbeat's progress on the wire -------------------------------------------------------------
@@ -289,6 +292,25 @@ def llama_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonPro
             c.load_model(LoadModelRequest(model_name="smol", path=str(bundled_gguf_path()),
                                           config=Config(num_ctx=NUM_CTX, num_batch=NUM_BATCH)))
         yield d
+
+
+@pytest.mark.llama
+def test_describe_lists_the_engine_s_options_and_load_refuses_one_it_does_not_take(llama_daemon: DaemonProcess) -> None:
+    code, out, err = run_cli(["describe", "--endpoint", llama_daemon.endpoint], tty=False)
+    assert code == 0, err
+    assert _rows(out)["option extra_bufts"].startswith("boolean, default unset: the CPU's repacked forms of the weights")
+    with llama_daemon.client() as c:
+        before = c.status()
+    from backends.bundled import bundled_gguf_path
+
+    code, out, err = run_cli(["load", "smol", "--path", str(bundled_gguf_path()), "--num-ctx", str(NUM_CTX),
+                              "--option", "inference_precision=f32", "--endpoint", llama_daemon.endpoint], tty=False)
+    assert code == 1 and ("InvalidArgument: engine option refused by llama.cpp: inference_precision: not an option "
+                          "it takes (its options: extra_bufts)") in err, err
+    with llama_daemon.client() as c:  # refused before anything was released: the same model, still serving
+        after = c.status()
+    assert (after.state.value, after.generation, after.active.model_name if after.active else "") == (
+        "Ready", before.generation, "smol")
 
 
 @pytest.mark.llama

@@ -64,6 +64,19 @@ def test_exclusive_settings_are_named_for_auto() -> None:
     assert exclusive_settings(ServeSettings(kv_cache_type="q4_0")) == {"llama": "--kv-cache-type q4_0"}
 
 
+@pytest.mark.parametrize(("option", "backend", "why"), [
+    ("extra_bufts=false", "llama", "--engine-option extra_bufts asked for: llama.cpp settings OpenVINO does not offer"),
+    ("inference_precision=f32", "openvino", "ran faster on OpenVINO"),
+])
+def test_an_engine_option_only_one_engine_takes_picks_it(option: str, backend: str, why: str) -> None:
+    given = exclusive_settings(ServeSettings(engine_option=(option,)))
+    assert given == {backend: f"--engine-option {option.partition('=')[0]}"}
+    name, reason = choose_backend(EngineFacts(**{**X86.__dict__, "exclusive": given}))  # type: ignore[arg-type]
+    assert (name, why in reason) == (backend, True), reason
+    # an option no engine takes is no engine's: auto picks as without it, and the load refuses it
+    assert exclusive_settings(ServeSettings(engine_option=("nonesuch=1",))) == {}
+
+
 def test_auto_on_this_machine_names_the_engine_and_the_reason() -> None:
     pytest.importorskip("llama_cpp")
     opts = resolve_backend(ServeSettings(backend="auto"))  # the bundled model

@@ -1,26 +1,31 @@
 """The contributing guide's engine recipe: an engine is its package plus one ``EngineSpec`` entry in the registry.
 
-A toy engine, registered by that one entry with a model format of its own (a directory marked by ``toy.json``),
-is reached by everything that names no engine: ``modeld pull`` finds its models in a repository, names and
-stores them, a local one is imported, ``--backend auto`` picks it for its format, the store's facts read its
-config, and the composition root builds its backend for ``serve``. No module outside the entry is touched.
+A toy engine, registered by that one entry with a model format of its own (a directory marked by ``toy.json``)
+and an option of its own (``greeting``), is reached by everything that names no engine: ``modeld pull`` finds
+its models in a repository, names and stores them, a local one is imported, ``--backend auto`` picks it for its
+format, the store's facts read its config, the composition root builds its backend for ``serve``, and
+``serve --engine-option`` and ``modeld load --option`` hand its option to its load, where an option it does not
+take is refused. No module outside the entry is touched.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import Field
 
 from backends import registry
 from backends.formats import MarkedDirectory
-from backends.memory import MemoryBackend
-from backends.registry import EngineSpec
+from backends.memory import MemoryBackend, MemoryModel
+from backends.registry import EngineOptions, EngineSpec, engine_options
+from contract.errors import InvalidArgument
 from contract.interfaces import Backend, StateCache
 from contract.sizing import OverheadModel
+from contract.types import LoadModelRequest, ModelInfo, OpenSessionRequest
 from modeld import bootstrap
 from modeld.engine_choice import choose_backend
 from modeld.settings import ServeSettings
@@ -34,12 +39,34 @@ from tests.hubstub import Hub, HubServer, Repo
 TOY = MarkedDirectory(kind="toy", title="a toy model directory", marker="toy.json", repo_suffixes=("-toy",))
 
 
+class ToyOptions(EngineOptions):
+    """What only the toy engine takes in a load's ``Config.options``."""
+
+    greeting: str = Field("hello", description="what the toy says first")
+
+
 class ToyBackend(MemoryBackend):
-    """The engine's backend: the reference backend, told apart by a setting it reads from the serve settings."""
+    """The engine's backend: the reference backend, told apart by a setting it reads from the serve settings and
+    an option it reads from each load's config."""
+
+    name = "toy"
 
     def __init__(self, greeting: str) -> None:
         super().__init__()
         self.greeting = greeting
+        self.loaded_greeting = ""
+
+    def _as_reference(self, req: OpenSessionRequest) -> OpenSessionRequest:
+        return req.model_copy(update={"type": "memory", "config": req.config.model_copy(update={"options": {}})})
+
+    def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> MemoryModel:
+        self.loaded_greeting = engine_options("toy", req.config, ToyOptions).greeting
+        return super().load(self._as_reference(req), progress)
+
+    def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
+        engine_options("toy", req.config, ToyOptions)
+        return super().describe(self._as_reference(req), credit_bytes).model_copy(
+            update={"engine_options": registry.option_list("toy")})
 
 
 def toy_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
@@ -48,7 +75,7 @@ def toy_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backen
 
 TOY_ENGINE = EngineSpec(name="toy", title="the toy engine", package="json", extra="server", modules=(),
                         missing="the toy engine is not installed", overhead=OverheadModel(name="toy", fixed_bytes=0),
-                        backend=toy_backend, embedder=None, auto_rank=5, formats=(TOY,), tape=False)
+                        backend=toy_backend, embedder=None, auto_rank=5, formats=(TOY,), tape=False, options=ToyOptions)
 
 
 @pytest.fixture
@@ -101,6 +128,29 @@ def test_a_registered_engine_s_format_is_pulled_chosen_and_served(toy_registered
     assert opts.backend == "toy"
     backend = bootstrap.build_backend(opts)
     assert isinstance(backend, ToyBackend) and backend.greeting == "toy"
+
+
+def test_a_registered_engine_s_option_reaches_its_load_and_others_are_refused(toy_registered: None) -> None:
+    from runtime import cli
+
+    opts = bootstrap.resolve_backend(ServeSettings(backend="auto", model="hello", engine_option=("greeting=hi",)))
+    assert opts.backend == "toy"
+    backend = bootstrap.build_backend(opts)
+    assert isinstance(backend, ToyBackend)
+    req = OpenSessionRequest(type="toy", model_name="hello", config=bootstrap.load_config(opts))
+    backend.load(req, lambda _: None)
+    assert backend.loaded_greeting == "hi"
+    # the client's ``modeld load --option`` makes the same config
+    args = cli.build_parser().parse_args(["load", "hello", "--type", "toy", "--option", "greeting=hey"])
+    backend.load(LoadModelRequest(**cli.model_handle(args)), lambda _: None)
+    assert backend.loaded_greeting == "hey"
+    info = backend.describe(req)
+    assert [(o.name, o.type, o.default, o.description) for o in info.engine_options] == [
+        ("greeting", "string", "hello", "what the toy says first")]
+    with pytest.raises(InvalidArgument, match=r"refused by the toy engine: colour: not an option it takes "
+                                              r"\(its options: greeting\)"):
+        backend.load(req.model_copy(update={"config": req.config.model_copy(update={"options": {"colour": "red"}})}),
+                     lambda _: None)
 
 
 def test_a_local_model_of_the_format_is_imported_and_others_are_refused(toy_registered: None, tmp_path: Path) -> None:

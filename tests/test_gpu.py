@@ -121,14 +121,14 @@ def test_serve_bad_gpu_layers_in_the_environment(no_config: Path, monkeypatch: p
 def test_load_flag_default_auto_and_values() -> None:
     parser = cli.build_parser()
     args = parser.parse_args(["load", "m", "--path", "/m.gguf"])
-    assert cli._handle(args)["config"].num_gpu_layers == GPU_LAYERS_AUTO
+    assert cli.model_handle(args)["config"].num_gpu_layers == GPU_LAYERS_AUTO
     args = parser.parse_args(["load", "m", "--path", "/m.gguf", "--gpu-layers", "0"])
-    assert cli._handle(args)["config"].num_gpu_layers == 0
+    assert cli.model_handle(args)["config"].num_gpu_layers == 0
     args = parser.parse_args(["describe", "--gpu-layers", "20"])
-    assert cli._handle(args)["config"].num_gpu_layers == 20
+    assert cli.model_handle(args)["config"].num_gpu_layers == 20
     # run keeps the default config ("whatever is loaded"): it takes no --gpu-layers
     args = parser.parse_args(["run", "hi"])
-    assert cli._handle(args)["config"] == Config()
+    assert cli.model_handle(args)["config"] == Config()
 
 
 @pytest.mark.parametrize("bad", ["-3", "abc"])

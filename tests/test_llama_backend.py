@@ -126,6 +126,26 @@ def test_load_reports_progress_and_identity(backend: LlamaBackend, model_path: P
         m.close()
 
 
+def test_an_engine_option_reaches_the_load_and_its_identity(backend: LlamaBackend, model_path: Path) -> None:
+    """``Config.options`` as llama.cpp's entry declares them: ``extra_bufts`` off is the load's and enters the runtime
+    identity (on is not forced here: this build's AMX matrix product crashes the process on AMX CPUs)."""
+    m = backend.load(OpenSessionRequest(path=str(model_path), config=Config(num_ctx=256, options={
+        "extra_bufts": "false"})), lambda f: None)
+    try:
+        assert m.runtime_identity()["extra_bufts"] is False and m.config.options == {"extra_bufts": "false"}
+    finally:
+        m.close()
+    req = OpenSessionRequest(path=str(model_path))
+    assert [(o.name, o.type) for o in backend.describe(req).engine_options] == [("extra_bufts", "boolean")]
+    with pytest.raises(InvalidArgument, match="extra_bufts=true contradicts the layout asked for"):
+        backend.describe(req.model_copy(update={"config": Config(flash_attn=True, kv_cache_type="q8_0",
+                                                                 options={"extra_bufts": True})}))
+    for options, why in (({"inference_precision": "f32"}, "inference_precision: not an option it takes"),
+                         ({"extra_bufts": "maybe"}, "extra_bufts: Input should be a valid boolean")):
+        with pytest.raises(InvalidArgument, match=f"refused by llama.cpp: {why}.*its options: extra_bufts"):
+            backend.load(req.model_copy(update={"config": Config(options=options)}), lambda f: None)
+
+
 def test_default_num_ctx_is_explicit(backend: LlamaBackend, model_path: Path) -> None:
     m = backend.load(OpenSessionRequest(path=str(model_path)), lambda f: None)
     try:

@@ -346,11 +346,14 @@ def test_suffix_reuse_is_the_exact_lcp(backend: OpenVINOBackend, ir_dir: Path) -
 
 
 def test_f32_precision_is_exact_too(ir_dir: Path) -> None:
-    """CPUs without bf16 default to f32: the same guarantees hold there, with an f32 cache as well."""
-    b = OpenVINOBackend(inference_precision="f32")
-    m = b.load(OpenSessionRequest(path=str(ir_dir), config=Config(num_ctx=1024, kv_cache_type="f32")), lambda _f: None)
+    """CPUs without bf16 default to f32: the same guarantees hold there, with an f32 cache as well (the engine
+    option ``inference_precision`` asks for it on any CPU, and enters the runtime identity)."""
+    b = OpenVINOBackend()
+    m = b.load(OpenSessionRequest(path=str(ir_dir), config=Config(
+        num_ctx=1024, kv_cache_type="f32", options={"inference_precision": "f32"})), lambda _f: None)
     try:
         assert (m.inference_precision, m.kv_precision, m.kv_bytes_per_token) == ("f32", "f32", 2 * 23040)
+        assert m.runtime_identity()["inference_precision"] == "f32"
         s = m.open_session()
         man = manifest(m, "f32")
         first, edited = LONG_PREFIX + "Current file: a.py, line 1.", LONG_PREFIX + "Current file: src/b.py, line 200."
@@ -363,9 +366,8 @@ def test_f32_precision_is_exact_too(ir_dir: Path) -> None:
     finally:
         m.close()
     with pytest.raises(UnsupportedFeature, match="f32"):
-        OpenVINOBackend(inference_precision="bf16").load(
-            OpenSessionRequest(path=str(ir_dir), config=Config(kv_cache_type="f32")), lambda _f: None
-        )
+        OpenVINOBackend().load(OpenSessionRequest(path=str(ir_dir), config=Config(
+            kv_cache_type="f32", options={"inference_precision": "bf16"})), lambda _f: None)
 
 
 # --- decode ---------------------------------------------------------------------------------------------
@@ -514,6 +516,13 @@ def test_backend_mismatch_and_unsupported_config(backend: OpenVINOBackend, ir_di
         backend.load(OpenSessionRequest(path=str(ir_dir), config=Config(num_ctx=100_000)), lambda _f: None)
     with pytest.raises(ModelLoadFailed):
         backend.load(OpenSessionRequest(path=str(ir_dir), digest="sha256:" + "1" * 64), lambda _f: None)
+    for options, why in (({"extra_bufts": False}, "extra_bufts: not an option it takes"),
+                         ({"inference_precision": "f8"}, "inference_precision: Input should be 'bf16', 'f16' or 'f32'")):
+        for ask in (backend.describe, lambda r: backend.load(r, lambda _f: None)):
+            with pytest.raises(InvalidArgument, match=f"refused by OpenVINO: {why}.*its options: inference_precision"):
+                ask(OpenSessionRequest(path=str(ir_dir), config=Config(options=options)))
+    assert [o.name for o in backend.describe(OpenSessionRequest(path=str(ir_dir))).engine_options] == [
+        "inference_precision"]
 
 
 # --- structured output ------------------------------------------------------------------------------

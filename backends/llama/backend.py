@@ -18,7 +18,7 @@ from ..bundled import model_cache_dir
 from ..devices import read_gpus
 from ..digest import file_digest
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_layout_digest, gguf_scalars, is_gguf
-from ..registry import engine
+from ..registry import engine, option_list
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .model import BACKEND_NAME, LlamaLoadedModel
@@ -122,6 +122,7 @@ class LlamaBackend:
             chat_template=template,
             tool_format=tool_format,
             supports_gpu_offload=gpu,
+            engine_options=option_list(BACKEND_NAME),
             n_layer=shape.n_layer,
             n_head_kv=shape.n_head_kv,
             head_dim=shape.head_dim_k,

@@ -10,6 +10,7 @@ from contract.errors import InvalidArgument, UnsupportedFeature
 from contract.sizing import ModelShape
 from contract.types import GPU_LAYERS_ALL, GPU_LAYERS_AUTO, QUANTIZED_KV_CACHE_TYPES, Config
 
+from ..registry import LlamaOptions, engine_options
 from ..tape.model import resolve_num_ctx
 from .native import KV_GGML_TYPES, extra_bufts_default, gpu_offload
 
@@ -89,6 +90,11 @@ class LoadOptions:
         # of 200; as in the file, equal. Q4_1 (the bundled model) has no repacked form: nothing changes there.
         layers = unplanned_gpu_layers(cfg.num_gpu_layers)
         row_invariant = cfg.flash_attn and kv in QUANTIZED_KV_CACHE_TYPES and layers == 0
+        own = engine_options("llama", cfg, LlamaOptions)
+        if row_invariant and own.extra_bufts:
+            raise InvalidArgument("engine option extra_bufts=true contradicts the layout asked for: flash attention over "
+                                  f"a {kv} cache keeps the weights as the file has them (their rows can then be exact)",
+                                  kv_cache_type=kv)
         options = cls(
             num_ctx=num_ctx,
             num_batch=num_batch,
@@ -96,7 +102,7 @@ class LoadOptions:
             num_gpu_layers=layers,
             flash_attn=cfg.flash_attn,
             kv_cache_type=kv,
-            extra_bufts=extra_bufts_default() and not row_invariant,
+            extra_bufts=(extra_bufts_default() if own.extra_bufts is None else own.extra_bufts) and not row_invariant,
             tensor_split=tuple(cfg.tensor_split),
             n_layer=facts.n_layer,
         )

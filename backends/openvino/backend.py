@@ -18,6 +18,7 @@ from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, ModelInfo, OpenSessionRequest
 
 from ..gguf_file import gguf_facts, gguf_layout_digest
+from ..registry import option_list
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .graph import paged_model, wants_batch_graph
@@ -38,9 +39,8 @@ from .options import (
 class OpenVINOBackend:
     """The OpenVINO implementation of the daemon's Backend seam.
 
-    ``device`` is an OpenVINO device name ("CPU", "GPU", …); ``inference_precision``
-    is an INFERENCE_PRECISION_HINT ("" keeps the device default, e.g. bf16 on AMX
-    CPUs, f32 elsewhere).
+    ``device`` is an OpenVINO device name ("CPU", "GPU", …). The precision it computes in is a load's
+    ``inference_precision`` engine option (unset: the device default, e.g. bf16 on AMX CPUs, f32 elsewhere).
     """
 
     name = BACKEND_NAME
@@ -48,12 +48,10 @@ class OpenVINOBackend:
     def __init__(
         self,
         device: str = "CPU",
-        inference_precision: str = "",
         cache: StateCache | None = None,
         speculative: bool = True,
     ) -> None:
         self.device = device
-        self.inference_precision = inference_precision
         #: the workspace cache every loaded model saves to and restores from (None: none)
         self.cache = cache
         #: decode passes speculate unless a request says otherwise (``backends.tape.speculate``)
@@ -80,9 +78,9 @@ class OpenVINOBackend:
             progress(0.4)
             shape = shape_of_ir(src.ir)
             options = LoadOptions.resolve(
-                req.config, shape, self.inference_precision, speculative=self.speculative, device=self.device
+                req.config, shape, speculative=self.speculative, device=self.device
             )
-            hint = self.inference_precision or type_name(
+            hint = options.inference_precision or type_name(
                 self.core.get_property(self.device, "INFERENCE_PRECISION_HINT")
             )
             if options.kv_precision == "f32" and hint != "f32":
@@ -139,8 +137,7 @@ class OpenVINOBackend:
             src = resolve_source(req.path, prepare=False)
             shape = shape_of_source(src)
             options = LoadOptions.resolve(
-                req.config.model_copy(update={"num_ctx": 0}), shape, self.inference_precision,
-                speculative=self.speculative,
+                req.config.model_copy(update={"num_ctx": 0}), shape, speculative=self.speculative,
                 device=self.device,
             )
             devices = self._devices()
@@ -175,6 +172,7 @@ class OpenVINOBackend:
             chat_template=template,
             tool_format=tool_format,
             supports_gpu_offload=any(d.kind == "gpu" for d in devices),
+            engine_options=option_list(BACKEND_NAME),
             devices=devices,
             n_layer=shape.n_layer,
             n_head_kv=shape.n_head_kv,

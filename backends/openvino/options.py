@@ -19,7 +19,7 @@ from contract.types import GPU_LAYERS_ALL, GPU_LAYERS_AUTO, Config
 from ..bundled import model_cache_dir
 from ..digest import file_digest, files_digest
 from ..gguf_file import is_gguf, read_gguf
-from ..registry import engine
+from ..registry import OpenVINOOptions, engine, engine_options
 from ..tape.model import resolve_num_ctx
 from .graph import MIN_PREFILL_ROWS, wants_batch_graph
 from .prepare import IR_FILES, ir_dir_for, is_complete_ir, prepare_ir
@@ -191,9 +191,10 @@ class LoadOptions:
 
     @classmethod
     def resolve(
-        cls, cfg: Config, shape: ModelShape, inference_precision: str, *, speculative: bool = False, device: str = "CPU"
+        cls, cfg: Config, shape: ModelShape, *, speculative: bool = False, device: str = "CPU"
     ) -> LoadOptions:
         num_ctx = resolve_num_ctx(cfg.num_ctx, shape.n_ctx_train, DEFAULT_NUM_CTX)
+        inference_precision = engine_options("openvino", cfg, OpenVINOOptions).inference_precision or ""
         if cfg.kv_cache_type not in KV_PRECISIONS:
             raise UnsupportedFeature(
                 f"kv_cache_type {cfg.kv_cache_type!r} is not offered by the openvino backend: with its quantised "

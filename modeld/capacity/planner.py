@@ -238,6 +238,7 @@ _BACKEND_FIELDS = (
     "chat_template",
     "tool_format",
     "supports_gpu_offload",
+    "engine_options",
     "n_layer",
     "n_head_kv",
     "head_dim",
