@@ -93,8 +93,8 @@ Planner = Callable[[Backend, OpenSessionRequest, int], ModelInfo]
 _T = TypeVar("_T")
 
 _S = SlotState
-#: The slot's lifecycle: state -> the states it may move to. ``SlotService._transition``
-#: is the only place ``_state`` changes, and it refuses anything not listed here.
+#: The slot's lifecycle: state -> the states it may move to. ``Lifecycle.move`` is the only
+#: way the slot's state changes, and it refuses anything not listed here.
 TRANSITIONS: Mapping[SlotState, frozenset[SlotState]] = {
     # load, or open_session auto-loading an empty slot
     _S.EMPTY: frozenset({_S.LOADING, _S.SHUTTING_DOWN}),
@@ -114,6 +114,41 @@ TRANSITIONS: Mapping[SlotState, frozenset[SlotState]] = {
     # terminal: the process is exiting (shutdown may run again; it changes nothing)
     _S.SHUTTING_DOWN: frozenset({_S.SHUTTING_DOWN}),
 }
+
+
+#: ``SlotService(on_transition=...)``: told (from, to) after each move (under the slot's state lock: keep it short)
+TransitionHook = Callable[[SlotState, SlotState], None]
+
+
+class Lifecycle:
+    """The slot's state and the one checked way to change it (``TRANSITIONS``): the state is read-only
+    elsewhere, so no code path can set a state the table does not allow."""
+
+    def __init__(self, on_move: TransitionHook | None = None) -> None:
+        self._state = SlotState.EMPTY
+        self._on_move = on_move
+
+    @property
+    def state(self) -> SlotState:
+        return self._state
+
+    def move(self, to: SlotState) -> None:
+        """Move to ``to``. Leaving ShuttingDown raises ShuttingDown (an operation that raced the shutdown ends
+        with it); any other move not in ``TRANSITIONS`` is a bug in the slot and raises Internal."""
+        frm = self._state
+        if to in TRANSITIONS[frm]:
+            self._state = to
+            if self._on_move is not None:
+                self._on_move(frm, to)
+            return
+        if frm is SlotState.SHUTTING_DOWN:
+            raise ShuttingDown("modeld is shutting down")
+        raise Internal(
+            f"invalid slot state transition {frm.value} -> {to.value}; allowed from {frm.value}: "
+            + (", ".join(sorted(s.value for s in TRANSITIONS[frm])) or "none"),
+            state=frm.value,
+            to=to.value,
+        )
 
 
 @dataclass
@@ -154,9 +189,10 @@ class SlotService:
         build: str = "",
         gpu_offload: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        on_transition: TransitionHook | None = None,
     ) -> None:
         """``clock``: seconds from any fixed point, what leases, the session TTL and the idle unload are measured
-        on (a test advances its own instead of sleeping)."""
+        on (a test advances its own instead of sleeping); ``on_transition``: told each state change."""
         self.backend = backend
         self._clock = clock
         #: the models loadable by name (``modeld load NAME``, a request naming another model); None: by path only
@@ -187,7 +223,7 @@ class SlotService:
         self._embedder = embedder
         self._state_lock = threading.Lock()
         self._op_lock = threading.RLock()
-        self._state = SlotState.EMPTY
+        self._life = Lifecycle(on_transition)
         self._generation = 0
         self._loaded: LoadedModel | None = None
         self._active: ActiveModel | None = None
@@ -222,7 +258,7 @@ class SlotService:
                 backend_reason=self.backend_reason,
                 backend_version=self._backend_version,
                 protocol_version=PROTOCOL_VERSION,
-                state=self._state,
+                state=self._life.state,
                 active=active,
                 generation=self._generation,
                 busy_operation=self._busy_op,
@@ -266,24 +302,8 @@ class SlotService:
             raise ShuttingDown("modeld is shutting down")
 
     def _transition(self, to: SlotState) -> None:
-        """Move the slot to ``to``; the caller holds ``_state_lock`` (fields that change with it change together).
-
-        Leaving ShuttingDown raises ShuttingDown (an operation that raced the
-        shutdown ends with it); any other move not in ``TRANSITIONS`` is a bug in
-        this module and raises Internal.
-        """
-        frm = self._state
-        if to in TRANSITIONS[frm]:
-            self._state = to
-            return
-        if frm is SlotState.SHUTTING_DOWN:
-            raise ShuttingDown("modeld is shutting down")
-        raise Internal(
-            f"invalid slot state transition {frm.value} -> {to.value}; allowed from {frm.value}: "
-            + (", ".join(sorted(s.value for s in TRANSITIONS[frm])) or "none"),
-            state=frm.value,
-            to=to.value,
-        )
+        """``Lifecycle.move``; the caller holds ``_state_lock`` (fields that change with it change together)."""
+        self._life.move(to)
 
     def _set_busy(self, op: str) -> None:
         with self._state_lock:
@@ -505,7 +525,7 @@ class SlotService:
                     current=self._generation,
                 )
             if self._loaded is None:
-                if self._state is SlotState.FAILED:
+                if self._life.state is SlotState.FAILED:
                     with self._state_lock:
                         self._transition(SlotState.EMPTY)
                 return  # idempotent on an empty slot
@@ -693,7 +713,7 @@ class SlotService:
     def _unload_if_idle_locked(self) -> None:
         if not self.idle_unload_s or self._loaded is None or self._holder is not None or self._shutting_down:
             return
-        if self._clock() - self._last_active <= self.idle_unload_s or self._state is not SlotState.READY:
+        if self._clock() - self._last_active <= self.idle_unload_s or self._life.state is not SlotState.READY:
             return
         log.info("unloading the model: idle for %.0f s", self._clock() - self._last_active)
         self._unload_locked()
@@ -709,7 +729,7 @@ class SlotService:
             with self._state_lock:
                 if self._holder is holder:
                     self._holder = None
-                    if self._state is SlotState.BUSY:
+                    if self._life.state is SlotState.BUSY:
                         self._transition(SlotState.READY)
 
     def release_session(self, session_id: str) -> None:
@@ -738,7 +758,7 @@ class SlotService:
     def idle_pending(self) -> bool:
         """Whether the loaded model has work for the idle slot (``LoadedModel.idle_work``) it can do now."""
         with self._state_lock:
-            loaded = self._loaded if self._state is SlotState.READY and self._holder is None else None
+            loaded = self._loaded if self._life.state is SlotState.READY and self._holder is None else None
         return loaded is not None and loaded.idle_pending()
 
     def idle_work(self) -> None:

@@ -250,8 +250,11 @@ class Client:
         self._abandoned.clear()
         self._heard.clear()
 
-    def _send(self, op: Op, body: BaseModel | dict[str, Any], payloads: list[bytes] | None = None) -> bytes:
-        """Send a request (a typed message, or a raw map for hand-made requests); returns its id."""
+    # --- the raw wire: what the typed calls are made of, for tools and tests that speak the wire themselves -----
+
+    def send(self, op: Op, body: BaseModel | dict[str, Any], payloads: list[bytes] | None = None) -> bytes:
+        """Send a request (a typed message, or a raw map for hand-made requests) without waiting; returns its id,
+        which ``receive`` and ``waiting`` take."""
         rid = self._prefix + next(self._ids).to_bytes(8, "big")
         with self._lock:
             sock = self._socket()
@@ -264,7 +267,12 @@ class Client:
                 self._heard[rid] = time.monotonic()
         return rid
 
-    def _recv(
+    def waiting(self, rid: bytes) -> int:
+        """How many messages for request ``rid`` have arrived and wait for ``receive`` (heartbeats included)."""
+        with self._lock:
+            return len(self._buffers.get(rid, ()))
+
+    def receive(
         self, rid: bytes, timeout_s: float | None = None, on_progress: ProgressCallback | None = None
     ) -> Message:
         """Next message for ``rid``; heartbeats extend the deadline, hand their progress to the callback, and are
@@ -335,7 +343,7 @@ class Client:
                 if msg.request_id in self._buffers:
                     self._buffers[msg.request_id].append(msg)
 
-    def _call(
+    def call(
         self,
         op: Op,
         body: BaseModel | dict[str, Any],
@@ -344,12 +352,12 @@ class Client:
         on_progress: ProgressCallback | None = None,
     ) -> Message:
         """Send a request and wait for its reply; an ``error`` reply is raised as the daemon's class."""
-        return self._await(self._send(op, body, payloads), timeout_s, on_progress)
+        return self._await(self.send(op, body, payloads), timeout_s, on_progress)
 
     def _await(self, rid: bytes, timeout_s: float | None = None, on_progress: ProgressCallback | None = None) -> Message:
         """The reply to request ``rid``, sent already; an ``error`` reply is raised as the daemon's class."""
         try:
-            msg = self._recv(rid, timeout_s, on_progress)
+            msg = self.receive(rid, timeout_s, on_progress)
         except ModeldError:
             raise
         except BaseException:
@@ -361,7 +369,7 @@ class Client:
             raise wire.error_of(msg)
         return msg
 
-    def _request(
+    def request(
         self,
         op: Op,
         req: BaseModel,
@@ -370,7 +378,7 @@ class Client:
         on_progress: ProgressCallback | None = None,
     ) -> _R:
         """A unary call: the typed request out, its ``ok`` reply read as ``reply``."""
-        return wire.decode_body(reply, self._call(op, req, timeout_s=timeout_s, on_progress=on_progress))
+        return wire.decode_body(reply, self.call(op, req, timeout_s=timeout_s, on_progress=on_progress))
 
     def _cancel(self, rid: bytes) -> bool:
         """Ask the daemon to stop request ``rid`` and return at once; its reader still reads the end the daemon
@@ -391,14 +399,14 @@ class Client:
 
     # --- ModelController ---------------------------------------------------------------------
     def status(self, timeout_s: float | None = None) -> DaemonStatus:
-        return self._request(Op.STATUS, StatusRequest(), DaemonStatus, timeout_s)
+        return self.request(Op.STATUS, StatusRequest(), DaemonStatus, timeout_s)
 
     def load_model(self, req: LoadModelRequest, *, on_progress: ProgressCallback | None = None) -> ActiveModel:
         """Load (or switch to) a model; ``on_progress`` receives the load's progress while it runs."""
-        return self._request(Op.LOAD, self._fenced(req), ActiveModel, on_progress=on_progress)
+        return self.request(Op.LOAD, self._fenced(req), ActiveModel, on_progress=on_progress)
 
     def unload_model(self, req: UnloadModelRequest | None = None) -> None:
-        self._request(Op.UNLOAD, self._fenced(req or UnloadModelRequest()), UnloadReply)
+        self.request(Op.UNLOAD, self._fenced(req or UnloadModelRequest()), UnloadReply)
 
     def takeover(self, epoch: int) -> TakeoverReply:
         """Become the daemon's owner (this client's ``owner``) at ``epoch``, higher than the current owner's.
@@ -409,35 +417,35 @@ class Client:
         if not self.owner:
             raise InvalidArgument("takeover needs the client's owner id (Client(owner=...), --owner, MODELD_OWNER)")
         req = wire.parse(TakeoverRequest, {"owner_instance_id": self.owner, "epoch": epoch})
-        return self._request(Op.TAKEOVER, req, TakeoverReply)
+        return self.request(Op.TAKEOVER, req, TakeoverReply)
 
     def metrics(self) -> str:
         """The daemon's metrics in the Prometheus text format."""
-        return self._request(Op.METRICS, MetricsRequest(), MetricsReply).text
+        return self.request(Op.METRICS, MetricsRequest(), MetricsReply).text
 
     def why(self, last: int = 20) -> list[ReuseRecord]:
         """The last ``last`` requests' prompts, oldest first: how much was reused, and where and why it stopped."""
-        return self._request(Op.WHY, wire.parse(WhyRequest, {"last": last}), WhyReply).requests
+        return self.request(Op.WHY, wire.parse(WhyRequest, {"last": last}), WhyReply).requests
 
     # --- workspace cache -------------------------------------------------------------------------
     def cache_list(self) -> CacheListReply:
         """The workspace cache's entries (most recently used first) and its status (``cache`` is None when off)."""
-        return self._request(Op.CACHE_LIST, CacheListRequest(), CacheListReply)
+        return self.request(Op.CACHE_LIST, CacheListRequest(), CacheListReply)
 
     def cache_clear(self) -> int:
         """Drop every workspace cache entry, in RAM and on disk; returns how many (owner-fenced)."""
-        return self._request(Op.CACHE_CLEAR, self._fenced(CacheClearRequest()), CacheClearReply).cleared
+        return self.request(Op.CACHE_CLEAR, self._fenced(CacheClearRequest()), CacheClearReply).cleared
 
     # --- Service ---------------------------------------------------------------------------------
     def describe(self, req: OpenSessionRequest) -> ModelInfo:
-        return self._request(Op.DESCRIBE, self._fenced(req), ModelInfo)
+        return self.request(Op.DESCRIBE, self._fenced(req), ModelInfo)
 
     def embed(self, req: EmbedRequest) -> EmbedResult:
-        reply = self._request(Op.EMBED, self._fenced(req), EmbedReply)
+        reply = self.request(Op.EMBED, self._fenced(req), EmbedReply)
         return reply.result(single=not req.texts)
 
     def open_session(self, req: OpenSessionRequest) -> RemoteSession:
-        opened = self._request(Op.OPEN, self._fenced(req), OpenReply)
+        opened = self.request(Op.OPEN, self._fenced(req), OpenReply)
         sess = RemoteSession(self, opened)
         with self._sessions_lock:
             self._sessions[sess.session_id] = sess
@@ -580,7 +588,7 @@ class RemoteSession:
     def _stoppable(self, op: Op, req: BaseModel, on_progress: ProgressCallback | None) -> Message:
         """A unary call that ``cancel`` stops (a prefill): the daemon then answers Cancelled, and keeps what the
         prefill had computed."""
-        rid = self._client._send(op, req)
+        rid = self._client.send(op, req)
         self._running = rid
         try:
             if self.on_sent is not None:
@@ -594,12 +602,12 @@ class RemoteSession:
         """What ``prefix`` then ``suffix`` come to in tokens, and the window; nothing is prefilled."""
         self._check_open()
         req = CountTokensRequest(session_id=self.session_id, prefix=prefix, suffix=suffix)
-        return self._client._request(Op.COUNT_TOKENS, req, TokenCount)
+        return self._client.request(Op.COUNT_TOKENS, req, TokenCount)
 
     def decode(self, cfg: DecodeConfig | None = None) -> Generator[StreamChunk, None, None]:
         """Stream chunks; abandoning the iterator (break, close, GC) cancels the decode."""
         self._check_open()
-        rid = self._client._send(Op.DECODE, DecodeRequest.of(self.session_id, cfg or DecodeConfig()))
+        rid = self._client.send(Op.DECODE, DecodeRequest.of(self.session_id, cfg or DecodeConfig()))
         self._running = rid
         if self.on_sent is not None:
             self.on_sent()
@@ -622,7 +630,7 @@ class RemoteSession:
         finished = False
         try:
             while True:
-                msg = self._client._recv(rid)
+                msg = self._client.receive(rid)
                 if msg.kind is Kind.ERROR:
                     finished = True
                     raise wire.error_of(msg)
@@ -645,28 +653,28 @@ class RemoteSession:
         """``text`` in the model's tokens (special tokens parsed; the model's BOS first with ``add_special``)."""
         self._check_open()
         req = TokenizeRequest(session_id=self.session_id, text=text, add_special=add_special)
-        return self._client._request(Op.TOKENIZE, req, TokenizeReply).tokens
+        return self._client.request(Op.TOKENIZE, req, TokenizeReply).tokens
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Token ids as text; InvalidArgument for an id the model does not have."""
         self._check_open()
         req = DetokenizeRequest(session_id=self.session_id, tokens=list(tokens))
-        return self._client._request(Op.DETOKENIZE, req, DetokenizeReply).text
+        return self._client.request(Op.DETOKENIZE, req, DetokenizeReply).text
 
     def explain_context(self) -> ContextReport:
         self._check_open()
-        return self._client._request(Op.EXPLAIN, SessionRef(session_id=self.session_id), ContextReport)
+        return self._client.request(Op.EXPLAIN, SessionRef(session_id=self.session_id), ContextReport)
 
     def snapshot(self, include_state: bool = True) -> SessionSnapshot:
         """The session's snapshot; without ``include_state`` only its ``state_id`` (the daemon keeps the bytes)."""
         self._check_open()
         req = SnapshotRequest(session_id=self.session_id, include_state=include_state)
-        return self._client._request(Op.SNAPSHOT, req, SnapshotReply).snapshot()
+        return self._client.request(Op.SNAPSHOT, req, SnapshotReply).snapshot()
 
     def restore(self, snap: SessionSnapshot) -> None:
         """Restore ``snap``: its state bytes travel as a frame, or the daemon reads the blob of its ``state_id``."""
         self._check_open()
-        self._client._request(Op.RESTORE, RestoreRequest.of(self.session_id, snap), ContextReport)
+        self._client.request(Op.RESTORE, RestoreRequest.of(self.session_id, snap), ContextReport)
 
     def abandon(self) -> None:
         """Stop renewing this session's lease without closing it, as a client that hung would: the daemon
@@ -679,4 +687,4 @@ class RemoteSession:
             return
         self._closed = True
         self._client._forget(self.session_id)
-        self._client._request(Op.CLOSE, SessionRef(session_id=self.session_id), CloseReply, timeout_s)
+        self._client.request(Op.CLOSE, SessionRef(session_id=self.session_id), CloseReply, timeout_s)

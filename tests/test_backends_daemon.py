@@ -431,9 +431,9 @@ LONG_SYSTEM = SYSTEM + "\n" + "\n".join(f"src/pkg/module_{i}.py: class Handler{i
 
 def _start_prefix(c: Client, sess: RemoteSession, prefix: PrefixInput) -> bytes:
     """Send ensure_prefix without waiting; returns once the daemon is working on it."""
-    rid = c._send(Op.ENSURE_PREFIX, EnsurePrefixRequest.of(sess.session_id, prefix))
+    rid = c.send(Op.ENSURE_PREFIX, EnsurePrefixRequest.of(sess.session_id, prefix))
     while c.status().busy_operation != "ensure_prefix":
-        assert not c._buffers.get(rid), f"ensure_prefix ended before it could be interrupted: {c._buffers[rid]}"
+        assert not c.waiting(rid), "ensure_prefix ended before it could be interrupted"
         time.sleep(0.002)
     return rid
 
@@ -445,8 +445,8 @@ def test_cancel_stops_a_cold_prefill(backend_daemon: DaemonProcess) -> None:
         sess = c.open_session(OpenSessionRequest())
         m = manifest_for(sess, fresh_profile())
         rid = _start_prefix(c, sess, PrefixInput(text=LONG_SYSTEM, manifest=m))
-        assert c._request(Op.CANCEL, CancelRequest(request_id=rid), CancelReply).cancelled
-        reply = c._recv(rid)
+        assert c.request(Op.CANCEL, CancelRequest(request_id=rid), CancelReply).cancelled
+        reply = c.receive(rid)
         assert reply.kind is Kind.ERROR
         assert isinstance(wire.error_of(reply), Cancelled)
         rep = sess.explain_context()
@@ -464,7 +464,7 @@ def test_interrupted_client_call_cancels_the_prefill(backend_daemon: DaemonProce
     with backend_daemon.client(timeout_s=300.0) as c, backend_daemon.client(timeout_s=30.0) as watcher:
         sess = c.open_session(OpenSessionRequest())
         m = manifest_for(sess, fresh_profile())
-        real_recv = c._recv
+        real_recv = c.receive
 
         def interrupted(rid: bytes, timeout_s: float | None = None, on_progress: object = None) -> object:
             deadline = time.monotonic() + 60
@@ -472,10 +472,10 @@ def test_interrupted_client_call_cancels_the_prefill(backend_daemon: DaemonProce
                 time.sleep(0.002)
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(c, "_recv", interrupted)
+        monkeypatch.setattr(c, "receive", interrupted)
         with pytest.raises(KeyboardInterrupt):
             sess.ensure_prefix(PrefixInput(text=LONG_SYSTEM, manifest=m))
-        monkeypatch.setattr(c, "_recv", real_recv)
+        monkeypatch.setattr(c, "receive", real_recv)
         while watcher.status().busy_operation:
             time.sleep(0.005)
         assert sess.explain_context().prefix_tokens == 0  # stopped, not finished
@@ -495,7 +495,7 @@ def test_sigterm_during_a_prefill_stops_it(backend_daemon: DaemonProcess) -> Non
         rid = _start_prefix(c, sess, PrefixInput(text=LONG_SYSTEM, manifest=m))
         assert d.proc is not None
         d.proc.send_signal(signal.SIGTERM)
-        reply = c._recv(rid)
+        reply = c.receive(rid)
         assert reply.kind is Kind.ERROR and isinstance(wire.error_of(reply), ShuttingDown), reply.body
         assert d.proc.wait(60) == 0
     assert "modeld stopped" in d.log()[logged:]

@@ -150,7 +150,7 @@ def test_close(client: Client) -> None:
     sess.close()
     sess.close()  # idempotent, and nothing is sent
     assert not client.status().session_open
-    assert client._request(Op.CLOSE, SessionRef(session_id=sid), CloseReply).closed is False
+    assert client.request(Op.CLOSE, SessionRef(session_id=sid), CloseReply).closed is False
     m = ContextManifest()
     for call in (
         lambda: sess.ensure_prefix(PrefixInput(text="x", manifest=m)),
@@ -166,14 +166,14 @@ def test_close(client: Client) -> None:
 
 def test_error_replies_are_raised_as_the_daemon_class(client: Client, sess: RemoteSession) -> None:
     with pytest.raises(SessionClosed) as closed:
-        client._request(Op.EXPLAIN, SessionRef(session_id="nope"), ContextReport)
+        client.request(Op.EXPLAIN, SessionRef(session_id="nope"), ContextReport)
     assert closed.value.details == {"session_id": "nope"}
     m = _turn(sess)
     other = m.model_copy(update={"model_digest": "sha256:" + "1" * 64})
     with pytest.raises(ManifestMismatch):
         sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=other))
     with pytest.raises(InvalidArgument) as bad:
-        client._call(Op.DECODE, {"session_id": sess.session_id, "max_tokens": -1})
+        client.call(Op.DECODE, {"session_id": sess.session_id, "max_tokens": -1})
     assert bad.value.details["problems"][0].startswith("max_tokens:")
 
 

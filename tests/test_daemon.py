@@ -126,7 +126,7 @@ def test_switch_requires_released_session_and_invalidates_old_handle(client: Cli
     assert active.model_name == "b" and active.generation == gen + 1
     # The old handle (even re-used by id) no longer works.
     with pytest.raises(SessionClosed):
-        client._call(Op.ENSURE_PREFIX, {"session_id": stale_id, "text": "x"})
+        client.call(Op.ENSURE_PREFIX, {"session_id": stale_id, "text": "x"})
     with pytest.raises(ModelSwitchRequired):
         client.open_session(MODEL_A)
 
@@ -192,9 +192,9 @@ def test_a_session_belongs_to_the_client_that_opened_it(daemon: DaemonProcess, c
         for op, body in ((Op.ENSURE_PREFIX, {"text": "x", "manifest": m.model_dump()}), (Op.EXPLAIN, {}),
                          (Op.SNAPSHOT, {}), (Op.DECODE, {"max_tokens": 2})):
             with pytest.raises(SessionClosed, match="unknown or closed session"):
-                other._call(op, {"session_id": sess.session_id, **body})
-        assert other._call(Op.CLOSE, {"session_id": sess.session_id}).body == {"closed": False}
-        hb = other._request(Op.HEARTBEAT, HeartbeatRequest(session_ids=[sess.session_id]), HeartbeatReply)
+                other.call(op, {"session_id": sess.session_id, **body})
+        assert other.call(Op.CLOSE, {"session_id": sess.session_id}).body == {"closed": False}
+        hb = other.request(Op.HEARTBEAT, HeartbeatRequest(session_ids=[sess.session_id]), HeartbeatReply)
         assert hb.alive == []
         with pytest.raises(ModelBusy) as busy:
             other.open_session(MODEL_A)

@@ -46,7 +46,7 @@ def test_counters_move_with_the_turns(front: Front) -> None:
         history += [{"role": "assistant", "content": first.message.content}, {"role": "user", "content": "And?"}]
         c.chat(history, max_tokens=6)
         with pytest.raises(ModeldError):  # refused by the daemon: counted as an error of its operation
-            c._call(Op.DECODE, {"session_id": "nope", "max_tokens": 4})
+            c.call(Op.DECODE, {"session_id": "nope", "max_tokens": 4})
         after = samples(c.metrics())
 
     def grew(name: str, **labels: str) -> float:
