@@ -424,9 +424,8 @@ class ServeSettings(HttpSettings):
         "mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1); default: detected from the chat template",
     )
     engine_option: Annotated[EngineOptionPairs, Flag("NAME=VALUE", MODEL)] = Field(
-        (), description="an option only the preloaded model's engine offers (repeatable; `modeld describe` and "
-        "docs/engines.md list each engine's): llama.cpp extra_bufts=true|false, OpenVINO "
-        "inference_precision=bf16|f16|f32; with --backend auto, an option only one engine takes picks it",
+        (), description="an option only the preloaded model's engine offers (repeatable): `modeld describe` lists "
+        "the engine's, docs/engines.md every engine's; with --backend auto, an option only one engine takes picks it",
     )
     owner: Annotated[str, Flag(None, SESSIONS)] = Field("", description="owner instance id for fencing")
     memory: Policy = Field(
