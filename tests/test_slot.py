@@ -8,17 +8,18 @@ the slot never takes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from backends.memory import MAX_NUM_CTX, MemoryBackend
+from backends.memory import MAX_NUM_CTX, MemoryBackend, MemoryModel
 from contract.errors import (
     BackendMismatch,
     ContextOverflow,
+    InsufficientMemory,
     Internal,
     InvalidArgument,
     ModelBusy,
@@ -30,12 +31,14 @@ from contract.errors import (
     SlotGenerationStale,
     StaleFence,
 )
+from contract.interfaces import Backend
 from contract.types import (
     Config,
     DaemonStatus,
     DecodeConfig,
     EmbedRequest,
     LoadModelRequest,
+    ModelInfo,
     OpenSessionRequest,
     PrefixInput,
     SlotState,
@@ -204,6 +207,36 @@ class RefusingBackend(MemoryBackend):
         if req.path in self.refuse:
             raise ModelLoadFailed(f"{req.path} is not a model", path=req.path)
         return super().load(req, progress)
+
+
+#: what each model ``HeavyBackend`` loads holds, and all the room there is: one model at a time
+MODEL_BYTES = 1_000_000
+
+
+class HeavyModel(MemoryModel):
+    def resident_bytes(self) -> int:
+        return MODEL_BYTES
+
+
+class HeavyBackend(RefusingBackend):
+    """``RefusingBackend`` whose models each hold ``MODEL_BYTES``."""
+
+    def load(self, req: OpenSessionRequest, progress: Any) -> Any:
+        super().load(req, progress)  # its checks and refusals
+        return HeavyModel(req)
+
+
+def room_for_one_model(resident: Callable[[], int]) -> Callable[[Backend, OpenSessionRequest, int], ModelInfo]:
+    """A planner with room for ``MODEL_BYTES``: a load fits only where what stays resident is credited back (so a
+    switch releases the old model first). It plans the context asked for, which the backend may then refuse."""
+
+    def plan(backend: Backend, req: OpenSessionRequest, credit: int) -> ModelInfo:
+        if resident() - credit + MODEL_BYTES > MODEL_BYTES:
+            raise InsufficientMemory("room for one model only", required=MODEL_BYTES)
+        info = backend.describe(req, credit)
+        return info.model_copy(update={"effective_context": req.config.num_ctx or info.effective_context})
+
+    return plan
 
 
 def test_a_failed_load_is_recoverable(slot: RecordingSlot) -> None:
@@ -470,9 +503,8 @@ def test_tour_takes_every_reachable_edge() -> None:
     def fresh() -> RecordingSlot:
         return RecordingSlot(MemoryBackend(), owner=OWNER)
 
-    backend = RefusingBackend()
-    s = RecordingSlot(backend, owner=OWNER)
-    s._fits_alongside = lambda *_a: False  # type: ignore[method-assign]  # room for one model only
+    backend = HeavyBackend()
+    s = RecordingSlot(backend, owner=OWNER, planner=room_for_one_model(lambda: s.generation_resident_bytes()))
     with pytest.raises(InvalidArgument):
         s.load_model(load("a", config=too_big))  # Empty -> Loading -> Failed
     s.load_model(load("a"))  # Failed -> Loading -> Ready
