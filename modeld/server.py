@@ -115,6 +115,11 @@ class Daemon:
             except OSError:
                 pass  # a wake-up is already pending (the buffer is full), or serve has just closed it
 
+    def close(self) -> None:
+        """Release what a daemon that never served holds (its ZeroMQ context); ``serve`` releases its own."""
+        if not self._ctx.closed:
+            self._ctx.term()
+
     def _stop_with(self, code: int) -> None:
         self.exit_code = code
         self.stop()

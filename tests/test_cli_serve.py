@@ -118,7 +118,7 @@ def test_a_queued_preload_reads_as_loading_before_the_worker_takes_it(tmp_path: 
         st = daemon.handlers.status(b"", StatusRequest())  # the worker has not started: nothing has run
         assert (st.state, st.busy_operation) == (SlotState.LOADING, "load")
     finally:
-        daemon._ctx.term()  # never served: nothing else holds its ZeroMQ context
+        daemon.close()  # never served
     with DaemonProcess(tmp_path / "proc", "memory", None, "--model", "/m/x", "--num-ctx", "64") as d, d.client() as c:
         # start() returns at the first Ready or Empty: with a preload it is Ready (Empty would be a lie)
         assert c.status().state is SlotState.READY

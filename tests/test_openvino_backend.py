@@ -779,9 +779,9 @@ def test_the_numpy_sampler_penalises_as_llama_cpp_does() -> None:
                              repeat_last_n=3))
     s.start([9, 1, 1, 2])  # the window keeps the last three: 1, 1, 2
     logits = np.array([0.0, 4.0, -3.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0], dtype=np.float32)
-    out = s._penalised(logits)
+    out = s.penalised(logits)
     assert out[1] == pytest.approx(4.0 / 2 - 2 * 0.5 - 1.0) and out[2] == pytest.approx(-3.0 * 2 - 0.5 - 1.0)
     assert out[9] == 8.0 and out[3] == 5.0  # 9 left the window
     assert s(logits) == 9
     s.accept(9)  # the window now holds 1, 2, 9
-    assert s(logits) == 3 and s._penalised(logits)[1] == pytest.approx(4.0 / 2 - 0.5 - 1.0)
+    assert s(logits) == 3 and s.penalised(logits)[1] == pytest.approx(4.0 / 2 - 0.5 - 1.0)

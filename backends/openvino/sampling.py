@@ -39,7 +39,9 @@ class Sampler:
         if self.penalties is not None:
             self.window.append(token)
 
-    def _penalised(self, logits: np.ndarray) -> np.ndarray:
+    def penalised(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` with the repetition, frequency and presence penalties over the window applied (a sampler
+        made with penalties)."""
         assert self.penalties is not None
         _, repeat, freq, present = self.penalties
         tokens, counts = np.unique(np.fromiter(self.window, dtype=np.int64, count=len(self.window)), return_counts=True)
@@ -51,7 +53,7 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> int:
         if self.penalties is not None and self.window:
-            logits = self._penalised(logits)
+            logits = self.penalised(logits)
         if self.temperature <= 0.0:
             return int(np.argmax(logits))
         x = logits.astype(np.float64)
