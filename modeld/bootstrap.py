@@ -253,16 +253,12 @@ def build_slot(
     embedder = build_embedder(opts, lambda: built[0].generation_resident_bytes() if built else 0)
     slot = SlotService(
         backend,
-        owner=opts.owner,
-        lease_s=opts.lease,
+        opts,
         planner=build_planner(opts),
         endpoint=endpoint,
         embedder=embedder,
         cache=cache,
         backend_reason=opts.backend_reason,
-        idle_unload_s=opts.idle_unload,
-        session_ttl_s=opts.session_ttl,
-        default_temperature=opts.temperature,
         catalog=build_catalog(opts),
         **engine_build(opts.backend),
     )
@@ -280,9 +276,7 @@ def build_daemon(opts: ServeSettings, backend: Backend | None = None) -> Daemon:
     slot = build_slot(opts, endpoint, backend)
     interrupt.set_chunk_delay(opts.prefill_chunk_delay_ms / 1000)
     blobs = BlobStore(data_dir / "blobs", max_bytes=opts.blob_disk, max_age_s=opts.blob_max_age_days * 86400)
-    return Daemon(slot, endpoint, blobs, curve_keys=curve_keys, wedge_s=opts.wedge_timeout,
-                  exit_when_wedged=opts.exit_when_wedged, stream_interval_s=opts.stream_interval_ms / 1000,
-                  engine_nice=opts.engine_nice)
+    return Daemon(slot, endpoint, blobs, opts, curve_keys=curve_keys)
 
 
 def preload_request(opts: ServeSettings) -> LoadModelRequest | None:

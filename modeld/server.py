@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from typing import Protocol
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -35,14 +36,14 @@ from .metrics import Metrics
 from .netsec import check_runtime_dir, is_default_runtime_dir
 from .peers import MONITOR_EVENTS, PeerWatch
 from .sdnotify import activated_fd
+from .settings import ServeSettings
 from .slot import SlotService
-from .watchdog import DEFAULT_WEDGE_S, EXIT_WEDGED, REAP_INTERVAL_S, Watchdog
-from .worker import DEFAULT_ENGINE_NICE, DEFAULT_STREAM_INTERVAL_S, OUT_ENDPOINT, Workers
+from .watchdog import EXIT_WEDGED, REAP_INTERVAL_S, Watchdog
+from .worker import OUT_ENDPOINT, Workers
 from .workqueue import WorkQueue
 
-# (the worker's and the watchdog's constants too: bootstrap, serve, settings and the tests take them from here)
-__all__ = ["DEFAULT_ENGINE_NICE", "DEFAULT_STREAM_INTERVAL_S", "DEFAULT_WEDGE_S", "EXIT_WEDGED", "REAP_INTERVAL_S",
-           "Daemon"]
+# (the watchdog's constants too; the settings' defaults are ``modeld.defaults``')
+__all__ = ["EXIT_WEDGED", "REAP_INTERVAL_S", "Daemon", "DaemonSettings"]
 
 log = logging.getLogger("modeld.server")
 
@@ -55,6 +56,22 @@ LINGER_MS = 500
 SEND_HWM = 100_000
 
 
+class DaemonSettings(Protocol):
+    """What the daemon reads of the serve settings (``modeld.settings.ServeSettings`` is one)."""
+
+    @property
+    def wedge_timeout(self) -> float: ...  # the model worker is wedged after this long without progress
+
+    @property
+    def exit_when_wedged(self) -> bool: ...  # then exit EXIT_WEDGED for a supervisor
+
+    @property
+    def stream_interval_ms(self) -> float: ...  # a decode stream's frames at most this often (0: one a token)
+
+    @property
+    def engine_nice(self) -> int: ...  # the model's threads this much nicer than the daemon
+
+
 class Daemon:
     """One daemon: its IO loop, and the work queue, watchdog and worker threads it wires together."""
 
@@ -63,13 +80,12 @@ class Daemon:
         slot: SlotService,
         endpoint: str,
         blobs: BlobStore,
+        settings: DaemonSettings | None = None,
         *,
         curve_keys: tuple[bytes, bytes] | None = None,
-        wedge_s: float = DEFAULT_WEDGE_S,
-        exit_when_wedged: bool = False,
-        stream_interval_s: float = DEFAULT_STREAM_INTERVAL_S,
-        engine_nice: int = DEFAULT_ENGINE_NICE,
     ) -> None:
+        """``settings``: the serve settings' defaults when None."""
+        settings = settings if settings is not None else ServeSettings.model_construct()
         self.slot = slot
         self.metrics = Metrics(slot.status)
         #: status reports the uptime from here
@@ -94,10 +110,10 @@ class Daemon:
         #: the operations and the session table (``modeld.handlers``)
         self.handlers = Handlers(slot, blobs, self.metrics, self._stop, daemon_status=self._daemon_status,
                                  cancel_event=self.work.cancel_event)
-        self.watchdog = Watchdog(slot, self.work, self.handlers, wedge_s=wedge_s, exit_when_wedged=exit_when_wedged,
-                                 stop=self._stop_with)
+        self.watchdog = Watchdog(slot, self.work, self.handlers, wedge_s=settings.wedge_timeout,
+                                 exit_when_wedged=settings.exit_when_wedged, stop=self._stop_with)
         self.workers = Workers(self._ctx, slot, self.handlers, self.metrics, self.work, self.watchdog, self._stop,
-                               stream_interval_s=stream_interval_s, engine_nice=engine_nice,
+                               stream_interval_s=settings.stream_interval_ms / 1000, engine_nice=settings.engine_nice,
                                preload_failed=self._preload_failed)
 
     # --- lifecycle -------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from contract.errors import (
     BackendMismatch,
@@ -80,7 +80,7 @@ from contract.types import (
 )
 from contract.wire import PROTOCOL_VERSION
 
-from .defaults import DEFAULT_LEASE_S, DEFAULT_SESSION_TTL_S
+from .settings import ServeSettings
 from .store.catalog import Catalog
 
 log = logging.getLogger("modeld")
@@ -114,6 +114,26 @@ TRANSITIONS: Mapping[SlotState, frozenset[SlotState]] = {
     # terminal: the process is exiting (shutdown may run again; it changes nothing)
     _S.SHUTTING_DOWN: frozenset({_S.SHUTTING_DOWN}),
 }
+
+
+class SlotSettings(Protocol):
+    """What the slot reads of the serve settings (``modeld.settings.ServeSettings`` is one; a test builds one with
+    ``ServeSettings.model_construct(lease=...)``)."""
+
+    @property
+    def owner(self) -> str: ...  # the owner fence's id ("" = none); a takeover replaces it while serving
+
+    @property
+    def lease(self) -> float: ...  # seconds a silent client keeps its session
+
+    @property
+    def idle_unload(self) -> float: ...  # unload after this long without a session or an operation (0 = never)
+
+    @property
+    def session_ttl(self) -> float: ...  # release a session with no operation for this long (0 = never)
+
+    @property
+    def temperature(self) -> float | None: ...  # of requests that set none (None: the model's)
 
 
 #: ``SlotService(on_transition=...)``: told (from, to) after each move (under the slot's state lock: keep it short)
@@ -173,17 +193,13 @@ class SlotService:
     def __init__(
         self,
         backend: Backend,
+        settings: SlotSettings | None = None,
         *,
-        owner: str = "",
-        lease_s: float = DEFAULT_LEASE_S,
         planner: Planner | None = None,
         endpoint: str = "",
         embedder: Embedder | None = None,
         cache: CacheAdmin | None = None,
         backend_reason: str = "",
-        idle_unload_s: float = 0.0,
-        session_ttl_s: float = DEFAULT_SESSION_TTL_S,
-        default_temperature: float | None = None,
         catalog: Catalog | None = None,
         devices: Callable[[], Sequence[MemoryPool]] = lambda: (),
         build: str = "",
@@ -191,9 +207,10 @@ class SlotService:
         clock: Callable[[], float] = time.monotonic,
         on_transition: TransitionHook | None = None,
     ) -> None:
-        """``clock``: seconds from any fixed point, what leases, the session TTL and the idle unload are measured
+        """``settings``: the serve settings' defaults when None. ``clock``: seconds from any fixed point, what leases, the session TTL and the idle unload are measured
         on (a test advances its own instead of sleeping); ``on_transition``: told each state change."""
         self.backend = backend
+        settings = settings if settings is not None else ServeSettings.model_construct()
         self._clock = clock
         #: the models loadable by name (``modeld load NAME``, a request naming another model); None: by path only
         self.catalog = catalog
@@ -203,21 +220,21 @@ class SlotService:
         self.build = build
         self.gpu_offload = gpu_offload
         #: ``modeld serve --temperature``: the temperature of requests that set none (None: the model's)
-        self.default_temperature = default_temperature
+        self.default_temperature = settings.temperature
         #: the workspace cache the backend's models save to (status, listing, memory hand-back)
         self.cache = cache
         #: why this backend serves (``--backend auto`` says), shown in status
         self.backend_reason = backend_reason
         #: unload the model after this long without a session or an operation (0 = never)
-        self.idle_unload_s = idle_unload_s
+        self.idle_unload_s = settings.idle_unload
         #: release a session with no operation for this long, heartbeats or not (0 = never)
-        self.session_ttl_s = session_ttl_s
+        self.session_ttl_s = settings.session_ttl
         self._last_active = self._clock()
         #: the owner epoch (``takeover`` needs a higher one) and the sessions a takeover ended
         self.owner_epoch = 0
         self._lost: set[str] = set()
-        self.owner = owner
-        self.lease_s = lease_s
+        self.owner = settings.owner
+        self.lease_s = settings.lease
         self.endpoint = endpoint
         self._planner = planner
         self._embedder = embedder

@@ -46,10 +46,13 @@ from contract.types import (
     UnloadModelRequest,
 )
 from modeld.embedding_slot import EmbeddingSlot
+from modeld.settings import ServeSettings
 from modeld.slot import TRANSITIONS, Lifecycle, SlotService, SlotSession
 
 S = SlotState
 OWNER = "owner-1"
+#: the serve settings a slot reads, without the environment or a config file
+settings = ServeSettings.model_construct
 Edge = tuple[SlotState, SlotState]
 
 
@@ -76,7 +79,7 @@ class RecordingSlot(SlotService):
 
 @pytest.fixture
 def slot() -> Iterator[RecordingSlot]:
-    s = RecordingSlot(MemoryBackend(), owner=OWNER)
+    s = RecordingSlot(MemoryBackend(), settings(owner=OWNER))
     yield s
     assert_in_table(s.taken)
 
@@ -287,7 +290,7 @@ def failed_switch(room_for_both: bool = False) -> tuple[RecordingSlot, RefusingB
     """Model "a" loaded and warm, then a switch to "b", whose file the backend refuses: the slot, the backend and
     the status after, with "a" serving again whichever way the switch went."""
     backend = RefusingBackend()
-    slot = RecordingSlot(backend, owner=OWNER, planner=one_at_a_time(room_for_both))
+    slot = RecordingSlot(backend, settings(owner=OWNER), planner=one_at_a_time(room_for_both))
     slot.load_model(load("a"))
     warm(slot)
     backend.refuse.add("/models/b")
@@ -378,7 +381,7 @@ def test_a_switch_leaves_old_handles_closed(slot: RecordingSlot) -> None:
 
 def test_lease_reap_releases_a_silent_holder() -> None:
     clock = Clock()
-    s = RecordingSlot(MemoryBackend(), owner=OWNER, lease_s=0.25, clock=clock)  # (times exact in binary)
+    s = RecordingSlot(MemoryBackend(), settings(owner=OWNER, lease=0.25), clock=clock)  # (times exact in binary)
     sess = s.open_session(open_req("a"))
     assert s.reap() is False  # fresh
     assert s.touch(sess.session_id) and not s.touch("nobody")
@@ -465,7 +468,7 @@ def test_embed_goes_to_the_side_slot_and_never_touches_the_generation_slot() -> 
     now = [100.0]
     factory = _Factory()
     side = EmbeddingSlot(factory, idle_unload_s=10, budget_check=lambda n: None, clock=lambda: now[0])
-    s = RecordingSlot(MemoryBackend(), owner=OWNER, embedder=side)
+    s = RecordingSlot(MemoryBackend(), settings(owner=OWNER), embedder=side)
     sess = s.open_session(open_req("a"))
     taken = s.taken[:]
     res = s.embed(EmbedRequest(owner_instance_id=OWNER, texts=["one two", "three"]))
@@ -501,10 +504,10 @@ def test_tour_takes_every_reachable_edge() -> None:
     too_big = Config(num_ctx=MAX_NUM_CTX + 1)
 
     def fresh() -> RecordingSlot:
-        return RecordingSlot(MemoryBackend(), owner=OWNER)
+        return RecordingSlot(MemoryBackend(), settings(owner=OWNER))
 
     backend = HeavyBackend()
-    s = RecordingSlot(backend, owner=OWNER, planner=room_for_one_model(lambda: s.generation_resident_bytes()))
+    s = RecordingSlot(backend, settings(owner=OWNER), planner=room_for_one_model(lambda: s.generation_resident_bytes()))
     with pytest.raises(InvalidArgument):
         s.load_model(load("a", config=too_big))  # Empty -> Loading -> Failed
     s.load_model(load("a"))  # Failed -> Loading -> Ready
@@ -537,7 +540,7 @@ def test_tour_takes_every_reachable_edge() -> None:
 # --- idle model, idle sessions ---------------------------------------------------------------------
 def test_an_idle_model_is_unloaded_after_idle_unload_s() -> None:
     clock = Clock()
-    s = RecordingSlot(MemoryBackend(), owner=OWNER, idle_unload_s=0.25, clock=clock)  # (times exact in binary)
+    s = RecordingSlot(MemoryBackend(), settings(owner=OWNER, idle_unload=0.25), clock=clock)  # (times exact in binary)
     s.load_model(load("a"))
     assert s.status().idle_s is not None and s.status().idle_unload_s == 0.25
     sess = s.open_session(open_req("a"))
@@ -561,7 +564,7 @@ def test_an_idle_model_is_unloaded_after_idle_unload_s() -> None:
 
 def test_a_session_without_operations_is_released_after_its_ttl() -> None:
     clock = Clock()
-    s = RecordingSlot(MemoryBackend(), owner=OWNER, lease_s=60.0, session_ttl_s=0.3, clock=clock)
+    s = RecordingSlot(MemoryBackend(), settings(owner=OWNER, lease=60.0, session_ttl=0.3), clock=clock)
     sess = s.open_session(open_req("a"))
     for _ in range(3):  # the no-op refresh: explain_context, well inside the TTL
         clock.advance(0.15)
@@ -581,7 +584,7 @@ def test_a_session_without_operations_is_released_after_its_ttl() -> None:
 def test_a_takeover_fences_the_old_owner_and_keeps_the_model() -> None:
     from contract.errors import LostOwner
 
-    s = RecordingSlot(MemoryBackend(), owner=OWNER)
+    s = RecordingSlot(MemoryBackend(), settings(owner=OWNER))
     sess = s.open_session(open_req("a"))
     assert hot_loop(sess)
     with pytest.raises(StaleFence, match="not newer"):
