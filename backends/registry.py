@@ -158,8 +158,9 @@ def option_list(name: str) -> list[EngineOption]:
     if spec is None or spec.options is None:
         return []
     out = []
+    properties = spec.options.model_json_schema()["properties"]
     for field_name, f in spec.options.model_fields.items():
-        schema = spec.options.model_json_schema()["properties"][field_name]
+        schema = properties[field_name]
         kinds = [s for s in schema.get("anyOf", [schema]) if s.get("type") != "null"]
         kind = kinds[0] if kinds else {}
         out.append(EngineOption(name=field_name, type=str(kind.get("type", "")),
@@ -276,14 +277,14 @@ EVIDENCE = "prefill-bound agent turns ran faster on OpenVINO in the project's x8
 
 
 def _openvino_prefers(f: EngineFacts) -> Verdict:
-    """A GGUF it converts, on an x86-64 CPU, with no setting it lacks.
+    """A GGUF it converts, on an x86-64 CPU (``auto`` has already declined it for a setting only another engine
+    offers).
 
     The rule is backed by ``make bench`` on the bundled model (docs/benchmarks.md, docs/engines.md): OpenVINO
     prefilled several times faster than llama.cpp on x86-64 with AVX-512 and still about twice as fast on an
     AVX2-only CPU, where llama.cpp decodes faster; an agent's turns are prefill-bound, so the rule stands. It declines
     GPU layers (the OpenVINO backend here serves the CPU): a count or all, and under
-    "auto" a GPU another engine's build offloads to; another engine's settings,
-    another CPU architecture (not measured) and a GGUF its reader cannot convert
+    "auto" a GPU another engine's build offloads to; another CPU architecture (not measured) and a GGUF its reader cannot convert
     (``backends.openvino.prepare.check_convertible``). The measurements are the
     project's machines': the reason ``status`` shows points at them and quotes none.
     """
