@@ -14,9 +14,9 @@ from __future__ import annotations
 import enum
 import hashlib
 import time
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 # pydantic validates a TypedDict from typing_extensions on Python < 3.12 (pydantic itself depends on it)
 from typing_extensions import TypedDict
@@ -82,9 +82,10 @@ QUANTIZED_KV_CACHE_TYPES = ("q8_0", "q4_0")
 MAX_TEXT_CHARS = 16 * 1024 * 1024
 #: ``Config.options``: an engine option's value (the engine's options model checks and converts it)
 EngineOptionValue = str | int | float | bool
-#: ``Config.options``: at most this many, each name at most ``MAX_OPTION_NAME`` characters
+#: ``Config.options``: at most this many
 MAX_ENGINE_OPTIONS = 32
-MAX_OPTION_NAME = 64
+#: ``Config.options``: an option's name, letters, digits and "_", at most 64 of them
+EngineOptionName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_]{1,64}$")]
 
 #: ``Config.num_gpu_layers``: every layer on the GPU, refused when they do not all fit
 GPU_LAYERS_ALL = -1
@@ -178,16 +179,7 @@ class Config(_Request):
     exact_decode: bool = False
     #: what only the loading engine offers, by name (an extension): its registry entry declares the
     #: options it takes (``describe`` lists them), and a load with one it does not take is refused
-    options: dict[str, EngineOptionValue] = Field(default_factory=dict, max_length=MAX_ENGINE_OPTIONS)
-
-    @field_validator("options")
-    @classmethod
-    def _option_names(cls, v: dict[str, EngineOptionValue]) -> dict[str, EngineOptionValue]:
-        for name in v:
-            if not name or len(name) > MAX_OPTION_NAME or not name.replace("_", "").isalnum() or not name.isascii():
-                raise ValueError(f"an engine option's name is letters, digits and '_' (at most {MAX_OPTION_NAME}), "
-                                 f"got {name[:MAX_OPTION_NAME]!r}")
-        return v
+    options: dict[EngineOptionName, EngineOptionValue] = Field(default_factory=dict, max_length=MAX_ENGINE_OPTIONS)
 
 
 class Fence(_Request):

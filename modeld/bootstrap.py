@@ -33,7 +33,7 @@ from .capacity import format_size, make_budget_check, make_planner
 from .engine_choice import EngineFacts, choose_backend
 from .netsec import check_tcp_exposure, server_keys
 from .server import Daemon
-from .settings import ServeSettings, option_map
+from .settings import ServeSettings, pair_map
 from .slot import Planner, SlotService
 from .state_cache import StateCacheStore
 from .store import Catalog, ModelStore, default_store_dir
@@ -311,7 +311,7 @@ def load_config(opts: ServeSettings) -> Config:
         exact_decode=opts.exact_decode,
         chat_template=opts.chat_template,
         tool_format=opts.tool_format,
-        options=option_map(opts.engine_option),
+        options=pair_map(opts.engine_option),
     )
 
 

@@ -182,24 +182,21 @@ def _aliases(value: Any) -> Any:
     return value
 
 
-def _check_aliases(value: tuple[str, ...]) -> tuple[str, ...]:
-    for item in value:
-        name, sep, target = item.partition("=")
-        if not sep or not name.strip() or not target.strip():
-            raise ValueError(f"an alias is NAME=MODEL, got {item!r}")
-    return value
+def _pairs(form: str, *, value_required: bool) -> Callable[[tuple[str, ...]], tuple[str, ...]]:
+    """The check of NAME=… pairs (``form`` says what one is): a name, and a value where ``value_required``."""
+
+    def check(value: tuple[str, ...]) -> tuple[str, ...]:
+        for item in value:
+            name, sep, rest = item.partition("=")
+            if not sep or not name.strip() or (value_required and not rest.strip()):
+                raise ValueError(f"{form}, got {item!r}")
+        return value
+
+    return check
 
 
-def _check_option_pairs(value: tuple[str, ...]) -> tuple[str, ...]:
-    for item in value:
-        name, sep, _ = item.partition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"an engine option is NAME=VALUE, got {item!r}")
-    return value
-
-
-def option_map(pairs: tuple[str, ...]) -> dict[str, str]:
-    """``--engine-option`` pairs as ``Config.options`` (the engine's options model converts the values)."""
+def pair_map(pairs: tuple[str, ...]) -> dict[str, str]:
+    """NAME=VALUE pairs as a mapping (names and values stripped)."""
     return {name.strip(): value.strip() for name, _, value in (p.partition("=") for p in pairs)}
 
 
@@ -243,9 +240,11 @@ NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 OptionalPath = Annotated[Path | None, AfterValidator(_expand_user)]
 #: NAME=MODEL pairs: a list in the config file, comma-separated in the variable
-Aliases = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_aliases), AfterValidator(_check_aliases)]
+Aliases = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_aliases),
+                    AfterValidator(_pairs("an alias is NAME=MODEL", value_required=True))]
 #: NAME=VALUE pairs, as the aliases
-EngineOptionPairs = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_aliases), AfterValidator(_check_option_pairs)]
+EngineOptionPairs = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_aliases),
+                              AfterValidator(_pairs("an engine option is NAME=VALUE", value_required=False))]
 
 
 class HttpSettings(BaseSettings):
@@ -356,8 +355,7 @@ class HttpSettings(BaseSettings):
     @property
     def aliases(self) -> dict[str, str]:
         """``alias`` as a mapping: model NAME → the MODEL that serves it."""
-        pairs = (item.partition("=") for item in self.alias)
-        return {name.strip(): target.strip() for name, _, target in pairs}
+        return pair_map(self.alias)
 
     @property
     def config_file(self) -> Path:

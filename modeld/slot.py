@@ -207,8 +207,9 @@ class SlotService:
         clock: Callable[[], float] = time.monotonic,
         on_transition: TransitionHook | None = None,
     ) -> None:
-        """``settings``: the serve settings' defaults when None. ``clock``: seconds from any fixed point, what leases, the session TTL and the idle unload are measured
-        on (a test advances its own instead of sleeping); ``on_transition``: told each state change."""
+        """``settings``: the serve settings' defaults when None. ``clock``: seconds from any fixed point, what
+        leases, the session TTL and the idle unload are measured on (a test advances its own instead of sleeping);
+        ``on_transition``: told each state change."""
         self.backend = backend
         settings = settings if settings is not None else ServeSettings.model_construct()
         self._clock = clock

@@ -582,7 +582,7 @@ def model_handle(args: argparse.Namespace) -> dict[str, Any]:
         "config": Config(num_ctx=args.num_ctx, num_gpu_layers=getattr(args, "gpu_layers", 0),
                          flash_attn=args.flash_attn, kv_cache_type=args.kv_cache_type,
                          exact_decode=args.exact_decode, chat_template=_template_arg(args.chat_template),
-                         tool_format=args.tool_format, options=_option_pairs(args.option)),
+                         tool_format=args.tool_format, options=dict(args.option)),
     }
 
 
@@ -591,11 +591,6 @@ def _option_pair(text: str) -> tuple[str, str]:
     if not sep or not name.strip():
         raise argparse.ArgumentTypeError(f"an engine option is NAME=VALUE, got {text!r}")
     return name.strip(), value.strip()
-
-
-def _option_pairs(pairs: list[tuple[str, str]]) -> dict[str, str]:
-    """``--option NAME=VALUE``s as ``Config.options`` (the daemon's engine checks and converts the values)."""
-    return dict(pairs)
 
 
 def _template_arg(value: str) -> str:
