@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -144,6 +147,32 @@ def test_an_engine_option_reaches_the_load_and_its_identity(backend: LlamaBacken
                          ({"extra_bufts": "maybe"}, "extra_bufts: Input should be a valid boolean")):
         with pytest.raises(InvalidArgument, match=f"refused by llama.cpp: {why}.*its options: extra_bufts"):
             backend.load(req.model_copy(update={"config": Config(options=options)}), lambda f: None)
+
+
+WATCH_THE_IMPORT = """
+import os, sys
+seen = []
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "llama_cpp":
+            seen.append(os.environ.get("GOMP_SPINCOUNT"))
+        return None
+sys.meta_path.insert(0, Watch())
+import backends.llama
+print(seen[0])
+"""
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "3000"), ("50", "50")])
+def test_llama_threads_spin_briefly_at_a_barrier_unless_the_user_says(given: str | None, seen: str) -> None:
+    """libgomp reads GOMP_SPINCOUNT when llama.cpp's library loads: the value must be set before that import."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if given is not None:
+        env["GOMP_SPINCOUNT"] = given
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", WATCH_THE_IMPORT], env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [seen]
 
 
 def test_default_num_ctx_is_explicit(backend: LlamaBackend, model_path: Path) -> None:
