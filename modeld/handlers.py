@@ -73,6 +73,7 @@ from contract.types import (
     SuffixStatus,
     TokenCount,
     UnloadModelRequest,
+    Usage,
     owner_fingerprint,
 )
 from contract.wire import Op
@@ -247,8 +248,11 @@ class Handlers:
         return CloseReply(closed=sess is not None)
 
     def decode(self, cancel: threading.Event, req: DecodeRequest) -> Generator[StreamChunk, None, None]:
-        """The decode stream: its chunks, then exactly one final (``done``) chunk, or an error."""
-        stream = self.session(req).decode(req.input)
+        """The decode stream: its chunks, then exactly one final (``done``) chunk, or an error. A cancelled decode's
+        final chunk counts the tokens it wrote: what the context gained (a closed stream keeps exactly those)."""
+        sess = self.session(req)
+        before = sess.explain_context().resident_tokens
+        stream = sess.decode(req.input)
         final: StreamChunk | None = None
         try:
             for chunk in stream:
@@ -263,7 +267,9 @@ class Handlers:
         if final is None:
             if self._stopping.is_set():
                 raise ShuttingDown("modeld is shutting down; the stream was ended")
-            final = StreamChunk(done=True, finish_reason="cancelled")
+            after = sess.explain_context().resident_tokens
+            final = StreamChunk(done=True, finish_reason="cancelled",
+                                usage=Usage(prompt_tokens=before, completion_tokens=max(0, after - before)))
             if not cancel.is_set():
                 raise Cancelled("the stream ended without a final chunk")
         yield final

@@ -411,22 +411,34 @@ def test_a_client_that_disconnects_cancels_its_decode(front: Front, api: str) ->
         anthropic = pytest.importorskip("anthropic")
         stream = anthropic.Anthropic(base_url=front.url.removesuffix("/v1"), api_key="none", max_retries=0).messages.create(
             model="ref", max_tokens=3000, messages=[{"role": "user", "content": "Talk at length."}], stream=True)
-    got = 0
-    for _chunk in stream:
-        got += 1
-        if got >= 3:
+    texts = 0
+    for chunk in stream:  # read until the reply's text has begun
+        texts += _text_delta(chunk)
+        if texts >= 3:
             break
     stream.close()
-    # the access line says what the abandoned turn did: its prompt, and that it was cut short (the decode of 3000
-    # tokens was cancelled, not run to its end) because the client left; it is written once the response ended
+    # the access line says what the abandoned turn did: its prompt, the tokens it wrote before it was cut short
+    # (the decode of 3000 tokens was cancelled, not run to its end) and when the first came, and that the client
+    # left; it is written once the response ended
     found = front.daemon.wait_lines(lambda ln: "modeld.access" in ln and f"POST {route} " in ln
                                     and "finish_reason=cancelled" in ln, before + 1)[before:]
     assert "error=client_gone" in found[-1], found
     fields = dict(kv.split("=", 1) for kv in found[-1].split() if "=" in kv)
-    assert int(fields["prompt_tokens"]) > 0, found[-1]
+    assert int(fields.get("prompt_tokens", 0)) > 0, found[-1]
+    assert 3 <= int(fields["completion_tokens"]) < 3000, found[-1]
+    assert float(fields["ttft_ms"]) > 0, found[-1]
     slot_free(front)
     out = sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=2)
     assert out.usage is not None and out.usage.completion_tokens == 2
+
+
+def _text_delta(chunk: Any) -> bool:
+    """Whether a streamed event of any of the three APIs (as its SDK gives it) carries a piece of the reply's text."""
+    kind = getattr(chunk, "type", "")
+    if kind in ("response.output_text.delta", "content_block_delta"):
+        return True
+    choices = getattr(chunk, "choices", None)
+    return bool(choices and choices[0].delta.content)
 
 
 def slot_free(front: Front, timeout_s: float = 60.0) -> None:

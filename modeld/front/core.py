@@ -234,8 +234,9 @@ class Turn:
     async def aevents(self, record: AccessRecord | None = None) -> AsyncGenerator[ChatEvent, None]:
         """``events`` for an async route: each step runs in a worker thread; cancelling closes the decode.
 
-        Closed before its end (the client went away), it leaves in ``record`` what the turn did: the prompt and what
-        was reused, finish reason "cancelled", error "client_gone" (a cancelled decode reports no token count)."""
+        Closed before its end (the client went away), it cancels the turn and leaves in ``record`` what the turn
+        did: the prompt and what was reused, the chunks a cut-short prefill finished, the tokens a cut-short
+        decode wrote and when the first came, error "client_gone"."""
         events = self.events()
         ended = False
         try:
@@ -250,14 +251,39 @@ class Turn:
             raise
         finally:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(events.close)
-            if not ended and record is not None and not record.finish_reason:
-                u = self._turn.so_far
-                record.prompt_tokens, record.cached_tokens = u.prompt_tokens, u.reused_tokens
-                record.miss = u.miss.brief() if u.miss is not None else ""
-                # a prefill cut short: the chunks it finished (kept for the next turn with the same head)
-                record.prefilled_tokens = u.prefilled_tokens
-                record.finish_reason, record.error = "cancelled", record.error or "client_gone"
+                if ended:
+                    await anyio.to_thread.run_sync(events.close)
+                else:
+                    cut = await anyio.to_thread.run_sync(self._cut_short, events)
+                    if record is not None and not record.finish_reason:
+                        self._record_cut(record, cut)
+
+    def _cut_short(self, events: Generator[ChatEvent, None, None]) -> ChatResult | None:
+        """A turn nobody reads any more: cancelled, then read to its result, which says what it did (the prefill
+        stops at its next chunk, the decode within a token); None when it failed instead."""
+        self.cancel()
+        try:
+            for event in events:
+                if event.result is not None:
+                    return event.result
+        except ModeldError:
+            pass
+        finally:
+            events.close()
+        return None
+
+    def _record_cut(self, record: AccessRecord, result: ChatResult | None) -> None:
+        if result is not None:
+            fill_record(record, result)
+            record.finish_reason = result.finish_reason or "cancelled"
+        else:
+            u = self._turn.so_far
+            record.prompt_tokens, record.cached_tokens = u.prompt_tokens, u.reused_tokens
+            record.miss = u.miss.brief() if u.miss is not None else ""
+            # a prefill cut short: the chunks it finished (kept for the next turn with the same head)
+            record.prefilled_tokens = u.prefilled_tokens
+            record.finish_reason = "cancelled"
+        record.error = record.error or "client_gone"
 
 
     async def _step(self, events: Generator[ChatEvent, None, None]) -> ChatEvent | None:
