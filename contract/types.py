@@ -729,16 +729,18 @@ class SamplingParams(_Report):
     repeat_penalty: float | None = None
     repeat_last_n: int | None = None
     source: str = ""
+    #: the reply length of a request that sets none (``modeld serve --max-tokens``; None: until the end of
+    #: generation or the context's end)
+    max_tokens: int | None = Field(None, ge=1)
 
     def fill(self, cfg: DecodeConfig) -> DecodeConfig:
-        """``cfg`` with its unset sampling fields taken from these (a greedy ``cfg`` is left greedy)."""
-        if cfg.temperature == 0.0:
-            return cfg
-        update = {
-            name: getattr(self, name)
-            for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n")
-            if getattr(cfg, name) is None and getattr(self, name) is not None
-        }
+        """``cfg`` with its unset sampling fields and reply length taken from these (a greedy ``cfg`` is left
+        greedy)."""
+        names = ["max_tokens"]
+        if cfg.temperature != 0.0:
+            names += ["temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n"]
+        update = {name: getattr(self, name) for name in names
+                  if getattr(cfg, name) is None and getattr(self, name) is not None}
         return cfg.model_copy(update=update) if update else cfg
 
 

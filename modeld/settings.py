@@ -455,6 +455,11 @@ class ServeSettings(HttpSettings):
         description="temperature of requests that set no sampling parameter (default: the model's recommended "
         "sampling, else 0.8 with top-k 40, top-p 0.95, min-p 0.05); 0 = greedy, which speculative decoding needs",
     )
+    max_tokens: Annotated[int | None, Field(ge=1), Flag("N", MODEL)] = Field(
+        None,
+        description="the reply length of requests that set none, as llama-server's --n-predict (default: until the "
+        "end of generation or the context's end); a request's own limit is kept",
+    )
     cache_ram: Annotated[SizeOrAuto, Flag(None, MEMORY)] = Field(
         None,
         description="RAM for the workspace cache of prefix states, e.g. 2GiB; 0 = off; "

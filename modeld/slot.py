@@ -135,6 +135,9 @@ class SlotSettings(Protocol):
     @property
     def temperature(self) -> float | None: ...  # of requests that set none (None: the model's)
 
+    @property
+    def max_tokens(self) -> int | None: ...  # the reply length of requests that set none (None: no limit)
+
 
 #: ``SlotService(on_transition=...)``: told (from, to) after each move (under the slot's state lock: keep it short)
 TransitionHook = Callable[[SlotState, SlotState], None]
@@ -222,6 +225,8 @@ class SlotService:
         self.gpu_offload = gpu_offload
         #: ``modeld serve --temperature``: the temperature of requests that set none (None: the model's)
         self.default_temperature = settings.temperature
+        #: ``modeld serve --max-tokens``: the reply length of requests that set none (None: no limit)
+        self.default_max_tokens = settings.max_tokens
         #: the workspace cache the backend's models save to (status, listing, memory hand-back)
         self.cache = cache
         #: why this backend serves (``--backend auto`` says), shown in status
@@ -637,11 +642,14 @@ class SlotService:
 
     def sampling_defaults(self) -> SamplingParams:
         """What a request that sets no sampling parameter gets: the loaded model's recommendation, else the
-        documented defaults; ``--temperature`` overrides the temperature (0: greedy)."""
+        documented defaults; ``--temperature`` overrides the temperature (0: greedy), and ``--max-tokens`` gives
+        the reply length."""
         loaded = self._loaded
         found = loaded.sampling_defaults() if loaded is not None else DEFAULT_SAMPLING
         if self.default_temperature is not None:
             found = found.model_copy(update={"temperature": self.default_temperature, "source": "settings"})
+        if self.default_max_tokens is not None:
+            found = found.model_copy(update={"max_tokens": self.default_max_tokens})
         return found
 
     def manifest_defaults(self) -> ContextManifest:

@@ -275,6 +275,24 @@ def test_strict_model_names_and_aliases(tmp_path: Path) -> None:
         assert [m.id for m in sdk.models.list()] == ["ref", "gpt-4o"]
 
 
+def test_max_tokens_is_the_reply_length_of_requests_that_set_none(tmp_path: Path) -> None:
+    """``serve --max-tokens`` (llama-server's ``--n-predict``) bounds a reply whose request sets no limit, on every
+    API that lets a request leave it unset; a request's own limit, lower or higher, is kept."""
+    long = [SYSTEM, {"role": "user", "content": "Talk at length."}]
+    with Front(tmp_path, "--max-tokens", "7") as f:
+        sdk = f.sdk()
+        out = sdk.chat.completions.create(model="ref", messages=long)  # type: ignore[arg-type]
+        assert out.usage is not None and out.usage.completion_tokens == 7 and out.choices[0].finish_reason == "length"
+        out = sdk.chat.completions.create(model="ref", messages=long, max_tokens=3)  # type: ignore[arg-type]
+        assert out.usage is not None and out.usage.completion_tokens == 3
+        out = sdk.chat.completions.create(model="ref", messages=long, max_tokens=12)  # type: ignore[arg-type]
+        assert out.usage is not None and out.usage.completion_tokens == 12
+        greedy = sdk.chat.completions.create(model="ref", messages=long, temperature=0)  # type: ignore[arg-type]
+        assert greedy.usage is not None and greedy.usage.completion_tokens == 7
+        reply = sdk.responses.create(model="ref", input="Talk at length.", store=False)
+        assert reply.usage is not None and reply.usage.output_tokens == 7 and reply.status == "incomplete"
+
+
 def test_the_access_log_has_a_line_per_request(front: Front) -> None:
     sdk = front.sdk()
     sdk.chat.completions.create(model="someone", messages=[SYSTEM, {"role": "user", "content": "log me"}], max_tokens=3)

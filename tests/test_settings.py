@@ -264,10 +264,16 @@ def test_no_setting_is_declared_twice() -> None:
             seen[name] = cls
     assert not set(ServeSettings.model_fields) & {*MEMORY_SETTINGS, *Policy.model_fields, "max", "reserve"}
     assert set(MEMORY_SETTINGS.values()) == set(Policy.model_fields)
-    names = set(seen) | set(MEMORY_SETTINGS)
+    # (a request default is named as the request field it fills: an API's request model declares that field)
+    assert REQUEST_DEFAULTS <= set(ServeSettings.model_fields)
+    names = (set(seen) | set(MEMORY_SETTINGS)) - REQUEST_DEFAULTS
     for cls in models:
         if cls not in family:
             assert len(_declared(cls) & names) < 3, f"{cls.__module__}.{cls.__name__} repeats settings"
+
+
+#: settings that give a request's field when the request leaves it unset (``serve --temperature``, ``--max-tokens``)
+REQUEST_DEFAULTS = {"temperature", "max_tokens"}
 
 
 def test_the_defaults_are_the_daemons_and_the_fronts(config_home: Path) -> None:

@@ -144,22 +144,22 @@ class Daemon:
 
 class LlamaServer(Daemon):
     """llama.cpp's ``llama-server`` in the daemon's place (``make agents --peer llama-server``): the file modeld
-    serves, the window and the model name the agents were told, one slot and the machine's threads, its
-    defaults otherwise (its RAM prompt cache on, its jinja chat template).
+    serves, the window, the model name and the reply limit (``-n``) the agents were told, one slot and the
+    machine's threads, its defaults otherwise (its RAM prompt cache on, its jinja chat template).
 
     It writes no access log: the runner reads each request's figures from what the proxy recorded
     (``AccessLine.from_proxied``), and ``status`` says nothing (it has no operation to wait for)."""
 
     what = "llama-server"
 
-    def __init__(self, log_path: Path, model: Path, name: str, context: int) -> None:
-        super().__init__("", log_path)
+    def __init__(self, log_path: Path, model: Path, name: str, context: int, *extra: str) -> None:
+        super().__init__("", log_path, extra=list(extra))
         self.model, self.name, self.context = model, name, context
 
     def argv(self) -> list[str]:
         from benchmarks import llama_server
 
-        return llama_server.command(self.model, self.context, self.port, "--alias", self.name)
+        return llama_server.command(self.model, self.context, self.port, "--alias", self.name, *self.extra)
 
     def env(self) -> dict[str, str]:
         return dict(os.environ)

@@ -58,7 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--claude-tools", default=CLAUDE_TOOLS,
                    help=f"Claude Code's --tools: 'default' (its own dozen) or a list (default {CLAUDE_TOOLS}: "
                         "what the tasks use, so its first prompt fits the bundled model's trained 8,192 tokens)")
-    p.add_argument("--output-tokens", type=int, default=2048, help="the reply limit the agents are told (default 2048)")
+    p.add_argument("--output-tokens", type=int, default=2048,
+                   help="the reply limit the agents are told, and the server's for a request that sets none "
+                   "(default 2048)")
     p.add_argument("--outdir", type=Path, default=None, help="where logs and dumps go (default .cache/agents/runs/TIME)")
     p.add_argument("--backend", default=os.environ.get("MODELD_BACKEND", "auto"), help="modeld serve --backend")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
@@ -200,10 +202,12 @@ class Run:
 
             path = self.peer_of.model_path or str(served_bundled_gguf())
             daemon = LlamaServer(self.outdir / f"llama-server{suffix}.log", Path(path), self.peer_of.model,
-                                 self.peer_of.context)
+                                 self.peer_of.context, "-n", str(self.args.output_tokens))
         else:
-            daemon = Daemon(_modeld(self.args.modeld), self.outdir / f"daemon{suffix}.log",
-                            backend=self.args.backend, extra=self.args.serve_arg)
+            # the reply limit the agents are told is also the server's for a request that sets none (Codex sends
+            # none: a small model's reply that never ends would run to the context's end)
+            daemon = Daemon(_modeld(self.args.modeld), self.outdir / f"daemon{suffix}.log", backend=self.args.backend,
+                            extra=["--max-tokens", str(self.args.output_tokens), *self.args.serve_arg])
         try:
             self.health = await daemon.start()
         except BaseException:
