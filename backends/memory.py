@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 
+from contract import interrupt
 from contract.errors import (
     ContextOverflow,
     InvalidArgument,
@@ -257,6 +258,7 @@ class MemorySession:
                 return
             if self._model.token_delay_s:
                 time.sleep(self._model.token_delay_s)  # simulated decode speed
+            interrupt.beat()  # a decode step: progress, whether or not it hands out text
             res.tokens.append(ord(char))
             produced += 1
             if not first_ms:

@@ -15,12 +15,14 @@ import dataclasses
 import hashlib
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
+from contract import interrupt
 from contract.errors import (
     BackendMismatch,
     ContextOverflow,
@@ -308,6 +310,20 @@ def test_a_forced_call_holds_its_arguments_to_the_tool_schema(engine: Engine, mo
             assert set(args) <= {"city"}, args  # closed: no key the tool does not declare
         assert len(calls) == 1 and calls[0].function.name == head.split('"')[3]
         assert json.loads(calls[0].function.arguments) == args
+
+
+def test_every_decode_step_shows_progress(model: LoadedModel, session: Session, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's wedge watch reads ``interrupt.beat``: a decode beats at each engine step, not only when it
+    hands out text (a tool call or a possible stop string held back for minutes on a slow machine looked wedged)."""
+    man = manifest(model, "beats")
+    session.ensure_prefix(PrefixInput(text="You are a weather bot.", manifest=man))
+    session.prefill_suffix(SuffixInput(text="Weather in Paris?", manifest=man))
+    beats: list[float] = []
+    monkeypatch.setattr(interrupt, "beat", lambda: beats.append(time.monotonic()))
+    chunks = list(session.decode(DecodeConfig(max_tokens=12, temperature=0.0)))
+    final = chunks[-1]
+    assert final.usage is not None and final.usage.completion_tokens > 0
+    assert len(beats) >= final.usage.completion_tokens, (len(beats), final.usage)
 
 
 def test_decode_needs_a_resident_prompt(engine: Engine) -> None:

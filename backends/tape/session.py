@@ -498,6 +498,9 @@ class TapeSession:
                 if not still_ours():
                     pending = None
                     return  # another operation took the KV; this stream is over
+                # an engine step: progress, whether or not it hands out text (the output may hold a tool call or
+                # a possible stop string back for many steps, and the daemon's wedge watch reads the beats)
+                interrupt.beat()
                 if pending is not None:
                     tok, pending = pending, None
                     draft: list[int] = []
