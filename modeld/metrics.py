@@ -21,6 +21,10 @@ state, memory, the workspace cache. Exposed as Prometheus text by
 | ``modeld_cache_bytes{tier}``, ``modeld_cache_entries{tier}`` | gauge | the workspace cache |
 | ``modeld_cache_lookups_total{result}`` | counter | workspace switches that were restored (``hit``) or not |
 | ``modeld_cache_disk_written_bytes_total`` | counter | bytes the workspace cache wrote to disk |
+| ``modeld_io_wakeups_total{cause}`` | counter | the IO thread's wake-ups: a socket ``event`` or a ``timer`` |
+| ``modeld_connections_total{event}`` | counter | client connections ``accepted`` / ``closed`` |
+| ``modeld_peers_connected``, ``modeld_peers_closing`` | gauge | clients with a connection open; clients whose connections all closed, within the grace |
+| ``modeld_peers_gone_total`` | counter | clients whose connections stayed closed past the grace: their requests cancelled, their session released |
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from pydantic import BaseModel
 
 from contract.messages import WHY_KEPT
 from contract.types import DaemonStatus, PrefixStatus, ReuseRecord, SlotState, StreamChunk, SuffixStatus
+
+from .peers import PeerWatch
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -91,6 +97,25 @@ class _Gauge(Collector):
         yield GaugeMetricFamily(self._name, self._doc, value=self._value())
 
 
+class PeerCollector(Collector):
+    """The IO thread's view of the clients' connections (``modeld.peers``), read at scrape time."""
+
+    def __init__(self, peers: PeerWatch) -> None:
+        self._peers = peers
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        w = self._peers
+        conns = CounterMetricFamily("modeld_connections", "client connections accepted and closed", labels=["event"])
+        conns.add_metric(["accepted"], w.accepted)
+        conns.add_metric(["closed"], w.closed)
+        yield conns
+        yield GaugeMetricFamily("modeld_peers_connected", "clients with a connection open", value=len(w))
+        yield GaugeMetricFamily("modeld_peers_closing", "clients whose connections all closed, within the grace "
+                                "they have to come back", value=w.closing)
+        yield CounterMetricFamily("modeld_peers_gone", "clients whose connections stayed closed past the grace "
+                                  "(their requests cancelled, their session released)", value=w.gone_total)
+
+
 class Metrics:
     """The daemon's counters and histograms, and the text a scrape returns."""
 
@@ -110,8 +135,9 @@ class Metrics:
         self.prompt_tokens = Counter("modeld_prompt_tokens", "prompt tokens by how they were served", ["kind"],
                                      registry=r)
         self.decoded = Counter("modeld_decoded_tokens", "tokens generated", registry=r)
-        self.wakeups = Counter("modeld_io_wakeups", "times the IO thread woke (a message, a reply, a timer): an idle "
-                               "daemon wakes for its timers only, twice a second", registry=r)
+        self.wakeups = Counter("modeld_io_wakeups", "times the IO thread woke, by cause: a socket's event (a message, "
+                               "a reply, a connection) or a timer (its poll timed out); an idle daemon wakes for its "
+                               "timers only, twice a second", ["cause"], registry=r)
         self.misses = Counter("modeld_cache_misses", "requests whose prompt lost part of what the daemon held (or "
                               "was new to it), by cause", ["cause"], registry=r)
         self.drafts = Counter("modeld_draft_tokens", "speculative draft tokens, accepted or rejected", ["result"],
@@ -179,6 +205,10 @@ class Metrics:
         with self._lock:
             self._turn_ms.pop(session_id, None)
             self._prefix.pop(session_id, None)
+
+    def watch_peers(self, peers: PeerWatch) -> None:
+        """Report the IO thread's ``PeerWatch`` too."""
+        self.registry.register(PeerCollector(peers))
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

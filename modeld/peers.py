@@ -39,6 +39,8 @@ class PeerWatch:
         self._peer_fds: dict[bytes, set[int]] = {}
         #: peer -> when its last connection closed
         self._closed: dict[bytes, float] = {}
+        #: since start: connections accepted and closed (the monitor's events), and peers reported gone
+        self.accepted = self.closed = self.gone_total = 0
 
     def seen(self, identity: bytes, fd: int) -> None:
         """A message from ``identity`` came on descriptor ``fd`` (-1: unknown)."""
@@ -52,8 +54,11 @@ class PeerWatch:
     def events(self, batch: list[tuple[int, int]], now: float) -> None:
         """One batch of monitor events, ``(event, descriptor)``, in the order the monitor sent them."""
         for i, (event, fd) in enumerate(batch):
+            if event == zmq.EVENT_ACCEPTED:
+                self.accepted += 1
             if event != zmq.EVENT_DISCONNECTED:
                 continue
+            self.closed += 1
             peers = self._fd_peers.pop(fd, set())
             reused = any(e == zmq.EVENT_ACCEPTED and f == fd for e, f in batch[i + 1:])
             for peer in peers:
@@ -71,11 +76,17 @@ class PeerWatch:
         due = [p for p, t in self._closed.items() if now - t >= self.grace_s]
         for p in due:
             del self._closed[p]
+        self.gone_total += len(due)
         return due
 
     def next_due(self) -> float | None:
         """When the next closed peer is due to be reported gone (None: none waits)."""
         return min(self._closed.values()) + self.grace_s if self._closed else None
+
+    @property
+    def closing(self) -> int:
+        """Peers whose connections all closed, within the grace (neither back nor yet reported gone)."""
+        return len(self._closed)
 
     def __len__(self) -> int:
         return len(self._peer_fds)

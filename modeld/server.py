@@ -99,8 +99,10 @@ class Daemon:
         #: while ``serve`` runs: the socket pair ``stop`` writes a byte into, so that the IO thread, asleep
         #: until its next timer, stops at once
         self._wake: tuple[socket.socket, socket.socket] | None = None
-        #: the connections each peer came on, and the peers whose connections all closed (IO thread only)
+        #: the connections each peer came on, and the peers whose connections all closed (the IO thread keeps it;
+        #: metrics read its counts)
         self._peers = PeerWatch()
+        self.metrics.watch_peers(self._peers)
         self._bound_ipc: Path | None = None
         self.ready = threading.Event()
         #: what ``modeld serve`` exits with: 1 when the model it was told to serve did not load
@@ -180,7 +182,7 @@ class Daemon:
         try:
             while not self._stop.is_set():
                 events = dict(poller.poll(self._sleep_ms()))
-                self.metrics.wakeups.inc()
+                self.metrics.wakeups.labels(cause="event" if events else "timer").inc()
                 if wake in events:
                     _drain(wake_r)
                 if pull in events:

@@ -187,13 +187,35 @@ def test_a_killed_client_frees_the_slot_within_seconds_under_the_default_lease(l
                 if pipe is not None:
                     pipe.close()
         sess = c.open_session(MODEL)
+        before = _connections(c.metrics())
         for _ in range(30):  # short-lived clients: their descriptors are reused, and none is taken for this one
             with d.client() as passing:
                 passing.status()
-        time.sleep(1.5)  # past the grace a closed peer is given
+
+        def all_closed_and_decided() -> bool:
+            # every connection the passing clients opened is seen closed, and every peer that closed is past the
+            # grace (reported gone, or kept for its lease where its descriptor was reused at once): the daemon's
+            # counts, whatever the machine's speed
+            accepted, closed, closing = _connections(c.metrics())
+            return accepted - before[0] >= 30 and closed - before[1] == accepted - before[0] and closing == 0
+
+        wait_until(all_closed_and_decided, "the 30 passing clients' connections closed and decided", 60.0)
         sess.ensure_prefix(PrefixInput(text="still mine"))
         assert c.status().session_open
         sess.close()
+
+
+def _connections(metrics: str) -> tuple[int, int, int]:
+    """The daemon's counts: connections accepted, connections closed, peers closing (within the grace)."""
+    values = {}
+    for line in metrics.splitlines():
+        for name in ('modeld_connections_total{event="accepted"}', 'modeld_connections_total{event="closed"}',
+                     "modeld_peers_closing"):
+            if line.startswith(name + " "):
+                values[name] = int(float(line.split()[-1]))
+    assert len(values) == 3, f"the daemon's metrics lack its connection counts: {values}"
+    return (values['modeld_connections_total{event="accepted"}'], values['modeld_connections_total{event="closed"}'],
+            values["modeld_peers_closing"])
 
 
 def test_peer_watch_reports_a_peer_whose_connections_all_closed() -> None:
@@ -210,7 +232,9 @@ def test_peer_watch_reports_a_peer_whose_connections_all_closed() -> None:
     assert w.gone(5.0) == []  # one of its connections is still open
     w.events([(closed, 11)], now=5.0)
     assert w.gone(5.5) == [] and w.next_due() == 6.0  # within the grace it may reconnect
+    assert w.closing == 1 and w.gone_total == 0
     assert w.gone(6.0) == [b"rt-a"] and w.gone(7.0) == []  # reported once
+    assert w.closing == 0 and w.gone_total == 1
     # a peer that reconnects within the grace is not gone
     w.events([(closed, 12)], now=10.0)
     w.seen(b"other", 13)
@@ -219,3 +243,5 @@ def test_peer_watch_reports_a_peer_whose_connections_all_closed() -> None:
     w.seen(b"late", 14)
     w.events([(closed, 14), (accepted, 14)], now=30.0)
     assert w.gone(40.0) == [] and len(w) == 1  # ("other" on 13)
+    # what the metrics report: the monitor's events, counted as they came
+    assert (w.accepted, w.closed, w.closing, w.gone_total) == (1, 4, 0, 1)
