@@ -51,6 +51,8 @@ from contract.types import (
     SuffixInput,
     SuffixStatus,
     TokenCount,
+    TokenLogprob,
+    TopLogprob,
     check_conversation,
 )
 
@@ -273,9 +275,9 @@ class MemorySession:
             keep = max((k for s in cfg.stop for k in range(1, len(s)) if held.endswith(s[:k])), default=0)
             out, held = held[: len(held) - keep], held[len(held) - keep :]
             if out:
-                yield StreamChunk(text=out, token_ids=[ord(c) for c in out] if cfg.return_token_ids else [])
+                yield _chunk(out, cfg)
         if held:
-            yield StreamChunk(text=held, token_ids=[ord(c) for c in held] if cfg.return_token_ids else [])
+            yield _chunk(held, cfg)
         final = StreamChunk.final(finish, prompt_tokens, produced, first_ms, start)
         final.stop_sequence = matched
         yield final
@@ -400,3 +402,14 @@ def with_owner_fence(owner_instance_id: str) -> MemoryService:
 
 
 __all__ = ["ContextOverflow", "MemoryBackend", "MemoryModel", "MemoryService", "MemorySession", "with_owner_fence"]
+
+
+def _chunk(text: str, cfg: DecodeConfig) -> StreamChunk:
+    """A text delta, one token a byte; with ``cfg.logprobs``, each token's: the reference's next byte is a
+    function of its tape and seed, so each is certain (log probability 0, itself its only likely token)."""
+    chunk = StreamChunk(text=text, token_ids=[ord(c) for c in text] if cfg.return_token_ids else [])
+    if cfg.logprobs is not None:
+        for c in text:
+            one = TopLogprob(token_id=ord(c), token=c, bytes=[ord(c)], logprob=0.0)
+            chunk.logprobs.append(TokenLogprob(**one.model_dump(), top=[one] if cfg.logprobs else []))
+    return chunk

@@ -66,6 +66,8 @@ __all__ = [
     "TokenCount",
     "ToolCall",
     "ToolCallDelta",
+    "TokenLogprob",
+    "TopLogprob",
     "ToolCallFunction",
     "UnloadModelRequest",
     "Usage",
@@ -80,6 +82,8 @@ KV_CACHE_TYPES: tuple[str, ...] = tuple(t for t in get_args(KVCacheType) if t)
 #: the quantized ones: llama.cpp needs flash attention for them, and the OpenVINO backend does not offer them
 QUANTIZED_KV_CACHE_TYPES = ("q8_0", "q4_0")
 MAX_TEXT_CHARS = 16 * 1024 * 1024
+#: ``DecodeConfig.logprobs``: the most alternatives a step reports (OpenAI's ``top_logprobs`` limit)
+MAX_TOP_LOGPROBS = 20
 #: ``Config.options``: an engine option's value (the engine's options model checks and converts it)
 EngineOptionValue = str | int | float | bool
 #: ``Config.options``: at most this many
@@ -781,6 +785,10 @@ class DecodeConfig(_Request):
     structured_output: StructuredOutputConfig = Field(default_factory=StructuredOutputConfig)
     #: extension: also stream the sampled token ids (for parity checks)
     return_token_ids: bool = False
+    #: None: no log probabilities; k (0-20): each sampled token streams with its log probability under the
+    #: model's distribution (before penalties and cuts: what the sampler started from) and the k likeliest
+    #: tokens there
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     #: extension: prompt-lookup speculative decoding (drafts copied from the context, verified in
     #: one batch; the output is what plain decoding gives); None = the daemon's default, for greedy
     #: decoding only (a seeded sampled pass then repeats exactly)
@@ -872,6 +880,24 @@ class ErrorInfo(_Report):
     details: dict[str, Any] = Field(default_factory=dict)
 
 
+class TopLogprob(_Report):
+    """One token and its log probability (natural log) at one step of a decode."""
+
+    token_id: int = 0
+    #: the token's text (its bytes decoded, an incomplete UTF-8 sequence replaced; a control token: empty)
+    token: str = ""
+    #: the token's bytes: the pieces of a multi-byte character split across tokens join here exactly
+    bytes: list[int] = Field(default_factory=list)
+    logprob: float = 0.0
+
+
+class TokenLogprob(TopLogprob):
+    """A sampled token's log probability, and the likeliest tokens at its step (``DecodeConfig.logprobs``)."""
+
+    #: the k likeliest tokens, likeliest first (the sampled one among them when it is one of them)
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
 class Usage(_Report):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -904,6 +930,10 @@ class StreamChunk(_Report):
     #: the same calls as they are written, piece by piece (a call's pieces come before or with the call itself)
     tool_call_deltas: list[ToolCallDelta] = Field(default_factory=list)
     token_ids: list[int] = Field(default_factory=list)
+    #: with ``DecodeConfig.logprobs``: the sampled tokens this chunk's output came from, in order (a token whose
+    #: output was held back, a possible stop string or a tool call, comes with the chunk that sends it on; tokens
+    #: that sent nothing come with the final chunk)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
     #: when a frame carries several decode steps merged (``modeld serve --stream-interval-ms``): ``text`` and
     #: ``thinking`` in the pieces the steps produced, so a reader can hand them on one by one, as a server that
     #: sends a frame a token does (empty: the field is one piece)

@@ -59,6 +59,7 @@ def merge(first: StreamChunk, then: StreamChunk) -> StreamChunk:
         tool_calls=[*first.tool_calls, *then.tool_calls],
         tool_call_deltas=[*first.tool_call_deltas, *then.tool_call_deltas],
         token_ids=[*first.token_ids, *then.token_ids],
+        logprobs=[*first.logprobs, *then.logprobs],
         text_pieces=text if len(text) > 1 else [],
         thinking_pieces=thinking if len(thinking) > 1 else [],
     )

@@ -44,6 +44,7 @@ from contract.types import (
     StreamChunk,
     SuffixInput,
     TokenCount,
+    TokenLogprob,
     ToolCall,
     ToolCallDelta,
     ToolCallFunction,
@@ -97,6 +98,8 @@ class ChatResult(BaseModel):
     stop_sequence: str = ""
     usage: ChatUsage = Field(default_factory=ChatUsage)
     timing: ChatTiming = Field(default_factory=ChatTiming)
+    #: with ``logprobs`` asked: every sampled token's, in order
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
 
 
 class ChatEvent(BaseModel):
@@ -107,6 +110,9 @@ class ChatEvent(BaseModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
     #: the calls as they are written: per call index, its id and name first, then its arguments piece by piece
     tool_call_deltas: list[ToolCallDelta] = Field(default_factory=list)
+    #: with ``logprobs`` asked: the sampled tokens this delta came from (a frame of several merged steps gives
+    #: all of its tokens' to its first event)
+    logprobs: list[TokenLogprob] = Field(default_factory=list)
     result: ChatResult | None = None
 
     @classmethod
@@ -117,13 +123,14 @@ class ChatEvent(BaseModel):
         if not (chunk.text_pieces or chunk.thinking_pieces):
             if chunk.text or chunk.thinking or chunk.tool_calls or chunk.tool_call_deltas:
                 return [cls(text=chunk.text, thinking=chunk.thinking, tool_calls=list(chunk.tool_calls),
-                            tool_call_deltas=list(chunk.tool_call_deltas))]
+                            tool_call_deltas=list(chunk.tool_call_deltas), logprobs=list(chunk.logprobs))]
             return []
         # a merged frame's reasoning comes before its text, and its text before its calls (``modeld.coalesce``)
         out = [cls(thinking=p) for p in chunk.thinking_steps()]
         out += [cls(text=p) for p in chunk.text_steps()]
         if chunk.tool_calls or chunk.tool_call_deltas:
             out.append(cls(tool_calls=list(chunk.tool_calls), tool_call_deltas=list(chunk.tool_call_deltas)))
+        out[0].logprobs = list(chunk.logprobs)
         return out
 
 
@@ -452,6 +459,7 @@ def _events(
     text: list[str] = []
     thinking: list[str] = []
     calls: list[ToolCall] = []
+    logprobs: list[TokenLogprob] = []
     first = 0.0
     final: StreamChunk | None = None
     stream = sess.decode(cfg)
@@ -467,6 +475,7 @@ def _events(
             text.append(chunk.text)
             thinking.append(chunk.thinking)
             calls += chunk.tool_calls
+            logprobs += chunk.logprobs
             yield from ChatEvent.steps(chunk)
     finally:
         stream.close()
@@ -492,5 +501,6 @@ def _events(
             decode_tokens_per_s=usage.tokens_per_second if usage else 0.0,
             total_ms=(time.perf_counter() - started) * 1000,
         ),
+        logprobs=[*logprobs, *(final.logprobs if final is not None else [])],
     )
     yield ChatEvent(result=result)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from contract.types import ErrorInfo, StreamChunk, ToolCall, ToolCallFunction
+from contract.types import ErrorInfo, StreamChunk, TokenLogprob, ToolCall, ToolCallFunction
 from modeld.coalesce import ChunkCoalescer, merge, mergeable
 from runtime.chat import ChatEvent
 
@@ -74,11 +74,15 @@ def test_interval_zero_sends_every_chunk() -> None:
 
 def test_merge_joins_every_channel() -> None:
     call = ToolCall(id="c1", function=ToolCallFunction(name="read", arguments='{"path": "a"}'))
-    a = StreamChunk(thinking="hm", token_ids=[1])
-    b = StreamChunk(thinking=" ok", text="Hi", token_ids=[2, 3])
-    c = StreamChunk(tool_calls=[call], token_ids=[4])
-    assert merge(merge(a, b), c) == StreamChunk(thinking="hm ok", text="Hi", tool_calls=[call], token_ids=[1, 2, 3, 4],
-                                                thinking_pieces=["hm", " ok"])
+    scores = [TokenLogprob(token_id=t, logprob=-0.5 * t) for t in range(1, 5)]
+    a = StreamChunk(thinking="hm", token_ids=[1], logprobs=scores[:1])
+    b = StreamChunk(thinking=" ok", text="Hi", token_ids=[2, 3], logprobs=scores[1:3])
+    c = StreamChunk(tool_calls=[call], token_ids=[4], logprobs=scores[3:])
+    merged = merge(merge(a, b), c)
+    assert merged == StreamChunk(thinking="hm ok", text="Hi", tool_calls=[call], token_ids=[1, 2, 3, 4],
+                                 thinking_pieces=["hm", " ok"], logprobs=scores)
+    # the client hands a merged frame's log probabilities on with its first event
+    assert [e.logprobs for e in ChatEvent.steps(merged)] == [scores, [], [], []]
 
 
 def test_a_merged_chunk_keeps_its_pieces_and_the_client_hands_them_on_one_by_one() -> None:

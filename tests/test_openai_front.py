@@ -92,6 +92,8 @@ def test_every_reply_has_the_shape_the_schema_declares(front: Front) -> None:
     ask = [{"role": "user", "content": "hi"}]
     cases: list[tuple[str, dict[str, Any], int, type[Any]]] = [
         ("/v1/chat/completions", {"model": "ref", "messages": ask, "max_tokens": 4}, 200, chat.ChatCompletion),
+        ("/v1/chat/completions", {"model": "ref", "messages": ask, "max_tokens": 4, "logprobs": True,
+                                  "top_logprobs": 2}, 200, chat.ChatCompletion),
         ("/v1/chat/completions", {"model": "ref", "messages": "no"}, 400, chat.ErrorBody),
         ("/v1/messages", {"model": "ref", "messages": ask, "max_tokens": 4}, 200, messages.MessageOut),
         ("/v1/messages", {"model": "ref", "messages": "no", "max_tokens": 4}, 400, messages.ErrorBody),
@@ -327,6 +329,10 @@ def test_errors_are_openai_errors(front: Front) -> None:
     assert bad_field.value.param == "temperature"
     with pytest.raises(openai.BadRequestError):
         sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], n=2)
+    for asked in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):  # (OpenAI's rules and limit)
+        with pytest.raises(openai.BadRequestError) as logprobs:
+            sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], **asked)
+        assert logprobs.value.param == "top_logprobs"
     with pytest.raises(openai.BadRequestError):  # the reference cannot constrain output: refused, not ignored
         sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}],
                                     response_format={"type": "json_object"})
@@ -535,6 +541,51 @@ def tools_front(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     with Front(tmp_path_factory.mktemp(f"tools-{request.param}"), "--model", str(tool_gguf()), "--model-name", "tools",
                "--num-ctx", "2048", backend=request.param) as f:
         yield f
+
+
+def test_logprobs_streamed_and_not(tools_front: Front) -> None:
+    """``logprobs`` and ``top_logprobs`` through the SDK on each engine: every reply token's, whose bytes are the
+    reply, the likeliest first; a streamed reply's chunks carry the same figures as the plain reply's."""
+    sdk = tools_front.sdk()
+    ask: dict[str, Any] = {"model": "tools", "max_tokens": 16, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+                           "messages": [SYSTEM, {"role": "user", "content": "List three sorting algorithms."}]}
+    sdk.chat.completions.create(**ask)  # (cold: the next two reuse the whole prompt alike)
+    plain = sdk.chat.completions.create(**ask)
+    choice = plain.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None and plain.usage is not None
+    tokens = choice.logprobs.content
+    assert len(tokens) == plain.usage.completion_tokens and choice.message.content
+    assert b"".join(bytes(t.bytes or []) for t in tokens).decode() == choice.message.content
+    for t in tokens:
+        tops = [a.logprob for a in t.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and t.logprob == tops[0] <= 0.0  # greedy
+    streamed: list[Any] = []
+    text = ""
+    for chunk in sdk.chat.completions.create(**ask, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            if chunk.choices[0].logprobs is not None:
+                streamed += chunk.choices[0].logprobs.content or []
+    assert text == choice.message.content
+    assert [(t.token, t.bytes) for t in streamed] == [(t.token, t.bytes) for t in tokens]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in tokens], abs=1e-6)
+    without = sdk.chat.completions.create(**{k: v for k, v in ask.items() if k not in ("logprobs", "top_logprobs")})
+    assert without.choices[0].logprobs is None and without.choices[0].message.content == choice.message.content
+    # the Responses API: include message.output_text.logprobs, top_logprobs; the same conversation, the same figures
+    asked: dict[str, Any] = {"model": "tools", "max_output_tokens": 16, "temperature": 0, "top_logprobs": 3,
+                             "include": ["message.output_text.logprobs"], "instructions": SYSTEM["content"],
+                             "input": "List three sorting algorithms.", "store": False}
+    done = sdk.responses.create(**asked)
+    part = next(c for item in done.output if item.type == "message" for c in item.content)
+    assert part.type == "output_text" and part.text == choice.message.content and part.logprobs is not None
+    assert [(t.token, t.bytes) for t in part.logprobs] == [(t.token, t.bytes) for t in tokens]
+    assert [t.logprob for t in part.logprobs] == pytest.approx([t.logprob for t in tokens], abs=1e-6)
+    assert all(len(t.top_logprobs) == 3 for t in part.logprobs)
+    deltas: list[Any] = []
+    for ev in sdk.responses.create(**asked, stream=True):
+        if ev.type == "response.output_text.delta":
+            deltas += ev.logprobs
+    assert [t.logprob for t in deltas] == pytest.approx([t.logprob for t in tokens], abs=1e-6)
 
 
 # the embedding model is loaded beside the chat model, whichever that is: the tool round trip's daemon serves

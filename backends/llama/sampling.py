@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import llama_cpp
+import numpy as np
 from llama_cpp import _internals as llama_internals
 from llama_cpp.llama_grammar import SchemaConverter, json_schema_to_gbnf
 
@@ -55,6 +56,12 @@ class LlamaSteps:
     def sample_row(self, i: int) -> int:
         # the batch's output index i is row i: verify asked for logits on every row
         return int(self._sampler.sample(self._m.llm._ctx, i))
+
+    def logits(self, row: int | None) -> np.ndarray:
+        # (the sampler chain reads the context's rows without changing them)
+        m = self._m
+        ptr = llama_cpp.llama_get_logits_ith(m.llm._ctx.ctx, -1 if row is None else row)
+        return np.ctypeslib.as_array(ptr, shape=(m.vocab_size,))
 
     def rollback(self, n: int) -> None:
         self._m.rollback(n)

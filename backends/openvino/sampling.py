@@ -130,6 +130,11 @@ class OpenVINOSteps:
         assert self._rows is not None, "verify() comes first"
         return self._sample_from(self._rows[i])
 
+    def logits(self, row: int | None) -> np.ndarray:
+        logits = self._logits if row is None else None if self._rows is None else self._rows[row]
+        assert logits is not None, "a sample comes first"
+        return logits[: len(self._m.vocab.text_pieces)]  # (the graph's rows may be padded past the vocabulary)
+
     def rollback(self, n: int) -> None:
         if n <= 0:
             return

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from contract import interrupt
 from contract.errors import Cancelled, InvalidArgument, ManifestMismatch, SessionClosed, UnsupportedFeature
@@ -33,12 +33,14 @@ from contract.types import (
     SuffixInput,
     SuffixStatus,
     TokenCount,
+    TokenLogprob,
     check_conversation,
 )
 
 from ..resident import PrefixPlan, check_manifest_names, check_token_ids
 from .cache import SAVE_MIN_TOKENS, cache_key, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
+from .logprobs import token_logprob
 from .miss import Held, message_keys, prefix_miss, suffix_miss
 from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix, with_tools
 from .model import stable_text as stable_render
@@ -46,6 +48,9 @@ from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
 from .state import check_restorable
 from .toolformats import parameter_types
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: how many trailing resident tokens are decoded to see whether the prompt opened <think>
 _PROMPT_TAIL_TOKENS = 8
@@ -144,6 +149,10 @@ class DecodeSteps(Protocol):
 
     def sample_row(self, i: int) -> int:
         """The next token after ``tokens[i]`` of the last ``verify``, from that row's distribution."""
+        ...
+
+    def logits(self, row: int | None) -> np.ndarray:
+        """The raw logits over the vocabulary that the last ``sample`` (None) or ``sample_row(row)`` drew from."""
         ...
 
     def rollback(self, n: int) -> None:
@@ -469,8 +478,9 @@ class TapeSession:
         # By default only greedy passes speculate: a batch rounds differently from a one-token step, so a
         # seeded sampled pass would part from what the same seed gave without drafts wherever its draw
         # falls near a boundary between two tokens, and a sampled pass has a boundary at every token.
-        # Where the engine's rows are exact (``rows_exact``) a batch rounds as a step does: sampled too.
-        default = m.speculative and (not cfg.temperature or m.rows_exact)
+        # Where the engine's rows are exact (``rows_exact``) a batch rounds as a step does: sampled too. Asked for
+        # log probabilities, a pass drafts by default on exact rows only, so it reports a step's figures.
+        default = m.speculative and (m.rows_exact or not (cfg.temperature or cfg.logprobs is not None))
         speculate = default if cfg.speculative is None else cfg.speculative
         lookup: PromptLookup | None = None
         policy = DraftPolicy(m.draft_costs)
@@ -481,12 +491,22 @@ class TapeSession:
 
         markers = m.marker_pieces(pipeline.markers) if pipeline.markers else {}
 
-        def output(token: int) -> tuple[StreamChunk | None, bool]:
-            """A sampled token through the output pipeline: its chunk (None: nothing to send yet), and
-            whether a stop string ended the answer there. A control token the format reads is fed as its text."""
+        #: with ``cfg.logprobs``: the sampled tokens' log probabilities whose output is not sent yet
+        held: list[TokenLogprob] = []
+
+        def output(token: int, row: int | None) -> tuple[StreamChunk | None, bool]:
+            """A sampled token (from the last ``sample``, or from ``sample_row(row)``) through the output
+            pipeline: its chunk (None: nothing to send yet), and whether a stop string ended the answer there.
+            A control token the format reads is fed as its text."""
+            if cfg.logprobs is not None:
+                held.append(token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece))
             delta = pipeline.feed_bytes(markers.get(token) or steps.piece(token))
             send = delta or cfg.return_token_ids
-            return (delta.chunk([token] if cfg.return_token_ids else None) if send else None), delta.stopped
+            chunk = delta.chunk([token] if cfg.return_token_ids else None) if send else None
+            if chunk is not None and held:
+                chunk.logprobs = held.copy()
+                held.clear()
+            return chunk, delta.stopped
 
         try:
             if not still_ours():
@@ -529,7 +549,7 @@ class TapeSession:
                                 finish = "stop"
                                 break
                             produced += 1
-                            chunk, stopped = output(token)
+                            chunk, stopped = output(token, i)
                             if stopped:
                                 finish = "stop"
                             in_kv = i < len(draft) and token == draft[i]
@@ -580,20 +600,24 @@ class TapeSession:
                     break
                 produced += 1
                 pending = token
-                chunk, stopped = output(token)
+                chunk, stopped = output(token, None)
                 if stopped:
                     finish = "stop"
                 if chunk is not None:
                     yield chunk
             tail = pipeline.finish()
             if tail:
-                yield tail.chunk()
+                chunk = tail.chunk()
+                chunk.logprobs = held.copy()
+                held.clear()
+                yield chunk
             if pipeline.tool_call_count and finish == "stop":
                 finish = "tool_calls"
             final = StreamChunk.final(
                 finish, prompt_tokens, produced, first_ms, start, drafted=stats.drafted, accepted=stats.accepted
             )
             final.stop_sequence = pipeline.stop_sequence
+            final.logprobs = held  # (tokens whose output was nothing at all)
             yield final
         finally:
             if pending is not None and still_ours():

@@ -4,8 +4,8 @@ Requests are validated at the edge by the models of ``protocol``: a malformed fi
 400 naming it (``param``), and fields this daemon does not act on are accepted
 and ignored where OpenAI documents them as hints (``user``, ``store``,
 ``metadata``, ``prompt_cache_key``, ``parallel_tool_calls``, penalties), never
-where ignoring would change the answer (``n`` > 1, ``logprobs``, image parts:
-400). ``top_k`` and ``min_p`` are accepted as llama-server and vLLM accept
+where ignoring would change the answer (``n`` > 1, image parts: 400). ``logprobs`` and
+``top_logprobs`` (0-20) give each reply token's log probability. ``top_k`` and ``min_p`` are accepted as llama-server and vLLM accept
 them. No ``max_tokens`` means no limit: the reply runs to the end of
 generation or of the context window (finish reason ``length``).
 

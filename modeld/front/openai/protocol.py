@@ -98,7 +98,10 @@ class ChatCompletionRequest(Loose):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
+    #: each reply token's log probability (``choices[].logprobs.content``), and with ``top_logprobs`` the
+    #: likeliest tokens at its step
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -142,10 +145,27 @@ class AssistantMessage(Shape):
     reasoning_content: str | None = None
 
 
+class TopLogprobOut(Shape):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChoiceLogprobs(Shape):
+    """Every reply token's log probability, in order (tokens of the reasoning and of tool calls included)."""
+
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
 class Choice(Shape):
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChoiceLogprobs | None
     finish_reason: Literal["stop", "length", "tool_calls", "content_filter"]
 
 

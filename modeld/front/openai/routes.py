@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
-from contract.types import EmbedRequest
+from contract.types import EmbedRequest, TokenLogprob
 
 from ..access import record_of
 from ..core import (
@@ -31,7 +31,7 @@ from ..core import (
 )
 from ..errors import api_error
 from .protocol import ChatCompletion, ChatCompletionRequest, EmbeddingList, EmbeddingsRequest, ErrorBody, ModelList
-from .translate import call_piece, tool_calls_out, turn_request, usage_out
+from .translate import call_piece, logprobs_out, tool_calls_out, turn_request, usage_out
 
 
 def router(serving: Serving) -> APIRouter:
@@ -56,7 +56,8 @@ def router(serving: Serving) -> APIRouter:
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return TurnStream(turn, _stream(turn, rid, created, include_usage, request), ping=int(KEEPALIVE_S),
+            stream = _stream(turn, rid, created, include_usage, bool(body.logprobs), request)
+            return TurnStream(turn, stream, ping=int(KEEPALIVE_S),
                                        ping_message_factory=lambda: _keepalive(turn, rid, created),
                                        send_timeout=STREAM_SEND_TIMEOUT_S)
         result = await turn.result(request)
@@ -68,7 +69,8 @@ def router(serving: Serving) -> APIRouter:
             message["reasoning_content"] = msg.reasoning
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": turn.model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
+            "choices": [{"index": 0, "message": message,
+                         "logprobs": logprobs_out(result.logprobs) if body.logprobs else None,
                          "finish_reason": FINISH_REASONS.get(result.finish_reason, "stop")}],
             "usage": usage_out(result),
         })
@@ -110,23 +112,28 @@ def _keepalive(turn: Turn, rid: str, created: int) -> ServerSentEvent:
         **({"prefill": progress} if progress else {})}))
 
 
-async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, request: Request) -> Any:
+async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, logprobs: bool, request: Request) -> Any:
     """The reply as ``chat.completion.chunk`` events; an error after the start is an ``error`` event and no
-    ``[DONE]`` (the SDK raises it); a disconnect cancels the decode within one token."""
+    ``[DONE]`` (the SDK raises it); a disconnect cancels the decode within one token. With ``logprobs``, each
+    chunk carries its tokens' (the finish chunk those whose output was nothing)."""
     record = record_of(request)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+    def chunk(delta: dict[str, Any], finish: str | None = None, tokens: list[TokenLogprob] | None = None) -> str:
+        scores = logprobs_out(tokens or []) if logprobs else None
         return json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": turn.model,
-                           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+                           "choices": [{"index": 0, "delta": delta, "logprobs": scores, "finish_reason": finish}]})
 
     yield chunk({"role": "assistant", "content": ""})
     pieces = CallPieces()
     events = turn.aevents(record)
+    seen = 0  # tokens the events carried
+    held: list[TokenLogprob] = []  # of those, the ones not sent yet (their event had no delta of its own)
     try:
         async for event in events:
             if event.result is not None:
                 fill_record(record, event.result)
-                yield chunk({}, FINISH_REASONS.get(event.result.finish_reason, "stop"))
+                held += event.result.logprobs[seen:]
+                yield chunk({}, FINISH_REASONS.get(event.result.finish_reason, "stop"), held)
                 if include_usage:
                     yield json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                       "model": turn.model, "choices": [], "usage": usage_out(event.result)})
@@ -139,8 +146,11 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, reque
             calls = [call_piece(p) for p in pieces.of(event)]
             if calls:
                 delta["tool_calls"] = calls
+            seen += len(event.logprobs)
+            held += event.logprobs
             if delta:
-                yield chunk(delta)
+                yield chunk(delta, tokens=held)
+                held = []
     except ModeldError as exc:
         err = api_error(exc)
         record.error = err.code or "error"

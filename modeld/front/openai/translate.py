@@ -7,7 +7,7 @@ import json
 import uuid
 from typing import Any
 
-from contract.types import StructuredOutputConfig, ToolCallDelta
+from contract.types import StructuredOutputConfig, TokenLogprob, ToolCallDelta, TopLogprob
 from runtime.chat import ChatResult
 
 from ..core import (
@@ -96,9 +96,11 @@ def tool_choice_options(choice: str | None, forced: str | None, schemas: dict[st
 def _decode(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str, Any]:
     if req.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported: one model slot decodes one reply", param="n")
-    if req.logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
     opts: dict[str, Any] = {}
+    if req.logprobs:
+        opts["logprobs"] = req.top_logprobs or 0
+    elif req.top_logprobs is not None:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     limit = req.max_completion_tokens or req.max_tokens
     if limit is not None:
         opts["max_tokens"] = limit
@@ -155,6 +157,21 @@ def usage_out(result: ChatResult) -> dict[str, Any]:
             "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens,
         },
     }, u)
+
+
+def token_logprobs_out(items: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI's shape for tokens' log probabilities (chat completions' ``logprobs.content``, the Responses API's
+    ``output_text`` ``logprobs``)."""
+
+    def one(t: TopLogprob) -> dict[str, Any]:
+        return {"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
+
+    return [{**one(t), "top_logprobs": [one(a) for a in t.top]} for t in items]
+
+
+def logprobs_out(items: list[TokenLogprob]) -> dict[str, Any]:
+    """``choices[].logprobs``."""
+    return {"content": token_logprobs_out(items), "refusal": None}
 
 
 def call_piece(piece: ToolCallDelta) -> dict[str, Any]:

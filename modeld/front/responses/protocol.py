@@ -10,6 +10,8 @@ from pydantic import Field
 from ..core import Loose, Shape
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
+#: ``include``: the reply text's token log probabilities (``top_logprobs`` alternatives at each)
+TEXT_LOGPROBS = "message.output_text.logprobs"
 
 
 class TextFormat(Loose):
@@ -31,6 +33,7 @@ class ResponsesRequest(Loose):
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=10.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     text: TextConfig | None = None
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
@@ -39,6 +42,13 @@ class ResponsesRequest(Loose):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+
+
+    def logprobs(self) -> int | None:
+        """``DecodeConfig.logprobs``: asked by ``include`` or by ``top_logprobs``."""
+        if TEXT_LOGPROBS in (self.include or []) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
 
 
 class InputTokensRequest(ResponsesRequest):

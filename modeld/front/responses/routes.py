@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
+from contract.types import TokenLogprob
 
 from ..access import record_of
 from ..core import (
@@ -29,9 +30,20 @@ from ..core import (
 )
 from ..errors import ApiError, api_error
 from ..openai.protocol import ErrorBody
+from ..openai.translate import token_logprobs_out
 from ..stored import ResponseStore
 from .protocol import DeletedResponse, InputTokens, InputTokensRequest, Response, ResponseRef, ResponsesRequest
-from .translate import Reply, ToolMap, build_output, conversation, decode_options, merge_earlier, new_id, thinking_of
+from .translate import (
+    Reply,
+    ToolMap,
+    build_output,
+    conversation,
+    decode_options,
+    merge_earlier,
+    new_id,
+    text_part,
+    thinking_of,
+)
 
 
 # --- routes ----------------------------------------------------------------------------------------
@@ -179,6 +191,9 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
     current: dict[str, Any] | None = None  # the item being streamed: a message, a reasoning item or a call
     text = ""
     pieces = CallPieces()
+    asked = reply.req.logprobs() is not None
+    scored: list[TokenLogprob] = []  # with log probabilities asked: every token so far
+    held: list[TokenLogprob] = []  # of those, the ones no text delta carried yet
 
     def close_current() -> list[dict[str, str]]:
         nonlocal current, text
@@ -204,7 +219,7 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
             current, text = None, ""
             return out
         if current["type"] == "message":
-            part = {"type": "output_text", "text": text, "annotations": []}
+            part = text_part(text, reply.req, scored)
             current["content"] = [part]
             out.append(event("response.output_text.done", item_id=current["id"], output_index=index, content_index=0,
                              text=text))
@@ -231,7 +246,7 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
         out.append(event("response.output_item.added", output_index=index, item=shown))
         if item["type"] == "message":
             out.append(event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                             part={"type": "output_text", "text": "", "annotations": []}))
+                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
         else:
             out.append(event("response.reasoning_summary_part.added", item_id=item["id"], output_index=index,
                              summary_index=0, part={"type": "summary_text", "text": ""}))
@@ -241,6 +256,7 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
     try:
         async for ev in events:
             if ev.result is not None:
+                scored += ev.result.logprobs[len(scored):]
                 for e in close_current():
                     yield e
                 fill_record(record, ev.result)
@@ -251,6 +267,8 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
                          "cancelled": "response.incomplete"}.get(reply.status, "response.completed")
                 yield event(final, response=reply.body())
                 return
+            scored += ev.logprobs
+            held += ev.logprobs
             if ev.thinking:
                 if current is None or current["type"] != "reasoning":
                     for e in open_item(reply.reasoning_item("")):
@@ -264,8 +282,10 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
                                         "role": "assistant", "content": []}):
                         yield e
                 text += ev.text
+                scores = token_logprobs_out(held) if asked else []
+                held = []
                 yield event("response.output_text.delta", item_id=current["id"] if current else "",
-                            output_index=len(reply.output) - 1, content_index=0, delta=ev.text)
+                            output_index=len(reply.output) - 1, content_index=0, delta=ev.text, logprobs=scores)
             # a call's item opens at its first piece and its arguments stream as the model writes them; the next
             # item (or the end) closes it with the whole arguments
             for piece in pieces.of(ev):

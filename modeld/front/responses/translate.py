@@ -9,7 +9,7 @@ import time
 import uuid
 from typing import Any
 
-from contract.types import StructuredOutputConfig
+from contract.types import StructuredOutputConfig, TokenLogprob
 from runtime.chat import ChatResult
 
 from ..core import (
@@ -17,7 +17,7 @@ from ..core import (
     with_miss,
 )
 from ..errors import ApiError
-from ..openai.translate import call_schemas, tool_choice_options
+from ..openai.translate import call_schemas, token_logprobs_out, tool_choice_options
 from .protocol import ENCRYPTED_REASONING, ResponsesRequest
 
 log = logging.getLogger("modeld.http")
@@ -167,6 +167,8 @@ def decode_options(req: ResponsesRequest, tools: ToolMap) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if req.max_output_tokens is not None:
         opts["max_tokens"] = req.max_output_tokens
+    if req.logprobs() is not None:
+        opts["logprobs"] = req.logprobs()
     for name in ("temperature", "top_p"):
         if getattr(req, name) is not None:
             opts[name] = getattr(req, name)
@@ -304,9 +306,15 @@ class Reply:
         return msg
 
 
-def _message_item(text: str) -> dict[str, Any]:
-    return {"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+def text_part(text: str, req: ResponsesRequest, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    """An ``output_text`` content part; with log probabilities asked, its tokens' (every reply token's: those
+    of the reasoning and of calls too)."""
+    scores = token_logprobs_out(logprobs) if req.logprobs() is not None else []
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": scores}
+
+
+def _message_item(part: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant", "content": [part]}
 
 
 def build_output(reply: Reply, result: ChatResult) -> None:
@@ -316,7 +324,7 @@ def build_output(reply: Reply, result: ChatResult) -> None:
         reply.seal_reasoning(item, msg.reasoning)
         reply.output.append(item)
     if msg.content:
-        reply.output.append(_message_item(msg.content))
+        reply.output.append(_message_item(text_part(msg.content, reply.req, result.logprobs)))
     for call in msg.tool_calls:
         reply.output.append(reply.call_item(call.function.name, call.function.arguments, call.id))
 
