@@ -69,6 +69,13 @@ def _tokens(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
+def _suffix_tokens(suffix: SuffixInput) -> list[int]:
+    """A suffix's tokens: its ids (bytes: each below 256), or its text's, or its conversation's."""
+    if suffix.tokens:
+        return check_token_ids(suffix.tokens, 256)
+    return _tokens(_conversation_text(suffix.messages) if suffix.messages else suffix.text)
+
+
 def _conversation_text(messages: list[ChatMessage]) -> str:
     """The reference's template: one labelled line per message, then the assistant's turn.
 
@@ -190,9 +197,13 @@ class MemorySession:
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
         res = self._live()
         check_conversation(suffix.messages)  # a suffix built without validation is checked here too
-        tokens = _tokens(_conversation_text(suffix.messages) if suffix.messages else suffix.text)
+        if suffix.offset is not None:
+            target, _ = res.append_at(suffix.offset, suffix.truncating, _suffix_tokens(suffix))
+            tokens = target[res.prefix_len :]
+        else:
+            tokens = _suffix_tokens(suffix)
+            target = res.tokens[: res.prefix_len] + tokens
         res.check_suffix(suffix.manifest, len(tokens))
-        target = res.tokens[: res.prefix_len] + tokens
         # the token LCP with everything resident (the previous turn and reply included)
         reused = max(0, common_prefix_len(res.tokens, target) - res.prefix_len)
         res.tokens = target
@@ -204,7 +215,11 @@ class MemorySession:
         check_manifest_names(prefix.manifest, BACKEND_NAME, self._model.digest)
         check_conversation(suffix.messages)
         stable = _tokens(prefix.text + prefix.tools)
-        target = stable + _tokens(_conversation_text(suffix.messages) if suffix.messages else suffix.text)
+        if suffix.offset is not None:  # an append counts against the tape as it is
+            stable = res.tokens[: res.prefix_len]
+            target, _ = res.append_at(suffix.offset, suffix.truncating, _suffix_tokens(suffix))
+        else:
+            target = stable + _suffix_tokens(suffix)
         compatible = res.manifest is not None and prefix.manifest.compatible_with(res.manifest)
         return TokenCount(
             prompt_tokens=len(target),

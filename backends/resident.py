@@ -19,7 +19,14 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from contract.errors import BackendMismatch, ContextOverflow, InvalidArgument, ManifestMismatch, SnapshotRejected
+from contract.errors import (
+    BackendMismatch,
+    ContextOverflow,
+    InvalidArgument,
+    ManifestMismatch,
+    OffsetDrift,
+    SnapshotRejected,
+)
 from contract.manifest import ContextManifest, byte_hash, common_prefix_len, token_hash
 from contract.types import ContextReport, PrefixStatus, SessionSnapshot, SuffixStatus
 
@@ -102,6 +109,27 @@ class Resident:
             keep = common_prefix_len(self.tokens, prefix_tokens)
         # keep runs over everything the KV holds; what is dropped is counted on the context
         return PrefixPlan(keep=keep, tail=prefix_tokens[keep:], dropped=max(0, len(self.live) - keep))
+
+    def append_at(self, offset: int, truncating: bool, new: list[int]) -> tuple[list[int], int]:
+        """The tape an append of ``new`` at ``offset`` makes (``SuffixInput.offset``), and how much of it stays the
+        stable prefix: at the resident length it appends; below it, with ``truncating``, the context is cut to
+        ``offset`` first; anything else is OffsetDrift naming both lengths (nothing has changed)."""
+        live = self.live
+        if offset < self.prefix_len <= len(live) and truncating:
+            raise InvalidArgument(
+                f"offset {offset} is inside the stable prefix ({self.prefix_len} tokens): a prefix is changed with "
+                "ensure_prefix", offset=offset, prefix_tokens=self.prefix_len)
+        if offset == len(live) or (truncating and offset < len(live)):
+            return live[:offset] + new, self.prefix_len
+        if offset > len(live):
+            why = "past the end of the session's context"
+        else:
+            why = "short of the session's context, and truncating is off"
+        raise OffsetDrift(
+            f"the append's offset {offset} is {why} ({len(live)} tokens resident): the client's view drifted",
+            offset=offset,
+            resident_tokens=len(live),
+        )
 
     def check_suffix(self, manifest: ContextManifest, n_new: int) -> None:
         if self.manifest is None:

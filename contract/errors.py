@@ -17,7 +17,8 @@ Hierarchy::
     │   ├── SessionClosed         (20)
     │   ├── ContextOverflow       (21)
     │   ├── ManifestMismatch      (22)
-    │   └── SnapshotRejected      (23)
+    │   ├── SnapshotRejected      (23)
+    │   └── OffsetDrift           (24)
     ├── SlotError                       the single model slot
     │   ├── ModelBusy             (30)
     │   ├── ModelNotActive        (31)
@@ -124,6 +125,13 @@ class SnapshotRejected(SessionError):
     """The snapshot does not match this session (context size, counts, manifest or bytes)."""
 
     code = 23
+
+
+class OffsetDrift(SessionError):
+    """The offset an append gave is not the session's resident length (nor below it with truncating): the
+    client's view of the session drifted; nothing changed. ``details`` has both lengths."""
+
+    code = 24
 
 
 # --- the slot ----------------------------------------------------------------

@@ -556,6 +556,15 @@ class PrefixInput(_Request):
     manifest: ContextManifest = Field(default_factory=ContextManifest)
     #: JSON array of tool definitions rendered by the model's own template; "" = none
     tools: str = ""
+    #: False: the text is the prompt as it is, with no template (a raw completion; BOS by the manifest's policy);
+    #: the suffixes after it are raw too (``SuffixInput.render`` False, or token ids)
+    render: bool = True
+
+    @model_validator(mode="after")
+    def _raw_has_no_tools(self) -> PrefixInput:
+        if not self.render and self.tools:
+            raise InvalidArgument("tools are rendered by the model's template: a raw prefix (render=False) has none")
+        return self
 
 
 class SuffixInput(_Request):
@@ -582,6 +591,16 @@ class SuffixInput(_Request):
     #: in RAM before its older ones; "" leaves conversations to their tokens (an entry that extends another
     #: replaces it)
     conversation: str = Field("", max_length=256)
+    #: token ids instead of text: appended as they are (no template, no tokenizer); each checked against the
+    #: model's vocabulary (an unknown id is InvalidArgument, and nothing is appended)
+    tokens: list[int] = Field(default_factory=list, max_length=MAX_TEXT_CHARS // 4)
+    #: None: the suffix goes after the stable prefix, reusing whatever of the tape matches (token LCP). A number:
+    #: the client's view of the session's resident length (``resident_tokens`` of the last status), and the suffix
+    #: (``tokens``, or ``text`` with render=False) is appended there: at the resident length it appends, below it
+    #: with ``truncating`` the context is cut to ``offset`` first (the KV up to it kept); anything else is
+    #: OffsetDrift naming both lengths, and the session is unchanged
+    offset: int | None = Field(None, ge=0)
+    truncating: bool = False
 
     @model_validator(mode="after")
     def _one_form(self) -> SuffixInput:
@@ -591,6 +610,13 @@ class SuffixInput(_Request):
             if not self.render:
                 raise InvalidArgument("messages are rendered by the model's template; render=False takes text")
             check_conversation(self.messages)
+        if self.tokens and (self.text or self.messages):
+            raise InvalidArgument("give the suffix as token ids, text or messages, one of them")
+        if self.offset is None:
+            if self.truncating:
+                raise InvalidArgument("truncating cuts the context at an offset: give the offset")
+        elif self.messages or (self.text and self.render):
+            raise InvalidArgument("an append at an offset is raw: give token ids, or text with render=False")
         return self
 
 
@@ -908,6 +934,9 @@ class Usage(_Report):
     #: speculative decoding: draft tokens evaluated, and those the sampled output kept
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    #: the session's resident length once the decode ended (the prompt and the reply's tokens): where a client's
+    #: next append goes (``SuffixInput.offset``)
+    resident_tokens: int = 0
 
 
 #: why a decode ended: the ``finish_reason`` of its final chunk ("" on every other chunk)
@@ -979,6 +1008,7 @@ class StreamChunk(_Report):
                 tokens_per_second=completion_tokens / (elapsed_ms / 1000) if elapsed_ms > 0 else 0.0,
                 drafted_tokens=drafted,
                 accepted_tokens=accepted,
+                resident_tokens=prompt_tokens + completion_tokens,
             ),
         )
 

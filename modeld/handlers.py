@@ -269,7 +269,8 @@ class Handlers:
                 raise ShuttingDown("modeld is shutting down; the stream was ended")
             after = sess.explain_context().resident_tokens
             final = StreamChunk(done=True, finish_reason="cancelled",
-                                usage=Usage(prompt_tokens=before, completion_tokens=max(0, after - before)))
+                                usage=Usage(prompt_tokens=before, completion_tokens=max(0, after - before),
+                                            resident_tokens=after))
             if not cancel.is_set():
                 raise Cancelled("the stream ended without a final chunk")
         yield final

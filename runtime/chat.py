@@ -304,21 +304,36 @@ class Chat:
         reasoning switch (None: the template's default); ``conversation`` names
         whose conversation it is (``SuffixInput.conversation``).
         """
+        system, turns = split_messages(messages)
+        tools_json = _tools_json(tools)
+        return self._begin(PrefixInput(text=system, tools=tools_json),
+                           SuffixInput(messages=turns, enable_thinking=enable_thinking, conversation=conversation),
+                           check_fit, decode)
+
+    def begin_prompt(
+        self, prompt: str | Sequence[int], *, check_fit: bool = True, conversation: str = "", **decode: Any
+    ) -> ChatTurn:
+        """``begin`` for a raw completion: ``prompt`` (text, or token ids) is the whole context, with no template,
+        and the reply continues it. Successive prompts that share a head (an editor's completions as the user
+        types) reuse it by token LCP, as a conversation does."""
+        tokens = [] if isinstance(prompt, str) else list(prompt)
+        suffix = SuffixInput(text=prompt if isinstance(prompt, str) else "", tokens=tokens, render=False,
+                             conversation=conversation)
+        return self._begin(PrefixInput(render=False), suffix, check_fit, decode)
+
+    def _begin(self, prefix: PrefixInput, suffix: SuffixInput, check_fit: bool, decode: dict[str, Any]) -> ChatTurn:
         if self._closed:
             raise SessionClosed("this chat is closed")
         unknown = sorted(set(decode) - _DECODE_FIELDS)
         if unknown:
             raise InvalidArgument(f"unknown decode options {unknown}", unknown=unknown)
-        system, turns = split_messages(messages)
-        tools_json = _tools_json(tools)
         cfg = wire.parse(DecodeConfig, decode)  # a bad option is an InvalidArgument naming it, before anything runs
         started = time.perf_counter()
         sess = self._client.open_session(self._request)
         try:
             manifest = sess.manifest(profile=self._profile)
-            prefix = PrefixInput(text=system, tools=tools_json, manifest=manifest)
-            suffix = SuffixInput(messages=turns, manifest=manifest, enable_thinking=enable_thinking,
-                                 conversation=conversation)
+            prefix = prefix.model_copy(update={"manifest": manifest})
+            suffix = suffix.model_copy(update={"manifest": manifest})
             count = sess.count_tokens(prefix, suffix)
             if check_fit and count.prompt_tokens >= count.num_ctx:
                 raise ContextOverflow(

@@ -23,6 +23,7 @@ from contract.errors import (
     ContextOverflow,
     InvalidArgument,
     ManifestMismatch,
+    OffsetDrift,
     SessionClosed,
     SnapshotRejected,
 )
@@ -355,7 +356,36 @@ def scenario_count_tokens(t: Target) -> dict[str, Any]:
         sess.close()
 
 
+def scenario_offsets(t: Target) -> dict[str, Any]:
+    """Appends at the resident length a client was told: token ids after a decode, a drifted view refused with both
+    lengths (nothing changes, and the right offset then succeeds), a bad id refused, truncating back."""
+    sess = t.service.open_session(t.request)
+    try:
+        m = manifest_for(sess, fresh_profile())
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        asked = sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
+        _, final = greedy(sess, 6)
+        assert final.usage is not None
+        told = final.usage.resident_tokens
+        assert told == asked.resident_tokens + final.usage.completion_tokens == sess.explain_context().resident_tokens
+        more = sess.tokenize(" Then?")
+        with pytest.raises(OffsetDrift) as drift:  # the view from before the decode
+            sess.prefill_suffix(SuffixInput(tokens=more, offset=asked.resident_tokens, manifest=m))
+        assert drift.value.details == {"offset": asked.resident_tokens, "resident_tokens": told}
+        assert sess.explain_context().resident_tokens == told
+        with pytest.raises(InvalidArgument):
+            sess.prefill_suffix(SuffixInput(tokens=[*more, 10**9], offset=told, manifest=m))
+        st = sess.prefill_suffix(SuffixInput(tokens=more, offset=told, manifest=m))
+        assert st.resident_tokens == told + len(more) and st.prefilled_tokens == len(more)
+        back = sess.prefill_suffix(SuffixInput(tokens=more, offset=asked.resident_tokens, truncating=True, manifest=m))
+        assert back.resident_tokens == asked.resident_tokens + len(more) == sess.explain_context().resident_tokens
+        return {"drift": drift.value.details, "appended": len(more)}
+    finally:
+        sess.close()
+
+
 SCENARIOS: dict[str, Callable[[Target], dict[str, Any]]] = {
+    "offsets": scenario_offsets,
     "count_tokens": scenario_count_tokens,
     "conversation_append": scenario_conversation_append,
     "conversation_edit": scenario_conversation_edit,

@@ -29,6 +29,7 @@ from contract.errors import (
     ContextOverflow,
     InvalidArgument,
     ManifestMismatch,
+    OffsetDrift,
     SessionClosed,
     SnapshotRejected,
     UnsupportedFeature,
@@ -187,6 +188,56 @@ def test_warm_turn_equals_cold(engine: Engine, model: LoadedModel, session: Sess
         assert cold.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man)).reused_tokens == 0
         cold.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
         assert greedy(cold) == first
+    finally:
+        fresh.close()
+
+
+def test_appends_at_an_offset(engine: Engine, model: LoadedModel, session: Session) -> None:
+    """A client that keeps its own view of the session appends token ids (or raw text) at the resident length it
+    was told; a view that drifted is refused with both lengths and changes nothing; ``truncating`` rewinds to the
+    offset exactly, as a cold prefill of the same tokens; bad ids are refused before anything is appended."""
+    man = manifest(model, "offsets")
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    asked = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+    prompt = list(engine.tape(model))
+    assert asked.resident_tokens == len(prompt)
+    chunks = list(session.decode(DecodeConfig(max_tokens=6, return_token_ids=True)))
+    usage = chunks[-1].usage
+    assert usage is not None and usage.resident_tokens == session.explain_context().resident_tokens
+    answered = list(engine.tape(model))
+    assert len(answered) == usage.resident_tokens and answered[: len(prompt)] == prompt
+
+    more = session.tokenize(" Then what?")
+    st = session.prefill_suffix(SuffixInput(tokens=more, offset=len(answered), manifest=man))
+    assert engine.tape(model) == answered + more and st.resident_tokens == len(answered) + len(more)
+    assert st.prefilled_tokens == len(more) and st.reused_tokens == len(answered) - st.prefix_tokens
+    # a stale view (the length before that append), one past the end, one short without truncating: refused
+    for stale in (len(answered), len(answered) + len(more) + 1, len(prompt)):
+        with pytest.raises(OffsetDrift) as drift:
+            session.prefill_suffix(SuffixInput(tokens=more, offset=stale, manifest=man))
+        assert drift.value.details == {"offset": stale, "resident_tokens": len(answered) + len(more)}
+        assert engine.tape(model) == answered + more and engine.kv_matches_tape(model)
+    for bad in ([0, engine.vocab_size], [-1]):  # an id the model does not have: nothing appended
+        with pytest.raises(InvalidArgument):
+            session.prefill_suffix(SuffixInput(tokens=bad, offset=len(answered) + len(more), manifest=man))
+        assert engine.tape(model) == answered + more
+    with pytest.raises(InvalidArgument):  # the stable prefix changes through ensure_prefix only
+        session.prefill_suffix(SuffixInput(tokens=more, offset=1, truncating=True, manifest=man))
+    # truncating: back to the prompt, then another question, as raw text; the KV up to the offset is kept
+    st = session.prefill_suffix(SuffixInput(text=" Why?", render=False, offset=len(prompt), truncating=True,
+                                            manifest=man))
+    rewound = list(engine.tape(model))
+    assert rewound[: len(prompt)] == prompt and rewound[len(prompt):] == session.tokenize(" Why?")
+    assert st.prefilled_tokens == len(rewound) - len(prompt) and engine.kv_matches_tape(model)
+    warm = greedy(session)
+    fresh = engine.load()  # the same calls from nothing, without the reply and the append rewound: alike
+    try:  # (split alike too: where a prefill's chunks start moves a K-quant's numbers)
+        cold = fresh.open_session()
+        cold.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+        cold.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+        cold.prefill_suffix(SuffixInput(text=" Why?", render=False, offset=len(prompt), manifest=man))
+        assert engine.tape(fresh) == rewound
+        assert greedy(cold) == warm
     finally:
         fresh.close()
 

@@ -15,6 +15,7 @@ PINNED = {
     21: "ContextOverflow",
     22: "ManifestMismatch",
     23: "SnapshotRejected",
+    24: "OffsetDrift",
     30: "ModelBusy",
     31: "ModelNotActive",
     32: "ModelSwitchRequired",

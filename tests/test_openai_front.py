@@ -79,6 +79,7 @@ def test_every_reply_has_the_shape_the_schema_declares(front: Front) -> None:
     ``make fuzz`` runs with schemathesis on generated requests), replies and refusals, on each API."""
     from modeld.front.anthropic import protocol as messages
     from modeld.front.app import Health
+    from modeld.front.completions import protocol as completions
     from modeld.front.openai import protocol as chat
     from modeld.front.responses import protocol as responses
     from modeld.front.tokens import protocol as tokens
@@ -101,6 +102,9 @@ def test_every_reply_has_the_shape_the_schema_declares(front: Front) -> None:
         ("/v1/responses", {"model": "ref", "input": "hi", "max_output_tokens": 4}, 200, responses.Response),
         ("/v1/responses", {"model": "ref", "input": 5}, 400, chat.ErrorBody),
         ("/v1/responses/input_tokens", {"model": "ref", "input": "hi"}, 200, responses.InputTokens),
+        ("/v1/completions", {"model": "ref", "prompt": "def f(", "max_tokens": 4, "logprobs": 1}, 200,
+         completions.Completion),
+        ("/v1/completions", {"model": "ref", "prompt": 5}, 400, chat.ErrorBody),
         ("/tokenize", {"content": "héllo"}, 200, tokens.TokenizeOut),
         ("/detokenize", {"tokens": [104, 105]}, 200, tokens.DetokenizeOut),
         ("/detokenize", {"tokens": [104, 256]}, 400, chat.ErrorBody),
@@ -329,6 +333,12 @@ def test_errors_are_openai_errors(front: Front) -> None:
     assert bad_field.value.param == "temperature"
     with pytest.raises(openai.BadRequestError):
         sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], n=2)
+    for refused, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "n": 2}, "n"),
+                           ({"prompt": "a", "suffix": "b"}, "suffix"), ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+                           ({"prompt": "a", "logprobs": 21}, "logprobs")):
+        with pytest.raises(openai.BadRequestError) as legacy:
+            sdk.completions.create(model="ref", **refused)
+        assert legacy.value.param == param
     for asked in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}):  # (OpenAI's rules and limit)
         with pytest.raises(openai.BadRequestError) as logprobs:
             sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], **asked)
@@ -586,6 +596,35 @@ def test_logprobs_streamed_and_not(tools_front: Front) -> None:
         if ev.type == "response.output_text.delta":
             deltas += ev.logprobs
     assert [t.logprob for t in deltas] == pytest.approx([t.logprob for t in tokens], abs=1e-6)
+
+
+def test_raw_completions(tools_front: Front) -> None:
+    """``/v1/completions`` through the SDK on each engine: a raw prompt continued (no template), as text or as
+    token ids alike, streamed as plain; ``echo``; legacy ``logprobs`` whose tokens are the reply; and a longer
+    prompt with the same head (an editor completing as the user types) reuses it."""
+    sdk = tools_front.sdk()
+    head = "def fibonacci(n):\n"
+    ask: dict[str, Any] = {"model": "tools", "max_tokens": 12, "temperature": 0}
+    first = sdk.completions.create(prompt=head, logprobs=2, **ask)
+    choice = first.choices[0]
+    assert first.object == "text_completion" and choice.text and choice.finish_reason in ("length", "stop")
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert first.usage is not None and first.usage.completion_tokens == len(lp.tokens)
+    assert "".join(lp.tokens) == choice.text and lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for t, p, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 2 and p == max(top.values()) <= 0.0 and top.get(t) == p  # greedy: the likeliest
+    status, tokenized = _post_json(tools_front.port, "/tokenize", {"content": head})
+    ids = tokenized["tokens"]
+    assert status == 200 and ids
+    assert sdk.completions.create(prompt=ids, **ask).choices[0].text == choice.text
+    streamed = "".join(c.choices[0].text for c in sdk.completions.create(prompt=head, stream=True, **ask) if c.choices)
+    assert streamed == choice.text
+    echoed = sdk.completions.create(prompt=head, echo=True, **ask).choices[0].text
+    assert echoed == head + choice.text
+    typed = sdk.completions.create(prompt=head + choice.text[:4], **ask)
+    assert typed.usage is not None and typed.usage.prompt_tokens_details is not None
+    assert typed.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
 
 
 # the embedding model is loaded beside the chat model, whichever that is: the tool round trip's daemon serves

@@ -287,6 +287,27 @@ def test_bad_fields_are_invalid_arguments_naming_them(cls: type[BaseModel], body
     assert any(p.startswith(f"{field}:") for p in exc.value.details["problems"]), exc.value.details
 
 
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ({"text": "a", "tokens": [1]}, "one of them"),
+        ({"tokens": [1], "truncating": True}, "give the offset"),
+        ({"text": "a", "offset": 3}, "raw"),  # a rendered turn has no place at an offset
+        ({"messages": [{"role": "user", "content": "a"}], "offset": 3}, "raw"),
+        ({"tokens": [1], "offset": -1}, "offset"),
+    ],
+)
+def test_a_suffix_takes_one_form_and_an_offset_only_raw(body: dict[str, Any], said: str) -> None:
+    with pytest.raises((InvalidArgument, ValueError), match=said):
+        SuffixInput(**body)
+
+
+def test_a_raw_prefix_has_no_tools() -> None:
+    assert PrefixInput(text="def f(", render=False).render is False
+    with pytest.raises(InvalidArgument, match="raw prefix"):
+        PrefixInput(text="x", tools='[{"type": "function"}]', render=False)
+
+
 # --- the bodies hand-made frames rely on -----------------------------------------------------------------------
 def test_body_field_names() -> None:
     embed, frames = wire.encode_body(SAMPLES[Op.EMBED][1])

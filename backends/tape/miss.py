@@ -110,6 +110,8 @@ class Held:
 
 def message_keys(suffix: SuffixInput) -> list[str]:
     """One key per message of the conversation a suffix sends (a text suffix is one message)."""
+    if suffix.tokens:
+        return [_key({"tokens": suffix.tokens})]
     if not suffix.messages:
         return [_key({"role": suffix.role, "content": suffix.text, "render": suffix.render})]
     return [_key(msg) for msg in suffix.messages]

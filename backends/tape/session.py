@@ -164,6 +164,14 @@ class DecodeSteps(Protocol):
         ...
 
 
+def _prefix_text(m: TapeModel, prefix: PrefixInput) -> str:
+    """The stable prefix as prompt text: its system turn and tools through the model's template, or the text as it
+    is (``render=False``)."""
+    if not prefix.render:
+        return prefix.text
+    return render_prefix(m.template, prefix.text, parse_tools(prefix.tools), m.tool_format)
+
+
 def _target(
     m: TapeModel, stable: list[int], stable_text: str, tools_json: str, bos_policy: str, suffix: SuffixInput,
     resident: list[int],
@@ -172,6 +180,8 @@ def _target(
 
     ``resident`` is the tape the suffix is spliced against (``_splice``).
     """
+    if suffix.tokens:
+        return stable + check_token_ids(suffix.tokens, m.vocab_size), len(stable)
     tpl = m.template
     if suffix.messages and tpl is None:
         raise UnsupportedFeature("the model has no chat template to render messages with; send the suffix as text")
@@ -249,6 +259,9 @@ class TapeSession:
     def _suffix_target(self, m: TapeModel, suffix: SuffixInput) -> tuple[list[int], int]:
         """The token list the KV must hold after the suffix, and its stable-prefix length."""
         res = m.res
+        if suffix.offset is not None:
+            raw = check_token_ids(suffix.tokens, m.vocab_size) if suffix.tokens else m.tokenize(suffix.text)
+            return res.append_at(suffix.offset, suffix.truncating, raw)
         bos_policy = res.manifest.bos_policy if res.manifest is not None else ""
         stable = res.tokens[: res.prefix_len]
         return _target(m, stable, res.stable_text, res.tools, bos_policy, suffix, res.tokens)
@@ -277,7 +290,7 @@ class TapeSession:
         self._check_manifest(m, prefix.manifest)
         t0 = time.perf_counter()
         with m.errors("ensure_prefix"):
-            rendered = render_prefix(m.template, prefix.text, parse_tools(prefix.tools), m.tool_format)
+            rendered = _prefix_text(m, prefix)
             tokens = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
             plan = m.res.plan_prefix(prefix.manifest, tokens)  # ContextOverflow before any change
         held, key = _held(m), cache_key(m, prefix.manifest)
@@ -396,8 +409,12 @@ class TapeSession:
         reused = max(0, kept - prefix_len)
         from_cache = max(0, min(cached, kept) - prefix_len)
         m.seen.note(key, target)
-        new_messages = message_keys(suffix)
-        res.messages = new_messages
+        if suffix.offset is None:
+            new_messages = message_keys(suffix)
+            res.messages = new_messages
+        else:  # an append at an offset extends whatever the tape held: no conversation keys describe it
+            new_messages = []
+            res.messages = None
         res.reply_from = None
         res.conversation = suffix.conversation
         status = res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
@@ -411,8 +428,13 @@ class TapeSession:
         self._check_manifest(m, prefix.manifest)
         check_conversation(suffix.messages)
         res = m.res
+        if suffix.offset is not None:  # an append counts against the tape as it is
+            with m.errors("count_tokens"):
+                appended, _ = self._suffix_target(m, suffix)
+            return TokenCount(prompt_tokens=len(appended), prefix_tokens=res.prefix_len, num_ctx=m.num_ctx,
+                              resident_tokens=m.reusable(common_prefix_len(res.tokens, appended)))
         with m.errors("count_tokens"):
-            rendered = render_prefix(m.template, prefix.text, parse_tools(prefix.tools), m.tool_format)
+            rendered = _prefix_text(m, prefix)
             stable = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
             compatible = res.manifest is not None and prefix.manifest.compatible_with(res.manifest)
             resident = res.tokens if compatible else []

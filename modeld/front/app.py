@@ -26,7 +26,7 @@ from contract.errors import ModeldError
 
 from ..defaults import DEFAULT_MAX_BODY_BYTES
 from ..metrics import CONTENT_TYPE
-from . import anthropic, openai, responses, tokens
+from . import anthropic, completions, openai, responses, tokens
 from .access import AccessLog, record_of
 from .api import HttpApi, error_body
 from .core import Serving, Shape, declared
@@ -37,7 +37,7 @@ from .stored import ResponseStore
 __all__ = ["APIS", "DEFAULT_MAX_BODY_BYTES", "create_app"]
 
 #: the HTTP APIs the app mounts: a new API is its package and one entry here
-APIS: tuple[HttpApi, ...] = (openai.API, anthropic.API, responses.API, tokens.API)
+APIS: tuple[HttpApi, ...] = (openai.API, anthropic.API, responses.API, tokens.API, completions.API)
 
 #: paths answered without the API key (a load balancer's probe)
 _OPEN_PATHS = frozenset({"/", "/health"})

@@ -121,6 +121,8 @@ class TurnRequest:
     enable_thinking: bool | None = None
     #: whose conversation it is (``SuffixInput.conversation``): from the request's headers (``conversation_of``)
     conversation: str = ""
+    #: a raw completion's prompt (text, or token ids) instead of ``messages`` and ``tools``: no template
+    prompt: str | list[int] | None = None
 
 
 def turn_messages(raw: Iterable[Mapping[str, Any] | ChatMessage]) -> list[ChatMessage]:
@@ -539,8 +541,13 @@ class Serving:
         try:
             request = OpenSessionRequest(model_name=route.model, switch=True) if route.switch else None
             chat = Chat(client, profile=PROFILE, queue_timeout_s=self.settings.http_queue_timeout, request=request)
-            chat_turn = chat.begin(req.messages, req.tools or None, check_fit=check_fit,
-                                   enable_thinking=req.enable_thinking, conversation=req.conversation, **req.decode)
+            if req.prompt is not None:
+                chat_turn = chat.begin_prompt(req.prompt, check_fit=check_fit, conversation=req.conversation,
+                                              **req.decode)
+            else:
+                chat_turn = chat.begin(req.messages, req.tools or None, check_fit=check_fit,
+                                       enable_thinking=req.enable_thinking, conversation=req.conversation,
+                                       **req.decode)
         except ModeldError as exc:
             self.pool.give(client, healthy=reusable_after(exc))
             raise

@@ -1,0 +1,69 @@
+"""The legacy completions API's request and reply models (OpenAI's ``/v1/completions``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from contract.types import MAX_TOP_LOGPROBS
+
+from ..core import Loose, Shape
+from ..openai.protocol import StreamOptions, Usage
+
+
+class CompletionRequest(Loose):
+    model: str = ""
+    #: text, token ids, or a list of one of either (one slot decodes one reply: a list of several is refused)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    #: fill-in-the-middle: refused (no template or model here declares its infill tokens)
+    suffix: str | None = None
+    #: OpenAI's default for this API is 16
+    max_tokens: int | None = Field(16, ge=0)
+    temperature: float | None = Field(None, ge=0.0, le=10.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    repeat_last_n: int | None = Field(None, ge=0, le=1_000_000)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    #: each reply token's log probability, and the k likeliest tokens at its step (0: the token's own only)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    #: the prompt before the reply in ``text``
+    echo: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+# --- replies (declared in /openapi.json; ``make fuzz`` checks every reply against them) --------------------------
+class CompletionLogprobs(Shape):
+    """OpenAI's legacy shape: per token its text, its log probability, the likeliest tokens at its step (text to
+    log probability) and where its text starts in ``text``."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Shape):
+    text: str
+    index: int
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "content_filter"] | None
+
+
+class Completion(Shape):
+    """A completion (``stream: true``: ``text_completion`` chunks instead, the last with the finish reason)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None

@@ -1,0 +1,132 @@
+"""``POST /v1/completions``, plain and streamed (SSE, keep-alives while the prefill runs)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
+
+from contract.errors import ModeldError
+from contract.types import TokenLogprob
+
+from ..access import record_of
+from ..core import (
+    FINISH_REASONS,
+    KEEPALIVE_S,
+    STREAM_SEND_TIMEOUT_S,
+    Serving,
+    Turn,
+    TurnStream,
+    close_events,
+    declared,
+    fill_record,
+)
+from ..errors import api_error
+from ..openai.protocol import ErrorBody
+from ..openai.translate import usage_out
+from .protocol import Completion, CompletionRequest
+from .translate import logprobs_out, prompt_of, turn_request
+
+
+def router(serving: Serving) -> APIRouter:
+    r = APIRouter()
+
+    @r.post("/v1/completions", response_model=None, responses=declared(Completion, ErrorBody, stream=True))
+    async def completions(body: CompletionRequest, request: Request) -> JSONResponse | EventSourceResponse:
+        record = record_of(request)
+        record.stream = body.stream
+        turn_req = turn_request(body)
+        echo = ""
+        if body.echo:
+            prompt = prompt_of(body)
+            echo = prompt if isinstance(prompt, str) else await serving.aon_session(
+                body.model, lambda s: s.detokenize(prompt))
+        turn = await serving.abegin(turn_req, request)
+        record.model = turn.model
+        created = int(time.time())
+        rid = "cmpl-" + uuid.uuid4().hex[:24]
+        scored = body.logprobs is not None
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return TurnStream(turn, _stream(turn, rid, created, echo, scored, include_usage, request),
+                              ping=int(KEEPALIVE_S), ping_message_factory=lambda: _keepalive(turn, rid, created),
+                              send_timeout=STREAM_SEND_TIMEOUT_S)
+        result = await turn.result(request)
+        text = result.message.content or ""
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": turn.model,
+            "choices": [{"index": 0, "text": echo + text,
+                         "logprobs": logprobs_out(result.logprobs, len(echo)) if scored else None,
+                         "finish_reason": FINISH_REASONS.get(result.finish_reason, "stop")}],
+            "usage": usage_out(result),
+        })
+
+    return r
+
+
+def _chunk(turn: Turn, rid: str, created: int, text: str, finish: str | None = None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": created, "model": turn.model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def _keepalive(turn: Turn, rid: str, created: int) -> ServerSentEvent:
+    """While the prefill runs: a chunk with no text and how far the prefill came (``prefill``, which the SDKs
+    ignore); after it, while the reply streams, a comment (a chunk made here could land between two of the
+    reply's)."""
+    if not turn.prefilling:
+        return turn.keepalive_comment()
+    progress = turn.progress()
+    return ServerSentEvent(data=json.dumps({**_chunk(turn, rid, created, ""),
+                                            **({"prefill": progress} if progress else {})}))
+
+
+async def _stream(turn: Turn, rid: str, created: int, echo: str, scored: bool, include_usage: bool,
+                  request: Request) -> Any:
+    """The reply as ``text_completion`` chunks (the echoed prompt first), the last with the finish reason; an error
+    after the start is an ``error`` event and no ``[DONE]``; a disconnect cancels the decode within one token."""
+    record = record_of(request)
+    if echo:
+        yield json.dumps(_chunk(turn, rid, created, echo))
+    offset = len(echo)  # where the next token's text starts in the whole text
+    seen = 0  # tokens the events carried
+    held: list[TokenLogprob] = []  # of those, the ones not sent yet
+
+    def scores() -> dict[str, Any] | None:
+        nonlocal offset, held
+        if not scored:
+            return None
+        out = logprobs_out(held, offset)
+        offset += sum(len(t.token) for t in held)
+        held = []
+        return out
+
+    events = turn.aevents(record)
+    try:
+        async for event in events:
+            if event.result is not None:
+                fill_record(record, event.result)
+                held += event.result.logprobs[seen:]
+                finish = FINISH_REASONS.get(event.result.finish_reason, "stop")
+                yield json.dumps(_chunk(turn, rid, created, "", finish, scores()))
+                if include_usage:
+                    yield json.dumps({"id": rid, "object": "text_completion", "created": created,
+                                      "model": turn.model, "choices": [], "usage": usage_out(event.result)})
+                break
+            seen += len(event.logprobs)
+            held += event.logprobs
+            if event.text:
+                yield json.dumps(_chunk(turn, rid, created, event.text, None, scores()))
+    except ModeldError as exc:
+        err = api_error(exc)
+        record.error = err.code or "error"
+        yield json.dumps(err.openai())
+        return
+    finally:
+        await close_events(events)
+    yield "[DONE]"

@@ -1,0 +1,60 @@
+"""To the serving core's turn, and back to the legacy completions API's shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from contract.types import TokenLogprob
+
+from ..core import TurnRequest
+from ..errors import ApiError
+from .protocol import CompletionRequest
+
+#: ``DecodeConfig`` fields this API passes on as they are
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repeat_penalty",
+             "repeat_last_n", "seed")
+
+
+def prompt_of(req: CompletionRequest) -> str | list[int]:
+    """The one prompt: text or token ids (a list of one of either is that one)."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise ApiError(400, f"{len(p)} prompts in one request: one model slot decodes one reply; send them one "
+                                "at a time", param="prompt")
+        return p[0]
+    return p  # type: ignore[return-value]
+
+
+def turn_request(req: CompletionRequest) -> TurnRequest:
+    if req.n not in (None, 1) or req.best_of not in (None, 1):
+        raise ApiError(400, "n and best_of > 1 are not supported: one model slot decodes one reply",
+                       param="n" if req.n not in (None, 1) else "best_of")
+    if req.suffix:
+        raise ApiError(400, "suffix (fill in the middle) is not supported: send the text before the cursor as "
+                            "the prompt", param="suffix", code="unsupported")
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo with logprobs (the prompt's tokens scored) is not supported: the reply's tokens "
+                            "are (logprobs without echo)", param="echo", code="unsupported")
+    opts: dict[str, Any] = {name: getattr(req, name) for name in _SAMPLING if getattr(req, name) is not None}
+    if req.max_tokens is not None:
+        opts["max_tokens"] = req.max_tokens
+    if req.stop:
+        opts["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.logprobs is not None:
+        opts["logprobs"] = req.logprobs
+    return TurnRequest(messages=[], decode=opts, model=req.model, prompt=prompt_of(req))
+
+
+def logprobs_out(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy ``logprobs`` object for ``items``, whose text starts at ``offset`` in the choice's text."""
+    offsets = []
+    for t in items:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {
+        "tokens": [t.token for t in items],
+        "token_logprobs": [t.logprob for t in items],
+        "top_logprobs": [{a.token: a.logprob for a in t.top} for t in items],
+        "text_offset": offsets,
+    }
