@@ -8,11 +8,11 @@ from pydantic import Field
 
 from contract.types import MAX_TOP_LOGPROBS
 
-from ..core import Loose, Shape
-from ..openai.protocol import StreamOptions, Usage
+from ..core import Shape
+from ..openai.protocol import SamplingRequest, Usage
 
 
-class CompletionRequest(Loose):
+class CompletionRequest(SamplingRequest):
     model: str = ""
     #: text, token ids, or a list of one of either (one slot decodes one reply: a list of several is refused)
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -20,24 +20,11 @@ class CompletionRequest(Loose):
     suffix: str | None = None
     #: OpenAI's default for this API is 16
     max_tokens: int | None = Field(16, ge=0)
-    temperature: float | None = Field(None, ge=0.0, le=10.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repeat_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    repeat_last_n: int | None = Field(None, ge=0, le=1_000_000)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = None
-    n: int | None = Field(None, ge=1)
     best_of: int | None = Field(None, ge=1)
     #: each reply token's log probability, and the k likeliest tokens at its step (0: the token's own only)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     #: the prompt before the reply in ``text``
     echo: bool = False
-    stream: bool = False
-    stream_options: StreamOptions | None = None
 
 
 # --- replies (declared in /openapi.json; ``make fuzz`` checks every reply against them) --------------------------

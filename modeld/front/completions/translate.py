@@ -8,11 +8,8 @@ from contract.types import TokenLogprob
 
 from ..core import TurnRequest
 from ..errors import ApiError
+from ..openai.translate import sampling_options
 from .protocol import CompletionRequest
-
-#: ``DecodeConfig`` fields this API passes on as they are
-_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repeat_penalty",
-             "repeat_last_n", "seed")
 
 
 def prompt_of(req: CompletionRequest) -> str | list[int]:
@@ -36,11 +33,9 @@ def turn_request(req: CompletionRequest) -> TurnRequest:
     if req.echo and req.logprobs is not None:
         raise ApiError(400, "echo with logprobs (the prompt's tokens scored) is not supported: the reply's tokens "
                             "are (logprobs without echo)", param="echo", code="unsupported")
-    opts: dict[str, Any] = {name: getattr(req, name) for name in _SAMPLING if getattr(req, name) is not None}
+    opts = sampling_options(req)
     if req.max_tokens is not None:
         opts["max_tokens"] = req.max_tokens
-    if req.stop:
-        opts["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     if req.logprobs is not None:
         opts["logprobs"] = req.logprobs
     return TurnRequest(messages=[], decode=opts, model=req.model, prompt=prompt_of(req))

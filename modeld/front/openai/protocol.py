@@ -78,14 +78,9 @@ class EmbeddingsRequest(Loose):
     input: str | Annotated[list[str], Field(min_length=1)]
 
 
-class ChatCompletionRequest(Loose):
-    model: str = ""
-    messages: list[MessageIn] = Field(min_length=1)
-    tools: list[ToolDef] | None = None
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    response_format: ResponseFormat | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+class SamplingRequest(Loose):
+    """The sampling fields both OpenAI generation APIs (chat and legacy completions) take."""
+
     temperature: float | None = Field(None, ge=0.0, le=10.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
@@ -98,12 +93,22 @@ class ChatCompletionRequest(Loose):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    model: str = ""
+    messages: list[MessageIn] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     #: each reply token's log probability (``choices[].logprobs.content``), and with ``top_logprobs`` the
     #: likeliest tokens at its step
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
 
 
 # --- replies (declared in /openapi.json; ``make fuzz`` checks every reply against them) --------------------------

@@ -16,7 +16,7 @@ from ..core import (
     with_miss,
 )
 from ..errors import ApiError
-from .protocol import ChatCompletionRequest, ContentPart, NamedToolChoice
+from .protocol import ChatCompletionRequest, ContentPart, NamedToolChoice, SamplingRequest
 
 
 # --- request mapping -------------------------------------------------------------------------------
@@ -93,6 +93,19 @@ def tool_choice_options(choice: str | None, forced: str | None, schemas: dict[st
     return {"structured_output": StructuredOutputConfig(tool_call={n: schemas[n] for n in names})}
 
 
+#: ``DecodeConfig`` fields the OpenAI generation APIs pass on as they are
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repeat_penalty",
+                   "repeat_last_n", "seed")
+
+
+def sampling_options(req: SamplingRequest) -> dict[str, Any]:
+    """The sampling fields ``req`` set (and its stop strings), as ``DecodeConfig`` options."""
+    opts: dict[str, Any] = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
+    if req.stop:
+        opts["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    return opts
+
+
 def _decode(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str, Any]:
     if req.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported: one model slot decodes one reply", param="n")
@@ -104,13 +117,7 @@ def _decode(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str
     limit = req.max_completion_tokens or req.max_tokens
     if limit is not None:
         opts["max_tokens"] = limit
-    for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repeat_penalty",
-                 "repeat_last_n", "seed"):
-        value = getattr(req, name)
-        if value is not None:
-            opts[name] = value
-    if req.stop:
-        opts["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    opts.update(sampling_options(req))
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
         opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps({"type": "object"}))
