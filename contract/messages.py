@@ -45,6 +45,7 @@ from .types import (
     SamplingParams,
     SessionSnapshot,
     SuffixInput,
+    TokenId,
 )
 
 __all__ = [
@@ -276,7 +277,7 @@ class DetokenizeRequest(SessionRef):
     """``detokenize``: token ids as the text they spell, special tokens as their text; an id outside the model's
     vocabulary is an ``InvalidArgument`` naming it."""
 
-    tokens: list[int] = Field(default_factory=list, max_length=MAX_DETOKENIZE_TOKENS)
+    tokens: list[TokenId] = Field(default_factory=list, max_length=MAX_DETOKENIZE_TOKENS)
 
 
 class DetokenizeReply(_Reply):

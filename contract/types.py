@@ -66,6 +66,7 @@ __all__ = [
     "TokenCount",
     "ToolCall",
     "ToolCallDelta",
+    "TokenId",
     "TokenLogprob",
     "TopLogprob",
     "ToolCallFunction",
@@ -84,6 +85,9 @@ QUANTIZED_KV_CACHE_TYPES = ("q8_0", "q4_0")
 MAX_TEXT_CHARS = 16 * 1024 * 1024
 #: ``DecodeConfig.logprobs``: the most alternatives a step reports (OpenAI's ``top_logprobs`` limit)
 MAX_TOP_LOGPROBS = 20
+#: a token id a client sends: the engines' ids are 32-bit (one past a model's vocabulary is refused by the model,
+#: naming it; one past this is refused at the edge, before it reaches an encoder that cannot hold it)
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 #: ``Config.options``: an engine option's value (the engine's options model checks and converts it)
 EngineOptionValue = str | int | float | bool
 #: ``Config.options``: at most this many
@@ -593,7 +597,7 @@ class SuffixInput(_Request):
     conversation: str = Field("", max_length=256)
     #: token ids instead of text: appended as they are (no template, no tokenizer); each checked against the
     #: model's vocabulary (an unknown id is InvalidArgument, and nothing is appended)
-    tokens: list[int] = Field(default_factory=list, max_length=MAX_TEXT_CHARS // 4)
+    tokens: list[TokenId] = Field(default_factory=list, max_length=MAX_TEXT_CHARS // 4)
     #: None: the suffix goes after the stable prefix, reusing whatever of the tape matches (token LCP). A number:
     #: the client's view of the session's resident length (``resident_tokens`` of the last status), and the suffix
     #: (``tokens``, or ``text`` with render=False) is appended there: at the resident length it appends, below it

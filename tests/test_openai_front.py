@@ -31,6 +31,9 @@ class Front:
         self.daemon = DaemonProcess(tmp, backend, None, *model, "--http", f"127.0.0.1:{self.port}", *extra)
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.api_key = extra[extra.index("--api-key") + 1] if "--api-key" in extra else "none"
+        #: the SDK clients made for it, closed with it (their pooled sockets would otherwise be closed by the
+        #: garbage collector, in whatever test runs then, as a ResourceWarning)
+        self._sdks: list[openai.OpenAI] = []
 
     def __enter__(self) -> Front:
         self.daemon.start(wait_state=("Ready",))  # the preloaded model is in
@@ -38,13 +41,17 @@ class Front:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for sdk in self._sdks:
+            sdk.close()
         self.daemon.stop()
 
     def sdk(self, api_key: str | None = None) -> openai.OpenAI:
         # the timeout is a ceiling for a daemon that never answers, not a measure of speed: on a machine busy
         # with other work a 3-s reply took over 60 s (llama.cpp's threads wait on each other when the cores
         # are taken), and the test is about the reply, not the machine
-        return openai.OpenAI(base_url=self.url, api_key=api_key or self.api_key, max_retries=0, timeout=600)
+        sdk = openai.OpenAI(base_url=self.url, api_key=api_key or self.api_key, max_retries=0, timeout=600)
+        self._sdks.append(sdk)
+        return sdk
 
 
 @pytest.fixture(scope="module")
@@ -335,7 +342,8 @@ def test_errors_are_openai_errors(front: Front) -> None:
         sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], n=2)
     for refused, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "n": 2}, "n"),
                            ({"prompt": "a", "suffix": "b"}, "suffix"), ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
-                           ({"prompt": "a", "logprobs": 21}, "logprobs")):
+                           ({"prompt": "a", "logprobs": 21}, "logprobs"), ({"prompt": ""}, "prompt"),
+                           ({"prompt": [[]]}, "prompt")):
         with pytest.raises(openai.BadRequestError) as legacy:
             sdk.completions.create(model="ref", **refused)
         assert legacy.value.param == param
@@ -343,6 +351,8 @@ def test_errors_are_openai_errors(front: Front) -> None:
         with pytest.raises(openai.BadRequestError) as logprobs:
             sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], **asked)
         assert logprobs.value.param == "top_logprobs"
+    for path, body in (("/v1/completions", {"model": "ref", "prompt": [2**70]}), ("/detokenize", {"tokens": [2**70]})):
+        assert _post_json(front.port, path, body)[0] == 400  # an id no encoder holds: refused at the edge
     with pytest.raises(openai.BadRequestError):  # the reference cannot constrain output: refused, not ignored
         sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}],
                                     response_format={"type": "json_object"})
@@ -571,11 +581,12 @@ def test_logprobs_streamed_and_not(tools_front: Front) -> None:
         assert len(tops) == 3 and tops == sorted(tops, reverse=True) and t.logprob == tops[0] <= 0.0  # greedy
     streamed: list[Any] = []
     text = ""
-    for chunk in sdk.chat.completions.create(**ask, stream=True):
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ""
-            if chunk.choices[0].logprobs is not None:
-                streamed += chunk.choices[0].logprobs.content or []
+    with sdk.chat.completions.create(**ask, stream=True) as chunks:
+        for chunk in chunks:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                if chunk.choices[0].logprobs is not None:
+                    streamed += chunk.choices[0].logprobs.content or []
     assert text == choice.message.content
     assert [(t.token, t.bytes) for t in streamed] == [(t.token, t.bytes) for t in tokens]
     assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in tokens], abs=1e-6)
@@ -592,9 +603,10 @@ def test_logprobs_streamed_and_not(tools_front: Front) -> None:
     assert [t.logprob for t in part.logprobs] == pytest.approx([t.logprob for t in tokens], abs=1e-6)
     assert all(len(t.top_logprobs) == 3 for t in part.logprobs)
     deltas: list[Any] = []
-    for ev in sdk.responses.create(**asked, stream=True):
-        if ev.type == "response.output_text.delta":
-            deltas += ev.logprobs
+    with sdk.responses.create(**asked, stream=True) as events:
+        for ev in events:
+            if ev.type == "response.output_text.delta":
+                deltas += ev.logprobs
     assert [t.logprob for t in deltas] == pytest.approx([t.logprob for t in tokens], abs=1e-6)
 
 
@@ -618,7 +630,8 @@ def test_raw_completions(tools_front: Front) -> None:
     ids = tokenized["tokens"]
     assert status == 200 and ids
     assert sdk.completions.create(prompt=ids, **ask).choices[0].text == choice.text
-    streamed = "".join(c.choices[0].text for c in sdk.completions.create(prompt=head, stream=True, **ask) if c.choices)
+    with sdk.completions.create(prompt=head, stream=True, **ask) as chunks:
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     assert streamed == choice.text
     echoed = sdk.completions.create(prompt=head, echo=True, **ask).choices[0].text
     assert echoed == head + choice.text

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from contract.types import MAX_TOP_LOGPROBS
+from contract.types import MAX_TOP_LOGPROBS, TokenId
 
 from ..core import Shape
 from ..openai.protocol import SamplingRequest, Usage
@@ -15,7 +15,7 @@ from ..openai.protocol import SamplingRequest, Usage
 class CompletionRequest(SamplingRequest):
     model: str = ""
     #: text, token ids, or a list of one of either (one slot decodes one reply: a list of several is refused)
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     #: fill-in-the-middle: refused (no template or model here declares its infill tokens)
     suffix: str | None = None
     #: OpenAI's default for this API is 16

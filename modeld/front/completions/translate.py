@@ -19,7 +19,9 @@ def prompt_of(req: CompletionRequest) -> str | list[int]:
         if len(p) != 1:
             raise ApiError(400, f"{len(p)} prompts in one request: one model slot decodes one reply; send them one "
                                 "at a time", param="prompt")
-        return p[0]
+        p = p[0]
+    if not p:
+        raise ApiError(400, "the prompt is empty: a completion continues at least one token", param="prompt")
     return p  # type: ignore[return-value]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from contract.messages import MAX_DETOKENIZE_TOKENS
-from contract.types import MAX_TEXT_CHARS
+from contract.types import MAX_TEXT_CHARS, TokenId
 
 from ..core import Loose, Shape
 
@@ -25,7 +25,7 @@ class TokenizeOut(Shape):
 
 
 class DetokenizeIn(Loose):
-    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+    tokens: list[TokenId] = Field(max_length=MAX_DETOKENIZE_TOKENS)
     model: str = ""
 
 
