@@ -217,10 +217,12 @@ def test_appends_at_an_offset(engine: Engine, model: LoadedModel, session: Sessi
             session.prefill_suffix(SuffixInput(tokens=more, offset=stale, manifest=man))
         assert drift.value.details == {"offset": stale, "resident_tokens": len(answered) + len(more)}
         assert engine.tape(model) == answered + more and engine.kv_matches_tape(model)
-    for bad in ([0, engine.vocab_size], [-1]):  # an id the model does not have: nothing appended
-        with pytest.raises(InvalidArgument):
-            session.prefill_suffix(SuffixInput(tokens=bad, offset=len(answered) + len(more), manifest=man))
-        assert engine.tape(model) == answered + more
+    with pytest.raises(InvalidArgument):  # an id the model does not have: nothing appended
+        session.prefill_suffix(SuffixInput(tokens=[0, engine.vocab_size], offset=len(answered) + len(more),
+                                           manifest=man))
+    assert engine.tape(model) == answered + more
+    with pytest.raises(ValueError):  # no id at all: refused where the input is made (the wire says InvalidArgument)
+        SuffixInput(tokens=[-1], offset=len(answered) + len(more), manifest=man)
     with pytest.raises(InvalidArgument):  # the stable prefix changes through ensure_prefix only
         session.prefill_suffix(SuffixInput(tokens=more, offset=1, truncating=True, manifest=man))
     # truncating: back to the prompt, then another question, as raw text; the KV up to the offset is kept
