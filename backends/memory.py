@@ -76,6 +76,13 @@ def _suffix_tokens(suffix: SuffixInput) -> list[int]:
     return _tokens(_conversation_text(suffix.messages) if suffix.messages else suffix.text)
 
 
+def _target(res: Resident, stable: list[int], suffix: SuffixInput) -> list[int]:
+    """The tape after ``suffix``: ``stable`` and its tokens, or the tape with them appended at ``suffix.offset``."""
+    if suffix.offset is not None:
+        return res.append_at(suffix.offset, suffix.truncating, _suffix_tokens(suffix))[0]
+    return stable + _suffix_tokens(suffix)
+
+
 def _conversation_text(messages: list[ChatMessage]) -> str:
     """The reference's template: one labelled line per message, then the assistant's turn.
 
@@ -197,12 +204,8 @@ class MemorySession:
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
         res = self._live()
         check_conversation(suffix.messages)  # a suffix built without validation is checked here too
-        if suffix.offset is not None:
-            target, _ = res.append_at(suffix.offset, suffix.truncating, _suffix_tokens(suffix))
-            tokens = target[res.prefix_len :]
-        else:
-            tokens = _suffix_tokens(suffix)
-            target = res.tokens[: res.prefix_len] + tokens
+        target = _target(res, res.tokens[: res.prefix_len], suffix)
+        tokens = target[res.prefix_len :]
         res.check_suffix(suffix.manifest, len(tokens))
         # the token LCP with everything resident (the previous turn and reply included)
         reused = max(0, common_prefix_len(res.tokens, target) - res.prefix_len)
@@ -214,12 +217,9 @@ class MemorySession:
         res = self._live()
         check_manifest_names(prefix.manifest, BACKEND_NAME, self._model.digest)
         check_conversation(suffix.messages)
-        stable = _tokens(prefix.text + prefix.tools)
-        if suffix.offset is not None:  # an append counts against the tape as it is
-            stable = res.tokens[: res.prefix_len]
-            target, _ = res.append_at(suffix.offset, suffix.truncating, _suffix_tokens(suffix))
-        else:
-            target = stable + _suffix_tokens(suffix)
+        # (an append at an offset counts against the tape as it is)
+        stable = _tokens(prefix.text + prefix.tools) if suffix.offset is None else res.tokens[: res.prefix_len]
+        target = _target(res, stable, suffix)
         compatible = res.manifest is not None and prefix.manifest.compatible_with(res.manifest)
         return TokenCount(
             prompt_tokens=len(target),

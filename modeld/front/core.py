@@ -17,6 +17,7 @@ reply (streamed or not) start.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import threading
@@ -169,6 +170,15 @@ class Turn:
         """The SSE comment a stream sends while it has nothing else to send: the prefill's progress while it runs."""
         p = self.progress()
         return ServerSentEvent(comment=f"prefill {p['done']}/{p['total']}" if p else "ping")
+
+    def keepalive_chunk(self, empty: dict[str, Any]) -> ServerSentEvent:
+        """A stream's keep-alive for an API whose clients count chunks, not comments: while the prefill runs,
+        ``empty`` (a chunk that adds nothing) with how far the prefill came (``prefill``, which the SDKs ignore);
+        after it, while the reply streams, a comment (a chunk made here could land between two of the reply's)."""
+        if not self.prefilling:
+            return self.keepalive_comment()
+        progress = self.progress()
+        return ServerSentEvent(data=json.dumps({**empty, **({"prefill": progress} if progress else {})}))
 
     def cancel(self) -> None:
         """Cut the reply short from another request: its events end with finish_reason "cancelled" (the slot and

@@ -76,14 +76,8 @@ def _chunk(turn: Turn, rid: str, created: int, text: str, finish: str | None = N
 
 
 def _keepalive(turn: Turn, rid: str, created: int) -> ServerSentEvent:
-    """While the prefill runs: a chunk with no text and how far the prefill came (``prefill``, which the SDKs
-    ignore); after it, while the reply streams, a comment (a chunk made here could land between two of the
-    reply's)."""
-    if not turn.prefilling:
-        return turn.keepalive_comment()
-    progress = turn.progress()
-    return ServerSentEvent(data=json.dumps({**_chunk(turn, rid, created, ""),
-                                            **({"prefill": progress} if progress else {})}))
+    """A chunk with no text while the prefill runs, a comment after it (``Turn.keepalive_chunk``)."""
+    return turn.keepalive_chunk(_chunk(turn, rid, created, ""))
 
 
 async def _stream(turn: Turn, rid: str, created: int, echo: str, scored: bool, include_usage: bool,

@@ -100,16 +100,10 @@ def router(serving: Serving) -> APIRouter:
 
 
 def _keepalive(turn: Turn, rid: str, created: int) -> ServerSentEvent:
-    """While the prefill runs: a chunk with an empty delta and how far the prefill came (``prefill``, which the SDKs
-    ignore), what a client's idle timer counts (Qwen Code's counts chunks, and the SDKs drop comments); after it,
-    while the reply streams, a comment (a chunk made here could land between two of the reply's)."""
-    if not turn.prefilling:
-        return turn.keepalive_comment()
-    progress = turn.progress()
-    return ServerSentEvent(data=json.dumps({
-        "id": rid, "object": "chat.completion.chunk", "created": created, "model": turn.model,
-        "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}],
-        **({"prefill": progress} if progress else {})}))
+    """A chunk with an empty delta while the prefill runs, what a client's idle timer counts (Qwen Code's counts
+    chunks, and the SDKs drop comments); a comment after it (``Turn.keepalive_chunk``)."""
+    return turn.keepalive_chunk({"id": rid, "object": "chat.completion.chunk", "created": created, "model": turn.model,
+                                 "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]})
 
 
 async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, logprobs: bool, request: Request) -> Any:
