@@ -209,9 +209,15 @@ class MemorySession:
         res.check_suffix(suffix.manifest, len(tokens))
         # the token LCP with everything resident (the previous turn and reply included)
         reused = max(0, common_prefix_len(res.tokens, target) - res.prefix_len)
+        if suffix.logprobs is not None:
+            reused = 0  # a scored suffix is computed again, as an engine computes its rows
         res.tokens = target
         res.live_len = None
-        return res.suffix_status(len(tokens), reused)
+        status = res.suffix_status(len(tokens), reused)
+        if suffix.logprobs is not None:
+            status.logprobs = [_certain(t, suffix.logprobs) if at > 0 else None
+                               for at, t in enumerate(target) if at >= res.prefix_len]
+        return status
 
     def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:
         res = self._live()
@@ -424,7 +430,14 @@ def _chunk(text: str, cfg: DecodeConfig) -> StreamChunk:
     function of its tape and seed, so each is certain (log probability 0, itself its only likely token)."""
     chunk = StreamChunk(text=text, token_ids=[ord(c) for c in text] if cfg.return_token_ids else [])
     if cfg.logprobs is not None:
-        for c in text:
-            one = TopLogprob(token_id=ord(c), token=c, bytes=[ord(c)], logprob=0.0)
-            chunk.logprobs.append(TokenLogprob(**one.model_dump(), top=[one] if cfg.logprobs else []))
+        chunk.logprobs = [_certain(ord(c), cfg.logprobs, c) for c in text]
     return chunk
+
+
+def _certain(token: int, k: int, text: str | None = None) -> TokenLogprob:
+    """A token the reference was sure of (log probability 0), itself the only likely token when ``k`` asks for
+    alternatives: its next byte is a function of its tape and seed, and a prompt's bytes are what they are.
+    A token is a byte; ``text`` is what it shows (its byte decoded, unless given)."""
+    shown = text if text is not None else bytes([token]).decode("utf-8", "replace")
+    one = TopLogprob(token_id=token, token=shown, bytes=[token], logprob=0.0)
+    return TokenLogprob(**one.model_dump(), top=[one] if k else [])

@@ -571,6 +571,24 @@ class PrefixInput(_Request):
         return self
 
 
+class TopLogprob(_Report):
+    """One token and its log probability (natural log) at one step of a decode."""
+
+    token_id: int = 0
+    #: the token's text (its bytes decoded, an incomplete UTF-8 sequence replaced; a control token: empty)
+    token: str = ""
+    #: the token's bytes: the pieces of a multi-byte character split across tokens join here exactly
+    bytes: list[int] = Field(default_factory=list)
+    logprob: float = 0.0
+
+
+class TokenLogprob(TopLogprob):
+    """A sampled token's log probability, and the likeliest tokens at its step (``DecodeConfig.logprobs``)."""
+
+    #: the k likeliest tokens, likeliest first (the sampled one among them when it is one of them)
+    top: list[TopLogprob] = Field(default_factory=list)
+
+
 class SuffixInput(_Request):
     """The volatile part after the stable prefix, under the same manifest.
 
@@ -605,6 +623,10 @@ class SuffixInput(_Request):
     #: OffsetDrift naming both lengths, and the session is unchanged
     offset: int | None = Field(None, ge=0)
     truncating: bool = False
+    #: score the suffix (prefill-only scoring): each suffix token's log probability given everything before it,
+    #: with this many likeliest alternatives (0: its own only), in ``SuffixStatus.logprobs``. A position's scores
+    #: come from its own computation, so the suffix (and the token before it) is prefilled again, never reused
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _one_form(self) -> SuffixInput:
@@ -707,6 +729,8 @@ class SuffixStatus(_Report):
     cached_tokens: int = 0
     #: why the suffix was not all reused (None: it was, or what was prefilled is new)
     miss: ReuseMiss | None = None
+    #: with ``SuffixInput.logprobs``: one per suffix token, in order (None for a token with nothing before it)
+    logprobs: list[TokenLogprob | None] = Field(default_factory=list)
 
 
 class TokenCount(_Report):
@@ -908,24 +932,6 @@ class ErrorInfo(_Report):
     message: str = ""
     recoverable: bool = False
     details: dict[str, Any] = Field(default_factory=dict)
-
-
-class TopLogprob(_Report):
-    """One token and its log probability (natural log) at one step of a decode."""
-
-    token_id: int = 0
-    #: the token's text (its bytes decoded, an incomplete UTF-8 sequence replaced; a control token: empty)
-    token: str = ""
-    #: the token's bytes: the pieces of a multi-byte character split across tokens join here exactly
-    bytes: list[int] = Field(default_factory=list)
-    logprob: float = 0.0
-
-
-class TokenLogprob(TopLogprob):
-    """A sampled token's log probability, and the likeliest tokens at its step (``DecodeConfig.logprobs``)."""
-
-    #: the k likeliest tokens, likeliest first (the sampled one among them when it is one of them)
-    top: list[TopLogprob] = Field(default_factory=list)
 
 
 class Usage(_Report):

@@ -100,6 +100,8 @@ class ChatResult(BaseModel):
     timing: ChatTiming = Field(default_factory=ChatTiming)
     #: with ``logprobs`` asked: every sampled token's, in order
     logprobs: list[TokenLogprob] = Field(default_factory=list)
+    #: a scored prompt's (``Chat.begin_prompt(score=…)``): one per prompt token, None for one with nothing before it
+    prompt_logprobs: list[TokenLogprob | None] = Field(default_factory=list)
 
 
 class ChatEvent(BaseModel):
@@ -311,14 +313,16 @@ class Chat:
                            check_fit, decode)
 
     def begin_prompt(
-        self, prompt: str | Sequence[int], *, check_fit: bool = True, conversation: str = "", **decode: Any
+        self, prompt: str | Sequence[int], *, check_fit: bool = True, conversation: str = "", score: int | None = None,
+        **decode: Any,
     ) -> ChatTurn:
         """``begin`` for a raw completion: ``prompt`` (text, or token ids) is the whole context, with no template,
         and the reply continues it. Successive prompts that share a head (an editor's completions as the user
-        types) reuse it by token LCP, as a conversation does."""
+        types) reuse it by token LCP, as a conversation does. With ``score`` (0-20 alternatives), the prompt's
+        own tokens are scored (``ChatResult.prompt_logprobs``): then it is prefilled again whole."""
         tokens = [] if isinstance(prompt, str) else list(prompt)
         suffix = SuffixInput(text=prompt if isinstance(prompt, str) else "", tokens=tokens, render=False,
-                             conversation=conversation)
+                             conversation=conversation, logprobs=score)
         return self._begin(PrefixInput(render=False), suffix, check_fit, decode)
 
     def _begin(self, prefix: PrefixInput, suffix: SuffixInput, check_fit: bool, decode: dict[str, Any]) -> ChatTurn:
@@ -376,6 +380,8 @@ class ChatTurn:
         self.progress: Progress | None = None
         #: the prefill is over (the decode runs, or the turn ended)
         self.prefilled = False
+        #: a scored prompt's log probabilities, once prefilled (``ChatResult.prompt_logprobs``)
+        self.prompt_logprobs: list[TokenLogprob | None] = []
 
     @property
     def model_name(self) -> str:
@@ -448,6 +454,7 @@ class ChatTurn:
             raise
         self.prefilled = True
         self.progress = None
+        self.prompt_logprobs = suf.logprobs
         prompt = ChatUsage(
             reused_tokens=pre.reused_tokens + suf.reused_tokens,
             prefilled_tokens=pre.prefilled_tokens + suf.prefilled_tokens,
@@ -456,7 +463,7 @@ class ChatTurn:
         )
         self.so_far = prompt.model_copy(update={"prompt_tokens": self.count.prompt_tokens})
         self._events = _events(sess, self.cfg, prompt, pre.prefill_ms + suf.prefill_ms, self._started,
-                               lambda: self._cancelled)
+                               lambda: self._cancelled, suf.logprobs)
         return self._events
 
 
@@ -469,7 +476,7 @@ def _cancelled_events(usage: ChatUsage, started: float) -> Generator[ChatEvent, 
 
 def _events(
     sess: RemoteSession, cfg: DecodeConfig, prompt: ChatUsage, prefill_ms: float, started: float,
-    cancelled: Callable[[], bool],
+    cancelled: Callable[[], bool], prompt_logprobs: list[TokenLogprob | None],
 ) -> Generator[ChatEvent, None, None]:
     text: list[str] = []
     thinking: list[str] = []
@@ -517,5 +524,6 @@ def _events(
             total_ms=(time.perf_counter() - started) * 1000,
         ),
         logprobs=[*logprobs, *(final.logprobs if final is not None else [])],
+        prompt_logprobs=prompt_logprobs,
     )
     yield ChatEvent(result=result)

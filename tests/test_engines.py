@@ -192,6 +192,35 @@ def test_warm_turn_equals_cold(engine: Engine, model: LoadedModel, session: Sess
         fresh.close()
 
 
+def test_a_scored_suffix_is_computed_again_and_scored_token_by_token(
+    engine: Engine, model: LoadedModel, session: Session
+) -> None:
+    """Prefill-only scoring through the seam (``SuffixInput.logprobs``): every suffix token's log probability given
+    all before it (the stable prefix's last token scores the first) and the likeliest tokens there, from rows
+    computed now: a resident suffix is prefilled again, with no miss reported, and the tape is what a plain prefill
+    leaves; the session decodes on from it."""
+    man = manifest(model, "scoring")
+    k = 3
+    session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    plain = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
+    tape = list(engine.tape(model))
+    st = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man, logprobs=k))
+    assert list(engine.tape(model)) == tape and engine.kv_matches_tape(model)
+    assert st.suffix_tokens == plain.suffix_tokens == len(st.logprobs) > 3 and st.reused_tokens == 0
+    assert st.prefilled_tokens == st.suffix_tokens and st.miss is None and not plain.logprobs
+    scored = [lp for lp in st.logprobs if lp is not None]
+    assert [lp.token_id for lp in scored] == tape[st.prefix_tokens:]  # (none null: the prefix comes before)
+    for lp in scored:
+        tops = [t.logprob for t in lp.top]
+        assert len(tops) == (1 if engine.name == "memory" else k) and tops == sorted(tops, reverse=True)
+        assert tops[0] >= lp.logprob and lp.logprob <= 0.0
+        assert any(t.token_id == lp.token_id for t in lp.top) == (lp.logprob >= tops[-1])
+    with pytest.raises(ValueError):  # more alternatives than any API gives: refused where the input is made
+        SuffixInput(text=QUESTION, manifest=man, logprobs=21)
+    reply = list(session.decode(DecodeConfig(max_tokens=4)))
+    assert reply[-1].usage is not None and reply[-1].usage.completion_tokens > 0
+
+
 def test_appends_at_an_offset(engine: Engine, model: LoadedModel, session: Session) -> None:
     """A client that keeps its own view of the session appends token ids (or raw text) at the resident length it
     was told; a view that drifted is refused with both lengths and changes nothing; ``truncating`` rewinds to the

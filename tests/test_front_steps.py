@@ -1,4 +1,4 @@
-"""The front's core without a daemon: a turn's step when its route is cancelled (``Turn._step``: the turn is cancelled and
+"""The front's core without a daemon: a turn's step when its route is cancelled (``next_event``: the turn is cancelled and
 the step ends, whenever the cancel comes, so a client that goes away never leaves the slot held), and the conversation
 a request's headers name."""
 
@@ -12,25 +12,18 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from modeld.front.core import Turn  # noqa: E402
+from modeld.front.core import next_event  # noqa: E402
 from runtime.chat import ChatEvent  # noqa: E402
 
 
 class _Turn:
-    """What ``Turn._step`` calls on the chat turn: ``cancel``, which ends the events that wait for it."""
+    """What ``next_event`` calls on the chat turn: ``cancel``, which ends the events that wait for it."""
 
     def __init__(self) -> None:
         self.cancelled = threading.Event()
 
     def cancel(self) -> None:
         self.cancelled.set()
-
-
-def _turn() -> tuple[Turn, _Turn]:
-    chat_turn = _Turn()
-    turn = Turn.__new__(Turn)
-    turn._turn = chat_turn  # type: ignore[assignment]
-    return turn, chat_turn
 
 
 def _events(chat_turn: _Turn) -> Generator[ChatEvent, None, None]:
@@ -44,7 +37,7 @@ def test_a_step_cancelled_at_any_moment_ends_and_cancels_the_turn(delay_s: float
     # delay 0: the cancel comes in the same turn of the loop, before a worker thread took the step (anyio then
     # never runs it); 0.05 s: the step runs in its thread, and the cancel stops the decode it waits on
     async def one() -> bool:
-        turn, chat_turn = _turn()
+        chat_turn = _Turn()
         events = _events(chat_turn)
         with anyio.CancelScope() as scope:
             async def cancel_soon() -> None:
@@ -55,7 +48,7 @@ def test_a_step_cancelled_at_any_moment_ends_and_cancels_the_turn(delay_s: float
             async with anyio.create_task_group() as tg:
                 tg.start_soon(cancel_soon)
                 while True:
-                    await turn._step(events)
+                    await next_event(events, chat_turn.cancel)
         events.close()  # (after the step's thread gave the generator back: it raises if that thread still runs)
         return chat_turn.cancelled.is_set()
 

@@ -112,7 +112,11 @@ def test_every_reply_has_the_shape_the_schema_declares(front: Front) -> None:
         ("/v1/completions", {"model": "ref", "prompt": "def f(", "max_tokens": 4, "logprobs": 1}, 200,
          completions.Completion),
         ("/v1/completions", {"model": "ref", "prompt": 5}, 400, chat.ErrorBody),
+        ("/v1/completions", {"model": "ref", "prompt": "def f(", "max_tokens": 0, "logprobs": 1, "echo": True}, 200,
+         completions.Completion),
         ("/tokenize", {"content": "héllo"}, 200, tokens.TokenizeOut),
+        ("/tokenize", {"prompt": "héllo", "add_special_tokens": False}, 200, tokens.TokenizeOut),
+        ("/tokenize", {}, 400, chat.ErrorBody),
         ("/detokenize", {"tokens": [104, 105]}, 200, tokens.DetokenizeOut),
         ("/detokenize", {"tokens": [104, 256]}, 400, chat.ErrorBody),
     ]
@@ -121,8 +125,11 @@ def test_every_reply_has_the_shape_the_schema_declares(front: Front) -> None:
         assert status == want, (path, body, reply)
         shape.model_validate(reply)
     # the reference backend's tokens are the text's UTF-8 bytes
-    assert _post_json(front.port, "/tokenize", {"content": "héllo"})[1] == {"tokens": list("héllo".encode())}
-    assert _post_json(front.port, "/detokenize", {"tokens": [104, 105]})[1] == {"content": "hi"}
+    assert _post_json(front.port, "/tokenize", {"content": "héllo"})[1] == {"tokens": list("héllo".encode()), "count": 6}
+    assert _post_json(front.port, "/detokenize", {"tokens": [104, 105]})[1] == {"content": "hi", "prompt": "hi"}
+    status, raw = _get(front.port, "/tokenizer_info")
+    assert status == 200
+    tokens.TokenizerInfo.model_validate(json.loads(raw))
     stored = _post_json(front.port, "/v1/responses", {"model": "ref", "input": "hi", "max_output_tokens": 4})[1]
     status, raw = _get(front.port, f"/v1/responses/{stored['id']}")
     assert status == 200
@@ -341,7 +348,7 @@ def test_errors_are_openai_errors(front: Front) -> None:
     with pytest.raises(openai.BadRequestError):
         sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], n=2)
     for refused, param in (({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "a", "n": 2}, "n"),
-                           ({"prompt": "a", "suffix": "b"}, "suffix"), ({"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+                           ({"prompt": "a", "suffix": "b"}, "suffix"), ({"prompt": "a", "echo": True, "logprobs": 21}, "logprobs"),
                            ({"prompt": "a", "logprobs": 21}, "logprobs"), ({"prompt": ""}, "prompt"),
                            ({"prompt": [[]]}, "prompt")):
         with pytest.raises(openai.BadRequestError) as legacy:
@@ -608,6 +615,32 @@ def test_logprobs_streamed_and_not(tools_front: Front) -> None:
             if ev.type == "response.output_text.delta":
                 deltas += ev.logprobs
     assert [t.logprob for t in deltas] == pytest.approx([t.logprob for t in tokens], abs=1e-6)
+
+
+def test_a_prompt_scored_on_the_reference(front: Front) -> None:
+    """Prefill-only scoring on the reference backend (its tokens are bytes, each certain): ``echo`` with
+    ``logprobs`` and ``max_tokens: 0`` gives every prompt token, the first one null, and decodes nothing; the
+    token ids a client sends are scored alike; the prompt is computed again, not reused."""
+    sdk = front.sdk()
+    prompt = "def add(a, b):\n    return a + b\n"
+    scored = sdk.completions.create(model="ref", prompt=prompt, echo=True, logprobs=2, max_tokens=0)
+    choice = scored.choices[0]
+    assert choice.text == prompt and scored.usage is not None and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens == list(prompt) and lp.text_offset == list(range(len(prompt)))
+    assert lp.token_logprobs == [None] + [0.0] * (len(prompt) - 1)
+    assert lp.top_logprobs == [None] + [{c: 0.0} for c in prompt[1:]]
+    again = sdk.completions.create(model="ref", prompt=list(prompt.encode()), echo=True, logprobs=0, max_tokens=0)
+    assert again.choices[0].logprobs.tokens == list(prompt) and again.choices[0].logprobs.top_logprobs[1] == {}
+    assert again.usage.prompt_tokens_details is None or not again.usage.prompt_tokens_details.cached_tokens
+    with sdk.completions.create(model="ref", prompt=prompt, echo=True, logprobs=1, max_tokens=3, stream=True) as chunks:
+        parts = [c.choices[0] for c in chunks if c.choices and c.choices[0].text]
+    assert parts[0].text == prompt and parts[0].logprobs.token_logprobs == lp.token_logprobs
+    # the reply's tokens after it, their offsets running on from the prompt's end (a frame that merged several
+    # steps gives its tokens' figures with its first delta)
+    tokens = [t for p in parts[1:] for t in p.logprobs.tokens]
+    assert "".join(tokens) == "".join(p.text for p in parts[1:]) and 0 < len(tokens) <= 3
+    assert [o for p in parts[1:] for o in p.logprobs.text_offset] == [len(prompt) + i for i in range(len(tokens))]
 
 
 def test_raw_completions(tools_front: Front) -> None:

@@ -277,8 +277,8 @@ def test_batch_graph_takes_prefills_and_checks_and_computes_what_one_graph_does(
             assert np.array_equal(a, b)
         model.set_kv(tokens[:40], 0)
         model.step(tokens[40])
-        steps, batch = model._step_req, model._batch_req
-        assert steps is not batch and one._step_req is one._batch_req
+        steps, batch = model.step_req, model.batch_req
+        assert steps is not batch and one.step_req is one.batch_req
         assert list(steps.get_tensor("input_ids").shape) == [model.step_rows]
         assert list(batch.get_tensor("input_ids").shape) == [bucket(40)]
         model.verify(tokens[41:44])
@@ -764,9 +764,9 @@ def test_a_text_longer_than_the_tokenizers_own_cut_is_tokenized_whole(model: Ope
     block = "def handler_{i}(request):\n    return request.body.decode('utf-8') + 'ok {i}'\n"
     one = "".join(block.format(i=i) for i in range(20))
     text = one * 40  # ~12k tokens
-    assert len(model._encode_once(text)) == model._encode_limit <= 8192  # what a single encode gives
+    assert len(model.encode_once(text)) == model.encode_limit <= 8192  # what a single encode gives
     tokens = model.tokenize(text)
-    assert tokens == model.tokenize(one) * 40 and len(tokens) > model._encode_limit
+    assert tokens == model.tokenize(one) * 40 and len(tokens) > model.encode_limit
 
 
 def test_the_numpy_sampler_penalises_as_llama_cpp_does() -> None:

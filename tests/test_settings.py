@@ -10,6 +10,7 @@ import inspect
 import json
 import os
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -139,11 +140,28 @@ def test_parse_size_refuses_garbage(bad: str) -> None:
 # --- one field per flag, each declared once, the same defaults as the daemon and the front -------------
 
 
+def _help_sections(p: argparse.ArgumentParser) -> dict[str, list[str]]:
+    """The flags each section of ``p``'s help lists, by the section's title, each as the user reads it
+    (``--lease S``, ``--speculative {on,off}``)."""
+    out: dict[str, list[str]] = {}
+    title = ""
+    for line in p.format_help().splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            out[title] = []
+        elif title and line.startswith("  -"):
+            out[title].append(re.split(r"\s{2,}", line.strip())[0])
+    return out
+
+
+def _flags(p: argparse.ArgumentParser) -> dict[str, str]:
+    """Every flag of ``p``'s help but ``--help``, by its name: how the help shows it."""
+    return {e.split()[0]: e for entries in _help_sections(p).values() for e in entries if not e.startswith("-h")}
+
+
 def test_every_flag_is_a_setting_and_every_setting_a_flag() -> None:
-    dests = {a.dest for a in build_parser()._actions if a.dest != "help"}
-    assert dests == set(FLAGS)
-    http_dests = {a.dest for a in build_http_parser()._actions if a.dest != "help"}
-    assert http_dests == set(HttpSettings.model_fields)
+    assert set(_flags(build_parser())) == {flag_name(name) for name in FLAGS}
+    assert set(_flags(build_http_parser())) == {flag_name(name) for name in HttpSettings.model_fields}
 
 
 def test_each_flag_is_written_from_its_field() -> None:
@@ -151,18 +169,29 @@ def test_each_flag_is_written_from_its_field() -> None:
     a repeatable flag for a tuple, a Literal's choices, argparse's type for int/float/Path, the text as given
     where the field's validator parses it (a size shows SIZE), the metavar and the section from ``Flag``."""
     p = build_parser()
-    actions = {a.dest: a for a in p._actions}
-    assert isinstance(actions["flash_attn"], argparse._StoreTrueAction)
-    assert actions["speculative"].choices == ("on", "off") and actions["switch_on_request"].choices == ("on", "off")
-    assert isinstance(actions["alias"], argparse._AppendAction)
-    assert actions["kv_cache_type"].choices == ("f16", "f32", "q8_0", "q4_0")
-    assert actions["log_format"].choices == ("plain", "json")
-    assert (actions["num_ctx"].type, actions["lease"].type, actions["cache_dir"].type) == (int, float, Path)
-    assert actions["cache_ram"].type is None and actions["cache_ram"].metavar == "SIZE"
-    assert actions["mem_max"].metavar == "SIZE" and actions["gpu_layers"].type is None
-    assert actions["lease"].metavar == "S" and actions["gpu_layers"].metavar == "N|auto|all"
-    sections = {g.title: {a.dest for a in g._group_actions} for g in p._action_groups}
-    assert {"lease", "session_ttl"} <= sections[SESSIONS] and "cache_ram" in sections["memory and caches"]
+    shown = _flags(p)
+
+    def parsed(*argv: str) -> dict[str, Any]:
+        return vars(p.parse_args(list(argv)))
+
+    assert parsed() == {}  # a flag left out takes no part (the environment and the config file fill it in)
+    assert parsed("--flash-attn") == {"flash_attn": True} and shown["--flash-attn"] == "--flash-attn"
+    assert shown["--speculative"] == "--speculative {on,off}"
+    assert shown["--switch-on-request"] == "--switch-on-request {on,off}"
+    assert parsed("--alias", "a=b", "--alias", "c=d") == {"alias": ["a=b", "c=d"]}
+    assert shown["--kv-cache-type"] == "--kv-cache-type {f16,f32,q8_0,q4_0}"
+    assert shown["--log-format"] == "--log-format {plain,json}"
+    assert parsed("--num-ctx", "4096", "--lease", "2.5", "--cache-dir", "/x") == {
+        "num_ctx": 4096, "lease": 2.5, "cache_dir": Path("/x")}
+    assert parsed("--cache-ram", "8GiB", "--gpu-layers", "auto") == {"cache_ram": "8GiB", "gpu_layers": "auto"}
+    assert shown["--cache-ram"] == "--cache-ram SIZE" and shown["--mem-max"] == "--mem-max SIZE"
+    assert shown["--lease"] == "--lease S" and shown["--gpu-layers"] == "--gpu-layers N|auto|all"
+    for bad in (["--flash-attn", "on"], ["--speculative", "maybe"], ["--kv-cache-type", "q2"], ["--num-ctx", "lots"],
+                ["--lease", "soon"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
+    sections = {title: {e.split()[0] for e in entries} for title, entries in _help_sections(p).items()}
+    assert {"--lease", "--session-ttl"} <= sections[SESSIONS] and "--cache-ram" in sections["memory and caches"]
 
 
 class _OneMore(ServeSettings):

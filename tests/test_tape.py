@@ -24,7 +24,7 @@ import pytest
 from backends.resident import check_model_type
 from backends.tape import draft_costs as costs_mod
 from backends.tape.loading import check_load, finish_load
-from backends.tape.model import TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
+from backends.tape.model import RowsFn, TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
 from backends.tape.session import DecodeSteps, TapeSession
 from backends.tape.speculate import (
     MATCH_CLASSES,
@@ -147,10 +147,11 @@ class ToySteps:
 class ToyModel(TapeModelBase):
     backend_name = "toy"
 
-    def __init__(self, num_ctx: int = 64, template: ToyTemplate | None = None) -> None:
+    def __init__(self, num_ctx: int = 64, template: ToyTemplate | None = None,
+                 digest: str = "sha256:toymodel") -> None:
         super().__init__(
             path="/toy",
-            digest="sha256:toymodel",
+            digest=digest,
             config=Config(),
             num_ctx=num_ctx,
             resident_bytes=1000,
@@ -209,7 +210,7 @@ class ToyModel(TapeModelBase):
     def token_bytes(self, tokens: list[int]) -> list[bytes]:
         return [bytes([t]) for t in tokens]
 
-    def set_kv(self, tokens: list[int], keep: int) -> int:
+    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int:
         self.epoch += 1
         keep = min(keep, len(tokens), len(self.res.tokens))
         del self.kv[keep:]
@@ -217,6 +218,11 @@ class ToyModel(TapeModelBase):
         extends_exact = self.exact_len >= keep
         self.exact_len = min(self.exact_len, keep)
         self.evaluate(tokens[keep:])
+        if rows is not None and keep < len(tokens):  # the toy's belief: the next token is the last one + 1
+            logits = np.zeros((len(tokens) - keep, 128), np.float32)
+            for i, t in enumerate(tokens[keep:]):
+                logits[i, 32 + (t + 1) % 90] = 10.0
+            rows(keep, logits)
         if extends_exact:  # a prefill computes what a cold prefill computes
             self.exact_len = len(self.res.tokens)
         return keep
@@ -304,6 +310,25 @@ def test_a_failed_suffix_rolls_back_to_the_stable_prefix(model: ToyModel) -> Non
     with pytest.raises(Internal):
         s.prefill_suffix(suffix(model, "a user turn"))
     assert model.res.tokens == model.kv and len(model.kv) == st.prefix_tokens == model.res.prefix_len
+
+
+def test_a_scored_suffix_scores_each_token_by_the_row_before_it(model: ToyModel) -> None:
+    """``SuffixInput.logprobs``: the row after position p scores the token at p + 1 (the toy believes each token is
+    the last one + 1): three believed tokens near certain, an unbelieved one not, with the believed one its top; a
+    resident suffix scored again is computed again."""
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    believed = [model.res.tokens[-1]]
+    for _ in range(3):
+        believed.append(32 + (believed[-1] + 1) % 90)
+    text = "".join(map(chr, believed[1:])) + "z"
+    for _ in range(2):
+        st = s.prefill_suffix(suffix(model, text, render=False, logprobs=1))
+        assert st.prefilled_tokens == 4 and st.reused_tokens == 0 and tape_equals_kv(model)
+        lps = [lp for lp in st.logprobs if lp is not None]
+        assert len(lps) == 4 and [lp.token_id for lp in lps] == [*believed[1:], ord("z")]
+        assert all(lp.logprob > -0.01 for lp in lps[:3]) and lps[3].logprob < -9
+        assert lps[3].top[0].token_id == 32 + (believed[-1] + 1) % 90
 
 
 def test_prefix_checks_before_any_change(model: ToyModel) -> None:
@@ -824,8 +849,7 @@ def test_draft_costs_are_measured_once_per_model_and_kept_on_disk(
     assert first.cost(2, span) == pytest.approx(2.0, abs=0.01) and first.cost(16, span) == pytest.approx(5.5, abs=0.01)
     # a restart (a new model object of the same identity) reads the table: the same drafts as before
     assert _load_costs(ToyModel(num_ctx=2048), tmp_path) == first and len(calls) == 2
-    other = ToyModel(num_ctx=1024)
-    other._digest = "sha256:other"
+    other = ToyModel(num_ctx=1024, digest="sha256:other")
     _load_costs(other, tmp_path)
     # another model is measured; a window smaller than LONG_CONTEXT_TOKENS is measured as full as it goes
     assert calls[2:] == ["sha256:other", f"sha256:other after {1024 - MAX_DRAFT - 2}"]

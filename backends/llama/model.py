@@ -25,6 +25,7 @@ from typing import Any
 
 import jinja2
 import llama_cpp
+import numpy as np
 from llama_cpp import Llama
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -33,7 +34,7 @@ from contract.errors import InvalidArgument, SnapshotRejected, UnsupportedFeatur
 from contract.sizing import ModelShape, kv_bytes_per_token
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
-from ..tape.model import TapeModelBase
+from ..tape.model import RowsFn, TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import refuse_diffs, state_buffer, unpack_state
 from ..tape.templates import check_renders, choose_template, render_defaults, renders_tools
@@ -216,12 +217,13 @@ class LlamaLoadedModel(TapeModelBase):
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
-    def set_kv(self, tokens: list[int], keep: int) -> int:
+    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int:
         """Make the KV hold ``tokens``, reusing the first ``keep`` resident ones.
 
         Returns how many were actually reused (0 when the memory cannot drop a
         tail, e.g. recurrent models). Updates the tape; on failure the KV and the
         tape are left equal to whatever prefix was computed, and the error raised.
+        With ``rows``, each batch's logits go to it, every row of it.
         """
         llm = self._llm
         self.epoch += 1
@@ -241,7 +243,10 @@ class LlamaLoadedModel(TapeModelBase):
                     # numerics), each one a point where a cancel stops and what came before stays
                     for a in range(keep, len(tokens), llm.n_batch):
                         interrupt.check("prefill")
-                        llm.eval(tokens[a : a + llm.n_batch])
+                        if rows is None:
+                            llm.eval(tokens[a : a + llm.n_batch])
+                        else:
+                            self._eval_rows(tokens[a : a + llm.n_batch], rows)
                         interrupt.chunk_done(llm.n_tokens)
                 self.logits_live = True
         finally:
@@ -250,6 +255,20 @@ class LlamaLoadedModel(TapeModelBase):
             if extends_exact:
                 self.exact_len = len(self.res.tokens)
         return keep
+
+    def _eval_rows(self, batch: list[int], rows: RowsFn) -> None:
+        """``Llama.eval`` of one batch with the logits of every row kept (as ``Llama(logits_all=True)`` evaluates),
+        handed to ``rows``. Done here because a ``Llama`` built without ``logits_all`` keeps room for one batch of
+        scores only, and this one model serves plain prefills too."""
+        llm = self._llm
+        n_past = llm.n_tokens
+        llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
+        llm._batch.set_batch(batch=batch, n_past=n_past, logits_all=True)
+        llm._ctx.decode(llm._batch)
+        llm.input_ids[n_past : n_past + len(batch)] = batch
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm._ctx.ctx), shape=(len(batch), self.vocab_size))
+        llm.n_tokens += len(batch)
+        rows(n_past, logits)
 
     @contextlib.contextmanager
     def _abortable(self) -> Iterator[None]:

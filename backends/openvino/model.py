@@ -37,7 +37,7 @@ from contract.manifest import common_prefix_len
 from contract.sizing import ModelShape
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
-from ..tape.model import TapeModelBase
+from ..tape.model import RowsFn, TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import refuse_diffs, state_buffer, unpack_state
 from ..tape.templates import JinjaTemplate, check_renders, choose_template
@@ -144,8 +144,9 @@ class OpenVINOLoadedModel(TapeModelBase):
         #: decode steps run on ``compiled``; prefill chunks and draft checks on ``batch_compiled``
         #: when there is one (see "Two graphs" in docs/engines.md), else on the same request
         self._compiled = [compiled] if batch_compiled is None else [compiled, batch_compiled]
-        self._step_req = compiled.create_infer_request()
-        self._batch_req = self._step_req if batch_compiled is None else batch_compiled.create_infer_request()
+        #: their infer requests (one without a batch graph); each keeps the input shape it last ran
+        self.step_req = compiled.create_infer_request()
+        self.batch_req = self.step_req if batch_compiled is None else batch_compiled.create_infer_request()
         #: the batch graph's own compiled copy (counted in ``resident_bytes``; it changes a check's cost,
         #: not its numbers: both graphs compile the same kernels for a shape)
         self.batch_graph = batch_compiled is not None
@@ -214,7 +215,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         self.cache_names = [p.get_any_name() for p in pools]
         self._cache_dims = dims[0]
         self._views: list[np.ndarray] = []
-        requests = (self._step_req, self._batch_req) if self.batch_graph else (self._step_req,)
+        requests = (self.step_req, self.batch_req) if self.batch_graph else (self.step_req,)
         for p in pools:
             tensor = ov.Tensor(p.get_element_type(), [self._n_blocks, *dims[0]])
             for req in requests:
@@ -261,7 +262,7 @@ class OpenVINOLoadedModel(TapeModelBase):
     def _release(self) -> None:
         self._logits.clear()
         self._views = []
-        del self._step_req, self._batch_req
+        del self.step_req, self.batch_req
         self._compiled.clear()
 
     def _tokenizer_adds_bos(self) -> bool:
@@ -271,26 +272,27 @@ class OpenVINOLoadedModel(TapeModelBase):
         ids = self.tok.encode("a", add_special_tokens=True).input_ids.data[0]
         return len(ids) > 0 and int(ids[0]) == bos
 
-    def _encode_once(self, text: str) -> list[int]:
+    def encode_once(self, text: str) -> list[int]:
+        """``text``'s tokens from one call of the converted tokenizer: cut at ``encode_limit``."""
         return [int(t) for t in self.tok.encode(text, add_special_tokens=False).input_ids.data[0]]
 
     @property
-    def _encode_limit(self) -> int:
+    def encode_limit(self) -> int:
         """The most tokens one ``encode`` returns: the converted tokenizer cuts every encoding at the model's
         context length (from the GGUF), whatever ``max_length`` or ``truncation`` say (measured once)."""
         if self._encode_cap is None:
-            self._encode_cap = len(self._encode_once("a\n" * 200_000))
+            self._encode_cap = len(self.encode_once("a\n" * 200_000))
         return self._encode_cap
 
     def _encode(self, text: str) -> list[int]:
-        ids = self._encode_once(text)
-        if len(ids) < self._encode_limit:
+        ids = self.encode_once(text)
+        if len(ids) < self.encode_limit:
             return ids
         # cut by the tokenizer: encode in pieces that each hold fewer characters than the limit (so fewer
         # tokens), split where a line ends before a non-space character (no token spans such a boundary)
         out: list[int] = []
-        for piece in split_for_encoding(text, self._encode_limit - 1):
-            out += self._encode_once(piece)
+        for piece in split_for_encoding(text, self.encode_limit - 1):
+            out += self.encode_once(piece)
         return out
 
     def prompt_text(self, tokens: list[int]) -> str:
@@ -340,7 +342,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         n_blocks = -(-total // self.block_size)
         positions = np.arange(past, total, dtype=np.int64)
         positions[n:] = past + n - 1  # stays inside the model's position range
-        req = self._step_req if step else self._batch_req
+        req = self.step_req if step else self.batch_req
         req.set_tensor("input_ids", ov.Tensor(np.asarray(ids + ids[-1:] * (width - n), np.int64)))
         req.set_tensor("position_ids", ov.Tensor(positions))
         req.set_tensor("past_lens", ov.Tensor(np.array([past], np.int32)))
@@ -378,11 +380,12 @@ class OpenVINOLoadedModel(TapeModelBase):
         bounds = list(range(start, end, size)) + [end]
         yield from zip(bounds[:-1], bounds[1:], strict=False)
 
-    def set_kv(self, tokens: list[int], keep: int) -> int:
+    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int:
         """Make the KV hold ``tokens``, reusing the first ``keep`` resident ones; returns what was kept.
 
         Chunks run padded to their shape bucket (see the module docstring). On
         failure the tape equals the completed chunks and the error propagates.
+        With ``rows``, the LM head runs on every row of each chunk, and the rows go to it.
         """
         self.epoch += 1
         keep = min(keep, len(tokens), len(self.res.tokens))
@@ -390,8 +393,11 @@ class OpenVINOLoadedModel(TapeModelBase):
         exact = self.exact_len == keep
         for a, b in self._chunks(keep, len(tokens)):
             interrupt.check("prefill")  # between chunks: a cancel costs at most one chunk
-            logits = self._infer(tokens[a:b], a, rows=bucket(b - a))
+            logits = self._infer(tokens[a:b], a, rows=bucket(b - a), every_row=rows is not None)
             self.res.tokens = list(tokens[:b])
+            if rows is not None:
+                rows(a, logits)
+                logits = logits[-1]
             interrupt.chunk_done(b)  # the daemon's heartbeats carry the prefill's progress
             if exact:
                 self.exact_len = b

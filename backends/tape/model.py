@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -44,7 +45,13 @@ from .speculate import MAX_DRAFT, CheckCosts, SpeculationStats
 from .toolformats import FORMATS, ToolFormat, detect_format, require_format
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from .session import DecodeSteps, TapeSession
+
+#: what a scored prefill hands each chunk's logits to (``set_kv``'s ``rows``): the position of the chunk's first
+#: token, and a [tokens, vocab] array of the logits after each of them (valid during the call only)
+RowsFn = Callable[[int, "np.ndarray"], None]
 
 #: ContextManifest.bos_policy values: the model's default, always add, never add
 BOS_POLICIES = ("", "add", "none")
@@ -156,8 +163,9 @@ class TapeModel(Protocol):
         """The row count a batch of ``n`` tokens checked at once really runs with (>= n)."""
         ...
 
-    def set_kv(self, tokens: list[int], keep: int) -> int:
-        """Make the KV hold ``tokens``, keeping the first ``keep``; returns how many were kept."""
+    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int:
+        """Make the KV hold ``tokens``, keeping the first ``keep``; returns how many were kept. With ``rows``,
+        every computed position's logits go to it, chunk by chunk (prefill-only scoring)."""
         ...
 
     def clear_kv(self) -> None: ...
@@ -606,7 +614,7 @@ class TapeModelBase(ABC):
     def token_bytes(self, tokens: list[int]) -> list[bytes]: ...
 
     @abstractmethod
-    def set_kv(self, tokens: list[int], keep: int) -> int: ...
+    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int: ...
 
     @abstractmethod
     def clear_kv(self) -> None: ...

@@ -42,7 +42,7 @@ from .cache import SAVE_MIN_TOKENS, cache_key, restore_best, save_before_discard
 from .conversation import template_messages
 from .logprobs import token_logprob
 from .miss import Held, message_keys, prefix_miss, suffix_miss
-from .model import BOS_POLICIES, TapeModel, parse_tools, render_prefix, with_tools
+from .model import BOS_POLICIES, RowsFn, TapeModel, parse_tools, render_prefix, with_tools
 from .model import stable_text as stable_render
 from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
@@ -56,12 +56,34 @@ if TYPE_CHECKING:
 _PROMPT_TAIL_TOKENS = 8
 
 
-def _set_kv(m: TapeModel, tokens: list[int], keep: int) -> int:
+def _set_kv(m: TapeModel, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int:
     """``m.set_kv``: afterwards the KV holds exactly the context (whatever was kept past it is gone)."""
     try:
-        return m.set_kv(tokens, keep)
+        return m.set_kv(tokens, keep, rows)
     finally:
         m.res.live_len = None
+
+
+class _Scores:
+    """A scored suffix's log probabilities (``SuffixInput.logprobs``), filled from the prefill's rows: the row
+    after position p scores the token at p + 1."""
+
+    def __init__(self, m: TapeModel, target: list[int], start: int, k: int) -> None:
+        self._m, self._target, self._start, self._k = m, target, start, k
+        #: one per suffix token (``target[start:]``); None until a row scores it, and for position 0
+        self.out: list[TokenLogprob | None] = [None] * (len(target) - start)
+
+    def first_row(self) -> int:
+        """The first position whose row is needed: the one before the suffix (none before position 0)."""
+        return max(self._start - 1, 0)
+
+    def rows(self, first: int, logits: np.ndarray) -> None:
+        piece = self._m.token_bytes
+        for i in range(logits.shape[0]):
+            at = first + i + 1  # the position this row scores
+            if self._start <= at < len(self._target):
+                self.out[at - self._start] = token_logprob(logits[i], self._target[at], self._k,
+                                                           lambda t: piece([t])[0])
 
 
 def _splice(m: TapeModel, stable: list[int], text: str, resident: list[int]) -> list[int]:
@@ -357,7 +379,10 @@ class TapeSession:
         seen = m.seen.longest(key, target)
         cached = 0
         restored: list[int] | None = None
-        if keep < len(target) and m.cache is not None:
+        scores = _Scores(m, target, prefix_len, suffix.logprobs) if suffix.logprobs is not None else None
+        if scores is not None:
+            keep = min(keep, scores.first_row())  # its scores come from the rows computed now
+        elif keep < len(target) and m.cache is not None:
             # another conversation under the same stable prefix may be in the cache
             context = (res.manifest, res.prefix_len, res.stable_text, res.tools, res.stable_token_hash)
             covered = restore_best(m, res.manifest, target, keep, count_miss=False)
@@ -376,7 +401,7 @@ class TapeSession:
             save_before_discard(m, keep)
         try:
             with m.errors("prefill_suffix: prefill"), interrupt.prefilling(keep, len(target)):
-                kept = _set_kv(m, target, keep)
+                kept = _set_kv(m, target, keep, scores.rows if scores is not None else None)
         except Cancelled:
             # The chunks the KV completed stay (the tape equals them), for the next request with the same head;
             # the context is the stable prefix again, which a decode sees (``Resident.live``).
@@ -420,6 +445,8 @@ class TapeSession:
         status = res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
         status.miss = suffix_miss(held, target, new_messages, prefix_len=prefix_len, reused=kept, seen=seen,
                                   restored=restored, token_bytes=m.token_bytes)
+        if scores is not None:  # (what it prefilled again it was asked to: no miss)
+            status.logprobs, status.miss = scores.out, None
         return status
 
     def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:

@@ -40,6 +40,7 @@ from contract.types import (
     OpenSessionRequest,
     SlotState,
     TokenCount,
+    TokenLogprob,
     ToolCallDelta,
 )
 from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage, chat_messages
@@ -124,6 +125,8 @@ class TurnRequest:
     conversation: str = ""
     #: a raw completion's prompt (text, or token ids) instead of ``messages`` and ``tools``: no template
     prompt: str | list[int] | None = None
+    #: score the raw prompt's tokens, with this many alternatives each (``Chat.begin_prompt(score=…)``)
+    score: int | None = None
 
 
 def turn_messages(raw: Iterable[Mapping[str, Any] | ChatMessage]) -> list[ChatMessage]:
@@ -152,6 +155,11 @@ class Turn:
         if not self._done:
             self._done = True
             self._pool.give(self._client, healthy=healthy)
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None]:
+        """A scored prompt's log probabilities, once its prefill ended (``TurnRequest.score``)."""
+        return self._turn.prompt_logprobs
 
     @property
     def prefilling(self) -> bool:
@@ -253,7 +261,7 @@ class Turn:
         ended = False
         try:
             while True:
-                event = await self._step(events)
+                event = await next_event(events, self.cancel)
                 if event is None:
                     ended = True
                     return
@@ -298,42 +306,42 @@ class Turn:
         record.error = record.error or "client_gone"
 
 
-    async def _step(self, events: Generator[ChatEvent, None, None]) -> ChatEvent | None:
-        """The turn's next event, read in a worker thread. Cancelled while it waits (the client went away), it
-        cancels the turn, so the prefill or decode that thread waits on stops at its next chunk or token, and
-        returns once the thread has given the generator back (it must be closed after, never under, that thread).
+async def next_event(events: Generator[ChatEvent, None, None], cancel: Callable[[], None]) -> ChatEvent | None:
+    """A turn's next event, read in a worker thread. Cancelled while it waits (the client went away), it calls
+    ``cancel`` (the turn's), so the prefill or decode that thread waits on stops at its next chunk or token, and
+    returns once the thread has given the generator back (it must be closed after, never under, that thread).
 
-        A plain ``anyio.to_thread.run_sync`` would hold the cancel until the thread returns: for the whole of a
-        long prefill, or for ever while a decode streams text a parser holds back, with the slot held throughout.
-        """
-        idle = threading.Event()
-        lock = threading.Lock()
-        ran = abandoned = False
+    A plain ``anyio.to_thread.run_sync`` would hold the cancel until the thread returns: for the whole of a
+    long prefill, or for ever while a decode streams text a parser holds back, with the slot held throughout.
+    """
+    idle = threading.Event()
+    lock = threading.Lock()
+    ran = abandoned = False
 
-        def step() -> ChatEvent | None:
-            nonlocal ran
-            with lock:
-                if abandoned:  # the route was cancelled before this thread took the step: nothing to do
-                    return None
-                ran = True
-            try:
-                return next(events, None)
-            finally:
-                idle.set()
-
+    def step() -> ChatEvent | None:
+        nonlocal ran
+        with lock:
+            if abandoned:  # the route was cancelled before this thread took the step: nothing to do
+                return None
+            ran = True
         try:
-            return await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
-        except anyio.get_cancelled_exc_class():
-            with lock:
-                abandoned = True
-                running = ran
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.cancel)  # (it waits for the client's socket: not on the loop)
-                if running:
-                    # A step cancelled before a worker thread took it never runs (anyio drops it), and waiting for
-                    # its end would hold the slot for ever: only a step that started is waited for.
-                    await anyio.to_thread.run_sync(idle.wait)
-            raise
+            return next(events, None)
+        finally:
+            idle.set()
+
+    try:
+        return await anyio.to_thread.run_sync(step, abandon_on_cancel=True)
+    except anyio.get_cancelled_exc_class():
+        with lock:
+            abandoned = True
+            running = ran
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(cancel)  # (it waits for the client's socket: not on the loop)
+            if running:
+                # A step cancelled before a worker thread took it never runs (anyio drops it), and waiting for
+                # its end would hold the slot for ever: only a step that started is waited for.
+                await anyio.to_thread.run_sync(idle.wait)
+        raise
 
 
 class TurnStream(EventSourceResponse):
@@ -455,6 +463,28 @@ class CallPieces:
         return out
 
 
+class HeldLogprobs:
+    """A streamed reply's token log probabilities as every API hands them out: with the next delta that shows
+    something. A token whose event showed nothing (text a parser or a stop string holds back) waits for the next
+    delta; the result carries all of them, so the finish hands on those the events never carried."""
+
+    def __init__(self) -> None:
+        #: every token's the events and the result carried, in order
+        self.all: list[TokenLogprob] = []
+        self._held: list[TokenLogprob] = []  # of those, the ones not handed out yet
+
+    def add(self, event: ChatEvent) -> None:
+        """Take an event's tokens (or, for the event that carries the result, the result's the events did not)."""
+        new = event.result.logprobs[len(self.all):] if event.result is not None else event.logprobs
+        self.all += new
+        self._held += new
+
+    def take(self) -> list[TokenLogprob]:
+        """The tokens not handed out yet, handed out now."""
+        out, self._held = self._held, []
+        return out
+
+
 class Serving:
     """What every API route runs on: the daemon's clients, the model names it answers to, the queue timeout."""
 
@@ -553,7 +583,7 @@ class Serving:
             chat = Chat(client, profile=PROFILE, queue_timeout_s=self.settings.http_queue_timeout, request=request)
             if req.prompt is not None:
                 chat_turn = chat.begin_prompt(req.prompt, check_fit=check_fit, conversation=req.conversation,
-                                              **req.decode)
+                                              score=req.score, **req.decode)
             else:
                 chat_turn = chat.begin(req.messages, req.tools or None, check_fit=check_fit,
                                        enable_thinking=req.enable_thinking, conversation=req.conversation,

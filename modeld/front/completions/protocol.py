@@ -21,7 +21,8 @@ class CompletionRequest(SamplingRequest):
     #: OpenAI's default for this API is 16
     max_tokens: int | None = Field(16, ge=0)
     best_of: int | None = Field(None, ge=1)
-    #: each reply token's log probability, and the k likeliest tokens at its step (0: the token's own only)
+    #: each reply token's log probability, and the k likeliest tokens at its step (0: the token's own only); with
+    #: ``echo``, the prompt's tokens too (scoring: ``max_tokens: 0`` scores the prompt and decodes nothing)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     #: the prompt before the reply in ``text``
     echo: bool = False
@@ -30,11 +31,12 @@ class CompletionRequest(SamplingRequest):
 # --- replies (declared in /openapi.json; ``make fuzz`` checks every reply against them) --------------------------
 class CompletionLogprobs(Shape):
     """OpenAI's legacy shape: per token its text, its log probability, the likeliest tokens at its step (text to
-    log probability) and where its text starts in ``text``."""
+    log probability) and where its text starts in ``text``. An echoed prompt's first token has nothing before it
+    to be scored by: null there."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -12,13 +12,13 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
-from contract.types import TokenLogprob
 
 from ..access import record_of
 from ..core import (
     FINISH_REASONS,
     KEEPALIVE_S,
     STREAM_SEND_TIMEOUT_S,
+    HeldLogprobs,
     Serving,
     Turn,
     TurnStream,
@@ -30,7 +30,7 @@ from ..errors import api_error
 from ..openai.protocol import ErrorBody
 from ..openai.translate import usage_out
 from .protocol import Completion, CompletionRequest
-from .translate import logprobs_out, prompt_of, turn_request
+from .translate import joined, logprobs_out, prompt_logprobs_out, prompt_of, turn_request
 
 
 def router(serving: Serving) -> APIRouter:
@@ -58,10 +58,12 @@ def router(serving: Serving) -> APIRouter:
                               send_timeout=STREAM_SEND_TIMEOUT_S)
         result = await turn.result(request)
         text = result.message.content or ""
+        scores = logprobs_out(result.logprobs, len(echo)) if scored else None
+        if scores is not None and body.echo:
+            scores = joined(prompt_logprobs_out(echo, result.prompt_logprobs), scores)
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": turn.model,
-            "choices": [{"index": 0, "text": echo + text,
-                         "logprobs": logprobs_out(result.logprobs, len(echo)) if scored else None,
+            "choices": [{"index": 0, "text": echo + text, "logprobs": scores,
                          "finish_reason": FINISH_REASONS.get(result.finish_reason, "stop")}],
             "usage": usage_out(result),
         })
@@ -82,38 +84,40 @@ def _keepalive(turn: Turn, rid: str, created: int) -> ServerSentEvent:
 
 async def _stream(turn: Turn, rid: str, created: int, echo: str, scored: bool, include_usage: bool,
                   request: Request) -> Any:
-    """The reply as ``text_completion`` chunks (the echoed prompt first), the last with the finish reason; an error
-    after the start is an ``error`` event and no ``[DONE]``; a disconnect cancels the decode within one token."""
+    """The reply as ``text_completion`` chunks (the echoed prompt first: scored, once the prefill scored it), the
+    last with the finish reason; an error after the start is an ``error`` event and no ``[DONE]``; a disconnect
+    cancels the decode within one token."""
     record = record_of(request)
-    if echo:
+    if echo and not scored:
         yield json.dumps(_chunk(turn, rid, created, echo))
     offset = len(echo)  # where the next token's text starts in the whole text
-    seen = 0  # tokens the events carried
-    held: list[TokenLogprob] = []  # of those, the ones not sent yet
+    held = HeldLogprobs()
 
     def scores() -> dict[str, Any] | None:
-        nonlocal offset, held
+        nonlocal offset
         if not scored:
             return None
-        out = logprobs_out(held, offset)
-        offset += sum(len(t.token) for t in held)
-        held = []
+        tokens = held.take()
+        out = logprobs_out(tokens, offset)
+        offset += sum(len(t.token) for t in tokens)
         return out
 
     events = turn.aevents(record)
     try:
         async for event in events:
+            if echo and scored:  # the first event comes after the prefill, which scored the prompt
+                yield json.dumps(_chunk(turn, rid, created, echo, None, prompt_logprobs_out(echo, turn.prompt_logprobs)))
+                echo = ""
             if event.result is not None:
                 fill_record(record, event.result)
-                held += event.result.logprobs[seen:]
+                held.add(event)
                 finish = FINISH_REASONS.get(event.result.finish_reason, "stop")
                 yield json.dumps(_chunk(turn, rid, created, "", finish, scores()))
                 if include_usage:
                     yield json.dumps({"id": rid, "object": "text_completion", "created": created,
                                       "model": turn.model, "choices": [], "usage": usage_out(event.result)})
                 break
-            seen += len(event.logprobs)
-            held += event.logprobs
+            held.add(event)
             if event.text:
                 yield json.dumps(_chunk(turn, rid, created, event.text, None, scores()))
     except ModeldError as exc:

@@ -32,15 +32,38 @@ def turn_request(req: CompletionRequest) -> TurnRequest:
     if req.suffix:
         raise ApiError(400, "suffix (fill in the middle) is not supported: send the text before the cursor as "
                             "the prompt", param="suffix", code="unsupported")
-    if req.echo and req.logprobs is not None:
-        raise ApiError(400, "echo with logprobs (the prompt's tokens scored) is not supported: the reply's tokens "
-                            "are (logprobs without echo)", param="echo", code="unsupported")
     opts = sampling_options(req)
     if req.max_tokens is not None:
         opts["max_tokens"] = req.max_tokens
     if req.logprobs is not None:
         opts["logprobs"] = req.logprobs
-    return TurnRequest(messages=[], decode=opts, model=req.model, prompt=prompt_of(req))
+    score = req.logprobs if req.echo else None  # the echoed prompt's tokens are scored too
+    return TurnRequest(messages=[], decode=opts, model=req.model, prompt=prompt_of(req), score=score)
+
+
+def prompt_logprobs_out(echo: str, items: list[TokenLogprob | None]) -> dict[str, Any]:
+    """The legacy ``logprobs`` object for an echoed, scored prompt (``echo`` its text): a token with nothing
+    before it (the first, on a model with no BOS) has null scores, and its text is what the others leave of
+    ``echo``."""
+    rest = "".join(t.token for t in items if t is not None)
+    lead = echo[: len(echo) - len(rest)] if echo.endswith(rest) else ""
+    texts = [t.token if t is not None else lead for t in items]
+    offsets = []
+    offset = 0
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [t.logprob if t is not None else None for t in items],
+        "top_logprobs": [{a.token: a.logprob for a in t.top} if t is not None else None for t in items],
+        "text_offset": offsets,
+    }
+
+
+def joined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy ``logprobs`` objects, one after the other (the prompt's, then the reply's)."""
+    return {key: a[key] + b[key] for key in a}
 
 
 def logprobs_out(items: list[TokenLogprob], offset: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from ..core import (
     KEEPALIVE_S,
     STREAM_SEND_TIMEOUT_S,
     CallPieces,
+    HeldLogprobs,
     Serving,
     Turn,
     TurnStream,
@@ -120,14 +121,13 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, logpr
     yield chunk({"role": "assistant", "content": ""})
     pieces = CallPieces()
     events = turn.aevents(record)
-    seen = 0  # tokens the events carried
-    held: list[TokenLogprob] = []  # of those, the ones not sent yet (their event had no delta of its own)
+    scores = HeldLogprobs()
     try:
         async for event in events:
             if event.result is not None:
                 fill_record(record, event.result)
-                held += event.result.logprobs[seen:]
-                yield chunk({}, FINISH_REASONS.get(event.result.finish_reason, "stop"), held)
+                scores.add(event)
+                yield chunk({}, FINISH_REASONS.get(event.result.finish_reason, "stop"), scores.take())
                 if include_usage:
                     yield json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
                                       "model": turn.model, "choices": [], "usage": usage_out(event.result)})
@@ -140,11 +140,9 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, logpr
             calls = [call_piece(p) for p in pieces.of(event)]
             if calls:
                 delta["tool_calls"] = calls
-            seen += len(event.logprobs)
-            held += event.logprobs
+            scores.add(event)
             if delta:
-                yield chunk(delta, tokens=held)
-                held = []
+                yield chunk(delta, tokens=scores.take())
     except ModeldError as exc:
         err = api_error(exc)
         record.error = err.code or "error"

@@ -12,13 +12,13 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
-from contract.types import TokenLogprob
 
 from ..access import record_of
 from ..core import (
     KEEPALIVE_S,
     STREAM_SEND_TIMEOUT_S,
     CallPieces,
+    HeldLogprobs,
     Serving,
     Turn,
     TurnRequest,
@@ -192,8 +192,7 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
     text = ""
     pieces = CallPieces()
     asked = reply.req.logprobs() is not None
-    scored: list[TokenLogprob] = []  # with log probabilities asked: every token so far
-    held: list[TokenLogprob] = []  # of those, the ones no text delta carried yet
+    held = HeldLogprobs()
 
     def close_current() -> list[dict[str, str]]:
         nonlocal current, text
@@ -219,7 +218,7 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
             current, text = None, ""
             return out
         if current["type"] == "message":
-            part = text_part(text, reply.req, scored)
+            part = text_part(text, reply.req, held.all)
             current["content"] = [part]
             out.append(event("response.output_text.done", item_id=current["id"], output_index=index, content_index=0,
                              text=text))
@@ -256,7 +255,7 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
     try:
         async for ev in events:
             if ev.result is not None:
-                scored += ev.result.logprobs[len(scored):]
+                held.add(ev)
                 for e in close_current():
                     yield e
                 fill_record(record, ev.result)
@@ -267,8 +266,7 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
                          "cancelled": "response.incomplete"}.get(reply.status, "response.completed")
                 yield event(final, response=reply.body())
                 return
-            scored += ev.logprobs
-            held += ev.logprobs
+            held.add(ev)
             if ev.thinking:
                 if current is None or current["type"] != "reasoning":
                     for e in open_item(reply.reasoning_item("")):
@@ -282,8 +280,7 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
                                         "role": "assistant", "content": []}):
                         yield e
                 text += ev.text
-                scores = token_logprobs_out(held) if asked else []
-                held = []
+                scores = token_logprobs_out(held.take()) if asked else []
                 yield event("response.output_text.delta", item_id=current["id"] if current else "",
                             output_index=len(reply.output) - 1, content_index=0, delta=ev.text, logprobs=scores)
             # a call's item opens at its first piece and its arguments stream as the model writes them; the next

@@ -1,4 +1,6 @@
-"""Tokens: ``POST /tokenize`` and ``POST /detokenize``, in llama-server's shape (its clients and scripts call them).
+"""Tokens: ``POST /tokenize`` and ``POST /detokenize``, in llama-server's shape (its clients and scripts call them),
+and in vLLM's (``prompt``, ``add_special_tokens``; ``GET /tokenizer_info``), which evaluation harnesses use to
+tokenize on the server.
 
 ``/tokenize`` takes ``content`` (special tokens such as ``<|im_start|>`` parsed, as a prompt is) and
 ``add_special`` (the model's BOS first, where the model adds one) and answers ``tokens``; ``/detokenize`` takes
@@ -16,6 +18,6 @@ from ..errors import ApiError
 from .routes import router
 
 #: the app's entry for it (``app.APIS``)
-API = HttpApi(lambda serving, _store: router(serving), ("/tokenize", "/detokenize"), ApiError.openai)
+API = HttpApi(lambda serving, _store: router(serving), ("/tokenize", "/detokenize", "/tokenizer_info"), ApiError.openai)
 
 __all__ = ["API", "router"]

@@ -1,4 +1,4 @@
-"""``POST /tokenize`` and ``POST /detokenize`` on a session of the loaded model."""
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` on a session of the loaded model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from ..core import Serving, declared
 from ..errors import ApiError
 from ..openai.protocol import ErrorBody
-from .protocol import DetokenizeIn, DetokenizeOut, TokenizeIn, TokenizeOut
+from .protocol import DetokenizeIn, DetokenizeOut, TokenizeIn, TokenizeOut, TokenizerInfo
 
 
 def router(serving: Serving) -> APIRouter:
@@ -23,11 +23,17 @@ def router(serving: Serving) -> APIRouter:
         if not body.parse_special:
             raise ApiError(400, "parse_special false is not served here: special tokens are parsed, as in a prompt",
                            code="unsupported", param="parse_special")
-        tokens = await serving.aon_session(body.model, lambda s: s.tokenize(body.content, add_special=body.add_special))
-        return {"tokens": tokens}
+        tokens = await serving.aon_session(body.model, lambda s: s.tokenize(body.text, add_special=body.special))
+        return {"tokens": tokens, "count": len(tokens)}
 
     @r.post("/detokenize", responses=declared(DetokenizeOut, ErrorBody))
     async def detokenize(body: DetokenizeIn) -> dict[str, Any]:
-        return {"content": await serving.aon_session(body.model, lambda s: s.detokenize(body.tokens))}
+        text = await serving.aon_session(body.model, lambda s: s.detokenize(body.tokens))
+        return {"content": text, "prompt": text}
+
+    @r.get("/tokenizer_info", responses=declared(TokenizerInfo, ErrorBody))
+    async def tokenizer_info() -> dict[str, Any]:
+        num_ctx = await serving.aon_session("", lambda s: s.num_ctx)
+        return {"model_max_length": num_ctx, "eos_token": None, "bos_token": None, "pad_token": None}
 
     return r
