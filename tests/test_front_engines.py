@@ -465,12 +465,10 @@ SCORED = ("def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    retur
 
 
 def _scored(front: Front, prompt: str | list[int], k: int, max_tokens: int = 0, stream: bool = False) -> Any:
+    ask: dict[str, Any] = {"model": "any", "prompt": prompt, "echo": True, "logprobs": k, "max_tokens": max_tokens,
+                           "temperature": 0}
     sdk = front.sdk()
-    if not stream:
-        return sdk.completions.create(model="any", prompt=prompt, echo=True, logprobs=k, max_tokens=max_tokens,
-                                      temperature=0)
-    return list(sdk.completions.create(model="any", prompt=prompt, echo=True, logprobs=k, max_tokens=max_tokens,
-                                       temperature=0, stream=True))
+    return list(sdk.completions.create(**ask, stream=True)) if stream else sdk.completions.create(**ask)
 
 
 def test_a_prompt_scored_through_completions_is_the_engines_own(front: Front) -> None:

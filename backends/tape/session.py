@@ -78,12 +78,13 @@ class _Scores:
         return max(self._start - 1, 0)
 
     def rows(self, first: int, logits: np.ndarray) -> None:
-        piece = self._m.token_bytes
+        def piece(token: int) -> bytes:
+            return self._m.token_bytes([token])[0]
+
         for i in range(logits.shape[0]):
             at = first + i + 1  # the position this row scores
             if self._start <= at < len(self._target):
-                self.out[at - self._start] = token_logprob(logits[i], self._target[at], self._k,
-                                                           lambda t: piece([t])[0])
+                self.out[at - self._start] = token_logprob(logits[i], self._target[at], self._k, piece)
 
 
 def _splice(m: TapeModel, stable: list[int], text: str, resident: list[int]) -> list[int]:

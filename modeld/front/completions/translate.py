@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from contract.types import TokenLogprob
@@ -47,18 +48,7 @@ def prompt_logprobs_out(echo: str, items: list[TokenLogprob | None]) -> dict[str
     ``echo``."""
     rest = "".join(t.token for t in items if t is not None)
     lead = echo[: len(echo) - len(rest)] if echo.endswith(rest) else ""
-    texts = [t.token if t is not None else lead for t in items]
-    offsets = []
-    offset = 0
-    for text in texts:
-        offsets.append(offset)
-        offset += len(text)
-    return {
-        "tokens": texts,
-        "token_logprobs": [t.logprob if t is not None else None for t in items],
-        "top_logprobs": [{a.token: a.logprob for a in t.top} if t is not None else None for t in items],
-        "text_offset": offsets,
-    }
+    return _legacy([t.token if t is not None else lead for t in items], items, 0)
 
 
 def joined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
@@ -68,13 +58,19 @@ def joined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 def logprobs_out(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
     """The legacy ``logprobs`` object for ``items``, whose text starts at ``offset`` in the choice's text."""
+    return _legacy([t.token for t in items], items, offset)
+
+
+def _legacy(texts: list[str], items: Sequence[TokenLogprob | None], offset: int) -> dict[str, Any]:
+    """The legacy ``logprobs`` object: each token's text (``texts``), its scores (null for a token with none) and
+    where its text starts, the first at ``offset``."""
     offsets = []
-    for t in items:
+    for text in texts:
         offsets.append(offset)
-        offset += len(t.token)
+        offset += len(text)
     return {
-        "tokens": [t.token for t in items],
-        "token_logprobs": [t.logprob for t in items],
-        "top_logprobs": [{a.token: a.logprob for a in t.top} for t in items],
+        "tokens": texts,
+        "token_logprobs": [t.logprob if t is not None else None for t in items],
+        "top_logprobs": [{a.token: a.logprob for a in t.top} if t is not None else None for t in items],
         "text_offset": offsets,
     }
