@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 from fastapi import APIRouter
 
 from ..core import Serving, declared
@@ -33,7 +34,7 @@ def router(serving: Serving) -> APIRouter:
 
     @r.get("/tokenizer_info", responses=declared(TokenizerInfo, ErrorBody))
     async def tokenizer_info() -> dict[str, Any]:
-        num_ctx = await serving.aon_session("", lambda s: s.num_ctx)
-        return {"model_max_length": num_ctx, "eos_token": None, "bos_token": None, "pad_token": None}
+        active = await anyio.to_thread.run_sync(serving.active)  # (the status: no turn waited for)
+        return {"model_max_length": active.effective_context, "eos_token": None, "bos_token": None, "pad_token": None}
 
     return r
