@@ -15,6 +15,7 @@ text (greedy) and a seed makes sampled output repeatable.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import random
 import threading
@@ -116,6 +117,8 @@ class MemoryModel:
         self.lock = threading.Lock()
         self.template_origin = ""  # prompts are raw text: no chat template
         self.tool_format_origin = ""  # and no tool calls
+        #: the session whose context ``resident`` is (a fork switched to parks the other's: ``MemorySession.fork``)
+        self.active: MemorySession | None = None
 
     @property
     def digest(self) -> str:
@@ -128,7 +131,8 @@ class MemoryModel:
     def open_session(self) -> MemorySession:
         if self.closed:
             raise SessionClosed("model was unloaded")
-        return MemorySession(self)
+        self.active = MemorySession(self)
+        return self.active
 
     def resident_bytes(self) -> int:
         return len(self.resident.tokens)
@@ -168,15 +172,32 @@ class MemoryModel:
 class MemorySession:
     """A Session over a MemoryModel's resident context."""
 
-    def __init__(self, model: MemoryModel) -> None:
+    def __init__(self, model: MemoryModel, parked: Resident | None = None) -> None:
         self._model = model
         self._closed = False
+        #: this session's context while another's is resident (a fork, or a session a fork displaced)
+        self._parked = parked
 
     # --- helpers -----------------------------------------------------------------
     def _live(self) -> Resident:
         if self._closed or self._model.closed:
             raise SessionClosed()
-        return self._model.resident
+        m = self._model
+        if self._parked is not None:  # switch the resident context to this session's
+            if m.active is not None and m.active is not self and not m.active._closed:
+                m.active._parked = copy.deepcopy(m.resident)
+            m.resident.take_view(self._parked)
+            self._parked = None
+            m.active = self
+        return m.resident
+
+    def fork(self, at_position: int) -> MemorySession:
+        """A session on this one's first ``at_position`` tokens; the reference's "KV" is its tape, so a switch
+        between the two costs nothing."""
+        if self._closed or self._model.closed:
+            raise SessionClosed()
+        view = (self._parked or self._model.resident).fork(at_position)
+        return MemorySession(self._model, parked=view)
 
     # --- Session -------------------------------------------------------------------
     def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
@@ -313,7 +334,7 @@ class MemorySession:
 
     def explain_context(self) -> ContextReport:
         closed = self._closed or self._model.closed
-        return self._model.resident.report(closed)
+        return (self._parked or self._model.resident).report(closed)
 
     def snapshot(self) -> SessionSnapshot:
         res = self._live()
@@ -330,6 +351,8 @@ class MemorySession:
 
     def close(self) -> None:
         self._closed = True
+        if self._model.active is self:
+            self._model.active = None
 
     @property
     def manifest_defaults(self) -> ContextManifest:

@@ -15,9 +15,10 @@ restores.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 from contract.errors import (
     BackendMismatch,
@@ -171,6 +172,30 @@ class Resident:
         self.stable_text = text
         self.tools = tools
         self.stable_token_hash = token_hash(tokens)
+
+    def fork(self, at: int) -> Resident:
+        """The context of a fork at ``at`` (``Session.fork``): this one's first ``at`` tokens, its stable prefix and
+        manifest; the conversation after the prefix is a new one. InvalidArgument inside the stable prefix (a prefix
+        is changed with ensure_prefix) or past the context; ManifestMismatch with no prefix resident."""
+        if self.manifest is None:
+            raise ManifestMismatch("no prefix is resident: call ensure_prefix before forking")
+        live = self.live
+        if not self.prefix_len <= at <= len(live):
+            where = "inside the stable prefix" if at < self.prefix_len else "past the end of the context"
+            raise InvalidArgument(
+                f"a fork at {at} is {where} (the prefix is {self.prefix_len} tokens, the context {len(live)}): "
+                f"fork between {self.prefix_len} and {len(live)}",
+                at_position=at, prefix_tokens=self.prefix_len, resident_tokens=len(live))
+        view = replace(self, tokens=live[:at], live_len=None, partial=None, conversation="")
+        view.messages = None  # which messages the first ``at`` tokens hold is not known any more
+        if view.reply_from is not None and view.reply_from >= at:
+            view.reply_from = None
+        return view
+
+    def take_view(self, view: Resident) -> None:
+        """Become ``view``'s context; the KV must hold ``view.tokens`` (the caller made it so)."""
+        for f in fields(self):
+            setattr(self, f.name, copy.copy(getattr(view, f.name)))
 
     def keep_partial(self, manifest: ContextManifest) -> None:
         """A prefix's prefill under ``manifest`` was cancelled: the tape (what the KV completed) is the head of that

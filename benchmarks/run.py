@@ -416,9 +416,16 @@ def section_cold(tmp: Path, count: Callable[[str], int]) -> str:
     return table(head, cold.rows(cold.section(tmp, count)))
 
 
+def section_sessions(tmp: Path, count: Callable[[str], int]) -> str:
+    from benchmarks import sessions
+
+    head = "session operations: forks of an 8k-token session and prefill-only scoring, against re-prefilling"
+    return table(head, sessions.section(tmp, count))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,ttft,cold,capacity,embed",
+    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,sessions,ttft,cold,capacity,embed",
                    help="comma-separated, in order")
     p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (docs/benchmarks.md shows it)")
     args = p.parse_args(argv)
@@ -467,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_ttft(tmp, count, docs=args.docs), flush=True)
                 elif name == "cold":
                     print(section_cold(tmp, count), flush=True)
+                elif name == "sessions":
+                    print(section_sessions(tmp, count), flush=True)
                 else:
                     print(f"## {name}: unknown section")
                     failed.append(name)

@@ -92,6 +92,14 @@ class Session(Protocol):
         """Replace the resident state from a compatible snapshot (or raise SnapshotRejected)."""
         ...
 
+    def fork(self, at_position: int) -> Session:
+        """A new session whose context is this one's first ``at_position`` tokens (this one is untouched).
+
+        The two share the model: the fork's first prefill computes only what it appends, and switching between
+        them restores the other's KV instead of prefilling it again. InvalidArgument when ``at_position`` is
+        inside the stable prefix or past the context."""
+        ...
+
     def close(self) -> None: ...
 
 

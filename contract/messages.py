@@ -258,6 +258,13 @@ class CountTokensRequest(SessionRef):
 MAX_DETOKENIZE_TOKENS = MAX_TEXT_CHARS // 4
 
 
+class ForkRequest(SessionRef):
+    """``fork``: a new session whose context is the first ``at_position`` tokens of this one's (which is untouched);
+    the reply is the new session's handle, as ``open`` answers."""
+
+    at_position: int = Field(ge=0)
+
+
 class TokenizeRequest(SessionRef):
     """``tokenize``: ``text`` as the session's model tokenizes it (special tokens such as ``<|im_start|>`` parsed);
     the KV is not touched."""

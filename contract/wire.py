@@ -72,6 +72,7 @@ from .messages import (
     EmbedReply,
     EnsurePrefixRequest,
     F32MatrixFrame,
+    ForkRequest,
     HeartbeatReply,
     HeartbeatRequest,
     MetricsReply,
@@ -165,6 +166,7 @@ class Op(str, enum.Enum):
     WHY = "why"
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
+    FORK = "fork"
 
 
 class Kind(str, enum.Enum):
@@ -221,6 +223,7 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.TOKENIZE: OpSchema(TokenizeRequest, TokenizeReply),
     Op.DETOKENIZE: OpSchema(DetokenizeRequest, DetokenizeReply),
     Op.WHY: OpSchema(WhyRequest, WhyReply),
+    Op.FORK: OpSchema(ForkRequest, OpenReply),
 }
 
 

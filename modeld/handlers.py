@@ -41,6 +41,7 @@ from contract.messages import (
     DetokenizeRequest,
     EmbedReply,
     EnsurePrefixRequest,
+    ForkRequest,
     HeartbeatReply,
     HeartbeatRequest,
     MetricsReply,
@@ -130,8 +131,7 @@ class Handlers:
     def prune(self) -> None:
         """Forget sessions the slot no longer holds (a session a takeover ended stays, to answer LostOwner
         until closed)."""
-        live = self.slot.holder_id()
-        for sid in [s for s in self.sessions if s != live and not self.slot.lost(s)]:
+        for sid in [s for s in self.sessions if not self.slot.holds(s) and not self.slot.lost(s)]:
             del self.sessions[sid]
             self.session_peers.pop(sid, None)
 
@@ -187,6 +187,9 @@ class Handlers:
         sess = self.slot.open_session(req)
         self.session_peers[sess.session_id] = self.caller.peer
         self.sessions[sess.session_id] = sess
+        return self._opened(sess)
+
+    def _opened(self, sess: SlotSession) -> OpenReply:
         status = self.slot.status()
         return OpenReply(
             session_id=sess.session_id,
@@ -206,6 +209,12 @@ class Handlers:
 
     def count_tokens(self, req: CountTokensRequest) -> TokenCount:
         return self.session(req).count_tokens(req.prefix, req.suffix)
+
+    def fork(self, req: ForkRequest) -> OpenReply:
+        sess = self.session(req).fork(req.at_position)
+        self.session_peers[sess.session_id] = self.caller.peer
+        self.sessions[sess.session_id] = sess
+        return self._opened(sess)
 
     def tokenize(self, req: TokenizeRequest) -> TokenizeReply:
         return TokenizeReply(tokens=self.session(req).tokenize(req.text, add_special=req.add_special))
@@ -297,6 +306,7 @@ HANDLERS: dict[Op, Callable[[Handlers, Any], BaseModel]] = {
     Op.ENSURE_PREFIX: Handlers.ensure_prefix,
     Op.PREFILL_SUFFIX: Handlers.prefill_suffix,
     Op.COUNT_TOKENS: Handlers.count_tokens,
+    Op.FORK: Handlers.fork,
     Op.TOKENIZE: Handlers.tokenize,
     Op.DETOKENIZE: Handlers.detokenize,
     Op.SNAPSHOT: Handlers.snapshot,

@@ -254,6 +254,9 @@ class SlotService:
         #: what was actually loaded (the planned context), to load it again after a failed switch
         self._planned: OpenSessionRequest | None = None
         self._holder: _Holder | None = None
+        #: sessions forked from the holder's (``Session.fork``), by session id: they hold the slot with it, and the
+        #: first of them becomes the holder when it closes
+        self._forks: dict[str, _Holder] = {}
         self._busy_op = ""
         self._last_error = ""
         self._progress: float | None = None
@@ -669,17 +672,40 @@ class SlotService:
                 session_generation=holder.generation,
                 current=self._generation,
             )
-        if self._holder is not holder:
+        if self._holder is not holder and self._forks.get(holder.session_id) is not holder:
             raise SessionClosed("session was released (lease expired or closed)", session_id=holder.session_id)
         if self.owner and holder.owner != self.owner:
             raise StaleFence("the daemon's owner changed since this session was opened")
         holder.last_seen = self._clock()
         return holder.inner
 
+    def _holders(self) -> list[_Holder]:
+        """The sessions holding the slot: the holder and its forks."""
+        return ([self._holder] if self._holder is not None else []) + list(self._forks.values())
+
+    def _held(self, session_id: str) -> _Holder | None:
+        return next((h for h in self._holders() if h.session_id == session_id), None)
+
+    def holds(self, session_id: str) -> bool:
+        """Whether ``session_id`` holds the slot (the holder or one of its forks)."""
+        return self._held(session_id) is not None
+
+    def fork_session(self, holder: _Holder, at_position: int) -> SlotSession:
+        """A session forked from ``holder``'s at ``at_position`` (``Session.fork``): the caller's, on the same
+        model and generation; it holds the slot beside the holder until closed or its lease runs out."""
+        with self._op_lock:
+            inner = self._holder_for(holder)
+            now = self._clock()
+            fork = _Holder(session_id=uuid.uuid4().hex, generation=holder.generation, owner=holder.owner,
+                           inner=inner.fork(at_position), last_seen=now, last_op=now)
+            with self._state_lock:
+                self._forks[fork.session_id] = fork
+            return SlotSession(self, fork)
+
     def touch(self, session_id: str) -> bool:
         with self._state_lock:
-            h = self._holder
-            if h is not None and h.session_id == session_id and not h.closed:
+            h = self._held(session_id)
+            if h is not None and not h.closed:
                 h.last_seen = self._clock()
                 return True
             return False
@@ -688,8 +714,8 @@ class SlotService:
         """The client of ``session_id`` is gone (its connections closed): the next reap releases the session
         whatever its lease says. False when it does not hold the slot."""
         with self._state_lock:
-            h = self._holder
-            if h is None or h.session_id != session_id or h.closed:
+            h = self._held(session_id)
+            if h is None or h.closed:
                 return False
             h.vanished = True
             return True
@@ -697,9 +723,9 @@ class SlotService:
     def expired_holder(self) -> str:
         """The session id of a holder whose lease has run out, even mid-operation ("" when none)."""
         with self._state_lock:
-            h = self._holder
-            if h is not None and not h.closed and self._clock() - h.last_seen > self.lease_s:
-                return h.session_id
+            for h in self._holders():
+                if not h.closed and self._clock() - h.last_seen > self.lease_s:
+                    return h.session_id
             return ""
 
     def reap(self) -> bool:
@@ -712,16 +738,17 @@ class SlotService:
             return gone
 
     def _reap_locked(self) -> bool:
-        h = self._holder
-        if h is None or h.in_operation:
-            return False
+        gone = False
         now = self._clock()
-        lease_out = now - h.last_seen > self.lease_s
-        ttl_out = self.session_ttl_s > 0 and now - h.last_op > self.session_ttl_s
-        if not (lease_out or ttl_out or h.vanished):
-            return False
-        self._release_holder(h)
-        return True
+        for h in self._holders():
+            if h.in_operation:
+                continue
+            lease_out = now - h.last_seen > self.lease_s
+            ttl_out = self.session_ttl_s > 0 and now - h.last_op > self.session_ttl_s
+            if lease_out or ttl_out or h.vanished:
+                self._release_holder(h)
+                gone = True
+        return gone
 
     def _unload_locked(self) -> None:
         """Ready -> Unloading -> Empty: the model goes (its tape to the workspace cache), the generation moves on."""
@@ -753,15 +780,18 @@ class SlotService:
             holder.inner.close()
         finally:
             with self._state_lock:
-                if self._holder is holder:
-                    self._holder = None
-                    if self._life.state is SlotState.BUSY:
+                if self._forks.get(holder.session_id) is holder:
+                    del self._forks[holder.session_id]
+                elif self._holder is holder:
+                    # a fork goes on holding the slot; the last one out frees it
+                    self._holder = self._forks.pop(next(iter(self._forks))) if self._forks else None
+                    if self._holder is None and self._life.state is SlotState.BUSY:
                         self._transition(SlotState.READY)
 
     def release_session(self, session_id: str) -> None:
         with self._op_lock:
-            h = self._holder
-            if h is not None and h.session_id == session_id:
+            h = self._held(session_id)
+            if h is not None:
                 self._release_holder(h)
 
     def holder_id(self) -> str:
@@ -803,8 +833,8 @@ class SlotService:
         if self._embedder is not None:
             self._embedder.close()
         with self._op_lock:
-            if self._holder is not None:
-                self._release_holder(self._holder)
+            for h in self._holders():
+                self._release_holder(h)
             self._release_model_locked()
             self.backend.close()
         if self.cache is not None:
@@ -826,10 +856,9 @@ class SlotService:
             if epoch <= self.owner_epoch:
                 raise StaleFence(f"takeover epoch {epoch} is not newer than the daemon's ({self.owner_epoch})",
                                  epoch=epoch, current=self.owner_epoch)
-            h = self._holder
-            ended = h is not None and h.owner != owner
-            if ended:
-                assert h is not None
+            ending = [h for h in self._holders() if h.owner != owner]
+            ended = bool(ending)
+            for h in ending:
                 self._lost.add(h.session_id)
                 self._release_holder(h)
             with self._state_lock:
@@ -912,7 +941,7 @@ class SlotSession:
         """The context report; also the no-op that refreshes the session's TTL."""
         h = self._holder
         h.last_op = self._slot._clock()
-        if h.closed or self._slot._holder is not h:
+        if h.closed or not self._slot.holds(h.session_id):
             rep = h.inner.explain_context()
             return rep.model_copy(update={"closed": True})
         return h.inner.explain_context()
@@ -922,6 +951,9 @@ class SlotSession:
 
     def restore(self, snap: SessionSnapshot) -> None:
         self._slot.run_op(self._holder, "restore", lambda s: s.restore(snap))
+
+    def fork(self, at_position: int) -> SlotSession:
+        return self._slot.fork_session(self._holder, at_position)
 
     def close(self) -> None:
         self._slot.release_session(self._holder.session_id)

@@ -52,6 +52,7 @@ from contract.messages import (
     DetokenizeRequest,
     EmbedReply,
     EnsurePrefixRequest,
+    ForkRequest,
     HeartbeatRequest,
     MetricsReply,
     MetricsRequest,
@@ -445,7 +446,10 @@ class Client:
         return reply.result(single=not req.texts)
 
     def open_session(self, req: OpenSessionRequest) -> RemoteSession:
-        opened = self.request(Op.OPEN, self._fenced(req), OpenReply)
+        return self._held(self.request(Op.OPEN, self._fenced(req), OpenReply))
+
+    def _held(self, opened: OpenReply) -> RemoteSession:
+        """A session the daemon opened for this client (``open``, ``fork``), its lease renewed from now on."""
         sess = RemoteSession(self, opened)
         with self._sessions_lock:
             self._sessions[sess.session_id] = sess
@@ -660,6 +664,15 @@ class RemoteSession:
         self._check_open()
         req = DetokenizeRequest(session_id=self.session_id, tokens=list(tokens))
         return self._client.request(Op.DETOKENIZE, req, DetokenizeReply).text
+
+    def fork(self, at_position: int) -> RemoteSession:
+        """A new session whose context is this one's first ``at_position`` tokens; this one is untouched. Both are
+        this client's and hold the slot until closed. The fork's first prefill computes only what it appends, and
+        switching between the two restores the other's KV from the workspace cache rather than prefilling it."""
+        self._check_open()
+        opened = self._client.request(Op.FORK, ForkRequest(session_id=self.session_id, at_position=at_position),
+                                      OpenReply)
+        return self._client._held(opened)
 
     def explain_context(self) -> ContextReport:
         self._check_open()

@@ -384,7 +384,64 @@ def scenario_offsets(t: Target) -> dict[str, Any]:
         sess.close()
 
 
+def scenario_fork(t: Target) -> dict[str, Any]:
+    """A fork at a position inside the conversation: its context is the source's head, its first append computes
+    only the new tokens, the source goes on from where it was without computing the shared head again, the fork
+    answers as a session given the same tokens from nothing does, and a fork inside the stable prefix or past the
+    context is refused."""
+    sess = t.service.open_session(t.request)
+    forks: list[Any] = []
+    try:
+        m = manifest_for(sess, fresh_profile())
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        head = sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m)).resident_tokens
+        tail = sess.tokenize(" And the workspace cache, what does it keep?")
+        whole = sess.prefill_suffix(SuffixInput(tokens=tail, offset=head, manifest=m)).resident_tokens
+        prefix_len = sess.explain_context().prefix_tokens
+        with pytest.raises(InvalidArgument) as inside:
+            sess.fork(prefix_len - 1)
+        assert inside.value.details["prefix_tokens"] == prefix_len
+        with pytest.raises(InvalidArgument):
+            sess.fork(whole + 1)
+        fork = sess.fork(head)
+        forks.append(fork)
+        assert fork.explain_context().resident_tokens == head
+        assert sess.explain_context().resident_tokens == whole  # the source is untouched
+        more = sess.tokenize(" Which file?")
+        st = fork.prefill_suffix(SuffixInput(tokens=more, offset=head, manifest=m))
+        assert st.resident_tokens == head + len(more) and st.prefilled_tokens == len(more)
+        forked, _ = greedy(fork, 6)
+        st = sess.prefill_suffix(SuffixInput(tokens=more, offset=whole, manifest=m))
+        # back to the source: what the two share is never computed again (a tail this short is not worth a cache
+        # entry, so an engine computes it again; a long one is restored: tests/test_fork.py)
+        assert st.resident_tokens == whole + len(more)
+        assert len(more) <= st.prefilled_tokens <= whole - head + len(more)
+        source, _ = greedy(sess, 6)
+        # the fork again, where it was (its reply included), and a drifted view of it refused
+        at = fork.explain_context().resident_tokens
+        with pytest.raises(OffsetDrift):
+            fork.prefill_suffix(SuffixInput(tokens=more, offset=head, manifest=m))
+        assert fork.prefill_suffix(SuffixInput(tokens=more, offset=at, manifest=m)).prefilled_tokens == len(more)
+        for f in forks:
+            f.close()
+        forks.clear()
+        # a session given the fork's tokens from nothing answers as the fork did
+        m2 = manifest_for(sess, fresh_profile())
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m2))
+        fresh = sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m2))
+        assert fresh.resident_tokens == head
+        sess.prefill_suffix(SuffixInput(tokens=more, offset=head, manifest=m2))
+        again, _ = greedy(sess, 6)
+        assert again == forked
+        return {"head": head, "whole": whole, "fork": forked, "source": source}
+    finally:
+        for f in forks:
+            f.close()
+        sess.close()
+
+
 SCENARIOS: dict[str, Callable[[Target], dict[str, Any]]] = {
+    "fork": scenario_fork,
     "offsets": scenario_offsets,
     "count_tokens": scenario_count_tokens,
     "conversation_append": scenario_conversation_append,

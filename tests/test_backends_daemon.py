@@ -49,15 +49,20 @@ BACKENDS = ["llama", "openvino"]
 BUNDLED = ("--model", str(bundled_gguf_path()))
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def backend_proc(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """One daemon per engine for the module."""
-    d = DaemonProcess(tmp_path_factory.mktemp(request.param), request.param, None, *BUNDLED, "--num-ctx", "2048")
+def engine_daemon(request: pytest.FixtureRequest, tmp: pytest.TempPathFactory, num_ctx: int) -> Iterator[DaemonProcess]:
+    """A module fixture's daemon on the engine ``request`` names, serving the bundled model at ``num_ctx``."""
+    d = DaemonProcess(tmp.mktemp(request.param), request.param, None, *BUNDLED, "--num-ctx", str(num_ctx))
     d.start(ready_timeout_s=600, wait_state=("Ready",))
     try:
         yield d
     finally:
         d.stop()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def backend_proc(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon per engine for the module."""
+    yield from engine_daemon(request, tmp_path_factory, 2048)
 
 
 @pytest.fixture

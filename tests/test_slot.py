@@ -603,3 +603,39 @@ def test_a_takeover_fences_the_old_owner_and_keeps_the_model() -> None:
         s.takeover("owner-3", 1)  # an epoch is used once
     assert not s.takeover("owner-3", 2)  # no session held: nothing ended
     assert_in_table(s.taken)
+
+
+def test_a_fork_holds_the_slot_beside_its_source_and_goes_with_its_lease_or_a_takeover() -> None:
+    """Forks (``Session.fork``) are the holder's: the slot stays busy while any of them is open, a fork outlives
+    its source, each has its own lease, and a takeover ends them all."""
+    from contract.errors import LostOwner
+
+    clock = Clock()
+    s = RecordingSlot(MemoryBackend(), settings(owner=OWNER, lease=1.0), clock=clock)
+    sess = s.open_session(open_req("a"))
+    assert hot_loop(sess)
+    with pytest.raises(InvalidArgument):
+        sess.fork(10**6)  # past the context
+    fork = sess.fork(sess.explain_context().resident_tokens)
+    assert s.holds(fork.session_id) and s.holds(sess.session_id)
+    sess.close()
+    assert (state(s), s.holds(fork.session_id)) == (S.BUSY, True)  # the fork holds the slot on its own
+    with pytest.raises(ModelBusy):
+        s.open_session(open_req("a"))
+    assert hot_loop(fork)
+    second = fork.fork(fork.explain_context().prefix_tokens)
+    clock.advance(0.5)
+    assert s.touch(second.session_id)
+    clock.advance(0.75)
+    assert s.reap() is True  # the first fork's lease ran out; the second was heard
+    assert (state(s), s.holds(fork.session_id), s.holds(second.session_id)) == (S.BUSY, False, True)
+    with pytest.raises(SessionClosed):
+        hot_loop(fork)
+    assert hot_loop(second)
+    third = second.fork(second.explain_context().prefix_tokens)
+    assert s.takeover("owner-2", 1)
+    for ended in (second, third):
+        with pytest.raises(LostOwner):
+            ended.ensure_prefix(PrefixInput(text="x", manifest=ended.manifest_defaults))
+    assert (state(s), s.status().session_open) == (S.READY, False)
+    assert_in_table(s.taken)

@@ -37,6 +37,7 @@ from contract.messages import (
     EmbedReply,
     EnsurePrefixRequest,
     F32MatrixFrame,
+    ForkRequest,
     HeartbeatReply,
     HeartbeatRequest,
     MetricsReply,
@@ -188,6 +189,7 @@ SAMPLES: dict[Op, tuple[BaseModel, BaseModel]] = {
     Op.TOKENIZE: (TokenizeRequest(session_id="s1", text="<|im_start|>user\nhi", add_special=True),
                   TokenizeReply(tokens=[1, 9, 4093, 198, 6004])),
     Op.DETOKENIZE: (DetokenizeRequest(session_id="s1", tokens=[1, 9, 4093]), DetokenizeReply(text="<|im_start|>user")),
+    Op.FORK: (ForkRequest(session_id="s1", at_position=1500), OpenReply(session_id="s2", generation=3, num_ctx=4096)),
 }
 
 
@@ -212,7 +214,7 @@ def test_op_and_kind_frames_are_pinned() -> None:
     assert {op.value for op in Op} == {
         "status", "load", "unload", "describe", "embed", "open", "ensure_prefix", "prefill_suffix", "decode",
         "cancel", "explain", "snapshot", "restore", "close", "heartbeat", "cache_list", "cache_clear", "metrics", "takeover",
-            "count_tokens", "why", "tokenize", "detokenize",
+            "count_tokens", "why", "tokenize", "detokenize", "fork",
     }
     assert {k.name: k.value for k in Kind} == {"OK": "ok", "DATA": "data", "END": "end", "ERROR": "error", "HEARTBEAT": "hb"}
     assert {k for k in Kind if k.terminal} == {Kind.OK, Kind.END, Kind.ERROR}

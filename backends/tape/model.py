@@ -101,6 +101,7 @@ class TapeModel(Protocol):
     epoch: int
     closed: bool
     session_gen: int
+    view_holder: TapeSession | None
     template: ChatTemplate | None
     #: the family replies' tool calls are parsed and forced in (``backends.tape.toolformats``)
     tool_format: ToolFormat
@@ -362,6 +363,8 @@ class TapeModelBase(ABC):
         self.epoch = 0
         #: the generation of the newest session; older session handles are closed
         self.session_gen = 0
+        #: the session whose context ``res`` is: the newest one, or one of its forks (``TapeSession.fork``)
+        self.view_holder: TapeSession | None = None
         self.closed = False
         #: the tape's first ``exact_len`` tokens were computed by prefill (not by one-token
         #: decode steps), so they hold exactly what a cold prefill computes; engines keep it
@@ -580,7 +583,8 @@ class TapeModelBase(ABC):
             raise SessionClosed("model was unloaded")
         self.session_gen += 1
         self.epoch += 1  # an open stream of an older session must not touch the KV
-        return TapeSession(self, self.session_gen)
+        self.view_holder = TapeSession(self, self.session_gen)
+        return self.view_holder
 
     def resident_bytes(self) -> int:
         """Weights, KV and scratch of this model (precomputed: other threads read it)."""

@@ -15,6 +15,8 @@ rollback rests on the others' bookkeeping (tape, epochs, pending token), so they
 
 from __future__ import annotations
 
+import copy
+import logging
 import time
 from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -37,8 +39,8 @@ from contract.types import (
     check_conversation,
 )
 
-from ..resident import PrefixPlan, check_manifest_names, check_token_ids
-from .cache import SAVE_MIN_TOKENS, cache_key, restore_best, save_before_discard, save_tape
+from ..resident import PrefixPlan, Resident, check_manifest_names, check_token_ids
+from .cache import MIN_GAIN_TOKENS, SAVE_MIN_TOKENS, cache_key, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
 from .logprobs import token_logprob
 from .miss import Held, message_keys, prefix_miss, suffix_miss
@@ -51,6 +53,8 @@ from .toolformats import parameter_types
 
 if TYPE_CHECKING:
     import numpy as np
+
+log = logging.getLogger("modeld.session")
 
 #: how many trailing resident tokens are decoded to see whether the prompt opened <think>
 _PROMPT_TAIL_TOKENS = 8
@@ -236,22 +240,90 @@ class TapeSession:
     session on the model retires it (there is one KV to drive).
     """
 
-    def __init__(self, model: TapeModel, generation: int) -> None:
+    def __init__(self, model: TapeModel, generation: int, parked: Resident | None = None) -> None:
         self._m = model
         self._gen = generation
         self._closed = False
+        #: this session's context while another session of the model (a fork, or the session it forked from) holds
+        #: the KV; None while this one's is resident
+        self._parked = parked
+        #: what the last switch to this session's context took: (tokens the workspace cache restored, tokens
+        #: computed, milliseconds), counted into the status of the prefill that caused it
+        self._switched: tuple[int, int, float] = (0, 0, 0.0)
 
     @property
     def model(self) -> TapeModel:
         return self._m
 
-    def _live(self) -> TapeModel:
+    def _live(self, *, switch: bool = True) -> TapeModel:
         m = self._m
         if self._closed or m.closed:
             raise SessionClosed()
         if m.session_gen != self._gen:
             raise SessionClosed("a newer session was opened on this model")
+        self._switched = (0, 0, 0.0)
+        if switch and self._parked is not None:
+            self._switch_in(m, self._parked)
         return m
+
+    def _switch_in(self, m: TapeModel, view: Resident) -> None:
+        """Make this session's context the resident one: park the holder's, then bring the KV to this tape.
+
+        The KV keeps what the two tapes share (a fork's whole context, at first); the rest comes from the workspace
+        cache, where the holder's tape is saved first, so switching back and forth between forks restores KV
+        instead of prefilling it again. Only what no entry covers is computed (a cache that is off, or evicted it).
+        """
+        other = m.view_holder
+        if other is not None and other is not self and not other._closed and other._parked is None:
+            other._parked = copy.deepcopy(m.res)
+        m.view_holder = None  # nobody's until the KV holds this context
+        m.epoch += 1  # an open stream of the other session must not touch the KV any more
+        t0 = time.perf_counter()
+        res, target = m.res, view.tokens
+        under = res.manifest or res.partial
+        same = under is not None and view.manifest is not None and view.manifest.compatible_with(under)
+        keep = m.reusable(common_prefix_len(res.tokens, target)) if same else 0
+        restored = 0
+        if keep < len(target) and view.manifest is not None:
+            have = keep
+            if restore_best(m, view.manifest, target, keep, count_miss=False):
+                keep = m.reusable(common_prefix_len(m.res.tokens, target))
+                restored = max(0, keep - have)
+        if keep < len(m.res.tokens) or keep < len(target):
+            if len(m.res.tokens) - keep > MIN_GAIN_TOKENS:
+                save_tape(m)  # the parked context comes back from the cache, whatever its length
+            try:
+                with m.errors("switching to a fork: prefill"), interrupt.prefilling(keep, len(target)):
+                    kept = _set_kv(m, target, keep)
+            except Cancelled:
+                m.res.keep_partial(view.manifest or ContextManifest())
+                raise
+            except BaseException:
+                m.clear_kv()
+                raise
+            keep = min(keep, kept)
+        m.res.take_view(view)
+        self._parked = None
+        m.view_holder = self
+        self._switched = (restored, len(target) - keep, (time.perf_counter() - t0) * 1000)
+        log.info("switched to a forked context of %d tokens: %d restored from the workspace cache, %d computed",
+                 len(target), restored, len(target) - keep)
+
+    def _count_switch(self, status: PrefixStatus | SuffixStatus) -> None:
+        """Add what switching to this context took to the status of the operation that switched."""
+        restored, computed, ms = self._switched
+        self._switched = (0, 0, 0.0)
+        status.prefill_ms += ms
+        status.prefilled_tokens += computed
+        status.reused_tokens = max(0, status.reused_tokens - computed)
+        status.cached_tokens = min(status.reused_tokens, status.cached_tokens + restored)
+
+    def fork(self, at_position: int) -> TapeSession:
+        """A session on this one's first ``at_position`` tokens (``Session.fork``); it takes the KV at its first
+        operation (``_switch_in``), and this session takes it back at its next."""
+        m = self._live(switch=False)
+        base = self._parked if self._parked is not None else m.res
+        return TapeSession(m, self._gen, parked=base.fork(at_position))
 
     def _check_manifest(self, m: TapeModel, manifest: ContextManifest) -> None:
         check_manifest_names(manifest, m.backend_name, m.digest)
@@ -260,23 +332,25 @@ class TapeSession:
 
     def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
         """``text`` in the model's tokens, special tokens parsed; BOS first under the model's own policy when asked."""
-        m = self._live()
+        m = self._live(switch=False)
         with m.errors("tokenize"):
             return m.tokenize(text, bos_policy="model" if add_special else None)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Token ids as the text they spell, special tokens as their text."""
-        m = self._live()
+        m = self._live(switch=False)
         ids = check_token_ids(tokens, m.vocab_size)
         with m.errors("detokenize"):
             return m.prompt_text(ids)
 
     def explain_context(self) -> ContextReport:
         m = self._m
-        return m.res.report(self._closed or m.closed or m.session_gen != self._gen)
+        closed = self._closed or m.closed or m.session_gen != self._gen
+        return (self._parked or m.res).report(closed)
 
     def close(self) -> None:
         self._closed = True
+        self._parked = None
 
     # --- shared steps ------------------------------------------------------------------------
     def _suffix_target(self, m: TapeModel, suffix: SuffixInput) -> tuple[list[int], int]:
@@ -362,6 +436,7 @@ class TapeSession:
                                   seen=seen, restored=restored, token_bytes=m.token_bytes,
                                   last_manifest=m.seen.last_manifest)
         m.seen.last_manifest = prefix.manifest
+        self._count_switch(status)
         return status
 
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
@@ -448,6 +523,7 @@ class TapeSession:
                                   restored=restored, token_bytes=m.token_bytes)
         if scores is not None:  # (what it prefilled again it was asked to: no miss)
             status.logprobs, status.miss = scores.out, None
+        self._count_switch(status)
         return status
 
     def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:
