@@ -94,8 +94,11 @@ models: setup
 run: serving
 	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-auto} --http $${MODELD_HTTP:-127.0.0.1:8377}
 
+# The suite's files on TEST_WORKERS workers (pytest-xdist; a file's tests stay together, so its daemons start once);
+# TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check contract runtime modeld backends harness tests benchmarks
