@@ -331,6 +331,34 @@ def test_a_scored_suffix_scores_each_token_by_the_row_before_it(model: ToyModel)
         assert lps[3].top[0].token_id == 32 + (believed[-1] + 1) % 90
 
 
+def test_forks_take_turns_on_the_kv_and_a_switch_s_work_is_counted(model: ToyModel) -> None:
+    """``TapeSession.fork``: the fork's context is the source's head, and the two take turns on the one KV. With no
+    workspace cache a switch computes the tail it lacks; the next prefill's status counts it (prefilled, not
+    reused), even when a ``count_tokens`` made the switch; the tape equals the KV after every switch."""
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    at = s.prefill_suffix(suffix(model, "shared part", render=False)).resident_tokens
+    s.prefill_suffix(SuffixInput(text=" source tail", render=False, offset=at, manifest=model.manifest_defaults()))
+    whole = s.explain_context().resident_tokens
+    f = s.fork(at)
+    assert (f.explain_context().resident_tokens, s.explain_context().resident_tokens) == (at, whole)
+    st = f.prefill_suffix(SuffixInput(text="!", render=False, offset=at, manifest=model.manifest_defaults()))
+    assert (st.prefilled_tokens, st.resident_tokens) == (1, at + 1) and tape_equals_kv(model)
+    assert s.explain_context().resident_tokens == whole  # parked, untouched
+    s.count_tokens(prefix(model, "sys"), SuffixInput(text="?", render=False, offset=whole,
+                                                     manifest=model.manifest_defaults()))
+    assert tape_equals_kv(model) and len(model.kv) == whole  # the count switched the KV back
+    st = s.prefill_suffix(SuffixInput(text="?", render=False, offset=whole, manifest=model.manifest_defaults()))
+    tail = whole - at
+    assert (st.prefilled_tokens, st.resident_tokens) == (tail + 1, whole + 1)
+    assert st.reused_tokens == st.suffix_tokens - tail - 1 and st.cached_tokens == 0
+    with pytest.raises(InvalidArgument):
+        s.fork(model.res.prefix_len - 1)  # inside the stable prefix
+    f.close()
+    with pytest.raises(SessionClosed):
+        f.prefill_suffix(suffix(model, "x"))
+
+
 def test_prefix_checks_before_any_change(model: ToyModel) -> None:
     s = model.open_session()
     s.ensure_prefix(prefix(model, "sys"))

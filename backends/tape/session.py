@@ -247,8 +247,8 @@ class TapeSession:
         #: this session's context while another session of the model (a fork, or the session it forked from) holds
         #: the KV; None while this one's is resident
         self._parked = parked
-        #: what the last switch to this session's context took: (tokens the workspace cache restored, tokens
-        #: computed, milliseconds), counted into the status of the prefill that caused it
+        #: what switching to this session's context took: (tokens the workspace cache restored, tokens computed,
+        #: milliseconds), counted into the status of this session's next prefill
         self._switched: tuple[int, int, float] = (0, 0, 0.0)
 
     @property
@@ -261,7 +261,6 @@ class TapeSession:
             raise SessionClosed()
         if m.session_gen != self._gen:
             raise SessionClosed("a newer session was opened on this model")
-        self._switched = (0, 0, 0.0)
         if switch and self._parked is not None:
             self._switch_in(m, self._parked)
         return m
@@ -305,18 +304,24 @@ class TapeSession:
         m.res.take_view(view)
         self._parked = None
         m.view_holder = self
-        self._switched = (restored, len(target) - keep, (time.perf_counter() - t0) * 1000)
+        r, c, ms = self._switched  # (a count_tokens or a decode that switched hands its figures on)
+        self._switched = (r + restored, c + len(target) - keep, ms + (time.perf_counter() - t0) * 1000)
         log.info("switched to a forked context of %d tokens: %d restored from the workspace cache, %d computed",
                  len(target), restored, len(target) - keep)
 
     def _count_switch(self, status: PrefixStatus | SuffixStatus) -> None:
-        """Add what switching to this context took to the status of the operation that switched."""
+        """Add what switching to this context took to this prefill's status (and so to ``/metrics``).
+
+        A fork's context past the stable prefix is suffix: a suffix's status moves what the switch computed or
+        restored there from reused to prefilled or cached. A prefix's status only adds the work (the switched
+        tail is not part of the prefix it counts)."""
         restored, computed, ms = self._switched
         self._switched = (0, 0, 0.0)
         status.prefill_ms += ms
         status.prefilled_tokens += computed
-        status.reused_tokens = max(0, status.reused_tokens - computed)
-        status.cached_tokens = min(status.reused_tokens, status.cached_tokens + restored)
+        if isinstance(status, SuffixStatus):
+            status.reused_tokens = max(0, status.reused_tokens - computed)
+            status.cached_tokens = min(status.reused_tokens, status.cached_tokens + restored)
 
     def fork(self, at_position: int) -> TapeSession:
         """A session on this one's first ``at_position`` tokens (``Session.fork``); it takes the KV at its first
