@@ -225,6 +225,8 @@ class MemorySession:
     def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
         res = self._live()
         check_conversation(suffix.messages)  # a suffix built without validation is checked here too
+        if suffix.readouts:
+            raise UnsupportedFeature("the reference backend has no residual stream to read out")
         target = _target(res, res.tokens[: res.prefix_len], suffix)
         tokens = target[res.prefix_len :]
         res.check_suffix(suffix.manifest, len(tokens))

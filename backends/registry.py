@@ -190,7 +190,8 @@ def exclusive_given(cfg: Config) -> dict[str, str]:
 def _llama_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
     from backends.llama import LlamaBackend
 
-    return LlamaBackend(cache=cache, speculative=bool(settings.get("speculative", True)))
+    return LlamaBackend(cache=cache, speculative=bool(settings.get("speculative", True)),
+                        readouts=settings.get("readouts_manifest"))
 
 
 def _llama_embedder() -> EngineFactory[Any]:
@@ -234,7 +235,8 @@ class LlamaOptions(EngineOptions):
 def _openvino_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
     from backends.openvino import OpenVINOBackend
 
-    return OpenVINOBackend(cache=cache, speculative=bool(settings.get("speculative", True)))
+    return OpenVINOBackend(cache=cache, speculative=bool(settings.get("speculative", True)),
+                           readouts=settings.get("readouts_manifest"))
 
 
 def _openvino_embedder() -> EngineFactory[Any]:

@@ -414,6 +414,17 @@ def owner_fingerprint(owner: str) -> str:
     return "fp:" + hashlib.sha256(owner.encode()).hexdigest()[:16]
 
 
+class ReadoutInfo(_Report):
+    """The readout manifest the daemon serves (``serve --readouts FILE``; ``backends.readouts``)."""
+
+    concepts: list[str] = Field(default_factory=list)
+    #: the layers whose outputs are read, ascending (0 = the first)
+    layers: list[int] = Field(default_factory=list)
+    hidden_size: int = 0
+    #: sha256 of the manifest file
+    digest: str = ""
+
+
 class DaemonStatus(_Report):
     #: the owner's fingerprint (``owner_fingerprint``), "" when the daemon has no owner
     owner_instance_id: str = ""
@@ -441,6 +452,8 @@ class DaemonStatus(_Report):
     embedding: EmbeddingStatus | None = None
     #: the workspace cache; None when it is off
     cache: CacheStatus | None = None
+    #: the readout manifest the daemon serves (None: ``--readouts`` not given)
+    readouts: ReadoutInfo | None = None
     #: the snapshot blob store
     blobs: BlobStatus | None = None
     #: the model store (``modeld pull``); None when the daemon has none
@@ -627,6 +640,10 @@ class SuffixInput(_Request):
     #: with this many likeliest alternatives (0: its own only), in ``SuffixStatus.logprobs``. A position's scores
     #: come from its own computation, so the suffix (and the token before it) is prefilled again, never reused
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    #: concept readouts of every suffix token (``serve --readouts FILE``; ``DaemonStatus.readouts`` names the
+    #: concepts and layers), in ``SuffixStatus.readouts``. Like scores they come from the prefill's own
+    #: computation, so the suffix is prefilled again, never reused
+    readouts: bool = False
 
     @model_validator(mode="after")
     def _one_form(self) -> SuffixInput:
@@ -731,6 +748,9 @@ class SuffixStatus(_Report):
     miss: ReuseMiss | None = None
     #: with ``SuffixInput.logprobs``: one per suffix token, in order (None for a token with nothing before it)
     logprobs: list[TokenLogprob | None] = Field(default_factory=list)
+    #: with ``SuffixInput.readouts``: one per suffix token, in order: ``[n_layers][n_concepts]``, the residual stream
+    #: after each manifest layer (ascending) dotted with each concept's direction (the manifest's order)
+    readouts: list[list[list[float]]] = Field(default_factory=list)
 
 
 class TokenCount(_Report):

@@ -18,15 +18,19 @@ import importlib.util
 import platform
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.formats import GGUF
 from backends.registry import ENGINES, exclusive_given, format_on_disk
 from contract import interrupt
 from contract.endpoint import default_endpoint
+from contract.errors import ModeldError
 from contract.interfaces import Backend, Embedder, StateCache
 from contract.sizing import MemoryPool
 from contract.types import Config, LoadModelRequest
+
+if TYPE_CHECKING:
+    from backends.readouts import Readouts
 
 from .blobs import BlobStore
 from .capacity import format_size, make_budget_check, make_planner
@@ -198,12 +202,26 @@ def build_cache(opts: ServeSettings) -> StateCacheStore | None:
     return StateCacheStore(directory, ram_budget=opts.cache_ram, disk_budget=opts.cache_disk)
 
 
-def build_backend(opts: ServeSettings, cache: StateCache | None = None) -> Backend:
-    """The engine's backend (``EngineSpec.backend``), given the serve settings by name to read its own."""
+def build_backend(opts: ServeSettings, cache: StateCache | None = None, readouts: Readouts | None = None) -> Backend:
+    """The engine's backend (``EngineSpec.backend``), given the serve settings by name to read its own, and the
+    readout manifest (``build_readouts``)."""
     spec = ENGINES.get(opts.backend)
     if spec is not None:
-        return spec.backend(cache, opts.model_dump())
+        return spec.backend(cache, {**opts.model_dump(), "readouts_manifest": readouts})
     raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(backend_choices())}")
+
+
+def build_readouts(opts: ServeSettings) -> Readouts | None:
+    """The readout manifest of ``--readouts`` (``backends.readouts``), read once; a file that is not one stops
+    the start with what is wrong with it."""
+    if opts.readouts is None:
+        return None
+    from backends.readouts import Readouts
+
+    try:
+        return Readouts.load(opts.readouts)
+    except ModeldError as exc:
+        raise SystemExit(f"--readouts: {exc.message}") from None
 
 
 def build_planner(opts: ServeSettings) -> Planner:
@@ -244,9 +262,10 @@ def build_slot(
     """The slot service over ``backend`` (default: the one ``opts`` names), with its planner, side slot and
     workspace cache (built from ``opts`` with the backend; a given backend comes with its own ``cache``)."""
     opts = resolve_backend(opts)
+    readouts = build_readouts(opts)
     if backend is None:
         cache = build_cache(opts)
-        backend = build_backend(opts, cache)
+        backend = build_backend(opts, cache, readouts)
     # The side slot's budget check asks the slot what the generation model holds,
     # and the slot needs the side slot: the check reads the slot through this box.
     built: list[SlotService] = []
@@ -260,6 +279,7 @@ def build_slot(
         cache=cache,
         backend_reason=opts.backend_reason,
         catalog=build_catalog(opts),
+        readouts=readouts.info() if readouts is not None else None,
         **engine_build(opts.backend),
     )
     built.append(slot)

@@ -500,6 +500,11 @@ class ServeSettings(HttpSettings):
         description="speculative decoding of greedy requests by default (a request's `speculative` wins): drafts copied from the "
         "context are checked in one batch, so answers that repeat what the model was shown decode faster",
     )
+    readouts: Annotated[OptionalPath, Flag("FILE", MODEL)] = Field(
+        None,
+        description="a readout manifest (safetensors: per layer, one direction per concept; see the docs' Readouts): "
+        "a prefill that asks gets each token's residual stream dotted with them",
+    )
     stream_interval_ms: Annotated[NonNegative, Flag("MS", SESSIONS)] = Field(
         DEFAULT_STREAM_INTERVAL_S * 1000,
         description="a decode stream sends at most one frame per this many ms, the tokens decoded meanwhile "

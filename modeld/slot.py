@@ -68,6 +68,7 @@ from contract.types import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    ReadoutInfo,
     SamplingParams,
     SessionSnapshot,
     SlotState,
@@ -209,11 +210,14 @@ class SlotService:
         gpu_offload: bool = False,
         clock: Callable[[], float] = time.monotonic,
         on_transition: TransitionHook | None = None,
+        readouts: ReadoutInfo | None = None,
     ) -> None:
         """``settings``: the serve settings' defaults when None. ``clock``: seconds from any fixed point, what
         leases, the session TTL and the idle unload are measured on (a test advances its own instead of sleeping);
         ``on_transition``: told each state change."""
         self.backend = backend
+        #: the readout manifest the backend serves (``serve --readouts``), for status
+        self.readouts = readouts
         settings = settings if settings is not None else ServeSettings.model_construct()
         self._clock = clock
         #: the models loadable by name (``modeld load NAME``, a request naming another model); None: by path only
@@ -295,6 +299,7 @@ class SlotService:
                 endpoint=self.endpoint,
                 embedding=self._embedder.status() if self._embedder is not None else None,
                 cache=dict(self.cache.status()) if self.cache is not None else None,
+                readouts=self.readouts,
                 idle_s=None if self._loaded is None or self._holder is not None else round(self._clock() - self._last_active, 1),
                 idle_unload_s=self.idle_unload_s,
                 session_ttl_s=self.session_ttl_s,

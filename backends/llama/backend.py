@@ -18,11 +18,12 @@ from ..bundled import model_cache_dir
 from ..devices import read_gpus
 from ..digest import file_digest
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_layout_digest, gguf_scalars, is_gguf
+from ..readouts import Readouts
 from ..registry import engine, option_list
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .model import BACKEND_NAME, LlamaLoadedModel
-from .native import gpu_offload, map_errors, open_llama, runtime_version, system_info
+from .native import LayerTap, gpu_offload, map_errors, open_llama, runtime_version, system_info
 from .options import DEFAULT_NUM_BATCH, LoadOptions, shape_from_scalars
 
 RUNTIME_NAME = "llama.cpp"
@@ -49,6 +50,7 @@ class LlamaBackend:
         cache: StateCache | None = None,
         speculative: bool = True,
         *,
+        readouts: Readouts | None = None,
         gpus: Callable[[], Sequence[MemoryPool]] = read_gpus,
         offload: Callable[[], bool] = gpu_offload,
     ) -> None:
@@ -56,6 +58,8 @@ class LlamaBackend:
         self.cache = cache
         #: decode passes speculate unless a request says otherwise (``backends.tape.speculate``)
         self.speculative = speculative
+        #: the concept readouts every model serves (``serve --readouts``; checked against each model at its load)
+        self.readouts = readouts
         #: the machine's GPUs (``backends.devices.read_gpus``), and whether this build offloads to them
         self._gpus = gpus
         self._offload = offload
@@ -73,7 +77,12 @@ class LlamaBackend:
             options = LoadOptions.resolve(req.config, hint)
             digest = file_digest(path, model_cache_dir())
             check_digest(req.path, req.digest, digest)
-            llm = open_llama(path, progress=progress, extra_bufts=options.extra_bufts, **options.llama_kwargs())
+            tap = None
+            if self.readouts is not None:
+                self.readouts.check(hint.n_embd, hint.n_layer)  # before any weight is read
+                tap = LayerTap(self.readouts.layers)
+            llm = open_llama(path, progress=progress, extra_bufts=options.extra_bufts, tap=tap,
+                             **options.llama_kwargs())
             try:
                 shape = replace(
                     hint,
@@ -84,7 +93,7 @@ class LlamaBackend:
                 )
                 model = LlamaLoadedModel(
                     llm, path=str(path), digest=digest, shape=shape, options=options, config=req.config,
-                    requested_template=template,
+                    requested_template=template, tap=tap, readouts=self.readouts,
                 )
                 model.layout = gguf_layout_digest(path)  # the key its draft costs are kept under
                 model.probe_rows()  # before the draft costs: a refused load measures nothing more

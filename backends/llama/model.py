@@ -30,16 +30,17 @@ from llama_cpp import Llama
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from contract import interrupt
-from contract.errors import InvalidArgument, SnapshotRejected, UnsupportedFeature
+from contract.errors import Internal, InvalidArgument, SnapshotRejected, UnsupportedFeature
 from contract.sizing import ModelShape, kv_bytes_per_token
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
-from ..tape.model import RowsFn, TapeModelBase
+from ..readouts import Readouts
+from ..tape.model import RowsFn, StatesFn, TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import refuse_diffs, state_buffer, unpack_state
 from ..tape.templates import check_renders, choose_template, render_defaults, renders_tools
 from . import probe
-from .native import KV_GGML_TYPES, map_errors, runtime_version
+from .native import KV_GGML_TYPES, LayerTap, map_errors, runtime_version
 from .options import LoadOptions
 from .sampling import LlamaSteps, build_sampler, grammar_source
 
@@ -78,7 +79,8 @@ class LlamaLoadedModel(TapeModelBase):
     backend_name = BACKEND_NAME
 
     def __init__(self, llm: Llama, *, path: str, digest: str, shape: ModelShape, options: LoadOptions, config: Config,
-                 requested_template: tuple[str, str] | None = None) -> None:
+                 requested_template: tuple[str, str] | None = None, tap: LayerTap | None = None,
+                 readouts: Readouts | None = None) -> None:
         self._llm = llm
         self.shape = shape
         self.options = options
@@ -114,6 +116,10 @@ class LlamaLoadedModel(TapeModelBase):
         self.probe: probe.RowsProbe | None = None
         #: the logits buffer holds the distribution after the last resident token
         self.logits_live = False
+        #: the readout layers' tap (``native.LayerTap``; the backend builds the context with it when readouts are
+        #: served) and the manifest it serves
+        self.tap: LayerTap | None = tap
+        self.readouts = readouts
         #: set while a prefill runs inside contract.interrupt.interruptible(...)
         self._abort_event: threading.Event | None = None
         # llama.cpp polls this between graph nodes; the reference keeps ctypes' thunk alive
@@ -217,13 +223,13 @@ class LlamaLoadedModel(TapeModelBase):
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
-    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int:
+    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None, states: StatesFn | None = None) -> int:
         """Make the KV hold ``tokens``, reusing the first ``keep`` resident ones.
 
         Returns how many were actually reused (0 when the memory cannot drop a
         tail, e.g. recurrent models). Updates the tape; on failure the KV and the
         tape are left equal to whatever prefix was computed, and the error raised.
-        With ``rows``, each batch's logits go to it, every row of it.
+        With ``rows``, each batch's logits go to it, every row of it; with ``states``, each batch's readouts.
         """
         llm = self._llm
         self.epoch += 1
@@ -243,10 +249,10 @@ class LlamaLoadedModel(TapeModelBase):
                     # numerics), each one a point where a cancel stops and what came before stays
                     for a in range(keep, len(tokens), llm.n_batch):
                         interrupt.check("prefill")
-                        if rows is None:
+                        if rows is None and states is None:
                             llm.eval(tokens[a : a + llm.n_batch])
                         else:
-                            self._eval_rows(tokens[a : a + llm.n_batch], rows)
+                            self._eval_rows(tokens[a : a + llm.n_batch], rows, states)
                         interrupt.chunk_done(llm.n_tokens)
                 self.logits_live = True
         finally:
@@ -256,19 +262,39 @@ class LlamaLoadedModel(TapeModelBase):
                 self.exact_len = len(self.res.tokens)
         return keep
 
-    def _eval_rows(self, batch: list[int], rows: RowsFn) -> None:
+    def _eval_rows(self, batch: list[int], rows: RowsFn | None, states: StatesFn | None = None) -> None:
         """``Llama.eval`` of one batch with the logits of every row kept (as ``Llama(logits_all=True)`` evaluates),
         handed to ``rows``. Done here because a ``Llama`` built without ``logits_all`` keeps room for one batch of
-        scores only, and this one model serves plain prefills too."""
+        scores only, and this one model serves plain prefills too. With ``states`` the readout layers' outputs are
+        taken while the batch runs (``native.LayerTap``; every row is an output, so the last layer keeps them
+        all) and their readouts handed to it."""
         llm = self._llm
         n_past = llm.n_tokens
+        tap, readouts = self.tap, self.readouts
+        if states is not None and (tap is None or readouts is None):
+            raise UnsupportedFeature("this model was loaded without a readout manifest (serve --readouts FILE)")
         llm._ctx.kv_cache_seq_rm(-1, n_past, -1)
         llm._batch.set_batch(batch=batch, n_past=n_past, logits_all=True)
-        llm._ctx.decode(llm._batch)
+        if tap is not None:
+            tap.rows.clear()
+            tap.active = states is not None
+        try:
+            llm._ctx.decode(llm._batch)
+        finally:
+            if tap is not None:
+                tap.active = False
         llm.input_ids[n_past : n_past + len(batch)] = batch
         logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm._ctx.ctx), shape=(len(batch), self.vocab_size))
         llm.n_tokens += len(batch)
-        rows(n_past, logits)
+        if rows is not None:
+            rows(n_past, logits)
+        if states is not None:
+            assert tap is not None and readouts is not None
+            streams = tap.take(readouts.hidden_size)
+            short = [layer for layer in readouts.layers if streams.get(layer, np.empty((0,))).shape[0] != len(batch)]
+            if short:
+                raise Internal(f"llama.cpp handed no full output of layers {short} for a batch of {len(batch)}")
+            states(n_past, readouts.project(streams))
 
     @contextlib.contextmanager
     def _abortable(self) -> Iterator[None]:

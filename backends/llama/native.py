@@ -26,6 +26,7 @@ from typing import Any
 
 import jinja2
 import llama_cpp
+import numpy as np
 from llama_cpp import Llama
 from llama_cpp import _logger as llama_logger
 
@@ -175,16 +176,73 @@ def system_info() -> str:
     return bytes(llama_cpp.llama_print_system_info()).decode("utf-8", "replace").strip()
 
 
+class LayerTap:
+    """Copies of chosen layers' outputs (llama.cpp's ``l_out-N`` tensors), taken through the context's graph
+    evaluation callback (``cb_eval``) while ``active``.
+
+    The callback is asked about every graph node before it runs; it wants only the listed layers' outputs, and
+    only while active, so a context built with it computes as one without it (the scheduler splits the graph at
+    a wanted node only). ``rows`` then holds, per layer, its rows in the order the micro-batches ran.
+    """
+
+    def __init__(self, layers: list[int]) -> None:
+        import llama_cpp._ggml as ggml
+
+        lib = ggml.libggml
+        lib.ggml_get_name.restype = ctypes.c_char_p
+        lib.ggml_get_name.argtypes = [ctypes.c_void_p]
+        lib.ggml_nbytes.restype = ctypes.c_size_t
+        lib.ggml_nbytes.argtypes = [ctypes.c_void_p]
+        lib.ggml_backend_tensor_get.restype = None
+        lib.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        self._lib = lib
+        self._wanted = {f"l_out-{n}".encode(): n for n in layers}
+        self.active = False
+        self.rows: dict[int, list[np.ndarray]] = {}
+        self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._on_node)
+
+    def _on_node(self, tensor: int, ask: bool, _user: Any) -> bool:
+        # Called from llama.cpp's compute thread with the GIL taken; an exception cannot cross C, so none escapes.
+        try:
+            layer = self._wanted.get(self._lib.ggml_get_name(tensor)) if self.active else None
+            if ask or layer is None:
+                return layer is not None
+            size = int(self._lib.ggml_nbytes(tensor))
+            out = np.empty(size // 4, np.float32)  # l_out is float32 on every backend
+            self._lib.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, size)
+            self.rows.setdefault(layer, []).append(out)
+        except Exception:  # noqa: BLE001 - see above; a missing row shows as a short readout
+            pass
+        return True
+
+    def take(self, hidden: int) -> dict[int, np.ndarray]:
+        """Each layer's rows since the last take, ``[n_tokens, hidden]``."""
+        rows, self.rows = self.rows, {}
+        return {layer: np.concatenate(parts).reshape(-1, hidden) for layer, parts in rows.items()}
+
+
 class ParamsLlama(Llama):
-    """``Llama`` whose model params get a progress callback and the extra-buffer switch.
+    """``Llama`` whose model params get a progress callback and the extra-buffer switch, and whose context params
+    a graph evaluation callback (``LayerTap``).
 
     ``Llama.__init__`` creates ``self.model_params`` and loads the model in the same
     call; assigning through this property is the only point where the struct can
-    be amended before llama.cpp reads it.
+    be amended before llama.cpp reads it (``context_params`` likewise).
     """
 
     _pending_progress: Any = None
     _pending_extra_bufts: bool = True
+    _pending_cb_eval: Any = None
+
+    @property
+    def context_params(self) -> Any:
+        return self.__dict__["_modeld_context_params"]
+
+    @context_params.setter
+    def context_params(self, params: Any) -> None:
+        if self._pending_cb_eval is not None:
+            params.cb_eval = self._pending_cb_eval
+        self.__dict__["_modeld_context_params"] = params
 
     @property
     def model_params(self) -> Any:
@@ -203,6 +261,7 @@ def open_llama(
     *,
     progress: ProgressFn | None = None,
     extra_bufts: bool | None = None,
+    tap: LayerTap | None = None,
     **llama_kwargs: Any,
 ) -> Llama:
     """A ``Llama`` for ``path`` with real load progress and this build's AMX workaround.
@@ -215,6 +274,7 @@ def open_llama(
     llama_kwargs.setdefault("verbose", False)
     cls: type[ParamsLlama] = type("_ConfiguredLlama", (ParamsLlama,), {})
     cls._pending_extra_bufts = extra_bufts_default() if extra_bufts is None else extra_bufts
+    cls._pending_cb_eval = tap.callback if tap is not None else None
     c_progress = None
     if progress is not None:
         last = [0.0]
@@ -237,4 +297,5 @@ def open_llama(
     # The callback pointer stays in the params struct; keep the Python object alive
     # as long as the instance.
     llm.__dict__["_modeld_progress_ref"] = c_progress
+    llm.__dict__["_modeld_tap_ref"] = tap
     return llm

@@ -18,10 +18,11 @@ from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, ModelInfo, OpenSessionRequest
 
 from ..gguf_file import gguf_facts, gguf_layout_digest
+from ..readouts import Readouts
 from ..registry import option_list
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
-from .graph import paged_model, wants_batch_graph
+from .graph import add_readouts, paged_model, wants_batch_graph
 from .model import BACKEND_NAME, OpenVINOLoadedModel
 from .native import map_errors, runtime_version, type_name
 from .options import (
@@ -50,8 +51,12 @@ class OpenVINOBackend:
         device: str = "CPU",
         cache: StateCache | None = None,
         speculative: bool = True,
+        *,
+        readouts: Readouts | None = None,
     ) -> None:
         self.device = device
+        #: the concept readouts every model serves (``serve --readouts``; checked against each model at its load)
+        self.readouts = readouts
         #: the workspace cache every loaded model saves to and restores from (None: none)
         self.cache = cache
         #: decode passes speculate unless a request says otherwise (``backends.tape.speculate``)
@@ -90,6 +95,9 @@ class OpenVINOBackend:
                     kv_cache_type="f32",
                     inference_precision=hint,
                 )
+            if self.readouts is not None:
+                # before anything compiles (an IR without a config: the graph's own width is checked below)
+                self.readouts.check(shape.n_embd or self.readouts.hidden_size, shape.n_layer)
             compiled, batch = self._compile(src.ir / "openvino_model.xml", options)
             progress(0.9)
             tokenizer = openvino_genai.Tokenizer(str(src.ir))
@@ -107,6 +115,7 @@ class OpenVINOBackend:
             )
             if src.gguf is not None:  # an IR's graph file names its nodes per conversion: the GGUF's layout
                 loaded.layout = gguf_layout_digest(src.gguf)
+            loaded.readouts = self.readouts
             finish_load(loaded, self.cache, self.speculative)
         progress(1.0)
         return loaded
@@ -124,6 +133,8 @@ class OpenVINOBackend:
             return self.core.compile_model(m, self.device, options.compile_config())
 
         model = paged_model(self.core, xml)
+        if self.readouts is not None:
+            add_readouts(model, self.readouts)
         if not options.batch_graph:
             return compile_one(model), None
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="modeld-compile") as pool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import openvino as ov
@@ -10,6 +11,9 @@ import openvino.opset13 as ov_ops
 from openvino._offline_transformations import paged_attention_transformation
 
 from contract.errors import ModelLoadFailed
+
+if TYPE_CHECKING:
+    from ..readouts import Readouts
 
 __all__ = [
     "EXACT_STEP_ROWS",
@@ -122,3 +126,37 @@ def verify_rows(n: int) -> int:
         if n <= rows:
             return rows
     return bucket(n)
+
+
+#: the residual stream after decoder layer N (its input plus attention plus MLP) in the IRs openvino-genai builds
+#: from a GGUF (``gguf_utils/building_blocks.cpp``): what llama.cpp calls ``l_out-N``
+_LAYER_OUT = "model.layers.self_attn.add1.layer{}"
+
+
+def readout_name(layer: int) -> str:
+    """The output a readout graph gives layer ``layer``'s readouts under (``add_readouts``)."""
+    return f"readout.{layer}"
+
+
+def add_readouts(model: ov.Model, readouts: Readouts) -> None:
+    """Give ``model`` one more output per readout layer: that layer's residual stream times the manifest's
+    ``[hidden_size, n_concepts]`` directions (``readout_name``), every row of a chunk. ModelLoadFailed when the IR
+    has no such node for a layer, or its width is not the manifest's hidden size."""
+    nodes = {op.get_friendly_name(): op for op in model.get_ordered_ops()}
+    for layer in readouts.layers:
+        node = nodes.get(_LAYER_OUT.format(layer))
+        if node is None:
+            raise ModelLoadFailed(f"this IR has no output of layer {layer} that readouts know "
+                                  f"({_LAYER_OUT.format(layer)!r}): readouts serve IRs built from a GGUF",
+                                  layer=layer)
+        width = node.get_output_partial_shape(0)[-1]
+        if width.is_static and width.get_length() != readouts.hidden_size:
+            raise ModelLoadFailed(f"the readout manifest reads a hidden size of {readouts.hidden_size}; the model's "
+                                  f"is {width.get_length()}", manifest_hidden_size=readouts.hidden_size,
+                                  model_hidden_size=width.get_length())
+        directions = ov_ops.constant(readouts.matrices[layer])
+        product = ov_ops.matmul(node.output(0), directions, False, False)
+        product.output(0).get_tensor().set_names({readout_name(layer)})
+        model.add_outputs([product.output(0)])
+    model.validate_nodes_and_infer_types()
+

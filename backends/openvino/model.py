@@ -32,16 +32,24 @@ import openvino as ov
 import openvino_genai
 
 from contract import interrupt
-from contract.errors import InvalidArgument, ModeldError, ModelLoadFailed, SnapshotRejected
+from contract.errors import InvalidArgument, ModeldError, ModelLoadFailed, SnapshotRejected, UnsupportedFeature
 from contract.manifest import common_prefix_len
 from contract.sizing import ModelShape
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
-from ..tape.model import RowsFn, TapeModelBase
+from ..tape.model import RowsFn, StatesFn, TapeModelBase
 from ..tape.session import DecodeSteps
 from ..tape.state import refuse_diffs, state_buffer, unpack_state
 from ..tape.templates import JinjaTemplate, check_renders, choose_template
-from .graph import EXACT_STEP_ROWS, MIN_PREFILL_ROWS, VERIFY_ROWS, WARM_BUCKETS_UP_TO, bucket, verify_rows
+from .graph import (
+    EXACT_STEP_ROWS,
+    MIN_PREFILL_ROWS,
+    VERIFY_ROWS,
+    WARM_BUCKETS_UP_TO,
+    bucket,
+    readout_name,
+    verify_rows,
+)
 from .guidance import TokenGuide, build_tokenizer, compile_grammar
 from .native import map_errors, runtime_version, type_name
 from .options import LoadOptions, overhead_bytes
@@ -360,6 +368,14 @@ class OpenVINOLoadedModel(TapeModelBase):
         last: np.ndarray = out[-1, 0]
         return last
 
+    def _readouts_of(self, n: int) -> np.ndarray:
+        """The last batch inference's readouts of its first ``n`` rows: ``[n, n_layers, n_concepts]``."""
+        assert self.readouts is not None
+        k = len(self.readouts.concepts)
+        per_layer = [self.batch_req.get_tensor(readout_name(layer)).data.reshape(-1, k)[:n]
+                     for layer in self.readouts.layers]
+        return np.stack(per_layer, axis=1).astype(np.float32)
+
     def _trim(self, n: int) -> None:
         """Forget everything after the first ``n`` tokens: bookkeeping only.
 
@@ -380,13 +396,16 @@ class OpenVINOLoadedModel(TapeModelBase):
         bounds = list(range(start, end, size)) + [end]
         yield from zip(bounds[:-1], bounds[1:], strict=False)
 
-    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int:
+    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None, states: StatesFn | None = None) -> int:
         """Make the KV hold ``tokens``, reusing the first ``keep`` resident ones; returns what was kept.
 
         Chunks run padded to their shape bucket (see the module docstring). On
         failure the tape equals the completed chunks and the error propagates.
-        With ``rows``, the LM head runs on every row of each chunk, and the rows go to it.
+        With ``rows``, the LM head runs on every row of each chunk, and the rows go to it; with ``states``, each
+        chunk's readouts (the graph's readout outputs: ``graph.add_readouts``).
         """
+        if states is not None and self.readouts is None:
+            raise UnsupportedFeature("this model was loaded without a readout manifest (serve --readouts FILE)")
         self.epoch += 1
         keep = min(keep, len(tokens), len(self.res.tokens))
         self._trim(keep)
@@ -395,6 +414,8 @@ class OpenVINOLoadedModel(TapeModelBase):
             interrupt.check("prefill")  # between chunks: a cancel costs at most one chunk
             logits = self._infer(tokens[a:b], a, rows=bucket(b - a), every_row=rows is not None)
             self.res.tokens = list(tokens[:b])
+            if states is not None:
+                states(a, self._readouts_of(b - a))
             if rows is not None:
                 rows(a, logits)
                 logits = logits[-1]

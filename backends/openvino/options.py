@@ -91,6 +91,7 @@ def shape_of_ir(ir: Path) -> ModelShape:
         if n_layer and head_dim:
             shape = ModelShape(
                 n_ctx_train=int(cfg.get("max_position_embeddings", 0) or 0),
+                n_embd=hidden,
                 n_layer=n_layer,
                 n_head=n_head,
                 n_head_kv=int(cfg.get("num_key_value_heads", 0) or n_head),

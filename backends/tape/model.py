@@ -47,11 +47,15 @@ from .toolformats import FORMATS, ToolFormat, detect_format, require_format
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..readouts import Readouts
     from .session import DecodeSteps, TapeSession
 
 #: what a scored prefill hands each chunk's logits to (``set_kv``'s ``rows``): the position of the chunk's first
 #: token, and a [tokens, vocab] array of the logits after each of them (valid during the call only)
 RowsFn = Callable[[int, "np.ndarray"], None]
+#: what a prefill with readouts hands each chunk's concept readouts to (``set_kv``'s ``states``): the position of the
+#: chunk's first token, and ``[n_tokens, n_layers, n_concepts]`` (``backends.readouts.Readouts.project``)
+StatesFn = Callable[[int, "np.ndarray"], None]
 
 #: ContextManifest.bos_policy values: the model's default, always add, never add
 BOS_POLICIES = ("", "add", "none")
@@ -107,6 +111,8 @@ class TapeModel(Protocol):
     tool_format: ToolFormat
     #: the workspace cache the daemon gave the model (None: none)
     cache: StateCache | None
+    #: the concept readouts a prefill may ask for (``serve --readouts``; None: none)
+    readouts: Readouts | None
     #: the prompts this model prefilled (``backends.tape.miss``): a later miss on one of them is an eviction
     seen: SeenPrompts
     #: decode passes speculate (prompt lookup) unless their DecodeConfig says otherwise
@@ -164,9 +170,10 @@ class TapeModel(Protocol):
         """The row count a batch of ``n`` tokens checked at once really runs with (>= n)."""
         ...
 
-    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int:
+    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None, states: StatesFn | None = None) -> int:
         """Make the KV hold ``tokens``, keeping the first ``keep``; returns how many were kept. With ``rows``,
-        every computed position's logits go to it, chunk by chunk (prefill-only scoring)."""
+        every computed position's logits go to it, chunk by chunk (prefill-only scoring); with ``states``, every
+        computed position's concept readouts (the model's ``readouts`` manifest)."""
         ...
 
     def clear_kv(self) -> None: ...
@@ -371,6 +378,8 @@ class TapeModelBase(ABC):
         self.exact_len = 0
         #: the workspace cache (``backends.tape.cache``); the backend sets it after the load
         self.cache: StateCache | None = None
+        #: the readout manifest (``backends.readouts``); the engine reads its layers' outputs when a prefill asks
+        self.readouts: Readouts | None = None
         #: fingerprints of the prompts this model prefilled: a miss on one of them is an eviction (``.miss``)
         self.seen = SHARED_SEEN
         #: the daemon's default for ``DecodeConfig.speculative`` (``backends.tape.speculate``)
@@ -618,7 +627,7 @@ class TapeModelBase(ABC):
     def token_bytes(self, tokens: list[int]) -> list[bytes]: ...
 
     @abstractmethod
-    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int: ...
+    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None, states: StatesFn | None = None) -> int: ...
 
     @abstractmethod
     def clear_kv(self) -> None: ...

@@ -44,7 +44,7 @@ from .cache import MIN_GAIN_TOKENS, SAVE_MIN_TOKENS, cache_key, restore_best, sa
 from .conversation import template_messages
 from .logprobs import token_logprob
 from .miss import Held, message_keys, prefix_miss, suffix_miss
-from .model import BOS_POLICIES, RowsFn, TapeModel, parse_tools, render_prefix, with_tools
+from .model import BOS_POLICIES, RowsFn, StatesFn, TapeModel, parse_tools, render_prefix, with_tools
 from .model import stable_text as stable_render
 from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
@@ -60,10 +60,11 @@ log = logging.getLogger("modeld.session")
 _PROMPT_TAIL_TOKENS = 8
 
 
-def _set_kv(m: TapeModel, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int:
+def _set_kv(m: TapeModel, tokens: list[int], keep: int, rows: RowsFn | None = None,
+            states: StatesFn | None = None) -> int:
     """``m.set_kv``: afterwards the KV holds exactly the context (whatever was kept past it is gone)."""
     try:
-        return m.set_kv(tokens, keep, rows)
+        return m.set_kv(tokens, keep, rows, states) if states is not None else m.set_kv(tokens, keep, rows)
     finally:
         m.res.live_len = None
 
@@ -89,6 +90,23 @@ class _Scores:
             at = first + i + 1  # the position this row scores
             if self._start <= at < len(self._target):
                 self.out[at - self._start] = token_logprob(logits[i], self._target[at], self._k, piece)
+
+
+class _Readouts:
+    """A suffix's concept readouts (``SuffixInput.readouts``), filled from the prefill's chunks."""
+
+    def __init__(self, m: TapeModel, target: list[int], start: int) -> None:
+        if m.readouts is None:
+            raise UnsupportedFeature("this daemon serves no readout manifest: start it with --readouts FILE")
+        self._start = start
+        #: one per suffix token: [n_layers][n_concepts]
+        self.out: list[list[list[float]]] = [[] for _ in range(len(target) - start)]
+
+    def states(self, first: int, values: np.ndarray) -> None:
+        for i in range(values.shape[0]):
+            at = first + i
+            if at >= self._start:
+                self.out[at - self._start] = values[i].tolist()
 
 
 def _splice(m: TapeModel, stable: list[int], text: str, resident: list[int]) -> list[int]:
@@ -461,9 +479,12 @@ class TapeSession:
         cached = 0
         restored: list[int] | None = None
         scores = _Scores(m, target, prefix_len, suffix.logprobs) if suffix.logprobs is not None else None
+        readouts = _Readouts(m, target, prefix_len) if suffix.readouts else None
+        if readouts is not None:
+            keep = min(keep, prefix_len)  # the suffix's own readouts come from computing it now
         if scores is not None:
             keep = min(keep, scores.first_row())  # its scores come from the rows computed now
-        elif keep < len(target) and m.cache is not None:
+        if scores is None and readouts is None and keep < len(target) and m.cache is not None:
             # another conversation under the same stable prefix may be in the cache
             context = (res.manifest, res.prefix_len, res.stable_text, res.tools, res.stable_token_hash)
             covered = restore_best(m, res.manifest, target, keep, count_miss=False)
@@ -482,7 +503,8 @@ class TapeSession:
             save_before_discard(m, keep)
         try:
             with m.errors("prefill_suffix: prefill"), interrupt.prefilling(keep, len(target)):
-                kept = _set_kv(m, target, keep, scores.rows if scores is not None else None)
+                kept = _set_kv(m, target, keep, scores.rows if scores is not None else None,
+                               readouts.states if readouts is not None else None)
         except Cancelled:
             # The chunks the KV completed stay (the tape equals them), for the next request with the same head;
             # the context is the stable prefix again, which a decode sees (``Resident.live``).
@@ -528,6 +550,8 @@ class TapeSession:
                                   restored=restored, token_bytes=m.token_bytes)
         if scores is not None:  # (what it prefilled again it was asked to: no miss)
             status.logprobs, status.miss = scores.out, None
+        if readouts is not None:
+            status.readouts, status.miss = readouts.out, None
         self._count_switch(status)
         return status
 

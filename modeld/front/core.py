@@ -38,6 +38,7 @@ from contract.types import (
     DaemonStatus,
     FinishReason,
     OpenSessionRequest,
+    ReadoutInfo,
     SlotState,
     TokenCount,
     TokenLogprob,
@@ -501,6 +502,14 @@ class Serving:
     def _status(self) -> DaemonStatus:
         with self.pool.client() as c:
             return c.status()
+
+    def readouts(self) -> ReadoutInfo:
+        """The readout manifest the daemon serves; 404 when it serves none (``serve --readouts``)."""
+        info = self._status().readouts
+        if info is None:
+            raise ApiError(404, "this daemon serves no readout manifest: start it with --readouts FILE",
+                           code="not_found")
+        return info
 
     @staticmethod
     def _check_loaded(st: DaemonStatus) -> ActiveModel:

@@ -8,6 +8,9 @@ tokenize on the server.
 does), in arrival order with the turns; an id outside the vocabulary is a 400 naming it. llama-server's
 ``with_pieces`` and ``parse_special: false`` are refused with a 400 rather than answered otherwise.
 
+``GET /v1/readouts`` answers the readout manifest the daemon serves (``serve --readouts``: its concepts, layers,
+hidden size and digest), or a 404 when it serves none.
+
 The package: ``protocol`` (the request and reply models) and ``routes``.
 """
 
@@ -18,6 +21,6 @@ from ..errors import ApiError
 from .routes import router
 
 #: the app's entry for it (``app.APIS``)
-API = HttpApi(lambda serving, _store: router(serving), ("/tokenize", "/detokenize", "/tokenizer_info"), ApiError.openai)
+API = HttpApi(lambda serving, _store: router(serving), ("/tokenize", "/detokenize", "/tokenizer_info", "/v1/readouts"), ApiError.openai)
 
 __all__ = ["API", "router"]

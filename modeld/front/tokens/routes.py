@@ -1,4 +1,5 @@
-"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` on a session of the loaded model."""
+"""``POST /tokenize``, ``POST /detokenize`` and ``GET /tokenizer_info`` on a session of the loaded model, and
+``GET /v1/readouts``: the readout manifest the daemon serves."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter
+
+from contract.types import ReadoutInfo
 
 from ..core import Serving, declared
 from ..errors import ApiError
@@ -36,5 +39,10 @@ def router(serving: Serving) -> APIRouter:
     async def tokenizer_info() -> dict[str, Any]:
         active = await anyio.to_thread.run_sync(serving.active)  # (the status: no turn waited for)
         return {"model_max_length": active.effective_context, "eos_token": None, "bos_token": None, "pad_token": None}
+
+    @r.get("/v1/readouts", responses=declared(ReadoutInfo, ErrorBody))
+    async def readouts() -> dict[str, Any]:
+        info = await anyio.to_thread.run_sync(serving.readouts)
+        return info.model_dump()
 
     return r
