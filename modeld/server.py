@@ -52,6 +52,8 @@ SHUTDOWN_WAIT_S = 10.0
 #: how long it waits for a worker the watchdog already found wedged (it made no progress for the whole
 #: wedge timeout; a cancel it has not seen by then is not seen in ten more seconds either)
 WEDGED_SHUTDOWN_WAIT_S = 1.0
+#: while the workers stop, what they reply is sent on and heartbeats go out this often (their usual second at most)
+SHUTDOWN_BEAT_S = 0.5
 LINGER_MS = 500
 SEND_HWM = 100_000
 
@@ -260,7 +262,7 @@ class Daemon:
         pending = self.work.take_queued()
         self.work.stop_workers()
         wait_s = WEDGED_SHUTDOWN_WAIT_S if self.watchdog.wedged else SHUTDOWN_WAIT_S
-        stuck = not self.workers.join(wait_s)
+        stuck = not self._join_answering(router, pull, wait_s)
         if stuck:
             # A wedged worker holds its socket and the model: the context cannot be terminated
             # cleanly, and waiting longer helps nobody. Answer what we can and leave.
@@ -276,6 +278,24 @@ class Daemon:
         if self._bound_ipc is not None:
             self._bound_ipc.unlink(missing_ok=True)
         log.info("modeld stopped")
+
+    def _join_answering(self, router: zmq.Socket[bytes], pull: zmq.Socket[bytes], wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the workers to stop, answering meanwhile: what a worker replies (a cancelled
+        prefill's ShuttingDown) goes out at once, and the requests still in flight keep their heartbeats. On a busy
+        machine a worker can take seconds to stop, and a client reads seconds without a heartbeat as a daemon that
+        died. False: a worker is still running (wedged)."""
+        deadline = time.monotonic() + wait_s
+
+        def send(identity: bytes, frames: list[bytes]) -> bool:
+            return self._send(router, identity, frames)
+
+        while True:
+            if self.workers.join(min(SHUTDOWN_BEAT_S, max(0.0, deadline - time.monotonic()))):
+                return True
+            self._drain_out(router, pull)
+            self.watchdog.heartbeats(send, time.monotonic())
+            if time.monotonic() >= deadline:
+                return False
 
     # --- IO thread ---------------------------------------------------------------------------
     def _send(self, router: zmq.Socket[bytes], identity: bytes, frames: list[bytes]) -> bool:

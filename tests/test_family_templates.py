@@ -211,6 +211,9 @@ def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
     assert gguf_layout_digest(bundled) == gguf_layout_digest(bare) != gguf_layout_digest(served_bundled_gguf())
     with pytest.raises(ValueError, match="truncated or corrupt"):
         gguf_layout_digest(truncated_gguf(bundled, tmp_path / "cut.gguf", keep_fraction=0.01))
+    # whatever the timing gives is kept: a busy machine's table is refused as implausible (tests/test_tape.py),
+    # which is not what this test is about
+    monkeypatch.setattr(draft_costs, "plausible", lambda costs: True)
     base = _load(engine, "")
     try:
         base.idle_work()  # timed as an idle daemon times them, where no table is kept yet
