@@ -421,7 +421,9 @@ def scenario_fork(t: Target) -> dict[str, Any]:
         at = fork.explain_context().resident_tokens
         with pytest.raises(OffsetDrift):
             fork.prefill_suffix(SuffixInput(tokens=more, offset=head, manifest=m))
-        assert fork.prefill_suffix(SuffixInput(tokens=more, offset=at, manifest=m)).prefilled_tokens == len(more)
+        # (its own short tail, past the head, may be computed again as the source's was)
+        assert len(more) <= fork.prefill_suffix(SuffixInput(tokens=more, offset=at, manifest=m)).prefilled_tokens \
+            <= at - head + len(more)
         for f in forks:
             f.close()
         forks.clear()
