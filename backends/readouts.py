@@ -85,13 +85,13 @@ class Readouts:
         return cls(path=str(p), concepts=list(concepts), layers=sorted(matrices), hidden_size=hidden,
                    digest="sha256:" + hashlib.sha256(data).hexdigest(), matrices=matrices)
 
-    def check(self, hidden_size: int, n_layer: int) -> None:
-        """ModelLoadFailed when the model's residual stream is not what the manifest reads."""
-        if hidden_size != self.hidden_size:
+    def check(self, hidden_size: int | None, n_layer: int | None) -> None:
+        """ModelLoadFailed when the model's residual stream is not what the manifest reads (None: not known)."""
+        if hidden_size is not None and hidden_size != self.hidden_size:
             raise ModelLoadFailed(
                 f"the readout manifest {self.path} reads a hidden size of {self.hidden_size}; the model's is "
                 f"{hidden_size}", manifest_hidden_size=self.hidden_size, model_hidden_size=hidden_size)
-        if self.layers[-1] >= n_layer:
+        if n_layer is not None and self.layers[-1] >= n_layer:
             raise ModelLoadFailed(
                 f"the readout manifest {self.path} reads layer {self.layers[-1]}; the model has {n_layer} "
                 f"(0-{n_layer - 1})", manifest_layer=self.layers[-1], model_layers=n_layer)

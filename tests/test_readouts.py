@@ -169,6 +169,7 @@ def _openvino_readouts(prefix: list[int], suffix: list[int]) -> dict[int, np.nda
     outputs."""
     import openvino as ov
 
+    from backends.openvino.graph import layer_output
     from backends.openvino.options import resolve_source
 
     src = resolve_source(str(bundled_gguf_path()), prepare=True)
@@ -176,7 +177,7 @@ def _openvino_readouts(prefix: list[int], suffix: list[int]) -> dict[int, np.nda
     model = core.read_model(str(src.ir / "openvino_model.xml"))
     nodes = {op.get_friendly_name(): op for op in model.get_ordered_ops()}
     first = len(model.outputs)
-    model.add_outputs([nodes[f"model.layers.self_attn.add1.layer{layer}"].output(0) for layer in LAYERS])
+    model.add_outputs([nodes[layer_output(layer)].output(0) for layer in LAYERS])
     compiled = core.compile_model(model, "CPU")  # the device's own precision, as the daemon computes in
     tokens = prefix + suffix
     n = len(tokens)

@@ -24,7 +24,7 @@ import pytest
 from backends.resident import check_model_type
 from backends.tape import draft_costs as costs_mod
 from backends.tape.loading import check_load, finish_load
-from backends.tape.model import RowsFn, TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
+from backends.tape.model import RowsFn, StatesFn, TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
 from backends.tape.session import DecodeSteps, TapeSession
 from backends.tape.speculate import (
     MATCH_CLASSES,
@@ -47,6 +47,7 @@ from contract.errors import (
     ModelLoadFailed,
     SessionClosed,
     SnapshotRejected,
+    UnsupportedFeature,
 )
 from contract.types import (
     Config,
@@ -210,7 +211,9 @@ class ToyModel(TapeModelBase):
     def token_bytes(self, tokens: list[int]) -> list[bytes]:
         return [bytes([t]) for t in tokens]
 
-    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None) -> int:
+    def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None, states: StatesFn | None = None) -> int:
+        if states is not None:
+            raise UnsupportedFeature("the toy engine has no residual stream to read out")
         self.epoch += 1
         keep = min(keep, len(tokens), len(self.res.tokens))
         del self.kv[keep:]

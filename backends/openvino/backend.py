@@ -96,8 +96,8 @@ class OpenVINOBackend:
                     inference_precision=hint,
                 )
             if self.readouts is not None:
-                # before anything compiles (an IR without a config: the graph's own width is checked below)
-                self.readouts.check(shape.n_embd or self.readouts.hidden_size, shape.n_layer)
+                # before anything compiles (an IR without a config: the graph's own width, in add_readouts)
+                self.readouts.check(shape.n_embd or None, shape.n_layer)
             compiled, batch = self._compile(src.ir / "openvino_model.xml", options)
             progress(0.9)
             tokenizer = openvino_genai.Tokenizer(str(src.ir))

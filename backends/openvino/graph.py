@@ -133,6 +133,11 @@ def verify_rows(n: int) -> int:
 _LAYER_OUT = "model.layers.self_attn.add1.layer{}"
 
 
+def layer_output(layer: int) -> str:
+    """The friendly name of layer ``layer``'s output node (``_LAYER_OUT``)."""
+    return _LAYER_OUT.format(layer)
+
+
 def readout_name(layer: int) -> str:
     """The output a readout graph gives layer ``layer``'s readouts under (``add_readouts``)."""
     return f"readout.{layer}"
@@ -144,16 +149,13 @@ def add_readouts(model: ov.Model, readouts: Readouts) -> None:
     has no such node for a layer, or its width is not the manifest's hidden size."""
     nodes = {op.get_friendly_name(): op for op in model.get_ordered_ops()}
     for layer in readouts.layers:
-        node = nodes.get(_LAYER_OUT.format(layer))
+        node = nodes.get(layer_output(layer))
         if node is None:
             raise ModelLoadFailed(f"this IR has no output of layer {layer} that readouts know "
-                                  f"({_LAYER_OUT.format(layer)!r}): readouts serve IRs built from a GGUF",
+                                  f"({layer_output(layer)!r}): readouts serve IRs built from a GGUF",
                                   layer=layer)
         width = node.get_output_partial_shape(0)[-1]
-        if width.is_static and width.get_length() != readouts.hidden_size:
-            raise ModelLoadFailed(f"the readout manifest reads a hidden size of {readouts.hidden_size}; the model's "
-                                  f"is {width.get_length()}", manifest_hidden_size=readouts.hidden_size,
-                                  model_hidden_size=width.get_length())
+        readouts.check(width.get_length() if width.is_static else None, None)
         directions = ov_ops.constant(readouts.matrices[layer])
         product = ov_ops.matmul(node.output(0), directions, False, False)
         product.output(0).get_tensor().set_names({readout_name(layer)})

@@ -64,7 +64,7 @@ def _set_kv(m: TapeModel, tokens: list[int], keep: int, rows: RowsFn | None = No
             states: StatesFn | None = None) -> int:
     """``m.set_kv``: afterwards the KV holds exactly the context (whatever was kept past it is gone)."""
     try:
-        return m.set_kv(tokens, keep, rows, states) if states is not None else m.set_kv(tokens, keep, rows)
+        return m.set_kv(tokens, keep, rows, states)
     finally:
         m.res.live_len = None
 
