@@ -7,7 +7,7 @@ tokens, where and why the prompt's reuse stopped when it lost what the daemon he
 reason, time to first token, what the prefill computed and its tokens per second, total time, and the error
 code of a refusal. Routes fill the request's ``AccessRecord``
 (``record_of(request)``); a streamed reply fills it as it ends, and the line
-is written once the last byte is sent (or the client went away: status 499).
+is written as the last byte is sent (or once the client went away: status 499).
 With ``--log-format json`` each field is a key of the JSON line.
 """
 
@@ -118,9 +118,9 @@ class AccessLog:
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 record.status = int(message["status"])
-            await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
-                write()
+                write()  # before the last byte goes: a client that reads the log on its reply finds the line there
+            await send(message)
 
         try:
             await self.app(scope, receive, sending)
