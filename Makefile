@@ -136,12 +136,15 @@ $(FUZZ_STAMP): $(STAMP) $(DEPS)
 	@touch $@
 
 # Generated hostile frames against a real daemon process (FUZZ_ARGS="--examples N --backend llama"), then the
-# HTTP fronts: schemathesis from the served OpenAPI schema and the connection attacks (FUZZ_HTTP_ARGS="--examples N").
+# HTTP fronts: schemathesis from the served OpenAPI schema and the connection attacks (FUZZ_HTTP_ARGS="--examples N"),
+# then the WebSocket protocol's messages from its JSON Schema (FUZZ_WS_ARGS="--examples N").
 fuzz: $(FUZZ_STAMP)
 	$(PY) -m tests.fuzz_daemon $(FUZZ_ARGS)
 	$(PY) -m tests.fuzz_http $(FUZZ_HTTP_ARGS)
+	$(PY) -m tests.fuzz_ws $(FUZZ_WS_ARGS)
 
-# A long run against real daemons: RSS, descriptors, vanished clients (SOAK_ARGS="--cycles N --turns N").
+# A long run against real daemons: RSS, descriptors, vanished clients (SOAK_ARGS="--cycles N --ws-generations N
+# --turns N").
 soak: setup
 	$(PY) -m tests.soak_daemon $(SOAK_ARGS)
 

@@ -423,9 +423,16 @@ def section_sessions(tmp: Path, count: Callable[[str], int]) -> str:
     return table(head, sessions.section(tmp, count))
 
 
+def section_streams(tmp: Path, count: Callable[[str], int]) -> str:
+    from benchmarks import streams
+
+    head = f"streams: one greedy {streams.MAX_TOKENS}-token reply over chat completions' SSE and over the WebSocket"
+    return table(head, streams.section(tmp, count))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,sessions,ttft,cold,capacity,embed",
+    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,sessions,streams,ttft,cold,capacity,embed",
                    help="comma-separated, in order")
     p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (docs/benchmarks.md shows it)")
     args = p.parse_args(argv)
@@ -476,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_cold(tmp, count), flush=True)
                 elif name == "sessions":
                     print(section_sessions(tmp, count), flush=True)
+                elif name == "streams":
+                    print(section_streams(tmp, count), flush=True)
                 else:
                     print(f"## {name}: unknown section")
                     failed.append(name)

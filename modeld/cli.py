@@ -1,5 +1,5 @@
-"""The ``modeld`` console script: ``serve``, ``prepare``, ``http``, ``keys`` and the store's commands (``pull``, ``ls``,
-``show``, ``rm``, ``alias``) run here, everything else is a client command.
+"""The ``modeld`` console script: ``serve``, ``prepare``, ``http``, ``keys``, ``feedback`` and the store's commands
+(``pull``, ``ls``, ``show``, ``rm``, ``alias``) run here, everything else is a client command.
 
 Each command's module is imported only when it runs, so a client command never
 loads the daemon (ZeroMQ server, capacity planner) and ``serve`` never loads a
@@ -63,6 +63,10 @@ def _daemon_main(command: str) -> Callable[[list[str]], int]:
         from .netsec import keys_main
 
         return keys_main
+    if command == "feedback":
+        from .front.ws.feedback import main as feedback_main
+
+        return feedback_main
     from .front import main as http_main
 
     return http_main
@@ -71,7 +75,7 @@ def _daemon_main(command: str) -> Callable[[list[str]], int]:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     command, rest = (args[0], args[1:]) if args else ("", [])
-    if command in ("serve", "prepare", "keys", "http", *STORE_COMMANDS):
+    if command in ("serve", "prepare", "keys", "http", "feedback", *STORE_COMMANDS):
         try:
             # an engine is imported once the command runs (``modeld serve --backend NAME``), not with it
             return _daemon_main(command)(rest)
@@ -108,7 +112,10 @@ def daemon_parsers() -> dict[str, argparse.ArgumentParser]:
         from .front.main import build_parser as http_parser
     except ImportError:
         return own
+    from .front.ws.feedback import build_parser as feedback_parser
+
     own["http"] = http_parser()
+    own["feedback"] = feedback_parser()
     return own
 
 

@@ -17,6 +17,7 @@ __all__ = [
     "DEFAULT_SESSION_TTL_S",
     "DEFAULT_STREAM_INTERVAL_S",
     "DEFAULT_WEDGE_S",
+    "DEFAULT_WS_PAUSE_LIMIT_S",
     "EXIT_WEDGED",
     "MAX_NICE",
     "QUEUE_TIMEOUT_S",
@@ -64,3 +65,5 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_MAX_CONNECTIONS = 512
 #: seconds a connection may take to send a request head
 DEFAULT_HEADER_TIMEOUT_S = 30.0
+#: seconds a paused WebSocket generation holds the slot before it is ended (``/v1/ws``'s ``pause``)
+DEFAULT_WS_PAUSE_LIMIT_S = 60.0

@@ -265,12 +265,14 @@ class Handlers:
         final: StreamChunk | None = None
         try:
             for chunk in stream:
-                if cancel.is_set():
-                    break
                 if chunk.done:
                     final = chunk
                     break
+                # a chunk the session handed out is sent even when the cancel came meanwhile: its token is in the
+                # context now, and a client that goes on with the session (a paused reply resumed) must have seen it
                 yield chunk
+                if cancel.is_set():
+                    break
         finally:
             stream.close()  # cancels the backend within one token when we stopped early
         if final is None:

@@ -83,6 +83,7 @@ from .defaults import (
     DEFAULT_SESSION_TTL_S,
     DEFAULT_STREAM_INTERVAL_S,
     DEFAULT_WEDGE_S,
+    DEFAULT_WS_PAUSE_LIMIT_S,
     EXIT_WEDGED,
     MAX_NICE,
     QUEUE_TIMEOUT_S,
@@ -308,6 +309,11 @@ class HttpSettings(BaseSettings):
     )
     alias: Annotated[Aliases, Flag("NAME=MODEL", HTTP)] = Field(
         (), description="NAME=MODEL: HTTP requests for model NAME are served by MODEL (repeatable)"
+    )
+    ws_pause_limit: Annotated[NonNegative, Flag("S", HTTP)] = Field(
+        DEFAULT_WS_PAUSE_LIMIT_S,
+        description="seconds a paused WebSocket generation (/v1/ws) keeps the slot; past it the generation ends "
+        "with a recoverable error and the slot goes to the next request",
     )
 
     @classmethod

@@ -115,6 +115,9 @@ class ChatEvent(BaseModel):
     #: with ``logprobs`` asked: the sampled tokens this delta came from (a frame of several merged steps gives
     #: all of its tokens' to its first event)
     logprobs: list[TokenLogprob] = Field(default_factory=list)
+    #: with ``return_token_ids`` asked: the ids of the tokens this delta came from (as ``logprobs``: a merged
+    #: frame's all go to its first event; a token whose text was held back comes with the delta that sends it)
+    token_ids: list[int] = Field(default_factory=list)
     result: ChatResult | None = None
 
     @classmethod
@@ -123,9 +126,11 @@ class ChatEvent(BaseModel):
         reasoning and text (``text_pieces``, ``thinking_pieces``; its calls in one event after them), in their
         order: an HTTP API then sends a delta a step, as a server that sends a frame a token does."""
         if not (chunk.text_pieces or chunk.thinking_pieces):
-            if chunk.text or chunk.thinking or chunk.tool_calls or chunk.tool_call_deltas:
+            # (asked for ids, each token is a frame: one whose text is held back is an event with its id only)
+            if chunk.text or chunk.thinking or chunk.tool_calls or chunk.tool_call_deltas or chunk.token_ids:
                 return [cls(text=chunk.text, thinking=chunk.thinking, tool_calls=list(chunk.tool_calls),
-                            tool_call_deltas=list(chunk.tool_call_deltas), logprobs=list(chunk.logprobs))]
+                            tool_call_deltas=list(chunk.tool_call_deltas), logprobs=list(chunk.logprobs),
+                            token_ids=list(chunk.token_ids))]
             return []
         # a merged frame's reasoning comes before its text, and its text before its calls (``modeld.coalesce``)
         out = [cls(thinking=p) for p in chunk.thinking_steps()]
@@ -133,6 +138,7 @@ class ChatEvent(BaseModel):
         if chunk.tool_calls or chunk.tool_call_deltas:
             out.append(cls(tool_calls=list(chunk.tool_calls), tool_call_deltas=list(chunk.tool_call_deltas)))
         out[0].logprobs = list(chunk.logprobs)
+        out[0].token_ids = list(chunk.token_ids)
         return out
 
 
@@ -419,8 +425,12 @@ class ChatTurn:
         self._used = True
         self._sess.close()
 
-    def events(self) -> Generator[ChatEvent, None, None]:
-        """Prefill what is new, then the reply's deltas; the last event carries the ``ChatResult``."""
+    def events(self, *, keep: bool = False) -> Generator[ChatEvent, None, None]:
+        """Prefill what is new, then the reply's deltas; the last event carries the ``ChatResult``.
+
+        ``keep``: the session (and so the slot) stays open after the reply, so that a reply that was stopped
+        (``cancel``) can go on with ``more``, with the same options or others; ``close`` gives it back. A prefill
+        that was cancelled or failed gives it back whatever ``keep`` says."""
         if self._used:
             raise SessionClosed("this turn already ran")
         self._used = True
@@ -463,7 +473,26 @@ class ChatTurn:
         )
         self.so_far = prompt.model_copy(update={"prompt_tokens": self.count.prompt_tokens})
         self._events = _events(sess, self.cfg, prompt, pre.prefill_ms + suf.prefill_ms, self._started,
-                               lambda: self._cancelled, suf.logprobs)
+                               lambda: self._cancelled, suf.logprobs, keep=keep)
+        return self._events
+
+    def more(self, **decode: Any) -> Generator[ChatEvent, None, None]:
+        """The reply goes on from where the last pass stopped (a turn run with ``events(keep=True)`` and then
+        cancelled or cut at its ``max_tokens``), with ``decode`` over the turn's options (``max_tokens`` counts
+        this pass's tokens). Greedy, the passes together write the tokens one pass would have. The result is
+        this pass's: its usage counts its own tokens, its prompt the whole context before it. The session stays
+        open; ``close`` ends it."""
+        if not self.prefilled or self._sess.closed:
+            raise SessionClosed("this turn holds no session to go on with (run events(keep=True) first)")
+        unknown = sorted(set(decode) - _DECODE_FIELDS)
+        if unknown:
+            raise InvalidArgument(f"unknown decode options {unknown}", unknown=unknown)
+        cfg = wire.parse(DecodeConfig, {**self.cfg.model_dump(), **decode})
+        if self._events is not None:
+            self._events.close()
+        self._cancelled = False
+        self._events = _events(self._sess, cfg, ChatUsage(), 0.0, time.perf_counter(), lambda: self._cancelled, [],
+                               keep=True)
         return self._events
 
 
@@ -476,7 +505,7 @@ def _cancelled_events(usage: ChatUsage, started: float) -> Generator[ChatEvent, 
 
 def _events(
     sess: RemoteSession, cfg: DecodeConfig, prompt: ChatUsage, prefill_ms: float, started: float,
-    cancelled: Callable[[], bool], prompt_logprobs: list[TokenLogprob | None],
+    cancelled: Callable[[], bool], prompt_logprobs: list[TokenLogprob | None], *, keep: bool = False,
 ) -> Generator[ChatEvent, None, None]:
     text: list[str] = []
     thinking: list[str] = []
@@ -501,7 +530,8 @@ def _events(
             yield from ChatEvent.steps(chunk)
     finally:
         stream.close()
-        sess.close()  # the slot is free for the next agent; the KV stays resident
+        if not keep:
+            sess.close()  # the slot is free for the next agent; the KV stays resident
     usage = final.usage if final is not None else None
     content = "".join(text)
     result = ChatResult(

@@ -166,6 +166,8 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
                    add_help=False, parents=parents("http"))
     sub.add_parser("keys", help="print the daemon's CURVE public key for --curve tcp endpoints (see `modeld keys --help`)",
                    add_help=False, parents=parents("keys"))
+    sub.add_parser("feedback", help="the ratings clients sent over the WebSocket protocol (see `modeld feedback --help`)",
+                   add_help=False, parents=parents("feedback"))
 
     for name, what in (("pull", "download a model into the store: user/repo:QUANT, user/repo/FILE.gguf or a path"),
                        ("ls", "list the stored models"), ("show", "one stored model in detail"),

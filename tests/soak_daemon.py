@@ -1,6 +1,6 @@
 """``make soak``: a long run against real daemon processes; memory, descriptors and the slot must stay put.
 
-Three phases:
+Four phases:
 
 1. a memory-backend daemon: ``--cycles`` session cycles (open, prefix, suffix,
    a short decode, close), with vanished clients mixed in — a client process
@@ -10,7 +10,9 @@ Three phases:
    (plain and streamed), Responses and Messages (plain and streamed) on one
    keep-alive connection, and every 100 turns a 200 MB body sent with a declared
    length and one sent chunked (each must be refused 413);
-3. a llama.cpp daemon: ``--turns`` turns of one conversation in one session.
+3. the same over the WebSocket protocol: ``--ws-generations`` generations on one connection, paused and
+   resumed, stopped after their first token, modified midway, every 50th connection dropped mid-generation;
+4. a llama.cpp daemon: ``--turns`` turns of one conversation in one session.
 
 Prints per phase: RSS at the start, the middle and the end (less the bytes the
 workspace cache holds in RAM: those are bounded by its budget, not a leak), open descriptors at
@@ -18,7 +20,7 @@ the start and the end, how long the slot took to come free after each vanished
 client (the lease is ``LEASE_S``), and errors by class. Exit status 1 when RSS
 grows over 5% from the middle to the end, descriptors grow, or a vanished client
 keeps the slot past its lease + 2 s.
-``python -m tests.soak_daemon [--cycles N] [--http-turns N] [--turns N] [--skip-llama]``.
+``python -m tests.soak_daemon [--cycles N] [--http-turns N] [--ws-generations N] [--turns N] [--skip-llama]``.
 """
 
 from __future__ import annotations
@@ -179,6 +181,67 @@ def http_phase(tmp: Path, turns: int) -> dict[str, object]:
     return {"rss": (rss0, rss_mid, rss1), "fds": (fds0, fds1), "frees": [], "errors": errors, "count": turns}
 
 
+def ws_phase(tmp: Path, generations: int) -> dict[str, object]:
+    """WebSocket generations on a memory daemon: plain ones, paused and resumed, stopped after their first token,
+    modified midway, and every 50th connection dropped in the middle of a generation (a new one takes over)."""
+    from harness.daemon import free_port, wait_http
+    from runtime.ws import WsClient, WsError
+
+    port = free_port()
+    d = DaemonProcess(tmp / "ws", "memory", None, "--model", "/models/soak", "--model-name", "soak",
+                      "--http", f"127.0.0.1:{port}", "--memory-token-delay-ms", "1").start(wait_state=("Ready",))
+    errors: collections.Counter[str] = collections.Counter()
+    url = f"ws://127.0.0.1:{port}/v1/ws"
+    messages = [{"role": "user", "content": "Name the primes below fifty, one by one."}]
+    try:
+        wait_http(port)
+        rss0, fds0 = _usage(d)
+        rss_mid = 0.0
+        client = WsClient(url, timeout_s=60.0)
+        # the start is taken after a dropped connection: a generation that begins while the dropped one's turn is
+        # still closing takes a second pooled daemon client (the front keeps up to 8 idle), which is not a leak
+        warm = min(generations // 2, 60)
+        for k in range(generations):
+            if k == warm and warm:
+                rss0, fds0 = _usage(d)
+            if k == generations // 2:
+                rss_mid = _usage(d)[0]
+            kind = ("plain", "pause", "stop", "modify")[k % 4]
+            dropped = k % 50 == 49
+            try:
+                client.config(messages=messages, max_tokens=200, temperature=0)
+                tokens = 0
+                for m in client.messages():
+                    if m["type"] == "status" and m["operation"] == "paused":
+                        time.sleep(0.05)
+                        client.control("resume")
+                    if m["type"] != "token":
+                        continue
+                    tokens += 1
+                    if dropped:
+                        client.close()  # gone in the middle: the next generation is on a new connection
+                        break
+                    if tokens == 2 and kind != "plain":
+                        client.control(kind, **({"temperature": 0.8, "seed": k} if kind == "modify" else {}))
+                if dropped:
+                    client = WsClient(url, timeout_s=60.0)
+            except (WsError, OSError, TimeoutError) as exc:
+                errors[getattr(exc, "code", "") or type(exc).__name__] += 1
+                client.close()
+                client = WsClient(url, timeout_s=60.0)
+        client.close()
+        deadline = time.monotonic() + 30
+        with d.client(timeout_s=10.0) as c:
+            while c.status().session_open and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if c.status().session_open:
+                errors["slot still held at the end"] += 1
+        rss1, fds1 = _usage(d)
+    finally:
+        d.stop()
+    return {"rss": (rss0, rss_mid, rss1), "fds": (fds0, fds1), "frees": [], "errors": errors, "count": generations}
+
+
 def _report(name: str, r: dict[str, object]) -> bool:
     rss0, mid, rss1 = r["rss"]  # type: ignore[misc]
     fds0, fds1 = r["fds"]  # type: ignore[misc]
@@ -187,7 +250,8 @@ def _report(name: str, r: dict[str, object]) -> bool:
     growth = (rss1 - mid) / mid if mid else 0.0
     late = [f for _, f in frees if f > LEASE_S + 2]
     rows = [
-        (f"{name}: {'cycles' if name == 'memory backend' else 'turns'}", f"{r['count']:,}"),
+        (f"{name}: {'cycles' if name == 'memory backend' else 'generations' if 'WebSocket' in name else 'turns'}",
+         f"{r['count']:,}"),
         (f"{name}: RSS less the cache's RAM, start / middle / end",
          f"{rss0:.1f} / {mid:.1f} / {rss1:.1f} MiB (middle to end {growth * 100:+.1f}%)"),
         (f"{name}: open descriptors start / end", f"{fds0} / {fds1}"),
@@ -206,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cycles", type=int, default=2000)
     p.add_argument("--turns", type=int, default=300)
     p.add_argument("--http-turns", type=int, default=1000, help="HTTP turns (every API; 200 MB bodies every 100)")
+    p.add_argument("--ws-generations", type=int, default=500,
+                   help="WebSocket generations (paused, stopped, modified; a connection dropped every 50)")
     p.add_argument("--skip-llama", action="store_true")
     p.add_argument("--no-cache", action="store_true", help="the llama.cpp daemon without its workspace cache")
     args = p.parse_args(argv)
@@ -213,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="modeld-soak-") as tmp:
         ok &= _report("memory backend", memory_phase(Path(tmp), args.cycles))
         ok &= _report("memory backend over HTTP", http_phase(Path(tmp), args.http_turns))
+        ok &= _report("memory backend over the WebSocket", ws_phase(Path(tmp), args.ws_generations))
         if not args.skip_llama:
             extra = ("--cache-ram", "0", "--cache-disk", "0") if args.no_cache else ()
             ok &= _report("llama.cpp", llama_phase(Path(tmp), args.turns, *extra))

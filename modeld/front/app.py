@@ -19,6 +19,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -26,7 +27,7 @@ from contract.errors import ModeldError
 
 from ..defaults import DEFAULT_MAX_BODY_BYTES
 from ..metrics import CONTENT_TYPE
-from . import anthropic, completions, openai, responses, tokens
+from . import anthropic, completions, openai, responses, tokens, ws
 from .access import AccessLog, record_of
 from .api import HttpApi, error_body
 from .core import Serving, Shape, declared
@@ -37,7 +38,7 @@ from .stored import ResponseStore
 __all__ = ["APIS", "DEFAULT_MAX_BODY_BYTES", "create_app"]
 
 #: the HTTP APIs the app mounts: a new API is its package and one entry here
-APIS: tuple[HttpApi, ...] = (openai.API, anthropic.API, responses.API, tokens.API, completions.API)
+APIS: tuple[HttpApi, ...] = (openai.API, anthropic.API, responses.API, tokens.API, completions.API, ws.API)
 
 #: paths answered without the API key (a load balancer's probe)
 _OPEN_PATHS = frozenset({"/", "/health"})
@@ -203,7 +204,7 @@ def create_app(serving: Serving, *, store: ResponseStore | None = None, apis: Se
 
         def scrape() -> str:
             with serving.pool.client() as c:
-                return c.metrics()
+                return c.metrics() + generate_latest(serving.registry).decode()
 
         try:
             text = await anyio.to_thread.run_sync(scrape)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
@@ -203,17 +204,30 @@ class Turn:
             return
         self._finish(True)
 
-    def events(self) -> Generator[ChatEvent, None, None]:
-        """Prefill, then the reply's deltas; the last event carries the ``ChatResult``. Closing it cancels."""
+    def events(self, *, keep: bool = False) -> Generator[ChatEvent, None, None]:
+        """Prefill, then the reply's deltas; the last event carries the ``ChatResult``. Closing it cancels.
+
+        ``keep``: a reply that ends well keeps the slot and the client (``ChatTurn.events``), for ``more``;
+        ``close`` gives them back."""
+        return self._run(lambda: self._turn.events(keep=keep), keep)
+
+    def more(self, **decode: Any) -> Generator[ChatEvent, None, None]:
+        """The reply goes on where its last pass stopped, with ``decode`` over its options (``ChatTurn.more``);
+        the slot and the client stay held until ``close``."""
+        return self._run(lambda: self._turn.more(**decode), True)
+
+    def _run(self, start: Callable[[], Generator[ChatEvent, None, None]], keep: bool) -> Generator[ChatEvent, None, None]:
+        # ``start`` runs at the first step, not now: it prefills, and the caller may be the event loop
         healthy = False
         try:
-            yield from self._turn.events()
+            yield from start()
             healthy = True
         except ModeldError as exc:
             healthy = reusable_after(exc)
             raise
         finally:
-            self._finish(healthy)
+            if not (keep and healthy):
+                self._finish(healthy)
 
     async def result(self, request: Request) -> ChatResult:
         """Run the turn to its end (a reply that is not streamed); a failure is an ``ApiError``.
@@ -252,13 +266,16 @@ class Turn:
         fill_record(record_of(request), result)
         return result
 
-    async def aevents(self, record: AccessRecord | None = None) -> AsyncGenerator[ChatEvent, None]:
+    async def aevents(
+        self, record: AccessRecord | None = None, *, keep: bool = False, more: dict[str, Any] | None = None
+    ) -> AsyncGenerator[ChatEvent, None]:
         """``events`` for an async route: each step runs in a worker thread; cancelling closes the decode.
 
         Closed before its end (the client went away), it cancels the turn and leaves in ``record`` what the turn
         did: the prompt and what was reused, the chunks a cut-short prefill finished, the tokens a cut-short
-        decode wrote and when the first came, error "client_gone"."""
-        events = self.events()
+        decode wrote and when the first came, error "client_gone". ``keep`` and ``more`` (the options of a pass
+        that goes on with the reply) are ``events``' and ``more``'s."""
+        events = self.events(keep=keep) if more is None else self.more(**more)
         ended = False
         try:
             while True:
@@ -497,15 +514,18 @@ class Serving:
         self.aliases = settings.aliases
         #: signs what clients echo back (thinking signatures, reasoning blobs)
         self.sealer = sealer or Sealer.from_file(None)
+        #: the front's own metrics (the WebSocket protocol's), served after the daemon's on ``/metrics``
+        self.registry = CollectorRegistry()
 
     # --- model names ---------------------------------------------------------------------------
-    def _status(self) -> DaemonStatus:
+    def status(self) -> DaemonStatus:
+        """The daemon's status (blocking: call it in a worker thread)."""
         with self.pool.client() as c:
             return c.status()
 
     def readouts(self) -> ReadoutInfo:
         """The readout manifest the daemon serves; 404 when it serves none (``serve --readouts``)."""
-        info = self._status().readouts
+        info = self.status().readouts
         if info is None:
             raise ApiError(404, "this daemon serves no readout manifest: start it with --readouts FILE",
                            code="not_found")
@@ -522,7 +542,7 @@ class Serving:
 
     def active(self) -> ActiveModel:
         """The loaded model; 503 while one loads, 404 when none is."""
-        return self._check_loaded(self._status())
+        return self._check_loaded(self.status())
 
     def route(self, requested: str) -> Route:
         """Which model serves a request for ``requested``, and whether the slot must switch to it.
@@ -534,7 +554,7 @@ class Serving:
           that model, switching the slot to it, unless ``switch_on_request`` is off (409, the names listed);
         * any other name: the loaded model (agents hard-code names), or 404 under ``strict_model_names``.
         """
-        st = self._status()
+        st = self.status()
         target = self.aliases.get(requested, requested)
         stored_aliases = dict(st.models["aliases"]) if st.models is not None else {}
         names = list(st.models["names"]) if st.models is not None else []
@@ -565,7 +585,7 @@ class Serving:
         """What ``/v1/models`` lists: the loaded model's name first, the aliases that lead to it, then every
         other model the daemon can load by name (its store's, the bundled one), and when the loaded one was
         created there (``created_at``; now when none is loaded)."""
-        st = self._status()
+        st = self.status()
         loaded = st.active.model_name if st.active is not None else ""
         names = [*([loaded] if loaded else []),
                  *sorted(a for a, t in self.aliases.items() if t == loaded and a != loaded)]

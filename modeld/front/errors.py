@@ -54,10 +54,37 @@ class ApiError(Exception):
         kind = _OPENAI_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
+    def websocket(self) -> dict[str, Any]:
+        """The WebSocket protocol's error message (``front.ws``): the protocol's kind of error, whether the same
+        message may succeed later, and what the client should do (``retry_after_ms`` with a retry)."""
+        kind, recoverable, action = _WS_BY_CODE.get(self.code or "") or (
+            ("invalid_request", False, "fix_request") if self.status < 500
+            else ("unavailable", True, "retry") if self.status == 503 else ("internal_error", False, "report"))
+        retry = self.headers.get("Retry-After")
+        return {"type": "error", "error": kind, "code": self.code or "", "message": self.message,
+                "recoverable": recoverable, "recovery_action": action,
+                "retry_after_ms": int(float(retry) * 1000) if recoverable and retry else None}
+
     def anthropic(self) -> dict[str, Any]:
         """Anthropic's error object."""
         kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
         return {"type": "error", "error": {"type": kind, "message": self.anthropic_message or self.message}}
+
+
+#: the WebSocket protocol's (kind, recoverable, recovery action) of the codes that say more than their status
+_WS_BY_CODE: dict[str, tuple[str, bool, str]] = {
+    "context_length_exceeded": ("context_length_exceeded", False, "reduce_prompt"),
+    "request_too_large": ("invalid_request", False, "reduce_prompt"),
+    "invalid_api_key": ("unauthorized", False, "authenticate"),
+    "model_not_found": ("model_not_found", False, "load_model"),
+    "model_not_loaded": ("model_not_found", False, "load_model"),
+    "loading": ("model_loading_error", True, "retry"),
+    "DaemonTimeout": ("timeout", True, "retry"),
+    "ModelBusy": ("rate_limited", True, "retry"),
+    "generation_running": ("invalid_request", True, "wait"),
+    "no_generation": ("invalid_request", False, "send_config"),
+    "pause_limit": ("timeout", True, "regenerate"),
+}
 
 
 def _overflow(exc: ContextOverflow) -> ApiError:

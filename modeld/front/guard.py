@@ -176,6 +176,13 @@ def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyn
             self.transport.write(slow)
             self.transport.close()
 
+        def handle_websocket_upgrade(self, event: h11.Request) -> None:
+            # the connection is the WebSocket protocol's from here: no request-head deadline any more
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().handle_websocket_upgrade(event)
+
         def data_received(self, data: bytes) -> None:
             if self._refused:
                 self._drop(data)

@@ -69,7 +69,7 @@ class HttpFront:
         # the pure-Python h11 protocol, guarded: a connection cap under the descriptor budget, a request-head deadline
         protocol = guarded_protocol(connection_cap(settings.http_max_connections), settings.http_header_timeout)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
-                                log_config=None, http=protocol, backlog=ACCEPT_BACKLOG)
+                                log_config=None, http=protocol, ws="websockets-sansio", backlog=ACCEPT_BACKLOG)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="modeld-http", daemon=True)
 
