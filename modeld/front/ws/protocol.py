@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from contract.types import DecodeConfig
+
 __all__ = [
     "ACTIONS",
     "CLIENT_MESSAGE",
@@ -45,19 +47,25 @@ class _In(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _decode_field(name: str) -> Any:
+    """``DecodeConfig``'s field ``name``, its bounds and its default (None), for a parameter both name: one
+    declaration of each bound."""
+    return DecodeConfig.model_fields[name]
+
+
 class Parameters(_In):
     """Sampling and limits; in ``control``/``modify`` only the ones to change."""
 
-    max_tokens: int | None = Field(None, ge=0, le=100_000_000)
-    temperature: float | None = Field(None, ge=0.0, le=10.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    max_tokens: int | None = _decode_field("max_tokens")
+    temperature: float | None = _decode_field("temperature")
+    top_p: float | None = _decode_field("top_p")
+    top_k: int | None = _decode_field("top_k")
+    min_p: float | None = _decode_field("min_p")
     #: the seed's name for llama.cpp's repeat penalty
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    repetition_penalty: float | None = _decode_field("repeat_penalty")
+    frequency_penalty: float | None = _decode_field("frequency_penalty")
+    presence_penalty: float | None = _decode_field("presence_penalty")
+    seed: int | None = _decode_field("seed")
     stop: list[str] | str | None = None
 
     def decode(self) -> dict[str, Any]:
