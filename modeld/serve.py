@@ -101,6 +101,9 @@ def serve(opts: ServeSettings) -> int:
     if opts.insecure_tcp and not opts.curve:
         log.warning("serving %s without authentication (--insecure-tcp)", daemon.endpoint)
     front = None
+    if opts.grpc and not opts.http:
+        print("modeld: --grpc serves Evergreen beside the HTTP front: give --http too", file=sys.stderr)
+        return 2
     if opts.http:
         try:
             from .front import build_front  # the `http` extra

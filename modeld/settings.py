@@ -310,6 +310,13 @@ class HttpSettings(BaseSettings):
     alias: Annotated[Aliases, Flag("NAME=MODEL", HTTP)] = Field(
         (), description="NAME=MODEL: HTTP requests for model NAME are served by MODEL (repeatable)"
     )
+    grpc: Annotated[str | None, Flag("HOST:PORT", HTTP)] = Field(
+        None, description="also serve Evergreen sessions over bidirectional gRPC there, beside the HTTP front "
+        "(needs --http and the grpc extra), e.g. 127.0.0.1:8378"
+    )
+    allow_file_refs: Annotated[OptionalPath, Flag("DIR", HTTP)] = Field(
+        None, description="Evergreen: file:// chunk references may read files under DIR (refused without it)"
+    )
     ws_pause_limit: Annotated[NonNegative, Flag("S", HTTP)] = Field(
         DEFAULT_WS_PAUSE_LIMIT_S,
         description="seconds a paused WebSocket generation (/v1/ws) keeps the slot; past it the generation ends "

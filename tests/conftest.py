@@ -17,7 +17,8 @@ atexit.register(shutil.rmtree, _config_home, ignore_errors=True)
 
 #: what `make setup` installs and the suites import (or skip without): in CI every one must import, since a
 #: skip is for a developer's partial install, and a green run that ran no engine test proves nothing
-CI_REQUIRED = ("llama_cpp", "openvino", "openvino_genai", "fastapi", "openai", "anthropic", "hypothesis", "lm_eval")
+CI_REQUIRED = ("llama_cpp", "openvino", "openvino_genai", "fastapi", "openai", "anthropic", "hypothesis", "lm_eval",
+               "websockets", "grpc")
 
 
 def pytest_sessionstart(session: object) -> None:

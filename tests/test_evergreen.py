@@ -1,7 +1,7 @@
 """Evergreen's session (``modeld.front.evergreen``): the seed's examples and its rules on the node store, then
 actions run on the serving core against a real daemon process (the reference backend), the second turn warm.
 
-The gRPC transport is not served yet; these are the parts under it.
+The gRPC transport is tested through real gRPC clients in test_evergreen_grpc.py.
 """
 
 from __future__ import annotations

@@ -72,6 +72,20 @@ class HttpFront:
                                 log_config=None, http=protocol, ws="websockets-sansio", backlog=ACCEPT_BACKLOG)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="modeld-http", daemon=True)
+        #: Evergreen over gRPC beside it (``--grpc``), on the same serving core
+        self.grpc = None
+        if settings.grpc:
+            grpc_host, grpc_port = parse_listen(settings.grpc)
+            if not is_loopback(grpc_host) and not settings.http_allow_remote:
+                raise ValueError(f"--grpc {settings.grpc} is not a loopback address; pass --http-allow-remote to "
+                                 "serve other machines (and set --api-key)")
+            try:
+                from .evergreen.server import EvergreenServer  # the `grpc` extra
+            except ImportError as exc:
+                raise ValueError(f"--grpc needs the project's 'grpc' extra (pip install '.[grpc]'): {exc}") from None
+
+            self.grpc = EvergreenServer(serving, f"{grpc_host}:{grpc_port}", api_key=settings.api_key,
+                                        allow_file_refs=settings.allow_file_refs)
 
     def start(self) -> None:
         self._thread.start()
@@ -81,8 +95,12 @@ class HttpFront:
         if not self._server.started:
             raise RuntimeError(f"the HTTP front did not start on {self.url}")
         log.info("HTTP APIs at %s", self.url)
+        if self.grpc is not None:
+            self.grpc.start()
 
     def stop(self) -> None:
+        if self.grpc is not None:
+            self.grpc.stop()
         self._server.should_exit = True
         self._thread.join(timeout=5)
         self.pool.close()

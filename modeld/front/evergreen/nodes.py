@@ -57,7 +57,12 @@ ACTIONS = {"GENERATE": ({"prompt", "text"}, {"response", "text"})}
 
 
 class Abort(Exception):
-    """The session ends: a rule was broken or an action failed."""
+    """The session ends: a rule was broken (``status`` 400) or an action failed (its HTTP-like status: 404 an
+    unknown model, 409 a switch refused, 503 the slot busy or the daemon gone, 500 a failure)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ that conversation and prefills only the new text. Anything that breaks a rule, a
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from ..errors import ApiError, api_error
 from .nodes import Abort, Action, Fragment, NodeStore
 
 __all__ = ["CONFIG_KEYS", "EvergreenSession"]
+
+log = logging.getLogger("modeld.evergreen")
 
 #: what an action's ``config`` may set
 CONFIG_KEYS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "model"})
@@ -66,8 +69,9 @@ class EvergreenSession:
             req = TurnRequest(messages=turn_messages(self.nodes.prompt_messages(inp)), decode=config, model=model)
             turn = await self.serving.abegin(req)
         except ApiError as err:
-            raise Abort(f"{action.name} failed: {err.message}") from None
+            raise Abort(f"{action.name} failed: {err.message}", err.status) from None
         seq = 0
+        ended = "finish=cancelled error=client_gone"  # (unless the action ends otherwise)
         try:
             async with contextlib.aclosing(turn.aevents()) as events:
                 async for event in events:
@@ -76,14 +80,19 @@ class EvergreenSession:
                         self.usage[out] = {"prompt_tokens": u.prompt_tokens, "reused_tokens": u.reused_tokens,
                                            "prefilled_tokens": u.prefilled_tokens,
                                            "completion_tokens": u.completion_tokens}
+                        ended = f"finish={event.result.finish_reason} " + " ".join(
+                            f"{k}={v}" for k, v in self.usage[out].items())
                         continue
                     if event.text:
                         yield self.nodes.write_output(out, seq, event.text, final=False)
                         seq += 1
         except ModeldError as exc:
-            raise Abort(f"{action.name} failed: {api_error(exc).message}") from None
+            failed = api_error(exc)
+            ended = f"error={failed.code or failed.status}"
+            raise Abort(f"{action.name} failed: {failed.message}", failed.status) from None
         finally:
             await _close(turn)
+            log.info("evergreen %s %s %s", action.name, out, ended)
         yield self.nodes.write_output(out, seq, "", final=True)
 
 
