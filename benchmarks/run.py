@@ -426,7 +426,7 @@ def section_sessions(tmp: Path, count: Callable[[str], int]) -> str:
 def section_streams(tmp: Path, count: Callable[[str], int]) -> str:
     from benchmarks import streams
 
-    head = f"streams: one greedy {streams.MAX_TOKENS}-token reply over chat completions' SSE and over the WebSocket"
+    head = f"streams: one greedy {streams.MAX_TOKENS}-token reply over SSE, the WebSocket and gRPC"
     return table(head, streams.section(tmp, count))
 
 

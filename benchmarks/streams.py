@@ -1,11 +1,13 @@
-"""The streams section of ``make bench``: the same generation over the WebSocket protocol and over chat
-completions' SSE stream, on both engines.
+"""The streams section of ``make bench``: the same generation over chat completions' SSE stream, the WebSocket
+protocol and Evergreen over gRPC, on both engines.
 
-One daemon per engine serves the bundled model with its HTTP front. A ~600-token system prompt (resident after the
-first round) and a short question, greedy, ``MAX_TOKENS`` tokens: each round sends it once over SSE (httpx, the
-raw stream) and once over ``/v1/ws`` (``runtime.ws.WsClient``), the order alternating by round. Per protocol: the
-median time to the first token and the median gap between tokens (the reply's first to its last token, over the
-tokens between). Target (issue: the seeds' streaming protocols): the WebSocket within a few percent of SSE.
+One daemon per engine serves the bundled model with its HTTP front and ``--grpc``. A ~600-token system prompt
+(resident after the first round) and a short question, greedy, ``MAX_TOKENS`` tokens: each round sends it once
+over SSE (httpx, the raw stream), once over ``/v1/ws`` (``runtime.ws.WsClient``) and once over gRPC
+(``runtime.evergreen.EvergreenClient``, the system prompt and the question as one user text: the same tokens
+but for the template's system turn), the order rotating by round. Per protocol: the median time to the first
+token and the median gap between tokens (the reply's first to its last piece, over the pieces between). Target
+(issue: the seeds' streaming protocols): the WebSocket and gRPC within a few percent of SSE.
 """
 
 from __future__ import annotations
@@ -52,6 +54,26 @@ def _ws(port: int, messages: list[dict[str, str]]) -> tuple[float, list[float]]:
     return (times[0] - t0) if times else float("nan"), times
 
 
+def _grpc(port: int, messages: list[dict[str, str]]) -> tuple[float, list[float]]:
+    from runtime.evergreen import EvergreenClient
+
+    times: list[float] = []
+    with EvergreenClient(f"127.0.0.1:{port}") as c:
+        s = c.session()
+        t0 = time.perf_counter()
+        s.send(s.generate("prompt", "reply", {"max_tokens": MAX_TOKENS, "temperature": 0}),
+               s.text("prompt", "\n\n".join(m["content"] for m in messages)))
+        while True:
+            m = next(s._replies)
+            f = m.node_fragment
+            if f.chunk_fragment.data:
+                times.append(time.perf_counter())
+            if not f.continued:
+                break
+        s.close()
+    return (times[0] - t0) if times else float("nan"), times
+
+
 def _gap_ms(times: list[float]) -> float:
     return (times[-1] - times[0]) / (len(times) - 1) * 1000 if len(times) > 1 else float("nan")
 
@@ -59,15 +81,19 @@ def _gap_ms(times: list[float]) -> float:
 def run(tmp: Path, backend: str, count: Any) -> dict[str, Any]:
     system = text_of_tokens(count, 600, PREFIX_LINE)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
-    port = free_port()
-    out: dict[str, list[float]] = {"sse_ttft": [], "sse_gap": [], "ws_ttft": [], "ws_gap": []}
-    with DaemonProcess(tmp / f"streams-{backend}", backend, None, "--num-ctx", "4096",
-                       "--http", f"127.0.0.1:{port}").start(wait_state=("Ready",)):
+    port, grpc_port = free_port(), free_port()
+    runs = {"sse": lambda: _sse(port, messages), "ws": lambda: _ws(port, messages),
+            "grpc": lambda: _grpc(grpc_port, messages)}
+    out: dict[str, list[float]] = {f"{n}_{k}": [] for n in runs for k in ("ttft", "gap")}
+    names = list(runs)
+    with DaemonProcess(tmp / f"streams-{backend}", backend, None, "--num-ctx", "4096", "--http",
+                       f"127.0.0.1:{port}", "--grpc", f"127.0.0.1:{grpc_port}").start(wait_state=("Ready",)):
         wait_http(port)
-        _sse(port, messages)  # the system prompt resident for every measured round
+        for name in names:  # each protocol's prompt resident for every measured round
+            runs[name]()
         for k in range(ROUNDS):
-            for name in (("sse", "ws") if k % 2 == 0 else ("ws", "sse")):
-                ttft, times = (_sse if name == "sse" else _ws)(port, messages)
+            for name in names[k % 3:] + names[:k % 3]:
+                ttft, times = runs[name]()
                 out[f"{name}_ttft"].append(ttft * 1000)
                 out[f"{name}_gap"].append(_gap_ms(times))
     return {k: statistics.median(v) for k, v in out.items()}
@@ -77,10 +103,11 @@ def section(tmp: Path, count: Any) -> list[tuple[str, Any, str]]:
     rows: list[tuple[str, Any, str]] = []
     for backend in ("llama", "openvino"):
         r = run(tmp, backend, count)
-        rows += [
-            (f"{backend}: time to first token, SSE / WebSocket", f"{r['sse_ttft']:.0f} / {r['ws_ttft']:.0f} ms",
-             f"{r['ws_ttft'] / r['sse_ttft']:.2f}x (median of {ROUNDS}; goal: within a few percent)"),
-            (f"{backend}: between tokens, SSE / WebSocket", f"{r['sse_gap']:.1f} / {r['ws_gap']:.1f} ms",
-             f"{r['ws_gap'] / r['sse_gap']:.2f}x"),
-        ]
+        for name, label in (("ws", "WebSocket"), ("grpc", "gRPC")):
+            rows += [
+                (f"{backend}: time to first token, SSE / {label}", f"{r['sse_ttft']:.0f} / {r[name + '_ttft']:.0f} ms",
+                 f"{r[name + '_ttft'] / r['sse_ttft']:.2f}x (median of {ROUNDS}; goal: within a few percent)"),
+                (f"{backend}: between tokens, SSE / {label}", f"{r['sse_gap']:.1f} / {r[name + '_gap']:.1f} ms",
+                 f"{r[name + '_gap'] / r['sse_gap']:.2f}x"),
+            ]
     return rows
