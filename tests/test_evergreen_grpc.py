@@ -4,13 +4,8 @@ with ``continued``, ``EndOfTurn``), the protocol's error rules, a killed client,
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +15,8 @@ grpc = pytest.importorskip("grpc")
 from harness.daemon import free_port  # noqa: E402
 from runtime.evergreen import EvergreenClient  # noqa: E402
 from tests.test_metrics import samples  # noqa: E402
-from tests.test_openai_front import Front, slot_free  # noqa: E402
+from tests.test_openai_front import Front  # noqa: E402
+from tests.test_ws import killed_client  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -158,16 +154,6 @@ while True:
 
 
 def test_a_killed_client_frees_the_slot(front: GrpcFront) -> None:
-    with subprocess.Popen([sys.executable, "-c", _KILLED, f"127.0.0.1:{front.grpc_port}", API_KEY],
-                          stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent,
-                          env={**os.environ, "PYTHONPATH": "."}) as proc:
-        try:
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "fragment"
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=30)
-            slot_free(front)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    assert killed_client(front, _KILLED, f"127.0.0.1:{front.grpc_port}", API_KEY) == "fragment"
     line = front.daemon.wait_lines(lambda ln: "evergreen GENERATE long_story " in ln)[-1]
     assert "finish=cancelled error=client_gone" in line, line

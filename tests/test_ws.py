@@ -301,13 +301,14 @@ for m in c.messages():
 """
 
 
-def test_a_killed_client_frees_the_slot(front: Front) -> None:
-    with subprocess.Popen([sys.executable, "-c", _KILLED, _url(front), API_KEY], stdout=subprocess.PIPE, text=True,
+def killed_client(front: Front, code: str, *args: str) -> str:
+    """Run ``code`` as a client process until it prints its first line (its request is running then: the slot is
+    held), SIGKILL it, and wait until the slot is free; the line."""
+    with subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True,
                           cwd=Path(__file__).resolve().parent.parent, env={**os.environ, "PYTHONPATH": "."}) as proc:
         try:
             assert proc.stdout is not None
-            rid = proc.stdout.readline().strip()
-            assert rid.startswith("gen_")
+            first = proc.stdout.readline().strip()
             with front.daemon.client(timeout_s=10.0) as d:
                 assert d.status().session_open
             proc.send_signal(signal.SIGKILL)
@@ -316,6 +317,12 @@ def test_a_killed_client_frees_the_slot(front: Front) -> None:
         finally:
             if proc.poll() is None:
                 proc.kill()
+    return first
+
+
+def test_a_killed_client_frees_the_slot(front: Front) -> None:
+    rid = killed_client(front, _KILLED, _url(front), API_KEY)
+    assert rid.startswith("gen_")
     # the generation was cut short when its client went, not run on to its 2,000 tokens
     line = front.daemon.wait_lines(lambda ln: f"ws {rid} " in ln)[-1]
     assert "finish=cancelled error=client_gone" in line, line
