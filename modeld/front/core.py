@@ -544,8 +544,9 @@ class Serving:
         """The loaded model; 503 while one loads, 404 when none is."""
         return self._check_loaded(self.status())
 
-    def route(self, requested: str) -> Route:
-        """Which model serves a request for ``requested``, and whether the slot must switch to it.
+    def route(self, requested: str, st: DaemonStatus | None = None) -> Route:
+        """Which model serves a request for ``requested``, and whether the slot must switch to it (``st``: a
+        status the caller already holds, so the daemon is not asked again).
 
         * a name the front's ``--alias`` maps, one that means "any" (``""``, ``modeld``, ``default``), or the
           loaded model's: the loaded model (a known model's name is sent with the open, so a switch that ran
@@ -554,7 +555,7 @@ class Serving:
           that model, switching the slot to it, unless ``switch_on_request`` is off (409, the names listed);
         * any other name: the loaded model (agents hard-code names), or 404 under ``strict_model_names``.
         """
-        st = self.status()
+        st = st or self.status()
         target = self.aliases.get(requested, requested)
         stored_aliases = dict(st.models["aliases"]) if st.models is not None else {}
         names = list(st.models["names"]) if st.models is not None else []
@@ -598,13 +599,14 @@ class Serving:
         return names, created_at(st.active) if st.active is not None else int(time.time())
 
     # --- turns ---------------------------------------------------------------------------------
-    def begin(self, req: TurnRequest, *, check_fit: bool = True) -> Turn:
-        """Take the slot for ``req`` and check its prompt fits (blocking: call it in a worker thread).
+    def begin(self, req: TurnRequest, *, check_fit: bool = True, route: Route | None = None) -> Turn:
+        """Take the slot for ``req`` and check its prompt fits (blocking: call it in a worker thread); ``route``:
+        the caller's own ``route(req.model)``, when it already took one.
 
         Raises ``ApiError`` or a ``ModeldError`` (``errors.api_error`` maps it) for
         anything that refuses the request; nothing has been prefilled then.
         """
-        route = self.route(req.model)
+        route = route or self.route(req.model)
         model = route.model
         client = self.pool.take()
         try:
@@ -625,7 +627,7 @@ class Serving:
             raise
         return Turn(self.pool, client, chat_turn, chat_turn.model_name or model)
 
-    async def abegin(self, req: TurnRequest, request: Request | None = None) -> Turn:
+    async def abegin(self, req: TurnRequest, request: Request | None = None, *, route: Route | None = None) -> Turn:
         """``begin`` in a worker thread, its refusals as ``ApiError``.
 
         The slot a turn takes goes back at once when nobody will run the turn: the route was cancelled while
@@ -637,7 +639,7 @@ class Serving:
             req.conversation = conversation_of(request.headers)
 
         def run() -> Turn:
-            taken.append(self.begin(req))
+            taken.append(self.begin(req, route=route))
             return taken[-1]
 
         try:

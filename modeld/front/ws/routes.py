@@ -33,7 +33,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from contract.errors import ModeldError
 from runtime.chat import ChatResult
 
-from ..core import Serving, Turn, TurnRequest, turn_messages
+from ..core import Route, Serving, Turn, TurnRequest, turn_messages
 from ..errors import ApiError, api_error
 from .feedback import FILE_NAME, FeedbackLog
 from .protocol import (
@@ -335,8 +335,8 @@ class _Connection:
         started = time.perf_counter()
         config = gen.config
         req = self._request(config)
-        route = await anyio.to_thread.run_sync(self.serving.route, config.model)
-        st = await anyio.to_thread.run_sync(self.serving.status)
+        st = await anyio.to_thread.run_sync(self.serving.status)  # one status for the route and for init
+        route = self.serving.route(config.model, st)
         active = st.active
         gen.model = route.model
         info: dict[str, Any] = {}
@@ -344,7 +344,7 @@ class _Connection:
             gen.digest = active.digest
             info = {"context_window": active.effective_context, "digest": active.digest, "backend": active.type}
         await self.send(Init(request_id=gen.id, model=gen.model, model_info=info, capabilities=CAPABILITIES))
-        turn = await self._begin(gen, req)
+        turn = await self._begin(gen, req, route)
         gen.turn = turn
         prompt = turn.count.prompt_tokens
         position = prompt
@@ -471,12 +471,12 @@ class _Connection:
 
         self.tg.start_soon(run)
 
-    async def _begin(self, gen: _Generation, req: TurnRequest) -> Turn:
+    async def _begin(self, gen: _Generation, req: TurnRequest, route: Route) -> Turn:
         """The slot for ``gen``: while it waits, its client hears it is queued (and how many wait)."""
         waiting = anyio.CancelScope()
         self._spawn(self._queued, gen, waiting)
         try:
-            return await self.serving.abegin(req)
+            return await self.serving.abegin(req, route=route)
         finally:
             waiting.cancel()
 
