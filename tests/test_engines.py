@@ -696,6 +696,7 @@ def test_draft_costs_are_timed_when_idle_and_kept_for_the_next_load(
     # whatever the timing gives is kept: a busy machine's table is refused as implausible (tests/test_tape.py),
     # which is not what this test is about
     monkeypatch.setattr(draft_costs, "plausible", lambda costs: True)
+    monkeypatch.delenv(draft_costs.FIXED_ENV)  # the timing is the subject: not the suite's fixed table
     first = engine.load()
     try:
         first.idle_work()  # times the checks where no table is kept (an earlier load's is read at load)

@@ -214,6 +214,7 @@ def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
     # whatever the timing gives is kept: a busy machine's table is refused as implausible (tests/test_tape.py),
     # which is not what this test is about
     monkeypatch.setattr(draft_costs, "plausible", lambda costs: True)
+    monkeypatch.delenv(draft_costs.FIXED_ENV)  # the timing is the subject: not the suite's fixed table
     base = _load(engine, "")
     try:
         base.idle_work()  # timed as an idle daemon times them, where no table is kept yet
