@@ -6,7 +6,7 @@ import shutil
 import tempfile
 
 from backends.tape.draft_costs import FIXED_ENV as FIXED_DRAFT_COSTS_ENV
-from tests.engine_kit import CHEAP_CHECKS
+from tests.engine_kit import DEAR_CHECKS
 
 # Tests must never talk to a daemon the developer is running.
 os.environ.pop("MODELD_ENDPOINT", None)
@@ -14,10 +14,12 @@ os.environ.pop("MODELD_OWNER", None)
 # nor read the developer's settings: every MODELD_* variable and the config file are theirs
 for _name in [n for n in os.environ if n.startswith("MODELD_") and n != "MODELD_LLAMA_EXTRA_BUFTS"]:
     os.environ.pop(_name)
-# Drafts are priced by a fixed check cost table in every model and daemon the suite starts: a table timed at load
-# hangs on how busy the machine is, and beside other work it is refused as implausible and timed again at the next
-# load, a 2,048-token prefill in the background of every daemon's tests. The tests of the timing itself unset it.
-os.environ[FIXED_DRAFT_COSTS_ENV] = CHEAP_CHECKS
+# Drafts are priced by a fixed check cost table in every model and daemon the suite starts, one by which they never
+# pay (``DEAR_CHECKS``): a table timed at load hangs on the CPU and on how busy it is (beside other work it is refused
+# as implausible and timed again at the next load, a 2,048-token prefill in the background of every daemon's tests),
+# and so would any greedy answer a draft can move. The tests of drafting set ``CHEAP_CHECKS``; those of the timing
+# itself unset it.
+os.environ[FIXED_DRAFT_COSTS_ENV] = DEAR_CHECKS
 os.environ["XDG_CONFIG_HOME"] = _config_home = tempfile.mkdtemp(prefix="modeld-test-config-")
 # each run (and each xdist worker) makes its own; leave none behind in the system's temp dir
 atexit.register(shutil.rmtree, _config_home, ignore_errors=True)

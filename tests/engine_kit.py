@@ -27,6 +27,10 @@ NUM_CTX = 2048
 #: step per row, as a quiet machine measures them; a table timed at load would make the drafts hang on how busy
 #: the machine was then (on a loaded one the policy may draft nothing)
 CHEAP_CHECKS = json.dumps([round(1.0 + 0.15 * r, 2) for r in range(16)])
+#: the suite's table for every other model and daemon (``tests/conftest.py``): a check of r rows dearer than r
+#: steps, so a draft never pays and no greedy answer depends on drafts (on an engine whose rows are not exact, a
+#: draft can move a near-tie: which one, on a measured table, would hang on the CPU and how busy it was)
+DEAR_CHECKS = json.dumps([1.0] + [r + 0.5 for r in range(2, 17)])
 PARAGRAPH = (
     "The repository contains a daemon that keeps one language model resident and serves a persistent "
     "session over a local socket. Agents send a stable prefix with the system prompt, the tool list and "

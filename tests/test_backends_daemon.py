@@ -52,6 +52,7 @@ BUNDLED = ("--model", str(bundled_gguf_path()))
 def engine_daemon(request: pytest.FixtureRequest, tmp: pytest.TempPathFactory, num_ctx: int) -> Iterator[DaemonProcess]:
     """A module fixture's daemon on the engine ``request`` names, serving the bundled model at ``num_ctx``."""
     d = DaemonProcess(tmp.mktemp(request.param), request.param, None, *BUNDLED, "--num-ctx", str(num_ctx))
+    d.env[FIXED_ENV] = CHEAP_CHECKS  # its tests speculate by default, as a quiet machine would price the checks
     d.start(ready_timeout_s=600, wait_state=("Ready",))
     try:
         yield d

@@ -664,10 +664,12 @@ def test_penalties_cover_the_prompt_tail_and_the_reply(engine: Engine, model: Lo
 
 
 def test_seeded_sampling_repeats_and_speculates_when_asked(
-    engine: Engine, model: LoadedModel, session: Session
+    engine: Engine, model: LoadedModel, session: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not engine.speculates:
         pytest.skip("the reference does not speculate")
+    from backends.tape.speculate import CheckCosts
+
     man = manifest(model, "speculate-sampled")
     outs = []
     for _ in range(2):
@@ -678,7 +680,8 @@ def test_seeded_sampling_repeats_and_speculates_when_asked(
         assert engine.kv_matches_tape(model) and final.usage is not None and final.usage.drafted_tokens == 0
     assert outs[0] == outs[1]  # a seed gives the same answer every time
     # asked for, it speculates (each token drawn from its row in order: exact on exact numerics,
-    # tests/test_tape.py), and the tape stays the KV's
+    # tests/test_tape.py), and the tape stays the KV's; drafting asserted: checks priced as a quiet machine's
+    monkeypatch.setattr(model, "draft_costs", CheckCosts(json.loads(CHEAP_CHECKS)))
     _, _, final = _edit_turn(session, man, 80, temperature=0.7, top_k=40, seed=11, speculative=True)
     assert engine.kv_matches_tape(model) and final.usage is not None and final.usage.drafted_tokens > 0
 

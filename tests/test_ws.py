@@ -329,7 +329,7 @@ def test_a_killed_client_frees_the_slot(front: Front) -> None:
 
 
 def test_the_api_key_is_required(front: Front) -> None:
-    import websockets
+    import websockets.exceptions  # (a submodule: "import websockets" alone may not have loaded it)
 
     with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
         WsClient(_url(front), api_key="wrong")
