@@ -143,11 +143,13 @@ class Gguf(ModelFormat):
 
     def facts(self, path: Path) -> dict[str, Any]:
         from .gguf_file import gguf_scalars
+        from .tape.loading import source_capabilities
 
         sc = gguf_scalars(path)
         arch = str(sc.get("general.architecture", ""))
         return {"architecture": arch, "context": int(sc.get(f"{arch}.context_length", 0) or 0),
-                "layers": int(sc.get(f"{arch}.block_count", 0) or 0)}
+                "layers": int(sc.get(f"{arch}.block_count", 0) or 0),
+                "capabilities": source_capabilities(str(sc.get("tokenizer.chat_template", "") or ""))}
 
 
 @dataclass(frozen=True)

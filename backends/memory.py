@@ -117,6 +117,7 @@ class MemoryModel:
         self.lock = threading.Lock()
         self.template_origin = ""  # prompts are raw text: no chat template
         self.tool_format_origin = ""  # and no tool calls
+        self.capabilities = ["text"]
         #: the session whose context ``resident`` is (a fork switched to parks the other's: ``MemorySession.fork``)
         self.active: MemorySession | None = None
 

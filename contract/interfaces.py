@@ -187,6 +187,8 @@ class LoadedModel(Protocol):
     template_origin: str
     #: the tool-call format in use and why (``backends.tape.toolformats``; "" where prompts are raw text)
     tool_format_origin: str
+    #: what the model can be asked for (``contract.types.CAPABILITIES``), in that order
+    capabilities: list[str]
 
     def manifest_defaults(self) -> ContextManifest:
         """The runtime identity a client puts in its ContextManifest for this model (no content hashes)."""

@@ -25,6 +25,7 @@ from .errors import InvalidArgument
 from .manifest import ContextManifest
 
 __all__ = [
+    "CAPABILITIES",
     "ActiveModel",
     "BlobStatus",
     "CacheEntryInfo",
@@ -316,6 +317,12 @@ class UnloadModelRequest(_Request):
     expected_generation: int = Field(0, ge=0)
 
 
+#: what a model can be asked for (``ActiveModel.capabilities``, ``ModelInfo.capabilities``), read from its weights
+#: and its chat template (``backends.tape.model.model_capabilities``): text; images (an image encoder); tools (its
+#: template renders a tool list); reasoning (its template renders thinking)
+CAPABILITIES = ("text", "vision", "tools", "reasoning")
+
+
 class ActiveModel(_Report):
     model_name: str = ""
     type: str = ""
@@ -331,6 +338,8 @@ class ActiveModel(_Report):
     tool_format: str = ""
     #: when the load finished, Unix time in seconds (0: the daemon did not say)
     loaded_at: float = 0.0
+    #: what the model can be asked for (``CAPABILITIES``), read from the model and its template at its load
+    capabilities: list[str] = Field(default_factory=lambda: ["text"])
     #: layers on the GPU, of ``n_layer``, and why (``modeld.capacity.GPU_REASONS``; "" when nothing planned them)
     gpu_layers: int = 0
     n_layer: int = 0
@@ -547,6 +556,8 @@ class ModelInfo(_Report):
     chat_template: str = ""
     #: the tool-call format a load would use and why, as ``ActiveModel.tool_format``
     tool_format: str = ""
+    #: what the model can be asked for, as ``ActiveModel.capabilities``
+    capabilities: list[str] = Field(default_factory=lambda: ["text"])
     supports_gpu_offload: bool = False
     #: the options the loading engine takes in ``Config.options``
     engine_options: list[EngineOption] = Field(default_factory=list)

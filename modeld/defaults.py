@@ -10,6 +10,9 @@ __all__ = [
     "DEFAULT_EMBED_IDLE_S",
     "DEFAULT_ENGINE_NICE",
     "DEFAULT_HEADER_TIMEOUT_S",
+    "DEFAULT_MAX_IMAGES",
+    "DEFAULT_MAX_IMAGE_BYTES",
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "DEFAULT_LEASE_S",
     "DEFAULT_LISTEN",
     "DEFAULT_MAX_BODY_BYTES",
@@ -67,3 +70,8 @@ DEFAULT_MAX_CONNECTIONS = 512
 DEFAULT_HEADER_TIMEOUT_S = 30.0
 #: seconds a paused WebSocket generation holds the slot before it is ended (``/v1/ws``'s ``pause``)
 DEFAULT_WS_PAUSE_LIMIT_S = 60.0
+#: images a request may carry, each at most this many bytes (OpenAI's limit per image) and pixels (the size is
+#: read from the header, before anything is decoded: a small file that claims 50,000 x 50,000 is refused unread)
+DEFAULT_MAX_IMAGES = 16
+DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
+DEFAULT_MAX_IMAGE_PIXELS = 32 * 1024 * 1024

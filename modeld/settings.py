@@ -80,6 +80,9 @@ from .defaults import (
     DEFAULT_LISTEN,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
     DEFAULT_SESSION_TTL_S,
     DEFAULT_STREAM_INTERVAL_S,
     DEFAULT_WEDGE_S,
@@ -136,7 +139,7 @@ MEMORY_SETTINGS = {
 #: those of them that are also ``modeld serve`` flags and top-level keys of the config file
 MEMORY_FLAGS = ("mem_max", "mem_reserve")
 #: the settings that are sizes ("8GiB", "512MB", bytes; "auto" for the cache budgets)
-SIZE_SETTINGS = ("mem_max", "mem_reserve", "cache_ram", "cache_disk", "blob_disk", "http_max_body")
+SIZE_SETTINGS = ("mem_max", "mem_reserve", "cache_ram", "cache_disk", "blob_disk", "http_max_body", "max_image_bytes")
 
 
 class SettingsError(ValueError):
@@ -316,6 +319,17 @@ class HttpSettings(BaseSettings):
     )
     allow_file_refs: Annotated[OptionalPath, Flag("DIR", HTTP)] = Field(
         None, description="Evergreen: file:// chunk references may read files under DIR (refused without it)"
+    )
+    max_images: Annotated[int, Field(ge=0), Flag("N", HTTP)] = Field(
+        DEFAULT_MAX_IMAGES, description="images one HTTP request may carry; more is refused with 413"
+    )
+    max_image_bytes: Annotated[Size, Flag(None, HTTP)] = Field(
+        DEFAULT_MAX_IMAGE_BYTES, description="largest image in an HTTP request, decoded; a larger one is refused with 413"
+    )
+    max_image_pixels: Annotated[int, Field(ge=1), Flag("N", HTTP)] = Field(
+        DEFAULT_MAX_IMAGE_PIXELS,
+        description="largest image in an HTTP request, width times height, read from its header before anything is "
+        "decoded; a larger one is refused with 413",
     )
     ws_pause_limit: Annotated[NonNegative, Flag("S", HTTP)] = Field(
         DEFAULT_WS_PAUSE_LIMIT_S,

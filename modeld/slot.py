@@ -469,6 +469,7 @@ class SlotService:
             effective_context=loaded.num_ctx,
             chat_template=loaded.template_origin,
             tool_format=loaded.tool_format_origin,
+            capabilities=list(loaded.capabilities),
             loaded_at=time.time(),
             gpu_layers=req.config.num_gpu_layers if info is not None else 0,
             n_layer=info.n_layer if info is not None else 0,

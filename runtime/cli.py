@@ -378,6 +378,7 @@ def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) 
             rows.append(("chat template", st.active.chat_template))
         if st.active.tool_format:
             rows.append(("tool calls", st.active.tool_format))
+        rows.append(("capabilities", ", ".join(st.active.capabilities)))
         cfg = st.active.config
         chosen = [name for name, on in (("flash attention", cfg.flash_attn),
                                         (f"KV cache {cfg.kv_cache_type}", bool(cfg.kv_cache_type)),
@@ -642,7 +643,8 @@ def _describe(client: Client, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(info.model_dump(mode="json"))
     else:
-        rows = [(k, v) for k, v in info.model_dump(mode="json", exclude={"devices", "engine_options"}).items()
+        rows = [(k, ", ".join(v) if k == "capabilities" else v)
+                for k, v in info.model_dump(mode="json", exclude={"devices", "engine_options"}).items()
                 if v not in (None, "", [], 0, False)]
         rows += _device_rows(info.devices)
         rows += [(f"option {o.name}", f"{'|'.join(o.choices) or o.type}, default {o.default}: {o.description}")

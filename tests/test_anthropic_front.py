@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 anthropic = pytest.importorskip("anthropic")
 
-from tests.test_openai_front import Front  # noqa: E402
+from tests.test_openai_front import PNG_1PX, Front  # noqa: E402
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.322; cc_entrypoint=sdk-cli; cch={n};"
 READ = {"name": "Read", "description": "Read a file of the repository.",
@@ -119,7 +119,7 @@ def test_refusals_are_anthropic_errors(client: Any) -> None:
     assert "context window is 4096" in overflow.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as image:
         client.messages.create(model="m", max_tokens=5, messages=[{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG_1PX}}]}])
     assert "text only" in image.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as bad:
         client.messages.create(model="m", max_tokens=5, messages=[{"role": "robot", "content": "hi"}])  # type: ignore[typeddict-item]

@@ -24,6 +24,10 @@ from runtime import Client  # noqa: E402
 SYSTEM = {"role": "system", "content": "You are a terse coding assistant."}
 
 
+#: a 1x1 PNG, base64
+PNG_1PX = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg=="
+
+
 class Front:
     def __init__(self, tmp: Path, *extra: str, backend: str = "memory") -> None:
         self.port = free_port()
@@ -338,10 +342,14 @@ def test_errors_are_openai_errors(front: Front) -> None:
         assert overflow.value.code == "context_length_exceeded"
         said = re.search(r"the prompt is (\d+) tokens but the model's context window is 4096", overflow.value.message)
         assert said is not None and int(said.group(1)) > 25_000  # the prompt's real size, counted before any prefill
-    with pytest.raises(openai.BadRequestError) as image:
+    with pytest.raises(openai.BadRequestError) as image:  # a model that reads text only (tests/test_images.py)
         sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
-    assert image.value.code == "unsupported_content"
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + PNG_1PX}}]}])
+    assert image.value.code == "vision_unsupported"
+    with pytest.raises(openai.BadRequestError) as audio:
+        sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}])
+    assert audio.value.code == "unsupported_content"
     with pytest.raises(openai.BadRequestError) as bad_field:
         sdk.chat.completions.create(model="ref", messages=[SYSTEM, {"role": "user", "content": "hi"}], temperature=-1)
     assert bad_field.value.param == "temperature"

@@ -113,7 +113,7 @@ class LlamaBackend:
             shape = facts.shape
             options = LoadOptions.resolve(req.config, shape)
             digest = file_digest(path, model_cache_dir())
-        template, tool_format = template_report(req, facts.chat_template, facts.control_tokens)
+        template, tool_format, capabilities = template_report(req, facts.chat_template, facts.control_tokens)
         kvpt = kv_bytes_per_token(shape.facts(kv_cache_type=options.kv_cache_type))
         gpu = self._offload()
         return ModelInfo(
@@ -130,6 +130,7 @@ class LlamaBackend:
             runtime_system_info=system_info(),
             chat_template=template,
             tool_format=tool_format,
+            capabilities=capabilities,
             supports_gpu_offload=gpu,
             engine_options=option_list(BACKEND_NAME),
             n_layer=shape.n_layer,

@@ -154,7 +154,8 @@ class OpenVINOBackend:
             devices = self._devices()
             # the template is read from the GGUF an IR is made from; an IR alone is read at its load
             facts = gguf_facts(src.gguf) if src.gguf is not None else None
-        template, tool_format = template_report(req, facts.chat_template, facts.control_tokens) if facts else ("", "")
+        template, tool_format, capabilities = (template_report(req, facts.chat_template, facts.control_tokens)
+                                                if facts else ("", "", ["text"]))
         requested = req.config.num_ctx or DEFAULT_NUM_CTX
         effective = min(requested, shape.n_ctx_train) if shape.n_ctx_train else requested
         kvpt = kv_bytes_per_token(sizing(shape, options.kv_precision))
@@ -182,6 +183,7 @@ class OpenVINOBackend:
             runtime_system_info=main.name if main is not None else "",
             chat_template=template,
             tool_format=tool_format,
+            capabilities=capabilities,
             supports_gpu_offload=any(d.kind == "gpu" for d in devices),
             engine_options=option_list(BACKEND_NAME),
             devices=devices,

@@ -18,7 +18,7 @@ from contract.types import OpenSessionRequest
 from ..bundled import model_cache_dir
 from ..resident import check_model_type
 from .draft_costs import fixed_costs, kept_costs
-from .model import TapeModel, model_format
+from .model import TapeModel, model_capabilities, model_format
 from .speculate import CheckCosts
 from .templates import JinjaTemplate, choose_template, requested_template
 from .toolformats import require_format
@@ -74,9 +74,10 @@ def finish_load(model: LoadedTape, cache: StateCache | None, speculative: bool) 
     model.speculative = speculative
 
 
-def template_report(req: OpenSessionRequest, own: str, whole_tokens: Collection[str]) -> tuple[str, str]:
+def template_report(req: OpenSessionRequest, own: str, whole_tokens: Collection[str]) -> tuple[str, str, list[str]]:
     """What ``describe`` says of the template before any load, as ``status`` says it after one: where the
-    template a load would serve with comes from, and the tool-call format it would use and why.
+    template a load would serve with comes from, the tool-call format it would use and why, and the model's
+    capabilities (``model_capabilities``).
 
     ``own`` is the template the model's file carries ("" for none) and ``whole_tokens`` the texts its
     tokenizer keeps as single tokens (the vocabulary choice of a file with none). A template that does not
@@ -85,6 +86,18 @@ def template_report(req: OpenSessionRequest, own: str, whole_tokens: Collection[
     try:
         template = JinjaTemplate(source)
     except jinja2.TemplateError as exc:
-        return f"{origin}; it does not compile: {exc}", ""
-    _, tool_format = model_format(template, req.config.tool_format)
-    return origin, tool_format
+        return f"{origin}; it does not compile: {exc}", "", ["text"]
+    fmt, tool_format = model_format(template, req.config.tool_format)
+    return origin, tool_format, model_capabilities(template, fmt)
+
+
+def source_capabilities(source: str) -> list[str]:
+    """The capabilities (``model_capabilities``) a chat template's source gives its model; a file without one
+    (``""``) or with one that does not compile: text only."""
+    if not source:
+        return ["text"]
+    try:
+        template = JinjaTemplate(source)
+    except jinja2.TemplateError:
+        return ["text"]
+    return model_capabilities(template, model_format(template, "")[0])

@@ -40,7 +40,7 @@ from .cache import save_tape
 from .draft_costs import measure_costs
 from .miss import SHARED as SHARED_SEEN
 from .miss import SeenPrompts
-from .output import resolve_protocols
+from .output import THINK_OPEN, resolve_protocols
 from .speculate import MAX_DRAFT, CheckCosts, SpeculationStats
 from .toolformats import FORMATS, ToolFormat, detect_format, require_format
 
@@ -333,6 +333,26 @@ def model_format(template: ChatTemplate | None, requested: str) -> tuple[ToolFor
     return found, f"{found.name} (detected from the template{where})"
 
 
+#: what in a template's source says it renders the model's reasoning: Qwen3's and DeepSeek-R1's ``<think>``,
+#: the ``enable_thinking`` switch, the ``reasoning_content`` field templates read a turn's reasoning from
+REASONING_MARKS = (THINK_OPEN, "enable_thinking", "reasoning_content")
+
+
+def model_capabilities(template: ChatTemplate | None, fmt: ToolFormat, *, vision: bool = False) -> list[str]:
+    """What a chat model can be asked for (``contract.types.CAPABILITIES``), read from the model and its template,
+    never declared: ``text`` always; ``vision`` with an image encoder; ``tools`` when the template renders a tool
+    list itself (any model takes tools, in a generic block, but one whose template has none was not trained on
+    them); ``reasoning`` when its tool format has reasoning channels or its template renders thinking."""
+    caps = ["text"]
+    if vision:
+        caps.append("vision")
+    if template is not None and template.supports_tools:
+        caps.append("tools")
+    if fmt.own_reasoning or (template is not None and any(m in template.source for m in REASONING_MARKS)):
+        caps.append("reasoning")
+    return caps
+
+
 # --- the bookkeeping every engine shares ------------------------------------------------------------
 class TapeModelBase(ABC):
     """Identity, session generations, epochs, BOS policy and closing, for a ``TapeModel``.
@@ -403,6 +423,8 @@ class TapeModelBase(ABC):
         self._sampling: SamplingParams | None = None
         #: the family replies' tool calls are parsed and forced in, and why (``status``)
         self.tool_format, self.tool_format_origin = model_format(template, config.tool_format)
+        #: what the model can be asked for (``model_capabilities``): ``status``, ``/v1/models``, ``describe``
+        self.capabilities = model_capabilities(template, self.tool_format)
         self._marker_ids: dict[frozenset[str], dict[int, bytes]] = {}
 
     # --- identity ---------------------------------------------------------------------------

@@ -237,6 +237,7 @@ _BACKEND_FIELDS = (
     "runtime_system_info",
     "chat_template",
     "tool_format",
+    "capabilities",
     "supports_gpu_offload",
     "engine_options",
     "n_layer",

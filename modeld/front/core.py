@@ -50,6 +50,7 @@ from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage, chat_
 from ..settings import HttpSettings
 from .access import AccessRecord, record_of
 from .errors import ApiError, api_error
+from .images import ImageLimits, ImageRef, read_images
 from .pool import ClientPool
 from .sealing import Sealer
 
@@ -129,6 +130,8 @@ class TurnRequest:
     prompt: str | list[int] | None = None
     #: score the raw prompt's tokens, with this many alternatives each (``Chat.begin_prompt(score=…)``)
     score: int | None = None
+    #: the images the messages carried, in order (``images.read_images`` checks them in ``Serving.begin``)
+    images: list[ImageRef] = field(default_factory=list)
 
 
 def turn_messages(raw: Iterable[Mapping[str, Any] | ChatMessage]) -> list[ChatMessage]:
@@ -582,21 +585,25 @@ class Serving:
         log.debug("a request for model %r is served by the loaded model %r", requested, loaded)
         return Route(loaded, switch=False)
 
-    def models(self) -> tuple[list[str], int]:
+    def models(self) -> tuple[list[tuple[str, list[str] | None]], int]:
         """What ``/v1/models`` lists: the loaded model's name first, the aliases that lead to it, then every
-        other model the daemon can load by name (its store's, the bundled one), and when the loaded one was
-        created there (``created_at``; now when none is loaded)."""
+        other model the daemon can load by name (its store's, the bundled one), each with what it can be asked
+        for where that is known (the loaded model's ``ActiveModel.capabilities``; None for the others), and
+        when the loaded one was created there (``created_at``; now when none is loaded)."""
         st = self.status()
         loaded = st.active.model_name if st.active is not None else ""
         names = [*([loaded] if loaded else []),
                  *sorted(a for a, t in self.aliases.items() if t == loaded and a != loaded)]
+        caps = list(st.active.capabilities) if st.active is not None else None
+        listed: list[tuple[str, list[str] | None]] = [(n, caps) for n in names]
         stored = [*st.models["names"], *sorted(st.models["aliases"])] if st.models is not None else []
         for n in stored:
             if n not in names:
                 names.append(n)
+                listed.append((n, None))
         if not names:
             self._check_loaded(st)
-        return names, created_at(st.active) if st.active is not None else int(time.time())
+        return listed, created_at(st.active) if st.active is not None else int(time.time())
 
     # --- turns ---------------------------------------------------------------------------------
     def begin(self, req: TurnRequest, *, check_fit: bool = True, route: Route | None = None) -> Turn:
@@ -607,6 +614,8 @@ class Serving:
         anything that refuses the request; nothing has been prefilled then.
         """
         route = route or self.route(req.model)
+        if req.images:
+            self._check_images(req.images, route)
         model = route.model
         client = self.pool.take()
         try:
@@ -626,6 +635,25 @@ class Serving:
             self.pool.give(client)
             raise
         return Turn(self.pool, client, chat_turn, chat_turn.model_name or model)
+
+    def _check_images(self, refs: list[ImageRef], route: Route) -> None:
+        """The request's images read and checked (``images.read_images``), then the model that would serve them:
+        one without an image encoder refuses them with ``vision_unsupported``, naming it."""
+        cfg = self.settings
+        read_images(refs, ImageLimits(cfg.max_images, int(cfg.max_image_bytes), cfg.max_image_pixels))
+        st = self.status()
+        if st.active is not None and st.active.model_name == route.model:
+            capabilities = st.active.capabilities
+        else:  # a model the request switches to: what its file says, before it is loaded
+            with self.pool.client() as c:
+                capabilities = c.describe(OpenSessionRequest(model_name=route.model)).capabilities
+        if "vision" not in capabilities:
+            raise ApiError(400, f"{refs[0].where} is an image, and model {route.model!r} reads text only (its "
+                           f"capabilities: {', '.join(capabilities)}); serve a model with an image encoder for images",
+                           code="vision_unsupported", param=refs[0].where)
+        # no engine reads images yet, so no model says "vision": were one to, its images must not be dropped
+        raise ApiError(501, f"model {route.model!r} has an image encoder, but this daemon does not pass images to "
+                       "its engine", code="vision_unsupported", param=refs[0].where)
 
     async def abegin(self, req: TurnRequest, request: Request | None = None, *, route: Route | None = None) -> Turn:
         """``begin`` in a worker thread, its refusals as ``ApiError``.

@@ -84,6 +84,7 @@ _WS_BY_CODE: dict[str, tuple[str, bool, str]] = {
     "generation_running": ("invalid_request", True, "wait"),
     "no_generation": ("invalid_request", False, "send_config"),
     "pause_limit": ("timeout", True, "regenerate"),
+    "vision_unsupported": ("invalid_request", False, "load_model"),
 }
 
 

@@ -163,7 +163,8 @@ def _ls(store: ModelStore, args: argparse.Namespace) -> int:
         _, d = store.get(m.name)
         f = model_facts(m, d)
         rows.append({"name": m.name, "size": m.size, "quant": m.quant or m.format, "context": f.get("context", 0),
-                     "engine": f.get("engine", ""), "loaded": _is_loaded(loaded, m, d), "source": m.source})
+                     "engine": f.get("engine", ""), "loaded": _is_loaded(loaded, m, d), "source": m.source,
+                     "capabilities": f.get("capabilities", [])})
     aliases = store.aliases()
     if args.json:
         print(json.dumps({"store": str(store.root), "models": rows, "aliases": aliases,
@@ -172,10 +173,12 @@ def _ls(store: ModelStore, args: argparse.Namespace) -> int:
     if not rows:
         print(f"(no models in {store.root}: modeld pull user/repo:QUANT)")
     else:
-        print(f"{'NAME':40}  {'SIZE':>9}  {'QUANT':8}  {'CONTEXT':>7}  {'ENGINE':8}  LOADED")
+        print(f"{'NAME':40}  {'SIZE':>9}  {'QUANT':8}  {'CONTEXT':>7}  {'ENGINE':8}  {'LOADED':6}  CAPABILITIES")
         for r in rows:
             mark = "yes" if r["loaded"] else ("-" if loaded is None else "")
-            print(f"{r['name']:40}  {size_text(r['size']):>9}  {r['quant']:8}  {r['context']:>7}  {r['engine']:8}  {mark}")
+            caps = ",".join(r["capabilities"]) or "-"
+            print(f"{r['name']:40}  {size_text(r['size']):>9}  {r['quant']:8}  {r['context']:>7}  {r['engine']:8}  "
+                  f"{mark:6}  {caps}")
         n, total = store.disk_usage()
         print(f"{n} model{'s' if n != 1 else ''}, {size_text(total)} in {store.root}"
               + ("" if loaded is not None else "; no daemon answered, so LOADED is unknown"))
@@ -196,6 +199,7 @@ def _show(store: ModelStore, args: argparse.Namespace) -> int:
                                    ("license", m.license or "-"), ("architecture", facts.get("architecture", "-")),
                                    ("context", facts.get("context", "-")), ("layers", facts.get("layers", "-")),
                                    ("engine", f"{facts.get('engine', '')} ({facts.get('engine_reason', '')})"),
+                                   ("capabilities", ", ".join(facts.get("capabilities", [])) or "-"),
                                    ("path", facts["path"]), ("aliases", ", ".join(aliases) or "-")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

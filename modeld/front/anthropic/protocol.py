@@ -37,6 +37,8 @@ class Block(Loose):
     # thinking
     thinking: str | None = None
     signature: str | None = None
+    # image: {"type": "base64", "media_type": "image/png", "data": "…"} or {"type": "url", "url": "…"}
+    source: dict[str, Any] | None = None
 
 
 class Message(Loose):

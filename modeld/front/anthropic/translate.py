@@ -17,6 +17,7 @@ from ..core import (
     with_miss,
 )
 from ..errors import ApiError
+from ..images import ImageRef
 from ..openai.translate import call_schemas, tool_choice_options
 from .protocol import BILLING_HEADER, STOP_REASONS, Block, CountTokensRequest, MessagesRequest, Tool
 
@@ -24,15 +25,31 @@ log = logging.getLogger("modeld.http")
 
 
 # --- request mapping -------------------------------------------------------------------------------
-def _text_of_blocks(blocks: list[Block], where: str, *, allow: tuple[str, ...] = ("text",)) -> str:
+def _text_of_blocks(blocks: list[Block], where: str, *, allow: tuple[str, ...] = ("text",),
+                    images: list[ImageRef] | None = None) -> str:
+    """Blocks as text; ``image`` blocks go to ``images`` where a turn may carry them (checked, and refused by a
+    model that reads text only, in ``Serving.begin``)."""
     parts = []
     for i, b in enumerate(blocks):
         if b.type in allow and b.text is not None:
             parts.append(b.text)
+        elif b.type == "image" and images is not None:
+            images.append(image_of(b, f"{where}[{i}]"))
         else:
             raise ApiError(400, f"{where}[{i}] is a {b.type!r} block; this model reads text only",
                            code="unsupported_content", param=where)
     return "\n\n".join(parts) if len(parts) > 1 else "".join(parts)
+
+
+def image_of(block: Block, where: str) -> ImageRef:
+    """An ``image`` block's source: ``base64`` data with its media type, or a ``url`` (which is not fetched)."""
+    src = block.source if isinstance(block.source, dict) else {}
+    if src.get("type") == "base64" and isinstance(src.get("data"), str):
+        return ImageRef(where, data=src["data"], media_type=str(src.get("media_type") or ""))
+    if src.get("type") == "url" and isinstance(src.get("url"), str):
+        return ImageRef(where, url=src["url"])
+    raise ApiError(400, f"{where}: an image block needs a source of type base64 (media_type, data) or url",
+                   code="invalid_image", param=f"{where}.source")
 
 
 def system_text(system: str | list[Block] | None, *, keep_billing_header: bool) -> str:
@@ -46,18 +63,18 @@ def system_text(system: str | list[Block] | None, *, keep_billing_header: bool) 
     return _text_of_blocks(kept, "system")
 
 
-def _tool_result_text(block: Block, where: str) -> str:
+def _tool_result_text(block: Block, where: str, images: list[ImageRef]) -> str:
     content = block.content
     if content is None:
         text = ""
     elif isinstance(content, str):
         text = content
     else:
-        text = _text_of_blocks(content, f"{where}.content")
+        text = _text_of_blocks(content, f"{where}.content", images=images)
     return f"Error: {text}" if block.is_error else text
 
 
-def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving) -> list[dict[str, Any]]:
+def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving, images: list[ImageRef]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = system_text(req.system, keep_billing_header=serving.settings.keep_billing_header)
     if system:
@@ -104,9 +121,11 @@ def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving) -> li
             if b.type == "tool_result":
                 if not b.tool_use_id:
                     raise ApiError(400, f"{where}[{j}]: a tool_result block needs a tool_use_id", param=where)
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _tool_result_text(b, f"{where}[{j}]")})
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _tool_result_text(b, f"{where}[{j}]", images)})
             elif b.type == "text":
                 texts.append(b.text or "")
+            elif b.type == "image":
+                images.append(image_of(b, f"{where}[{j}]"))
             else:
                 raise ApiError(400, f"{where}[{j}] is a {b.type!r} block; this model reads text only",
                                code="unsupported_content", param=where)
@@ -152,8 +171,10 @@ def turn_request(req: MessagesRequest | CountTokensRequest, serving: Serving) ->
         if choice.type == "tool" and not choice.name:
             raise ApiError(400, "tool_choice of type 'tool' needs a name", param="tool_choice.name")
         decode.update(tool_choice_options(plain, choice.name if choice.type == "tool" else None, names))
-    return TurnRequest(messages=turn_messages(_messages(req, serving)), tools=tools, decode=decode, model=req.model,
-                       enable_thinking=_thinking(req))
+    images: list[ImageRef] = []
+    messages = turn_messages(_messages(req, serving, images))
+    return TurnRequest(messages=messages, tools=tools, decode=decode, model=req.model,
+                       enable_thinking=_thinking(req), images=images)
 
 
 # --- replies ---------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ class ContentPart(Loose):
     type: str
     text: str | None = None
     refusal: str | None = None
+    #: an ``image_url`` part's ``{"url": "data:…", "detail": …}`` (a bare URL string is taken too)
+    image_url: dict[str, Any] | str | None = None
 
 
 class FunctionCall(Loose):
@@ -190,6 +192,9 @@ class ModelCard(Shape):
     object: Literal["model"]
     created: int
     owned_by: str
+    #: what the model can be asked for ("text", "vision", "tools", "reasoning"): the loaded model's, from its
+    #: weights and template; absent for a model the daemon can load but has not
+    capabilities: list[str] | None = None
 
 
 class ModelList(Shape):

@@ -41,11 +41,16 @@ def router(serving: Serving) -> APIRouter:
     @r.get("/v1/models", responses=declared(ModelList, ErrorBody))
     async def models() -> dict[str, Any]:
         try:
-            names, created = await anyio.to_thread.run_sync(serving.models)
+            listed, created = await anyio.to_thread.run_sync(serving.models)
         except ModeldError as exc:
             raise api_error(exc) from None
-        return {"object": "list",
-                "data": [{"id": n, "object": "model", "created": created, "owned_by": "modeld"} for n in names]}
+        data = []
+        for name, capabilities in listed:
+            card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "modeld"}
+            if capabilities is not None:
+                card["capabilities"] = capabilities  # an extension field (the SDKs keep it as an extra)
+            data.append(card)
+        return {"object": "list", "data": data}
 
     @r.post("/v1/chat/completions", response_model=None, responses=declared(ChatCompletion, ErrorBody, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | EventSourceResponse:

@@ -16,12 +16,14 @@ from ..core import (
     with_miss,
 )
 from ..errors import ApiError
+from ..images import ImageRef
 from .protocol import ChatCompletionRequest, ContentPart, NamedToolChoice, SamplingRequest
 
 
 # --- request mapping -------------------------------------------------------------------------------
-def text_of(content: str | list[ContentPart] | None, where: str) -> str | None:
-    """Message content as text: text (and refusal) parts joined; any other part is refused."""
+def text_of(content: str | list[ContentPart] | None, where: str, images: list[ImageRef]) -> str | None:
+    """Message content as text: text (and refusal) parts joined; ``image_url`` parts go to ``images`` (checked,
+    and refused by a model that reads text only, in ``Serving.begin``); any other part is refused."""
     if content is None or isinstance(content, str):
         return content
     parts = []
@@ -30,17 +32,23 @@ def text_of(content: str | list[ContentPart] | None, where: str) -> str | None:
             parts.append(part.text)
         elif part.type == "refusal" and part.refusal is not None:
             parts.append(part.refusal)
+        elif part.type == "image_url":
+            url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+            if not isinstance(url, str) or not url:
+                raise ApiError(400, f"{where}.content[{i}] is an image_url part without a url",
+                               param=f"{where}.content[{i}].image_url")
+            images.append(ImageRef(f"{where}.content[{i}]", url=url))
         else:
             raise ApiError(400, f"{where}.content[{i}] is a {part.type!r} part; this model reads text only",
                            code="unsupported_content", param=f"{where}.content")
     return "".join(parts)
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _messages(req: ChatCompletionRequest, images: list[ImageRef]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                               "content": text_of(m.content, f"messages[{i}]")}
+                               "content": text_of(m.content, f"messages[{i}]", images)}
         if m.tool_calls:
             msg["tool_calls"] = [
                 {"id": c.id, "type": "function",
@@ -139,7 +147,9 @@ def _decode(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str
 
 def turn_request(req: ChatCompletionRequest) -> TurnRequest:
     tools = _tools(req)
-    return TurnRequest(messages=turn_messages(_messages(req)), tools=tools, decode=_decode(req, tools), model=req.model)
+    images: list[ImageRef] = []
+    messages = turn_messages(_messages(req, images))
+    return TurnRequest(messages=messages, tools=tools, decode=_decode(req, tools), model=req.model, images=images)
 
 
 # --- replies ---------------------------------------------------------------------------------------

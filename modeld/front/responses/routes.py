@@ -29,6 +29,7 @@ from ..core import (
     turn_messages,
 )
 from ..errors import ApiError, api_error
+from ..images import ImageRef
 from ..openai.protocol import ErrorBody
 from ..openai.translate import token_logprobs_out
 from ..stored import ResponseStore
@@ -71,7 +72,8 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
             if tools_given is None:
                 tools_given = stored.get("tools")
         tools = ToolMap(tools_given)
-        messages = conversation(body, tools, serving)
+        images: list[ImageRef] = []
+        messages = conversation(body, tools, serving, images)
         if earlier:
             # the stored instructions led the earlier turns; this request's (if any) replace them
             if body.instructions is not None and earlier and earlier[0].get("role") == "system":
@@ -85,7 +87,7 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
         if not full:
             raise ApiError(400, "input is empty", param="input")
         turn_req = TurnRequest(messages=turn_messages(full), tools=tools.functions, decode=decode_options(body, tools), model=body.model,
-                               enable_thinking=thinking_of(body))
+                               enable_thinking=thinking_of(body), images=images)
         return turn_req, tools, tools_given or []
 
     def keep(reply: Reply, turn_req: TurnRequest, tools_given: list[dict[str, Any]]) -> None:

@@ -17,6 +17,7 @@ from ..core import (
     with_miss,
 )
 from ..errors import ApiError
+from ..images import ImageRef
 from ..openai.translate import call_schemas, token_logprobs_out, tool_choice_options
 from .protocol import ENCRYPTED_REASONING, ResponsesRequest
 
@@ -72,7 +73,9 @@ class ToolMap:
 
 
 # --- input items -----------------------------------------------------------------------------------
-def _part_text(content: Any, where: str) -> str:
+def _part_text(content: Any, where: str, images: list[ImageRef] | None = None) -> str:
+    """Content parts as text; ``input_image`` parts go to ``images`` where a turn may carry them (checked, and
+    refused by a model that reads text only, in ``Serving.begin``)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -84,14 +87,24 @@ def _part_text(content: Any, where: str) -> str:
             parts.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             parts.append(part["refusal"])
+        elif kind == "input_image" and images is not None:
+            url = part.get("image_url")
+            if part.get("file_id") and not url:
+                raise ApiError(400, f"{where}[{i}] names a file_id; this daemon keeps no files: send the image "
+                               "inline as image_url (a data: URL)", code="invalid_image", param=f"{where}[{i}].file_id")
+            if not isinstance(url, str) or not url:
+                raise ApiError(400, f"{where}[{i}] is an input_image without an image_url", param=f"{where}[{i}]")
+            images.append(ImageRef(f"{where}[{i}]", url=url))
         else:
             raise ApiError(400, f"{where}[{i}] is a {kind!r} part; this model reads text only",
                            code="unsupported_content", param=where)
     return "".join(parts)
 
 
-def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving) -> list[dict[str, Any]]:
-    """The request's input items as OpenAI-shaped messages (the stored conversation is prepended by the caller)."""
+def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving,
+                 images: list[ImageRef]) -> list[dict[str, Any]]:
+    """The request's input items as OpenAI-shaped messages (the stored conversation is prepended by the caller);
+    their images go to ``images``."""
     out: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": req.input}] \
         if isinstance(req.input, str) else req.input
@@ -122,7 +135,7 @@ def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving) -> lis
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"{where}.role must be user, assistant, system or developer", param=f"{where}.role")
-            text = _part_text(item.get("content", ""), f"{where}.content")
+            text = _part_text(item.get("content", ""), f"{where}.content", images)
             if role == "assistant":
                 msg = assistant()
                 msg["content"] = (msg["content"] or "") + text
@@ -144,7 +157,7 @@ def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving) -> lis
             if not isinstance(call_id, str) or not call_id:
                 raise ApiError(400, f"{where} needs a call_id", param=where)
             output = item.get("output", "")
-            text = output if isinstance(output, str) else _part_text(output, f"{where}.output")
+            text = output if isinstance(output, str) else _part_text(output, f"{where}.output", images)
             out.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
             sealed = item.get("encrypted_content")

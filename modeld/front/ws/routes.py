@@ -35,6 +35,7 @@ from runtime.chat import ChatResult
 
 from ..core import Route, Serving, Turn, TurnRequest, turn_messages
 from ..errors import ApiError, api_error
+from ..images import ImageRef, take_images
 from .feedback import FILE_NAME, FeedbackLog
 from .protocol import (
     CLIENT_MESSAGE,
@@ -328,8 +329,9 @@ class _Connection:
         tools = [t for t in config.tools]
         if config.prompt is not None:
             return TurnRequest(messages=[], prompt=config.prompt, decode=decode, model=config.model)
-        return TurnRequest(messages=turn_messages(config.messages or []), tools=tools, decode=decode,
-                           model=config.model)
+        images: list[ImageRef] = []
+        messages = turn_messages(take_images(list(config.messages or []), images))
+        return TurnRequest(messages=messages, tools=tools, decode=decode, model=config.model, images=images)
 
     async def _run(self, gen: _Generation) -> None:
         started = time.perf_counter()
