@@ -164,3 +164,13 @@ def turn(session: Session, man: ContextManifest, prefix: str, suffix: str, n: in
     session.ensure_prefix(PrefixInput(text=prefix, manifest=man))
     session.prefill_suffix(SuffixInput(text=suffix, manifest=man))
     return decode(session, n, **cfg)[0]
+
+
+def openvino_precision() -> str:
+    """What OpenVINO's CPU plugin computes in by default here ("f32", or "bf16" on a CPU with bf16 instructions, as
+    the daemon does): figures compared across two of its graphs part further in bf16."""
+    import openvino as ov
+
+    from backends.openvino.native import type_name
+
+    return type_name(ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))

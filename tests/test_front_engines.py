@@ -21,6 +21,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from tests.engine_kit import openvino_precision  # noqa: E402
 from tests.test_metrics import samples  # noqa: E402
 from tests.test_openai_front import Front  # noqa: E402
 
@@ -457,9 +458,10 @@ def test_tokenize_and_detokenize_round_trip_on_the_model(front: Front) -> None:
 #: prompt-token log probabilities against the same figures read another way. llama-cpp-python's ``logits_all``
 #: rows run the same batches as the daemon's prefill (measured equal bit for bit on this AVX-512 CPU); a
 #: decode's first step runs one row where the prefill ran a batch, which llama.cpp's kernels round apart
-#: (measured 0.28 on llama.cpp with the bundled Q4_1 model, 0.0017 on OpenVINO)
+#: (measured 0.28 on llama.cpp with the bundled Q4_1 model, 0.0017 on OpenVINO in f32, 0.35 on OpenVINO in bf16 on an
+#: Intel Xeon with AVX512_BF16)
 SCORE_TOLERANCE = 1e-3
-CUT_TOLERANCE = {"llama": 0.75, "openvino": 0.05}
+CUT_TOLERANCE = {"llama": 0.75, "openvino": 0.05, "openvino-bf16": 0.75}
 SCORED = ("def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n\n\n"
           "def test_add():\n    assert add(2, 3) == 5\n    assert add(-1, 1) == 0\n") * 3
 
@@ -519,7 +521,10 @@ def test_a_prompt_scored_through_completions_is_the_engines_own(front: Front) ->
         both = set(top) & set(scored)
         assert len(both) >= len(scored) - 1, (j, top, scored)  # (the k-th may trade places at a near tie)
         worst = max([worst, *(abs(top[t] - scored[t]) for t in both)])
-    assert worst <= CUT_TOLERANCE[front.daemon.backend], worst
+    kind = front.daemon.backend
+    if kind == "openvino" and openvino_precision() == "bf16":
+        kind = "openvino-bf16"
+    assert worst <= CUT_TOLERANCE[kind], worst
     print(f"scoring against a decode's first step: {worst:.5f}")
 
     if front.daemon.backend == "llama":

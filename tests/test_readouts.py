@@ -23,6 +23,7 @@ from contract.errors import InvalidArgument, ModelLoadFailed, UnsupportedFeature
 from contract.types import OpenSessionRequest, PrefixInput, SuffixInput
 from harness.daemon import DaemonProcess, free_port, wait_http
 
+from .engine_kit import openvino_precision
 from .test_backends_daemon import BACKENDS, BUNDLED
 
 pytest.importorskip("llama_cpp")
@@ -131,8 +132,13 @@ def test_status_names_the_manifest_and_a_prefill_reads_every_suffix_token(daemon
     scale = np.abs(expected).max(axis=(0, 2), keepdims=True)
     err = np.abs(readouts - expected) / scale
     # llama.cpp: the same kernels on the same batches (measured: equal); OpenVINO: its paged graph with a u8 KV cache
-    # against the stateful one (measured: 6e-4 of the largest readout, at the last layer)
-    assert err.max() <= (1e-4 if daemon.backend == "llama" else 0.01), err.max(axis=(0, 2))
+    # against the stateful one (measured: 6e-4 of the largest readout, at the last layer, in f32; 0.067 in bf16 on an
+    # Intel Xeon with AVX512_BF16, the device's default there)
+    if daemon.backend == "llama":
+        tolerance = 1e-4
+    else:
+        tolerance = 0.15 if openvino_precision() == "bf16" else 0.01
+    assert err.max() <= tolerance, err.max(axis=(0, 2))
     _SEEN[daemon.backend] = readouts
 
 

@@ -1048,6 +1048,7 @@ def test_the_load_wiring_every_engine_shares(monkeypatch: pytest.MonkeyPatch) ->
     assert check_load(OpenSessionRequest(type="toy"), "toy") is None
     kept = CheckCosts([1.0 + 0.25 * r for r in range(MAX_DRAFT + 1)])
     monkeypatch.setattr("backends.tape.loading.kept_costs", lambda m, cache_dir: kept)
+    monkeypatch.delenv(costs_mod.FIXED_ENV)  # the kept table is the subject: not the suite's fixed one
     cache = object()
     plain, speculating = ToyModel(), ToyModel()
     finish_load(plain, None, False)
