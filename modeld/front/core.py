@@ -597,11 +597,8 @@ class Serving:
         caps = list(st.active.capabilities) if st.active is not None else None
         listed: list[tuple[str, list[str] | None]] = [(n, caps) for n in names]
         stored = [*st.models["names"], *sorted(st.models["aliases"])] if st.models is not None else []
-        for n in stored:
-            if n not in names:
-                names.append(n)
-                listed.append((n, None))
-        if not names:
+        listed += [(n, None) for n in dict.fromkeys(stored) if n not in names]
+        if not listed:
             self._check_loaded(st)
         return listed, created_at(st.active) if st.active is not None else int(time.time())
 
@@ -613,9 +610,11 @@ class Serving:
         Raises ``ApiError`` or a ``ModeldError`` (``errors.api_error`` maps it) for
         anything that refuses the request; nothing has been prefilled then.
         """
-        route = route or self.route(req.model)
         if req.images:
-            self._check_images(req.images, route)
+            st = self.status()  # one status for the route and the images' model
+            route = route or self.route(req.model, st)
+            self._check_images(req.images, route, st)
+        route = route or self.route(req.model)
         model = route.model
         client = self.pool.take()
         try:
@@ -636,12 +635,11 @@ class Serving:
             raise
         return Turn(self.pool, client, chat_turn, chat_turn.model_name or model)
 
-    def _check_images(self, refs: list[ImageRef], route: Route) -> None:
-        """The request's images read and checked (``images.read_images``), then the model that would serve them:
-        one without an image encoder refuses them with ``vision_unsupported``, naming it."""
+    def _check_images(self, refs: list[ImageRef], route: Route, st: DaemonStatus) -> None:
+        """The request's images read and checked (``images.read_images``), then the model that would serve them
+        (``st``: the daemon's status): one without an image encoder refuses them with ``vision_unsupported``."""
         cfg = self.settings
         read_images(refs, ImageLimits(cfg.max_images, int(cfg.max_image_bytes), cfg.max_image_pixels))
-        st = self.status()
         if st.active is not None and st.active.model_name == route.model:
             capabilities = st.active.capabilities
         else:  # a model the request switches to: what its file says, before it is loaded

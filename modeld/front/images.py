@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import io
 import re
@@ -30,7 +31,7 @@ from typing import Any
 
 from .errors import ApiError
 
-__all__ = ["FORMATS", "Image", "ImageLimits", "ImageRef", "read_images", "take_images"]
+__all__ = ["FORMATS", "Image", "ImageLimits", "ImageRef", "image_url_ref", "read_images", "take_images"]
 
 #: the formats an image may come in (Pillow's names, lower case), and their media types
 FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif"}
@@ -80,6 +81,14 @@ def read_images(refs: list[ImageRef], limits: ImageLimits) -> list[Image]:
     return [_read(ref, limits) for ref in refs]
 
 
+def image_url_ref(value: Any, where: str) -> ImageRef:
+    """A chat completions ``image_url`` part's value (``{"url": …, "detail": …}``, or the URL alone) as a ref."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ApiError(400, f"{where} is an image_url part without a url", param=f"{where}.image_url")
+    return ImageRef(where, url=url)
+
+
 def take_images(messages: list[dict[str, Any]], images: list[ImageRef]) -> list[dict[str, Any]]:
     """OpenAI-shaped messages (the WebSocket protocol's) without their ``image_url`` parts, which go to ``images``."""
     out = []
@@ -91,12 +100,7 @@ def take_images(messages: list[dict[str, Any]], images: list[ImageRef]) -> list[
         kept = []
         for j, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") == "image_url":
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
-                if not isinstance(url, str) or not url:
-                    raise ApiError(400, f"messages[{i}].content[{j}] is an image_url part without a url",
-                                   param=f"messages[{i}].content[{j}].image_url")
-                images.append(ImageRef(f"messages[{i}].content[{j}]", url=url))
+                images.append(image_url_ref(part.get("image_url"), f"messages[{i}].content[{j}]"))
             else:
                 kept.append(part)
         out.append({**m, "content": kept})
@@ -137,14 +141,10 @@ def _read(ref: ImageRef, limits: ImageLimits) -> Image:
     return Image(ref.where, raw, hashlib.sha256(raw).hexdigest(), fmt, width, height)
 
 
-_BOMB_FILTER: list[type[Warning]] = []
-
-
+@functools.cache
 def _bomb_warnings_are_errors(category: type[Warning]) -> None:
     """Pillow warns (and goes on) for an image between its two bomb sizes; here that is an error, once per process."""
-    if not _BOMB_FILTER:
-        warnings.filterwarnings("error", category=category)
-        _BOMB_FILTER.append(category)
+    warnings.filterwarnings("error", category=category)
 
 
 def _bytes(ref: ImageRef, limits: ImageLimits) -> bytes:

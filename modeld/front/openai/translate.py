@@ -16,7 +16,7 @@ from ..core import (
     with_miss,
 )
 from ..errors import ApiError
-from ..images import ImageRef
+from ..images import ImageRef, image_url_ref
 from .protocol import ChatCompletionRequest, ContentPart, NamedToolChoice, SamplingRequest
 
 
@@ -33,11 +33,7 @@ def text_of(content: str | list[ContentPart] | None, where: str, images: list[Im
         elif part.type == "refusal" and part.refusal is not None:
             parts.append(part.refusal)
         elif part.type == "image_url":
-            url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
-            if not isinstance(url, str) or not url:
-                raise ApiError(400, f"{where}.content[{i}] is an image_url part without a url",
-                               param=f"{where}.content[{i}].image_url")
-            images.append(ImageRef(f"{where}.content[{i}]", url=url))
+            images.append(image_url_ref(part.image_url, f"{where}.content[{i}]"))
         else:
             raise ApiError(400, f"{where}.content[{i}] is a {part.type!r} part; this model reads text only",
                            code="unsupported_content", param=f"{where}.content")
