@@ -94,10 +94,10 @@ models: setup
 run: serving
 	$(VENV)/bin/modeld serve --backend $${MODELD_BACKEND:-auto} --http $${MODELD_HTTP:-127.0.0.1:8377}
 
-# TEST_WORKERS=2 runs the suite's files on two pytest-xdist workers (a file's tests stay together, so its daemons start
-# once): ~14% faster in place, but on a fresh clone two workers time the model's draft costs at once and race on the
-# kept table, so the default is one process.
-TEST_WORKERS ?= 0
+# The suite's files run on two pytest-xdist workers (a file's tests stay together, so its daemons start once); no
+# two workers share a kept state (the draft costs: a fixed table in every test, tests/conftest.py, and a table of
+# its own in each test of the timing). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
 

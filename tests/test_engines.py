@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -687,19 +688,20 @@ def test_seeded_sampling_repeats_and_speculates_when_asked(
 
 
 def test_draft_costs_are_timed_when_idle_and_kept_for_the_next_load(
-    engine: Engine, model: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    engine: Engine, model: LoadedModel, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The policy's cost table is timed once per model and machine, while the model is idle (never in the load);
     a reload drafts as before and times nothing."""
     if not engine.speculates:
         pytest.skip("the reference does not speculate")
-    from backends.bundled import model_cache_dir
     from backends.tape import draft_costs
 
     # whatever the timing gives is kept: a busy machine's table is refused as implausible (tests/test_tape.py),
     # which is not what this test is about
     monkeypatch.setattr(draft_costs, "plausible", lambda costs: True)
     monkeypatch.delenv(draft_costs.FIXED_ENV)  # the timing is the subject: not the suite's fixed table
+    # its own table: another test timing the same model on another worker keeps its own in the shared model cache
+    monkeypatch.setattr(draft_costs, "table_dir", lambda: tmp_path)
     first = engine.load()
     try:
         first.idle_work()  # times the checks where no table is kept (an earlier load's is read at load)
@@ -709,7 +711,7 @@ def test_draft_costs_are_timed_when_idle_and_kept_for_the_next_load(
     finally:
         first.close()
     # kept under the model's key, in plain steps, more rows never cheaper
-    entry = json.loads((model_cache_dir() / draft_costs.FILE_NAME).read_text())[key]
+    entry = json.loads((tmp_path / draft_costs.FILE_NAME).read_text())[key]
     assert costs.table() == entry["costs"] and costs.growth() == entry["growth"] and costs.switch() == entry["switch"]
     assert costs.cost(1) == 1.0 and costs.table() == sorted(costs.table())
     # and how they grow with the context, measured after LONG_CONTEXT_TOKENS (never shrinking)

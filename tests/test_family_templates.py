@@ -215,6 +215,8 @@ def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
     # which is not what this test is about
     monkeypatch.setattr(draft_costs, "plausible", lambda costs: True)
     monkeypatch.delenv(draft_costs.FIXED_ENV)  # the timing is the subject: not the suite's fixed table
+    # its own table: another test timing the same model on another worker keeps its own in the shared model cache
+    monkeypatch.setattr(draft_costs, "table_dir", lambda: tmp_path)
     base = _load(engine, "")
     try:
         base.idle_work()  # timed as an idle daemon times them, where no table is kept yet

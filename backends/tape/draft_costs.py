@@ -30,6 +30,7 @@ from contract import interrupt
 from contract.manifest import canonical_digest
 from contract.types import DecodeConfig
 
+from ..bundled import model_cache_dir
 from ..digest import load_json_map, merge_json_map
 from .speculate import MAX_DRAFT, CheckCosts
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from .model import TapeModel
     from .session import DecodeSteps
 
-__all__ = ["FILE_NAME", "FIXED_ENV", "cost_key", "fixed_costs", "kept_costs", "measure", "measure_costs"]
+__all__ = ["FILE_NAME", "FIXED_ENV", "cost_key", "fixed_costs", "kept_costs", "measure", "measure_costs", "table_dir"]
 
 log = logging.getLogger("modeld.speculate")
 
@@ -102,6 +103,12 @@ def cpu_name() -> str:
 #: ``[1, 1.05, 1.1, …]``). For tests that assert drafting, whose answer must not hang on how busy the machine was
 #: during the load's timing; the table is then not measured (status says a prior)
 FIXED_ENV = "MODELD_DRAFT_COSTS"
+
+
+def table_dir() -> Path:
+    """The folder whose ``FILE_NAME`` keeps the measured tables, one entry per model layout and machine: the model
+    cache. (Looked up at each load and timing, so a test of the timing can keep its table apart.)"""
+    return model_cache_dir()
 
 
 def fixed_costs() -> CheckCosts | None:

@@ -15,8 +15,8 @@ import jinja2
 from contract.interfaces import StateCache
 from contract.types import OpenSessionRequest
 
-from ..bundled import model_cache_dir
 from ..resident import check_model_type
+from . import draft_costs as cost_tables
 from .draft_costs import fixed_costs, kept_costs
 from .model import TapeModel, model_capabilities, model_format
 from .speculate import CheckCosts
@@ -63,7 +63,7 @@ def finish_load(model: LoadedTape, cache: StateCache | None, speculative: bool) 
         model.warm_up()
         if speculative:
             fixed = fixed_costs()
-            kept = fixed if fixed is not None else kept_costs(model, model_cache_dir())
+            kept = fixed if fixed is not None else kept_costs(model, cost_tables.table_dir())
             model.draft_costs = kept if kept is not None else CheckCosts.prior()
             model.draft_costs_measured = fixed is None and kept is not None
             model.costs_pending = kept is None

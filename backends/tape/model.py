@@ -34,10 +34,9 @@ from contract.interfaces import StateCache
 from contract.manifest import ContextManifest, canonical_digest
 from contract.types import DEFAULT_SAMPLING, Config, DecodeConfig, SamplingParams, SessionSnapshot, SpeculationStatus
 
-from ..bundled import model_cache_dir
 from ..resident import Resident
+from . import draft_costs as cost_tables
 from .cache import save_tape
-from .draft_costs import measure_costs
 from .miss import SHARED as SHARED_SEEN
 from .miss import SeenPrompts
 from .output import THINK_OPEN, resolve_protocols
@@ -520,7 +519,7 @@ class TapeModelBase(ABC):
             return
         try:
             with self.errors("draft cost timing"):
-                measured = measure_costs(self, model_cache_dir())
+                measured = cost_tables.measure_costs(self, cost_tables.table_dir())
         except Cancelled:
             raise  # still pending
         except BaseException:
