@@ -55,6 +55,7 @@ from contract.types import (
     TokenLogprob,
     TopLogprob,
     check_conversation,
+    positions_covered,
 )
 
 from .registry import check_options
@@ -233,13 +234,17 @@ class MemorySession:
         res.check_suffix(suffix.manifest, len(tokens))
         # the token LCP with everything resident (the previous turn and reply included)
         reused = max(0, common_prefix_len(res.tokens, target) - res.prefix_len)
+        wanted: list[bool] = []
         if suffix.logprobs is not None:
-            reused = 0  # a scored suffix is computed again, as an engine computes its rows
+            wanted = positions_covered(suffix.logprobs_ranges, res.prefix_len, len(target))
+            # a scored token is computed again, and the one before it, as an engine computes its rows
+            first = wanted.index(True) if True in wanted else len(wanted)
+            reused = min(reused, max(first - 1, 0))
         res.tokens = target
         res.live_len = None
         status = res.suffix_status(len(tokens), reused)
         if suffix.logprobs is not None:
-            status.logprobs = [_certain(t, suffix.logprobs) if at > 0 else None
+            status.logprobs = [_certain(t, suffix.logprobs) if at > 0 and wanted[at - res.prefix_len] else None
                                for at, t in enumerate(target) if at >= res.prefix_len]
         return status
 
@@ -262,6 +267,8 @@ class MemorySession:
         res = self._live()
         if res.live_len is not None:  # drop the previous turn kept behind the prefix
             res.tokens, res.live_len = res.live, None
+        if cfg.readouts:
+            raise UnsupportedFeature("the reference backend has no residual stream to read out")
         if cfg.structured_output.is_set():
             raise UnsupportedFeature("the memory backend cannot constrain output")
         if cfg.parser_protocols:

@@ -53,6 +53,7 @@ __all__ = [
     "ModelInfo",
     "ModelsStatus",
     "OpenSessionRequest",
+    "PositionRange",
     "PrefixInput",
     "PrefixStatus",
     "Progress",
@@ -595,6 +596,40 @@ class PrefixInput(_Request):
         return self
 
 
+class PositionRange(_Request):
+    """Positions ``start`` (inclusive) to ``end`` (exclusive) of a session's context: which of a suffix's tokens a
+    prefill scores or reads out (``SuffixInput.logprobs_ranges``, ``readout_ranges``; salience's ``PositionRange``)."""
+
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PositionRange:
+        if self.end <= self.start:
+            raise InvalidArgument(f"a position range ends after it starts: got [{self.start}, {self.end})",
+                                  start=self.start, end=self.end)
+        return self
+
+
+#: the most position ranges one suffix names for its scores or its readouts
+MAX_POSITION_RANGES = 64
+
+
+def positions_covered(ranges: list[PositionRange], start: int, end: int) -> list[bool]:
+    """Which of the positions ``start`` to ``end`` (a suffix's) the ranges cover: every one when there are none.
+    A range outside them is InvalidArgument naming both: the ranges name suffix tokens."""
+    if not ranges:
+        return [True] * (end - start)
+    wanted = [False] * (end - start)
+    for r in ranges:
+        if r.start < start or r.end > end:
+            raise InvalidArgument(
+                f"position range [{r.start}, {r.end}) is not within the suffix, positions [{start}, {end})",
+                start=r.start, end=r.end, suffix_start=start, context_tokens=end)
+        wanted[r.start - start : r.end - start] = [True] * (r.end - r.start)
+    return wanted
+
+
 class TopLogprob(_Report):
     """One token and its log probability (natural log) at one step of a decode."""
 
@@ -651,10 +686,16 @@ class SuffixInput(_Request):
     #: with this many likeliest alternatives (0: its own only), in ``SuffixStatus.logprobs``. A position's scores
     #: come from its own computation, so the suffix (and the token before it) is prefilled again, never reused
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    #: with ``logprobs``: score only the suffix tokens at these positions of the context (absolute, each range
+    #: within the suffix; empty: every suffix token). Only what the first range starts at is prefilled again: the
+    #: tokens before it are reused like any prompt's
+    logprobs_ranges: list[PositionRange] = Field(default_factory=list, max_length=MAX_POSITION_RANGES)
     #: concept readouts of every suffix token (``serve --readouts FILE``; ``DaemonStatus.readouts`` names the
     #: concepts and layers), in ``SuffixStatus.readouts``. Like scores they come from the prefill's own
     #: computation, so the suffix is prefilled again, never reused
     readouts: bool = False
+    #: with ``readouts``: read out only the suffix tokens at these positions (as ``logprobs_ranges``)
+    readout_ranges: list[PositionRange] = Field(default_factory=list, max_length=MAX_POSITION_RANGES)
 
     @model_validator(mode="after")
     def _one_form(self) -> SuffixInput:
@@ -671,6 +712,10 @@ class SuffixInput(_Request):
                 raise InvalidArgument("truncating cuts the context at an offset: give the offset")
         elif self.messages or (self.text and self.render):
             raise InvalidArgument("an append at an offset is raw: give token ids, or text with render=False")
+        if self.logprobs_ranges and self.logprobs is None:
+            raise InvalidArgument("logprobs_ranges name which suffix tokens to score: give logprobs too")
+        if self.readout_ranges and not self.readouts:
+            raise InvalidArgument("readout_ranges name which suffix tokens to read out: give readouts too")
         return self
 
 
@@ -757,10 +802,12 @@ class SuffixStatus(_Report):
     cached_tokens: int = 0
     #: why the suffix was not all reused (None: it was, or what was prefilled is new)
     miss: ReuseMiss | None = None
-    #: with ``SuffixInput.logprobs``: one per suffix token, in order (None for a token with nothing before it)
+    #: with ``SuffixInput.logprobs``: one per suffix token, in order (None for a token with nothing before it, and
+    #: for one outside ``logprobs_ranges``)
     logprobs: list[TokenLogprob | None] = Field(default_factory=list)
     #: with ``SuffixInput.readouts``: one per suffix token, in order: ``[n_layers][n_concepts]``, the residual stream
-    #: after each manifest layer (ascending) dotted with each concept's direction (the manifest's order)
+    #: after each manifest layer (ascending) dotted with each concept's direction (the manifest's order); ``[]`` for
+    #: a token outside ``readout_ranges``
     readouts: list[list[list[float]]] = Field(default_factory=list)
 
 
@@ -874,6 +921,9 @@ class DecodeConfig(_Request):
     #: model's distribution (before penalties and cuts: what the sampler started from) and the k likeliest
     #: tokens there
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    #: concept readouts of the decoded tokens (``serve --readouts FILE``), in the final chunk's ``readouts``: once
+    #: the pass ends its tokens are computed again in one batch with the manifest's layers read
+    readouts: bool = False
     #: extension: prompt-lookup speculative decoding (drafts copied from the context, verified in
     #: one batch; the output is what plain decoding gives); None = the daemon's default, for greedy
     #: decoding only (a seeded sampled pass then repeats exactly)
@@ -1004,6 +1054,9 @@ class StreamChunk(_Report):
     #: output was held back, a possible stop string or a tool call, comes with the chunk that sends it on; tokens
     #: that sent nothing come with the final chunk)
     logprobs: list[TokenLogprob] = Field(default_factory=list)
+    #: with ``DecodeConfig.readouts``, on the final chunk: one per decoded token the context holds (an end of
+    #: generation token is not one), in order, ``[n_layers][n_concepts]`` as ``SuffixStatus.readouts``
+    readouts: list[list[list[float]]] = Field(default_factory=list)
     #: when a frame carries several decode steps merged (``modeld serve --stream-interval-ms``): ``text`` and
     #: ``thinking`` in the pieces the steps produced, so a reader can hand them on one by one, as a server that
     #: sends a frame a token does (empty: the field is one piece)

@@ -20,7 +20,7 @@ import pytest
 from backends.bundled import bundled_gguf_path
 from backends.readouts import Readouts, write_readouts
 from contract.errors import InvalidArgument, ModelLoadFailed, UnsupportedFeature
-from contract.types import OpenSessionRequest, PrefixInput, SuffixInput
+from contract.types import DecodeConfig, OpenSessionRequest, PositionRange, PrefixInput, SuffixInput
 from harness.daemon import DaemonProcess, free_port, wait_http
 
 from .engine_kit import openvino_precision
@@ -134,12 +134,52 @@ def test_status_names_the_manifest_and_a_prefill_reads_every_suffix_token(daemon
     # llama.cpp: the same kernels on the same batches (measured: equal); OpenVINO: its paged graph with a u8 KV cache
     # against the stateful one (measured: 6e-4 of the largest readout, at the last layer, in f32; 0.067 in bf16 on an
     # Intel Xeon with AVX512_BF16, the device's default there)
-    if daemon.backend == "llama":
-        tolerance = 1e-4
-    else:
-        tolerance = 0.15 if openvino_precision() == "bf16" else 0.01
-    assert err.max() <= tolerance, err.max(axis=(0, 2))
+    assert err.max() <= _tolerance(daemon.backend), err.max(axis=(0, 2))
     _SEEN[daemon.backend] = readouts
+
+
+def _tolerance(backend: str) -> float:
+    """How far the daemon's readouts may part from the engine's layer outputs read another way, relative to the
+    largest readout of the layer."""
+    if backend == "llama":
+        return 1e-4
+    return 0.15 if openvino_precision() == "bf16" else 0.01
+
+
+def test_a_decode_reads_out_its_tokens_and_ranges_read_out_part_of_a_suffix(daemon: DaemonProcess,
+                                                                              manifest: Path) -> None:
+    """``DecodeConfig.readouts``: the final chunk carries one readout per decoded token the context holds, the
+    engine's own layer outputs of them after the prompt. ``readout_ranges``: only the covered suffix tokens are
+    read out, and the tokens before the first range are reused."""
+    readouts = Readouts.load(manifest)
+    with daemon.client(timeout_s=300.0) as c:
+        s = c.open_session(OpenSessionRequest())
+        try:
+            m = s.manifest(profile="readouts-decode")
+            s.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+            asked = s.prefill_suffix(SuffixInput(text="Count from one to ten.", manifest=m))
+            chunks = list(s.decode(DecodeConfig(max_tokens=6, readouts=True)))
+            tokens = list(s.snapshot(include_state=False).resident_token_ids)
+            whole = s.prefill_suffix(SuffixInput(text=TEXT, render=False, readouts=True, manifest=m))
+            p = whole.prefix_tokens
+            part = s.prefill_suffix(SuffixInput(text=TEXT, render=False, readouts=True, manifest=m,
+                                                readout_ranges=[PositionRange(start=p + 2, end=p + 4)]))
+        finally:
+            s.close()
+    prompt, decoded = tokens[: asked.resident_tokens], tokens[asked.resident_tokens:]
+    final = chunks[-1]
+    assert final.usage is not None and not any(ch.readouts for ch in chunks[:-1])
+    assert len(final.readouts) == len(decoded) == final.usage.completion_tokens >= 2
+    other_way = _llama_readouts if daemon.backend == "llama" else _openvino_readouts
+    expected = readouts.project(other_way(prompt, decoded))
+    got = np.array(final.readouts)
+    scale = np.abs(expected).max(axis=(0, 2), keepdims=True)
+    assert (np.abs(got - expected) / scale).max() <= _tolerance(daemon.backend)
+
+    assert [i for i, r in enumerate(part.readouts) if r] == [2, 3] and part.reused_tokens == 2
+    full, some = np.array(whole.readouts), np.array(part.readouts[2:4])
+    scale = np.abs(full).max(axis=(0, 2), keepdims=True)
+    assert (np.abs(some - full[2:4]) / scale).max() <= 0.01, "a range's readouts are the whole suffix's"
 
 
 def test_both_engines_read_the_same_direction(daemon: DaemonProcess) -> None:

@@ -28,6 +28,7 @@ from contract.types import (
     ContextReport,
     DecodeConfig,
     FinishReason,
+    PositionRange,
     PrefixInput,
     PrefixStatus,
     SessionSnapshot,
@@ -37,6 +38,7 @@ from contract.types import (
     TokenCount,
     TokenLogprob,
     check_conversation,
+    positions_covered,
 )
 
 from ..resident import PrefixPlan, Resident, check_manifest_names, check_token_ids
@@ -73,14 +75,18 @@ class _Scores:
     """A scored suffix's log probabilities (``SuffixInput.logprobs``), filled from the prefill's rows: the row
     after position p scores the token at p + 1."""
 
-    def __init__(self, m: TapeModel, target: list[int], start: int, k: int) -> None:
+    def __init__(self, m: TapeModel, target: list[int], start: int, k: int,
+                 ranges: list[PositionRange]) -> None:
         self._m, self._target, self._start, self._k = m, target, start, k
-        #: one per suffix token (``target[start:]``); None until a row scores it, and for position 0
+        self._wanted = positions_covered(ranges, start, len(target))
+        #: one per suffix token (``target[start:]``); None until a row scores it, for position 0, and outside the
+        #: ranges
         self.out: list[TokenLogprob | None] = [None] * (len(target) - start)
 
     def first_row(self) -> int:
-        """The first position whose row is needed: the one before the suffix (none before position 0)."""
-        return max(self._start - 1, 0)
+        """The first position whose row is needed: the one before the first scored token (none before 0)."""
+        first = self._wanted.index(True) if True in self._wanted else len(self._wanted)
+        return max(self._start + first - 1, 0)
 
     def rows(self, first: int, logits: np.ndarray) -> None:
         def piece(token: int) -> bytes:
@@ -88,25 +94,36 @@ class _Scores:
 
         for i in range(logits.shape[0]):
             at = first + i + 1  # the position this row scores
-            if self._start <= at < len(self._target):
+            if self._start <= at < len(self._target) and self._wanted[at - self._start]:
                 self.out[at - self._start] = token_logprob(logits[i], self._target[at], self._k, piece)
 
 
 class _Readouts:
-    """A suffix's concept readouts (``SuffixInput.readouts``), filled from the prefill's chunks."""
+    """Concept readouts (``SuffixInput.readouts``, ``DecodeConfig.readouts``) of the tokens from ``start`` on,
+    filled from the prefill's chunks."""
 
-    def __init__(self, m: TapeModel, target: list[int], start: int) -> None:
-        if m.readouts is None:
-            raise UnsupportedFeature("this daemon serves no readout manifest: start it with --readouts FILE")
+    def __init__(self, m: TapeModel, target: list[int], start: int, ranges: list[PositionRange] | None = None) -> None:
+        check_readouts(m)
         self._start = start
-        #: one per suffix token: [n_layers][n_concepts]
+        self._wanted = positions_covered(ranges or [], start, len(target))
+        #: one per token from ``start``: [n_layers][n_concepts] ([] outside the ranges)
         self.out: list[list[list[float]]] = [[] for _ in range(len(target) - start)]
+
+    def first(self) -> int:
+        """The first position whose readout is asked for: computed again from there."""
+        return self._start + (self._wanted.index(True) if True in self._wanted else len(self._wanted))
 
     def states(self, first: int, values: np.ndarray) -> None:
         for i in range(values.shape[0]):
             at = first + i
-            if at >= self._start:
+            if at >= self._start and at - self._start < len(self.out) and self._wanted[at - self._start]:
                 self.out[at - self._start] = values[i].tolist()
+
+
+def check_readouts(m: TapeModel) -> None:
+    """UnsupportedFeature unless the daemon serves a readout manifest."""
+    if m.readouts is None:
+        raise UnsupportedFeature("this daemon serves no readout manifest: start it with --readouts FILE")
 
 
 def _splice(m: TapeModel, stable: list[int], text: str, resident: list[int]) -> list[int]:
@@ -478,10 +495,11 @@ class TapeSession:
         seen = m.seen.longest(key, target)
         cached = 0
         restored: list[int] | None = None
-        scores = _Scores(m, target, prefix_len, suffix.logprobs) if suffix.logprobs is not None else None
-        readouts = _Readouts(m, target, prefix_len) if suffix.readouts else None
+        scores = (_Scores(m, target, prefix_len, suffix.logprobs, suffix.logprobs_ranges)
+                  if suffix.logprobs is not None else None)
+        readouts = _Readouts(m, target, prefix_len, suffix.readout_ranges) if suffix.readouts else None
         if readouts is not None:
-            keep = min(keep, prefix_len)  # the suffix's own readouts come from computing it now
+            keep = min(keep, readouts.first())  # the suffix's own readouts come from computing it now
         if scores is not None:
             keep = min(keep, scores.first_row())  # its scores come from the rows computed now
         if scores is None and readouts is None and keep < len(target) and m.cache is not None:
@@ -582,12 +600,24 @@ class TapeSession:
     def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
         """Stream chunks; closing the generator cancels within one token (see ``_stream``)."""
         m = self._live()
+        if cfg.readouts:
+            check_readouts(m)
         with m.errors("decode"):
             pipeline = self._output_pipeline(m, cfg)
             steps = m.decode_steps(cfg)
             _settle_context(m)
         m.epoch += 1  # an older stream must not touch the KV any more
         return self._stream(m, cfg, steps, pipeline, m.epoch)
+
+    @staticmethod
+    def _read_out(m: TapeModel, tokens: list[int], start: int) -> list[list[list[float]]]:
+        """The readouts of ``tokens`` from ``start`` on (a decode's, once it ended), which the KV then holds:
+        computed again in one batch, as a prefill reads a suffix's, so the KV after it is what a prefill of the
+        reply would leave."""
+        readouts = _Readouts(m, tokens, start)
+        with m.errors("decode: readouts"):
+            _set_kv(m, tokens, start, None, readouts.states)
+        return readouts.out
 
     def snapshot(self) -> SessionSnapshot:
         m = self._live()
@@ -773,6 +803,11 @@ class TapeSession:
             )
             final.stop_sequence = pipeline.stop_sequence
             final.logprobs = held  # (tokens whose output was nothing at all)
+            if cfg.readouts and still_ours():
+                # the last sampled token (not evaluated yet) is computed with the rest
+                last: list[int] = [] if pending is None else [pending]
+                pending = None
+                final.readouts = self._read_out(m, list(res.tokens) + last, prompt_tokens)
             yield final
         finally:
             if pending is not None and still_ours():
