@@ -55,6 +55,7 @@ from contract.types import (
     TokenLogprob,
     TopLogprob,
     check_conversation,
+    first_covered,
     positions_covered,
 )
 
@@ -238,8 +239,7 @@ class MemorySession:
         if suffix.logprobs is not None:
             wanted = positions_covered(suffix.logprobs_ranges, res.prefix_len, len(target))
             # a scored token is computed again, and the one before it, as an engine computes its rows
-            first = wanted.index(True) if True in wanted else len(wanted)
-            reused = min(reused, max(first - 1, 0))
+            reused = min(reused, max(first_covered(wanted) - 1, 0))
         res.tokens = target
         res.live_len = None
         status = res.suffix_status(len(tokens), reused)

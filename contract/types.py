@@ -630,6 +630,11 @@ def positions_covered(ranges: list[PositionRange], start: int, end: int) -> list
     return wanted
 
 
+def first_covered(wanted: list[bool]) -> int:
+    """The offset of the first position ``positions_covered`` marked (their count when it marked none)."""
+    return wanted.index(True) if True in wanted else len(wanted)
+
+
 class TopLogprob(_Report):
     """One token and its log probability (natural log) at one step of a decode."""
 

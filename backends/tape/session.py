@@ -38,6 +38,7 @@ from contract.types import (
     TokenCount,
     TokenLogprob,
     check_conversation,
+    first_covered,
     positions_covered,
 )
 
@@ -85,8 +86,7 @@ class _Scores:
 
     def first_row(self) -> int:
         """The first position whose row is needed: the one before the first scored token (none before 0)."""
-        first = self._wanted.index(True) if True in self._wanted else len(self._wanted)
-        return max(self._start + first - 1, 0)
+        return max(self._start + first_covered(self._wanted) - 1, 0)
 
     def rows(self, first: int, logits: np.ndarray) -> None:
         def piece(token: int) -> bytes:
@@ -111,7 +111,7 @@ class _Readouts:
 
     def first(self) -> int:
         """The first position whose readout is asked for: computed again from there."""
-        return self._start + (self._wanted.index(True) if True in self._wanted else len(self._wanted))
+        return self._start + first_covered(self._wanted)
 
     def states(self, first: int, values: np.ndarray) -> None:
         for i in range(values.shape[0]):
