@@ -689,7 +689,8 @@ class SuffixInput(_Request):
     truncating: bool = False
     #: score the suffix (prefill-only scoring): each suffix token's log probability given everything before it,
     #: with this many likeliest alternatives (0: its own only), in ``SuffixStatus.logprobs``. A position's scores
-    #: come from its own computation, so the suffix (and the token before it) is prefilled again, never reused
+    #: come from its own computation, so the scored tokens (and the one before the first) are prefilled again,
+    #: never reused
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     #: with ``logprobs``: score only the suffix tokens at these positions of the context (absolute, each range
     #: within the suffix; empty: every suffix token). Only what the first range starts at is prefilled again: the
@@ -697,7 +698,7 @@ class SuffixInput(_Request):
     logprobs_ranges: list[PositionRange] = Field(default_factory=list, max_length=MAX_POSITION_RANGES)
     #: concept readouts of every suffix token (``serve --readouts FILE``; ``DaemonStatus.readouts`` names the
     #: concepts and layers), in ``SuffixStatus.readouts``. Like scores they come from the prefill's own
-    #: computation, so the suffix is prefilled again, never reused
+    #: computation, so the tokens read out are prefilled again, never reused
     readouts: bool = False
     #: with ``readouts``: read out only the suffix tokens at these positions (as ``logprobs_ranges``)
     readout_ranges: list[PositionRange] = Field(default_factory=list, max_length=MAX_POSITION_RANGES)
