@@ -28,14 +28,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 120.0, poll_s: float = 0.05) -> None:
-    """Return once ``condition()`` is true; fail naming ``what`` after ``timeout_s``. The wait is a ceiling for a
-    daemon that never gets there, not a measure of speed: on a loaded machine the state comes late, and the test
-    waits for it (where a fixed sleep would guess how late)."""
+def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 120.0, poll_s: float = 0.05,
+               seen: Callable[[], object] | None = None) -> None:
+    """Return once ``condition()`` is true; fail naming ``what`` (and what ``seen()`` reads then) after
+    ``timeout_s``. The wait is a ceiling for a daemon that never gets there, not a measure of speed: on a loaded
+    machine the state comes late, and the test waits for it (where a fixed sleep would guess how late)."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout_s:.0f} s")
+            last = f"; last seen: {seen()}" if seen is not None else ""
+            raise AssertionError(f"not {what} after {timeout_s:.0f} s{last}")
         time.sleep(poll_s)
 
 

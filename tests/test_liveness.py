@@ -187,6 +187,11 @@ def test_a_killed_client_frees_the_slot_within_seconds_under_the_default_lease(l
                 if pipe is not None:
                     pipe.close()
         sess = c.open_session(MODEL)
+        # Settled first: the killed client's connections all seen closed and decided, and both of this client's
+        # connections (its requests' and its lease thread's, which connects on its own thread after the open)
+        # seen accepted. A count taken before the lease socket's accept lands would never balance the closes.
+        wait_until(lambda: _open_and_closing(c) == (2, 0), "this client's two connections the only ones open", 60.0,
+                   seen=lambda: f"(open, closing) = {_open_and_closing(c)}")
         before = _connections(c.metrics())
         for _ in range(30):  # short-lived clients: their descriptors are reused, and none is taken for this one
             with d.client() as passing:
@@ -199,10 +204,17 @@ def test_a_killed_client_frees_the_slot_within_seconds_under_the_default_lease(l
             accepted, closed, closing = _connections(c.metrics())
             return accepted - before[0] >= 30 and closed - before[1] == accepted - before[0] and closing == 0
 
-        wait_until(all_closed_and_decided, "the 30 passing clients' connections closed and decided", 60.0)
+        wait_until(all_closed_and_decided, "the 30 passing clients' connections closed and decided", 60.0,
+                   seen=lambda: f"(accepted, closed, closing) = {_connections(c.metrics())}, before {before}")
         sess.ensure_prefix(PrefixInput(text="still mine"))
         assert c.status().session_open
         sess.close()
+
+
+def _open_and_closing(c: Client) -> tuple[int, int]:
+    """Connections open (accepted less closed) and peers closing, by the daemon's counts."""
+    accepted, closed, closing = _connections(c.metrics())
+    return accepted - closed, closing
 
 
 def _connections(metrics: str) -> tuple[int, int, int]:
