@@ -678,8 +678,8 @@ def test_logprobs_are_the_models_distribution(
 
 def test_penalties_cover_the_prompt_tail_and_the_reply(engine: Engine, model: LoadedModel, session: Session) -> None:
     """Penalties reach the engine's sampler; the window holds the prompt's tail and then each token
-    the reply takes: under a penalty no logit survives, the reply repeats no token of the window,
-    with drafts on or off."""
+    the reply takes (the oldest leaving as each comes): under a penalty no logit survives, the reply repeats no
+    token of its window, with drafts on or off."""
     if not engine.speculates:
         pytest.skip("the reference samples no logits")
     man = manifest(model, "penalties")
@@ -691,10 +691,11 @@ def test_penalties_cover_the_prompt_tail_and_the_reply(engine: Engine, model: Lo
         ids, _, final = decode(session, 24, speculative=spec, repeat_penalty=10.0, presence_penalty=2.0,
                                repeat_last_n=window)
         assert len(ids) == 24 and ids != plain
-        seen = set(prompt)
         for i, token in enumerate(ids):
+            # the window slides: token i is chosen against the last ``window`` tokens before it, so the prompt's
+            # first i tokens of its tail have left it by then
+            seen = (prompt + ids[:i])[-window:]
             assert token not in seen, f"token {i} ({token}) repeats the window"
-            seen.add(token)
     # left out, none applies: the same greedy answer as before
     assert _edit_turn(session, man, 24, speculative=False, repeat_penalty=1.0, frequency_penalty=0.0)[0] == plain
 
