@@ -1,4 +1,5 @@
-"""The machine's GPUs, read through NVML (``nvidia-ml-py``, module ``pynvml``): name, total and free memory.
+"""The machine's GPUs, read through NVML (``nvidia-ml-py``, module ``pynvml``): name, total and free memory; and
+the CPUs this process may run on.
 
 ``read_gpus`` is the inventory: one ``MemoryPool`` (kind "gpu") per NVIDIA device
 the CUDA runtime will show, in that order, with its memory free now. It never
@@ -29,10 +30,20 @@ from typing import Any
 
 from contract.sizing import MemoryPool
 
-__all__ = ["Nvml", "read_gpus", "visible_indices"]
+__all__ = ["Nvml", "read_gpus", "usable_cpus", "visible_indices"]
 
 #: the CUDA runtime's device filter: the devices a CUDA build of llama.cpp will see, in its order
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask (``taskset``, a cgroup's cpuset, a service unit's
+    ``CPUAffinity=``), where ``os.cpu_count()`` counts the whole machine's. The engines' default thread count: more
+    threads than CPUs would spin against one another at every barrier (OpenVINO reads the mask itself)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def _text(value: Any) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from backends.devices import usable_cpus
 from benchmarks.common import served, text_of_tokens
 from harness.daemon import DaemonProcess, free_port
 from runtime import Chat
@@ -201,7 +201,7 @@ def peer_server(tmp: Path, model: Path, n_ctx: int, *extra: str) -> Iterator[int
 
     ``extra``: more server flags (e.g. ``--cache true --cache_type ram``)."""
     port = free_port()
-    threads = str(os.cpu_count() or 1)  # its own default is half the cores
+    threads = str(usable_cpus())  # its own default is half the cores
     argv = [sys.executable, "-m", "benchmarks.peer_server", "--model", str(model), "--n_ctx", str(n_ctx),
             "--n_threads", threads, "--n_threads_batch", threads, "--host", "127.0.0.1", "--port", str(port), *extra]
     with served(argv, tmp / f"peer-{port}.log", port, path="/v1/models", timeout_s=120.0):

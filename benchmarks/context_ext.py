@@ -75,6 +75,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from backends.devices import usable_cpus
+
 __all__ = [
     "BUCKETS",
     "LlamaRunner",
@@ -359,7 +361,7 @@ class LlamaRunner:
     def __init__(self, path: Path, n_ctx: int, *, n_batch: int = 512, flash_attn: bool = False) -> None:
         from backends.llama.native import open_llama
 
-        threads = os.cpu_count() or 1
+        threads = usable_cpus()
         t0 = time.perf_counter()
         self.llm: Any = open_llama(
             str(path),

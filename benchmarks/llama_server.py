@@ -21,6 +21,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from backends.devices import usable_cpus
+
 __all__ = ["NAME", "SDIST", "command", "ensure_built", "find", "serving"]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +89,7 @@ def command(model: Path, n_ctx: int, port: int, *extra: str) -> list[str]:
     """The llama-server command line (built first when it is not): ``model`` with an ``n_ctx`` window in one slot
     (``-np 1``: its default splits the window between four) and the daemon's thread count on 127.0.0.1:``port``,
     everything else at its defaults (its RAM prompt cache on, its jinja chat template); ``extra`` flags after those."""
-    threads = str(os.cpu_count() or 2)
+    threads = str(usable_cpus())
     return [str(ensure_built()), "-m", str(model), "-c", str(n_ctx), "-np", "1", "-t", threads, "-tb", threads,
             "--host", "127.0.0.1", "--port", str(port), *extra]
 

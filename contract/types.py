@@ -156,7 +156,7 @@ class Config(_Request):
 
     num_ctx: int = Field(0, ge=0, description="context window in tokens; 0 = daemon decides")
     num_batch: int = Field(0, ge=0, description="prefill batch size; 0 = backend default")
-    num_threads: int = Field(0, ge=0, description="CPU threads; 0 = number of cores")
+    num_threads: int = Field(0, ge=0, description="CPU threads; 0 = the CPUs this process may run on (its affinity mask)")
     num_gpu_layers: int = Field(
         0,
         ge=GPU_LAYERS_AUTO,

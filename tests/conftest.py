@@ -8,6 +8,21 @@ import tempfile
 from backends.tape.draft_costs import FIXED_ENV as FIXED_DRAFT_COSTS_ENV
 from tests.engine_kit import DEAR_CHECKS
 
+
+def _pin_to_a_share_of_the_cpus() -> None:
+    """Under pytest-xdist, each worker runs on its own share of the CPUs this run may use, and so do the daemons it
+    starts (they inherit the mask, and the engines size their threads by it). Two workers each running an engine
+    with a thread per core would put twice the threads on the cores, and llama.cpp's threads spin at every barrier
+    of a step: a test beside another on two cores took 3 to 13 times as long as alone, where a core each costs 2."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    index = int(worker[2:])
+    os.sched_setaffinity(0, cpus[index::count] or [cpus[index % len(cpus)]])
+
+
+_pin_to_a_share_of_the_cpus()
 # Tests must never talk to a daemon the developer is running.
 os.environ.pop("MODELD_ENDPOINT", None)
 os.environ.pop("MODELD_OWNER", None)

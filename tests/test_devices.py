@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -125,3 +126,31 @@ def test_this_machine_reads_without_raising() -> None:
     # whatever this machine has (a CI runner: nothing), reading it never raises
     for g in read_gpus():
         assert g.kind == "gpu" and 0 <= g.free_bytes <= g.total_bytes
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_the_engines_default_threads_are_the_cpus_this_process_may_run_on() -> None:
+    """Under a narrower affinity mask (taskset, a cpuset, a test worker's share) the default thread count is the
+    mask's CPUs, not the machine's: more threads than CPUs spin against one another at every step."""
+    import subprocess
+    import sys
+
+    from harness.daemon import ROOT
+
+    pytest.importorskip("llama_cpp")
+    script = """
+import os
+os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+from backends.devices import usable_cpus
+from backends.llama.options import LoadOptions
+from contract.sizing import ModelShape
+from contract.types import Config
+shape = ModelShape(n_layer=4, n_ctx_train=1024, n_embd=64, n_head=4, n_head_kv=4, head_dim_k=16, head_dim_v=16,
+                   weights_bytes=1)
+print(usable_cpus(), LoadOptions.resolve(Config(num_ctx=512), shape).num_threads,
+      LoadOptions.resolve(Config(num_ctx=512, num_threads=3), shape).num_threads)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+    assert out.stdout.split() == ["1", "1", "3"]  # a number asked for is kept
+    assert devices.usable_cpus() == len(os.sched_getaffinity(0))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +9,7 @@ from contract.errors import InvalidArgument, UnsupportedFeature
 from contract.sizing import ModelShape
 from contract.types import GPU_LAYERS_ALL, GPU_LAYERS_AUTO, QUANTIZED_KV_CACHE_TYPES, Config
 
+from ..devices import usable_cpus
 from ..registry import LlamaOptions, engine_options
 from ..tape.model import resolve_num_ctx
 from .native import KV_GGML_TYPES, extra_bufts_default, gpu_offload
@@ -98,7 +98,7 @@ class LoadOptions:
         options = cls(
             num_ctx=num_ctx,
             num_batch=num_batch,
-            num_threads=cfg.num_threads or (os.cpu_count() or 1),
+            num_threads=cfg.num_threads or usable_cpus(),
             num_gpu_layers=layers,
             flash_attn=cfg.flash_attn,
             kv_cache_type=kv,

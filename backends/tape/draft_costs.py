@@ -31,6 +31,7 @@ from contract.manifest import canonical_digest
 from contract.types import DecodeConfig
 
 from ..bundled import model_cache_dir
+from ..devices import usable_cpus
 from ..digest import load_json_map, merge_json_map
 from .speculate import MAX_DRAFT, CheckCosts
 
@@ -82,7 +83,7 @@ def cost_key(m: TapeModel) -> str:
             "model": m.layout_digest(),
             "runtime": identity,
             "cpu": cpu_name(),
-            "cores": os.cpu_count(),
+            "cores": usable_cpus(),
         }
     )
 

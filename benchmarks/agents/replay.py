@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import os
 import sys
 import threading
 import time
@@ -35,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from backends.devices import usable_cpus
 from benchmarks.agents.daemon import Daemon
 from benchmarks.common import served
 from harness.daemon import free_port
@@ -122,7 +122,7 @@ def _post(port: int, path: str, body: dict[str, Any]) -> tuple[int, float, int]:
 
 @contextmanager
 def _server(name: str, model: Path, context: int, outdir: Path) -> Iterator[int]:
-    threads = str(os.cpu_count() or 2)
+    threads = str(usable_cpus())
     port = free_port()
     if name == "llama-server":
         from benchmarks import llama_server
@@ -233,6 +233,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"replayed {sum(len(r) for r in requests.values())} requests of {len(requests)} agents from {args.run}, "
-          f"one output token each, context {context}, {os.cpu_count()} threads")
+          f"one output token each, context {context}, {usable_cpus()} threads")
     print(table(results))
     return 0

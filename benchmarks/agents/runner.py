@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from backends.devices import usable_cpus
 from benchmarks.agents.daemon import Daemon, DaemonError, LlamaServer, get_json
 from benchmarks.agents.install import Installed, InstallError, ensure_installed
 from benchmarks.agents.proxy import Proxy
@@ -104,7 +105,7 @@ def load_timeout(load: int, cpus: int | None = None) -> float:
     """The default time per agent and task beside ``load`` CPU-bound processes: ``TIMEOUT_S`` scaled by how many
     runnable processes share each CPU (two on two CPUs: twice), so a run under --load measures whether the
     agents complete, not whether they complete on a quiet machine's schedule."""
-    cpus = cpus or os.cpu_count() or 1
+    cpus = cpus or usable_cpus()
     return TIMEOUT_S * (1 + load / cpus)
 
 
