@@ -54,6 +54,36 @@ def test_a_replay_takes_the_generation_requests_in_order_with_one_output_token(t
     assert prompt_tokens({"error": "x"}) == 0
 
 
+def test_a_replay_splits_the_requests_whose_head_the_agent_sent_before_from_the_cold_ones() -> None:
+    from benchmarks.agents.replay import goals, head, repeated_heads
+
+    tool = [{"type": "function", "function": {"name": "read"}}]
+    chat = "/v1/chat/completions"
+    reqs = [
+        {"path": chat, "body": {"messages": [{"role": "system", "content": "title"}, {"role": "user", "content": "a"}]}},
+        {"path": chat, "body": {"messages": [{"role": "system", "content": "main"}, {"role": "user", "content": "a"}],
+                                "tools": tool}},
+        {"path": chat, "body": {"messages": [{"role": "system", "content": "main"}, {"role": "user", "content": "a"},
+                                             {"role": "assistant", "content": "b"}], "tools": tool}},
+        {"path": chat, "body": {"messages": [{"role": "system", "content": "main"}, {"role": "user", "content": "c"}],
+                                "tools": []}},  # the tools changed: another head
+    ]
+    assert repeated_heads(reqs) == [False, False, True, False]
+    # each API's own fields: Responses' instructions, Messages' system; the conversation after them is not the head
+    assert head("/v1/responses", {"instructions": "x", "input": [{"role": "user", "content": "1"}]}) == \
+        head("/v1/responses", {"instructions": "x", "input": [{"role": "user", "content": "2"}]})
+    assert head("/v1/responses", {"instructions": "x"}) != head("/v1/responses", {"instructions": "y"})
+    assert head("/v1/messages?beta=true", {"system": "s", "messages": [1]}) == head("/v1/messages", {"system": "s"})
+    assert head("/v1/messages", {"system": "s"}) != head("/v1/messages", {"system": "s", "tools": tool})
+    rows = goals({"modeld": {"opencode": [(200, 1.0, 1), (200, 10.0, 1), (200, 0.5, 1), (200, 4.0, 1)]},
+                  "llama-server": {"opencode": [(200, 2.0, 1), (200, 10.0, 1), (200, 2.0, 1), (500, 0.1, 0)]}},
+                 {"opencode": reqs}).splitlines()
+    assert rows[2] == "| head sent before | 1 | 0.5 | 2.0 | 0.25x |"
+    # a request one server did not answer is left out of every server's sum, and the count says so
+    assert rows[3] == "| cold, all agents | 2 of 3 | 11.0 | 12.0 | 0.92x |"
+    assert rows[4] == "| cold, opencode | 2 of 3 | 11.0 | 12.0 | 0.92x |"
+
+
 def test_the_agents_get_the_slower_machines_time_under_load() -> None:
     from benchmarks.agents.runner import TIMEOUT_S, load_timeout, parse_args
 

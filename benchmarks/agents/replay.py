@@ -14,7 +14,9 @@ output token is its prefill. The servers:
 * ``llama-cpp-python``: llama-cpp-python's server (chat completions only: the other APIs are counted as missing).
 
 Prints a table per agent: requests, the first request's seconds, the later requests' seconds summed, on each server,
-and modeld's ratio to llama-server. Nothing here asserts a timing.
+and modeld's ratio to llama-server; then the same seconds split as the goals read them: the requests whose head
+(system prompt and tools) the agent sent before, and the cold ones, each agent's apart. Nothing here asserts a
+timing.
 
     python -m benchmarks.agents replay .cache/agents/runs/20261128-003814 [--servers modeld,llama-server]
         [--only codex,claude] [--out replay.json]
@@ -39,7 +41,7 @@ from benchmarks.agents.daemon import Daemon
 from benchmarks.common import served
 from harness.daemon import free_port
 
-__all__ = ["ROUTES", "main", "one_token", "prompt_tokens", "recorded"]
+__all__ = ["ROUTES", "goals", "head", "main", "one_token", "prompt_tokens", "recorded", "repeated_heads"]
 
 #: the generation routes replayed (``count_tokens`` and the probes are not prefills)
 ROUTES = ("/v1/chat/completions", "/v1/responses", "/v1/messages")
@@ -82,6 +84,63 @@ def one_token(path: str, body: dict[str, Any]) -> dict[str, Any]:
         b["max_tokens"] = 1
         b.pop("thinking", None)  # a thinking budget must be below max_tokens; the bundled template ignores it
     return b
+
+
+def head(path: str, body: dict[str, Any]) -> str:
+    """What an agent's requests keep from one to the next, in each API's own fields: the system prompt (chat
+    completions' leading system and developer messages, Responses' ``instructions`` and leading ones, Messages'
+    ``system``) and the tool definitions, as canonical JSON."""
+    route = path.split("?")[0]
+    if route == "/v1/messages":
+        system: Any = body.get("system")
+    else:
+        items = body.get("messages" if route == "/v1/chat/completions" else "input")
+        leading = []
+        for item in items if isinstance(items, list) else []:
+            if not isinstance(item, dict) or item.get("role") not in ("system", "developer"):
+                break
+            leading.append(item.get("content"))
+        system = [body.get("instructions"), leading]
+    return json.dumps([system, body.get("tools")], sort_keys=True, separators=(",", ":"))
+
+
+def repeated_heads(reqs: list[dict[str, Any]]) -> list[bool]:
+    """Per request: whether the agent sent its head (``head``) before, in an earlier request of the run."""
+    seen: set[str] = set()
+    out = []
+    for r in reqs:
+        h = head(r["path"], r["body"])
+        out.append(h in seen)
+        seen.add(h)
+    return out
+
+
+def goals(results: dict[str, dict[str, list[tuple[int, float, int]]]],
+          requests: dict[str, list[dict[str, Any]]]) -> str:
+    """The requests split as the goals read them, seconds summed per server: those whose head the agent sent before
+    and the cold ones (every other: a first request, a sub-agent's or a title request's own system prompt), each
+    agent's cold ones apart. Only requests every server answered 200 are summed, so each sum is over the same work."""
+    servers = list(results)
+    lines = [f"| requests | n | {' | '.join(f'{s} (s)' for s in servers)} |"
+             + (" modeld / llama-server |" if "modeld" in results and "llama-server" in results else "")]
+    lines.append("|" + "---|" * (lines[0].count("|") - 1))
+
+    def row(label: str, picked: list[tuple[str, int]]) -> None:
+        ok = [(a, i) for a, i in picked if all(results[s].get(a, [])[i:i + 1] and results[s][a][i][0] == 200
+                                               for s in servers)]
+        sums = {s: sum(results[s][a][i][1] for a, i in ok) for s in servers}
+        text = f"| {label} | {len(ok)}" + ("" if len(ok) == len(picked) else f" of {len(picked)}")
+        text += " | " + " | ".join(f"{sums[s]:.1f}" for s in servers) + " |"
+        if "modeld" in sums and "llama-server" in sums:
+            text += f" {sums['modeld'] / sums['llama-server']:.2f}x |" if sums["llama-server"] else " - |"
+        lines.append(text)
+
+    flags = {a: repeated_heads(reqs) for a, reqs in requests.items()}
+    row("head sent before", [(a, i) for a, f in flags.items() for i, rep in enumerate(f) if rep])
+    row("cold, all agents", [(a, i) for a, f in flags.items() for i, rep in enumerate(f) if not rep])
+    for agent, f in flags.items():
+        row(f"cold, {agent}", [(agent, i) for i, rep in enumerate(f) if not rep])
+    return "\n".join(lines)
 
 
 def prompt_tokens(reply: Any) -> int:
@@ -235,4 +294,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replayed {sum(len(r) for r in requests.values())} requests of {len(requests)} agents from {args.run}, "
           f"one output token each, context {context}, {usable_cpus()} threads")
     print(table(results))
+    print()
+    print(goals(results, requests))
     return 0
