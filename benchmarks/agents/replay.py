@@ -125,9 +125,12 @@ def goals(results: dict[str, dict[str, list[tuple[int, float, int]]]],
              + (" modeld / llama-server |" if "modeld" in results and "llama-server" in results else "")]
     lines.append("|" + "---|" * (lines[0].count("|") - 1))
 
+    def answered(server: str, agent: str, i: int) -> bool:
+        rows = results[server].get(agent, [])
+        return i < len(rows) and rows[i][0] == 200
+
     def row(label: str, picked: list[tuple[str, int]]) -> None:
-        ok = [(a, i) for a, i in picked if all(results[s].get(a, [])[i:i + 1] and results[s][a][i][0] == 200
-                                               for s in servers)]
+        ok = [(a, i) for a, i in picked if all(answered(s, a, i) for s in servers)]
         sums = {s: sum(results[s][a][i][1] for a, i in ok) for s in servers}
         text = f"| {label} | {len(ok)}" + ("" if len(ok) == len(picked) else f" of {len(picked)}")
         text += " | " + " | ".join(f"{sums[s]:.1f}" for s in servers) + " |"
