@@ -98,12 +98,14 @@ def cold_reply(d: DaemonProcess, messages: list[dict[str, Any]]) -> str:
 
 
 def sdk_turns(
-    base_url: str, model: str, sent: list[list[dict[str, Any]]], tools: list[dict[str, Any]] | None = TOOLS
+    base_url: str, model: str, sent: list[list[dict[str, Any]]], tools: list[dict[str, Any]] | None = TOOLS,
+    *, pause_s: float = 0.0,
 ) -> list[dict[str, float]]:
     """Each message list through the official ``openai`` SDK, streamed: time to first token and usage.
 
     The same code for modeld's HTTP front and for the peer; a turn's reply is read
-    to the end before the next request, as an agent does.
+    to the end before the next request, as an agent does, and ``pause_s`` passes
+    after it (the agent running its tools).
     """
     import openai
 
@@ -129,6 +131,7 @@ def sdk_turns(
                     details = chunk.usage.prompt_tokens_details
                     cached = details.cached_tokens if details is not None and details.cached_tokens is not None else float("nan")
             out.append({"ttft_ms": first, "prompt": prompt, "cached": cached})
+            time.sleep(pause_s)
     finally:
         client.close()
     return out
@@ -214,13 +217,14 @@ def run_peer(tmp: Path, model: Path, n_ctx: int, sent: list[list[dict[str, Any]]
 
 
 def run_llama_server(tmp: Path, model: Path, n_ctx: int, sent: list[list[dict[str, Any]]], *,
-                     tools: list[dict[str, Any]] | None = TOOLS, log: str = "agent-llama-server.log") -> list[dict[str, float]]:
+                     tools: list[dict[str, Any]] | None = TOOLS, log: str = "agent-llama-server.log",
+                     pause_s: float = 0.0) -> list[dict[str, float]]:
     """The message lists through a fresh llama.cpp llama-server at its defaults (``benchmarks.llama_server.serving``),
     its output in ``tmp / log``."""
     from benchmarks import llama_server
 
     with llama_server.serving(model, n_ctx, tmp / log) as port:
-        return sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent, tools=tools)
+        return sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent, tools=tools, pause_s=pause_s)
 
 
 def run_front(tmp: Path, backend: str, model: Path, n_ctx: int, port: int, sent: list[list[dict[str, Any]]],

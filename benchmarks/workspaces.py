@@ -13,6 +13,12 @@ llama.cpp's ``llama-server`` at its defaults (its RAM prompt cache on), same GGU
 and threads. Then the daemon is restarted on the same data directory and
 the first agent's next turn is sent: it should come back from the disk tier.
 
+Between turns each agent runs its tools: ``TOOL_RUN_S`` of quiet after every
+reply, before the next request, for every server alike (an agent never sends
+its next turn the instant a reply ends; modeld saves a finished turn's tape in
+that moment while the slot switches between conversations, so the next switch
+only restores).
+
 Targets (issue: workspace cache): a switched turn <= 5% of a cold prefill on
 llama.cpp, <= 0.5x the peer's (and llama-server's) switched turn with its RAM
 cache; after a restart, the first turn of a cached workspace <= 10% of cold and
@@ -22,6 +28,7 @@ cache; after a restart, the first turn of a cached workspace <= 10% of cold and
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +41,8 @@ N_CTX = 4096
 PROMPT_TOKENS = 1900
 REPLY_TOKENS = 16
 ROUNDS = 3
+#: the quiet after each reply before the agent's next request (its tool run), for every server alike
+TOOL_RUN_S = 0.5
 #: one line template per agent: each system prompt is its own repository (or brief)
 AGENT_LINES = [
     "src/app/module_{i}.py: class Handler{i}(Base): def run(self, x): return x * {i}",
@@ -62,17 +71,18 @@ def run_modeld(d: DaemonProcess, prompts: list[str], order: list[int]) -> tuple[
             rows.append({"agent": a, "first": asked[a] == 1, "ttft_ms": r.timing.ttft_ms, "cached": r.usage.cached_tokens,
                          "prefilled": r.usage.prefilled_tokens, "prompt": r.usage.prompt_tokens})
             histories[a].append({"role": "assistant", "content": r.message.content or ""})
+            time.sleep(TOOL_RUN_S)
     return sent, rows, histories
 
 
 def _peer(tmp: Path, model: Path, sent: list[list[dict[str, Any]]], *flags: str) -> list[float]:
     with peer_server(tmp, model, N_CTX, *flags) as port:
-        return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent, tools=None)]
+        return [r["ttft_ms"] for r in sdk_turns(f"http://127.0.0.1:{port}/v1", str(model), sent, tools=None, pause_s=TOOL_RUN_S)]
 
 
 def _llama_server(tmp: Path, model: Path, sent: list[list[dict[str, Any]]], log: str) -> list[float]:
     """The message lists through llama-server at its defaults (its RAM prompt cache on): a fresh process."""
-    return [r["ttft_ms"] for r in run_llama_server(tmp, model, N_CTX, sent, tools=None, log=log)]
+    return [r["ttft_ms"] for r in run_llama_server(tmp, model, N_CTX, sent, tools=None, log=log, pause_s=TOOL_RUN_S)]
 
 
 def section(tmp: Path, backend: str, count: Any, *, with_peer: bool) -> list[tuple[str, Any, str]]:

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from backends.bundled import bundled_gguf_path
+from backends.tape.cache import SWITCHING_TURNS, cache_key
 from contract.interfaces import LoadedModel
 from contract.manifest import ContextManifest
 from contract.types import ChatMessage, Config, OpenSessionRequest, PrefixInput, SuffixInput
@@ -83,6 +84,7 @@ def model(loaded: tuple[str, Any]) -> Iterator[Any]:
     m = loaded[1]
     m.clear_kv()
     m.cache = ram_cache()
+    m.turns_since_switch = SWITCHING_TURNS + 1  # no switch seen (an earlier test's are another cache's)
     yield m
     m.cache = None
 
@@ -109,6 +111,30 @@ def test_switching_back_restores_and_decodes_as_the_uninterrupted_session(model:
     _turn(s2, man, A, Q1)
     _, _, want = _turn(s2, man, A, Q3, 16)
     assert got == want
+
+
+def test_while_switching_a_finished_turns_tape_is_saved_when_idle_not_on_the_next_switch(model: Any) -> None:
+    """After a switch, each finished turn's tape is saved in the slot's idle moment (an agent runs its tools between
+    turns), so the next switch only restores; one conversation alone never asks for it, and an operation on the
+    session in between takes the idle save back (the tape is no longer the finished turn's)."""
+    m, cache = model, model.cache
+    man = m.manifest_defaults()
+    s = m.open_session()
+    _turn(s, man, A, Q1)
+    assert not m.idle_pending()  # one conversation, no switch yet: nothing to save while idle
+    _turn(s, man, B, Q2)  # A's tape saved before it is dropped: a switch
+    assert m.idle_pending()
+    saves = cache.status()["saves"]
+    m.idle_work()  # B's finished tape (prefix, question, reply)
+    assert cache.status()["saves"] == saves + 1 and not m.idle_pending()
+    assert cache.covers(cache_key(m, man), m.res.tokens)
+
+    back, _, _ = _turn(s, man, A, Q3)  # back to A: restored; B's tape is in the cache already
+    assert back.cached_tokens == back.prefix_tokens
+    assert cache.status()["saves"] == saves + 1  # the switch saved nothing
+    assert m.idle_pending()
+    s.ensure_prefix(PrefixInput(text=A, manifest=man))  # an operation before the idle moment
+    assert not m.idle_pending()
 
 
 def test_another_conversation_under_the_same_prompt_comes_back(model: Any) -> None:

@@ -45,6 +45,9 @@ log = logging.getLogger("modeld.cache")
 SAVE_MIN_TOKENS = 256
 #: a restore must spare at least this many tokens of prefill beyond what the resident tape gives
 MIN_GAIN_TOKENS = 32
+#: for this many finished turns after a switch (a restore, or a save before a discard) the slot counts as
+#: switching between conversations: each turn's tape is saved while the slot is idle (``TapeModel.turn_ended``)
+SWITCHING_TURNS = 8
 
 
 def cache_key(m: TapeModel, manifest: ContextManifest) -> str:
@@ -92,6 +95,7 @@ def save_before_discard(m: TapeModel, keep: int) -> None:
     only_reply = res.reply_from is not None and keep >= res.reply_from
     if dropped >= SAVE_MIN_TOKENS or (dropped > MIN_GAIN_TOKENS and not only_reply):
         save_tape(m)
+        m.turns_since_switch = 0
 
 
 def restore_best(m: TapeModel, manifest: ContextManifest, target: list[int], have: int, *, count_miss: bool) -> int:
@@ -129,5 +133,6 @@ def restore_best(m: TapeModel, manifest: ContextManifest, target: list[int], hav
     m.res.conversation = ""  # (the request that restored it names its own once its prefill is done)
     gained = m.reusable(covered) - have
     cache.note_restored(gained)
+    m.turns_since_switch = 0
     log.info("workspace cache: restored %d tokens (%d beyond the resident tape)", len(snap.resident_token_ids), gained)
     return covered

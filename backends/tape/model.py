@@ -36,7 +36,7 @@ from contract.types import DEFAULT_SAMPLING, Config, DecodeConfig, SamplingParam
 
 from ..resident import Resident
 from . import draft_costs as cost_tables
-from .cache import save_tape
+from .cache import SWITCHING_TURNS, save_tape
 from .miss import SHARED as SHARED_SEEN
 from .miss import SeenPrompts
 from .output import THINK_OPEN, resolve_protocols
@@ -122,6 +122,8 @@ class TapeModel(Protocol):
     draft_costs: CheckCosts
     #: draft tokens checked and kept by every decode pass since the load (``speculation``)
     drafts: SpeculationStats
+    #: decodes finished since the workspace cache last swapped a tape for another (``turn_ended``)
+    turns_since_switch: int
 
     @property
     def digest(self) -> str: ...
@@ -192,6 +194,14 @@ class TapeModel(Protocol):
         fit this engine; on a refusal after that, the KV is left unchanged (when
         the engine keeps a ``backup`` to put back) or cleared.
         """
+        ...
+
+    def turn_ended(self) -> None:
+        """A decode finished (``TapeModelBase.turn_ended``)."""
+        ...
+
+    def drop_idle_save(self) -> None:
+        """An operation began on a session: the finished turn's save (if any) is not the tape's any more."""
         ...
 
 
@@ -409,6 +419,11 @@ class TapeModelBase(ABC):
         self.draft_costs_measured = False
         #: no table is kept for this model and machine: ``idle_work`` measures one
         self.costs_pending = False
+        #: decodes finished since the workspace cache last swapped a tape for another (restored one, or saved
+        #: one before discarding it); while that is recent, a finished turn's tape is saved in the next idle
+        #: moment (``save_pending``), so the next switch finds it saved and only restores
+        self.turns_since_switch = SWITCHING_TURNS + 1
+        self.save_pending = False
         #: draft tokens checked and kept by every decode pass since the load
         self.drafts = SpeculationStats()
         #: the engine's kernels compute a token's row the same alone, in a draft's check or in a
@@ -506,15 +521,33 @@ class TapeModelBase(ABC):
         """``n``: an engine that pads checks to compiled shapes says so here."""
         return n
 
+    def turn_ended(self) -> None:
+        """A decode finished with the tape holding its prompt and reply: while the slot is switching between
+        conversations, that tape is saved in the next idle moment (an agent runs its tools between turns), not
+        on the next switch's clock. Any operation on the session cancels the save (``drop_idle_save``)."""
+        self.turns_since_switch += 1
+        self.save_pending = self.cache is not None and self.turns_since_switch <= SWITCHING_TURNS
+
+    def drop_idle_save(self) -> None:
+        self.save_pending = False
+
     def idle_pending(self) -> bool:
-        """Whether ``idle_work`` has something to do now: the draft costs are unmeasured and nothing is resident
-        (the measurement prefills a throwaway context, which would evict a tape)."""
-        return self.costs_pending and not self.closed and not self.res.tokens
+        """Whether ``idle_work`` has something to do now: a finished turn's tape to save (``turn_ended``), or
+        the draft costs are unmeasured and nothing is resident (the measurement prefills a throwaway context,
+        which would evict a tape)."""
+        if self.closed:
+            return False
+        return self.save_pending or (self.costs_pending and not self.res.tokens)
 
     def idle_work(self) -> None:
-        """Measure the draft check costs (``draft_costs.measure_costs``), run by the daemon while the slot is
+        """Save a finished turn's tape into the workspace cache (one copy of the state, not interrupted), or
+        measure the draft check costs (``draft_costs.measure_costs``), run by the daemon while the slot is
         idle, inside an ``interrupt.interruptible`` scope that a request's arrival sets: then it raises
         ``Cancelled`` with the KV cleared and stays pending, for the next idle moment with nothing resident."""
+        if self.save_pending:
+            self.save_pending = False
+            save_tape(self)
+            return
         if not self.idle_pending():
             return
         try:

@@ -296,6 +296,7 @@ class TapeSession:
             raise SessionClosed()
         if m.session_gen != self._gen:
             raise SessionClosed("a newer session was opened on this model")
+        m.drop_idle_save()  # the tape is about to change or be read: not the finished turn's any more
         if switch and self._parked is not None:
             self._switch_in(m, self._parked)
         return m
@@ -813,3 +814,5 @@ class TapeSession:
             if pending is not None and still_ours():
                 steps.settle(pending)
             steps.close()
+            if still_ours():
+                m.turn_ended()
