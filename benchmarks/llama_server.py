@@ -88,10 +88,16 @@ def ensure_built() -> Path:
 def command(model: Path, n_ctx: int, port: int, *extra: str) -> list[str]:
     """The llama-server command line (built first when it is not): ``model`` with an ``n_ctx`` window in one slot
     (``-np 1``: its default splits the window between four) and the daemon's thread count on 127.0.0.1:``port``,
-    everything else at its defaults (its RAM prompt cache on, its jinja chat template); ``extra`` flags after those."""
+    everything else at its defaults (its RAM prompt cache on, its jinja chat template); ``extra`` flags after those.
+
+    On a CPU with AMX, llama.cpp's AMX weight kernels crash on the bundled model (``backends.llama.native``), in
+    llama-server as in llama-cpp-python: there it runs with ``--no-repack``, the weights laid out as the daemon's."""
+    from backends.llama.native import extra_bufts_default
+
     threads = str(usable_cpus())
+    layout = [] if extra_bufts_default() else ["--no-repack"]
     return [str(ensure_built()), "-m", str(model), "-c", str(n_ctx), "-np", "1", "-t", threads, "-tb", threads,
-            "--host", "127.0.0.1", "--port", str(port), *extra]
+            *layout, "--host", "127.0.0.1", "--port", str(port), *extra]
 
 
 @contextlib.contextmanager
