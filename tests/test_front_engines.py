@@ -528,12 +528,12 @@ def test_a_prompt_scored_through_completions_is_the_engines_own(front: Front) ->
     print(f"scoring against a decode's first step: {worst:.5f}")
 
     if front.daemon.backend == "llama":
-        from llama_cpp import Llama
+        from backends.llama.native import open_llama  # the daemon's kernels (its AMX workaround too)
 
         with front.daemon.client(timeout_s=30.0) as c:
             active = c.status().active
         assert active is not None
-        ref = Llama(model_path=active.path, n_ctx=NUM_CTX, n_batch=512, n_ubatch=512, logits_all=True,
+        ref = open_llama(active.path, n_ctx=NUM_CTX, n_batch=512, n_ubatch=512, logits_all=True,
                     verbose=False, swa_full=True)
         try:
             theirs = ref.create_completion(SCORED, echo=True, logprobs=k, max_tokens=1, temperature=0)

@@ -43,7 +43,7 @@ def _task(where: Path) -> None:
 
 
 def test_lm_eval_multiple_choice_scores_as_llama_cpp_does(tmp_path: Path) -> None:
-    from llama_cpp import Llama
+    from backends.llama.native import open_llama  # the daemon's kernels (its AMX workaround too)
 
     _task(tmp_path)
     port = free_port()
@@ -69,7 +69,7 @@ def test_lm_eval_multiple_choice_scores_as_llama_cpp_does(tmp_path: Path) -> Non
     docs = [json.loads(line) for line in DATA.read_text().splitlines()]
     assert len(samples) == len(docs)
 
-    ref = Llama(model_path=active.path, n_ctx=1024, n_batch=512, n_ubatch=512, logits_all=True, verbose=False,
+    ref = open_llama(active.path, n_ctx=1024, n_batch=512, n_ubatch=512, logits_all=True, verbose=False,
                 swa_full=True)
     try:
         for s in sorted(samples, key=lambda s: s["doc_id"]):
