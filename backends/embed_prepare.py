@@ -57,6 +57,7 @@ __all__ = [
     "EMBED_SOURCE_PACKAGE",
     "IR_MARKER_FILE",
     "PrepareError",
+    "converter_dir",
     "default_embedding_gguf",
     "default_embedding_ir",
     "embed_cache_dir",
@@ -193,7 +194,7 @@ def _llama_cpp_version() -> str:
 _CONVERTER_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 
-def _converter_dir(log: Any) -> Path:
+def converter_dir(log: Any) -> Path:
     """llama.cpp's ``convert_hf_to_gguf.py`` (+ ``conversion/``, ``gguf-py/``), extracted once.
 
     Taken from the llama-cpp-python sdist of the installed version:
@@ -260,7 +261,7 @@ def prepare_gguf(force: bool = False, log: Any = print) -> Path:
         _need("torch", "the GGUF conversion")
         _need("transformers", "the GGUF conversion")
         src = source_model_dir()
-        conv = _converter_dir(log)
+        conv = converter_dir(log)
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix=".gguf-", dir=cache) as tmp:
             out = Path(tmp) / GGUF_FILE
