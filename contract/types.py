@@ -183,7 +183,8 @@ class Config(_Request):
     #: compute every decoded token as a prefill computes it, so a token's logits are the same
     #: alone, in a draft's check or in any prefill: drafts (sampled ones too) and reused replies
     #: never change an answer. OpenVINO pads each decode step to a prefill's kernels (a step
-    #: costs more as the context grows); llama.cpp can be exact with flash_attn over a q8_0/q4_0
+    #: costs more as the context grows) and computes in f32 over an f32 cache unless the load names
+    #: a cache type or precision; llama.cpp can be exact with flash_attn over a q8_0/q4_0
     #: cache, refuses the setting without that layout, and refuses a model whose load probe finds
     #: its rows apart on this CPU (some quantizations' batch kernels round apart from one-row ones)
     exact_decode: bool = False

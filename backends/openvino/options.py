@@ -208,11 +208,18 @@ class LoadOptions:
                 "OpenVINO places the whole model on one device; partial GPU offload (num_gpu_layers) does not exist",
                 num_gpu_layers=cfg.num_gpu_layers,
             )
+        kv_precision = KV_PRECISIONS[cfg.kv_cache_type]
+        if cfg.exact_decode and not cfg.kv_cache_type and not inference_precision:
+            # Exact decode computes in f32 over an f32 cache unless a load says otherwise: with a 16-bit cache
+            # the CPU plugin rounds a prefill apart by how it was split on some CPUs (measured on an AMX Xeon:
+            # an answer reused from decode steps, then prefilled again in other chunks, decoded apart), and
+            # only f32 compute takes an f32 cache.
+            kv_precision, inference_precision = "f32", "f32"
         return cls(
             num_ctx=num_ctx,
             prefill_chunk=max(MIN_PREFILL_ROWS, min(cfg.num_batch or DEFAULT_PREFILL_CHUNK, num_ctx)),
             num_threads=cfg.num_threads,
-            kv_precision=KV_PRECISIONS[cfg.kv_cache_type],
+            kv_precision=kv_precision,
             inference_precision=inference_precision,
             exact_decode=cfg.exact_decode,
             batch_graph=wants_batch_graph(speculative, shape.weights_bytes, device),
