@@ -102,10 +102,11 @@ run: serving
 
 # The suite's files run on two pytest-xdist workers (a file's tests stay together, so its daemons start once); no
 # two workers share a kept state (the draft costs: a fixed table in every test, tests/conftest.py, and a table of
-# its own in each test of the timing). TEST_WORKERS=0 runs it in one process.
+# its own in each test of the timing). TEST_WORKERS=0 runs it in one process. A worker that crashes (a segfault in
+# an engine) is not restarted: the test it ran is reported as failed and the other worker runs the rest.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --durations=20 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check contract runtime modeld backends harness tests benchmarks
