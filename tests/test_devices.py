@@ -147,10 +147,13 @@ from contract.sizing import ModelShape
 from contract.types import Config
 shape = ModelShape(n_layer=4, n_ctx_train=1024, n_embd=64, n_head=4, n_head_kv=4, head_dim_k=16, head_dim_v=16,
                    weights_bytes=1)
+from backends.llama.embedder import LlamaEmbedder
+embedder = LlamaEmbedder.default_path()
 print(usable_cpus(), LoadOptions.resolve(Config(num_ctx=512), shape).num_threads,
-      LoadOptions.resolve(Config(num_ctx=512, num_threads=3), shape).num_threads)
+      LoadOptions.resolve(Config(num_ctx=512, num_threads=3), shape).num_threads,
+      LlamaEmbedder.plan_for(embedder, Config()).num_threads, LlamaEmbedder.plan_for(embedder, Config(num_threads=3)).num_threads)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
-    assert out.stdout.split() == ["1", "1", "3"]  # a number asked for is kept
+    assert out.stdout.split() == ["1", "1", "3", "1", "3"]  # the chat model's, the embedder's; a number asked for kept
     assert devices.usable_cpus() == len(os.sched_getaffinity(0))

@@ -12,6 +12,7 @@ from contract.errors import ModelLoadFailed, UnsupportedFeature
 from contract.types import Config
 
 from ..bundled import model_cache_dir
+from ..devices import usable_cpus
 from ..digest import file_digest
 from ..embed_prepare import default_embedding_gguf
 from ..embeddings import MIB, EmbeddingPlan, model_name_for, plan_threads, plan_window
@@ -87,7 +88,8 @@ class LlamaEmbedder:
                 causal=causal is not False,
             ),
             dims=facts.shape.n_embd,
-            num_threads=plan_threads(config),
+            # the CPUs this process may run on (llama-cpp-python's own default is half the machine's cores)
+            num_threads=plan_threads(config) or usable_cpus(),
             details={"architecture": arch, "pooling_type": pooling, "n_ctx_train": facts.shape.n_ctx_train},
         )
 
