@@ -1,3 +1,4 @@
 """What the tests and the benchmarks both drive: a real ``modeld serve`` process (``harness.daemon``), the
 tool-capable model fixture built from the bundled GGUF (``harness.fixtures``), the vision test model (a tiny
-image encoder paired with the bundled GGUF, ``harness.vision``) and shared prompts (``harness.prompts``). Neither owns it, so neither imports the other; it is not part of the installed package."""
+image encoder paired with the bundled GGUF, ``harness.vision``) and shared prompts (``harness.prompts``).
+Neither owns it, so neither imports the other; it is not part of the installed package."""

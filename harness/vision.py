@@ -1,16 +1,16 @@
 """A vision test model: the bundled SmolLM2 with a tiny image encoder (a multimodal projector GGUF) of its own.
 
-No vision model ships in a package these machines can reach, so one is built: a Gemma 3-shaped vision stage
-(a SigLIP encoder, 128-pixel images in 16-pixel patches, pooled 4x4 to ``IMAGE_TOKENS`` embeddings (llama.cpp
-fixes Gemma 3's pooling at 4 patches a side), projected to
-the bundled model's 576 dimensions) made with ``transformers`` from a small config, random weights, a fixed
-seed, and converted by the converter that ships in llama.cpp's source (``convert_hf_to_gguf.py --mmproj``,
-taken from the installed llama-cpp-python's sdist, as ``modeld prepare`` takes it). llama.cpp's multimodal library (mtmd) pairs it with any text
-model of that width; Gemma 3's projector wraps an image in text markers only (``<start_of_image>``), which
-SmolLM2's vocabulary tokenizes like any text. Its answers mean nothing; what the tests check is the pipeline.
+No vision model ships in a package these machines can reach, so one is built: a Gemma 3-shaped vision stage (a
+SigLIP encoder, 128-pixel images in 16-pixel patches, pooled 4x4 to ``IMAGE_TOKENS`` embeddings: llama.cpp fixes
+Gemma 3's pooling at 4 patches a side) projected to the bundled model's 576 dimensions, made with ``transformers``
+from a small config, random weights, a fixed seed, and converted by the converter that ships in llama.cpp's source
+(``convert_hf_to_gguf.py --mmproj``, taken from the installed llama-cpp-python's sdist as ``modeld prepare`` takes
+it). llama.cpp's multimodal library (mtmd) pairs it with any text model of that width; Gemma 3's projector wraps an
+image in text markers only (``<start_of_image>``), which SmolLM2's vocabulary tokenizes like any text. Its answers
+mean nothing; what the tests check is the pipeline.
 
-The projection is scaled up (``PROJECTION_GAIN``) so an image's embeddings outweigh the text around them and
-two different images lead the greedy continuation apart. Built once (~10 s, torch and transformers from
+The projection is drawn large (``PROJECTION_GAIN``) so an image's embeddings outweigh the text around them and
+two different images lead the greedy continuation apart. Built once (~15 s, torch and transformers from
 ``make setup``'s convert extra) into the model cache, keyed by everything that shapes it.
 """
 
@@ -75,10 +75,9 @@ def _hf_model(out: Path) -> None:
     (out / "preprocessor_config.json").write_text(json.dumps(_PREPROCESSOR))
 
 
-def vision_projector(cache_dir: Path | None = None) -> Path:
-    """The projector GGUF (built once; see the module docstring)."""
-    base = cache_dir or model_cache_dir()
-    dest = base / "vision" / f"tiny-gemma3-mmproj-{_key()}.gguf"
+def vision_projector() -> Path:
+    """The projector GGUF in the model cache (built once; see the module docstring)."""
+    dest = model_cache_dir() / "vision" / f"tiny-gemma3-mmproj-{_key()}.gguf"
     if dest.is_file():
         return dest
     convert = converter_dir(print)
