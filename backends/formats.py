@@ -84,6 +84,31 @@ class ModelFormat:
         return {}
 
 
+#: a repository's projectors in the order one is chosen when it has several (16-bit first: what the Hub's
+#: vision repositories ship, and llama-server's ``-hf`` takes); then any other, by name
+_PROJECTOR_ORDER = ("f16", "bf16", "q8_0", "f32")
+
+
+def _is_projector(path: str) -> bool:
+    """A multimodal projector GGUF (a vision model's image encoder), by the Hub's naming: ``mmproj*.gguf``."""
+    return "mmproj" in path.rpartition("/")[2].lower()
+
+
+def _projectors(files: Mapping[str, int]) -> dict[str, str]:
+    """Per folder of a repository, the projector a model there comes with (``_PROJECTOR_ORDER``)."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(files):
+        if path.lower().endswith(".gguf") and _is_projector(path):
+            found.setdefault(path.rpartition("/")[0], []).append(path)
+
+    def rank(path: str) -> tuple[int, str]:
+        name = path.rpartition("/")[2].lower()
+        return next((i for i, q in enumerate(_PROJECTOR_ORDER) if re.search(rf"(^|[-_.]){q}([-_.]|$)", name)),
+                    len(_PROJECTOR_ORDER)), path
+
+    return {folder: min(paths, key=rank) for folder, paths in found.items()}
+
+
 #: the file name of a split GGUF's part: ``-00001-of-00003.gguf``
 _PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 #: a quantization name as GGUF files carry it: Q4_K_M, IQ3_XXS, Q8_0, F16, BF16, TQ1_0, MXFP4 …
@@ -113,8 +138,9 @@ class Gguf(ModelFormat):
     def choices(self, files: Mapping[str, int]) -> list[Choice]:
         out: list[Choice] = []
         parts: dict[str, list[tuple[int, str]]] = {}
+        projectors = _projectors(files)
         for path in sorted(files):
-            if not path.lower().endswith(".gguf"):
+            if not path.lower().endswith(".gguf") or _is_projector(path):
                 continue
             m = _PART.search(path)
             if m:
@@ -124,7 +150,13 @@ class Gguf(ModelFormat):
         for _, numbered in sorted(parts.items()):
             ordered = tuple(p for _, p in sorted(numbered))
             out.append(Choice(self.kind, ordered, quant_of(ordered[0]), ordered[0], tuple(files[p] for p in ordered)))
-        return out
+        # a vision model's projector (its image encoder) comes with it, beside it, where the load finds it
+        with_projector = []
+        for c in out:
+            extra = projectors.get(c.primary.rpartition("/")[0])
+            with_projector.append(c if extra is None else Choice(c.kind, (*c.files, extra), c.quant, c.primary,
+                                                                 (*c.sizes, files[extra])))
+        return with_projector
 
     def names(self, file: str) -> bool:
         return file.lower().endswith(".gguf")

@@ -227,6 +227,10 @@ class LlamaOptions(EngineOptions):
         None, description="the CPU's repacked forms of the weights (llama.cpp's extra buffer types); unset: on, "
         "except on a build that reports AMX (its AMX matrix product crashed the process; MODELD_LLAMA_EXTRA_BUFTS=1|0 "
         "sets what unset means) and in the exact-decode layout, which keeps the file's weights")
+    mmproj: str | None = Field(
+        None, description="the model's multimodal projector GGUF (its image encoder: `modeld serve --mmproj FILE`); "
+        "unset: the one projector file beside the model (an mmproj*.gguf in its directory), if there is one; none: "
+        "no image encoder")
 
 
 # --- OpenVINO -----------------------------------------------------------------------------
@@ -255,9 +259,13 @@ def _openvino_prepare(gguf: Path | None, log: Callable[[str], None]) -> list[Pat
 
 
 def _openvino_refusal(path: Path) -> str:
-    from backends.gguf_file import gguf_facts
+    from backends.gguf_file import find_projector, gguf_facts
     from backends.openvino.prepare import ConversionError, check_convertible
 
+    projector = find_projector(path)
+    if projector is not None:
+        return (f"the model has an image encoder beside it ({projector.name}), which the OpenVINO backend does not "
+                "serve")
     try:
         check_convertible(gguf_facts(path))
     except (ConversionError, OSError, ValueError) as exc:

@@ -31,6 +31,8 @@ from contract.errors import (
 from contract.manifest import ContextManifest, byte_hash, common_prefix_len, token_hash
 from contract.types import ContextReport, PrefixStatus, SessionSnapshot, SuffixStatus
 
+from .image_tokens import block_start, inside_block
+
 
 def check_token_ids(tokens: Sequence[int], vocab_size: int) -> list[int]:
     """``tokens`` as a list when every id is one of the model's ``vocab_size``; InvalidArgument naming the first
@@ -120,6 +122,9 @@ class Resident:
             raise InvalidArgument(
                 f"offset {offset} is inside the stable prefix ({self.prefix_len} tokens): a prefix is changed with "
                 "ensure_prefix", offset=offset, prefix_tokens=self.prefix_len)
+        if inside_block(live, offset) and offset < len(live):
+            raise InvalidArgument(f"offset {offset} is inside an image's block of tokens (it starts at "
+                                  f"{block_start(live, offset)}): cut before or after it", offset=offset)
         if offset == len(live) or (truncating and offset < len(live)):
             return live[:offset] + new, self.prefix_len
         if offset > len(live):
@@ -186,6 +191,9 @@ class Resident:
                 f"a fork at {at} is {where} (the prefix is {self.prefix_len} tokens, the context {len(live)}): "
                 f"fork between {self.prefix_len} and {len(live)}",
                 at_position=at, prefix_tokens=self.prefix_len, resident_tokens=len(live))
+        if inside_block(live, at):
+            raise InvalidArgument(f"a fork at {at} is inside an image's block of tokens (it starts at "
+                                  f"{block_start(live, at)}): fork before or after it", at_position=at)
         view = replace(self, tokens=live[:at], live_len=None, partial=None, conversation="")
         view.messages = None  # which messages the first ``at`` tokens hold is not known any more
         if view.reply_from is not None and view.reply_from >= at:

@@ -11,12 +11,22 @@ and the wire's schema table and the exports test read it as one list.
 
 from __future__ import annotations
 
+import base64
 import enum
 import hashlib
 import time
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBytes,
+    StringConstraints,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 # pydantic validates a TypedDict from typing_extensions on Python < 3.12 (pydantic itself depends on it)
 from typing_extensions import TypedDict
@@ -50,6 +60,7 @@ __all__ = [
     "Fence",
     "LoadModelRequest",
     "Heartbeat",
+    "ImageInput",
     "ModelInfo",
     "ModelsStatus",
     "OpenSessionRequest",
@@ -87,6 +98,10 @@ QUANTIZED_KV_CACHE_TYPES = ("q8_0", "q4_0")
 MAX_TEXT_CHARS = 16 * 1024 * 1024
 #: ``DecodeConfig.logprobs``: the most alternatives a step reports (OpenAI's ``top_logprobs`` limit)
 MAX_TOP_LOGPROBS = 20
+#: the largest image a message or an append carries, encoded (the HTTP front's ``--max-image-bytes`` is lower)
+MAX_IMAGE_BYTES = 64 * 1024 * 1024
+#: the most images one suffix carries
+MAX_SUFFIX_IMAGES = 256
 #: a token id a client sends: the engines' ids are 32-bit (one past a model's vocabulary is refused by the model,
 #: naming it; one past this is refused at the edge, before it reaches an encoder that cannot hold it)
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -703,6 +718,10 @@ class SuffixInput(_Request):
     readouts: bool = False
     #: with ``readouts``: read out only the suffix tokens at these positions (as ``logprobs_ranges``)
     readout_ranges: list[PositionRange] = Field(default_factory=list, max_length=MAX_POSITION_RANGES)
+    #: images in a raw append (``offset``, ``text`` with render=False), each at its offset in ``text``; the
+    #: status's ``image_tokens`` says how many positions they took. A rendered conversation's images are its
+    #: messages' (``ChatMessage.images``)
+    images: list[ImageInput] = Field(default_factory=list, max_length=MAX_SUFFIX_IMAGES)
 
     @model_validator(mode="after")
     def _one_form(self) -> SuffixInput:
@@ -723,6 +742,11 @@ class SuffixInput(_Request):
             raise InvalidArgument("logprobs_ranges name which suffix tokens to score: give logprobs too")
         if self.readout_ranges and not self.readouts:
             raise InvalidArgument("readout_ranges name which suffix tokens to read out: give readouts too")
+        if self.images:
+            if self.offset is None or self.tokens:
+                raise InvalidArgument("images in a suffix go in a raw append (offset, with text or nothing); a "
+                                      "conversation's images are its messages'")
+            check_images(self.images, self.text, "suffix")
         return self
 
 
@@ -812,6 +836,8 @@ class SuffixStatus(_Report):
     #: with ``SuffixInput.logprobs``: one per suffix token, in order (None for a token with nothing before it, and
     #: for one outside ``logprobs_ranges``)
     logprobs: list[TokenLogprob | None] = Field(default_factory=list)
+    #: of ``suffix_tokens``, the positions its images' blocks of image tokens take (each image once per place)
+    image_tokens: int = 0
     #: with ``SuffixInput.readouts``: one per suffix token, in order: ``[n_layers][n_concepts]``, the residual stream
     #: after each manifest layer (ascending) dotted with each concept's direction (the manifest's order); ``[]`` for
     #: a token outside ``readout_ranges``
@@ -967,6 +993,41 @@ class ToolCallDelta(_Report):
     arguments: str = ""
 
 
+class ImageInput(_Request):
+    """An image in a message's text, or in a raw append: its encoded bytes (PNG, JPEG, WebP or GIF) and where it
+    sits. The daemon turns it into its model's block of image tokens (a client never writes them), keyed by the
+    bytes' digest: a later turn that sends the same image again reuses its KV like any other prefix."""
+
+    #: the bytes (in JSON, as base64 text: a stored conversation keeps its images so)
+    data: StrictBytes = Field(..., min_length=1, max_length=MAX_IMAGE_BYTES)
+    #: the character offset in the text the image goes before (0: before all of it; the text's length: after it)
+    at: int = Field(0, ge=0)
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _from_base64(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                return base64.b64decode(value, validate=True)
+            except ValueError:
+                raise ValueError("image data given as text must be base64") from None
+        return value
+
+    @field_serializer("data", when_used="json")
+    def _to_base64(self, value: bytes) -> str:
+        return base64.b64encode(value).decode("ascii")
+
+
+def check_images(images: list[ImageInput], text: str, where: str) -> None:
+    """Each image's offset within ``text`` and in order; InvalidArgument naming the first that is not."""
+    last = 0
+    for i, image in enumerate(images):
+        if image.at > len(text) or image.at < last:
+            raise InvalidArgument(f"{where}.images[{i}] sits at {image.at}: images go in order, at offsets within "
+                                  f"the text's {len(text)} characters", index=i, at=image.at)
+        last = image.at
+
+
 class ChatMessage(_Request):
     """One message of the conversation after the stable prefix (OpenAI's chat shape)."""
 
@@ -981,6 +1042,9 @@ class ChatMessage(_Request):
     name: str = ""
     #: the assistant's reasoning (``<think>``), when the template renders it
     reasoning: str = ""
+    #: images in a user or tool message, each at its offset in ``content`` (a model with an image encoder only:
+    #: ``capabilities`` has "vision")
+    images: list[ImageInput] = Field(default_factory=list, max_length=MAX_SUFFIX_IMAGES)
 
 
 def check_conversation(messages: list[ChatMessage]) -> None:
@@ -1012,6 +1076,10 @@ def check_conversation(messages: list[ChatMessage]) -> None:
                 )
         elif msg.tool_call_id:
             raise InvalidArgument(f"{where}: only tool messages carry a tool_call_id", index=i)
+        if msg.images:
+            if msg.role not in ("user", "tool"):
+                raise InvalidArgument(f"{where}: only user and tool messages carry images", index=i)
+            check_images(msg.images, msg.content or "", f"messages[{i}]")
 
 
 class ErrorInfo(_Report):

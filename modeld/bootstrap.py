@@ -331,7 +331,7 @@ def load_config(opts: ServeSettings) -> Config:
         exact_decode=opts.exact_decode,
         chat_template=opts.chat_template,
         tool_format=opts.tool_format,
-        options=pair_map(opts.engine_option),
+        options={**pair_map(opts.engine_option), **({"mmproj": opts.mmproj} if opts.mmproj else {})},
     )
 
 

@@ -448,6 +448,11 @@ class ServeSettings(HttpSettings):
         description="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, llama3_json, "
         "mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1); default: detected from the chat template",
     )
+    mmproj: Annotated[str, Flag("FILE", MODEL)] = Field(
+        "", description="llama.cpp: the preloaded model's image encoder, a multimodal projector GGUF (its Hub "
+        "repository's mmproj file); default: the one mmproj*.gguf beside the model, if there is one; none: no "
+        "image encoder. A model with one takes images in every API (capabilities: vision)",
+    )
     engine_option: Annotated[EngineOptionPairs, Flag("NAME=VALUE", MODEL)] = Field(
         (), description="an option only the preloaded model's engine offers (repeatable): `modeld describe` lists "
         "the engine's, docs/engines.md every engine's; with --backend auto, an option only one engine takes picks it",

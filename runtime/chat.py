@@ -183,6 +183,7 @@ def chat_message(raw: Mapping[str, Any] | ChatMessage) -> ChatMessage:
             tool_call_id=str(raw.get("tool_call_id") or ""),
             name=str(raw.get("name") or ""),
             reasoning=str(raw.get("reasoning_content") or raw.get("reasoning") or ""),
+            images=raw.get("images") or [],
         )
     except ValidationError as exc:
         problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)]

@@ -78,6 +78,7 @@ from contract.types import (
     DecodeConfig,
     EmbedRequest,
     EmbedResult,
+    ImageInput,
     LoadModelRequest,
     ModelInfo,
     OpenSessionRequest,
@@ -588,6 +589,16 @@ class RemoteSession:
         self._check_open()
         req = PrefillSuffixRequest.of(self.session_id, suffix)
         return wire.decode_body(SuffixStatus, self._stoppable(Op.PREFILL_SUFFIX, req, on_progress))
+
+    def append_image(self, data: bytes, offset: int, *, text: str = "", manifest: ContextManifest | None = None,
+                     ) -> SuffixStatus:
+        """Append an image (its encoded bytes), after ``text`` when given, at ``offset`` (the resident length the
+        last status gave): the daemon expands it into its model's block of image tokens. The status says how
+        many positions the image took (``image_tokens``) and the new length (``resident_tokens``); a model
+        without an image encoder refuses it (UnsupportedFeature)."""
+        return self.prefill_suffix(SuffixInput(text=text, render=False, offset=offset,
+                                               images=[ImageInput(data=data, at=len(text))],
+                                               manifest=manifest or self.manifest()))
 
     def _stoppable(self, op: Op, req: BaseModel, on_progress: ProgressCallback | None) -> Message:
         """A unary call that ``cancel`` stops (a prefill): the daemon then answers Cancelled, and keeps what the

@@ -22,7 +22,7 @@ pytest.importorskip("fastapi")
 PIL = pytest.importorskip("PIL.Image")
 
 from modeld.front.errors import ApiError  # noqa: E402
-from modeld.front.images import ImageLimits, ImageRef, read_images, take_images  # noqa: E402
+from modeld.front.images import IMAGE_MARK, ImageLimits, ImageRef, read_images, take_images  # noqa: E402
 from tests.test_openai_front import Front  # noqa: E402
 
 LIMITS = ImageLimits(max_images=4, max_bytes=64 * 1024, max_pixels=1024 * 1024)
@@ -124,7 +124,8 @@ def test_the_websocket_messages_image_parts_are_taken_out_in_order() -> None:
                                              {"type": "image_url", "image_url": "data:image/gif;base64,BBBB"}]}]
     refs: list[ImageRef] = []
     kept = take_images(messages, refs)
-    assert kept[1]["content"] == [{"type": "text", "text": "what is this?"}] and kept[0] == messages[0]
+    mark = {"type": "text", "text": IMAGE_MARK}  # where each sat, for ``place_images``
+    assert kept[1]["content"] == [{"type": "text", "text": "what is this?"}, mark, mark] and kept[0] == messages[0]
     assert [(r.where, r.url[-4:]) for r in refs] == [("messages[1].content[1]", "AAAA"), ("messages[1].content[2]", "BBBB")]
 
 

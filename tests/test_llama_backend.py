@@ -139,7 +139,8 @@ def test_an_engine_option_reaches_the_load_and_its_identity(backend: LlamaBacken
     finally:
         m.close()
     req = OpenSessionRequest(path=str(model_path))
-    assert [(o.name, o.type) for o in backend.describe(req).engine_options] == [("extra_bufts", "boolean")]
+    assert [(o.name, o.type) for o in backend.describe(req).engine_options] == [("extra_bufts", "boolean"),
+                                                                               ("mmproj", "string")]
     with pytest.raises(InvalidArgument, match="extra_bufts=true contradicts the layout asked for"):
         backend.describe(req.model_copy(update={"config": Config(flash_attn=True, kv_cache_type="q8_0",
                                                                  options={"extra_bufts": True})}))

@@ -41,6 +41,9 @@ def hub() -> Hub:
     }
     h = Hub(repos={REPO: Repo(files, license="mit"),
                    "acme/two-q4": Repo({"a-Q4_K_M.gguf": blob(5000, 5), "b-Q4_K_M.gguf": blob(5000, 6)}),
+                   "acme/see-GGUF": Repo({"see-Q4_K_M.gguf": blob(6000, 8), "see-Q8_0.gguf": blob(7000, 9),
+                                          "mmproj-see-BF16.gguf": blob(3000, 10), "mmproj-see-F16.gguf": blob(3000, 11),
+                                          "mmproj-see-F32.gguf": blob(5000, 12)}),
                    "acme/coder-ov": Repo({"openvino_model.xml": b"<net/>", "openvino_model.bin": blob(40_000, 7),
                                           "config.json": json.dumps({"model_type": "llama",
                                                                      "max_position_embeddings": 4096}).encode()})})
@@ -119,6 +122,22 @@ def test_pull_by_file_and_a_split_gguf_comes_whole(hub: Hub, store: ModelStore) 
     assert [f.name for f in split.files] == ["coder-1b-Q8_0-00001-of-00002.gguf", "coder-1b-Q8_0-00002-of-00002.gguf"]
     assert split.primary == "coder-1b-Q8_0-00001-of-00002.gguf"
     assert all((d / f.name).stat().st_size == f.size for f in split.files) and split.size == 350_000
+
+
+def test_a_vision_model_is_pulled_with_its_projector_beside_it(hub: Hub, store: ModelStore) -> None:
+    """A repository's projector (its image encoder) is no model to choose: every GGUF comes with one, the 16-bit
+    one of several, and lands beside it, where the load finds it (``find_projector``)."""
+    from backends.gguf_file import find_projector
+
+    found = choices({p: len(d) for p, d in hub.repos["acme/see-GGUF"].files.items()})
+    assert [c.files for c in found] == [("see-Q4_K_M.gguf", "mmproj-see-F16.gguf"),
+                                        ("see-Q8_0.gguf", "mmproj-see-F16.gguf")]
+    m = pull(store, "acme/see-GGUF:Q8_0", endpoint=hub.url, log=quiet)
+    assert [f.name for f in m.files] == ["see-Q8_0.gguf", "mmproj-see-F16.gguf"] and m.primary == "see-Q8_0.gguf"
+    _, d = store.get(m.name)
+    assert (d / "mmproj-see-F16.gguf").read_bytes() == hub.repos["acme/see-GGUF"].files["mmproj-see-F16.gguf"]
+    assert find_projector(d / m.primary) == d / "mmproj-see-F16.gguf"
+    assert m.size == 7000 + 3000
 
 
 def test_an_openvino_ir_is_pulled_as_ir_and_small_files_are_checked_by_blob_id(hub: Hub, store: ModelStore) -> None:

@@ -8,6 +8,7 @@ two different images apart).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 from typing import Any
@@ -78,3 +79,201 @@ def test_an_image_becomes_embeddings_that_follow_it(mtmd: Any) -> None:
     assert any(abs(v) > 0.1 for v in first)  # not the zero projection an untrained checkpoint starts from
     assert max(abs(a - b) for a, b in zip(first, again, strict=True)) < 1e-4
     assert max(abs(a - b) for a, b in zip(first, other, strict=True)) > 0.5
+
+
+# --- through a daemon: the three APIs, reuse, capabilities, the client's seam ---------------------------------
+USER = "What is in this picture?"
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    pytest.importorskip("fastapi")
+    from harness.vision import vision_projector
+    from tests.test_openai_front import Front
+
+    with Front(tmp_path_factory.mktemp("vision"), "--num-ctx", "2048", "--mmproj", str(vision_projector()),
+               backend="llama") as f:
+        yield f
+
+
+def _url(data: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _chat(front: Any, image: bytes, *, stream: bool = False, max_tokens: int = 8) -> tuple[str, int]:
+    """The greedy reply to USER and ``image`` through chat completions, and the prompt's tokens."""
+    content = [{"type": "text", "text": USER}, {"type": "image_url", "image_url": {"url": _url(image)}}]
+    kw: dict[str, Any] = {"model": "m", "max_tokens": max_tokens, "temperature": 0,
+                          "messages": [{"role": "user", "content": content}]}
+    if not stream:
+        out = front.sdk().chat.completions.create(**kw)
+        return out.choices[0].message.content, out.usage.prompt_tokens
+    text, usage = "", None
+    for chunk in front.sdk().chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        usage = chunk.usage or usage
+    assert usage is not None
+    return text, usage.prompt_tokens
+
+
+def _responses(front: Any, image: bytes, *, stream: bool = False) -> tuple[str, int]:
+    content = [{"type": "input_text", "text": USER}, {"type": "input_image", "image_url": _url(image)}]
+    kw: dict[str, Any] = {"model": "m", "max_output_tokens": 8, "temperature": 0,
+                          "input": [{"role": "user", "content": content}]}
+    if not stream:
+        out = front.sdk().responses.create(**kw)
+        return out.output_text, out.usage.input_tokens
+    text, done = "", None
+    for event in front.sdk().responses.create(**kw, stream=True):
+        if event.type == "response.output_text.delta":
+            text += event.delta
+        elif event.type in ("response.completed", "response.incomplete"):
+            done = event.response
+    assert done is not None and done.output_text == text
+    return text, done.usage.input_tokens
+
+
+def _messages(front: Any, image: bytes, *, stream: bool = False) -> tuple[str, int]:
+    import base64
+
+    import anthropic
+
+    content = [{"type": "text", "text": USER},
+               {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": base64.b64encode(image).decode()}}]
+    kw: dict[str, Any] = {"model": "m", "max_tokens": 8, "extra_body": {"temperature": 0},
+                          "messages": [{"role": "user", "content": content}]}
+    with anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key="none", max_retries=0,
+                             timeout=600) as client:
+        if stream:
+            with client.messages.stream(**kw) as s:
+                out = s.get_final_message()
+        else:
+            out = client.messages.create(**kw)
+    u = out.usage
+    prompt = u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0)
+    return "".join(b.text for b in out.content if b.type == "text"), prompt
+
+
+def test_an_image_is_the_same_prompt_and_answer_in_every_api_streamed_or_not(front: Any) -> None:
+    red = _png((255, 0, 0))
+    answers = {(api.__name__, stream): api(front, red, stream=stream)
+               for api in (_chat, _responses, _messages) for stream in (False, True)}
+    assert len(set(answers.values())) == 1, answers
+    text, prompt = answers[("_chat", False)]
+    from contract.types import OpenSessionRequest
+    from harness.vision import IMAGE_TOKENS
+
+    with front.daemon.client() as c:
+        sess = c.open_session(OpenSessionRequest())
+        plain = len(sess.tokenize(USER))
+        sess.close()
+    # the image's block (its markers and IMAGE_TOKENS embeddings) is in the prompt the usage counts
+    assert prompt > plain + IMAGE_TOKENS and text
+
+
+def test_the_image_changes_the_answer_and_the_same_image_gives_the_same(front: Any) -> None:
+    red, blue = _png((255, 0, 0)), _png((0, 0, 255))
+    first, other, again = (_chat(front, img, max_tokens=12)[0] for img in (red, blue, red))
+    assert first == again
+    assert first != other
+
+
+def test_a_second_turn_resending_the_image_reuses_its_block(front: Any) -> None:
+    green = _png((0, 160, 0))
+    content = [{"type": "text", "text": USER}, {"type": "image_url", "image_url": {"url": _url(green)}}]
+    sdk = front.sdk()
+    one = sdk.chat.completions.create(model="m", max_tokens=8, temperature=0,
+                                      messages=[{"role": "user", "content": content}])
+    two = sdk.chat.completions.create(model="m", max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": content}, {"role": "assistant", "content": one.choices[0].message.content},
+        {"role": "user", "content": "And what colour is it?"}])
+    cached = two.usage.prompt_tokens_details.cached_tokens
+    assert cached >= one.usage.prompt_tokens, (cached, one.usage.prompt_tokens)  # the image's block included
+    assert two.usage.prompt_tokens > cached
+
+
+def test_capabilities_of_a_vision_model_in_models_and_status(front: Any) -> None:
+    cards = front.sdk().models.list().data
+    assert cards[0].model_extra is not None and cards[0].model_extra["capabilities"] == ["text", "vision"]
+    with front.daemon.client() as c:
+        st = c.status()
+    assert st.active is not None and st.active.capabilities == ["text", "vision"]
+
+
+def test_bad_images_and_misplaced_ones_are_refused_and_the_daemon_serves_on(front: Any) -> None:
+    import openai
+
+    from tests.test_images import png_claiming
+
+    for content, code in [
+        ([{"type": "image_url", "image_url": {"url": _url(png_claiming(50_000, 50_000))}}], "image_too_large"),
+        ([{"type": "image_url", "image_url": {"url": _url(_png((1, 2, 3))[:60])}}], "invalid_image"),
+    ]:
+        with pytest.raises((openai.BadRequestError, openai.APIStatusError)) as err:
+            front.sdk().chat.completions.create(model="m", max_tokens=4,
+                                                messages=[{"role": "user", "content": content}])
+        assert err.value.body["code"] == code, err.value.body
+    with pytest.raises(openai.BadRequestError) as err:  # a system prompt carries no image
+        front.sdk().chat.completions.create(model="m", max_tokens=4, messages=[
+            {"role": "system", "content": [{"type": "image_url", "image_url": {"url": _url(_png((9, 9, 9)))}}]},
+            {"role": "user", "content": "hi"}])
+    assert err.value.body["code"] == "invalid_image" and "system" in err.value.body["message"]
+    assert _chat(front, _png((255, 0, 0)))[0]
+
+
+def test_the_client_appends_an_image_and_a_fork_or_cut_inside_its_block_is_refused(front: Any) -> None:
+    from contract.errors import InvalidArgument
+    from contract.types import OpenSessionRequest, PrefixInput, SuffixInput
+    from harness.vision import IMAGE_TOKENS
+
+    with front.daemon.client() as c:
+        sess = c.open_session(OpenSessionRequest())
+        m = sess.manifest()
+        start = sess.ensure_prefix(PrefixInput(text="You describe images.", manifest=m)).resident_tokens
+        st = sess.append_image(_png((255, 0, 0)), start, text="Look: ", manifest=m)
+        assert st.image_tokens == IMAGE_TOKENS
+        end = st.resident_tokens
+        assert end >= start + len(sess.tokenize("Look: ")) + IMAGE_TOKENS
+        # the block's embedding positions are the last IMAGE_TOKENS before its closing text: a cut among them
+        inside = end - 1
+        while inside > start:
+            with contextlib.suppress(InvalidArgument):
+                sess.fork(inside).close()
+                inside -= 1
+                continue
+            break
+        with pytest.raises(InvalidArgument, match="inside an image"):
+            sess.fork(inside)
+        with pytest.raises(InvalidArgument, match="inside an image"):
+            sess.prefill_suffix(SuffixInput(text="x", render=False, offset=inside, truncating=True, manifest=m))
+        fork = sess.fork(end)  # after the block: a fork as any other
+        fork.close()
+        again = sess.prefill_suffix(SuffixInput(text=" ok", render=False, offset=end, manifest=m))
+        assert again.resident_tokens == end + len(sess.tokenize(" ok"))
+        sess.close()
+
+
+def test_a_projector_beside_the_model_is_found_and_none_turns_it_off(tmp_path: Any) -> None:
+    """As ``modeld pull`` lays a vision model out (``test_store``): the projector in the model's folder is its image
+    encoder, said by ``describe`` before any load; ``mmproj=none`` serves the model as text only, and auto then
+    leaves OpenVINO (which serves no image encoder) out."""
+    from backends.bundled import bundled_gguf_path
+    from backends.llama.backend import LlamaBackend
+    from backends.registry import ENGINES
+    from contract.types import Config, OpenSessionRequest
+    from harness.vision import vision_projector
+
+    (tmp_path / "see.gguf").symlink_to(bundled_gguf_path())
+    (tmp_path / "mmproj-see-f16.gguf").symlink_to(vision_projector())
+    req = OpenSessionRequest(path=str(tmp_path / "see.gguf"))
+    backend = LlamaBackend()
+    assert backend.describe(req).capabilities == ["text", "vision"]
+    off = req.model_copy(update={"config": Config(options={"mmproj": "none"})})
+    assert backend.describe(off).capabilities == ["text"]
+    refusal = ENGINES["openvino"].refusal
+    if refusal is not None and "openvino" in ENGINES:
+        assert "image encoder" in refusal(tmp_path / "see.gguf")

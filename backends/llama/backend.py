@@ -17,14 +17,15 @@ from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, ModelInfo, Op
 from ..bundled import model_cache_dir
 from ..devices import read_gpus
 from ..digest import file_digest
-from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_layout_digest, gguf_scalars, is_gguf
+from ..gguf_file import cached_gguf_facts, find_projector, gguf_facts, gguf_layout_digest, gguf_scalars, is_gguf
 from ..readouts import Readouts
-from ..registry import engine, option_list
+from ..registry import LlamaOptions, engine, engine_options, option_list
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .model import BACKEND_NAME, LlamaLoadedModel
 from .native import LayerTap, gpu_offload, map_errors, open_llama, runtime_version, system_info
 from .options import DEFAULT_NUM_BATCH, LoadOptions, shape_from_scalars
+from .vision import LlamaVision
 
 RUNTIME_NAME = "llama.cpp"
 
@@ -37,6 +38,20 @@ def _model_path(req: OpenSessionRequest | EmbedRequest) -> Path:
         raise ModelLoadFailed(f"model file not found: {req.path}", path=req.path)
     if not is_gguf(p):
         raise ModelLoadFailed(f"{req.path} is not a GGUF file", path=req.path)
+    return p
+
+
+def projector_path(req: OpenSessionRequest, model: Path) -> Path | None:
+    """The model's image encoder (``LlamaOptions.mmproj``): the file named, none for "none", else the one projector
+    beside the model (``vision.find_projector``). ModelLoadFailed for a named file that is not there."""
+    named = engine_options(BACKEND_NAME, req.config, LlamaOptions).mmproj
+    if named is None or named == "":
+        return find_projector(model)
+    if named.lower() == "none":
+        return None
+    p = Path(named).expanduser()
+    if not p.is_file() or not is_gguf(p):
+        raise ModelLoadFailed(f"projector file not found or not a GGUF file: {named}", mmproj=named)
     return p
 
 
@@ -81,9 +96,13 @@ class LlamaBackend:
             if self.readouts is not None:
                 self.readouts.check(hint.n_embd, hint.n_layer)  # before any weight is read
                 tap = LayerTap(self.readouts.layers)
+            projector = projector_path(req, path)
             llm = open_llama(path, progress=progress, extra_bufts=options.extra_bufts, tap=tap,
                              **options.llama_kwargs())
+            vision = None
             try:
+                if projector is not None:
+                    vision = LlamaVision(projector, llm, threads=options.num_threads)
                 shape = replace(
                     hint,
                     n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(llm.model)),
@@ -93,11 +112,14 @@ class LlamaBackend:
                 )
                 model = LlamaLoadedModel(
                     llm, path=str(path), digest=digest, shape=shape, options=options, config=req.config,
-                    requested_template=template, tap=tap, readouts=self.readouts,
+                    requested_template=template, tap=tap, readouts=self.readouts, vision=vision,
+                    mmproj_digest=file_digest(projector, model_cache_dir()) if projector is not None else "",
                 )
                 model.layout = gguf_layout_digest(path)  # the key its draft costs are kept under
                 model.probe_rows()  # before the draft costs: a refused load measures nothing more
             except BaseException:
+                if vision is not None:
+                    vision.close()
                 llm.close()
                 raise
             finish_load(model, self.cache, self.speculative)
@@ -113,7 +135,8 @@ class LlamaBackend:
             shape = facts.shape
             options = LoadOptions.resolve(req.config, shape)
             digest = file_digest(path, model_cache_dir())
-        template, tool_format, capabilities = template_report(req, facts.chat_template, facts.control_tokens)
+        template, tool_format, capabilities = template_report(req, facts.chat_template, facts.control_tokens,
+                                                              vision=projector_path(req, path) is not None)
         kvpt = kv_bytes_per_token(shape.facts(kv_cache_type=options.kv_cache_type))
         gpu = self._offload()
         return ModelInfo(

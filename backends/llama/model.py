@@ -34,8 +34,9 @@ from contract.errors import Internal, InvalidArgument, SnapshotRejected, Unsuppo
 from contract.sizing import ModelShape, kv_bytes_per_token
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
+from ..image_tokens import inside_block, is_image_token
 from ..readouts import Readouts
-from ..tape.model import RowsFn, StatesFn, TapeModelBase
+from ..tape.model import RowsFn, StatesFn, TapeModelBase, model_capabilities
 from ..tape.session import DecodeSteps
 from ..tape.state import refuse_diffs, state_buffer, unpack_state
 from ..tape.templates import check_renders, choose_template, render_defaults, renders_tools
@@ -43,6 +44,7 @@ from . import probe
 from .native import KV_GGML_TYPES, LayerTap, map_errors, runtime_version
 from .options import LoadOptions
 from .sampling import LlamaSteps, build_sampler, grammar_source
+from .vision import LlamaVision
 
 __all__ = ["BACKEND_NAME", "LlamaLoadedModel", "LlamaTemplate"]
 
@@ -80,7 +82,8 @@ class LlamaLoadedModel(TapeModelBase):
 
     def __init__(self, llm: Llama, *, path: str, digest: str, shape: ModelShape, options: LoadOptions, config: Config,
                  requested_template: tuple[str, str] | None = None, tap: LayerTap | None = None,
-                 readouts: Readouts | None = None) -> None:
+                 readouts: Readouts | None = None, vision: LlamaVision | None = None,
+                 mmproj_digest: str = "") -> None:
         self._llm = llm
         self.shape = shape
         self.options = options
@@ -105,7 +108,7 @@ class LlamaLoadedModel(TapeModelBase):
             digest=digest,
             config=config,
             num_ctx=options.num_ctx,
-            resident_bytes=shape.weights_bytes + kv_per_token * options.num_ctx,
+            resident_bytes=shape.weights_bytes + kv_per_token * options.num_ctx + (vision.bytes if vision else 0),
             template=template,
             bos_id=bos_id,
             adds_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)),
@@ -124,6 +127,11 @@ class LlamaLoadedModel(TapeModelBase):
         self._abort_event: threading.Event | None = None
         # llama.cpp polls this between graph nodes; the reference keeps ctypes' thunk alive
         self._abort_cb = llama_cpp.ggml_abort_callback(self._should_abort)
+        #: the image encoder (``serve --mmproj``), and the digest of its file (part of the reuse identity)
+        self.vision = self.image_encoder = vision
+        self._mmproj_digest = mmproj_digest
+        if vision is not None:
+            self.capabilities = model_capabilities(self.template, self.tool_format, vision=True)
 
     def _should_abort(self, _data: Any) -> bool:
         # called between graph nodes: a long prefill is visibly alive, and its progress is the
@@ -175,7 +183,8 @@ class LlamaLoadedModel(TapeModelBase):
         return runtime_version()
 
     def runtime_identity(self) -> dict[str, Any]:
-        return self.options.runtime_identity()
+        own = self.options.runtime_identity()
+        return own | {"mmproj": self._mmproj_digest} if self._mmproj_digest else own
 
     def cost_identity(self) -> dict[str, Any]:
         """The thread count: it changes what a step and a check cost, not their numbers."""
@@ -189,6 +198,8 @@ class LlamaLoadedModel(TapeModelBase):
         return map_errors(action)
 
     def _release(self) -> None:
+        if self.vision is not None:
+            self.vision.close()
         self._llm.close()
 
     def _encode(self, text: str) -> list[int]:
@@ -201,7 +212,7 @@ class LlamaLoadedModel(TapeModelBase):
         return [self.piece(t, special=True) for t in tokens]
 
     def is_control(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
+        return not is_image_token(token) and bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
 
     def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
         fmt = self.decode_format(cfg)
@@ -211,6 +222,8 @@ class LlamaLoadedModel(TapeModelBase):
 
     # --- tokens and the KV ----------------------------------------------------------------
     def piece(self, token: int, *, special: bool = False) -> bytes:
+        if is_image_token(token):
+            return b""  # an image's position (``backends.tape.images``): no text
         # Llama.detokenize uses a 32-byte buffer and silently truncates longer pieces.
         size = 64
         while True:
@@ -221,7 +234,7 @@ class LlamaLoadedModel(TapeModelBase):
             size = -n
 
     def is_eog(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        return not is_image_token(token) and bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
     def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None, states: StatesFn | None = None) -> int:
         """Make the KV hold ``tokens``, reusing the first ``keep`` resident ones.
@@ -246,13 +259,21 @@ class LlamaLoadedModel(TapeModelBase):
             if keep < len(tokens):
                 with self._abortable():
                     # batch by batch, as eval would batch the whole tail (the same batches, so the same
-                    # numerics), each one a point where a cancel stops and what came before stays
-                    for a in range(keep, len(tokens), llm.n_batch):
+                    # numerics), each one a point where a cancel stops and what came before stays; an image's
+                    # block is computed whole by its encoder, text batches end where one starts
+                    a = keep
+                    while a < len(tokens):
                         interrupt.check("prefill")
-                        if rows is None and states is None:
-                            llm.eval(tokens[a : a + llm.n_batch])
+                        if is_image_token(tokens[a]):
+                            a = self._eval_image(tokens, a, rows is not None or states is not None)
                         else:
-                            self._eval_rows(tokens[a : a + llm.n_batch], rows, states)
+                            end = min(a + llm.n_batch, len(tokens))
+                            end = next((i for i in range(a, end) if is_image_token(tokens[i])), end)
+                            if rows is None and states is None:
+                                llm.eval(tokens[a:end])
+                            else:
+                                self._eval_rows(tokens[a:end], rows, states)
+                            a = end
                         interrupt.chunk_done(llm.n_tokens)
                 self.logits_live = True
         finally:
@@ -261,6 +282,33 @@ class LlamaLoadedModel(TapeModelBase):
             if extends_exact:
                 self.exact_len = len(self.res.tokens)
         return keep
+
+    def _eval_image(self, tokens: list[int], a: int, scored: bool) -> int:
+        """The image block whose embeddings start at ``tokens[a]`` computed into the KV; the position after it. A
+        failure (a cancel's abort among them) drops whatever of the block reached the KV: half a block is never
+        kept."""
+        llm = self._llm
+        end = a + 1
+        while inside_block(tokens, end):
+            end += 1
+        if self.vision is None:
+            raise Internal("an image block is on the tape of a model without an image encoder")
+        if scored:
+            raise UnsupportedFeature("scores and readouts are of text: this prompt's scored part holds an image")
+        if llm.n_tokens != a:
+            raise Internal(f"the KV holds {llm.n_tokens} tokens where an image block starts at {a}")
+        try:
+            after = self.vision.evaluate(tokens[a], a, llm.n_batch, logits_last=end == len(tokens))
+        except RuntimeError:
+            llm._ctx.kv_cache_seq_rm(0, a, -1)
+            interrupt.check("prefill")  # an abort was a cancel: say so as one
+            raise
+        if after != end:
+            llm._ctx.kv_cache_seq_rm(0, a, -1)
+            raise Internal(f"the image encoder took positions {a}..{after}, its block on the tape {a}..{end}")
+        llm.input_ids[a:end] = tokens[a:end]
+        llm.n_tokens = end
+        return end
 
     def _eval_rows(self, batch: list[int], rows: RowsFn | None, states: StatesFn | None = None) -> None:
         """``Llama.eval`` of one batch with the logits of every row kept (as ``Llama(logits_all=True)`` evaluates),

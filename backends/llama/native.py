@@ -45,6 +45,7 @@ __all__ = [
     "ParamsLlama",
     "extra_bufts_default",
     "gpu_offload",
+    "install_mtmd_log",
     "log_mark",
     "log_since",
     "map_errors",
@@ -110,6 +111,22 @@ def _install_log_capture() -> None:
         if not _log_installed:
             llama_cpp.llama_log_set(_c_log_callback, ctypes.c_void_p(0))
             _log_installed = True
+
+
+_mtmd_log_installed = False
+
+
+def install_mtmd_log() -> None:
+    """llama.cpp's multimodal library logs through the same capture (its warnings and errors kept for errors)."""
+    global _mtmd_log_installed
+    _install_log_capture()
+    with _log_lock:
+        if not _mtmd_log_installed:
+            import llama_cpp.mtmd_cpp as mt
+
+            mt.mtmd_log_set(_c_log_callback, ctypes.c_void_p(0))
+            mt.mtmd_helper_log_set(_c_log_callback, ctypes.c_void_p(0))
+            _mtmd_log_installed = True
 
 
 def log_mark() -> int:

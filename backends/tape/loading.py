@@ -74,7 +74,8 @@ def finish_load(model: LoadedTape, cache: StateCache | None, speculative: bool) 
     model.speculative = speculative
 
 
-def template_report(req: OpenSessionRequest, own: str, whole_tokens: Collection[str]) -> tuple[str, str, list[str]]:
+def template_report(req: OpenSessionRequest, own: str, whole_tokens: Collection[str], *,
+                    vision: bool = False) -> tuple[str, str, list[str]]:
     """What ``describe`` says of the template before any load, as ``status`` says it after one: where the
     template a load would serve with comes from, the tool-call format it would use and why, and the model's
     capabilities (``model_capabilities``).
@@ -86,9 +87,9 @@ def template_report(req: OpenSessionRequest, own: str, whole_tokens: Collection[
     try:
         template = JinjaTemplate(source)
     except jinja2.TemplateError as exc:
-        return f"{origin}; it does not compile: {exc}", "", ["text"]
+        return f"{origin}; it does not compile: {exc}", "", ["text", "vision"] if vision else ["text"]
     fmt, tool_format = model_format(template, req.config.tool_format)
-    return origin, tool_format, model_capabilities(template, fmt)
+    return origin, tool_format, model_capabilities(template, fmt, vision=vision)
 
 
 def source_capabilities(source: str) -> list[str]:

@@ -34,9 +34,11 @@ from contract.interfaces import StateCache
 from contract.manifest import ContextManifest, canonical_digest
 from contract.types import DEFAULT_SAMPLING, Config, DecodeConfig, SamplingParams, SessionSnapshot, SpeculationStatus
 
+from ..image_tokens import block_start
 from ..resident import Resident
 from . import draft_costs as cost_tables
 from .cache import SWITCHING_TURNS, save_tape
+from .images import ImageEncoder
 from .miss import SHARED as SHARED_SEEN
 from .miss import SeenPrompts
 from .output import THINK_OPEN, resolve_protocols
@@ -124,6 +126,8 @@ class TapeModel(Protocol):
     drafts: SpeculationStats
     #: decodes finished since the workspace cache last swapped a tape for another (``turn_ended``)
     turns_since_switch: int
+    #: the model's image encoder (``backends.tape.images``; None: the model reads text only)
+    image_encoder: ImageEncoder | None
 
     @property
     def digest(self) -> str: ...
@@ -440,6 +444,8 @@ class TapeModelBase(ABC):
         #: what the model can be asked for (``model_capabilities``): ``status``, ``/v1/models``, ``describe``
         self.capabilities = model_capabilities(template, self.tool_format)
         self._marker_ids: dict[frozenset[str], dict[int, bytes]] = {}
+        #: an engine with an image encoder sets it (and "vision" in ``capabilities``)
+        self.image_encoder: ImageEncoder | None = None
 
     # --- identity ---------------------------------------------------------------------------
     @property
@@ -515,7 +521,8 @@ class TapeModelBase(ABC):
         unless the engine's rows are exact (``rows_exact``): a decoded token's KV is
         then what a prefill computes, and recomputing it would change nothing.
         """
-        return min(n, self.exact_len) if self.config.exact_reuse and not self.rows_exact else n
+        n = min(n, self.exact_len) if self.config.exact_reuse and not self.rows_exact else n
+        return block_start(self.res.tokens, n)  # never half an image's block (``images``)
 
     def check_rows(self, n: int) -> int:
         """``n``: an engine that pads checks to compiled shapes says so here."""

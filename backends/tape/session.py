@@ -25,6 +25,7 @@ from contract import interrupt
 from contract.errors import Cancelled, InvalidArgument, ManifestMismatch, SessionClosed, UnsupportedFeature
 from contract.manifest import ContextManifest, common_prefix_len
 from contract.types import (
+    ChatMessage,
     ContextReport,
     DecodeConfig,
     FinishReason,
@@ -45,6 +46,14 @@ from contract.types import (
 from ..resident import PrefixPlan, Resident, check_manifest_names, check_token_ids
 from .cache import MIN_GAIN_TOKENS, SAVE_MIN_TOKENS, cache_key, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
+from .images import (
+    ImageEncoder,
+    Segments,
+    is_image_token,
+    marked_text,
+    new_marker,
+    split_marked,
+)
 from .logprobs import token_logprob
 from .miss import Held, message_keys, prefix_miss, suffix_miss
 from .model import BOS_POLICIES, RowsFn, StatesFn, TapeModel, parse_tools, render_prefix, with_tools
@@ -126,7 +135,49 @@ def check_readouts(m: TapeModel) -> None:
         raise UnsupportedFeature("this daemon serves no readout manifest: start it with --readouts FILE")
 
 
-def _splice(m: TapeModel, stable: list[int], text: str, resident: list[int]) -> list[int]:
+def _encoder(m: TapeModel) -> ImageEncoder:
+    """The model's image encoder; UnsupportedFeature naming the model when it reads text only."""
+    if m.image_encoder is None:
+        raise UnsupportedFeature("this model reads text only: it has no image encoder (serve a vision model with "
+                                 "its projector: modeld serve --mmproj FILE)", capability="vision")
+    return m.image_encoder
+
+
+def _segments(m: TapeModel, text: str, marker: str, images: Sequence[bytes]) -> Segments:
+    """Rendered ``text`` cut at its image markers (``images.split_marked``); the text alone without images."""
+    if not images:
+        return [text]
+    _encoder(m)
+    return split_marked(text, marker, images)
+
+
+def _encode(m: TapeModel, segments: Segments, bos_policy: str | None = None) -> list[int]:
+    """The tokens of ``segments``, each image its block, BOS per policy first (as ``TapeModel.tokenize``)."""
+    out: list[int] = []
+    for i, seg in enumerate(segments):
+        if isinstance(seg, str):
+            out += m.tokenize(seg, bos_policy=bos_policy if i == 0 else None)
+        else:
+            out += _encoder(m).block(seg).tokens
+    return out
+
+
+def _marked(messages: list[ChatMessage]) -> tuple[list[ChatMessage], list[bytes], str]:
+    """The messages with a marker where each image sits in their content, the images in order, and the marker."""
+    if not any(msg.images for msg in messages):
+        return messages, [], ""
+    marker = new_marker()
+    images: list[bytes] = []
+    out = []
+    for msg in messages:
+        if msg.images:
+            images += [image.data for image in msg.images]
+            msg = msg.model_copy(update={"content": marked_text(msg.content or "", msg.images, marker), "images": []})
+        out.append(msg)
+    return out, images, marker
+
+
+def _splice(m: TapeModel, stable: list[int], text: str | Segments, resident: list[int]) -> list[int]:
     """``stable`` + the tokens of ``text``, keeping resident tokens that spell the same text.
 
     A model's reply is not always the tokenizer's own spelling of its text (a
@@ -136,13 +187,25 @@ def _splice(m: TapeModel, stable: list[int], text: str, resident: list[int]) -> 
     kept and only the rest is tokenized. The context then holds the same text in
     the model's own spelling — what every later turn reuses. With exact reuse the
     tokenizer's spelling is kept, so a warm turn computes what a cold one does.
+
+    With images (``text`` as segments) the same holds within the text segment the LCP ends in: an image's block
+    is its own, never respelled.
     """
-    target = stable + m.tokenize(text)
+    segments = [text] if isinstance(text, str) else text
+    pieces = [_encode(m, [seg]) for seg in segments]
+    target = stable + [t for piece in pieces for t in piece]
     lcp = common_prefix_len(resident, target)
     if m.config.exact_reuse or lcp < len(stable) or lcp >= len(resident):
         return target
-    data = text.encode("utf-8")
-    pos = sum(len(p) for p in m.token_bytes(target[len(stable) : lcp]))
+    at, start = 0, len(stable)  # the segment the LCP ends in, and where it starts
+    while at < len(pieces) - 1 and start + len(pieces[at]) <= lcp:
+        start += len(pieces[at])
+        at += 1
+    seg = segments[at]
+    if not isinstance(seg, str):
+        return target
+    data = seg.encode("utf-8")
+    pos = sum(len(p) for p in m.token_bytes(target[start:lcp]))
     k = lcp
     for piece in m.token_bytes(resident[lcp:]):
         if not piece or data[pos : pos + len(piece)] != piece:
@@ -158,7 +221,7 @@ def _splice(m: TapeModel, stable: list[int], text: str, resident: list[int]) -> 
             pos -= len(m.token_bytes([resident[k]])[0])
     if k == lcp:
         return target
-    return resident[:k] + m.tokenize(rest)
+    return resident[:k] + m.tokenize(rest) + [t for piece in pieces[at + 1 :] for t in piece]
 
 
 def _held(m: TapeModel) -> Held:
@@ -255,16 +318,17 @@ def _target(
     if suffix.enable_thinking is not None:
         extra["enable_thinking"] = suffix.enable_thinking
     prefix_text = stable_render(tpl, system_text, tools)
-    if suffix.messages:
-        conversation = template_messages(tpl, system_text, suffix.messages, m.tool_format)
+    messages, images, marker = _marked(suffix.messages)
+    if messages:
+        conversation = template_messages(tpl, system_text, messages, m.tool_format)
     else:
         conversation = [system, {"role": suffix.role, "content": suffix.text}]
     full = tpl.render(conversation, tools, generation=True, **extra)
     if full.startswith(prefix_text):
-        return _splice(m, stable, full[len(prefix_text) :], resident), len(stable)
+        return _splice(m, stable, _segments(m, full[len(prefix_text) :], marker, images), resident), len(stable)
     # Not prefix-stable: the stable part renders differently once a turn follows.
     # Reconcile by tokens: whatever of the old prefix still matches stays resident.
-    target = m.tokenize(full, bos_policy=bos_policy)
+    target = _encode(m, _segments(m, full, marker, images), bos_policy)
     return target, min(len(stable), common_prefix_len(stable, target))
 
 
@@ -398,7 +462,14 @@ class TapeSession:
         """The token list the KV must hold after the suffix, and its stable-prefix length."""
         res = m.res
         if suffix.offset is not None:
-            raw = check_token_ids(suffix.tokens, m.vocab_size) if suffix.tokens else m.tokenize(suffix.text)
+            if suffix.tokens:
+                raw = check_token_ids(suffix.tokens, m.vocab_size)
+            elif suffix.images:
+                marker = new_marker()
+                raw = _encode(m, _segments(m, marked_text(suffix.text, suffix.images, marker), marker,
+                                           [image.data for image in suffix.images]))
+            else:
+                raw = m.tokenize(suffix.text)
             return res.append_at(suffix.offset, suffix.truncating, raw)
         bos_policy = res.manifest.bos_policy if res.manifest is not None else ""
         stable = res.tokens[: res.prefix_len]
@@ -565,6 +636,7 @@ class TapeSession:
         res.reply_from = None
         res.conversation = suffix.conversation
         status = res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
+        status.image_tokens = sum(1 for t in target[prefix_len:] if is_image_token(t))
         status.miss = suffix_miss(held, target, new_messages, prefix_len=prefix_len, reused=kept, seen=seen,
                                   restored=restored, token_bytes=m.token_bytes)
         if scores is not None:  # (what it prefilled again it was asked to: no miss)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..image_tokens import is_image_token
+
 __all__ = ["CheckCosts", "DraftPolicy", "PromptLookup", "SpeculationStats", "draft_limit", "match_class"]
 
 #: n-gram sizes looked up, longest first: a longer match predicts better
@@ -124,7 +126,9 @@ class PromptLookup:
                 period = end - start
                 while len(draft) < limit:
                     draft.append(draft[len(draft) - period])
-                return draft, matched
+                # an image's positions are no tokens to decode: a draft stops before one
+                cut = next((i for i, t in enumerate(draft) if is_image_token(t)), len(draft))
+                return (draft[:cut], matched) if cut else ([], 0)
         return [], 0
 
 

@@ -50,7 +50,7 @@ from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage, chat_
 from ..settings import HttpSettings
 from .access import AccessRecord, record_of
 from .errors import ApiError, api_error
-from .images import ImageLimits, ImageRef, read_images
+from .images import Image, ImageLimits, ImageRef, place_images, read_images
 from .pool import ClientPool
 from .sealing import Sealer
 
@@ -613,7 +613,7 @@ class Serving:
         if req.images:
             st = self.status()  # one status for the route and the images' model
             route = route or self.route(req.model, st)
-            self._check_images(req.images, route, st)
+            req.messages = place_images(req.messages, self._check_images(req.images, route, st))
         route = route or self.route(req.model)
         model = route.model
         client = self.pool.take()
@@ -635,11 +635,11 @@ class Serving:
             raise
         return Turn(self.pool, client, chat_turn, chat_turn.model_name or model)
 
-    def _check_images(self, refs: list[ImageRef], route: Route, st: DaemonStatus) -> None:
+    def _check_images(self, refs: list[ImageRef], route: Route, st: DaemonStatus) -> list[Image]:
         """The request's images read and checked (``images.read_images``), then the model that would serve them
         (``st``: the daemon's status): one without an image encoder refuses them with ``vision_unsupported``."""
         cfg = self.settings
-        read_images(refs, ImageLimits(cfg.max_images, int(cfg.max_image_bytes), cfg.max_image_pixels))
+        images = read_images(refs, ImageLimits(cfg.max_images, int(cfg.max_image_bytes), cfg.max_image_pixels))
         if st.active is not None and st.active.model_name == route.model:
             capabilities = st.active.capabilities
         else:  # a model the request switches to: what its file says, before it is loaded
@@ -649,9 +649,7 @@ class Serving:
             raise ApiError(400, f"{refs[0].where} is an image, and model {route.model!r} reads text only (its "
                            f"capabilities: {', '.join(capabilities)}); serve a model with an image encoder for images",
                            code="vision_unsupported", param=refs[0].where)
-        # no engine reads images yet, so no model says "vision": were one to, its images must not be dropped
-        raise ApiError(501, f"model {route.model!r} has an image encoder, but this daemon does not pass images to "
-                       "its engine", code="vision_unsupported", param=refs[0].where)
+        return images
 
     async def abegin(self, req: TurnRequest, request: Request | None = None, *, route: Route | None = None) -> Turn:
         """``begin`` in a worker thread, its refusals as ``ApiError``.

@@ -15,6 +15,11 @@ decompression bomb); then it decodes whole (a truncated or corrupt file is refus
 
 What follows the checks is the model's: one without an image encoder answers ``vision_unsupported``
 (``Serving.begin``), naming the model, in each API's error shape; nothing is dropped silently.
+
+Where each image sat in its message is kept while the translation joins the text around it: the translation
+writes ``IMAGE_MARK`` there (``joined``), and ``place_images`` turns each mark back into the message's
+``ChatMessage.images`` entry at that offset once the images are read. The mark holds a secret drawn per
+process, so no request can write one; the marks and the images must still agree one for one.
 """
 
 from __future__ import annotations
@@ -25,13 +30,21 @@ import functools
 import hashlib
 import io
 import re
+import secrets
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from contract.types import ChatMessage, ImageInput
+
 from .errors import ApiError
 
-__all__ = ["FORMATS", "Image", "ImageLimits", "ImageRef", "image_url_ref", "read_images", "take_images"]
+__all__ = ["FORMATS", "IMAGE_MARK", "Image", "ImageLimits", "ImageRef", "image_url_ref", "joined", "place_images",
+           "read_images", "take_images"]
+
+#: where an image sat in its message's text, between the translation and ``place_images``
+IMAGE_MARK = f"\x00image-{secrets.token_hex(12)}\x00"
 
 #: the formats an image may come in (Pillow's names, lower case), and their media types
 FORMATS = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif"}
@@ -89,8 +102,57 @@ def image_url_ref(value: Any, where: str) -> ImageRef:
     return ImageRef(where, url=url)
 
 
+def joined(parts: Sequence[str | ImageRef], sep: str = "") -> str:
+    """Texts joined by ``sep`` with each image's mark where it sat: after the text before it (the separator is
+    the texts', not the image's), or before the first text."""
+    texts: list[str] = []
+    pending = ""
+    for part in parts:
+        if isinstance(part, ImageRef):
+            if texts:
+                texts[-1] += IMAGE_MARK
+            else:
+                pending += IMAGE_MARK
+        else:
+            texts.append(pending + part)
+            pending = ""
+    if pending:
+        texts.append(pending)
+    return sep.join(texts)
+
+
+def place_images(messages: list[ChatMessage], images: list[Image]) -> list[ChatMessage]:
+    """The messages with each image's mark (``joined``) taken out of the text and the image put in its
+    message's ``images`` at that offset; a 400 where the marks and the images do not agree, or an image sits
+    in a message that cannot carry one (a system prompt, an assistant's reply)."""
+    left = list(images)
+    out = []
+    for i, msg in enumerate(messages):
+        text = msg.content or ""
+        if IMAGE_MARK not in text:
+            out.append(msg)
+            continue
+        pieces = text.split(IMAGE_MARK)
+        if len(pieces) - 1 > len(left):
+            raise ApiError(400, f"messages[{i}] holds more image places than the request has images",
+                           code="invalid_image")
+        if msg.role not in ("user", "tool"):
+            raise ApiError(400, f"{left[0].where}: an image goes in a user message or a tool result, not in a "
+                           f"{msg.role} message", code="invalid_image", param=left[0].where)
+        content, placed = pieces[0], []
+        for piece in pieces[1:]:
+            placed.append(ImageInput(data=left.pop(0).data, at=len(content)))
+            content += piece
+        out.append(msg.model_copy(update={"content": content, "images": [*msg.images, *placed]}))
+    if left:
+        raise ApiError(400, f"{left[0].where}: the image has no place in any message", code="invalid_image",
+                       param=left[0].where)
+    return out
+
+
 def take_images(messages: list[dict[str, Any]], images: list[ImageRef]) -> list[dict[str, Any]]:
-    """OpenAI-shaped messages (the WebSocket protocol's) without their ``image_url`` parts, which go to ``images``."""
+    """OpenAI-shaped messages (the WebSocket protocol's) with each ``image_url`` part to ``images`` and its mark
+    (``joined``) left in its place as a text part."""
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
@@ -101,6 +163,7 @@ def take_images(messages: list[dict[str, Any]], images: list[ImageRef]) -> list[
         for j, part in enumerate(content):
             if isinstance(part, dict) and part.get("type") == "image_url":
                 images.append(image_url_ref(part.get("image_url"), f"messages[{i}].content[{j}]"))
+                kept.append({"type": "text", "text": IMAGE_MARK})
             else:
                 kept.append(part)
         out.append({**m, "content": kept})

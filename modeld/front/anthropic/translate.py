@@ -17,7 +17,7 @@ from ..core import (
     with_miss,
 )
 from ..errors import ApiError
-from ..images import ImageRef
+from ..images import ImageRef, joined
 from ..openai.translate import call_schemas, tool_choice_options
 from .protocol import BILLING_HEADER, STOP_REASONS, Block, CountTokensRequest, MessagesRequest, Tool
 
@@ -29,16 +29,17 @@ def _text_of_blocks(blocks: list[Block], where: str, *, allow: tuple[str, ...] =
                     images: list[ImageRef] | None = None) -> str:
     """Blocks as text; ``image`` blocks go to ``images`` where a turn may carry them (checked, and refused by a
     model that reads text only, in ``Serving.begin``)."""
-    parts = []
+    parts: list[str | ImageRef] = []
     for i, b in enumerate(blocks):
         if b.type in allow and b.text is not None:
             parts.append(b.text)
         elif b.type == "image" and images is not None:
             images.append(image_of(b, f"{where}[{i}]"))
+            parts.append(images[-1])
         else:
-            raise ApiError(400, f"{where}[{i}] is a {b.type!r} block; this model reads text only",
+            raise ApiError(400, f"{where}[{i}] is a {b.type!r} block, which this daemon does not read here",
                            code="unsupported_content", param=where)
-    return "\n\n".join(parts) if len(parts) > 1 else "".join(parts)
+    return joined(parts, "\n\n")
 
 
 def image_of(block: Block, where: str) -> ImageRef:
@@ -116,21 +117,22 @@ def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving, image
             out.append(msg)
             continue
         # a user (or system) turn: tool results first, as the calls they answer precede them, then its text
-        texts = []
+        parts: list[str | ImageRef] = []
         for j, b in enumerate(m.content):
             if b.type == "tool_result":
                 if not b.tool_use_id:
                     raise ApiError(400, f"{where}[{j}]: a tool_result block needs a tool_use_id", param=where)
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _tool_result_text(b, f"{where}[{j}]", images)})
             elif b.type == "text":
-                texts.append(b.text or "")
+                parts.append(b.text or "")
             elif b.type == "image":
                 images.append(image_of(b, f"{where}[{j}]"))
+                parts.append(images[-1])
             else:
-                raise ApiError(400, f"{where}[{j}] is a {b.type!r} block; this model reads text only",
+                raise ApiError(400, f"{where}[{j}] is a {b.type!r} block, which this daemon does not read here",
                                code="unsupported_content", param=where)
-        if texts:
-            out.append({"role": m.role, "content": "\n\n".join(texts) if len(texts) > 1 else texts[0]})
+        if parts:
+            out.append({"role": m.role, "content": joined(parts, "\n\n")})
     return out
 
 

@@ -16,7 +16,7 @@ from ..core import (
     with_miss,
 )
 from ..errors import ApiError
-from ..images import ImageRef, image_url_ref
+from ..images import ImageRef, image_url_ref, joined
 from .protocol import ChatCompletionRequest, ContentPart, NamedToolChoice, SamplingRequest
 
 
@@ -26,7 +26,7 @@ def text_of(content: str | list[ContentPart] | None, where: str, images: list[Im
     and refused by a model that reads text only, in ``Serving.begin``); any other part is refused."""
     if content is None or isinstance(content, str):
         return content
-    parts = []
+    parts: list[str | ImageRef] = []
     for i, part in enumerate(content):
         if part.type in ("text", "input_text", "output_text") and part.text is not None:
             parts.append(part.text)
@@ -34,10 +34,11 @@ def text_of(content: str | list[ContentPart] | None, where: str, images: list[Im
             parts.append(part.refusal)
         elif part.type == "image_url":
             images.append(image_url_ref(part.image_url, f"{where}.content[{i}]"))
+            parts.append(images[-1])
         else:
-            raise ApiError(400, f"{where}.content[{i}] is a {part.type!r} part; this model reads text only",
+            raise ApiError(400, f"{where}.content[{i}] is a {part.type!r} part, which this daemon does not read",
                            code="unsupported_content", param=f"{where}.content")
-    return "".join(parts)
+    return joined(parts)
 
 
 def _messages(req: ChatCompletionRequest, images: list[ImageRef]) -> list[dict[str, Any]]:

@@ -93,7 +93,7 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
     def keep(reply: Reply, turn_req: TurnRequest, tools_given: list[dict[str, Any]]) -> None:
         if reply.req.store:
             store.put(reply.id, {"response": reply.body(),
-                                 "conversation": [*(m.model_dump(exclude_defaults=True) for m in turn_req.messages),
+                                 "conversation": [*(m.model_dump(mode="json", exclude_defaults=True) for m in turn_req.messages),
                                                   reply.assistant_message()],
                                  "tools": tools_given})
 

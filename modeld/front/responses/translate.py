@@ -17,7 +17,7 @@ from ..core import (
     with_miss,
 )
 from ..errors import ApiError
-from ..images import ImageRef
+from ..images import ImageRef, joined
 from ..openai.translate import call_schemas, token_logprobs_out, tool_choice_options
 from .protocol import ENCRYPTED_REASONING, ResponsesRequest
 
@@ -80,7 +80,7 @@ def _part_text(content: Any, where: str, images: list[ImageRef] | None = None) -
         return content
     if not isinstance(content, list):
         raise ApiError(400, f"{where} must be a string or a list of content parts", param=where)
-    parts = []
+    parts: list[str | ImageRef] = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text", "summary_text") and isinstance(part.get("text"), str):
@@ -95,10 +95,11 @@ def _part_text(content: Any, where: str, images: list[ImageRef] | None = None) -
             if not isinstance(url, str) or not url:
                 raise ApiError(400, f"{where}[{i}] is an input_image without an image_url", param=f"{where}[{i}]")
             images.append(ImageRef(f"{where}[{i}]", url=url))
+            parts.append(images[-1])
         else:
-            raise ApiError(400, f"{where}[{i}] is a {kind!r} part; this model reads text only",
+            raise ApiError(400, f"{where}[{i}] is a {kind!r} part, which this daemon does not read here",
                            code="unsupported_content", param=where)
-    return "".join(parts)
+    return joined(parts)
 
 
 def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving,
