@@ -306,7 +306,7 @@ def test_describe_lists_the_engine_s_options_and_load_refuses_one_it_does_not_ta
     code, out, err = run_cli(["load", "smol", "--path", str(bundled_gguf_path()), "--num-ctx", str(NUM_CTX),
                               "--option", "inference_precision=f32", "--endpoint", llama_daemon.endpoint], tty=False)
     assert code == 1 and ("InvalidArgument: engine option refused by llama.cpp: inference_precision: not an option "
-                          "it takes (its options: extra_bufts)") in err, err
+                          "it takes (its options: extra_bufts, mmproj)") in err, err
     with llama_daemon.client() as c:  # refused before anything was released: the same model, still serving
         after = c.status()
     assert (after.state.value, after.generation, after.active.model_name if after.active else "") == (
