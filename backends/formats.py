@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["GGUF", "OPENVINO_IR", "Choice", "Gguf", "MarkedDirectory", "ModelFormat", "quant_of"]
+__all__ = ["GGUF", "OPENVINO_IR", "Choice", "Gguf", "MarkedDirectory", "ModelFormat", "find_projector", "is_projector",
+           "quant_of"]
 
 
 @dataclass(frozen=True)
@@ -89,16 +90,24 @@ class ModelFormat:
 _PROJECTOR_ORDER = ("f16", "bf16", "q8_0", "f32")
 
 
-def _is_projector(path: str) -> bool:
-    """A multimodal projector GGUF (a vision model's image encoder), by the Hub's naming: ``mmproj*.gguf``."""
-    return "mmproj" in path.rpartition("/")[2].lower()
+def is_projector(path: str) -> bool:
+    """A multimodal projector GGUF (a vision model's image encoder), by the Hub's naming: ``mmproj`` in its name."""
+    name = path.rpartition("/")[2].lower()
+    return "mmproj" in name and name.endswith(".gguf")
+
+
+def find_projector(model: Path) -> Path | None:
+    """The projector beside ``model`` (``is_projector``), as the Hub's repositories and ``modeld pull`` lay them
+    out; None when there is none, or more than one."""
+    found = sorted(p for p in model.parent.glob("*.gguf") if is_projector(p.name) and p != model)
+    return found[0] if len(found) == 1 else None
 
 
 def _projectors(files: Mapping[str, int]) -> dict[str, str]:
     """Per folder of a repository, the projector a model there comes with (``_PROJECTOR_ORDER``)."""
     found: dict[str, list[str]] = {}
     for path in sorted(files):
-        if path.lower().endswith(".gguf") and _is_projector(path):
+        if is_projector(path):
             found.setdefault(path.rpartition("/")[0], []).append(path)
 
     def rank(path: str) -> tuple[int, str]:
@@ -140,7 +149,7 @@ class Gguf(ModelFormat):
         parts: dict[str, list[tuple[int, str]]] = {}
         projectors = _projectors(files)
         for path in sorted(files):
-            if not path.lower().endswith(".gguf") or _is_projector(path):
+            if not path.lower().endswith(".gguf") or is_projector(path):
                 continue
             m = _PART.search(path)
             if m:

@@ -384,11 +384,3 @@ def recommended_sampling(scalars: dict[str, Any]) -> dict[str, float | int]:
             continue
         found[name] = int(value) if name in ("top_k", "repeat_last_n") else float(value)
     return found
-
-
-def find_projector(model: Path) -> Path | None:
-    """The multimodal projector GGUF beside ``model`` (its image encoder): the one file named ``mmproj*.gguf`` or
-    ``*-mmproj*.gguf`` in its directory, as the Hub's repositories and ``modeld pull`` lay them out; None when
-    there is none, or more than one."""
-    found = sorted(p for p in model.parent.glob("*.gguf") if "mmproj" in p.name.lower() and p != model)
-    return found[0] if len(found) == 1 else None

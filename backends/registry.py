@@ -259,7 +259,8 @@ def _openvino_prepare(gguf: Path | None, log: Callable[[str], None]) -> list[Pat
 
 
 def _openvino_refusal(path: Path) -> str:
-    from backends.gguf_file import find_projector, gguf_facts
+    from backends.formats import find_projector
+    from backends.gguf_file import gguf_facts
     from backends.openvino.prepare import ConversionError, check_convertible
 
     projector = find_projector(path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import enum
+import functools
 import hashlib
 import time
 from typing import Annotated, Any, Literal, get_args
@@ -1016,6 +1017,11 @@ class ImageInput(_Request):
     @field_serializer("data", when_used="json")
     def _to_base64(self, value: bytes) -> str:
         return base64.b64encode(value).decode("ascii")
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """The sha256 of the bytes, hex: what the image's KV is reused by."""
+        return hashlib.sha256(self.data).hexdigest()
 
 
 def check_images(images: list[ImageInput], text: str, where: str) -> None:

@@ -127,7 +127,7 @@ def test_pull_by_file_and_a_split_gguf_comes_whole(hub: Hub, store: ModelStore) 
 def test_a_vision_model_is_pulled_with_its_projector_beside_it(hub: Hub, store: ModelStore) -> None:
     """A repository's projector (its image encoder) is no model to choose: every GGUF comes with one, the 16-bit
     one of several, and lands beside it, where the load finds it (``find_projector``)."""
-    from backends.gguf_file import find_projector
+    from backends.formats import find_projector
 
     found = choices({p: len(d) for p, d in hub.repos["acme/see-GGUF"].files.items()})
     assert [c.files for c in found] == [("see-Q4_K_M.gguf", "mmproj-see-F16.gguf"),

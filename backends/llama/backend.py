@@ -17,7 +17,8 @@ from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, ModelInfo, Op
 from ..bundled import model_cache_dir
 from ..devices import read_gpus
 from ..digest import file_digest
-from ..gguf_file import cached_gguf_facts, find_projector, gguf_facts, gguf_layout_digest, gguf_scalars, is_gguf
+from ..formats import find_projector
+from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_layout_digest, gguf_scalars, is_gguf
 from ..readouts import Readouts
 from ..registry import LlamaOptions, engine, engine_options, option_list
 from ..tape.loading import check_load, finish_load, template_report
@@ -43,7 +44,7 @@ def _model_path(req: OpenSessionRequest | EmbedRequest) -> Path:
 
 def projector_path(req: OpenSessionRequest, model: Path) -> Path | None:
     """The model's image encoder (``LlamaOptions.mmproj``): the file named, none for "none", else the one projector
-    beside the model (``vision.find_projector``). ModelLoadFailed for a named file that is not there."""
+    beside the model (``formats.find_projector``). ModelLoadFailed for a named file that is not there."""
     named = engine_options(BACKEND_NAME, req.config, LlamaOptions).mmproj
     if named is None or named == "":
         return find_projector(model)

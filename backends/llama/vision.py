@@ -13,13 +13,13 @@ hold); their load is refused with the reason.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import io
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from contract.errors import Internal, InvalidArgument, ModelLoadFailed, UnsupportedFeature
+from contract.types import ImageInput
 
 from ..tape.images import ImageBlock
 from .native import install_mtmd_log, log_mark, log_since
@@ -32,6 +32,9 @@ MAX_PIXELS = 64 * 1024 * 1024
 #: images are all registered just before its prefill, so this bounds memory, not what one request may send
 _KEPT_IMAGES = 256
 _KEPT_BLOCKS = 4096
+#: the newest images' encoder inputs (mtmd's image chunk: the pixels resized and normalized, a few MB each for a
+#: real projector), kept from reading an image's block to computing it, so a cold image is decoded once
+_KEPT_CHUNKS = 4
 
 
 def _rgb(data: bytes) -> tuple[int, int, bytes]:
@@ -90,16 +93,31 @@ class LlamaVision:
         self._data: OrderedDict[str, bytes] = OrderedDict()
         self._blocks: OrderedDict[str, ImageBlock] = OrderedDict()
         self._by_first: dict[int, str] = {}
+        self._chunks: OrderedDict[str, Any] = OrderedDict()
 
     def close(self) -> None:
+        while self._chunks:
+            self._mt.mtmd_input_chunk_free(self._chunks.popitem()[1])
         if self._ctx:
             self._mt.mtmd_free(self._ctx)
             self._ctx = None
 
+    def _keep_chunk(self, digest: str, chunk: Any) -> None:
+        """Keep a copy of the image's chunk for ``evaluate`` (the oldest beyond ``_KEPT_CHUNKS`` freed)."""
+        copy = self._mt.mtmd_input_chunk_copy(chunk)
+        if not copy:
+            return
+        old = self._chunks.pop(digest, None)
+        if old is not None:
+            self._mt.mtmd_input_chunk_free(old)
+        self._chunks[digest] = copy
+        while len(self._chunks) > _KEPT_CHUNKS:
+            self._mt.mtmd_input_chunk_free(self._chunks.popitem(last=False)[1])
+
     # --- the tape's side ---------------------------------------------------------------------------------------
-    def block(self, data: bytes) -> ImageBlock:
+    def block(self, image: ImageInput) -> ImageBlock:
         """The image's block on the tape; the image is kept to be computed when the block is prefilled."""
-        digest = hashlib.sha256(data).hexdigest()
+        digest, data = image.digest, image.data
         self._data[digest] = data
         self._data.move_to_end(digest)
         while len(self._data) > _KEPT_IMAGES:
@@ -134,6 +152,7 @@ class LlamaVision:
                     if int(mt.mtmd_input_chunk_get_n_pos(chunk)) != n_embd:
                         raise UnsupportedFeature("this model places an image's embeddings at fewer positions than "
                                                  "it has, which this daemon does not serve yet")
+                    self._keep_chunk(digest, chunk)
                 else:
                     raise Internal("llama.cpp's multimodal library made an image into other chunks than one image")
             if n_embd <= 0:
@@ -172,15 +191,17 @@ class LlamaVision:
         """Encode the image whose block's first placeholder is ``first_id`` and decode its embeddings into the
         KV from ``n_past``; the position after them. An aborted decode (a cancel) returns what llama.cpp said
         as a RuntimeError; the caller drops whatever part of the block reached the KV."""
-        digest = self._by_first.get(first_id)
-        data = self._data.get(digest) if digest is not None else None
+        digest = self._by_first.get(first_id, "")
+        data = self._data.get(digest)
         if data is None:
             raise Internal("an image block on the tape is not known to the image encoder any more")
         mt = self._mt
-        chunks = self._tokenize(data)
+        kept = self._chunks.pop(digest, None)  # (None: read long ago; its image is decoded again)
+        chunks = self._tokenize(data) if kept is None else None
         try:
-            image = next(c for c in (mt.mtmd_input_chunks_get(chunks, i) for i in range(mt.mtmd_input_chunks_size(chunks)))
-                         if mt.mtmd_input_chunk_get_type(c) == mt.MTMD_INPUT_CHUNK_TYPE_IMAGE)
+            image = kept if chunks is None else next(
+                c for c in (mt.mtmd_input_chunks_get(chunks, i) for i in range(mt.mtmd_input_chunks_size(chunks)))
+                if mt.mtmd_input_chunk_get_type(c) == mt.MTMD_INPUT_CHUNK_TYPE_IMAGE)
             end = ctypes.c_int32(0)
             mark = log_mark()
             rc = mt.mtmd_helper_eval_chunk_single(self._ctx, self._llm.ctx, image, n_past, 0, n_batch, logits_last,
@@ -189,4 +210,7 @@ class LlamaVision:
                 raise RuntimeError(f"llama.cpp could not compute the image's embeddings ({rc}){log_since(mark)}")
             return int(end.value)
         finally:
-            mt.mtmd_input_chunks_free(chunks)
+            if kept is not None:
+                mt.mtmd_input_chunk_free(kept)
+            if chunks is not None:
+                mt.mtmd_input_chunks_free(chunks)

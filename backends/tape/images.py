@@ -21,21 +21,10 @@ from typing import Protocol
 from contract.errors import InvalidArgument
 from contract.types import ImageInput
 
-from ..image_tokens import FIRST_ID, block_start, inside_block, is_image_token, placeholders
+from ..image_tokens import placeholders
 
-__all__ = [
-    "FIRST_ID",
-    "ImageBlock",
-    "ImageEncoder",
-    "Segments",
-    "new_marker",
-    "block_start",
-    "inside_block",
-    "is_image_token",
-    "marked_text",
-    "placeholders",
-    "split_marked",
-]
+__all__ = ["ImageBlock", "ImageEncoder", "Segments", "marked_text", "new_marker", "split_marked"]
+
 
 @dataclass(frozen=True)
 class ImageBlock:
@@ -60,11 +49,11 @@ class ImageEncoder(Protocol):
     """What a tape engine with an image encoder offers the session: an image's block (the image registered to be
     computed when its positions are prefilled)."""
 
-    def block(self, data: bytes) -> ImageBlock: ...
+    def block(self, image: ImageInput) -> ImageBlock: ...
 
 
 #: text and images in order, as a rendered prompt holds them
-Segments = list[str | bytes]
+Segments = list[str | ImageInput]
 
 
 def marked_text(text: str, images: Sequence[ImageInput], marker: str) -> str:
@@ -81,7 +70,7 @@ def new_marker() -> str:
     return f"<modeld-image-{secrets.token_hex(12)}>"
 
 
-def split_marked(text: str, marker: str, images: Sequence[bytes]) -> Segments:
+def split_marked(text: str, marker: str, images: Sequence[ImageInput]) -> Segments:
     """``text`` cut at each ``marker``, the images in its places; InvalidArgument when the template rendered
     another number of them than were sent (it dropped or repeated a message's content)."""
     pieces = text.split(marker)

@@ -121,7 +121,7 @@ def _key(msg: ChatMessage | dict[str, object]) -> str:
     if isinstance(msg, ChatMessage):  # an image by its digest (its bytes are no text)
         data = msg.model_dump(mode="json", exclude_defaults=True, exclude={"images"})
         if msg.images:
-            data["images"] = [[hashlib.sha256(image.data).hexdigest(), image.at] for image in msg.images]
+            data["images"] = [[image.digest, image.at] for image in msg.images]
     else:
         data = msg
     return hashlib.sha256(json.dumps(data, sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]

@@ -29,6 +29,7 @@ from contract.types import (
     ContextReport,
     DecodeConfig,
     FinishReason,
+    ImageInput,
     PositionRange,
     PrefixInput,
     PrefixStatus,
@@ -43,17 +44,11 @@ from contract.types import (
     positions_covered,
 )
 
+from ..image_tokens import is_image_token
 from ..resident import PrefixPlan, Resident, check_manifest_names, check_token_ids
 from .cache import MIN_GAIN_TOKENS, SAVE_MIN_TOKENS, cache_key, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
-from .images import (
-    ImageEncoder,
-    Segments,
-    is_image_token,
-    marked_text,
-    new_marker,
-    split_marked,
-)
+from .images import ImageEncoder, Segments, marked_text, new_marker, split_marked
 from .logprobs import token_logprob
 from .miss import Held, message_keys, prefix_miss, suffix_miss
 from .model import BOS_POLICIES, RowsFn, StatesFn, TapeModel, parse_tools, render_prefix, with_tools
@@ -143,7 +138,7 @@ def _encoder(m: TapeModel) -> ImageEncoder:
     return m.image_encoder
 
 
-def _segments(m: TapeModel, text: str, marker: str, images: Sequence[bytes]) -> Segments:
+def _segments(m: TapeModel, text: str, marker: str, images: Sequence[ImageInput]) -> Segments:
     """Rendered ``text`` cut at its image markers (``images.split_marked``); the text alone without images."""
     if not images:
         return [text]
@@ -162,16 +157,16 @@ def _encode(m: TapeModel, segments: Segments, bos_policy: str | None = None) -> 
     return out
 
 
-def _marked(messages: list[ChatMessage]) -> tuple[list[ChatMessage], list[bytes], str]:
+def _marked(messages: list[ChatMessage]) -> tuple[list[ChatMessage], list[ImageInput], str]:
     """The messages with a marker where each image sits in their content, the images in order, and the marker."""
     if not any(msg.images for msg in messages):
         return messages, [], ""
     marker = new_marker()
-    images: list[bytes] = []
+    images: list[ImageInput] = []
     out = []
     for msg in messages:
         if msg.images:
-            images += [image.data for image in msg.images]
+            images += msg.images
             msg = msg.model_copy(update={"content": marked_text(msg.content or "", msg.images, marker), "images": []})
         out.append(msg)
     return out, images, marker
@@ -466,8 +461,7 @@ class TapeSession:
                 raw = check_token_ids(suffix.tokens, m.vocab_size)
             elif suffix.images:
                 marker = new_marker()
-                raw = _encode(m, _segments(m, marked_text(suffix.text, suffix.images, marker), marker,
-                                           [image.data for image in suffix.images]))
+                raw = _encode(m, _segments(m, marked_text(suffix.text, suffix.images, marker), marker, suffix.images))
             else:
                 raw = m.tokenize(suffix.text)
             return res.append_at(suffix.offset, suffix.truncating, raw)
