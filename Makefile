@@ -143,7 +143,8 @@ $(FUZZ_STAMP): $(STAMP) $(DEPS)
 	@touch $@
 
 # Generated hostile frames against a real daemon process (FUZZ_ARGS="--examples N --backend llama"), then the
-# HTTP fronts: schemathesis from the served OpenAPI schema and the connection attacks (FUZZ_HTTP_ARGS="--examples N"),
+# HTTP fronts: schemathesis from the served OpenAPI schema, the connection attacks and generated images against a
+# vision daemon (FUZZ_HTTP_ARGS="--examples N --image-examples N"),
 # then the WebSocket protocol's messages from its JSON Schema (FUZZ_WS_ARGS="--examples N").
 fuzz: $(FUZZ_STAMP)
 	$(PY) -m tests.fuzz_daemon $(FUZZ_ARGS)

@@ -12,10 +12,12 @@ real daemon process; it must never answer 5xx and keep serving.
    request head; the ZeroMQ side must still serve, HTTP answer 503 past the cap and 200 once they close.
 4. **mid-stream disconnects**: 20 streamed chats dropped after their first chunk; the slot must be free
    after each.
+5. **images** (``tests.fuzz_images``): ``--image-examples`` generated images, whole and broken, in each API's
+   image shape against a second daemon serving a vision model (the reference service has no image encoder).
 
 Prints a table per route (cases, 2xx, 4xx, 5xx) and one per attack; exit status 1 on any 5xx, a
 schemathesis failure, a daemon exit or a failed attack.
-``python -m tests.fuzz_http [--examples N] [--seed S]``.
+``python -m tests.fuzz_http [--examples N] [--image-examples N] [--seed S]``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 import psutil
 
 from harness.daemon import DaemonProcess, free_port, wait_http
+from tests import fuzz_images
 from tests.test_front_limits import CHAT, HALF_HEAD, _chat, _limit_open_files, half_heads, room_for_connections
 
 ACCESS = re.compile(r"modeld\.access: (\S+) (\S+) (\d{3})\b")
@@ -162,6 +165,7 @@ def disconnects(d: DaemonProcess, port: int) -> tuple[bool, str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--examples", type=int, default=1000, help="schemathesis examples per operation")
+    ap.add_argument("--image-examples", type=int, default=300, help="generated image cases (0: none)")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="modeld-fuzz-http-") as tmp_name:
@@ -199,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         c = counts[key]
         print(f"{key.ljust(width)}  {sum(c.values()):>6,}  {c['2xx']:>6,}  {c['4xx']:>6,}  {c['5xx']:>4}")
     errors = sum(c["5xx"] for c in counts.values())
+    images_ok, image_rows = fuzz_images.fuzz(args.image_examples, args.seed) if args.image_examples else (True, [])
     rows = [
         ("schemathesis", f"exit {rc} in {seconds:.0f} s: {summary}"),
         *[(name, f"{'ok' if ok else 'FAILED'}: {what}") for name, ok, what in attacks],
@@ -207,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         ("RSS before / after schemathesis", f"{rss0 / 2**20:.1f} / {rss1 / 2**20:.1f} MiB ({(rss1 - rss0) / 2**20:+.1f} MiB)"),
         ("a normal chat afterwards", "served" if served else "FAILED"),
         ("exit status on SIGTERM", code),
+        *image_rows,
     ]
     w = max(len(k) for k, _ in rows)
     print("\n".join(f"{k.ljust(w)}  {v}" for k, v in rows))
-    ok = rc == 0 and not errors and alive and served and code == 0 and all(a[1] for a in attacks)
+    ok = rc == 0 and not errors and alive and served and code == 0 and all(a[1] for a in attacks) and images_ok
     return 0 if ok else 1
 
 

@@ -196,6 +196,25 @@ def test_a_second_turn_resending_the_image_reuses_its_block(front: Any) -> None:
     assert two.usage.prompt_tokens > cached
 
 
+def test_another_image_is_the_reason_given_for_the_miss(front: Any) -> None:
+    """The same words with another image: the prompt parts at the image's block, and the miss says so (its
+    placeholders have no text; the excerpts show ``[image]``)."""
+    sdk = front.sdk()
+
+    def usage(image: bytes) -> dict[str, Any]:
+        content = [{"type": "text", "text": "Which picture is this?"}, {"type": "image_url", "image_url": {"url": _url(image)}}]
+        out = sdk.chat.completions.create(model="m", max_tokens=2, temperature=0,
+                                          messages=[{"role": "user", "content": content}])
+        assert out.usage is not None and out.usage.model_extra is not None
+        return out.usage.model_extra
+
+    usage(_png((200, 10, 10)))
+    miss = usage(_png((10, 10, 200)))["cache_miss"]
+    assert miss["cause"] == "first_sight" and miss["message"] == 0, miss
+    assert "another image" in miss["detail"], miss
+    assert miss["new_text"].startswith("[image]") and miss["held_text"].startswith("[image]"), miss
+
+
 def test_capabilities_of_a_vision_model_in_models_and_status(front: Any) -> None:
     cards = front.sdk().models.list().data
     assert cards[0].model_extra is not None and cards[0].model_extra["capabilities"] == ["text", "vision"]
@@ -225,11 +244,33 @@ def test_bad_images_and_misplaced_ones_are_refused_and_the_daemon_serves_on(fron
     assert _chat(front, _png((255, 0, 0)))[0]
 
 
+def test_an_image_over_the_websocket_is_the_prompt_and_answer_of_chat_completions(front: Any) -> None:
+    """The WebSocket protocol takes chat completions' content parts: the same image gives the same prompt tokens and
+    the same greedy text; a broken one is an error message and the connection serves on."""
+    pytest.importorskip("websockets")
+    from runtime.ws import WsClient, WsError
+
+    red = _png((255, 0, 0))
+    text, prompt = _chat(front, red)
+    content = [{"type": "text", "text": USER}, {"type": "image_url", "image_url": {"url": _url(red)}}]
+    with WsClient(f"ws://127.0.0.1:{front.port}/v1/ws", timeout_s=300.0) as c:
+        done = c.generate(messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0)
+        assert (done["generated_text"], done["usage"]["prompt_tokens"]) == (text, prompt)
+        broken = [{"type": "text", "text": USER}, {"type": "image_url", "image_url": {"url": _url(red[:60])}}]
+        with pytest.raises(WsError) as err:
+            c.generate(messages=[{"role": "user", "content": broken}], max_tokens=8, temperature=0)
+        assert err.value.code == "invalid_image", err.value.body
+        again = c.generate(messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0)
+        assert again["generated_text"] == text
+
+
 def test_the_client_appends_an_image_and_a_fork_or_cut_inside_its_block_is_refused(front: Any) -> None:
     from contract.errors import InvalidArgument
     from contract.types import OpenSessionRequest, PrefixInput, SuffixInput
     from harness.vision import IMAGE_TOKENS
+    from tests.test_openai_front import slot_free
 
+    slot_free(front)  # the turn a test before ran is closed after its reply was sent
     with front.daemon.client() as c:
         sess = c.open_session(OpenSessionRequest())
         m = sess.manifest()
@@ -277,3 +318,17 @@ def test_a_projector_beside_the_model_is_found_and_none_turns_it_off(tmp_path: A
     refusal = ENGINES["openvino"].refusal
     if refusal is not None and "openvino" in ENGINES:
         assert "image encoder" in refusal(tmp_path / "see.gguf")
+
+
+def test_a_miss_at_an_image_block_in_a_later_message_is_history_rewritten_and_names_the_image() -> None:
+    from backends.image_tokens import placeholders
+    from backends.tape.miss import Held, suffix_miss
+
+    red, blue = placeholders("a" * 64, 4), placeholders("b" * 64, 4)
+    held = Held(tokens=[1, 2, 3, 10, *red, 11, 12], manifest=None, messages=["m0", "m1"])
+    target = [1, 2, 3, 10, *blue, 11, 12, 13]
+    miss = suffix_miss(held, target, ["m0", "m1*"], prefix_len=3, reused=4, seen=0, restored=None,
+                       token_bytes=lambda ts: [f"<{t}>".encode() for t in ts])
+    assert miss is not None and miss.cause.value == "history_rewritten" and miss.message == 1 and miss.index == 4
+    assert "another image" in miss.detail
+    assert (miss.held_text, miss.new_text) == ("[image]<11><12>", "[image]<11><12><13>")

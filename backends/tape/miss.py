@@ -15,7 +15,8 @@ where (the token index, a few words of each side) and why:
   even the system prompt's first words are the resident one's (another agent);
 * in the conversation: ``first_sight`` when it parts at its first message (a new conversation under a resident
   head: a sub-agent, a new task), ``history_rewritten`` at a later one (an edited message, a reply the agent
-  resent otherwise than the model wrote it, a template that drops earlier reasoning).
+  resent otherwise than the model wrote it, a template that drops earlier reasoning); where the two part at an
+  image's block (``backends.image_tokens``), the detail says it was another image.
 
 A prompt that only adds to what was resident (a new turn) reports no miss: nothing held was lost. The first
 prompt a daemon sees reports ``first_sight`` at token 0.
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from contract.manifest import ContextManifest, common_prefix_len
 from contract.types import ChatMessage, MissCause, ReuseMiss, SuffixInput
 
+from ..image_tokens import is_image_token
+
 __all__ = ["SEEN_BLOCK", "SHARED", "Held", "SeenPrompts", "message_keys", "prefix_miss", "suffix_miss"]
 
 #: prompts are remembered in blocks of this many tokens (an eviction is seen to this precision)
@@ -46,6 +49,8 @@ SAME_AGENT_CHARS = 16
 #: the excerpts' length in tokens, and their cap in characters
 EXCERPT_TOKENS = 12
 EXCERPT_CHARS = 80
+#: how an excerpt shows an image's block (its placeholder tokens have no text)
+IMAGE_WORD = "[image]"
 
 
 class SeenPrompts:
@@ -138,7 +143,24 @@ class _Words:
         self._tb = token_bytes
 
     def at(self, tokens: Sequence[int], i: int) -> str:
-        return b"".join(self._tb(list(tokens[i : i + EXCERPT_TOKENS]))).decode("utf-8", errors="replace")[:EXCERPT_CHARS]
+        """``EXCERPT_TOKENS`` tokens of text from ``i``, each image's block on the way as ``IMAGE_WORD``."""
+        parts: list[str] = []
+        text: list[int] = []
+        taken, j = 0, i
+        while j < len(tokens) and taken < EXCERPT_TOKENS:
+            if is_image_token(tokens[j]):
+                parts.append(self._text(text) + IMAGE_WORD)
+                text = []
+                while j < len(tokens) and is_image_token(tokens[j]):
+                    j += 1
+                continue
+            text.append(tokens[j])
+            taken += 1
+            j += 1
+        return ("".join(parts) + self._text(text))[:EXCERPT_CHARS]
+
+    def _text(self, tokens: list[int]) -> str:
+        return b"".join(self._tb(tokens)).decode("utf-8", errors="replace") if tokens else ""
 
 
 def _evicted(index: int, seen: int, new: Sequence[int], words: _Words) -> ReuseMiss:
@@ -247,7 +269,12 @@ def suffix_miss(
         return miss
     j = next((i for i, (a, b) in enumerate(zip(old, new_messages, strict=False)) if a != b), min(len(old), len(new_messages)))
     miss.message = j
-    if j == 0:
+    if is_image_token(tape[at]) and is_image_token(target[at]):
+        # the texts agree up to an image's block: the image is another (a message's image changed, or a new
+        # conversation that begins with the same words)
+        miss.cause = MissCause.FIRST_SIGHT if j == 0 else MissCause.HISTORY_REWRITTEN
+        miss.detail = f"message {j} carries another image than the one held, where the texts still agree"
+    elif j == 0:
         miss.cause, miss.detail = MissCause.FIRST_SIGHT, "a new conversation under the resident system prompt"
     elif j >= len(old):
         miss.detail = f"message {j}, the model's reply, came back otherwise than the model wrote it"
