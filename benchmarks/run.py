@@ -29,6 +29,8 @@ Sections (``--sections`` picks some):
 * ``cold``     – the first request: cold prefill tokens/s of 8k, 16k and 22k-token prompts on both engines,
                  beside llama.cpp's ``llama-server`` (built from the pinned sdist on first use) on the same
                  file and threads (``benchmarks.cold``);
+* ``vision``   – an image turn cold, the next turn resending the image, and a turn adding another, through the
+                 chat API on llama.cpp with the test projector, beside ``llama-server --mmproj`` (``benchmarks.vision``);
 * ``capacity`` – predicted required bytes vs the daemon's measured RSS growth after a
                  load plus a full prefill of the effective context;
 * ``embed``    – embeddings/s, batch 1 and 32, next to sentence-transformers.
@@ -430,9 +432,17 @@ def section_streams(tmp: Path, count: Callable[[str], int]) -> str:
     return table(head, streams.section(tmp, count))
 
 
+def section_vision(tmp: Path, count: Callable[[str], int]) -> str:
+    from benchmarks import vision
+
+    head = (f"vision: an image turn after a ~{vision.PREFIX_TOKENS}-token prefix, then resent, then another image "
+            f"(test projector, median of {vision.RUNS})")
+    return table(head, vision.rows(vision.section(tmp, count)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,sessions,streams,ttft,cold,capacity,embed",
+    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,sessions,streams,ttft,cold,vision,capacity,embed",
                    help="comma-separated, in order")
     p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (docs/benchmarks.md shows it)")
     args = p.parse_args(argv)
@@ -483,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_cold(tmp, count), flush=True)
                 elif name == "sessions":
                     print(section_sessions(tmp, count), flush=True)
+                elif name == "vision":
+                    print(section_vision(tmp, count), flush=True)
                 elif name == "streams":
                     print(section_streams(tmp, count), flush=True)
                 else:
