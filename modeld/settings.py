@@ -326,6 +326,10 @@ class HttpSettings(BaseSettings):
     max_image_bytes: Annotated[Size, Flag(None, HTTP)] = Field(
         DEFAULT_MAX_IMAGE_BYTES, description="largest image in an HTTP request, decoded; a larger one is refused with 413"
     )
+    allow_image_urls: Annotated[bool, Flag(None, HTTP)] = Field(
+        False, description="fetch images that requests name by http(s) URL (never from loopback, link-local or "
+        "reserved addresses; --max-image-bytes, 10 s, 3 redirects); without it they are refused with 400"
+    )
     max_image_pixels: Annotated[int, Field(ge=1), Flag("N", HTTP)] = Field(
         DEFAULT_MAX_IMAGE_PIXELS,
         description="largest image in an HTTP request, width times height, read from its header before anything is "

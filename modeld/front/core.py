@@ -639,7 +639,8 @@ class Serving:
         """The request's images read and checked (``images.read_images``), then the model that would serve them
         (``st``: the daemon's status): one without an image encoder refuses them with ``vision_unsupported``."""
         cfg = self.settings
-        images = read_images(refs, ImageLimits(cfg.max_images, int(cfg.max_image_bytes), cfg.max_image_pixels))
+        images = read_images(refs, ImageLimits(cfg.max_images, int(cfg.max_image_bytes), cfg.max_image_pixels,
+                                               cfg.allow_image_urls))
         if st.active is not None and st.active.model_name == route.model:
             capabilities = st.active.capabilities
         else:  # a model the request switches to: what its file says, before it is loaded

@@ -7,8 +7,8 @@ The APIs' shapes, gathered by their translations as ``ImageRef`` s (where in the
 * Messages: ``{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "…"}}``.
 
 ``read_images`` checks them in the order that costs least first, each refusal a 400 (413 for a size) naming the
-field: an ``http(s)`` URL is refused (a local daemon that fetches URLs for its clients makes a security decision,
-with size and time limits and redirects to weigh; this one does not fetch); the base64 decodes; at most
+field: an ``http(s)`` URL is refused unless ``--allow-image-urls`` (then ``image_fetch`` fetches it, with its
+limits on addresses, redirects, size and time); the base64 decodes; at most
 ``max_images`` images and ``max_image_bytes`` bytes each; the format, sniffed from the bytes, is PNG, JPEG, WebP or
 GIF; its width times height, read from the header before any pixel is decoded, is at most ``max_image_pixels`` (no
 decompression bomb); then it decodes whole (a truncated or corrupt file is refused here, not in the engine).
@@ -84,6 +84,8 @@ class ImageLimits:
     max_images: int
     max_bytes: int
     max_pixels: int
+    #: http(s) image URLs are fetched (``image_fetch``); refused otherwise
+    fetch_urls: bool = False
 
 
 def read_images(refs: list[ImageRef], limits: ImageLimits) -> list[Image]:
@@ -211,12 +213,17 @@ def _bomb_warnings_are_errors(category: type[Warning]) -> None:
 
 
 def _bytes(ref: ImageRef, limits: ImageLimits) -> bytes:
-    """The image's bytes, from its data URL or base64 data; a URL to fetch is refused."""
+    """The image's bytes, from its data URL or base64 data, or fetched from its URL (``limits.fetch_urls``)."""
     if ref.url:
         scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
         if scheme in ("http", "https"):
-            raise ApiError(400, f"{ref.where}: this daemon does not fetch image URLs; send the image inline as a "
-                           "data: URL (data:image/png;base64,…)", code="image_url_refused", param=ref.where)
+            if limits.fetch_urls:
+                from .image_fetch import fetch
+
+                return fetch(ref.url, ref.where, limits.max_bytes)
+            raise ApiError(400, f"{ref.where}: this daemon does not fetch image URLs (--allow-image-urls); send the "
+                           "image inline as a data: URL (data:image/png;base64,…)", code="image_url_refused",
+                           param=ref.where)
         m = _DATA_URL.match(ref.url)
         if m is None:
             raise ApiError(400, f"{ref.where}: an image URL must be a data: URL (data:image/png;base64,…)",

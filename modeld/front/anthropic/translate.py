@@ -43,7 +43,8 @@ def _text_of_blocks(blocks: list[Block], where: str, *, allow: tuple[str, ...] =
 
 
 def image_of(block: Block, where: str) -> ImageRef:
-    """An ``image`` block's source: ``base64`` data with its media type, or a ``url`` (which is not fetched)."""
+    """An ``image`` block's source: ``base64`` data with its media type, or a ``url`` (fetched only under
+    ``--allow-image-urls``: ``images.read_images``)."""
     src = block.source if isinstance(block.source, dict) else {}
     if src.get("type") == "base64" and isinstance(src.get("data"), str):
         return ImageRef(where, data=src["data"], media_type=str(src.get("media_type") or ""))
