@@ -106,7 +106,7 @@ def pictures(draw: st.DrawFn) -> Picture:
     size = (draw(side), draw(side))
     frames = draw(st.integers(1, 3)) if fmt in ("GIF", "WEBP", "PNG") else 1
     data = encode(fmt, mode, size, frames, draw(st.integers(0, 255)))
-    how = draw(st.sampled_from(["", "", "", "cut", "overwrite", "size", "junk", "random"]))
+    how = draw(st.sampled_from(["", "", "", "", "", "cut", "overwrite", "size", "junk", "random"]))
     if how == "cut":
         data = data[:draw(st.integers(0, max(0, len(data) - 1)))]
     elif how == "overwrite":
@@ -141,11 +141,11 @@ class Case:
 def cases(draw: st.DrawFn) -> Case:
     pics = draw(st.lists(pictures(), min_size=1, max_size=MAX_IMAGES + 1))
     api = draw(st.sampled_from(["chat", "responses", "messages"]))
-    declared = [draw(st.sampled_from([MEDIA[p.fmt], MEDIA[p.fmt], "", "image/png", "text/plain", "image/svg+xml"]))
+    declared = [draw(st.sampled_from([MEDIA[p.fmt]] * 4 + ["", "image/png", "text/plain", "image/svg+xml"]))
                 for p in pics]
     if api == "messages":  # its source names the media type; an empty one is a wrong one there
         declared = [m or MEDIA[p.fmt] for m, p in zip(declared, pics, strict=True)]
-    role = draw(st.sampled_from(["user", "user", "user", "system", "assistant"]))
+    role = draw(st.sampled_from(["user"] * 6 + ["system", "assistant"]))
     return Case(api, role, pics, declared, [draw(st.sampled_from(["plain", "wrapped", "unpadded"])) for _ in pics],
                 draw(st.booleans()))
 
