@@ -155,6 +155,22 @@ def test_a_server_that_stalls_past_the_time_limit_is_given_up_on(server: str, mo
     assert err.code == "image_url_failed", err.message
 
 
+def test_a_resolver_that_hangs_costs_the_request_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+
+    def hanging(*args: Any, **kw: Any) -> Any:
+        release.wait(STALL_S)
+        raise OSError("gave up")
+
+    monkeypatch.setattr(image_fetch, "FETCH_TIMEOUT_S", STALL_S / 10)
+    monkeypatch.setattr(image_fetch.socket, "getaddrinfo", hanging)
+    try:
+        err = _refused("http://images.example/x.png")
+    finally:
+        release.set()
+    assert err.code == "image_url_failed" and "did not resolve within" in err.message, err.message
+
+
 def test_other_schemes_are_refused() -> None:
     assert _refused("ftp://example.com/x.png").code == "invalid_image"  # only data: and, allowed, http(s)
     assert _refused("file:///etc/passwd").code == "invalid_image"

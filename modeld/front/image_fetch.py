@@ -8,8 +8,9 @@ address it has must be a unicast one that is not loopback, link-local, unspecifi
 goes to the address that was checked (the host named in ``Host`` and, for https, in the TLS handshake and the
 certificate check), so a name that resolves otherwise a moment later changes nothing. Redirects are followed
 by hand, each hop checked the same way, at most ``MAX_REDIRECTS``. The body is read in chunks up to
-``max_bytes`` (413 past it, as for an inline image) within ``FETCH_TIMEOUT_S`` in all; what comes back is
-then read like any inline image (the format sniffed from the bytes: the ``Content-Type`` is not trusted).
+``max_bytes`` (413 past it, as for an inline image) within ``FETCH_TIMEOUT_S`` in all, the name lookups
+included; what comes back is then read like any inline image (the format sniffed from the bytes: the
+``Content-Type`` is not trusted).
 
 Every refusal is a 400 naming the request field and the URL, code ``image_url_refused`` for a URL this daemon
 will not fetch and ``image_url_failed`` for one that did not give an image.
@@ -17,6 +18,7 @@ will not fetch and ``image_url_failed`` for one that did not give an image.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
 import socket
 import time
@@ -31,6 +33,9 @@ __all__ = ["FETCH_TIMEOUT_S", "MAX_REDIRECTS", "fetch"]
 FETCH_TIMEOUT_S = 10.0
 MAX_REDIRECTS = 3
 _CHUNK = 64 * 1024
+#: where names are resolved, so a resolver that hangs costs a request its deadline, not more (a lookup left
+#: running holds one of these threads until the resolver gives up)
+_RESOLVER = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="image-url-dns")
 
 
 def fetch(url: str, where: str, max_bytes: int) -> bytes:
@@ -43,7 +48,7 @@ def fetch(url: str, where: str, max_bytes: int) -> bytes:
                 said = "is not" if str(current) == url else f"redirects to {current}, which is not"
                 raise ApiError(400, f"{where}: {url} {said} an http(s) URL with a host", code="image_url_refused",
                                param=where)
-            address = _checked_address(current, where, url)
+            address = _checked_address(current, where, url, deadline)
             left = deadline - time.monotonic()
             request = client.build_request(
                 "GET", current.copy_with(host=address), headers={"Host": current.netloc.decode("ascii"),
@@ -91,14 +96,17 @@ def _body(response: httpx.Response, where: str, url: str, max_bytes: int, deadli
     return bytes(data)
 
 
-def _checked_address(current: httpx.URL, where: str, url: str) -> str:
+def _checked_address(current: httpx.URL, where: str, url: str, deadline: float) -> str:
     """The address to connect to for ``current``'s host: resolved once, every address it has allowed."""
     port = current.port or (443 if current.scheme == "https" else 80)
     if not 0 < port < 65536:  # (getaddrinfo would take it modulo 65,536)
         raise ApiError(400, f"{where}: {url} names port {port}, which no host has", code="image_url_refused",
                        param=where)
+    lookup = _RESOLVER.submit(socket.getaddrinfo, current.host, port, type=socket.SOCK_STREAM)
     try:
-        infos = socket.getaddrinfo(current.host, port, type=socket.SOCK_STREAM)
+        infos = lookup.result(timeout=max(deadline - time.monotonic(), 0.001))
+    except concurrent.futures.TimeoutError:
+        raise _failed(where, url, f"{current.host} did not resolve within {FETCH_TIMEOUT_S:.0f} s") from None
     except (OSError, OverflowError, UnicodeError) as exc:
         raise _failed(where, url, f"{current.host} does not resolve ({exc})") from None
     addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
