@@ -12,6 +12,7 @@ message or one that carries no image (system, assistant). Every reply is checked
 * the status is 200, 400 or 413 (a 5xx, or any other, is a failure), and a refusal is in its API's error shape;
 * an image left whole, readable and within the limits is answered 200, and the prompt it was answered from counts
   its image tokens (``harness.vision.IMAGE_TOKENS`` each) beyond the same prompt without it: nothing dropped;
+  one in a system or assistant message is never answered;
 * after the run, the daemon is alive and answers an ordinary chat.
 
 Prints the cases by API and status. ``python -m tests.fuzz_images [--examples N] [--seed S]``; ``tests.fuzz_http``
@@ -241,6 +242,8 @@ class Run:
         status, reply = post(self.port, path, payload)
         self.counts[case.api][status] += 1
         assert status in (200, 400, 413), f"{status}: {reply}"
+        # (a system or assistant message carries no image: answered, its image would have been dropped)
+        assert status != 200 or case.role == "user", f"an image in a {case.role} message was answered: {reply}"
         if status == 200:
             from harness.vision import IMAGE_TOKENS
 
