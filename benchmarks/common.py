@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import http.client
+import json
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -94,3 +96,21 @@ def served(argv: list[str], log: Path, port: int, path: str = "/health", timeout
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def sse_chat(port: int, body: dict[str, Any], timeout_s: float = 1800.0) -> Iterator[dict[str, Any]]:
+    """A streamed chat completion's events from the server on ``port``: each ``data:`` line's JSON (``[DONE]``
+    left out), read as they come; RuntimeError for a reply that is not 200. The connection is closed when the
+    events are read, or when the caller stops reading them."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                yield json.loads(line[5:])
+    finally:
+        conn.close()

@@ -78,8 +78,6 @@ A bench section is one script: its length is its tasks, its passes and its table
 from __future__ import annotations
 
 import contextlib
-import http.client
-import json
 import math
 import os
 import statistics
@@ -92,7 +90,7 @@ import numpy as np
 
 from backends.bundled import bundled_gguf_path
 from benchmarks.agent import peer_server
-from benchmarks.common import PREFIX_LINE, text_of_tokens
+from benchmarks.common import PREFIX_LINE, sse_chat, text_of_tokens
 from contract.types import (
     ChatMessage,
     Config,
@@ -348,26 +346,14 @@ def _peer_decode(port: int, messages: list[dict[str, str]], n: int) -> float:
     """One streamed chat completion from a peer server; decode tok/s: the server's own figure where it reports one
     (llama-server's ``timings.predicted_per_second``: its drafts may send several tokens in one chunk), else streamed
     chunks (one per token on llama-cpp-python's server) over the time between its first and last."""
-    body = json.dumps({"messages": messages, "max_tokens": n, "temperature": 0, "stream": True})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = {"messages": messages, "max_tokens": n, "temperature": 0, "stream": True}
     stamps: list[float] = []
     reported = 0.0
-    try:
-        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"the peer answered {resp.status}: {resp.read()[:200]!r}")
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            reported = float((event.get("timings") or {}).get("predicted_per_second") or reported)
-            choices = event.get("choices") or [{}]
-            if choices[0].get("delta", {}).get("content"):
-                stamps.append(time.perf_counter())
-    finally:
-        conn.close()
+    for event in sse_chat(port, body, timeout_s=600):
+        reported = float((event.get("timings") or {}).get("predicted_per_second") or reported)
+        choices = event.get("choices") or [{}]
+        if choices[0].get("delta", {}).get("content"):
+            stamps.append(time.perf_counter())
     if reported:
         return reported
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else 0.0

@@ -18,9 +18,7 @@ did not compute (``prompt_tokens_details.cached_tokens``). Nothing here asserts 
 from __future__ import annotations
 
 import base64
-import http.client
 import io
-import json
 import statistics
 import time
 import uuid
@@ -28,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import PREFIX_LINE, text_of_tokens
+from benchmarks.common import PREFIX_LINE, sse_chat, text_of_tokens
 from harness.daemon import DaemonProcess, free_port, wait_http
 
 __all__ = ["RUNS", "rows", "section"]
@@ -61,29 +59,18 @@ def _part(image: bytes) -> dict[str, Any]:
 
 def _stream(port: int, messages: list[dict[str, Any]]) -> tuple[float, str, dict[str, Any]]:
     """A streamed chat completion: seconds to its first text (to its end when it has none), its text, its usage."""
-    body = json.dumps({"model": "default", "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}})
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
-    t0 = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+    body = {"model": "default", "messages": messages, "max_tokens": REPLY_TOKENS, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     first, text = 0.0, ""
     usage: dict[str, Any] = {}
-    for raw in resp:
-        line = raw.decode().strip()
-        if not line.startswith("data:") or line == "data: [DONE]":
-            continue
-        chunk = json.loads(line[5:])
+    t0 = time.perf_counter()
+    for chunk in sse_chat(port, body):
         usage = chunk.get("usage") or usage
         piece = ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content")
         if piece:
             first = first or time.perf_counter() - t0
             text += piece
-    took = time.perf_counter() - t0
-    conn.close()
-    return first or took, text, usage
+    return first or time.perf_counter() - t0, text, usage
 
 
 def _conversations(port: int, system: str) -> dict[str, list[tuple[float, int, int]]]:
