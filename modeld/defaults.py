@@ -13,6 +13,8 @@ __all__ = [
     "DEFAULT_MAX_IMAGES",
     "DEFAULT_MAX_IMAGE_BYTES",
     "DEFAULT_MAX_IMAGE_PIXELS",
+    "IMAGE_FETCH_REDIRECTS",
+    "IMAGE_FETCH_TIMEOUT_S",
     "DEFAULT_LEASE_S",
     "DEFAULT_LISTEN",
     "DEFAULT_MAX_BODY_BYTES",
@@ -75,3 +77,6 @@ DEFAULT_WS_PAUSE_LIMIT_S = 60.0
 DEFAULT_MAX_IMAGES = 16
 DEFAULT_MAX_IMAGE_BYTES = 20 * 1024 * 1024
 DEFAULT_MAX_IMAGE_PIXELS = 32 * 1024 * 1024
+#: an image URL fetched under --allow-image-urls: seconds in all (lookups, redirects, body), redirects followed
+IMAGE_FETCH_TIMEOUT_S = 10.0
+IMAGE_FETCH_REDIRECTS = 3

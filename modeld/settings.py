@@ -88,6 +88,8 @@ from .defaults import (
     DEFAULT_WEDGE_S,
     DEFAULT_WS_PAUSE_LIMIT_S,
     EXIT_WEDGED,
+    IMAGE_FETCH_REDIRECTS,
+    IMAGE_FETCH_TIMEOUT_S,
     MAX_NICE,
     QUEUE_TIMEOUT_S,
 )
@@ -328,7 +330,8 @@ class HttpSettings(BaseSettings):
     )
     allow_image_urls: Annotated[bool, Flag(None, HTTP)] = Field(
         False, description="fetch images that requests name by http(s) URL (never from loopback, link-local or "
-        "reserved addresses; --max-image-bytes, 10 s, 3 redirects); without it they are refused with 400"
+        f"reserved addresses; --max-image-bytes, {IMAGE_FETCH_TIMEOUT_S:.0f} s, {IMAGE_FETCH_REDIRECTS} redirects); "
+        "without it they are refused with 400"
     )
     max_image_pixels: Annotated[int, Field(ge=1), Flag("N", HTTP)] = Field(
         DEFAULT_MAX_IMAGE_PIXELS,

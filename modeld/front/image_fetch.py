@@ -25,13 +25,14 @@ import time
 
 import httpx
 
+from ..defaults import IMAGE_FETCH_REDIRECTS, IMAGE_FETCH_TIMEOUT_S
 from .errors import ApiError
 
 __all__ = ["FETCH_TIMEOUT_S", "MAX_REDIRECTS", "fetch"]
 
-#: the whole fetch, every hop together
-FETCH_TIMEOUT_S = 10.0
-MAX_REDIRECTS = 3
+#: the whole fetch, every hop together; the redirects followed
+FETCH_TIMEOUT_S = IMAGE_FETCH_TIMEOUT_S
+MAX_REDIRECTS = IMAGE_FETCH_REDIRECTS
 _CHUNK = 64 * 1024
 #: where names are resolved, so a resolver that hangs costs a request its deadline, not more (a lookup left
 #: running holds one of these threads until the resolver gives up)
@@ -46,8 +47,7 @@ def fetch(url: str, where: str, max_bytes: int) -> bytes:
         for _ in range(MAX_REDIRECTS + 1):
             if current.scheme not in ("http", "https") or not current.host:
                 said = "is not" if str(current) == url else f"redirects to {current}, which is not"
-                raise ApiError(400, f"{where}: {url} {said} an http(s) URL with a host", code="image_url_refused",
-                               param=where)
+                raise _refused(where, url, f"{said} an http(s) URL with a host")
             address = _checked_address(current, where, url, deadline)
             left = deadline - time.monotonic()
             request = client.build_request(
@@ -75,8 +75,7 @@ def _parsed(text: str, where: str, url: str, base: httpx.URL | None = None) -> h
         return base.join(text) if base is not None else httpx.URL(text)
     except (httpx.InvalidURL, ValueError, TypeError) as exc:
         said = f"redirects to {text!r}, which" if base is not None else "is a URL that"
-        raise ApiError(400, f"{where}: {url} {said} does not parse ({exc})", code="image_url_refused",
-                       param=where) from None
+        raise _refused(where, url, f"{said} does not parse ({exc})") from None
 
 
 def _body(response: httpx.Response, where: str, url: str, max_bytes: int, deadline: float) -> bytes:
@@ -100,8 +99,7 @@ def _checked_address(current: httpx.URL, where: str, url: str, deadline: float) 
     """The address to connect to for ``current``'s host: resolved once, every address it has allowed."""
     port = current.port or (443 if current.scheme == "https" else 80)
     if not 0 < port < 65536:  # (getaddrinfo would take it modulo 65,536)
-        raise ApiError(400, f"{where}: {url} names port {port}, which no host has", code="image_url_refused",
-                       param=where)
+        raise _refused(where, url, f"names port {port}, which no host has")
     lookup = _RESOLVER.submit(socket.getaddrinfo, current.host, port, type=socket.SOCK_STREAM)
     try:
         infos = lookup.result(timeout=max(deadline - time.monotonic(), 0.001))
@@ -114,9 +112,13 @@ def _checked_address(current: httpx.URL, where: str, url: str, deadline: float) 
         if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
             a = a.ipv4_mapped  # (::ffff:127.0.0.1 is loopback too)
         if a.is_loopback or a.is_link_local or a.is_unspecified or a.is_multicast or a.is_reserved:
-            raise ApiError(400, f"{where}: {url} leads to {current.host} ({a}), a loopback, link-local or reserved "
-                           "address this daemon does not fetch from", code="image_url_refused", param=where)
+            raise _refused(where, url, f"leads to {current.host} ({a}), a loopback, link-local or reserved address "
+                           "this daemon does not fetch from")
     return str(addresses[0])
+
+
+def _refused(where: str, url: str, why: str) -> ApiError:
+    return ApiError(400, f"{where}: {url} {why}", code="image_url_refused", param=where)
 
 
 def _failed(where: str, url: str, why: str) -> ApiError:
