@@ -40,6 +40,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from harness.daemon import DaemonProcess, free_port, wait_http
+from harness.vision import IMAGE_TOKENS, vision_projector
 
 #: the daemon's limits here: low enough that generated images cross them
 MAX_IMAGES = 2
@@ -134,8 +135,12 @@ class Case:
     image_first: bool
 
     def acceptable(self) -> bool:
+        """Whether the daemon must answer it: a user message, within the count, each image whole and within the
+        limits, declared as an image type (or not at all), its base64 whole (unpadded is whole only when nothing
+        was left to pad)."""
         return (self.role == "user" and len(self.pictures) <= MAX_IMAGES and all(p.acceptable() for p in self.pictures)
-                and all(m in ("", *MEDIA.values()) for m in self.media))
+                and all(m in ("", *MEDIA.values()) for m in self.media)
+                and not any(how == "unpadded" and len(p.data) % 3 for how, p in zip(self.b64, self.pictures, strict=True)))
 
 
 @st.composite
@@ -156,10 +161,6 @@ def _b64(data: bytes, how: str) -> str:
     if how == "wrapped":
         return "\n".join(text[i:i + 76] for i in range(0, len(text), 76))
     return text.rstrip("=") if how == "unpadded" else text
-
-
-def _unpadded_is_bad(case: Case) -> bool:
-    return any(how == "unpadded" and len(p.data) % 3 for how, p in zip(case.b64, case.pictures, strict=True))
 
 
 def body(case: Case) -> tuple[str, dict[str, Any]]:
@@ -245,8 +246,6 @@ class Run:
         # (a system or assistant message carries no image: answered, its image would have been dropped)
         assert status != 200 or case.role == "user", f"an image in a {case.role} message was answered: {reply}"
         if status == 200:
-            from harness.vision import IMAGE_TOKENS
-
             got = prompt_tokens(case.api, reply)
             least = self.baseline[case.api] + IMAGE_TOKENS * len(case.pictures)
             assert got >= least, f"the prompt counts {got} tokens, under {least}: an image was dropped"
@@ -254,7 +253,7 @@ class Run:
             code = error_code(case.api, reply)
             assert code is not None, f"a {status} not in {case.api}'s error shape: {reply}"
             assert case.api == "messages" or code in IMAGE_CODES or case.role != "user", reply
-        if case.acceptable() and not _unpadded_is_bad(case):
+        if case.acceptable():
             assert status == 200, f"a whole image within the limits was refused: {status} {reply}"
 
 
@@ -277,8 +276,6 @@ def run(port: int, examples: int, seed_value: int) -> tuple[Run, str]:
 
 
 def vision_daemon(tmp: Path) -> tuple[DaemonProcess, int]:
-    from harness.vision import vision_projector
-
     port = free_port()
     d = DaemonProcess(tmp, "llama", None, "--num-ctx", "2048", "--mmproj", str(vision_projector()),
                       "--http", f"127.0.0.1:{port}", "--max-images", str(MAX_IMAGES),
