@@ -312,7 +312,9 @@ class MemorySession:
                 return
             if self._model.token_delay_s:
                 time.sleep(self._model.token_delay_s)  # simulated decode speed
-            interrupt.beat()  # a decode step: progress, whether or not it hands out text
+            if interrupt.stopped():  # a decode step (a beat); a cancel ends it here, text held back or not
+                return
+            interrupt.decoded(produced)
             res.tokens.append(ord(char))
             produced += 1
             if not first_ms:

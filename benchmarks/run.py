@@ -336,7 +336,7 @@ def section_capacity(tmp: Path, backend: str) -> str:
         req = OpenSessionRequest(path=str(bundled_gguf_path()), type=backend, config=Config(num_ctx=NUM_CTX))
         info = c.describe(req)
         rss0 = proc.memory_info().rss
-        c.load_model(LoadModelRequest(**req.model_dump(exclude={"queue_timeout_s", "switch"})))
+        c.load_model(LoadModelRequest(**req.model_dump(exclude={"queue_timeout_s", "switch", "client"})))
         sess = c.open_session(OpenSessionRequest())
         m = sess.manifest(profile="capacity")
         fill = text_of_tokens(count, info.effective_context - 64, PREFIX_LINE)

@@ -29,7 +29,7 @@ from .errors import Cancelled
 
 __all__ = [
     "beat", "check", "chunk_done", "current", "interruptible", "last_beat", "prefill_progress", "prefilled", "prefilling",
-    "set_chunk_delay",
+    "set_chunk_delay", "stopped", "decoded", "decode_progress", "prefill_span",
 ]
 
 _scope = threading.local()
@@ -111,6 +111,26 @@ def chunk_done(position: int) -> None:
         beat()
 
 
+#: the running decode's tokens so far (the model worker writes it, status reads it)
+_decoded = [0]
+
+
+def decoded(tokens: int) -> None:
+    """The running decode has written ``tokens`` tokens (0: a decode starts)."""
+    _decoded[0] = tokens
+
+
+def decode_progress() -> int:
+    """Tokens the running (or last) decode has written."""
+    return _decoded[0]
+
+
+def prefill_span() -> tuple[int, int, int] | None:
+    """The running prefill as ``(first, end, reached)`` tape positions (the context holds ``reached`` tokens of the
+    ``end`` it needs; it held ``first`` when the prefill began), or None when none runs."""
+    return _prefill[0]
+
+
 def prefill_progress() -> tuple[int, int] | None:
     """``(done, total)`` tokens of the running prefill, or None when none runs."""
     span = _prefill[0]
@@ -135,6 +155,15 @@ def current() -> threading.Event | None:
     """The event interrupting this thread's work, if it runs inside a scope."""
     event: threading.Event | None = getattr(_scope, "event", None)
     return event
+
+
+def stopped() -> bool:
+    """Whether this thread's work has been interrupted (a check that raises nothing, for a loop that ends itself:
+    a decode that yields no text for many steps, a tool call or a possible stop string held back, still stops
+    within one step). Also a ``beat``."""
+    _last_beat[0] = time.monotonic()
+    event = current()
+    return event is not None and event.is_set()
 
 
 def check(action: str) -> None:

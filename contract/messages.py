@@ -57,6 +57,8 @@ __all__ = [
     "CacheListRequest",
     "CancelReply",
     "CancelRequest",
+    "CancelTurnReply",
+    "CancelTurnRequest",
     "CloseReply",
     "CountTokensRequest",
     "DecodeRequest",
@@ -72,6 +74,8 @@ __all__ = [
     "OpenReply",
     "PayloadFrame",
     "PrefillSuffixRequest",
+    "ReadReply",
+    "ReadRequest",
     "RestoreRequest",
     "SessionId",
     "SessionRef",
@@ -296,9 +300,19 @@ class DetokenizeReply(_Reply):
 class DecodeRequest(SessionRef, DecodeConfig):
     """``decode``: a ``DecodeConfig`` and the session it is for, flat in one map."""
 
+    #: the client says which frames of the stream its reader took (``read``): the daemon then cancels the decode
+    #: once the reader took none of the frames waiting for it for ``wire.UNREAD_STREAM_S``, for a reader that
+    #: stopped reading is one that went away, whether or not its cancel reached the daemon (False: a raw client
+    #: that reports nothing)
+    reads: StrictBool = False
+
     @classmethod
-    def of(cls, session_id: str, cfg: DecodeConfig) -> DecodeRequest:
-        return _scoped(cls, session_id, cfg)
+    def of(cls, session_id: str, cfg: DecodeConfig, *, reads: bool = False) -> DecodeRequest:
+        req = _scoped(cls, session_id, cfg)
+        if reads:
+            req.reads = True
+            req.model_fields_set.add("reads")
+        return req
 
     @property
     def input(self) -> DecodeConfig:
@@ -315,6 +329,35 @@ class CancelReply(_Reply):
     """``cancel``: whether a running request was found (it then ends with ``Cancelled``)."""
 
     cancelled: bool = False
+
+
+class ReadRequest(_Request):
+    """``read``: the reader of stream ``request_id`` (a decode of the same client sent with ``reads``) has taken its
+    first ``frames`` data frames. The daemon does not answer it: a reader sends one whenever it took frames and is
+    about to wait for more."""
+
+    request_id: StrictBytes
+    frames: int = Field(ge=0)
+
+
+class ReadReply(_Reply):
+    """``read``: never sent (the schema table names a reply for every operation)."""
+
+
+class CancelTurnRequest(_Request):
+    """``cancel_turn``: end the turn that holds the slot (``modeld cancel``): its running operation is cancelled
+    and its session released. ``session_id``: that session's turn instead ("": the holder's). Fenced by the
+    owner, as load and unload are."""
+
+    owner_instance_id: str = ""
+    session_id: StrictStr = ""
+
+
+class CancelTurnReply(_Reply):
+    """``cancel_turn``: the session whose turn was ended ("" when no session held the slot) and who ran it."""
+
+    session_id: str = ""
+    client: str = ""
 
 
 class SnapshotRequest(SessionRef):

@@ -69,6 +69,7 @@ __all__ = [
     "PrefixInput",
     "PrefixStatus",
     "Progress",
+    "RunningTurn",
     "SamplingParams",
     "SessionSnapshot",
     "SlotState",
@@ -238,6 +239,9 @@ class OpenSessionRequest(_ModelHandle):
     #: any open), instead of answering ModelSwitchRequired; a name without a path is looked up in the daemon's
     #: store. A failed load keeps the working model.
     switch: bool = False
+    #: who opens it, as ``status`` shows the turn that holds the slot (``RunningTurn.client``): the API and the
+    #: address it came from (the HTTP front names both); "" says nothing
+    client: str = Field("", max_length=256)
 
 
 class EmbedRequest(_ModelHandle):
@@ -452,6 +456,28 @@ class ReadoutInfo(_Report):
     digest: str = ""
 
 
+class RunningTurn(_Report):
+    """The turn that holds the slot (``DaemonStatus.turn``): whose it is, how old, and how far it came, so a person
+    can see what holds the slot (``modeld cancel`` ends it)."""
+
+    session_id: str = ""
+    #: who opened it (``OpenSessionRequest.client``): the API and the client's address; "" when it did not say
+    client: str = ""
+    #: seconds since its session opened
+    age_s: float = 0.0
+    #: "prefill" (its prompt is being computed), "decode" (its reply is being written), "idle" (it holds the slot
+    #: between operations: its client runs none)
+    phase: str = ""
+    #: the operation running ("" while idle), and seconds since it started
+    operation: str = ""
+    operation_s: float = 0.0
+    #: a prefill: the context's tokens it holds now, of the ``total`` the prompt needs (it held ``reused`` when the
+    #: prefill began: those were resident already); a decode: the reply's tokens so far
+    done: int = 0
+    total: int = 0
+    reused: int = 0
+
+
 class DaemonStatus(_Report):
     #: the owner's fingerprint (``owner_fingerprint``), "" when the daemon has no owner
     owner_instance_id: str = ""
@@ -466,6 +492,8 @@ class DaemonStatus(_Report):
     active: ActiveModel | None = None
     generation: int = 0
     busy_operation: str = ""
+    #: the turn that holds the slot (None: none does)
+    turn: RunningTurn | None = None
     last_error: str = ""
     load_progress: float | None = None
     session_open: bool = False

@@ -64,6 +64,8 @@ from .messages import (
     CacheListRequest,
     CancelReply,
     CancelRequest,
+    CancelTurnReply,
+    CancelTurnRequest,
     CloseReply,
     CountTokensRequest,
     DecodeRequest,
@@ -79,6 +81,8 @@ from .messages import (
     MetricsRequest,
     OpenReply,
     PrefillSuffixRequest,
+    ReadReply,
+    ReadRequest,
     RestoreRequest,
     SessionRef,
     SnapshotReply,
@@ -124,6 +128,10 @@ MAX_PAYLOAD_FRAMES = 4
 MAX_MESSAGE_PART_BYTES = MAX_PAYLOAD_BYTES
 
 HEARTBEAT_INTERVAL_S = 1.0
+#: a decode whose client reports its reads (``DecodeRequest.reads``) is cancelled by the daemon once its reader has
+#: taken none of the frames waiting for it this long: nobody is reading it (the route that read it went away, and
+#: its cancel with it); a slow reader that keeps taking frames is reading
+UNREAD_STREAM_S = 2.0
 
 #: A runtime Client names its sockets ``CLIENT_ID_PREFIX + <24 random hex> + b"/" + role``
 #: (``/m`` requests, ``/h`` lease heartbeats). The daemon binds a session to the peer that
@@ -167,6 +175,9 @@ class Op(str, enum.Enum):
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
     FORK = "fork"
+    #: a stream's reader reports the frames it took (never answered: ``ReadRequest``)
+    READ = "read"
+    CANCEL_TURN = "cancel_turn"
 
 
 class Kind(str, enum.Enum):
@@ -224,6 +235,8 @@ SCHEMAS: dict[Op, OpSchema] = {
     Op.DETOKENIZE: OpSchema(DetokenizeRequest, DetokenizeReply),
     Op.WHY: OpSchema(WhyRequest, WhyReply),
     Op.FORK: OpSchema(ForkRequest, OpenReply),
+    Op.READ: OpSchema(ReadRequest, ReadReply),
+    Op.CANCEL_TURN: OpSchema(CancelTurnRequest, CancelTurnReply),
 }
 
 

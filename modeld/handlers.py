@@ -34,6 +34,8 @@ from contract.messages import (
     CacheListRequest,
     CancelReply,
     CancelRequest,
+    CancelTurnReply,
+    CancelTurnRequest,
     CloseReply,
     CountTokensRequest,
     DecodeRequest,
@@ -48,6 +50,7 @@ from contract.messages import (
     MetricsRequest,
     OpenReply,
     PrefillSuffixRequest,
+    ReadRequest,
     RestoreRequest,
     SessionRef,
     SnapshotReply,
@@ -82,6 +85,7 @@ from contract.wire import Op
 from .blobs import BlobStore
 from .metrics import Metrics
 from .slot import SlotService, SlotSession
+from .workqueue import WorkQueue
 
 __all__ = ["HANDLERS", "IO_HANDLERS", "STREAM_HANDLERS", "Handlers"]
 
@@ -100,7 +104,7 @@ class Handlers:
         stopping: threading.Event,
         *,
         daemon_status: Callable[[DaemonStatus], DaemonStatus],
-        cancel_event: Callable[[bytes, bytes], threading.Event | None],
+        work: WorkQueue,
     ) -> None:
         self.slot = slot
         self.blobs = blobs
@@ -108,8 +112,8 @@ class Handlers:
         self._stopping = stopping
         #: adds what only the daemon knows to the slot's status (uptime, the wedge watch, a queued preload)
         self._daemon_status = daemon_status
-        #: the cancel event of the request (identity, request id) in flight, None when there is none
-        self._cancel_event = cancel_event
+        #: the requests in flight (a cancel, a stream's reads, ending a turn)
+        self._work = work
         self.sessions: dict[str, SlotSession] = {}
         #: session id -> the peer that opened it (``wire.peer_key``); only that peer may use it
         self.session_peers: dict[str, bytes] = {}
@@ -142,12 +146,31 @@ class Handlers:
         return self._daemon_status(st)
 
     def cancel(self, identity: bytes, req: CancelRequest) -> CancelReply:
-        event = self._cancel_event(identity, req.request_id)
+        event = self._work.cancel_event(identity, req.request_id)
         if event is not None:
             if not event.is_set():
                 log.debug("a client cancelled its request")
             event.set()
         return CancelReply(cancelled=event is not None)
+
+    def read(self, identity: bytes, req: ReadRequest) -> None:
+        """A stream's reader took frames (not answered: it sends one whenever it is about to wait for more)."""
+        self._work.read(identity, req.request_id, req.frames)
+
+    def cancel_turn(self, identity: bytes, req: CancelTurnRequest) -> CancelTurnReply:
+        """End the turn that holds the slot (``modeld cancel``): its client's requests are cancelled (a prefill
+        stops at its next chunk, keeping the chunks done; a decode within a step) and its session is released at
+        once, as if its client had gone; the client's next call on it answers SessionClosed."""
+        self.slot.check_owner(req.owner_instance_id)
+        sid = req.session_id or self.slot.holder_id()
+        peer = self.session_peers.get(sid)
+        if not sid or peer is None or not self.slot.vanished(sid):
+            return CancelTurnReply()
+        client = self.slot.session_client(sid)
+        self._work.cancel_peer(peer, "modeld cancel ended its turn")
+        self._work.wake()  # the worker releases the session once its operation stopped
+        log.info("modeld cancel: ended the turn of session %s%s", sid[:8], f" ({client})" if client else "")
+        return CancelTurnReply(session_id=sid, client=client)
 
     def heartbeat(self, identity: bytes, req: HeartbeatRequest) -> HeartbeatReply:
         peer = wire.peer_key(identity)
@@ -289,9 +312,11 @@ class Handlers:
 
 # Each handler's request type is the one wire.SCHEMAS names for its operation; the dispatch decodes with
 # that schema, so the parameter types here hold at run time (``test_wire`` checks every op has one).
-IO_HANDLERS: dict[Op, Callable[[Handlers, bytes, Any], BaseModel]] = {
+IO_HANDLERS: dict[Op, Callable[[Handlers, bytes, Any], BaseModel | None]] = {
     Op.STATUS: Handlers.status,
     Op.CANCEL: Handlers.cancel,
+    Op.READ: Handlers.read,  # (None: not answered)
+    Op.CANCEL_TURN: Handlers.cancel_turn,
     Op.HEARTBEAT: Handlers.heartbeat,
     Op.EXPLAIN: Handlers.explain,
     Op.CACHE_LIST: Handlers.cache_list,

@@ -113,7 +113,7 @@ class Daemon:
         self.work = WorkQueue(slot.holder_id, self._stop)
         #: the operations and the session table (``modeld.handlers``)
         self.handlers = Handlers(slot, blobs, self.metrics, self._stop, daemon_status=self._daemon_status,
-                                 cancel_event=self.work.cancel_event)
+                                 work=self.work)
         self.watchdog = Watchdog(slot, self.work, self.handlers, wedge_s=settings.wedge_timeout,
                                  exit_when_wedged=settings.exit_when_wedged, stop=self._stop_with)
         self.workers = Workers(self._ctx, slot, self.handlers, self.metrics, self.work, self.watchdog, self._stop,
@@ -205,6 +205,7 @@ class Daemon:
                     self._peer_vanished(peer)
                 self.watchdog.check(send, now)
                 self.work.expire_waits(send, now)
+                self.work.stop_unread(now)
                 self.watchdog.heartbeats(send, now)
                 self.watchdog.reap(now)
         finally:
@@ -367,8 +368,10 @@ class Daemon:
             answer = IO_HANDLERS.get(msg.op)
             if answer is not None:
                 req = wire.decode_body(wire.SCHEMAS[msg.op].request, msg)
-                self._send(router, identity, wire.encode_reply(Kind.OK, rid, answer(self.handlers, identity, req)))
-                self.metrics.request(msg.op.value)
+                reply = answer(self.handlers, identity, req)
+                if reply is not None:  # (a stream's read report is not answered)
+                    self._send(router, identity, wire.encode_reply(Kind.OK, rid, reply))
+                    self.metrics.request(msg.op.value)
             else:
                 if self._stop.is_set():
                     raise ShuttingDown("modeld is shutting down")

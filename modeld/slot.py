@@ -34,6 +34,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from contract import interrupt
 from contract.errors import (
     BackendMismatch,
     Internal,
@@ -69,6 +70,7 @@ from contract.types import (
     PrefixInput,
     PrefixStatus,
     ReadoutInfo,
+    RunningTurn,
     SamplingParams,
     SessionSnapshot,
     SlotState,
@@ -187,8 +189,11 @@ class _Holder:
     last_op: float = 0.0
     in_operation: int = 0
     closed: bool = False
-    #: its client's connections all closed: released at the next reap, lease or not
+    #: its client's connections all closed, or ``modeld cancel`` ended its turn: released at the next reap
     vanished: bool = False
+    #: who opened it (``OpenSessionRequest.client``) and when (the slot's clock), for status
+    client: str = ""
+    opened: float = 0.0
 
 
 class SlotService:
@@ -262,6 +267,8 @@ class SlotService:
         #: first of them becomes the holder when it closes
         self._forks: dict[str, _Holder] = {}
         self._busy_op = ""
+        #: when the busy operation started (the slot's clock)
+        self._busy_since = self._clock()
         self._last_error = ""
         self._progress: float | None = None
         self._shutting_down = False
@@ -292,6 +299,7 @@ class SlotService:
                 active=active,
                 generation=self._generation,
                 busy_operation=self._busy_op,
+                turn=self._running_turn(),
                 last_error=self._last_error,
                 load_progress=self._progress,
                 session_open=self._holder is not None,
@@ -339,6 +347,37 @@ class SlotService:
     def _set_busy(self, op: str) -> None:
         with self._state_lock:
             self._busy_op = op
+            self._busy_since = self._clock()
+        if op == "decode":
+            interrupt.decoded(0)
+
+    def _running_turn(self) -> RunningTurn | None:
+        """The turn that holds the slot, for status (the caller holds ``_state_lock``)."""
+        h = self._holder
+        if h is None:
+            return None
+        now = self._clock()
+        op = self._busy_op
+        turn = RunningTurn(session_id=h.session_id, client=h.client, age_s=round(now - h.opened, 1),
+                           operation=op, operation_s=round(now - self._busy_since, 1) if op else 0.0)
+        span = interrupt.prefill_span()
+        if op == "decode":
+            turn.phase, turn.done = "decode", interrupt.decode_progress()
+        elif span is not None:
+            turn.phase, (turn.reused, turn.total, turn.done) = "prefill", span
+        else:
+            turn.phase = op or "idle"
+        return turn
+
+    def session_client(self, session_id: str) -> str:
+        """Who opened ``session_id`` (``OpenSessionRequest.client``), "" when it holds nothing or did not say."""
+        with self._state_lock:
+            h = self._held(session_id)
+            return h.client if h is not None else ""
+
+    def check_owner(self, owner: str) -> None:
+        """StaleFence unless ``owner`` is the daemon's owner (any caller, when the daemon has none)."""
+        self._check_fence(owner)
 
     def _by_name(self, req: OpenSessionRequest) -> OpenSessionRequest:
         """``req`` with the path of the model its name names (``catalog``), when it gives no path; its name
@@ -602,6 +641,8 @@ class SlotService:
                 inner=self._loaded.open_session(),
                 last_seen=now,
                 last_op=now,
+                client=req.client,
+                opened=now,
             )
             try:
                 with self._state_lock:
@@ -703,7 +744,7 @@ class SlotService:
             inner = self._holder_for(holder)
             now = self._clock()
             fork = _Holder(session_id=uuid.uuid4().hex, generation=holder.generation, owner=holder.owner,
-                           inner=inner.fork(at_position), last_seen=now, last_op=now)
+                           inner=inner.fork(at_position), last_seen=now, last_op=now, client=holder.client, opened=now)
             with self._state_lock:
                 self._forks[fork.session_id] = fork
             return SlotSession(self, fork)
@@ -752,6 +793,9 @@ class SlotService:
             lease_out = now - h.last_seen > self.lease_s
             ttl_out = self.session_ttl_s > 0 and now - h.last_op > self.session_ttl_s
             if lease_out or ttl_out or h.vanished:
+                why = ("its client is gone, or modeld cancel ended its turn" if h.vanished else
+                       "its lease ran out" if lease_out else "it ran no operation for its TTL")
+                log.info("released session %s%s: %s", h.session_id[:8], f" ({h.client})" if h.client else "", why)
                 self._release_holder(h)
                 gone = True
         return gone

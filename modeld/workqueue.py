@@ -44,6 +44,19 @@ class Inflight:
     queue_deadline: float | None = None
     #: the worker took it to run (set under the inflight lock, as ``answered`` is)
     started: bool = False
+    #: a decode whose client reports the frames it reads (``DecodeRequest.reads``)
+    reads: bool = False
+    #: of such a stream: when each frame sent and not yet reported read went out, oldest first
+    unread: deque[float] = field(default_factory=deque)
+    #: data frames sent, and of them reported read; when the reader last took one
+    sent: int = 0
+    read: int = 0
+    read_at: float = 0.0
+
+    def unread_since(self) -> float | None:
+        """Since when nobody has read this stream: the later of its oldest unread frame's send and the reader's last
+        take (a slow reader that keeps taking frames is reading); None when nothing waits to be read."""
+        return max(self.unread[0], self.read_at) if self.unread else None
 
 
 @dataclass
@@ -103,6 +116,8 @@ class WorkQueue:
             inf = self._inflight[key] = Inflight(identity, msg.request_id, op)
         if op is Op.OPEN:
             inf.queue_deadline = queue_deadline(msg)
+        elif op is Op.DECODE:
+            inf.reads = msg.body.get("reads") is True  # (a body that does not parse is the worker's to answer)
         (self.embed if op is Op.EMBED else self.model).put((inf, msg))
         if op is not Op.EMBED:
             self.arrived.set()
@@ -145,12 +160,40 @@ class WorkQueue:
             self._inflight.pop((identity, request_id), None)
 
     def heard(self, identity: bytes, request_id: bytes) -> None:
-        """A stream's frame tells its client the daemon is alive as well as a heartbeat would: the next
-        heartbeat is due a full interval after it, not while data flows."""
+        """A stream's frame went out: it tells its client the daemon is alive as well as a heartbeat would (the
+        next heartbeat is due a full interval after it, not while data flows), and it waits to be read."""
         with self._lock:
             inf = self._inflight.get((identity, request_id))
             if inf is not None:
                 inf.last_hb = time.monotonic()
+                inf.sent += 1
+                if inf.reads:
+                    inf.unread.append(inf.last_hb)
+
+    def read(self, identity: bytes, request_id: bytes, frames: int) -> None:
+        """The reader of a stream took its first ``frames`` frames (a report of fewer than before changes nothing)."""
+        with self._lock:
+            inf = self._inflight.get((identity, request_id))
+            if inf is None:
+                return
+            if frames > inf.read:
+                inf.read_at = time.monotonic()
+            while inf.read < min(frames, inf.sent) and inf.unread:
+                inf.unread.popleft()
+                inf.read += 1
+
+    def stop_unread(self, now: float) -> None:
+        """Cancel each stream whose reader took none of the frames waiting for it for ``wire.UNREAD_STREAM_S``: it
+        stopped reading, which is a reader gone (a route that went away, whose own cancel was lost); the decode
+        ends within a step."""
+        with self._lock:
+            stale = [inf for inf in self._inflight.values() if (since := inf.unread_since()) is not None
+                     and not inf.cancel.is_set() and now - since >= wire.UNREAD_STREAM_S]
+            for inf in stale:
+                inf.cancel.set()
+        for inf in stale:
+            log.info("cancelled a decode of a client: it left %d of %d frames unread for %.0f s (nobody reads it)",
+                     inf.sent - inf.read, inf.sent, wire.UNREAD_STREAM_S)
 
     def due_heartbeats(self, now: float) -> list[Inflight]:
         with self._lock:
@@ -164,6 +207,8 @@ class WorkQueue:
             due = min(inf.last_hb for inf in self._inflight.values()) + wire.HEARTBEAT_INTERVAL_S
             waits = [inf.queue_deadline for inf in self._inflight.values()
                      if inf.queue_deadline is not None and not inf.started]
+            waits += [since + wire.UNREAD_STREAM_S for inf in self._inflight.values()
+                      if (since := inf.unread_since()) is not None and not inf.cancel.is_set()]
         return min(due, min(waits)) if waits else due
 
     def expire_waits(self, send: Send, now: float) -> None:

@@ -39,6 +39,7 @@ from contract.types import (
     OpenSessionRequest,
     PrefixInput,
     ReuseMiss,
+    RunningTurn,
     SamplingParams,
     SpeculationStatus,
     SuffixInput,
@@ -222,6 +223,11 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     s.add_argument("--epoch", type=int, required=True, help="the new owner epoch (higher than status shows)")
     _common(s)
 
+    s = sub.add_parser("cancel", help="end the turn that holds the slot (status shows it): its prefill or decode "
+                       "stops, keeping what it computed, and its session is released")
+    s.add_argument("--session", default="", help="the turn of this session instead (status --json: turn.session_id)")
+    _common(s)
+
     s = sub.add_parser("metrics", help="the daemon's metrics in the Prometheus text format")
     _common(s)
 
@@ -338,6 +344,17 @@ def main(argv: list[str] | None = None, ext: Extensions | None = None) -> int:
         client.close()
 
 
+def _cancel(client: Client, args: argparse.Namespace) -> int:
+    reply = client.cancel_turn(args.session)
+    if args.json:
+        _print_json(reply.model_dump(mode="json"))
+    elif reply.session_id:
+        print(f"ended the turn of session {reply.session_id[:8]}" + (f" ({reply.client})" if reply.client else ""))
+    else:
+        print("no turn holds the slot" if not args.session else f"session {args.session} holds no turn")
+    return 0
+
+
 def _status(client: Client, args: argparse.Namespace) -> int:
     print(status_text(client.status(), client.endpoint, as_json=args.json))
     return 0
@@ -362,6 +379,8 @@ def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) 
         rows.append(("uptime", _duration(st.uptime_s)))
     if st.busy_operation:
         rows.append(("busy", st.busy_operation))
+    if st.turn is not None:
+        rows.append(("turn", turn_text(st.turn)))
     if st.waiting:
         rows.append(("waiting", f"{st.waiting} session(s) for the slot"))
     if st.load_progress is not None:
@@ -419,6 +438,21 @@ def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) 
     if st.last_error:
         rows.append(("last error", st.last_error))
     return _table(rows)
+
+
+def turn_text(t: RunningTurn) -> str:
+    """The turn that holds the slot, in a line: whose, how old, what it does and how far it came."""
+    who = t.client or f"session {t.session_id[:8]}"
+    if t.phase == "prefill":
+        what = f"prefill, {t.done:,} of {t.total:,} tokens in the context ({t.reused:,} were reused)"
+    elif t.phase == "decode":
+        what = f"decode, {t.done:,} tokens written"
+    elif t.phase == "idle":
+        what = "idle (its client runs no operation)"
+    else:
+        what = t.phase
+    running = f" for {_duration(t.operation_s)}" if t.operation else ""
+    return f"{who}: {what}{running}; held {_duration(t.age_s)} (modeld cancel ends it)"
 
 
 def _device_row(d: DeviceInfo) -> str:
@@ -737,4 +771,5 @@ _COMMANDS: dict[str, Callable[[Client, argparse.Namespace], int]] = {
     "why": _why,
     "metrics": _metrics,
     "takeover": _takeover,
+    "cancel": _cancel,
 }

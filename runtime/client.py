@@ -45,6 +45,8 @@ from contract.messages import (
     CacheListReply,
     CacheListRequest,
     CancelRequest,
+    CancelTurnReply,
+    CancelTurnRequest,
     CloseReply,
     CountTokensRequest,
     DecodeRequest,
@@ -58,6 +60,7 @@ from contract.messages import (
     MetricsRequest,
     OpenReply,
     PrefillSuffixRequest,
+    ReadRequest,
     RestoreRequest,
     SessionRef,
     SnapshotReply,
@@ -109,6 +112,9 @@ if TYPE_CHECKING:
 
 DEFAULT_TIMEOUT_S = 60.0
 LEASE_RENEW_INTERVAL_S = 5.0
+#: a stream's reader reports what it took at least this often while frames wait for it (and always before it waits
+#: for more), well inside the daemon's ``wire.UNREAD_STREAM_S``
+READ_REPORT_S = 0.5
 #: how long Client.close() waits for each still-open session to close (then the lease does it)
 CLOSE_ON_EXIT_TIMEOUT_S = 2.0
 
@@ -392,6 +398,14 @@ class Client:
             self._abandoned.add(rid + b"c")  # nobody waits for the cancel's own reply
             return True
 
+    def _report_read(self, rid: bytes, frames: int) -> None:
+        """Tell the daemon the reader of stream ``rid`` took its first ``frames`` frames (``ReadRequest``; never
+        answered). A decode sent with ``reads`` whose frames stay unread is cancelled by the daemon."""
+        with self._lock:
+            if rid in self._buffers and self._sock is not None:
+                self._sock.send_multipart(wire.encode_request(Op.READ, rid + b"r", ReadRequest(request_id=rid,
+                                                                                                  frames=frames)))
+
     def _abandon(self, rid: bytes) -> None:
         """Cancel ``rid`` and drop whatever still comes for it: its reader is gone."""
         with self._lock:
@@ -409,6 +423,12 @@ class Client:
 
     def unload_model(self, req: UnloadModelRequest | None = None) -> None:
         self.request(Op.UNLOAD, self._fenced(req or UnloadModelRequest()), UnloadReply)
+
+    def cancel_turn(self, session_id: str = "") -> CancelTurnReply:
+        """End the turn that holds the slot (``modeld cancel``), or ``session_id``'s: its running operation is
+        cancelled and its session released. The reply names the session ended ("" when none held the slot)."""
+        return self.request(Op.CANCEL_TURN, CancelTurnRequest(owner_instance_id=self.owner, session_id=session_id),
+                            CancelTurnReply)
 
     def takeover(self, epoch: int) -> TakeoverReply:
         """Become the daemon's owner (this client's ``owner``) at ``epoch``, higher than the current owner's.
@@ -620,9 +640,11 @@ class RemoteSession:
         return self._client.request(Op.COUNT_TOKENS, req, TokenCount)
 
     def decode(self, cfg: DecodeConfig | None = None) -> Generator[StreamChunk, None, None]:
-        """Stream chunks; abandoning the iterator (break, close, GC) cancels the decode."""
+        """Stream chunks; abandoning the iterator (break, close, GC) cancels the decode, and so does leaving it
+        unread: the daemon cancels a decode whose frames its reader has not taken for ``wire.UNREAD_STREAM_S``
+        (a reader that went away without a word). Read it as it comes, or close it."""
         self._check_open()
-        rid = self._client.send(Op.DECODE, DecodeRequest.of(self.session_id, cfg or DecodeConfig()))
+        rid = self._client.send(Op.DECODE, DecodeRequest.of(self.session_id, cfg or DecodeConfig(), reads=True))
         self._running = rid
         if self.on_sent is not None:
             self.on_sent()
@@ -643,9 +665,20 @@ class RemoteSession:
 
     def _stream(self, rid: bytes) -> Generator[StreamChunk, None, None]:
         finished = False
+        taken = reported = 0
+        last_report = 0.0
         try:
             while True:
+                if taken > reported:
+                    # What was read is reported before the reader waits for more (or every READ_REPORT_S while
+                    # frames are already here): the daemon counts a frame unread from the moment it sent it.
+                    now = time.monotonic()
+                    if now - last_report >= READ_REPORT_S or not self._client.waiting(rid):
+                        self._client._report_read(rid, taken)
+                        reported, last_report = taken, now
                 msg = self._client.receive(rid)
+                if msg.kind is Kind.DATA:
+                    taken += 1
                 if msg.kind is Kind.ERROR:
                     finished = True
                     raise wire.error_of(msg)

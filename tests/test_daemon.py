@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -44,6 +45,7 @@ from contract.types import (
     OpenSessionRequest,
     PrefixInput,
     SlotState,
+    StreamChunk,
     SuffixInput,
     UnloadModelRequest,
     owner_fingerprint,
@@ -62,7 +64,7 @@ MODEL_B = OpenSessionRequest(owner_instance_id=OWNER, model_name="b", type="memo
 
 
 def load_req(src: OpenSessionRequest, expected_generation: int = 0) -> LoadModelRequest:
-    return LoadModelRequest(**src.model_dump(exclude={"queue_timeout_s", "switch"}), expected_generation=expected_generation)
+    return LoadModelRequest(**src.model_dump(exclude={"queue_timeout_s", "switch", "client"}), expected_generation=expected_generation)
 
 
 @pytest.fixture(scope="module")
@@ -304,6 +306,73 @@ def test_a_stream_sending_data_gets_no_heartbeats_between_its_frames(
         if kind is Kind.HEARTBEAT and i > 0:
             # (only a stall of the daemon longer than the interval may leave room for one)
             assert t - heard[i - 1][0] > wire.HEARTBEAT_INTERVAL_S / 2, f"a heartbeat between data frames: {heard}"
+
+
+def _decoding(client: Client, tag: str, max_tokens: int) -> tuple[Any, Iterator[StreamChunk]]:
+    sess = client.open_session(MODEL_A)
+    m = manifest_for(sess, tag)
+    sess.ensure_prefix(PrefixInput(text="system", manifest=m))
+    sess.prefill_suffix(SuffixInput(text="user", manifest=m))
+    return sess, sess.decode(DecodeConfig(max_tokens=max_tokens))
+
+
+def test_a_decode_nobody_reads_is_cancelled_by_the_daemon(client: Client, daemon: DaemonProcess) -> None:
+    """A reader that stops reading without a word (its route went away and its cancel was lost) leaves frames
+    unread: the daemon cancels the decode once none were taken for ``UNREAD_STREAM_S``, not at its limit (500 s)."""
+    sess, stream = _decoding(client, "unread", 100_000)  # 5 ms a token
+    first = next(stream)
+    assert first.text
+    t0 = time.monotonic()
+    with daemon.client(timeout_s=20.0) as watcher:
+        wait_until(lambda: watcher.status().busy_operation != "decode", "the decode stopped", 60.0)
+    assert time.monotonic() - t0 < 60.0
+    rest = list(stream)  # what it wrote before it stopped, then the final chunk
+    assert rest[-1].done and rest[-1].finish_reason == "cancelled", rest[-1]
+    assert rest[-1].usage is not None and rest[-1].usage.completion_tokens < 100_000
+    assert "nobody reads it" in daemon.log()
+    sess.close()
+
+
+def test_a_slow_reader_keeps_its_decode(client: Client) -> None:
+    """A reader that takes a frame every 0.7 s is slow, not gone: the decode runs to its own end."""
+    sess, stream = _decoding(client, "slow", 800)  # 5 ms a token: ~4 s, while the reader takes 7 s for ten frames
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) <= 10:
+            time.sleep(0.7)
+    assert chunks[-1].done and chunks[-1].finish_reason == "length", chunks[-1]
+    assert sum(len(c.text) for c in chunks) == 800
+    sess.close()
+
+
+def test_status_shows_the_turn_and_cancel_turn_ends_it(client: Client, daemon: DaemonProcess) -> None:
+    """The turn that holds the slot is in status (who opened it, its phase, how far it came); ``cancel_turn``
+    (``modeld cancel``) ends it: its decode stops, its session is released and its next call is refused."""
+    sess = client.open_session(MODEL_A.model_copy(update={"client": "tests from here"}))
+    st = client.status()
+    assert st.turn is not None and st.turn.session_id == sess.session_id and st.turn.client == "tests from here"
+    assert st.turn.phase == "idle" and st.turn.operation == ""
+    m = manifest_for(sess, "turn")
+    sess.ensure_prefix(PrefixInput(text="system", manifest=m))
+    sess.prefill_suffix(SuffixInput(text="user", manifest=m))
+    stream = sess.decode(DecodeConfig(max_tokens=100_000))
+    next(stream)
+    with daemon.client(timeout_s=20.0) as other:
+        wait_until(lambda: (t := other.status().turn) is not None and t.phase == "decode" and t.done > 20,
+                   "the turn decoding", 30.0)
+        with pytest.raises(StaleFence):
+            other.cancel_turn()  # the daemon has an owner: a cancel is fenced
+    with daemon.client(timeout_s=20.0, owner=OWNER) as other:
+        ended = other.cancel_turn()
+        assert ended.session_id == sess.session_id and ended.client == "tests from here"
+        chunks = list(stream)
+        assert chunks[-1].done and chunks[-1].finish_reason == "cancelled"
+        wait_until(lambda: not other.status().session_open, "the session released", 30.0)
+        assert other.status().turn is None and other.cancel_turn().session_id == ""
+    with pytest.raises(SessionClosed):
+        sess.ensure_prefix(PrefixInput(text="system", manifest=m))
+    sess.close()
 
 
 def test_an_idle_daemon_sleeps_until_its_next_timer(tmp_path: Path) -> None:

@@ -190,11 +190,15 @@ def _keepalives(api: str, lines: list[tuple[str, float]]) -> list[tuple[dict[str
         progress: dict[str, int] = {}
         if line.startswith("data: {"):
             data = json.loads(line.removeprefix("data: "))
-            # chat completions: a chunk with an empty delta; Responses: response.in_progress; Messages: ping
+            # chat completions: a chunk with an empty delta; Responses: response.in_progress; Messages: a
+            # message_delta that sets nothing (the SDKs drop pings before an agent's watchdog sees them)
             kind = data.get("type", data.get("object"))
-            if kind in ("chat.completion.chunk", "response.in_progress", "ping"):
+            if kind in ("chat.completion.chunk", "response.in_progress", "message_delta"):
                 progress = data.get("prefill") or {}
                 assert not progress or kind != "chat.completion.chunk" or data["choices"][0]["delta"] == {}, data
+                assert not progress or kind != "message_delta" or (
+                    data["delta"] == {"stop_reason": None, "stop_sequence": None}
+                    and data["usage"] == {"output_tokens": 0}), data
         if progress:
             out.append((progress, at))
     return out
@@ -235,6 +239,28 @@ def test_a_long_prefill_shows_life_on_every_streamed_api_and_outlasts_every_time
     assert any(end in text for end in ends), text[-300:]
     assert "error" not in [json.loads(ln.removeprefix("data: ")).get("type") for ln, _ in lines
                            if ln.startswith("data: {")]
+
+
+def test_the_messages_keepalives_reach_the_sdk_s_caller_and_change_nothing(front: Front) -> None:
+    """Claude Code's stream watchdog is reset by the events the Anthropic SDK yields, and the SDK drops ``ping``
+    events: the keep-alives of a long prefill must be events the SDK yields (``message_delta``), and the message
+    the SDK assembles must read as if they had not come (the stop reason and usage are the final delta's)."""
+    system = _long_text(9)
+    client = _anthropic(front)
+    seen: list[tuple[str, float]] = []
+    with client.messages.stream(model="default", system=system, max_tokens=4,
+                                messages=[{"role": "user", "content": "What does helper_3 return?"}]) as stream:
+        for event in stream:
+            seen.append((event.type, time.monotonic()))
+        final = stream.get_final_message()
+    kinds = [k for k, _ in seen]
+    first_block = kinds.index("content_block_start") if "content_block_start" in kinds else len(kinds)
+    during = [k for k in kinds[:first_block] if k == "message_delta"]
+    assert len(during) >= 2, kinds[:12]  # the prefill ran 7 s and more: keep-alives reached the caller
+    before = [at for _, at in seen[:first_block]]
+    assert max(b - a for a, b in zip(before, before[1:], strict=False)) < 30  # (every KEEPALIVE_S, loosely)
+    assert final.stop_reason in ("end_turn", "max_tokens") and final.usage.output_tokens >= 1, final
+    assert final.content and all(b.type in ("text", "thinking", "tool_use") for b in final.content), final.content
 
 
 def test_a_cancel_during_the_prefill_from_another_thread_stops_the_turn(front: Front) -> None:

@@ -531,6 +531,35 @@ def test_a_newer_operation_ends_an_abandoned_stream(model: ToyModel) -> None:
     assert model.res.live == model.res.tokens[: st.prefix_tokens] and model.res.tokens == model.kv
 
 
+def test_a_cancel_ends_a_decode_whose_output_is_held_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode that hands out nothing for many steps (a tool call or a possible stop string held back) still
+    stops within one step of its cancel: the daemon's caller looks for the cancel between chunks, and would
+    wait for a chunk that never comes while the decode writes up to its limit for nobody."""
+    from backends.tape.output import Delta, OutputPipeline
+
+    monkeypatch.setattr(OutputPipeline, "feed_bytes", lambda self, data: Delta())  # everything held back
+    model = ToyModel(num_ctx=1024)
+    s = model.open_session()
+    s.ensure_prefix(prefix(model, "sys"))
+    s.prefill_suffix(suffix(model, "hi"))
+    prompt = len(model.res.tokens)
+    cancel = threading.Event()
+    evaluate = model.evaluate
+
+    def evaluating(tokens: list[int]) -> None:  # a decode step; the cancel arrives while the decode runs
+        evaluate(tokens)
+        if model.decoded >= 5:
+            cancel.set()
+
+    model.evaluate = evaluating  # type: ignore[method-assign]
+    with interrupt.interruptible(cancel):
+        chunks = list(s.decode(DecodeConfig(max_tokens=400, speculative=False)))
+    assert chunks == []  # no final chunk: the daemon's handler ends a cancelled stream with "cancelled"
+    assert model.decoded <= 7, model.decoded  # it stopped within a step of the cancel (and settled the token it
+    # had sampled), not at its 400-token limit
+    assert len(model.res.tokens) - prompt <= 7 and tape_equals_kv(model)
+
+
 # --- speculative decoding (prompt lookup) ---------------------------------------------------------------
 def _shown(model: ToyModel, n: int) -> str:
     """What plain decoding writes after a turn: the text a later turn shows the model again."""

@@ -29,6 +29,8 @@ from contract.messages import (
     CacheListRequest,
     CancelReply,
     CancelRequest,
+    CancelTurnReply,
+    CancelTurnRequest,
     CloseReply,
     CountTokensRequest,
     DecodeRequest,
@@ -44,6 +46,8 @@ from contract.messages import (
     MetricsRequest,
     OpenReply,
     PrefillSuffixRequest,
+    ReadReply,
+    ReadRequest,
     RestoreRequest,
     SessionRef,
     SnapshotReply,
@@ -190,6 +194,9 @@ SAMPLES: dict[Op, tuple[BaseModel, BaseModel]] = {
                   TokenizeReply(tokens=[1, 9, 4093, 198, 6004])),
     Op.DETOKENIZE: (DetokenizeRequest(session_id="s1", tokens=[1, 9, 4093]), DetokenizeReply(text="<|im_start|>user")),
     Op.FORK: (ForkRequest(session_id="s1", at_position=1500), OpenReply(session_id="s2", generation=3, num_ctx=4096)),
+    Op.READ: (ReadRequest(request_id=b"\xff\x00rid", frames=12), ReadReply()),
+    Op.CANCEL_TURN: (CancelTurnRequest(owner_instance_id="o", session_id=""),
+                     CancelTurnReply(session_id="s1", client="POST /v1/messages from 127.0.0.1:50123")),
 }
 
 
@@ -214,7 +221,7 @@ def test_op_and_kind_frames_are_pinned() -> None:
     assert {op.value for op in Op} == {
         "status", "load", "unload", "describe", "embed", "open", "ensure_prefix", "prefill_suffix", "decode",
         "cancel", "explain", "snapshot", "restore", "close", "heartbeat", "cache_list", "cache_clear", "metrics", "takeover",
-            "count_tokens", "why", "tokenize", "detokenize", "fork",
+            "count_tokens", "why", "tokenize", "detokenize", "fork", "read", "cancel_turn",
     }
     assert {k.name: k.value for k in Kind} == {"OK": "ok", "DATA": "data", "END": "end", "ERROR": "error", "HEARTBEAT": "hb"}
     assert {k for k in Kind if k.terminal} == {Kind.OK, Kind.END, Kind.ERROR}
@@ -254,10 +261,12 @@ def test_session_scoped_requests_are_flat_and_give_back_the_contract_type() -> N
         req = SAMPLES[op][0]
         body, payloads = wire.encode_body(req)
         assert payloads == [] and body["session_id"] == "s1"
-        assert set(body) == {"session_id", *inner.model_fields}  # the input's own names, one map
+        # the input's own names, one map (a decode adds whether its client reports its reads)
+        assert set(body) - {"reads"} == {"session_id", *inner.model_fields}
         back = _request_round_trip(op, req)
         got = back.input  # type: ignore[attr-defined]
-        assert type(got) is inner and got == inner.model_validate({k: v for k, v in body.items() if k != "session_id"})
+        assert type(got) is inner and got == inner.model_validate({k: v for k, v in body.items()
+                                                                   if k not in ("session_id", "reads")})
 
 
 def test_session_id_is_validated_like_any_field() -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from contract import wire
 from contract.errors import Cancelled, EngineUnresponsive, InvalidArgument, ModelBusy, ModeldError, ShuttingDown
-from contract.types import EmbedRequest, OpenSessionRequest
+from contract.messages import DecodeRequest
+from contract.types import DecodeConfig, EmbedRequest, OpenSessionRequest
 from contract.wire import Message, Op
 from modeld.workqueue import Inflight, WorkQueue
 
@@ -151,3 +153,47 @@ def test_idle_work_starts_only_with_nothing_queued_and_any_model_request_stops_i
     assert work.model.get_nowait() == (inf, _open(b"r1")) and work.start_idle()
     work.stop_workers()
     assert work.arrived.is_set()
+
+
+def _decode(rid: bytes, *, reads: bool) -> Message:
+    return wire.decode_request(wire.encode_request(Op.DECODE, rid, DecodeRequest.of("s1", DecodeConfig(), reads=reads)))
+
+
+def test_a_stream_nobody_reads_is_cancelled_and_a_slow_reader_is_not() -> None:
+    """A decode whose client reports its reads is cancelled once its reader took none of the frames waiting for it
+    for ``UNREAD_STREAM_S`` (its route went away, and its cancel with it); a reader that keeps taking frames, however
+    slowly, is reading; a raw client that reports nothing is never judged."""
+    work, _slot, _stopping = _queue()
+    reader = work.post(b"c1", Op.DECODE, _decode(b"d1", reads=True))
+    raw = work.post(b"c1", Op.DECODE, _decode(b"d2", reads=False))
+    assert reader.reads and not raw.reads
+    t0 = time.monotonic()
+    for _ in range(3):
+        work.heard(b"c1", b"d1")
+        work.heard(b"c1", b"d2")
+    assert reader.sent == 3 and raw.sent == 3 and not raw.unread
+    due = work.next_due()
+    assert due is not None and due <= t0 + wire.UNREAD_STREAM_S + 0.5  # the IO thread wakes for it
+    work.stop_unread(t0 + wire.UNREAD_STREAM_S / 2)
+    assert not reader.cancel.is_set()
+    work.read(b"c1", b"d1", 1)  # it took one frame: a slow reader, still reading
+    taken = time.monotonic()
+    work.stop_unread(taken + wire.UNREAD_STREAM_S / 2)
+    assert not reader.cancel.is_set() and reader.read == 1 and len(reader.unread) == 2
+    work.read(b"c1", b"d1", 1)  # the same report again takes nothing more
+    assert reader.read == 1
+    work.stop_unread(taken + wire.UNREAD_STREAM_S + 0.01)
+    assert reader.cancel.is_set() and not raw.cancel.is_set()
+    work.stop_unread(t0 + 3600)
+    assert not raw.cancel.is_set()
+
+
+def test_a_stream_read_to_its_end_is_never_judged() -> None:
+    work, _slot, _stopping = _queue()
+    reader = work.post(b"c1", Op.DECODE, _decode(b"d1", reads=True))
+    for _ in range(4):
+        work.heard(b"c1", b"d1")
+    work.read(b"c1", b"d1", 99)  # (a report past what was sent counts what was sent)
+    assert reader.read == 4 and not reader.unread and reader.unread_since() is None
+    work.stop_unread(time.monotonic() + 3600)
+    assert not reader.cancel.is_set()

@@ -68,16 +68,20 @@ def save_tape(m: TapeModel, conversation: str | None = None) -> bool:
     """Put the whole tape (the KV kept past the context included) into the cache unless an entry holds it, as
     ``conversation``'s state (None: the conversation the tape holds)."""
     cache, res = m.cache, m.res
-    if cache is None or res.manifest is None or len(res.tokens) < SAVE_MIN_TOKENS or m.closed:
+    # the head of a prefix whose prefill was cancelled is kept too (``Resident.partial``): an agent that gave up on
+    # its long first request resends it, maybe after another request took the slot, and goes on from there
+    manifest = res.manifest or res.partial
+    if cache is None or manifest is None or len(res.tokens) < SAVE_MIN_TOKENS or m.closed:
         return False
-    key = cache_key(m, res.manifest)
+    key = cache_key(m, manifest)
     if cache.covers(key, res.tokens):
         return False
     try:
         with m.errors("workspace cache: save"):
             state, kind = m.export_state()
-        cache.put(key, res.tape_snapshot(m.backend_name, state, kind),
-                  conversation=res.conversation if conversation is None else conversation)
+        snap = res.tape_snapshot(m.backend_name, state, kind)
+        snap.manifest = manifest
+        cache.put(key, snap, conversation=res.conversation if conversation is None else conversation)
     except (ModeldError, OSError, MemoryError) as exc:
         log.warning("workspace cache: could not save the tape: %s", exc)
         return False

@@ -771,8 +771,12 @@ class TapeSession:
                     pending = None
                     return  # another operation took the KV; this stream is over
                 # an engine step: progress, whether or not it hands out text (the output may hold a tool call or
-                # a possible stop string back for many steps, and the daemon's wedge watch reads the beats)
-                interrupt.beat()
+                # a possible stop string back for many steps, and the daemon's wedge watch reads the beats); a
+                # cancel ends the decode here, within one step, even while the output has handed out nothing for
+                # many steps (its caller, which looks between chunks, would wait for the next chunk)
+                if interrupt.stopped():
+                    return
+                interrupt.decoded(produced)  # (status: how far the reply came)
                 if pending is not None:
                     tok, pending = pending, None
                     draft: list[int] = []

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
+from starlette.websockets import WebSocket
 
 from contract.errors import InvalidArgument, ModeldError, Unavailable, WireError
 from contract.types import (
@@ -54,7 +55,7 @@ from .images import Image, ImageLimits, ImageRef, place_images, read_images
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "turn_messages"]
+__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "client_label", "turn_messages"]
 
 log = logging.getLogger("modeld.http")
 
@@ -132,6 +133,8 @@ class TurnRequest:
     score: int | None = None
     #: the images the messages carried, in order (``images.read_images`` checks them in ``Serving.begin``)
     images: list[ImageRef] = field(default_factory=list)
+    #: who sent it, as status shows the turn (``OpenSessionRequest.client``): the route and the client's address
+    client: str = ""
 
 
 def turn_messages(raw: Iterable[Mapping[str, Any] | ChatMessage]) -> list[ChatMessage]:
@@ -405,6 +408,14 @@ def created_at(active: ActiveModel) -> int:
 CONVERSATION_HEADERS = ("x-claude-code-agent-id", "x-claude-code-session-id", "thread-id", "x-session-id")
 
 
+def client_label(request: Request | WebSocket) -> str:
+    """Who sent a request, as status shows the turn it runs: the route and the client's address."""
+    peer = request.client
+    where = f"{peer.host}:{peer.port}" if peer is not None else "?"
+    method = request.scope.get("method") or "WS"
+    return f"{method} {request.url.path} from {where}"
+
+
 def conversation_of(headers: Mapping[str, str]) -> str:
     """The conversation a request's headers name (``CONVERSATION_HEADERS``), "" when none does: the workspace cache
     then tells conversations apart by their tokens."""
@@ -618,7 +629,8 @@ class Serving:
         model = route.model
         client = self.pool.take()
         try:
-            request = OpenSessionRequest(model_name=route.model, switch=True) if route.switch else None
+            request = OpenSessionRequest(model_name=route.model if route.switch else "", switch=route.switch,
+                                         client=req.client)
             chat = Chat(client, profile=PROFILE, queue_timeout_s=self.settings.http_queue_timeout, request=request)
             if req.prompt is not None:
                 chat_turn = chat.begin_prompt(req.prompt, check_fit=check_fit, conversation=req.conversation,
@@ -660,8 +672,9 @@ class Serving:
         away meanwhile (a 499): a turn left open would hold the slot, its lease renewed by a live client,
         until the session's TTL."""
         taken: list[Turn] = []
-        if request is not None and not req.conversation:
-            req.conversation = conversation_of(request.headers)
+        if request is not None:
+            req.conversation = req.conversation or conversation_of(request.headers)
+            req.client = req.client or client_label(request)
 
         def run() -> Turn:
             taken.append(self.begin(req, route=route))

@@ -55,9 +55,19 @@ def router(serving: Serving) -> APIRouter:
 
 
 def _ping(turn: Turn) -> ServerSentEvent:
-    """A ``ping`` event; while the prefill runs it carries how far it came (``prefill``: the SDKs ignore it)."""
-    progress = turn.progress()
-    return ServerSentEvent(event="ping", data=json.dumps({"type": "ping", **({"prefill": progress} if progress else {})}))
+    """The keep-alive: while the prefill runs, a ``message_delta`` that changes nothing (no stop reason yet, no
+    output tokens) with how far the prefill came (``prefill``: the SDKs ignore it); after it, a ``ping``.
+
+    The SDKs drop ``ping`` events before their callers see them (the Anthropic SDKs yield only the message and
+    content block events), and an agent's stream watchdog (Claude Code's, 300 s) is reset by the events its SDK
+    yields: pings alone keep the bytes flowing but not the agent. A ``message_delta`` reaches it, and the message
+    it assembles reads the same (the final ``message_delta`` sets the stop reason and the usage)."""
+    if turn.prefilling:
+        progress = turn.progress()
+        return ServerSentEvent(event="message_delta", data=json.dumps({
+            "type": "message_delta", "delta": {"stop_reason": None, "stop_sequence": None},
+            "usage": {"output_tokens": 0}, **({"prefill": progress} if progress else {})}))
+    return ServerSentEvent(event="ping", data=json.dumps({"type": "ping"}))
 
 
 def _event(name: str, data: dict[str, Any]) -> dict[str, str]:

@@ -33,7 +33,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from contract.errors import ModeldError
 from runtime.chat import ChatResult
 
-from ..core import Route, Serving, Turn, TurnRequest, turn_messages
+from ..core import Route, Serving, Turn, TurnRequest, client_label, turn_messages
 from ..errors import ApiError, api_error
 from ..images import ImageRef, take_images
 from .feedback import FILE_NAME, FeedbackLog
@@ -477,6 +477,7 @@ class _Connection:
         """The slot for ``gen``: while it waits, its client hears it is queued (and how many wait)."""
         waiting = anyio.CancelScope()
         self._spawn(self._queued, gen, waiting)
+        req.client = req.client or client_label(self.socket)
         try:
             return await self.serving.abegin(req, route=route)
         finally:
