@@ -89,6 +89,9 @@ from .store.catalog import Catalog
 log = logging.getLogger("modeld")
 
 
+#: a status built this recently is answered again while nothing discrete changed (``SlotService.status``)
+STATUS_REUSE_S = 0.05
+
 #: plans the memory-fitted request for a load (``modeld.capacity.make_planner``);
 #: without one the request is loaded as asked and the backend's describe answers
 Planner = Callable[[Backend, OpenSessionRequest, int], ModelInfo]
@@ -267,8 +270,11 @@ class SlotService:
         #: first of them becomes the holder when it closes
         self._forks: dict[str, _Holder] = {}
         self._busy_op = ""
-        #: when the busy operation started (the slot's clock)
+        #: when the busy operation started (the slot's clock), and how many starts and ends there were
         self._busy_since = self._clock()
+        self._ops = 0
+        #: the last status built: (``_status_key`` then, when, the status)
+        self._kept_status: tuple[tuple[object, ...], float, DaemonStatus] | None = None
         self._last_error = ""
         self._progress: float | None = None
         self._shutting_down = False
@@ -276,10 +282,30 @@ class SlotService:
 
     # --- status (any thread) ---------------------------------------------------------
     def status(self) -> DaemonStatus:
+        """The slot's status. While nothing discrete changed (no operation started or ended, no move of state,
+        holder, model or progress) a status built less than ``STATUS_REUSE_S`` ago is answered again: a client
+        polling during a decode gets it without the IO thread building it anew (the engine's figures, the store
+        on disk, the devices), and what it shows of the running turn is at most that old."""
+        key = self._status_key()
+        now = time.monotonic()
+        kept = self._kept_status
+        if kept is not None and kept[0] == key and now - kept[1] < STATUS_REUSE_S:
+            return kept[2].model_copy()
         st = self._status()
         if self.catalog is not None:  # read from disk, outside the state lock
             st = st.model_copy(update={"models": self.catalog.status()})
-        return st
+        self._kept_status = (key, now, st)
+        return st.model_copy()
+
+    def _status_key(self) -> tuple[object, ...]:
+        """What changes with every discrete change of the slot (``status`` answers a kept status while it holds)."""
+        holder = self._holder
+        embeds = self._embedder.status() if self._embedder is not None else None  # (a few fields under its lock)
+        return (self._ops, self._life.state, self._generation, self._busy_op, holder.session_id if holder else "",
+                holder.vanished if holder else False, len(self._forks), self._progress, self._last_error,
+                self.owner, self.owner_epoch, self._shutting_down,
+                (embeds["loads"], embeds["embedded_inputs"], embeds["loaded"], embeds["last_error"])
+                if embeds is not None else None)
 
     def _status(self) -> DaemonStatus:
         gpus = [d.device_info() for d in self.devices()]  # NVML, outside the lock: it never waits on the slot
@@ -348,6 +374,7 @@ class SlotService:
         with self._state_lock:
             self._busy_op = op
             self._busy_since = self._clock()
+            self._ops += 1
         if op == "decode":
             interrupt.decoded(0)
 
