@@ -467,6 +467,11 @@ class Client:
         return reply.result(single=not req.texts)
 
     def open_session(self, req: OpenSessionRequest) -> RemoteSession:
+        """Open a session. One that waits for the slot (``queue_timeout_s``) waits no longer than this client's own
+        ``timeout_s``: the daemon's heartbeats keep a running call alive past it, but a call still queued behind
+        another client's session (one that stopped answering, say) gives up at the caller's timeout with ModelBusy."""
+        if req.queue_timeout_s > self.timeout_s:
+            req = req.model_copy(update={"queue_timeout_s": self.timeout_s})
         return self._held(self.request(Op.OPEN, self._fenced(req), OpenReply))
 
     def _held(self, opened: OpenReply) -> RemoteSession:

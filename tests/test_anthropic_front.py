@@ -27,7 +27,7 @@ def system(n: int) -> list[dict[str, Any]]:
 
 
 def sdk(front: Front, api_key: str = "none") -> Any:
-    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key=api_key, max_retries=0, timeout=60)
+    return anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key=api_key, max_retries=0, timeout=600)
 
 
 @pytest.fixture(scope="module")

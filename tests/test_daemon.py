@@ -308,6 +308,30 @@ def test_a_stream_sending_data_gets_no_heartbeats_between_its_frames(
             assert t - heard[i - 1][0] > wire.HEARTBEAT_INTERVAL_S / 2, f"a heartbeat between data frames: {heard}"
 
 
+def test_a_call_queued_behind_a_stopped_client_gives_up_at_its_own_timeout(tmp_path: Path) -> None:
+    """A client that stopped answering (SIGSTOP) holds the slot until its lease runs out (10 s here); a call
+    queued behind it with a 2 s timeout of its own gives up at 2 s (ModelBusy), not when that lease runs out,
+    whether it asked to wait longer (``queue_timeout_s``) or not."""
+    d = DaemonProcess(tmp_path, "memory", None, "--no-preload", "--lease", "10",
+                      "--memory-token-delay-ms", "5").start()
+    proc = streaming_client(d.endpoint, MODEL_A.model_copy(update={"owner_instance_id": ""}))
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        for queue_timeout_s in (2.0, 120.0):
+            with d.client(timeout_s=2.0) as c:
+                t0 = time.monotonic()
+                with pytest.raises(ModelBusy):
+                    c.open_session(OpenSessionRequest(queue_timeout_s=queue_timeout_s))
+                waited = time.monotonic() - t0
+            assert 1.9 <= waited < 6.0, waited  # its own 2 s (a ceiling well short of the 10 s lease)
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        d.stop()
+
+
 def _decoding(client: Client, tag: str, max_tokens: int) -> tuple[Any, Iterator[StreamChunk]]:
     sess = client.open_session(MODEL_A)
     m = manifest_for(sess, tag)

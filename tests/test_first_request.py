@@ -68,13 +68,13 @@ def _cancelled_prefills(front: Front) -> float:
 
 
 def _openai(front: Front, **kw: Any) -> Any:
-    return openai.OpenAI(base_url=front.url, api_key=API_KEY, max_retries=0, **{"timeout": 120.0, **kw})
+    return openai.OpenAI(base_url=front.url, api_key=API_KEY, max_retries=0, **{"timeout": 600.0, **kw})
 
 
 def _anthropic(front: Front, **kw: Any) -> Any:
     anthropic = pytest.importorskip("anthropic")
     return anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key=API_KEY, max_retries=0,
-                               **{"timeout": 120.0, **kw})
+                               **{"timeout": 600.0, **kw})
 
 
 def _request(front: Front, api: str, system: str, *, stream: bool, max_tokens: int, **kw: Any) -> Any:
@@ -129,7 +129,7 @@ def test_a_client_gone_during_the_prefill_frees_the_slot_at_once(front: Front, a
             body["system"], body["messages"] = system, [{"role": "user", "content": question}]
         else:
             body["messages"] = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=120)
+        conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=600)
         conn.request("POST", ROUTES[api], body=json.dumps(body).encode(),
                      headers={"content-type": "application/json", "authorization": f"Bearer {API_KEY}",
                               "x-api-key": API_KEY})
@@ -176,7 +176,7 @@ def test_a_resent_request_reuses_the_chunks_the_first_attempt_finished(front: Fr
 
 def _sse(front: Front, path: str, body: dict[str, Any], headers: dict[str, str]) -> Iterator[tuple[str, float]]:
     """The raw lines of a streamed reply (comments and every event), each with when it came."""
-    with httpx.Client(timeout=120.0) as http, http.stream("POST", f"http://127.0.0.1:{front.port}{path}", json=body,
+    with httpx.Client(timeout=600.0) as http, http.stream("POST", f"http://127.0.0.1:{front.port}{path}", json=body,
                                                           headers=headers) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():

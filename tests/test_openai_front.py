@@ -65,7 +65,7 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
 
 
 def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         c.request(method, path)
         r = c.getresponse()
@@ -75,7 +75,7 @@ def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
 
 
 def _post_json(port: int, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     try:
         c.request("POST", path, json.dumps(body), {"content-type": "application/json", "x-api-key": "none",
                                                    "authorization": "Bearer none"})
