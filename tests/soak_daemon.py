@@ -12,7 +12,10 @@ Four phases:
    length and one sent chunked (each must be refused 413);
 3. the same over the WebSocket protocol: ``--ws-generations`` generations on one connection, paused and
    resumed, stopped after their first token, modified midway, every 50th connection dropped mid-generation;
-4. a llama.cpp daemon: ``--turns`` turns of one conversation in one session.
+4. a llama.cpp daemon: ``--turns`` turns of one conversation in one session;
+5. the disconnect sweep (``tests.turn_sweep``) on a llama.cpp daemon beside two CPU-bound processes: ``--sweep N``
+   instants per API and mode, a client gone at each; the slot must serve the next client within 2 s and the
+   resend must find what was done.
 
 Prints per phase: RSS at the start, the middle and the end (less the bytes the
 workspace cache holds in RAM: those are bounded by its budget, not a leak), open descriptors at
@@ -20,7 +23,7 @@ the start and the end, how long the slot took to come free after each vanished
 client (the lease is ``LEASE_S``), and errors by class. Exit status 1 when RSS
 grows over 5% from the middle to the end, descriptors grow, or a vanished client
 keeps the slot past its lease + 2 s.
-``python -m tests.soak_daemon [--cycles N] [--http-turns N] [--ws-generations N] [--turns N] [--skip-llama]``.
+``python -m tests.soak_daemon [--cycles N] [--http-turns N] [--ws-generations N] [--turns N] [--sweep N] [--skip-llama]``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import psutil
 
 from contract.errors import ModeldError
 from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
-from harness.daemon import DaemonProcess, streaming_client
+from harness.daemon import DaemonProcess, free_port, streaming_client, wait_http
 
 LEASE_S = 2.0
 MODEL = OpenSessionRequest(model_name="soak", type="memory", path="/models/soak")
@@ -242,6 +245,46 @@ def ws_phase(tmp: Path, generations: int) -> dict[str, object]:
     return {"rss": (rss0, rss_mid, rss1), "fds": (fds0, fds1), "frees": [], "errors": errors, "count": generations}
 
 
+def sweep_phase(tmp: Path, per_mode: int) -> bool:
+    """The disconnect sweep (``tests.turn_sweep``) with ``per_mode`` instants per API and mode on a llama.cpp
+    daemon, two CPU-bound processes beside it; one line per instant, then the slowest slot hand-over."""
+    import multiprocessing
+
+    from tests.turn_sweep import SERVE_ARGS, Sweep, plan
+
+    port = free_port()
+    d = DaemonProcess(tmp / "sweep", "llama", None, "--http", f"127.0.0.1:{port}", *SERVE_ARGS)
+    burners = [multiprocessing.get_context("spawn").Process(target=_burn, daemon=True) for _ in range(2)]
+    outcomes = []
+    d.start(wait_state=("Ready",))
+    try:
+        wait_http(port)
+        for b in burners:
+            b.start()
+        sweep = Sweep(d, port)
+        try:
+            for case in plan(per_mode):
+                out = sweep.run(case)
+                print(out.line(), flush=True)
+                outcomes.append(out)
+        finally:
+            sweep.close()
+    finally:
+        for b in burners:
+            b.kill()
+        d.stop()
+    failed = [o for o in outcomes if not o.ok]
+    slowest = max((o.free_s for o in outcomes), default=0.0)
+    print(f"disconnect sweep: {len(outcomes)} instants, {len(failed)} failed; the next client held the slot at most "
+          f"{slowest:.2f} s after a disconnect", flush=True)
+    return not failed
+
+
+def _burn() -> None:
+    while True:
+        pass
+
+
 def _report(name: str, r: dict[str, object]) -> bool:
     rss0, mid, rss1 = r["rss"]  # type: ignore[misc]
     fds0, fds1 = r["fds"]  # type: ignore[misc]
@@ -272,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-turns", type=int, default=1000, help="HTTP turns (every API; 200 MB bodies every 100)")
     p.add_argument("--ws-generations", type=int, default=500,
                    help="WebSocket generations (paused, stopped, modified; a connection dropped every 50)")
+    p.add_argument("--sweep", type=int, default=6, metavar="N",
+                   help="the disconnect sweep: N instants per API and mode on llama.cpp (0: none)")
     p.add_argument("--skip-llama", action="store_true")
     p.add_argument("--no-cache", action="store_true", help="the llama.cpp daemon without its workspace cache")
     args = p.parse_args(argv)
@@ -283,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_llama:
             extra = ("--cache-ram", "0", "--cache-disk", "0") if args.no_cache else ()
             ok &= _report("llama.cpp", llama_phase(Path(tmp), args.turns, *extra))
+            if args.sweep:
+                ok &= sweep_phase(Path(tmp), args.sweep)
     return 0 if ok else 1
 
 
