@@ -29,7 +29,7 @@ from .errors import Cancelled
 
 __all__ = [
     "beat", "check", "chunk_done", "current", "interruptible", "last_beat", "prefill_progress", "prefilled", "prefilling",
-    "set_chunk_delay", "stopped", "decoded", "decode_progress", "prefill_span",
+    "set_chunk_delay", "set_slow_prefix", "stopped", "decoded", "decode_progress", "prefill_span",
 ]
 
 _scope = threading.local()
@@ -53,17 +53,24 @@ _prefill: list[tuple[int, int, int] | None] = [None]
 _prefill_lock = threading.Lock()
 
 
+#: the running prefill is of a stable prefix (``prefilling(stable=True)``): ``set_slow_prefix`` holds it back
+_stable = [False]
+
+
 @contextmanager
-def prefilling(first: int, end: int) -> Iterator[None]:
-    """Inside the block a prefill computes tape positions ``first`` to ``end``; the engine reports with ``prefilled``."""
+def prefilling(first: int, end: int, *, stable: bool = False) -> Iterator[None]:
+    """Inside the block a prefill computes tape positions ``first`` to ``end`` (``stable``: of a stable prefix); the
+    engine reports with ``prefilled``."""
     span = (first, end, first) if end > first else None
     with _prefill_lock:
         _prefill[0] = span
+        _stable[0] = stable
     try:
         yield
     finally:
         with _prefill_lock:
             _prefill[0] = None
+            _stable[0] = False
 
 
 def prefilled(position: int) -> None:
@@ -93,12 +100,26 @@ def set_chunk_delay(seconds: float) -> None:
     _chunk_delay_s[0] = max(0.0, seconds)
 
 
+#: seconds a stable prefix's whole prefill is stretched to at least (``serve --slow-prefix-s``; 0: never)
+_slow_prefix_s = [0.0]
+
+
+def set_slow_prefix(seconds: float) -> None:
+    """Hold a stable prefix's prefill back so that it takes at least ``seconds`` in all (0: never): each chunk waits
+    its share of them, what it computed over what the prefill computes."""
+    _slow_prefix_s[0] = max(0.0, seconds)
+
+
 def chunk_done(position: int) -> None:
     """A prefill chunk is in the KV, which now holds ``position`` tokens: ``prefilled``, then the chunk delay
     (when one is set) for a request's prefill, or the draft costs' timing (inside ``prefilling``; a load's warm-up
     is not held back), which a cancel ends at once."""
+    span = _prefill[0]
     prefilled(position)
     delay = _chunk_delay_s[0]
+    if span is not None and _stable[0] and _slow_prefix_s[0] > 0 and span[1] > span[0]:
+        computed = max(0, min(position, span[1]) - span[2])  # this chunk's tokens, of what the prefill computes
+        delay += _slow_prefix_s[0] * computed / (span[1] - span[0])
     if delay <= 0 or _prefill[0] is None:
         return
     event = current()

@@ -295,6 +295,7 @@ def build_daemon(opts: ServeSettings, backend: Backend | None = None) -> Daemon:
     curve_keys = server_keys(data_dir) if opts.curve else None
     slot = build_slot(opts, endpoint, backend)
     interrupt.set_chunk_delay(opts.prefill_chunk_delay_ms / 1000)
+    interrupt.set_slow_prefix(opts.slow_prefix_s)
     blobs = BlobStore(data_dir / "blobs", max_bytes=opts.blob_disk, max_age_s=opts.blob_max_age_days * 86400)
     return Daemon(slot, endpoint, blobs, opts, curve_keys=curve_keys)
 

@@ -489,6 +489,11 @@ class ServeSettings(HttpSettings):
         0.0, description="hold each prefill chunk back MS milliseconds: a slower machine on demand, for tests and "
         "demonstrations of a long first request (a cancel still stops it at once; 0 = off)",
     )
+    slow_prefix_s: Annotated[NonNegative, Flag("S", SESSIONS)] = Field(
+        0.0, description="hold a stable prefix's prefill back so that it takes at least S seconds: an agent's long "
+        "first request on a machine that slow, while its later turns (the prefix reused) run at this one's speed; "
+        "for trying an agent's patience (a cancel still stops it at once; 0 = off)",
+    )
     temperature: Annotated[float | None, Field(ge=0.0, le=10.0), Flag("T", MODEL)] = Field(
         None,
         description="temperature of requests that set no sampling parameter (default: the model's recommended "

@@ -34,3 +34,32 @@ def test_scope_is_per_thread_and_nests() -> None:
         with pytest.raises(Cancelled):
             interrupt.check("decode")
     assert interrupt.current() is None
+
+
+def test_a_slow_prefix_stretches_only_a_stable_prefix_and_a_cancel_ends_its_wait() -> None:
+    """``serve --slow-prefix-s``: each chunk of a stable prefix's prefill waits its share of the whole (a 100-token
+    prefix held to 0.4 s: a 25-token chunk waits 0.1 s); a conversation's prefill is not held; a cancel ends the
+    wait at once."""
+    import threading
+    import time
+
+    interrupt.set_slow_prefix(0.4)
+    try:
+        with interrupt.prefilling(0, 100, stable=True):
+            t0 = time.monotonic()
+            for end in (25, 50, 75, 100):
+                interrupt.chunk_done(end)
+            assert time.monotonic() - t0 >= 0.38  # (at least: a loaded machine only adds)
+        interrupt.set_slow_prefix(120.0)
+        with interrupt.prefilling(100, 200):  # a conversation after it: were it held, a whole 2 minutes
+            t0 = time.monotonic()
+            interrupt.chunk_done(200)
+            assert time.monotonic() - t0 < 30
+        cancel = threading.Event()
+        cancel.set()
+        with interrupt.interruptible(cancel), interrupt.prefilling(0, 100, stable=True):
+            t0 = time.monotonic()
+            interrupt.chunk_done(50)  # its share is a minute
+            assert time.monotonic() - t0 < 30
+    finally:
+        interrupt.set_slow_prefix(0.0)

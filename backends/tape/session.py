@@ -520,7 +520,8 @@ class TapeSession:
                 save_before_discard(m, m.reusable(plan.keep))
             try:
                 # the daemon's heartbeats carry how far this prefill has come
-                with m.errors("ensure_prefix: prefill"), interrupt.prefilling(m.reusable(plan.keep), len(tokens)):
+                with m.errors("ensure_prefix: prefill"), interrupt.prefilling(m.reusable(plan.keep), len(tokens),
+                                                                                stable=True):
                     kept = m.set_kv(tokens, m.reusable(plan.keep))
             except Cancelled:
                 # The engines leave the tape equal to the chunks the KV completed: a cancelled prefill (a client

@@ -14,7 +14,10 @@ Options: ``--only opencode,aider`` (a subset), ``--timeout 420`` (seconds per ag
 ``--tasks N``, ``--load N`` (N CPU-bound processes beside the daemon),
 ``--task TEXT`` (repeatable: the tasks instead of the two), ``--model NAME``
 (default: the first of ``/v1/models``), ``--context N``, ``--outdir DIR``, ``--backend``,
-``--serve-arg ARG``, ``--settle S`` (wait after an agent for its requests to end), ``--claude-tools LIST``
+``--serve-arg ARG`` (``--serve-arg=--slow-prefix-s=340``: every agent's first prefill past 330 s, its later
+turns at this machine's speed), ``--kill-within S`` (kill each agent at a random moment of its first S seconds, as
+its own timeout would, and time how soon the slot is free; ``--seed N``), ``--settle S`` (wait after an agent for
+its requests to end), ``--claude-tools LIST``
 (Claude Code's ``--tools``; default ``Bash,Edit,Read,Write``, ``default`` for its own set), ``--install-only``,
 ``--reinstall``, ``--peer llama-server`` (then the same agents and tasks against llama.cpp's server on the file,
 window and model name modeld served, and both tables side by side; its figures come from the proxy's records, its

@@ -173,6 +173,10 @@ class AgentResult:
     note: str = ""
     daemon_after: dict[str, Any] | None = None  # its status once the agent's requests were done (or settle ran out)
     task_exits: list[int | None] = field(default_factory=list)  # each task's exit code in order (None: timed out)
+    #: ``--kill-within``: when the harness killed it (seconds into its run; None: it ended first), and how soon after
+    #: the daemon's slot was free (None: not within a minute)
+    killed_at: float | None = None
+    freed_s: float | None = None
 
     @property
     def errors(self) -> int:
@@ -216,6 +220,9 @@ def _row(r: AgentResult) -> tuple[str, ...]:
     if len(r.task_exits) > 1 and any(code != 0 for code in r.task_exits):
         # which tasks failed: a failure before a last task that ended well is not hidden behind its 0
         exit_code = "/".join("timeout" if code is None else str(code) for code in r.task_exits)
+    if r.killed_at is not None:  # (--kill-within): when, and how soon the slot was free after
+        exit_code = f"killed at {r.killed_at:.0f} s, slot free " + ("past 60 s" if r.freed_s is None
+                                                                     else f"{r.freed_s:.2f} s after")
     requests = str(len(r.access)) + ("" if len(r.requests) == len(r.access) else f" ({len(r.requests)} sent)")
     return (r.agent, requests, str(r.errors), reuse, f"{r.prompt_tokens:,}", f"{r.seconds:.0f}",
             "yes" if r.changed else "no", "yes" if r.fixed else "no", exit_code)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import sys
@@ -77,6 +78,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peer", choices=["llama-server"], default="",
                    help="then run the same agents and tasks against llama.cpp's llama-server (the file, window and "
                         "model name modeld served; built on first use) and print both tables side by side")
+    p.add_argument("--kill-within", type=float, default=0.0, metavar="S",
+                   help="kill each agent at a random moment of its first S seconds, as its own timeout would, and "
+                        "time how soon the daemon's slot is free after (--seed picks the moments; 0: never)")
+    p.add_argument("--seed", type=int, default=0, help="the seed of --kill-within's moments")
     p.add_argument("--install-only", action="store_true", help="install the agents and exit")
     p.add_argument("--reinstall", action="store_true", help="install the agents again even when the stamp matches")
     p.add_argument("--python", default=_base_python(),
@@ -193,6 +198,7 @@ class Run:
         self.health: dict[str, Any] = {}
         self.starts: list[float] = []  # when each agent started (wall clock)
         self.old_access: list[dict[str, Any]] = []  # the lines of daemons restarted since
+        self._rng = random.Random(args.seed)  # the moments --kill-within kills the agents at
 
     async def start_daemon(self) -> Daemon:
         self.daemons += 1
@@ -267,6 +273,8 @@ class Run:
         t0 = time.monotonic()
         codes: list[int | None] = []
         timed_out = False
+        kill_at = self._rng.uniform(5.0, self.args.kill_within) if self.args.kill_within else None
+        killed: float | None = None
         for k, task in enumerate(self.args.task):
             ctx = Context(name=name, installed=self.installed, server=self.proxy.url, model=self.model,
                           context=self.context, output=min(self.args.output_tokens, self.context // 2),
@@ -275,7 +283,15 @@ class Run:
             launch = AGENTS[name](ctx)
             _log(f"{name} (task {k + 1}): {' '.join(launch.argv)}")
             log = self.outdir / (f"{name}.log" if k == 0 else f"{name}-{k + 1}.log")
-            code, timed_out = await _launch(launch, log, self.args.timeout)
+            left = None if kill_at is None else kill_at - (time.monotonic() - t0)
+            if left is not None and left <= self.args.timeout:
+                code, cut = await _launch(launch, log, max(left, 0.0))
+                if cut:  # the harness killed it: the daemon must let go of whatever it was doing for it
+                    killed = time.monotonic() - t0
+                    codes.append(None)
+                    break
+            else:
+                code, timed_out = await _launch(launch, log, self.args.timeout)
             codes.append(code)
             if timed_out:
                 break
@@ -284,7 +300,12 @@ class Run:
         seconds = time.monotonic() - t0
         note = []
         aborted = self.proxy.abort()
-        if aborted:
+        freed: float | None = None
+        if killed is not None:
+            freed = await asyncio.to_thread(self.free_after, 60.0)
+            note.append(f"killed at {killed:.0f} s ({aborted} request(s) in flight); the slot was free "
+                        + (f"{freed:.2f} s after" if freed is not None else "only past 60 s"))
+        if aborted and killed is None:
             note.append(f"{aborted} request(s) still open when the agent ended were closed")
         if not await self.proxy.drain(10.0):
             note.append(f"{self.proxy.inflight} request(s) still in flight 10 s after the agent ended")
@@ -310,10 +331,25 @@ class Run:
                              seconds=seconds, changed=changes.changed(), fixed=changes.fixed(), requests=requests,
                              diff=changes.diff(), note="; ".join(note),
                              daemon_after={k: status.get(k) for k in STATUS_KEYS} if status else None,
-                             task_exits=codes)
+                             task_exits=codes, killed_at=killed, freed_s=freed)
         _log(f"{name}: {'timed out' if timed_out else f'exit {code}'} (tasks: {codes}) after {seconds:.0f} s, "
              f"{served} of {len(requests)} request(s) logged by the daemon, changed: {result.changed}")
         return result
+
+    def free_after(self, timeout: float) -> float | None:
+        """Seconds until no session holds the daemon's slot and nothing runs on it (None: not within ``timeout``),
+        read with the runtime client: a ``modeld status`` process would take longer to start than the answer."""
+        assert self.daemon is not None
+        from runtime import Client
+
+        t0 = time.monotonic()
+        with Client(self.daemon.endpoint, timeout_s=10.0) as c:
+            while time.monotonic() - t0 < timeout:
+                st = c.status()
+                if not st.session_open and not st.busy_operation:
+                    return time.monotonic() - t0
+                time.sleep(0.02)
+        return None
 
     async def idle(self, timeout: float) -> dict[str, Any] | None:
         """The daemon's status once it has no operation running, or after ``timeout``; None if unreadable."""
