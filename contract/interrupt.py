@@ -182,7 +182,7 @@ def stopped() -> bool:
     """Whether this thread's work has been interrupted (a check that raises nothing, for a loop that ends itself:
     a decode that yields no text for many steps, a tool call or a possible stop string held back, still stops
     within one step). Also a ``beat``."""
-    _last_beat[0] = time.monotonic()
+    beat()
     event = current()
     return event is not None and event.is_set()
 

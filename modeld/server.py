@@ -52,6 +52,9 @@ SHUTDOWN_WAIT_S = 10.0
 #: how long it waits for a worker the watchdog already found wedged (it made no progress for the whole
 #: wedge timeout; a cancel it has not seen by then is not seen in ten more seconds either)
 WEDGED_SHUTDOWN_WAIT_S = 1.0
+#: how long a stop waits for a model worker that saw it to release the model (its tape saved to the workspace
+#: cache, which writes it to disk: seconds on a loaded machine with a long context)
+RELEASE_WAIT_S = 120.0
 #: while the workers stop, what they reply is sent on and heartbeats go out this often (their usual second at most)
 SHUTDOWN_BEAT_S = 0.5
 LINGER_MS = 500
@@ -295,6 +298,9 @@ class Daemon:
                 return True
             self._drain_out(router, pull)
             self.watchdog.heartbeats(send, time.monotonic())
+            releasing = self.workers.releasing_since
+            if releasing is not None:  # (it saw the stop and saves what it computed: a slow disk is not a wedge)
+                deadline = max(deadline, releasing + RELEASE_WAIT_S)
             if time.monotonic() >= deadline:
                 return False
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from contextlib import closing
@@ -67,6 +68,9 @@ class Workers:
         self.stream_interval_s = stream_interval_s
         #: the model workers run this much nicer than the IO thread (``modeld.priority``)
         self.engine_nice = engine_nice
+        #: when the model worker began releasing the model at a stop (its tape saved to the workspace cache, which
+        #: writes it to disk): a worker that got there saw the stop, and is not wedged however long that takes
+        self.releasing_since: float | None = None
         #: the model ``serve --model`` names did not load: the daemon stops and says why
         self._preload_failed = preload_failed
         self.model_thread = threading.Thread(target=self._model_main, name="modeld-worker", daemon=True)
@@ -113,6 +117,7 @@ class Workers:
                     self._serve_item(*item, emit)
                 self._serve_deferred(emit)
         finally:
+            self.releasing_since = time.monotonic()  # it saw the stop: what is left is releasing the model
             try:
                 self.slot.shutdown()  # the model belongs to this thread: release it here
             except Exception:
