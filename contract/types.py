@@ -1166,6 +1166,9 @@ class StreamChunk(_Report):
     #: with ``DecodeConfig.readouts``, on the final chunk: one per decoded token the context holds (an end of
     #: generation token is not one), in order, ``[n_layers][n_concepts]`` as ``SuffixStatus.readouts``
     readouts: list[list[list[float]]] = Field(default_factory=list)
+    #: with ``DecodeConfig.logprobs``, on the final chunk of a pass the model ended: the end-of-generation token it
+    #: sampled (its ``token`` text empty: it writes none), which ``logprobs`` does not count among the reply's tokens
+    end_logprob: TokenLogprob | None = None
     #: when a frame carries several decode steps merged (``modeld serve --stream-interval-ms``): ``text`` and
     #: ``thinking`` in the pieces the steps produced, so a reader can hand them on one by one, as a server that
     #: sends a frame a token does (empty: the field is one piece)
