@@ -53,7 +53,7 @@ from .logprobs import token_logprob
 from .miss import Held, message_keys, prefix_miss, suffix_miss
 from .model import BOS_POLICIES, RowsFn, StatesFn, TapeModel, parse_tools, render_prefix, with_tools
 from .model import stable_text as stable_render
-from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
+from .output import PerToken, OutputPipeline, ends_inside_thinking, resolve_protocols
 from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
 from .state import check_restorable
 from .toolformats import parameter_types
@@ -721,19 +721,27 @@ class TapeSession:
             lp = token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece)
             return lp.model_copy(update={"token": "", "bytes": []})
 
-        def output(token: int, row: int | None) -> tuple[StreamChunk | None, bool]:
+        #: with ``cfg.return_token_ids``: a chunk per token, its text once the output released it
+        per_token = PerToken() if cfg.return_token_ids else None
+
+        def output(token: int, row: int | None) -> tuple[list[StreamChunk], bool]:
             """A sampled token (from the last ``sample``, or from ``sample_row(row)``) through the output
-            pipeline: its chunk (None: nothing to send yet), and whether a stop string ended the answer there.
+            pipeline: its chunks (none: nothing to send yet), and whether a stop string ended the answer there.
             A control token the format reads is fed as its text."""
-            if cfg.logprobs is not None:
-                held.append(token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece))
-            delta = pipeline.feed_bytes(markers.get(token) or steps.piece(token))
-            send = delta or cfg.return_token_ids
-            chunk = delta.chunk([token] if cfg.return_token_ids else None) if send else None
-            if chunk is not None and held:
+            lp = token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece) if cfg.logprobs is not None else None
+            fed = markers.get(token) or steps.piece(token)
+            delta = pipeline.feed_bytes(fed)
+            if per_token is not None:
+                return per_token.add(token, fed, lp, delta), delta.stopped
+            if lp is not None:
+                held.append(lp)
+            if not delta:
+                return [], delta.stopped
+            chunk = delta.chunk()
+            if held:
                 chunk.logprobs = held.copy()
                 held.clear()
-            return chunk, delta.stopped
+            return [chunk], delta.stopped
 
         try:
             if not still_ours():
@@ -770,8 +778,8 @@ class TapeSession:
                             steps.feed(tok)
                             policy.plain_step()
                     if draft:
-                        # (token, its chunk or None, whether the KV holds it), in output order
-                        emitted: list[tuple[int, StreamChunk | None, bool]] = []
+                        # (token, its chunks, whether the KV holds it), in output order
+                        emitted: list[tuple[int, list[StreamChunk], bool]] = []
                         accepted = 0
                         for i in range(len(draft) + 1):
                             with m.errors("decode"):
@@ -781,11 +789,11 @@ class TapeSession:
                                 ended = ended_by(token, i)
                                 break
                             produced += 1
-                            chunk, stopped = output(token, i)
+                            outs, stopped = output(token, i)
                             if stopped:
                                 finish = "stop"
                             in_kv = i < len(draft) and token == draft[i]
-                            emitted.append((token, chunk, in_kv))
+                            emitted.append((token, outs, in_kv))
                             if not in_kv:
                                 break  # the first token the draft did not foresee: evaluated next
                             accepted += 1
@@ -800,18 +808,17 @@ class TapeSession:
                         stats.accepted += accepted
                         m.drafts.drafted += len(draft)
                         m.drafts.accepted += accepted
-                        for j, (token, out, in_kv) in enumerate(emitted):
-                            if out is None:
-                                continue
-                            try:
-                                yield out
-                            except GeneratorExit:
-                                # closed here: keep exactly what was handed out, as plain decoding does
-                                spill = sum(1 for e in emitted[j + 1 :] if e[2])
-                                if spill and still_ours():
-                                    steps.rollback(spill)
-                                pending = None if in_kv else token
-                                raise
+                        for j, (token, outs, in_kv) in enumerate(emitted):
+                            for out in outs:
+                                try:
+                                    yield out
+                                except GeneratorExit:
+                                    # closed here: keep exactly what was handed out, as plain decoding does
+                                    spill = sum(1 for e in emitted[j + 1 :] if e[2])
+                                    if spill and still_ours():
+                                        steps.rollback(spill)
+                                    pending = None if in_kv else token
+                                    raise
                         last_token, _, last_in_kv = emitted[-1] if emitted else (0, None, True)
                         pending = None if last_in_kv else last_token
                         continue
@@ -833,13 +840,16 @@ class TapeSession:
                     break
                 produced += 1
                 pending = token
-                chunk, stopped = output(token, None)
+                outs, stopped = output(token, None)
                 if stopped:
                     finish = "stop"
-                if chunk is not None:
-                    yield chunk
+                for out in outs:
+                    yield out
             tail = pipeline.finish()
-            if tail:
+            if per_token is not None:
+                for out in per_token.flush(tail):
+                    yield out
+            elif tail:
                 chunk = tail.chunk()
                 chunk.logprobs = held.copy()
                 held.clear()
