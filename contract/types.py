@@ -828,6 +828,8 @@ class ReuseRecord(_Report):
     prefilled_tokens: int = 0
     prefill_ms: float = 0.0
     miss: ReuseMiss | None = None
+    #: a digest of the prompt's tokens (``SuffixStatus.context_token_hash``): the same digest, the same tokens
+    prompt_token_hash: str = ""
 
 
 class PrefixStatus(_Report):
@@ -867,6 +869,9 @@ class SuffixStatus(_Report):
     logprobs: list[TokenLogprob | None] = Field(default_factory=list)
     #: of ``suffix_tokens``, the positions its images' blocks of image tokens take (each image once per place)
     image_tokens: int = 0
+    #: a digest of the context's tokens after the suffix (``contract.manifest.token_hash``): two requests with the
+    #: same digest sent the model the same tokens, whatever the slot held before each
+    context_token_hash: str = ""
     #: with ``SuffixInput.readouts``: one per suffix token, in order: ``[n_layers][n_concepts]``, the residual stream
     #: after each manifest layer (ascending) dotted with each concept's direction (the manifest's order); ``[]`` for
     #: a token outside ``readout_ranges``

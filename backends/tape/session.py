@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from contract import interrupt
 from contract.errors import Cancelled, InvalidArgument, ManifestMismatch, SessionClosed, UnsupportedFeature
-from contract.manifest import ContextManifest, common_prefix_len
+from contract.manifest import ContextManifest, common_prefix_len, token_hash
 from contract.types import (
     ChatMessage,
     ContextReport,
@@ -597,6 +597,7 @@ class TapeSession:
         res.conversation = suffix.conversation
         status = res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
         status.image_tokens = sum(1 for t in target[prefix_len:] if is_image_token(t))
+        status.context_token_hash = token_hash(target)
         status.miss = suffix_miss(held, target, new_messages, prefix_len=prefix_len, reused=kept, seen=seen,
                                   restored=restored, token_bytes=m.token_bytes)
         if scores is not None:  # (what it prefilled again it was asked to: no miss)
@@ -719,7 +720,9 @@ class TapeSession:
             if cfg.logprobs is None:
                 return None
             lp = token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece)
-            return lp.model_copy(update={"token": "", "bytes": []})
+            # (the same token among the likeliest reads the same: a scorer compares the two texts)
+            top = [a.model_copy(update={"token": "", "bytes": []}) if a.token_id == token else a for a in lp.top]
+            return lp.model_copy(update={"token": "", "bytes": [], "top": top})
 
         #: with ``cfg.return_token_ids``: a chunk per token, its text once the output released it
         per_token = PerToken() if cfg.return_token_ids else None
