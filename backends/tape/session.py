@@ -53,7 +53,7 @@ from .logprobs import token_logprob
 from .miss import Held, message_keys, prefix_miss, suffix_miss
 from .model import BOS_POLICIES, RowsFn, StatesFn, TapeModel, parse_tools, render_prefix, with_tools
 from .model import stable_text as stable_render
-from .output import PerToken, OutputPipeline, ends_inside_thinking, resolve_protocols
+from .output import OutputPipeline, PerToken, ends_inside_thinking, resolve_protocols
 from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
 from .state import check_restorable
 from .toolformats import parameter_types
