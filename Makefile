@@ -145,11 +145,13 @@ $(FUZZ_STAMP): $(STAMP) $(DEPS)
 # Generated hostile frames against a real daemon process (FUZZ_ARGS="--examples N --backend llama"), then the
 # HTTP fronts: schemathesis from the served OpenAPI schema, the connection attacks and generated images against a
 # vision daemon (FUZZ_HTTP_ARGS="--examples N --image-examples N"),
-# then the WebSocket protocol's messages from its JSON Schema (FUZZ_WS_ARGS="--examples N").
+# then the WebSocket protocol's messages from its JSON Schema (FUZZ_WS_ARGS="--examples N"), then warm equals cold
+# over generated prompts on every API and both engines (WARM_COLD_EXAMPLES=N per engine, 2,000 by default).
 fuzz: $(FUZZ_STAMP)
 	$(PY) -m tests.fuzz_daemon $(FUZZ_ARGS)
 	$(PY) -m tests.fuzz_http $(FUZZ_HTTP_ARGS)
 	$(PY) -m tests.fuzz_ws $(FUZZ_WS_ARGS)
+	MODELD_WARM_COLD_EXAMPLES=$${WARM_COLD_EXAMPLES:-2000} $(PY) -m pytest -q -p no:cacheprovider tests/test_warm_equals_cold.py
 
 # A long run against real daemons: RSS, descriptors, vanished clients (SOAK_ARGS="--cycles N --ws-generations N
 # --turns N").

@@ -10,9 +10,10 @@ compatibility check (an edited prefix is still partially reusable).
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
-import struct
+import sys
 from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict
@@ -69,11 +70,11 @@ def byte_hash(text: str) -> str:
 
 
 def token_hash(token_ids: Iterable[int]) -> str:
-    """sha256 over the token ids as little-endian int64s."""
-    h = hashlib.sha256()
-    for tid in token_ids:
-        h.update(struct.pack("<q", int(tid)))
-    return "sha256:" + h.hexdigest()
+    """sha256 over the token ids as little-endian int64s (packed in one go: a 20k-token prompt in well under a ms)."""
+    packed = array.array("q", (int(t) for t in token_ids))
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return "sha256:" + hashlib.sha256(packed.tobytes()).hexdigest()
 
 
 def common_prefix_len(a: Sequence[int] | bytes, b: Sequence[int] | bytes) -> int:

@@ -828,6 +828,8 @@ class ReuseRecord(_Report):
     prefilled_tokens: int = 0
     prefill_ms: float = 0.0
     miss: ReuseMiss | None = None
+    #: a digest of the prompt's tokens (``SuffixStatus.context_token_hash``): the same digest, the same tokens
+    prompt_token_hash: str = ""
 
 
 class PrefixStatus(_Report):
@@ -867,6 +869,9 @@ class SuffixStatus(_Report):
     logprobs: list[TokenLogprob | None] = Field(default_factory=list)
     #: of ``suffix_tokens``, the positions its images' blocks of image tokens take (each image once per place)
     image_tokens: int = 0
+    #: a digest of the context's tokens after the suffix (``contract.manifest.token_hash``): two requests with the
+    #: same digest sent the model the same tokens, whatever the slot held before each
+    context_token_hash: str = ""
     #: with ``SuffixInput.readouts``: one per suffix token, in order: ``[n_layers][n_concepts]``, the residual stream
     #: after each manifest layer (ascending) dotted with each concept's direction (the manifest's order); ``[]`` for
     #: a token outside ``readout_ranges``
@@ -1166,6 +1171,9 @@ class StreamChunk(_Report):
     #: with ``DecodeConfig.readouts``, on the final chunk: one per decoded token the context holds (an end of
     #: generation token is not one), in order, ``[n_layers][n_concepts]`` as ``SuffixStatus.readouts``
     readouts: list[list[list[float]]] = Field(default_factory=list)
+    #: with ``DecodeConfig.logprobs``, on the final chunk of a pass the model ended: the end-of-generation token it
+    #: sampled (its ``token`` text empty: it writes none), which ``logprobs`` does not count among the reply's tokens
+    end_logprob: TokenLogprob | None = None
     #: when a frame carries several decode steps merged (``modeld serve --stream-interval-ms``): ``text`` and
     #: ``thinking`` in the pieces the steps produced, so a reader can hand them on one by one, as a server that
     #: sends a frame a token does (empty: the field is one piece)

@@ -194,7 +194,8 @@ class Metrics:
             prefilled, ms = prefilled + pre.prefilled_tokens, ms + pre.prefill_ms
         return ReuseRecord(at=time.time(), prompt_tokens=suf.prefix_tokens + suf.suffix_tokens, reused_tokens=reused,
                            cached_tokens=cached, prefilled_tokens=prefilled, prefill_ms=ms,
-                           miss=(pre.miss if pre is not None else None) or suf.miss)
+                           miss=(pre.miss if pre is not None else None) or suf.miss,
+                           prompt_token_hash=suf.context_token_hash)
 
     def recent(self, last: int) -> list[ReuseRecord]:
         """The last ``last`` requests' reuse, oldest first."""

@@ -202,7 +202,10 @@ class Workers:
                 # metrics are counted before the last reply goes out: a client that reads them
                 # after its answer sees its request in them
                 if stream is not None:
-                    coalescer = ChunkCoalescer(self.stream_interval_s)
+                    # a decode that hands out token ids sends a frame a token: each carries its one id, log
+                    # probability and text, which a merged frame could not keep apart for its reader
+                    per_token = bool(getattr(req, "return_token_ids", False))
+                    coalescer = ChunkCoalescer(0.0 if per_token else self.stream_interval_s)
                     try:
                         with closing(stream(self.handlers, inf.cancel, req)) as chunks:
                             for chunk in chunks:

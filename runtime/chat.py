@@ -102,6 +102,9 @@ class ChatResult(BaseModel):
     logprobs: list[TokenLogprob] = Field(default_factory=list)
     #: a scored prompt's (``Chat.begin_prompt(score=…)``): one per prompt token, None for one with nothing before it
     prompt_logprobs: list[TokenLogprob | None] = Field(default_factory=list)
+    #: with ``logprobs`` asked and the reply ended by the model: its end-of-generation token's (text empty; not in
+    #: ``logprobs``, which are the reply's own tokens)
+    end_logprob: TokenLogprob | None = None
 
 
 class ChatEvent(BaseModel):
@@ -555,6 +558,7 @@ def _events(
             total_ms=(time.perf_counter() - started) * 1000,
         ),
         logprobs=[*logprobs, *(final.logprobs if final is not None else [])],
+        end_logprob=final.end_logprob if final is not None else None,
         prompt_logprobs=prompt_logprobs,
     )
     yield ChatEvent(result=result)

@@ -227,9 +227,11 @@ def test_a_text_model_refuses_an_image_in_messages_in_anthropics_shape(front: Fr
                 client.messages.create(model="m", max_tokens=4, messages=messages)  # type: ignore[arg-type]
             body: Any = err.value.body
             assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+            assert body["error"]["code"] == "vision_unsupported", body  # (beside Anthropic's fixed types)
             assert "reads text only" in body["error"]["message"] and repr(name) in body["error"]["message"]
-            with pytest.raises(anthropic.BadRequestError):  # the count too: an image is not counted as nothing
+            with pytest.raises(anthropic.BadRequestError) as err:  # the count too: an image is not counted as nothing
                 client.messages.count_tokens(model="m", messages=messages)  # type: ignore[arg-type]
+            assert err.value.body["error"]["code"] == "vision_unsupported"  # type: ignore[index]
         url_image = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
         with pytest.raises(anthropic.BadRequestError) as err:
             client.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": [url_image]}])

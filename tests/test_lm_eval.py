@@ -28,11 +28,11 @@ TASK = "modeld_code_mc"
 LOGLIK_TOLERANCE = 1e-3
 
 
-def _task(where: Path) -> None:
-    (where / f"{TASK}.yaml").write_text(
-        f"task: {TASK}\n"
+def _task(where: Path, name: str, data: Path) -> None:
+    (where / f"{name}.yaml").write_text(
+        f"task: {name}\n"
         "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {DATA}\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
         "test_split: test\n"
         "output_type: multiple_choice\n"
         'doc_to_text: "Question: {{question}}\\nAnswer:"\n'
@@ -42,10 +42,30 @@ def _task(where: Path) -> None:
     )
 
 
+def _run(tmp: Path, port: int, name: str) -> list[dict[str, object]]:
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+         f"base_url=http://127.0.0.1:{port}/v1/completions,model=any,tokenizer_backend=remote,"
+         "num_concurrent=1,max_retries=1",
+         "--tasks", name, "--include_path", str(tmp), "--log_samples", "--output_path", str(tmp / f"out-{name}")],
+        env=env, capture_output=True, text=True, timeout=900, cwd=tmp)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for f in (tmp / f"out-{name}").rglob(f"samples_{name}_*.jsonl")
+            for line in f.read_text().splitlines()]
+
+
 def test_lm_eval_multiple_choice_scores_as_llama_cpp_does(tmp_path: Path) -> None:
+    """The items sent in two orders to one daemon (the second run finds the first's prompts resident, in another
+    order): each choice's log likelihood is llama.cpp's own, whatever the daemon held before the request, and the
+    choice that ends the reply (the model's next token is its end of generation) counts its own last token."""
     from backends.llama.native import open_llama  # the daemon's kernels (its AMX workaround too)
 
-    _task(tmp_path)
+    docs = [json.loads(line) for line in DATA.read_text().splitlines()]
+    reversed_data = tmp_path / "code_mc_reversed.jsonl"
+    reversed_data.write_text("".join(json.dumps(d) + "\n" for d in reversed(docs)))
+    _task(tmp_path, TASK, DATA)
+    _task(tmp_path, TASK + "_reversed", reversed_data)
     port = free_port()
     d = DaemonProcess(tmp_path / "d", "llama", None, "--http", f"127.0.0.1:{port}", "--num-ctx", "1024")
     d.start(wait_state=("Ready",))
@@ -54,26 +74,22 @@ def test_lm_eval_multiple_choice_scores_as_llama_cpp_does(tmp_path: Path) -> Non
         with d.client(timeout_s=30.0) as c:
             active = c.status().active
         assert active is not None
-        env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-        run = subprocess.run(
-            [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
-             f"base_url=http://127.0.0.1:{port}/v1/completions,model=any,tokenizer_backend=remote,"
-             "num_concurrent=1,max_retries=1",
-             "--tasks", TASK, "--include_path", str(tmp_path), "--log_samples", "--output_path", str(tmp_path / "out")],
-            env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-        assert run.returncode == 0, run.stderr[-3000:]
+        forward = _run(tmp_path, port, TASK)
+        backward = _run(tmp_path, port, TASK + "_reversed")
     finally:
         d.stop()
-    samples = [json.loads(line) for f in (tmp_path / "out").rglob(f"samples_{TASK}_*.jsonl")
-               for line in f.read_text().splitlines()]
-    docs = [json.loads(line) for line in DATA.read_text().splitlines()]
-    assert len(samples) == len(docs)
+    assert len(forward) == len(backward) == len(docs)
+    by_doc = {id(s): docs[s["doc_id"]] for s in forward}  # type: ignore[index]
+    by_doc.update({id(s): docs[len(docs) - 1 - s["doc_id"]] for s in backward})  # type: ignore[operator]
 
     ref = open_llama(active.path, n_ctx=1024, n_batch=512, n_ubatch=512, logits_all=True, verbose=False,
-                swa_full=True)
+                     swa_full=True)
+    ends = {ref.token_eos(), *(t for t in range(ref.n_vocab())
+                                if ref.detokenize([t], special=True) in (b"<|im_end|>", b"<|endoftext|>"))}
+    ended = 0
     try:
-        for s in sorted(samples, key=lambda s: s["doc_id"]):
-            doc = docs[s["doc_id"]]
+        expected_of: dict[str, list[tuple[float, bool]]] = {}
+        for doc in docs:
             context = f"Question: {doc['question']}\nAnswer:"
             expected = []
             for choice in doc["choices"]:
@@ -87,10 +103,18 @@ def test_lm_eval_multiple_choice_scores_as_llama_cpp_does(tmp_path: Path) -> Non
                 lsm = rows - (peak + np.log(np.exp(rows - peak).sum(axis=1, keepdims=True)))
                 expected.append((sum(lsm[i - 1, ids[i]] for i in range(start, len(ids))),
                                  all(int(np.argmax(lsm[i - 1])) == ids[i] for i in range(start, len(ids)))))
-            got = [(float(r[0]), r[1] == "True") for r in s["filtered_resps"]]
+                ended += int(np.argmax(lsm[len(ids) - 1])) in ends
+            expected_of[doc["question"]] = expected
+        for s in [*forward, *backward]:
+            doc = by_doc[id(s)]
+            expected = expected_of[doc["question"]]
+            got = [(float(r[0]), r[1] == "True") for r in s["filtered_resps"]]  # type: ignore[index]
             for (lg, greedy), (le, greedy_ref) in zip(got, expected, strict=True):
-                assert lg == pytest.approx(le, abs=LOGLIK_TOLERANCE), (s["doc_id"], got, expected)
+                assert lg == pytest.approx(le, abs=LOGLIK_TOLERANCE), (doc["question"], got, expected)
                 assert greedy == greedy_ref
             assert int(np.argmax([g[0] for g in got])) == int(np.argmax([e[0] for e in expected]))
     finally:
         ref.close()
+    # the data holds choices the model would end its reply after: the case a reply without its end token's
+    # entry scored wrong (its last token dropped)
+    assert ended >= 1

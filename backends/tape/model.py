@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -367,6 +368,12 @@ def model_capabilities(template: ChatTemplate | None, fmt: ToolFormat, *, vision
 
 
 # --- the bookkeeping every engine shares ------------------------------------------------------------
+#: ``TapeModelBase.tokenize`` keeps this many texts' tokens, of texts this long or longer (a shorter one costs less
+#: to tokenize than to look up)
+TOKENIZED_KEPT = 8
+TOKENIZED_MIN_CHARS = 512
+
+
 class TapeModelBase(ABC):
     """Identity, session generations, epochs, BOS policy and closing, for a ``TapeModel``.
 
@@ -409,6 +416,8 @@ class TapeModelBase(ABC):
         #: the tape's first ``exact_len`` tokens were computed by prefill (not by one-token
         #: decode steps), so they hold exactly what a cold prefill computes; engines keep it
         self.exact_len = 0
+        #: texts tokenized lately and their tokens, the newest last (``tokenize``)
+        self._tokenized: OrderedDict[str, list[int]] = OrderedDict()
         #: the workspace cache (``backends.tape.cache``); the backend sets it after the load
         self.cache: StateCache | None = None
         #: the readout manifest (``backends.readouts``); the engine reads its layers' outputs when a prefill asks
@@ -640,9 +649,26 @@ class TapeModelBase(ABC):
         """Tokens of rendered text with special tokens parsed and no BOS added."""
 
     def tokenize(self, text: str, *, bos_policy: str | None = None) -> list[int]:
-        """Tokens of rendered text (special tokens parsed); BOS per policy when given, never doubled."""
-        tokens = self._encode(text) if text else []
+        """Tokens of rendered text (special tokens parsed); BOS per policy when given, never doubled.
+
+        A text tokenized lately is not tokenized again (``TOKENIZED_KEPT`` texts of ``TOKENIZED_MIN_CHARS`` or
+        more are kept): a warm request renders the same stable prefix every turn, and counts its prompt before it
+        prefills it, so most of what it tokenizes was tokenized before, with the same result."""
+        tokens = self._encode_kept(text) if text else []
         return with_bos(tokens, self.bos_id, bos_policy is not None and self.wants_bos(bos_policy))
+
+    def _encode_kept(self, text: str) -> list[int]:
+        if len(text) < TOKENIZED_MIN_CHARS:
+            return self._encode(text)
+        kept = self._tokenized.get(text)
+        if kept is not None:
+            self._tokenized.move_to_end(text)
+            return list(kept)
+        tokens = self._encode(text)
+        self._tokenized[text] = list(tokens)
+        while len(self._tokenized) > TOKENIZED_KEPT:
+            self._tokenized.popitem(last=False)
+        return tokens
 
     # --- lifecycle --------------------------------------------------------------------------
     def open_session(self) -> TapeSession:

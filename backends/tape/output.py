@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from contract.errors import UnsupportedFeature
-from contract.types import StreamChunk, ToolCall, ToolCallDelta
+from contract.types import StreamChunk, TokenLogprob, ToolCall, ToolCallDelta
 
 from .toolformats import ToolFormat, format_named, known_names, partial_suffix_len
 
@@ -39,6 +39,7 @@ __all__ = [
     "THINK_OPEN",
     "Delta",
     "OutputPipeline",
+    "PerToken",
     "StopMatcher",
     "ThinkSplitter",
     "Utf8Stream",
@@ -279,3 +280,46 @@ class OutputPipeline:
                 deltas += more_deltas
             thinking += reasoning
         return Delta(text=content, thinking=thinking, tool_calls=calls, tool_call_deltas=deltas, stopped=stopped)
+
+
+class PerToken:
+    """The chunks of a decode that hands out token ids (``DecodeConfig.return_token_ids``): exactly one per sampled
+    token, with its own id, its log probability and its share of the text, in order.
+
+    A token whose text the output holds back (a possible stop string, a tool call being parsed) waits, and goes out
+    with the token that releases it: each of them with the text its own bytes spell when the released text is just
+    their bytes (a stop string that did not come), else the whole release on the last of them (a parser rewrote it:
+    tags dropped, a call parsed) and none on the others. Tokens never released (a stop string that came) go out at
+    the end with no text. A reader then sends a token a message, its position one past the last, whatever frames
+    the daemon merged the chunks into."""
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[int, bytes, TokenLogprob | None]] = []
+
+    def add(self, token: int, fed: bytes, logprob: TokenLogprob | None, delta: Delta) -> list[StreamChunk]:
+        """The token just sampled (``fed``: the bytes it fed the output) and what the output gave for it."""
+        self._waiting.append((token, fed, logprob))
+        return self._release(delta) if delta else []
+
+    def flush(self, tail: Delta) -> list[StreamChunk]:
+        """At the end: what still waits, with the output's last text (``OutputPipeline.finish``)."""
+        if not self._waiting:
+            return [tail.chunk()] if tail else []
+        return self._release(tail)
+
+    def _release(self, delta: Delta) -> list[StreamChunk]:
+        waiting, self._waiting = self._waiting, []
+        parts = [""] * len(waiting)
+        plain = not (delta.thinking or delta.tool_calls or delta.tool_call_deltas)
+        if plain and delta.text:
+            dec = codecs.getincrementaldecoder("utf-8")("replace")
+            spelled = [dec.decode(fed) for _, fed, _ in waiting]
+            spelled[-1] += dec.decode(b"", final=True)
+            parts = spelled if "".join(spelled) == delta.text else [*parts[:-1], delta.text]
+        out = []
+        for i, ((token, _, logprob), text) in enumerate(zip(waiting, parts, strict=True)):
+            last = i == len(waiting) - 1
+            chunk = delta.chunk([token]) if last and not plain else StreamChunk(text=text, token_ids=[token])
+            chunk.logprobs = [logprob] if logprob is not None else []
+            out.append(chunk)
+        return out

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from contract import interrupt
 from contract.errors import Cancelled, InvalidArgument, ManifestMismatch, SessionClosed, UnsupportedFeature
-from contract.manifest import ContextManifest, common_prefix_len
+from contract.manifest import ContextManifest, common_prefix_len, token_hash
 from contract.types import (
     ChatMessage,
     ContextReport,
@@ -53,7 +53,7 @@ from .logprobs import token_logprob
 from .miss import Held, message_keys, prefix_miss, suffix_miss
 from .model import BOS_POLICIES, RowsFn, StatesFn, TapeModel, parse_tools, render_prefix, with_tools
 from .model import stable_text as stable_render
-from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
+from .output import OutputPipeline, PerToken, ends_inside_thinking, resolve_protocols
 from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
 from .state import check_restorable
 from .toolformats import parameter_types
@@ -172,51 +172,18 @@ def _marked(messages: list[ChatMessage]) -> tuple[list[ChatMessage], list[ImageI
     return out, images, marker
 
 
-def _splice(m: TapeModel, stable: list[int], text: str | Segments, resident: list[int]) -> list[int]:
-    """``stable`` + the tokens of ``text``, keeping resident tokens that spell the same text.
+def _cold(m: TapeModel, stable: list[int], text: str | Segments) -> list[int]:
+    """``stable`` + the tokens of ``text`` (its segments: text pieces and images' blocks, in order): the request's own
+    cold tokens, whatever the KV held before. Reuse is then the token LCP of this list with the tape.
 
-    A model's reply is not always the tokenizer's own spelling of its text (a
-    grammar or sampling can pick "g"+"et" where the tokenizer writes "get"), so a
-    conversation that resends it would lose reuse from the first such token on.
-    Past the token LCP, resident tokens whose bytes continue ``text`` exactly are
-    kept and only the rest is tokenized. The context then holds the same text in
-    the model's own spelling — what every later turn reuses. With exact reuse the
-    tokenizer's spelling is kept, so a warm turn computes what a cold one does.
-
-    With images (``text`` as segments) the same holds within the text segment the LCP ends in: an image's block
-    is its own, never respelled.
+    A model's reply is not always the tokenizer's own spelling of its text (a grammar or sampling can pick
+    "g"+"et" where the tokenizer writes "get"); a conversation that resends it reuses the KV up to the first such
+    token and computes the rest, as it would cold. Keeping the held tokens that spell the same bytes instead (what
+    this once did) changed a prompt's tokens with what the slot held before: a held lone "<" kept where a cold
+    prompt has "<|im_end|>", a held " " kept where a cold one has " [" — and the answer with them.
     """
     segments = [text] if isinstance(text, str) else text
-    pieces = [_encode(m, [seg]) for seg in segments]
-    target = stable + [t for piece in pieces for t in piece]
-    lcp = common_prefix_len(resident, target)
-    if m.config.exact_reuse or lcp < len(stable) or lcp >= len(resident):
-        return target
-    at, start = 0, len(stable)  # the segment the LCP ends in, and where it starts
-    while at < len(pieces) - 1 and start + len(pieces[at]) <= lcp:
-        start += len(pieces[at])
-        at += 1
-    seg = segments[at]
-    if not isinstance(seg, str):
-        return target
-    data = seg.encode("utf-8")
-    pos = sum(len(p) for p in m.token_bytes(target[start:lcp]))
-    k = lcp
-    for piece in m.token_bytes(resident[lcp:]):
-        if not piece or data[pos : pos + len(piece)] != piece:
-            break
-        pos += len(piece)
-        k += 1
-    while k > lcp:  # end on a character boundary: the rest must be text to tokenize
-        try:
-            rest = data[pos:].decode("utf-8")
-            break
-        except UnicodeDecodeError:
-            k -= 1
-            pos -= len(m.token_bytes([resident[k]])[0])
-    if k == lcp:
-        return target
-    return resident[:k] + m.tokenize(rest) + [t for piece in pieces[at + 1 :] for t in piece]
+    return stable + [t for seg in segments for t in _encode(m, [seg])]
 
 
 def _held(m: TapeModel) -> Held:
@@ -294,11 +261,9 @@ def _prefix_text(m: TapeModel, prefix: PrefixInput) -> str:
 
 def _target(
     m: TapeModel, stable: list[int], stable_text: str, tools_json: str, bos_policy: str, suffix: SuffixInput,
-    resident: list[int],
 ) -> tuple[list[int], int]:
     """The tokens ``suffix`` after the stable prefix ``stable`` comes to, and how much of it stays the prefix.
 
-    ``resident`` is the tape the suffix is spliced against (``_splice``).
     """
     if suffix.tokens:
         return stable + check_token_ids(suffix.tokens, m.vocab_size), len(stable)
@@ -306,7 +271,7 @@ def _target(
     if suffix.messages and tpl is None:
         raise UnsupportedFeature("the model has no chat template to render messages with; send the suffix as text")
     if not suffix.render or tpl is None:
-        return _splice(m, stable, suffix.text, resident), len(stable)
+        return _cold(m, stable, suffix.text), len(stable)
     system_text, tools = with_tools(tpl, stable_text, parse_tools(tools_json), m.tool_format)
     system = {"role": "system", "content": system_text}
     extra: dict[str, Any] = {}
@@ -320,7 +285,7 @@ def _target(
         conversation = [system, {"role": suffix.role, "content": suffix.text}]
     full = tpl.render(conversation, tools, generation=True, **extra)
     if full.startswith(prefix_text):
-        return _splice(m, stable, _segments(m, full[len(prefix_text) :], marker, images), resident), len(stable)
+        return _cold(m, stable, _segments(m, full[len(prefix_text) :], marker, images)), len(stable)
     # Not prefix-stable: the stable part renders differently once a turn follows.
     # Reconcile by tokens: whatever of the old prefix still matches stays resident.
     target = _encode(m, _segments(m, full, marker, images), bos_policy)
@@ -467,7 +432,7 @@ class TapeSession:
             return res.append_at(suffix.offset, suffix.truncating, raw)
         bos_policy = res.manifest.bos_policy if res.manifest is not None else ""
         stable = res.tokens[: res.prefix_len]
-        return _target(m, stable, res.stable_text, res.tools, bos_policy, suffix, res.tokens)
+        return _target(m, stable, res.stable_text, res.tools, bos_policy, suffix)
 
     def _output_pipeline(self, m: TapeModel, cfg: DecodeConfig) -> OutputPipeline:
         """Stops, thinking split and tool parsing for one decode pass (call inside ``m.errors``)."""
@@ -575,10 +540,10 @@ class TapeSession:
             covered = restore_best(m, res.manifest, target, keep, count_miss=False)
             res.manifest, res.prefix_len, res.stable_text, res.tools, res.stable_token_hash = context
             if covered:
-                # spliced again against the restored tape: the replies in the model's own spelling are its
-                with m.errors("prefill_suffix"):
-                    target, prefix_len = self._suffix_target(m, suffix)
-                    res.check_suffix(suffix.manifest, len(target) - res.prefix_len)
+                if suffix.offset is not None:  # an append counts against the tape, which the restore replaced
+                    with m.errors("prefill_suffix"):
+                        target, prefix_len = self._suffix_target(m, suffix)
+                        res.check_suffix(suffix.manifest, len(target) - res.prefix_len)
                 seen = m.seen.longest(key, target)
             keep = m.reusable(common_prefix_len(res.tokens, target))
             if covered:
@@ -632,6 +597,7 @@ class TapeSession:
         res.conversation = suffix.conversation
         status = res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
         status.image_tokens = sum(1 for t in target[prefix_len:] if is_image_token(t))
+        status.context_token_hash = token_hash(target)
         status.miss = suffix_miss(held, target, new_messages, prefix_len=prefix_len, reused=kept, seen=seen,
                                   restored=restored, token_bytes=m.token_bytes)
         if scores is not None:  # (what it prefilled again it was asked to: no miss)
@@ -657,7 +623,7 @@ class TapeSession:
             stable = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
             compatible = res.manifest is not None and prefix.manifest.compatible_with(res.manifest)
             resident = res.tokens if compatible else []
-            target, _ = _target(m, stable, prefix.text, prefix.tools, prefix.manifest.bos_policy, suffix, resident)
+            target, _ = _target(m, stable, prefix.text, prefix.tools, prefix.manifest.bos_policy, suffix)
         return TokenCount(
             prompt_tokens=len(target),
             prefix_tokens=len(stable),
@@ -746,20 +712,39 @@ class TapeSession:
 
         #: with ``cfg.logprobs``: the sampled tokens' log probabilities whose output is not sent yet
         held: list[TokenLogprob] = []
+        #: with ``cfg.logprobs``: the end-of-generation token that ended the pass, which the reply's text does not hold
+        ended: TokenLogprob | None = None
 
-        def output(token: int, row: int | None) -> tuple[StreamChunk | None, bool]:
+        def ended_by(token: int, row: int | None) -> TokenLogprob | None:
+            """The end token's log probability (its text empty: it writes none), with ``cfg.logprobs`` asked."""
+            if cfg.logprobs is None:
+                return None
+            lp = token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece)
+            # (the same token among the likeliest reads the same: a scorer compares the two texts)
+            top = [a.model_copy(update={"token": "", "bytes": []}) if a.token_id == token else a for a in lp.top]
+            return lp.model_copy(update={"token": "", "bytes": [], "top": top})
+
+        #: with ``cfg.return_token_ids``: a chunk per token, its text once the output released it
+        per_token = PerToken() if cfg.return_token_ids else None
+
+        def output(token: int, row: int | None) -> tuple[list[StreamChunk], bool]:
             """A sampled token (from the last ``sample``, or from ``sample_row(row)``) through the output
-            pipeline: its chunk (None: nothing to send yet), and whether a stop string ended the answer there.
+            pipeline: its chunks (none: nothing to send yet), and whether a stop string ended the answer there.
             A control token the format reads is fed as its text."""
-            if cfg.logprobs is not None:
-                held.append(token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece))
-            delta = pipeline.feed_bytes(markers.get(token) or steps.piece(token))
-            send = delta or cfg.return_token_ids
-            chunk = delta.chunk([token] if cfg.return_token_ids else None) if send else None
-            if chunk is not None and held:
+            lp = token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece) if cfg.logprobs is not None else None
+            fed = markers.get(token) or steps.piece(token)
+            delta = pipeline.feed_bytes(fed)
+            if per_token is not None:
+                return per_token.add(token, fed, lp, delta), delta.stopped
+            if lp is not None:
+                held.append(lp)
+            if not delta:
+                return [], delta.stopped
+            chunk = delta.chunk()
+            if held:
                 chunk.logprobs = held.copy()
                 held.clear()
-            return chunk, delta.stopped
+            return [chunk], delta.stopped
 
         try:
             if not still_ours():
@@ -796,21 +781,22 @@ class TapeSession:
                             steps.feed(tok)
                             policy.plain_step()
                     if draft:
-                        # (token, its chunk or None, whether the KV holds it), in output order
-                        emitted: list[tuple[int, StreamChunk | None, bool]] = []
+                        # (token, its chunks, whether the KV holds it), in output order
+                        emitted: list[tuple[int, list[StreamChunk], bool]] = []
                         accepted = 0
                         for i in range(len(draft) + 1):
                             with m.errors("decode"):
                                 token = steps.sample_row(i)
                             if steps.is_end(token):
                                 finish = "stop"
+                                ended = ended_by(token, i)
                                 break
                             produced += 1
-                            chunk, stopped = output(token, i)
+                            outs, stopped = output(token, i)
                             if stopped:
                                 finish = "stop"
                             in_kv = i < len(draft) and token == draft[i]
-                            emitted.append((token, chunk, in_kv))
+                            emitted.append((token, outs, in_kv))
                             if not in_kv:
                                 break  # the first token the draft did not foresee: evaluated next
                             accepted += 1
@@ -825,18 +811,17 @@ class TapeSession:
                         stats.accepted += accepted
                         m.drafts.drafted += len(draft)
                         m.drafts.accepted += accepted
-                        for j, (token, out, in_kv) in enumerate(emitted):
-                            if out is None:
-                                continue
-                            try:
-                                yield out
-                            except GeneratorExit:
-                                # closed here: keep exactly what was handed out, as plain decoding does
-                                spill = sum(1 for e in emitted[j + 1 :] if e[2])
-                                if spill and still_ours():
-                                    steps.rollback(spill)
-                                pending = None if in_kv else token
-                                raise
+                        for j, (token, outs, in_kv) in enumerate(emitted):
+                            for out in outs:
+                                try:
+                                    yield out
+                                except GeneratorExit:
+                                    # closed here: keep exactly what was handed out, as plain decoding does
+                                    spill = sum(1 for e in emitted[j + 1 :] if e[2])
+                                    if spill and still_ours():
+                                        steps.rollback(spill)
+                                    pending = None if in_kv else token
+                                    raise
                         last_token, _, last_in_kv = emitted[-1] if emitted else (0, None, True)
                         pending = None if last_in_kv else last_token
                         continue
@@ -854,16 +839,20 @@ class TapeSession:
                     first_ms = (time.perf_counter() - start) * 1000
                 if steps.is_end(token):
                     finish = "stop"
+                    ended = ended_by(token, None)
                     break
                 produced += 1
                 pending = token
-                chunk, stopped = output(token, None)
+                outs, stopped = output(token, None)
                 if stopped:
                     finish = "stop"
-                if chunk is not None:
-                    yield chunk
+                for out in outs:
+                    yield out
             tail = pipeline.finish()
-            if tail:
+            if per_token is not None:
+                for out in per_token.flush(tail):
+                    yield out
+            elif tail:
                 chunk = tail.chunk()
                 chunk.logprobs = held.copy()
                 held.clear()
@@ -875,6 +864,7 @@ class TapeSession:
             )
             final.stop_sequence = pipeline.stop_sequence
             final.logprobs = held  # (tokens whose output was nothing at all)
+            final.end_logprob = ended
             if cfg.readouts and still_ours():
                 # the last sampled token (not evaluated yet) is computed with the rest
                 last: list[int] = [] if pending is None else [pending]

@@ -511,6 +511,11 @@ class HeldLogprobs:
         self.all += new
         self._held += new
 
+    def add_end(self, result: ChatResult) -> None:
+        """The end-of-generation token that ended the reply (``ChatResult.end_logprob``), for an API that lists it."""
+        if result.end_logprob is not None:
+            self._held.append(result.end_logprob)
+
     def take(self) -> list[TokenLogprob]:
         """The tokens not handed out yet, handed out now."""
         out, self._held = self._held, []

@@ -68,7 +68,13 @@ class ApiError(Exception):
     def anthropic(self) -> dict[str, Any]:
         """Anthropic's error object."""
         kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
-        return {"type": "error", "error": {"type": kind, "message": self.anthropic_message or self.message}}
+        # Anthropic's ``error.type`` values are a fixed set; modeld's own code (``vision_unsupported``,
+        # ``context_length_exceeded``, …) rides beside them as ``error.code``, for a client to read without
+        # parsing the prose (the SDKs keep an unknown field on the error's body)
+        error = {"type": kind, "message": self.anthropic_message or self.message}
+        if self.code:
+            error["code"] = self.code
+        return {"type": "error", "error": error}
 
 
 #: the WebSocket protocol's (kind, recoverable, recovery action) of the codes that say more than their status

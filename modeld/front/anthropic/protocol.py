@@ -123,6 +123,9 @@ class TokenCount(Shape):
 class ErrorDetail(Shape):
     type: str
     message: str
+    #: modeld's machine-readable code where it has one (``vision_unsupported``, ``context_length_exceeded``, …):
+    #: Anthropic's ``type`` values are a fixed set
+    code: str | None = None
 
 
 class ErrorBody(Shape):

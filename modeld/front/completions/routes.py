@@ -58,7 +58,10 @@ def router(serving: Serving) -> APIRouter:
                               send_timeout=STREAM_SEND_TIMEOUT_S)
         result = await turn.result(request)
         text = result.message.content or ""
-        scores = logprobs_out(result.logprobs, len(echo)) if scored else None
+        # one entry per sampled token, the end-of-generation token that ended the reply too (its text empty), as
+        # vLLM and OpenAI's legacy API give them: a scorer reads the figures past the prompt's by position
+        sampled = [*result.logprobs, *([result.end_logprob] if result.end_logprob is not None else [])]
+        scores = logprobs_out(sampled, len(echo)) if scored else None
         if scores is not None and body.echo:
             scores = joined(prompt_logprobs_out(echo, result.prompt_logprobs), scores)
         return JSONResponse({
@@ -111,6 +114,7 @@ async def _stream(turn: Turn, rid: str, created: int, echo: str, scored: bool, i
             if event.result is not None:
                 fill_record(record, event.result)
                 held.add(event)
+                held.add_end(event.result)  # (the end token that ended the reply: its entry, text empty)
                 finish = FINISH_REASONS.get(event.result.finish_reason, "stop")
                 yield json.dumps(_chunk(turn, rid, created, "", finish, scores()))
                 if include_usage:
