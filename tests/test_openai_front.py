@@ -723,8 +723,10 @@ def test_tool_call_round_trip_and_json_schema(tools_front: Front) -> None:
     ]
     second = sdk.chat.completions.create(model="tools", messages=history, tools=[WEATHER], max_tokens=24, temperature=0)
     assert first.usage is not None and second.usage is not None and second.usage.prompt_tokens_details is not None
-    # the first request and the call the model made are reused; the tool result is what is new
-    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens + first.usage.completion_tokens - 2
+    # the first request is reused; the call and the tool result are what is computed
+    # (the call, decoded under a grammar, is spelled otherwise than the tokenizer spells its text: its tokens are
+    # computed again, as a fresh daemon computes the same prompt — warm equals cold)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 2
     history += [{"role": "assistant", "content": second.choices[0].message.content or ""},
                 {"role": "user", "content": "Give it as JSON."}]
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "temp_c": {"type": "integer"}},

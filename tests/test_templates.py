@@ -113,7 +113,9 @@ def test_a_family_template_brings_its_tool_call_format_through_the_front(bare: F
                                          max_tokens=4)
     assert second.usage is not None and second.usage.prompt_tokens_details is not None
     cached = second.usage.prompt_tokens_details.cached_tokens or 0
-    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens - 4, (first.usage, second.usage)
+    # the first prompt is reused; the forced call, spelled under its grammar otherwise than the tokenizer spells its
+    # text, is computed again, as a fresh daemon computes the same prompt (warm equals cold)
+    assert cached >= first.usage.prompt_tokens - 4, (first.usage, second.usage)
 
 
 def test_describe_names_the_template_and_tool_format_a_load_would_use(bare: Front) -> None:
