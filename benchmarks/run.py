@@ -31,6 +31,9 @@ Sections (``--sections`` picks some):
                  file and threads (``benchmarks.cold``);
 * ``vision``   – an image turn cold, the next turn resending the image, and a turn adding another, through the
                  chat API on llama.cpp with the test projector, beside ``llama-server --mmproj`` (``benchmarks.vision``);
+* ``warm``     – a resend's fixed cost, stage by stage (front, the session's calls, rendering, tokenizing,
+                 the one token): ~1k and ~20k-token conversations and the agents' recorded ones
+                 (``benchmarks.warm``);
 * ``capacity`` – predicted required bytes vs the daemon's measured RSS growth after a
                  load plus a full prefill of the effective context;
 * ``embed``    – embeddings/s, batch 1 and 32, next to sentence-transformers.
@@ -442,7 +445,7 @@ def section_vision(tmp: Path, count: Callable[[str], int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,sessions,streams,ttft,cold,vision,capacity,embed",
+    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,sessions,streams,ttft,cold,vision,warm,capacity,embed",
                    help="comma-separated, in order")
     p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (docs/benchmarks.md shows it)")
     args = p.parse_args(argv)
@@ -497,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_vision(tmp, count), flush=True)
                 elif name == "streams":
                     print(section_streams(tmp, count), flush=True)
+                elif name == "warm":
+                    from benchmarks import warm
+
+                    print(warm.section(tmp), flush=True)
                 else:
                     print(f"## {name}: unknown section")
                     failed.append(name)

@@ -827,6 +827,9 @@ class ReuseRecord(_Report):
     cached_tokens: int = 0
     prefilled_tokens: int = 0
     prefill_ms: float = 0.0
+    #: of ``prefill_ms``: rendering the prompt through the template, and tokenizing it
+    render_ms: float = 0.0
+    tokenize_ms: float = 0.0
     miss: ReuseMiss | None = None
     #: a digest of the prompt's tokens (``SuffixStatus.context_token_hash``): the same digest, the same tokens
     prompt_token_hash: str = ""
@@ -843,6 +846,9 @@ class PrefixStatus(_Report):
     stable_token_hash: str = ""
     manifest_digest: str = ""
     prefill_ms: float = 0.0
+    #: of ``prefill_ms``: rendering the prefix through the template, and tokenizing it
+    render_ms: float = 0.0
+    tokenize_ms: float = 0.0
     #: of ``reused_tokens``, how many the workspace cache restored (not resident before the call)
     cached_tokens: int = 0
     #: why the prefix was not all reused (None: it was, or what was prefilled is new)
@@ -860,6 +866,9 @@ class SuffixStatus(_Report):
     #: suffix tokens computed now (suffix_tokens - reused_tokens)
     prefilled_tokens: int = 0
     prefill_ms: float = 0.0
+    #: of ``prefill_ms``: rendering the conversation through the template, and tokenizing it
+    render_ms: float = 0.0
+    tokenize_ms: float = 0.0
     #: of ``reused_tokens``, how many the workspace cache restored (not resident before the call)
     cached_tokens: int = 0
     #: why the suffix was not all reused (None: it was, or what was prefilled is new)

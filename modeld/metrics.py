@@ -189,11 +189,14 @@ class Metrics:
     def _record(pre: PrefixStatus | None, suf: SuffixStatus) -> ReuseRecord:
         """A turn's prompt: its prefix (when it was ensured in this session) and its suffix."""
         reused, cached, prefilled, ms = suf.reused_tokens, suf.cached_tokens, suf.prefilled_tokens, suf.prefill_ms
+        render, tokenize = suf.render_ms, suf.tokenize_ms
         if pre is not None:
             reused, cached = reused + pre.reused_tokens, cached + pre.cached_tokens
             prefilled, ms = prefilled + pre.prefilled_tokens, ms + pre.prefill_ms
+            render, tokenize = render + pre.render_ms, tokenize + pre.tokenize_ms
         return ReuseRecord(at=time.time(), prompt_tokens=suf.prefix_tokens + suf.suffix_tokens, reused_tokens=reused,
-                           cached_tokens=cached, prefilled_tokens=prefilled, prefill_ms=ms,
+                           cached_tokens=cached, prefilled_tokens=prefilled, prefill_ms=ms, render_ms=render,
+                           tokenize_ms=tokenize,
                            miss=(pre.miss if pre is not None else None) or suf.miss,
                            prompt_token_hash=suf.context_token_hash)
 

@@ -77,14 +77,14 @@ def test_status_shows_the_running_turn_and_modeld_cancel_ends_it(front: Front) -
     sweep = Sweep(front.daemon, front.port)
     try:
         sweep.wait_free()
-        from tests.turn_sweep import PREFIX_CHUNKS, _text
+        from tests.turn_sweep import CHUNK, PREFIX_CHUNKS, _text
 
         system = _text(PREFIX_CHUNKS, "cancelled")
         body = sweep.body("chat", system, "hi", stream=True, reply={"max_tokens": 8, "temperature": 0.0, "seed": 1})
         leave, who = sweep.send("chat", body)
         try:
             st = sweep.wait("the turn prefilling", lambda s: s.turn is not None and s.turn.phase == "prefill"
-                            and s.turn.client.endswith(f" from {who}") and s.turn.done >= 3 * 64)
+                            and s.turn.client.endswith(f" from {who}") and s.turn.done >= 3 * CHUNK)
             turn = st.turn
             assert turn is not None and turn.client.startswith("POST /v1/chat/completions from 127.0.0.1:")
             assert turn.operation == "ensure_prefix" and turn.reused <= turn.done <= turn.total and turn.age_s >= 0
@@ -101,7 +101,7 @@ def test_status_shows_the_running_turn_and_modeld_cancel_ends_it(front: Front) -
                 assert c.cancel_turn().session_id == ""  # nothing holds the slot now
             # what the cancelled prefill computed stays: the same request again finds it
             prompt, cached = sweep.cached("chat", sweep.complete("chat", {**body, "max_tokens": 1}))
-            assert cached >= turn.done - 64, (cached, turn.done)
+            assert cached >= turn.done - CHUNK, (cached, turn.done)
         finally:
             leave()
     finally:

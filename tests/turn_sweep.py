@@ -29,9 +29,10 @@ from typing import Any
 from contract.types import DaemonStatus, RunningTurn
 from harness.daemon import DaemonProcess
 
-#: the daemon's prefill chunk (``--num-batch``) and how long each is held back: a prefill of a few seconds
-CHUNK = 64
-DELAY_MS = 150
+#: the daemon's prefill chunk (``--num-batch``) and how long each is held back: a prefill of a few seconds (small
+#: chunks: an instant deep in a phase costs the sweep few tokens to compute, on a loaded machine)
+CHUNK = 32
+DELAY_MS = 100
 #: the serve flags the sweep needs beside the model's
 SERVE_ARGS = ("--num-ctx", "4096", "--num-batch", str(CHUNK), "--prefill-chunk-delay-ms", str(DELAY_MS),
               "--lease", "3")
@@ -74,7 +75,7 @@ def plan(per_mode: int) -> list[Case]:
             k = m + i * len(MODES)
             phase = PHASES[k % len(PHASES)]
             spread = (k // len(PHASES)) % 4
-            depth = {"queued": 0, "prefix": 5 + spread, "conversation": 1 + spread % CONVERSATION_CHUNKS,
+            depth = {"queued": 0, "prefix": 5 + spread, "conversation": 1 + spread % (CONVERSATION_CHUNKS - 1),
                      "first_tokens": 1, "mid_decode": MID_DECODE_TOKENS + 8 * spread}[phase]
             cases.append(Case(api, stream, phase, depth))
     return cases
@@ -103,9 +104,10 @@ class Outcome:
 
 
 def _text(chunks: int, tag: str) -> str:
-    """About ``chunks`` prefill chunks of code, headed by a line no other request had."""
+    """About ``chunks`` prefill chunks of code (a helper is about 20 tokens), headed by a line no other request
+    had."""
     lines = [f"# {tag} {uuid.uuid4().hex}"]
-    lines += [f"def helper_{i}(value):\n    return value * {i} + {i % 7}\n" for i in range(chunks * 3)]
+    lines += [f"def helper_{i}(value):\n    return value * {i} + {i % 7}\n" for i in range(chunks * CHUNK // 20)]
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
@@ -121,6 +122,8 @@ class TapeModel(Protocol):
     speculative: bool
     #: the engine computes every row as a one-token step does, alone or in any batch
     rows_exact: bool
+    #: the seconds ``tokenize`` spent since the load (an operation's share is the difference across it)
+    tokenize_s: float
     #: what a draft's check costs on this model, in plain steps (measured once, then fixed)
     draft_costs: CheckCosts
     #: draft tokens checked and kept by every decode pass since the load (``speculation``)
@@ -416,8 +419,10 @@ class TapeModelBase(ABC):
         #: the tape's first ``exact_len`` tokens were computed by prefill (not by one-token
         #: decode steps), so they hold exactly what a cold prefill computes; engines keep it
         self.exact_len = 0
-        #: texts tokenized lately and their tokens, the newest last (``tokenize``)
+        #: texts tokenized lately and their tokens, the newest last (``tokenize``); the seconds ``tokenize`` took in
+        #: all (an operation's share is the difference across it)
         self._tokenized: OrderedDict[str, list[int]] = OrderedDict()
+        self.tokenize_s = 0.0
         #: the workspace cache (``backends.tape.cache``); the backend sets it after the load
         self.cache: StateCache | None = None
         #: the readout manifest (``backends.readouts``); the engine reads its layers' outputs when a prefill asks
@@ -654,7 +659,9 @@ class TapeModelBase(ABC):
         A text tokenized lately is not tokenized again (``TOKENIZED_KEPT`` texts of ``TOKENIZED_MIN_CHARS`` or
         more are kept): a warm request renders the same stable prefix every turn, and counts its prompt before it
         prefills it, so most of what it tokenizes was tokenized before, with the same result."""
+        t0 = time.perf_counter()
         tokens = self._encode_kept(text) if text else []
+        self.tokenize_s += time.perf_counter() - t0
         return with_bos(tokens, self.bos_id, bos_policy is not None and self.wants_bos(bos_policy))
 
     def _encode_kept(self, text: str) -> list[int]:

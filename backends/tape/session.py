@@ -459,7 +459,9 @@ class TapeSession:
         t0 = time.perf_counter()
         with m.errors("ensure_prefix"):
             rendered = _prefix_text(m, prefix)
+            t_render = time.perf_counter()
             tokens = m.tokenize(rendered, bos_policy=prefix.manifest.bos_policy)
+            t_tokens = time.perf_counter()
             plan = m.res.plan_prefix(prefix.manifest, tokens)  # ContextOverflow before any change
         held, key = _held(m), cache_key(m, prefix.manifest)
         seen = m.seen.longest(key, tokens)
@@ -504,6 +506,7 @@ class TapeSession:
             save_tape(m, conversation="")  # the end of a freshly computed stable prefix (nobody's own): a save point
         m.seen.note(key, tokens)
         status = m.res.prefix_status(plan, (time.perf_counter() - t0) * 1000, min(cached, kept))
+        status.render_ms, status.tokenize_ms = (t_render - t0) * 1000, (t_tokens - t_render) * 1000
         status.miss = prefix_miss(held, prefix.manifest, tokens, prefix.text, prefix.tools, reused=plan.keep,
                                   seen=seen, restored=restored, token_bytes=m.token_bytes,
                                   last_manifest=m.seen.last_manifest)
@@ -518,9 +521,11 @@ class TapeSession:
         if res.manifest is None:
             raise ManifestMismatch("no prefix is resident: call ensure_prefix first")
         check_conversation(suffix.messages)  # a suffix built without validation is checked here too
+        tokenized = m.tokenize_s
         with m.errors("prefill_suffix"):
             target, prefix_len = self._suffix_target(m, suffix)
             res.check_suffix(suffix.manifest, len(target) - res.prefix_len)
+        prepared_ms, tokenize_ms = (time.perf_counter() - t0) * 1000, (m.tokenize_s - tokenized) * 1000
         # the LCP runs over everything the KV holds: the previous turn and reply included
         keep = m.reusable(common_prefix_len(res.tokens, target))
         held, key = _held(m), cache_key(m, res.manifest)
@@ -598,6 +603,7 @@ class TapeSession:
         status = res.suffix_status(len(target) - prefix_len, reused, (time.perf_counter() - t0) * 1000, from_cache)
         status.image_tokens = sum(1 for t in target[prefix_len:] if is_image_token(t))
         status.context_token_hash = token_hash(target)
+        status.render_ms, status.tokenize_ms = max(0.0, prepared_ms - tokenize_ms), tokenize_ms
         status.miss = suffix_miss(held, target, new_messages, prefix_len=prefix_len, reused=kept, seen=seen,
                                   restored=restored, token_bytes=m.token_bytes)
         if scores is not None:  # (what it prefilled again it was asked to: no miss)
