@@ -9,7 +9,9 @@ came), never by a clock, so the sweep means the same on a fast machine and a loa
 * the slot serves the next client at once: a short request sent at the disconnect holds the slot within
   ``FREE_S`` of it (of the other turn's end, when the disconnect came while queued);
 * the same request sent again finds at least what was done at the disconnect, less one chunk: the prefill's
-  finished chunks stayed, in the KV or (the next client took the slot meanwhile) in the workspace cache.
+  finished chunks stayed, in the KV or (the next client took the slot meanwhile) in the workspace cache. (The
+  cache keeps tapes of ``SAVE_MIN_TOKENS`` or more, 256: a shorter head costs less to compute again than to keep,
+  so the instants inside a prefix come after that many tokens.)
 
 ``tests/test_turn_lifetime.py`` runs it in the suite with one instant per API and mode (the instants rotate over
 the phases, so every phase is hit); ``make soak`` runs it with many (``tests.soak_daemon --sweep N``).
@@ -26,6 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from backends.tape.cache import SAVE_MIN_TOKENS
 from contract.types import DaemonStatus, RunningTurn
 from harness.daemon import DaemonProcess
 
@@ -37,7 +40,7 @@ DELAY_MS = 100
 SERVE_ARGS = ("--num-ctx", "4096", "--num-batch", str(CHUNK), "--prefill-chunk-delay-ms", str(DELAY_MS),
               "--lease", "3")
 #: the stable prefix is about this many chunks, the conversation after it about ``CONVERSATION_CHUNKS``
-PREFIX_CHUNKS = 12
+PREFIX_CHUNKS = 14
 CONVERSATION_CHUNKS = 4
 #: the acceptance: the next client holds the slot within this long of the disconnect
 FREE_S = 2.0
@@ -75,7 +78,7 @@ def plan(per_mode: int) -> list[Case]:
             k = m + i * len(MODES)
             phase = PHASES[k % len(PHASES)]
             spread = (k // len(PHASES)) % 4
-            depth = {"queued": 0, "prefix": 5 + spread, "conversation": 1 + spread % (CONVERSATION_CHUNKS - 1),
+            depth = {"queued": 0, "prefix": SAVE_MIN_TOKENS // CHUNK + spread, "conversation": 1 + spread % (CONVERSATION_CHUNKS - 1),
                      "first_tokens": 1, "mid_decode": MID_DECODE_TOKENS + 8 * spread}[phase]
             cases.append(Case(api, stream, phase, depth))
     return cases
