@@ -681,7 +681,9 @@ class TapeSession:
 
         A sampled token is yielded first and evaluated when the stream resumes, so a
         chunk reaches the client one engine step earlier; on close ``settle``
-        evaluates it, keeping the tape equal to the KV. Any operation that changes
+        evaluates it, keeping the tape equal to the KV. The reply's last token is
+        settled after the final chunk went out (its end is known before the step).
+        Any operation that changes
         the KV bumps ``m.epoch``; a stream that sees another epoch stops touching it.
 
         With speculation (``backends.tape.speculate``) the pending token is evaluated
@@ -769,6 +771,11 @@ class TapeSession:
                 if interrupt.stopped():
                     return
                 interrupt.decoded(produced)  # (status: how far the reply came)
+                if pending is not None and (finish or produced >= max_tokens):
+                    # the reply is complete: its end goes out first and its last token is evaluated after it (the
+                    # ``settle`` on the way out), so the client does not wait for a step whose output nobody reads
+                    finish = finish or "length"
+                    break
                 if pending is not None:
                     tok, pending = pending, None
                     draft: list[int] = []
