@@ -196,6 +196,22 @@ def test_a_second_turn_resending_the_image_reuses_its_block(front: Any) -> None:
     assert two.usage.prompt_tokens > cached
 
 
+def test_a_text_prompt_after_an_image_turn_is_its_cold_tokens_and_answer(front: Any) -> None:
+    """Warm equals cold around an image block: a text-only prompt that is the head of the image turn sent just
+    before it (the text parts from the held prompt where the image's marker began) is tokenized as it is on its
+    own, and answers the same: the tokens held up to the image's marker are not kept where the new prompt's
+    text spells them otherwise."""
+    sdk = front.sdk()
+    text = [{"role": "user", "content": USER}]
+    alone = sdk.chat.completions.create(model="m", max_tokens=8, temperature=0, messages=text)
+    image = [{"role": "user", "content": [{"type": "text", "text": USER},
+                                          {"type": "image_url", "image_url": {"url": _url(_png((200, 0, 200)))}}]}]
+    sdk.chat.completions.create(model="m", max_tokens=8, temperature=0, messages=image)
+    again = sdk.chat.completions.create(model="m", max_tokens=8, temperature=0, messages=text)
+    assert again.usage.prompt_tokens == alone.usage.prompt_tokens
+    assert again.choices[0].message.content == alone.choices[0].message.content
+
+
 def test_another_image_is_the_reason_given_for_the_miss(front: Any) -> None:
     """The same words with another image: the prompt parts at the image's block, and the miss says so (its
     placeholders have no text; the excerpts show ``[image]``)."""
