@@ -63,7 +63,7 @@ def conversation(tools: int, rules: int, turns: int) -> tuple[list[dict[str, Any
 def _recorded(run: Path | None) -> list[tuple[str, dict[str, Any]]]:
     """Each agent's largest recorded chat completion of a ``make agents`` run (newest run when none is named)."""
     if run is None:
-        runs = sorted((ROOT / ".cache" / "agents" / "runs").glob("*/agents.json"))
+        runs = sorted((ROOT / ".cache" / "agents" / "runs").glob("*/agents.json"), key=lambda p: p.stat().st_mtime)
         run = runs[-1].parent if runs else None
     if run is None:
         return []
@@ -194,11 +194,11 @@ def _row(name: str, r: dict[str, Any]) -> str:
 
 
 def section(tmp: Path, agents_run: Path | None = None, backends: tuple[str, ...] = ("llama", "openvino"),
-            log: Callable[[str], None] = print) -> str:
+            log: Callable[[str], None] = print, synthetic: bool = True) -> str:
     prompts: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]] = [
         ("~1k tokens", *conversation(tools=2, rules=8, turns=3)),
         ("~20k tokens", *conversation(tools=24, rules=260, turns=40)),
-    ]
+    ] if synthetic else []
     prompts += [(f"{agent}'s largest", body.get("messages", []), body.get("tools") or [])
                 for agent, body in _recorded(agents_run)]
     lines = ["## warm: a resend's fixed cost, stage by stage (one output token; median of "
@@ -232,3 +232,22 @@ def section(tmp: Path, agents_run: Path | None = None, backends: tuple[str, ...]
               "last tokens). Tokenize: ``/tokenize`` less an empty text's round trip, for the last message alone "
               "(what the rule before tokenized), the whole prompt's text new, and the same text again (kept)."]
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import tempfile
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.warm", description=__doc__.split("\n\n")[0])
+    p.add_argument("--agents-run", type=Path, help="a make agents run directory (default: the newest)")
+    p.add_argument("--backends", default="llama,openvino")
+    p.add_argument("--agents-only", action="store_true", help="only the agents' recorded requests")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="modeld-warm-") as tmp:
+        print(section(Path(tmp), args.agents_run, tuple(args.backends.split(",")), log=lambda line: None,
+                      synthetic=not args.agents_only))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
