@@ -71,7 +71,10 @@ def byte_hash(text: str) -> str:
 
 def token_hash(token_ids: Iterable[int]) -> str:
     """sha256 over the token ids as little-endian int64s (packed in one go: a 20k-token prompt in well under a ms)."""
-    packed = array.array("q", (int(t) for t in token_ids))
+    if isinstance(token_ids, list | tuple):  # (Python ints: packed in C)
+        packed = array.array("q", token_ids)
+    else:
+        packed = array.array("q", (int(t) for t in token_ids))
     if sys.byteorder == "big":
         packed.byteswap()
     return "sha256:" + hashlib.sha256(packed.tobytes()).hexdigest()

@@ -24,8 +24,10 @@ prompt a daemon sees reports ``first_sight`` at token 0.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -71,8 +73,14 @@ class SeenPrompts:
     @staticmethod
     def _chain(key: str, tokens: Sequence[int]) -> Iterator[tuple[int, bytes]]:
         h = hashlib.blake2b(key.encode(), digest_size=16)
-        for end in range(SEEN_BLOCK, len(tokens) + 1, SEEN_BLOCK):
-            h.update(b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[end - SEEN_BLOCK : end]))
+        whole = len(tokens) - len(tokens) % SEEN_BLOCK
+        # the ids as little-endian signed 32-bit integers, packed in one go (a 20k-token prompt in well under a ms)
+        packed = array.array("i", tokens[:whole])
+        if sys.byteorder == "big":
+            packed.byteswap()
+        data = memoryview(packed.tobytes())
+        for end in range(SEEN_BLOCK, whole + 1, SEEN_BLOCK):
+            h.update(data[(end - SEEN_BLOCK) * 4 : end * 4])
             yield end, h.copy().digest()
 
     def note(self, key: str, tokens: Sequence[int]) -> None:
