@@ -157,24 +157,23 @@ def _tokenizing(http: httpx.Client, messages: list[dict[str, Any]], tools: list[
     """What the tokenization rule costs (``/tokenize``, less the round trip of an empty text): before, only the
     text after the parting point was tokenized (here: the last message); now the whole prompt is, or found kept
     when it was tokenized lately (the resend)."""
-    def timed(text: str) -> float:
+    def timed(text: Callable[[], str]) -> float:
+        """The median ms of ``RESENDS`` ``/tokenize`` calls, each of the text ``text()`` gives."""
         ms = []
         for _ in range(RESENDS):
+            body = {"content": text()}
             t0 = time.perf_counter()
-            http.post("/tokenize", json={"content": text}).raise_for_status()
+            http.post("/tokenize", json=body).raise_for_status()
             ms.append((time.perf_counter() - t0) * 1000)
         return statistics.median(ms)
 
     whole = json.dumps(tools) + "".join(str(m.get("content") or "") for m in messages)
-    base = timed("")
-    fresh = []
-    for _ in range(RESENDS):  # (a head nobody sent before: the text is tokenized, not found kept)
-        text = f"{time.perf_counter_ns()}\n{whole}"
-        t0 = time.perf_counter()
-        http.post("/tokenize", json={"content": text}).raise_for_status()
-        fresh.append((time.perf_counter() - t0) * 1000)
-    return {"tok_tail_ms": max(0.0, timed(str(messages[-1].get("content") or "")) - base),
-            "tok_whole_ms": max(0.0, statistics.median(fresh) - base), "tok_kept_ms": max(0.0, timed(whole) - base)}
+    tail = str(messages[-1].get("content") or "")
+    base = timed(lambda: "")
+    # (a head nobody sent before: the text is tokenized, not found kept)
+    fresh = timed(lambda: f"{time.perf_counter_ns()}\n{whole}")
+    return {"tok_tail_ms": max(0.0, timed(lambda: tail) - base), "tok_whole_ms": max(0.0, fresh - base),
+            "tok_kept_ms": max(0.0, timed(lambda: whole) - base)}
 
 
 def _row(name: str, r: dict[str, Any]) -> str:
