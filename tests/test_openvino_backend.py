@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,10 @@ from backends.openvino.prepare import (  # noqa: E402
 from backends.tape.draft_costs import FIXED_ENV, cost_key  # noqa: E402
 from backends.tape.session import TapeSession  # noqa: E402
 from backends.tape.state import unpack_state  # noqa: E402
+from contract import interrupt  # noqa: E402
 from contract.errors import (  # noqa: E402
     BackendMismatch,
+    Cancelled,
     InsufficientMemory,
     Internal,
     InvalidArgument,
@@ -221,6 +224,41 @@ def test_prefill_is_split_invariant(model: OpenVINOLoadedModel) -> None:
         assert float(np.max(np.abs(logits - one_shot))) <= SPLIT_LOGIT_TOLERANCE, cuts
         assert np.array_equal(split(cuts), logits), cuts  # the same split replayed: the same bits
     model.clear_kv()  # the tape no longer matches the session's prefix bookkeeping
+
+
+def test_a_cancel_stops_a_prefill_chunk_part_way(model: OpenVINOLoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk under way is cancelled, not run to its end (one past 7k tokens takes seconds): the tape is the
+    chunks before it, and the same prefill run again computes the same bits as one never cancelled."""
+    man = manifest(model, "abort")
+    model.open_session().ensure_prefix(PrefixInput(text=LONG_PREFIX + PARAGRAPH * 2, manifest=man))
+    tokens = list(model.res.tokens)[:300]
+    model.set_kv(tokens[:100], 0)
+    model.set_kv(tokens, 100)
+    reference = model.logits_at_end().copy()
+    model.set_kv(tokens[:100], 0)
+
+    event = threading.Event()
+    original = OpenVINOLoadedModel._infer_abortable
+    seen: list[str] = []
+
+    def cancelled_once_started(req: Any, ev: threading.Event) -> None:
+        event.set()  # the client leaves as the chunk starts
+        try:
+            original(req, ev)
+        except Cancelled:
+            seen.append("cancelled")
+            raise
+        seen.append("finished")
+
+    monkeypatch.setattr(OpenVINOLoadedModel, "_infer_abortable", staticmethod(cancelled_once_started))
+    with interrupt.interruptible(event), pytest.raises(Cancelled):
+        model.set_kv(tokens, 100)
+    assert seen == ["cancelled"]  # stopped inside the inference, not at the check after it
+    assert list(model.res.tokens) == tokens[:100]
+    monkeypatch.undo()
+    assert model.set_kv(tokens, 100) == 100
+    assert np.array_equal(model.logits_at_end(), reference)
+    model.clear_kv()
 
 
 def _engine_trace(m: OpenVINOLoadedModel, tokens: list[int]) -> list[np.ndarray]:

@@ -21,6 +21,7 @@ plain attributes.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -32,7 +33,14 @@ import openvino as ov
 import openvino_genai
 
 from contract import interrupt
-from contract.errors import InvalidArgument, ModeldError, ModelLoadFailed, SnapshotRejected, UnsupportedFeature
+from contract.errors import (
+    Cancelled,
+    InvalidArgument,
+    ModeldError,
+    ModelLoadFailed,
+    SnapshotRejected,
+    UnsupportedFeature,
+)
 from contract.manifest import common_prefix_len
 from contract.sizing import ModelShape
 from contract.types import Config, DecodeConfig, SessionSnapshot
@@ -60,6 +68,8 @@ __all__ = ["BACKEND_NAME", "OpenVINOLoadedModel"]
 BACKEND_NAME = "openvino"
 STATE_MAGIC = b"MODELD-OV-PKV1\0\0"
 #: token texts that end a turn in common chat vocabularies (llama.cpp treats them as EOG too)
+#: how often a prefill chunk under way looks at its cancel (each look is a wait on the inference, no GIL held)
+ABORT_POLL_MS = 20
 _EOG_TEXTS = (b"<|endoftext|>", b"<|im_end|>", b"<|eot_id|>", b"<|eom_id|>", b"<|end|>", b"<end_of_turn>")
 
 
@@ -333,7 +343,8 @@ class OpenVINOLoadedModel(TapeModelBase):
 
     # --- the KV ------------------------------------------------------------------------------
     def _infer(
-        self, ids: list[int], past: int, *, rows: int = 0, every_row: bool = False, step: bool = False
+        self, ids: list[int], past: int, *, rows: int = 0, every_row: bool = False, step: bool = False,
+        abortable: bool = False,
     ) -> np.ndarray:
         """Run ``ids`` at positions past.. with ``past`` cached tokens; a view of the last one's logits.
 
@@ -343,6 +354,8 @@ class OpenVINOLoadedModel(TapeModelBase):
         With ``rows`` > len(ids) the chunk is padded (the last token repeated at its
         own position): the padding writes KV cells past the tape, which the next
         step overwrites, and changes no number of the real rows.
+
+        An ``abortable`` inference (a prefill chunk) stops part-way when this thread's interrupt is set.
         """
         n = len(ids)
         width = max(n, rows)
@@ -360,13 +373,35 @@ class OpenVINOLoadedModel(TapeModelBase):
         req.set_tensor("max_context_len", ov.Tensor(np.array(total, np.int32)))
         index = np.arange(n, dtype=np.int64) if every_row else np.array([n - 1], np.int64)
         req.set_tensor("sample_index", ov.Tensor(index))
-        req.infer()
+        event = interrupt.current() if abortable else None
+        if event is None:
+            req.infer()
+        else:
+            self._infer_abortable(req, event)
         out: np.ndarray = req.get_tensor("logits").data
         if every_row:
             rows_out: np.ndarray = out.reshape(n, -1)
             return rows_out
         last: np.ndarray = out[-1, 0]
         return last
+
+    @staticmethod
+    def _infer_abortable(req: ov.InferRequest, event: threading.Event) -> None:
+        """Run ``req`` and cancel it part-way once ``event`` is set: a chunk deep in a long prompt takes
+        seconds (3 s for 512 tokens past 7k here, more on a loaded machine), and a cancel then frees the slot
+        within ``ABORT_POLL_MS`` of it, not at the chunk's end. A cancelled chunk writes KV cells past the
+        tape only, which the next inference overwrites (the tape is the chunks finished before it).
+        """
+        req.start_async()
+        while not event.is_set():
+            if req.wait_for(ABORT_POLL_MS):
+                return
+        req.cancel()
+        try:
+            req.wait()
+        except RuntimeError:
+            raise Cancelled("prefill was cancelled") from None
+        # it finished before the cancel reached it: a whole chunk, kept (the caller's next check stops)
 
     def _readouts_of(self, n: int) -> np.ndarray:
         """The last batch inference's readouts of its first ``n`` rows: ``[n, n_layers, n_concepts]``."""
@@ -412,7 +447,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         exact = self.exact_len == keep
         for a, b in self._chunks(keep, len(tokens)):
             interrupt.check("prefill")  # between chunks: a cancel costs at most one chunk
-            logits = self._infer(tokens[a:b], a, rows=bucket(b - a), every_row=rows is not None)
+            logits = self._infer(tokens[a:b], a, rows=bucket(b - a), every_row=rows is not None, abortable=True)
             self.res.tokens = list(tokens[:b])
             if states is not None:
                 states(a, self._readouts_of(b - a))
