@@ -228,35 +228,40 @@ def test_prefill_is_split_invariant(model: OpenVINOLoadedModel) -> None:
 
 def test_a_cancel_stops_a_prefill_chunk_part_way(model: OpenVINOLoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk under way is cancelled, not run to its end (one past 7k tokens takes seconds): the tape is the
-    chunks before it, and the same prefill run again computes the same bits as one never cancelled."""
+    chunks before it, the engine serves on at any shape, and the same prefill run again computes the same bits
+    as one never cancelled."""
     man = manifest(model, "abort")
     model.open_session().ensure_prefix(PrefixInput(text=LONG_PREFIX + PARAGRAPH * 2, manifest=man))
-    tokens = list(model.res.tokens)[:300]
-    model.set_kv(tokens[:100], 0)
-    model.set_kv(tokens, 100)
+    tokens = (list(model.res.tokens) * 8)[:1536]  # a full chunk (512) after 1,024: far over 10 ms on any CPU
+    model.set_kv(tokens[:1024], 0)
+    model.set_kv(tokens, 1024)
     reference = model.logits_at_end().copy()
-    model.set_kv(tokens[:100], 0)
+    model.set_kv(tokens[:1030], 1024)  # the last run at another shape: the cancelled one reshapes as it goes
+    model.set_kv(tokens[:1024], 1024)
 
     event = threading.Event()
     original = OpenVINOLoadedModel._infer_abortable
     seen: list[str] = []
 
-    def cancelled_once_started(req: Any, ev: threading.Event) -> None:
-        event.set()  # the client leaves as the chunk starts
+    def cancelled_as_it_runs(self: OpenVINOLoadedModel, req: Any, ev: threading.Event) -> None:
+        threading.Timer(0.01, event.set).start()  # the client leaves with the chunk under way
         try:
-            original(req, ev)
+            original(self, req, ev)
         except Cancelled:
             seen.append("cancelled")
             raise
         seen.append("finished")
 
-    monkeypatch.setattr(OpenVINOLoadedModel, "_infer_abortable", staticmethod(cancelled_once_started))
+    monkeypatch.setattr(OpenVINOLoadedModel, "_infer_abortable", cancelled_as_it_runs)
     with interrupt.interruptible(event), pytest.raises(Cancelled):
-        model.set_kv(tokens, 100)
+        model.set_kv(tokens, 1024)
     assert seen == ["cancelled"]  # stopped inside the inference, not at the check after it
-    assert list(model.res.tokens) == tokens[:100]
+    assert list(model.res.tokens) == tokens[:1024]
     monkeypatch.undo()
-    assert model.set_kv(tokens, 100) == 100
+    # it serves on at other shapes (a request cancelled part-way refused its next one: it is replaced)
+    model.set_kv(tokens[:1030], 1024)
+    model.step(tokens[1030])
+    assert model.set_kv(tokens, 1024) == 1024
     assert np.array_equal(model.logits_at_end(), reference)
     model.clear_kv()
 

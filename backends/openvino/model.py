@@ -186,6 +186,8 @@ class OpenVINOLoadedModel(TapeModelBase):
         self._encode_cap: int | None = None
         #: last-position logits per tape length: prefill ends and the live decode position
         self._logits: dict[int, np.ndarray] = {}
+        #: each inference request's last finished run's row count (``_recover``)
+        self._widths: dict[int, int] = {}
         #: the tape length whose logits entry step() created (spent by the next step)
         self._step_len: int | None = None
         super().__init__(
@@ -378,6 +380,7 @@ class OpenVINOLoadedModel(TapeModelBase):
             req.infer()
         else:
             self._infer_abortable(req, event)
+        self._widths[id(req)] = width
         out: np.ndarray = req.get_tensor("logits").data
         if every_row:
             rows_out: np.ndarray = out.reshape(n, -1)
@@ -385,12 +388,11 @@ class OpenVINOLoadedModel(TapeModelBase):
         last: np.ndarray = out[-1, 0]
         return last
 
-    @staticmethod
-    def _infer_abortable(req: ov.InferRequest, event: threading.Event) -> None:
+    def _infer_abortable(self, req: ov.InferRequest, event: threading.Event) -> None:
         """Run ``req`` and cancel it part-way once ``event`` is set: a chunk deep in a long prompt takes
         seconds (3 s for 512 tokens past 7k here, more on a loaded machine), and a cancel then frees the slot
         within ``ABORT_POLL_MS`` of it, not at the chunk's end. A cancelled chunk writes KV cells past the
-        tape only, which the next inference overwrites (the tape is the chunks finished before it).
+        tape only, which the next inference overwrites (the tape is the chunks finished before it). See ``_recover``.
         """
         req.start_async()
         while not event.is_set():
@@ -400,8 +402,20 @@ class OpenVINOLoadedModel(TapeModelBase):
         try:
             req.wait()
         except RuntimeError:
+            self._recover()
             raise Cancelled("prefill was cancelled") from None
         # it finished before the cancel reached it: a whole chunk, kept (the caller's next check stops)
+
+    def _recover(self) -> None:
+        """After a cancel part-way: the CPU plugin has reshaped some nodes of the graph for the cancelled run but
+        still holds the input shapes of the last finished one, so a next run at those shapes skips its reshape
+        and fails ("could not create a primitive", OpenVINO 2026.4). A throwaway run at other shapes reshapes
+        every node again: the smallest chunk, or the next bucket when the last run was that, just past the tape
+        (cells the next prefill overwrites; the cancelled chunk had room for it)."""
+        last = self._widths.get(id(self.batch_req), 0)
+        rows = MIN_PREFILL_ROWS if last != MIN_PREFILL_ROWS else bucket(MIN_PREFILL_ROWS + 1)
+        past = len(self.res.tokens)
+        self._infer([self.res.tokens[-1] if past else max(self.vocab.bos_id, 0)], past, rows=rows)
 
     def _readouts_of(self, n: int) -> np.ndarray:
         """The last batch inference's readouts of its first ``n`` rows: ``[n, n_layers, n_concepts]``."""
