@@ -131,6 +131,15 @@ def check_exact_rows(session: Session, man: ContextManifest, n: int = 240, *, re
     assert decode(session, 48, speculative=False)[0] == warm
 
 
+def quick_timing(monkeypatch: Any) -> None:
+    """A test of the draft costs' timing (that it runs while idle, is kept, is read again), not of its figures:
+    one timed round, on the shortest long context (17 s of a test's time on llama.cpp with the full timing)."""
+    from backends.tape import draft_costs
+
+    monkeypatch.setattr(draft_costs, "REPS", 1)
+    monkeypatch.setattr(draft_costs, "LONG_CONTEXT_TOKENS", draft_costs.MIN_LONG_CONTEXT_TOKENS)
+
+
 def forbid_measuring(monkeypatch: Any) -> None:
     """Make a load that measures its draft check costs fail: it is expected to read the kept table."""
     from backends.tape import draft_costs

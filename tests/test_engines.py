@@ -60,6 +60,7 @@ from tests.engine_kit import (
     forbid_measuring,
     greedy,
     manifest,
+    quick_timing,
     take,
     turn,
 )
@@ -738,6 +739,7 @@ def test_draft_costs_are_timed_when_idle_and_kept_for_the_next_load(
     monkeypatch.delenv(draft_costs.FIXED_ENV)  # the timing is the subject: not the suite's fixed table
     # its own table: another test timing the same model on another worker keeps its own in the shared model cache
     monkeypatch.setattr(draft_costs, "table_dir", lambda: tmp_path)
+    quick_timing(monkeypatch)
     first = engine.load()
     try:
         first.idle_work()  # times the checks where no table is kept (an earlier load's is read at load)

@@ -205,7 +205,7 @@ def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
     from backends.gguf_file import gguf_layout_digest
     from backends.tape import draft_costs
     from harness.fixtures import truncated_gguf, untemplated_gguf
-    from tests.engine_kit import forbid_measuring
+    from tests.engine_kit import forbid_measuring, quick_timing
 
     bundled, bare = bundled_gguf_path(), untemplated_gguf()
     assert gguf_layout_digest(bundled) == gguf_layout_digest(bare) != gguf_layout_digest(served_bundled_gguf())
@@ -217,6 +217,7 @@ def test_the_same_weights_under_another_template_read_the_measured_draft_costs(
     monkeypatch.delenv(draft_costs.FIXED_ENV)  # the timing is the subject: not the suite's fixed table
     # its own table: another test timing the same model on another worker keeps its own in the shared model cache
     monkeypatch.setattr(draft_costs, "table_dir", lambda: tmp_path)
+    quick_timing(monkeypatch)
     base = _load(engine, "")
     try:
         base.idle_work()  # timed as an idle daemon times them, where no table is kept yet

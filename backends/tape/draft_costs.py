@@ -197,11 +197,12 @@ def plausible(costs: CheckCosts) -> bool:
     return all(c <= rows + PLAUSIBLE_SLACK for rows, c in enumerate(costs.table(), start=1))
 
 
-def measure(m: TapeModel, reps: int = REPS, context: int = CONTEXT_TOKENS) -> tuple[dict[int, float], float]:
+def measure(m: TapeModel, reps: int | None = None, context: int = CONTEXT_TOKENS) -> tuple[dict[int, float], float]:
     """What a check of each timed row count costs after ``context`` tokens, in plain steps there
     ({rows: steps}, 1 -> 1.0; each timed after a check of its own size), and what the evaluation
     after a change of row count loses (the switch, in steps: the mean of the way into a check
     after a step and the way back)."""
+    reps = REPS if reps is None else reps
     rows = sorted({m.check_rows(r) for r in TIMED_ROWS})
     filler = m.tokenize(_FILLER)
     n = max(1, min(context, m.num_ctx - max(rows) - 1))
