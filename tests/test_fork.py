@@ -103,14 +103,14 @@ def test_a_fork_answers_as_a_fresh_session_and_computes_only_what_it_appends(dae
 
 
 def test_alternating_two_forks_never_prefills_what_they_share(daemon: DaemonProcess) -> None:
-    """A 4,000-token session and a fork of it at 3,000 that went its own way for 600 tokens, taking turns four
+    """A 2,000-token session and a fork of it at 1,500 that went its own way for 400 tokens, taking turns four
     times each: every turn computes its own question and nothing else; the other's context comes back from the
     workspace cache at each switch."""
     with daemon.client(timeout_s=300.0) as c:
-        sess, _, _, man = _session_of(c, 4000)
-        fork = sess.fork(3000)
-        own = sess.tokenize(BODY[::-1])[:600]  # the fork's own 600 tokens
-        assert fork.prefill_suffix(SuffixInput(tokens=own, offset=3000, manifest=man)).prefilled_tokens == 600
+        sess, _, _, man = _session_of(c, 2000)
+        fork = sess.fork(1500)
+        own = sess.tokenize(BODY[::-1])[:400]  # the fork's own 400 tokens (the cache keeps 256 and more)
+        assert fork.prefill_suffix(SuffixInput(tokens=own, offset=1500, manifest=man)).prefilled_tokens == 400
         restored = c.status().cache["restored_tokens"]
         before = _prefilled(c)
         asked = 0
@@ -123,7 +123,7 @@ def test_alternating_two_forks_never_prefills_what_they_share(daemon: DaemonProc
                     assert st.prefilled_tokens == len(q) and st.resident_tokens == at + len(q), st
                     asked += len(q)
             assert _prefilled(c) - before == asked
-            assert c.status().cache["restored_tokens"] - restored >= 8 * 600  # each switch restored the other
+            assert c.status().cache["restored_tokens"] - restored >= 8 * 400  # each switch restored the other
         finally:
             fork.close()
             sess.close()
