@@ -290,7 +290,10 @@ class Handlers:
             for chunk in stream:
                 if chunk.done:
                     final = chunk
-                    break
+                    # the reply's end goes out before the stream is closed: closing it evaluates the reply's last
+                    # token into the KV (its settle), which nobody waits for but the session's next operation
+                    yield final
+                    return
                 # a chunk the session handed out is sent even when the cancel came meanwhile: its token is in the
                 # context now, and a client that goes on with the session (a paused reply resumed) must have seen it
                 yield chunk
