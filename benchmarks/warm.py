@@ -82,10 +82,12 @@ def _recorded(run: Path | None) -> list[tuple[str, dict[str, Any]]]:
 @contextmanager
 def _timed_calls() -> Iterator[dict[str, float]]:
     """The runtime client's calls timed by operation (ms, summed) while the block runs."""
+    from contract.wire import Kind
     from runtime import client as rc
 
     spent: dict[str, float] = {}
-    originals = (rc.Client.request, rc.Client._await)
+    originals = (rc.Client.request, rc.Client._await, rc.Client.receive)
+    last_data = [0.0]
     inside = [False]  # (a unary call awaits its reply too: counted as its own operation, not as a prefill)
 
     def request(self: Any, op: Any, *a: Any, **kw: Any) -> Any:
@@ -106,11 +108,20 @@ def _timed_calls() -> Iterator[dict[str, float]]:
                 key = "prefill calls"
                 spent[key] = spent.get(key, 0.0) + (time.perf_counter() - t0) * 1000
 
-    rc.Client.request, rc.Client._await = request, await_  # type: ignore[method-assign]
+    def receive(self: Any, rid: bytes, *a: Any, **kw: Any) -> Any:  # (a decode's frames: the gap before its end)
+        msg = originals[2](self, rid, *a, **kw)
+        now = time.perf_counter()
+        if msg.kind is Kind.DATA:
+            last_data[0] = now
+        elif msg.kind is Kind.END and last_data[0]:
+            spent["end after data"] = (now - last_data[0]) * 1000
+        return msg
+
+    rc.Client.request, rc.Client._await, rc.Client.receive = request, await_, receive  # type: ignore[method-assign]
     try:
         yield spent
     finally:
-        rc.Client.request, rc.Client._await = originals[0], originals[1]  # type: ignore[method-assign]
+        rc.Client.request, rc.Client._await, rc.Client.receive = originals  # type: ignore[method-assign]
 
 
 def _stages(d: DaemonProcess, port: int, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> dict[str, Any]:
@@ -191,7 +202,8 @@ def _tokenizing(http: httpx.Client, messages: list[dict[str, Any]], tools: list[
 def _row(name: str, r: dict[str, Any]) -> str:
     calls: dict[str, float] = r["calls"]
     decode = calls.get("decode", 0.0)
-    settle = max(0.0, calls.get("close", 0.0) - r["bare_close_ms"])
+    # the settle is waited for by the decode's end frame or by the close, whichever the daemon sends after it
+    settle = calls.get("end after data", 0.0) + max(0.0, calls.get("close", 0.0) - r["bare_close_ms"])
     left = r["http_ms"] - decode - settle
     goal = next((ms for limit, ms in GOALS if r["tokens"] <= limit), None)
     met = "" if goal is None else f" (goal <= {goal:.0f}: {'met' if left <= goal else 'MISSED'})"
@@ -237,9 +249,9 @@ def section(tmp: Path, agents_run: Path | None = None, backends: tuple[str, ...]
         finally:
             d.stop()
     lines += ["", "its one token = the engine's compute of the reply's token: the decode's (the daemon's first-token "
-              "time) + its settle (evaluated into the KV after the reply's end went out, which the session's close "
-              "waits for: the close's round trip less that of a close with no decode before it; a reply that ends "
-              "with the model's end token has none); what is left = the HTTP wall time less both (the goal's "
+              "time) + its settle (evaluated into the KV before the decode's end frame goes out: the gap between the "
+              "reply's frame and the end frame, and what the close then takes beyond a close with no decode before "
+              "it; a reply that ends with the model's end token has none); what is left = the HTTP wall time less both (the goal's "
               "figure: rendering, tokenizing, matching, the calls, the front); close = a close's own round trip; front = the HTTP wall time less the runtime's for the same conversation; count = the "
               "prompt's size checked before the prefill; the prefix and suffix calls are ZeroMQ round trips that "
               "render, tokenize, match against the tape and prefill what is new (here: nothing or the template's "

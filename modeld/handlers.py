@@ -290,17 +290,17 @@ class Handlers:
             for chunk in stream:
                 if chunk.done:
                     final = chunk
-                    # the reply's end goes out before the stream is closed: closing it evaluates the reply's last
-                    # token into the KV (its settle), which nobody waits for but the session's next operation
-                    yield final
-                    return
+                    break
                 # a chunk the session handed out is sent even when the cancel came meanwhile: its token is in the
                 # context now, and a client that goes on with the session (a paused reply resumed) must have seen it
                 yield chunk
                 if cancel.is_set():
                     break
         finally:
-            stream.close()  # cancels the backend within one token when we stopped early
+            # cancels the backend within one token when we stopped early; after the final chunk it settles the
+            # reply's last token into the KV before the final goes out: ``explain`` is answered on the IO thread,
+            # and a client that reads the context right after the end must find the whole reply in it
+            stream.close()
         if final is None:
             if self._stopping.is_set():
                 raise ShuttingDown("modeld is shutting down; the stream was ended")
