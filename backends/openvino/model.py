@@ -67,9 +67,9 @@ __all__ = ["BACKEND_NAME", "OpenVINOLoadedModel"]
 
 BACKEND_NAME = "openvino"
 STATE_MAGIC = b"MODELD-OV-PKV1\0\0"
-#: token texts that end a turn in common chat vocabularies (llama.cpp treats them as EOG too)
 #: how often a prefill chunk under way looks at its cancel (each look is a wait on the inference, no GIL held)
 ABORT_POLL_MS = 20
+#: token texts that end a turn in common chat vocabularies (llama.cpp treats them as EOG too)
 _EOG_TEXTS = (b"<|endoftext|>", b"<|im_end|>", b"<|eot_id|>", b"<|eom_id|>", b"<|end|>", b"<end_of_turn>")
 
 
@@ -186,8 +186,8 @@ class OpenVINOLoadedModel(TapeModelBase):
         self._encode_cap: int | None = None
         #: last-position logits per tape length: prefill ends and the live decode position
         self._logits: dict[int, np.ndarray] = {}
-        #: each inference request's last finished run's row count (``_recover``)
-        self._widths: dict[int, int] = {}
+        #: the row count of the batch request's last finished run (``_recover``)
+        self._batch_width = 0
         #: the tape length whose logits entry step() created (spent by the next step)
         self._step_len: int | None = None
         super().__init__(
@@ -380,7 +380,8 @@ class OpenVINOLoadedModel(TapeModelBase):
             req.infer()
         else:
             self._infer_abortable(req, event)
-        self._widths[id(req)] = width
+        if req is self.batch_req:
+            self._batch_width = width
         out: np.ndarray = req.get_tensor("logits").data
         if every_row:
             rows_out: np.ndarray = out.reshape(n, -1)
@@ -412,8 +413,7 @@ class OpenVINOLoadedModel(TapeModelBase):
         and fails ("could not create a primitive", OpenVINO 2026.4). A throwaway run at other shapes reshapes
         every node again: the smallest chunk, or the next bucket when the last run was that, just past the tape
         (cells the next prefill overwrites; the cancelled chunk had room for it)."""
-        last = self._widths.get(id(self.batch_req), 0)
-        rows = MIN_PREFILL_ROWS if last != MIN_PREFILL_ROWS else bucket(MIN_PREFILL_ROWS + 1)
+        rows = MIN_PREFILL_ROWS if self._batch_width != MIN_PREFILL_ROWS else bucket(MIN_PREFILL_ROWS + 1)
         past = len(self.res.tokens)
         self._infer([self.res.tokens[-1] if past else max(self.vocab.bos_id, 0)], past, rows=rows)
 
