@@ -27,3 +27,17 @@ def test_a_ci_run_without_an_engine_fails(tmp_path: Path) -> None:
 def test_a_developer_run_without_an_engine_goes_on(tmp_path: Path) -> None:
     run = _pytest(tmp_path, "")
     assert run.returncode == 0, run.stdout[-2000:]
+
+
+def test_every_knob_the_suite_reads_survives_the_scrub_of_the_developer_s_settings() -> None:
+    """``tests/conftest.py`` drops every MODELD_* variable before a test runs; a knob the suite itself reads (the
+    examples ``make fuzz`` asks for) must be kept, or the run silently uses the suite's default."""
+    import re
+
+    from tests.conftest import SUITE_KNOBS
+
+    read = set()
+    for path in (ROOT / "tests").glob("*.py"):
+        read |= set(re.findall(r"""os\.environ(?:\.get\(|\[)["'](MODELD_[A-Z0-9_]+)""", path.read_text()))
+    assert read, "no knob found: the pattern no longer matches how the suite reads them"
+    assert read <= set(SUITE_KNOBS), sorted(read - set(SUITE_KNOBS))

@@ -8,6 +8,13 @@ a reference daemon whose KV holds nothing of it (a displacing request first, its
 daemon's view. Every request's prompt tokens (the digest ``modeld why`` reports) and its greedy reply must be the
 same on both. Both engines serve the bundled model.
 
+The daemons of the property serve the layout whose rows are exact (``EXACT_ROWS``): there a token's logits are the
+same whether its prompt was prefilled in one batch or on top of KV an earlier request left, which is what makes a
+greedy reply comparable at all. In the default layout the batches of a warm prefill differ from a cold one's, and a
+near tie can flip (seen at 300 examples on llama.cpp: the same 22 prompt tokens answered "The company has" warm and
+"The original sentence" cold; ``docs/contract.md``). The tokens do not hang on the layout: the issue's examples are
+also sent to a pair of daemons in the default layout, their prompt tokens compared.
+
 The suite runs a fixed seed and ``EXAMPLES`` examples per engine; ``make fuzz`` runs thousands
 (``MODELD_WARM_COLD_EXAMPLES``).
 """
@@ -96,19 +103,37 @@ class Daemons:
         assert r.status_code == 200, r.text[:300]
 
 
-@pytest.fixture(scope="module", params=[pytest.param("llama", marks=pytest.mark.llama),
-                                        pytest.param("openvino", marks=pytest.mark.openvino)])
-def daemons(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
-    pytest.importorskip("llama_cpp" if request.param == "llama" else "openvino_genai")
-    tmp = tmp_path_factory.mktemp(f"warmcold-{request.param}")
-    args = ("--num-ctx", "2048", "--speculative", "off")
-    with Front(Path(tmp) / "warm", *args, backend=request.param) as warm, \
-         Front(Path(tmp) / "cold", *args, "--cache-ram", "0", "--cache-disk", "0", backend=request.param) as cold:
+#: each engine's layout whose rows are exact (``--exact-decode``; llama.cpp: flash attention over a q8_0 cache, the
+#: weights as the file has them), as ``test_backends_daemon`` starts it
+EXACT_ROWS = {
+    "llama": ("--flash-attn", "--kv-cache-type", "q8_0", "--exact-decode", "--engine-option", "extra_bufts=false"),
+    "openvino": ("--exact-decode",),
+}
+ENGINES = [pytest.param("llama", marks=pytest.mark.llama), pytest.param("openvino", marks=pytest.mark.openvino)]
+
+
+def _pair(tmp: Path, backend: str, layout: tuple[str, ...]) -> Iterator[Daemons]:
+    pytest.importorskip("llama_cpp" if backend == "llama" else "openvino_genai")
+    args = ("--num-ctx", "2048", "--speculative", "off", *layout)
+    with Front(tmp / "warm", *args, backend=backend) as warm, \
+         Front(tmp / "cold", *args, "--cache-ram", "0", "--cache-disk", "0", backend=backend) as cold:
         d = Daemons(warm, cold)
         try:
             yield d
         finally:
             d.close()
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def daemons(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
+    """The warm daemon and the reference, in the layout whose rows are exact."""
+    yield from _pair(tmp_path_factory.mktemp(f"warmcold-{request.param}"), request.param, EXACT_ROWS[request.param])
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def default_daemons(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemons]:
+    """The pair in the default layout."""
+    yield from _pair(tmp_path_factory.mktemp(f"warmcold-default-{request.param}"), request.param, ())
 
 
 @st.composite
@@ -138,12 +163,27 @@ def test_a_prompt_s_tokens_and_greedy_reply_are_what_a_fresh_daemon_gives(daemon
         assert warm[0] == cold[0], (api, prompt, "the greedy reply differs from a fresh daemon's", warm[0], cold[0])
 
 
+ISSUE_EXAMPLES = (("chat", ["Is x<y?", "Is x"]),
+                  ("completions", ["What does len([1, 2, 3]) return?\nAnswer: 3",
+                                   "What does len([1, 2, 3]) return?\nAnswer: [1, 2, 3]"]))
+
+
 def test_the_examples_in_the_issue(daemons: Daemons) -> None:
     """The reported cases: a held lone "<" must not stay where a fresh prompt has "<|im_end|>", nor a held " "
     where a fresh raw prompt has " ["."""
-    q = "What does len([1, 2, 3]) return?\nAnswer:"
-    for api, sequence in (("chat", ["Is x<y?", "Is x"]), ("completions", [q + " 3", q + " [1, 2, 3]"])):
+    for api, sequence in ISSUE_EXAMPLES:
         for prompt in sequence:
             warm = daemons.ask(daemons.warm, api, prompt)
             daemons.displace()
             assert warm == daemons.ask(daemons.cold, api, prompt), (api, prompt)
+
+
+def test_the_examples_in_the_issue_keep_their_tokens_in_the_default_layout(default_daemons: Daemons) -> None:
+    """The same cases on the default layout (what ``modeld serve`` runs unless told): the prompt tokens are a
+    fresh daemon's (the greedy reply is not compared: see the module's note on near ties)."""
+    d = default_daemons
+    for api, sequence in ISSUE_EXAMPLES:
+        for prompt in sequence:
+            warm = d.ask(d.warm, api, prompt)
+            d.displace()
+            assert warm[1] == d.ask(d.cold, api, prompt)[1], (api, prompt)
