@@ -248,41 +248,31 @@ def ws_phase(tmp: Path, generations: int) -> dict[str, object]:
 def sweep_phase(tmp: Path, per_mode: int) -> bool:
     """The disconnect sweep (``tests.turn_sweep``) with ``per_mode`` instants per API and mode on a llama.cpp
     daemon, two CPU-bound processes beside it; one line per instant, then the slowest slot hand-over."""
-    import multiprocessing
-
+    from harness.load import cpu_burners
     from tests.turn_sweep import SERVE_ARGS, Sweep, plan
 
     port = free_port()
     d = DaemonProcess(tmp / "sweep", "llama", None, "--http", f"127.0.0.1:{port}", *SERVE_ARGS)
-    burners = [multiprocessing.get_context("spawn").Process(target=_burn, daemon=True) for _ in range(2)]
     outcomes = []
     d.start(wait_state=("Ready",))
     try:
         wait_http(port)
-        for b in burners:
-            b.start()
-        sweep = Sweep(d, port)
-        try:
-            for case in plan(per_mode):
-                out = sweep.run(case)
-                print(out.line(), flush=True)
-                outcomes.append(out)
-        finally:
-            sweep.close()
+        with cpu_burners(2):
+            sweep = Sweep(d, port)
+            try:
+                for case in plan(per_mode):
+                    out = sweep.run(case)
+                    print(out.line(), flush=True)
+                    outcomes.append(out)
+            finally:
+                sweep.close()
     finally:
-        for b in burners:
-            b.kill()
         d.stop()
     failed = [o for o in outcomes if not o.ok]
     slowest = max((o.free_s for o in outcomes), default=0.0)
     print(f"disconnect sweep: {len(outcomes)} instants, {len(failed)} failed; the next client held the slot at most "
           f"{slowest:.2f} s after a disconnect", flush=True)
     return not failed
-
-
-def _burn() -> None:
-    while True:
-        pass
 
 
 def _report(name: str, r: dict[str, object]) -> bool:

@@ -7,7 +7,6 @@ about the turn that holds the slot (``status``, ``modeld cancel``).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("llama_cpp")
 
+from harness.load import cpu_burners  # noqa: E402
 from tests.test_openai_front import Front  # noqa: E402
 from tests.turn_sweep import MODES, PHASES, SERVE_ARGS, Sweep, plan  # noqa: E402
 
@@ -26,24 +26,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.llama]
 PER_MODE = int(os.environ.get("MODELD_SWEEP_PER_MODE", "1"))
 
 
-def _burn() -> None:
-    while True:
-        pass
-
-
 @pytest.fixture(scope="module")
 def loaded() -> Iterator[None]:
     """Two CPU-bound processes for the module's whole run: the machine of a user with other work going on."""
-    ctx = multiprocessing.get_context("spawn")
-    burners = [ctx.Process(target=_burn, daemon=True) for _ in range(2)]
-    for b in burners:
-        b.start()
-    try:
+    with cpu_burners(2):
         yield
-    finally:
-        for b in burners:
-            b.kill()
-            b.join()
 
 
 @pytest.fixture(scope="module")

@@ -110,25 +110,17 @@ def test_every_token_message_is_one_token_on_a_loaded_machine(tmp_path: Path) ->
     interval: however fast or slow the machine): every token message of a 200-token generation is one token (its
     text, its one id, its logprob), at consecutive positions, and they are the greedy tokens chat completions
     gives for the same conversation."""
-    import multiprocessing
+    from harness.load import cpu_burners
 
     pytest.importorskip("llama_cpp")
-    ctx = multiprocessing.get_context("spawn")
-    burners = [ctx.Process(target=_burn, daemon=True) for _ in range(2)]
     with Front(tmp_path, "--num-ctx", "4096", "--api-key", API_KEY, "--stream-interval-ms", "400",
                backend="llama") as front:
-        for b in burners:
-            b.start()
-        try:
+        with cpu_burners(2):
             with _client(front) as c:
                 seen, done = _run(c, messages=MESSAGES, max_tokens=200, temperature=0,
                                   options={"include_token_ids": True, "include_logprobs": 1})
             chat = front.sdk(API_KEY).chat.completions.create(model="default", messages=MESSAGES, max_tokens=200,
                                                               temperature=0, logprobs=True)
-        finally:
-            for b in burners:
-                b.kill()
-                b.join()
     tokens = [m for m in seen if m["type"] == "token"]
     assert tokens and all(len(m["token_ids"]) == 1 and m["token_id"] == m["token_ids"][0] for m in tokens)
     assert all(len(m["logprobs"]) == 1 and m["logprobs"][0]["token_id"] == m["token_id"] for m in tokens)
@@ -139,11 +131,6 @@ def test_every_token_message_is_one_token_on_a_loaded_machine(tmp_path: Path) ->
     assert chat.choices[0].logprobs is not None and chat.choices[0].logprobs.content is not None
     assert [t.bytes for t in chat.choices[0].logprobs.content] == [m["logprobs"][0]["bytes"] for m in tokens]
     assert chat.choices[0].message.content == done["generated_text"]
-
-
-def _burn() -> None:
-    while True:
-        pass
 
 
 def test_a_long_prompt_reports_its_prefill_and_a_waiting_client_hears_it_is_queued(front: Front) -> None:
