@@ -36,6 +36,7 @@ from .errors import InvalidArgument
 from .manifest import ContextManifest
 
 __all__ = [
+    "Delta",
     "CAPABILITIES",
     "ActiveModel",
     "BlobStatus",
@@ -1164,19 +1165,28 @@ FinishReason = Literal[
 ]
 
 
-class StreamChunk(_Report):
-    """A decoded text delta, reasoning text, parsed tool calls, or the terminal chunk."""
+class Delta(_Report):
+    """What a step of a reply adds: its text, its reasoning, its tool calls, and the tokens they came from. A decode
+    frame (``StreamChunk``) and an event of a chat turn (``runtime.ChatEvent``) are both one."""
 
     text: str = ""
     thinking: str = ""
     tool_calls: list[ToolCall] = Field(default_factory=list)
-    #: the same calls as they are written, piece by piece (a call's pieces come before or with the call itself)
+    #: the same calls as they are written, piece by piece: per call index its id and name first, then its arguments
+    #: (a call's pieces come before or with the call itself)
     tool_call_deltas: list[ToolCallDelta] = Field(default_factory=list)
+    #: with ``DecodeConfig.return_token_ids``: the ids of the tokens this delta came from (a token whose text was
+    #: held back comes with the delta that sends it)
     token_ids: list[int] = Field(default_factory=list)
-    #: with ``DecodeConfig.logprobs``: the sampled tokens this chunk's output came from, in order (a token whose
-    #: output was held back, a possible stop string or a tool call, comes with the chunk that sends it on; tokens
+    #: with ``DecodeConfig.logprobs``: the sampled tokens this delta's output came from, in order (a token whose
+    #: output was held back, a possible stop string or a tool call, comes with the delta that sends it on; tokens
     #: that sent nothing come with the final chunk)
     logprobs: list[TokenLogprob] = Field(default_factory=list)
+
+
+class StreamChunk(Delta):
+    """A decode frame: a delta (several merged decode steps' with ``text_pieces``), or the terminal chunk."""
+
     #: with ``DecodeConfig.readouts``, on the final chunk: one per decoded token the context holds (an end of
     #: generation token is not one), in order, ``[n_layers][n_concepts]`` as ``SuffixStatus.readouts``
     readouts: list[list[list[float]]] = Field(default_factory=list)

@@ -36,6 +36,7 @@ from contract.errors import Cancelled, ContextOverflow, InvalidArgument, Session
 from contract.types import (
     ChatMessage,
     DecodeConfig,
+    Delta,
     FinishReason,
     OpenSessionRequest,
     PrefixInput,
@@ -46,7 +47,6 @@ from contract.types import (
     TokenCount,
     TokenLogprob,
     ToolCall,
-    ToolCallDelta,
     ToolCallFunction,
 )
 
@@ -107,20 +107,10 @@ class ChatResult(BaseModel):
     end_logprob: TokenLogprob | None = None
 
 
-class ChatEvent(BaseModel):
-    """One step of ``Chat.stream``: a delta of text, thinking or tool calls; the last one carries the result."""
+class ChatEvent(Delta):
+    """One step of ``Chat.stream``: a delta of text, thinking or tool calls (a frame of several merged decode steps
+    gives all of its tokens' ids and logprobs to its first event); the last one carries the result."""
 
-    text: str = ""
-    thinking: str = ""
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-    #: the calls as they are written: per call index, its id and name first, then its arguments piece by piece
-    tool_call_deltas: list[ToolCallDelta] = Field(default_factory=list)
-    #: with ``logprobs`` asked: the sampled tokens this delta came from (a frame of several merged steps gives
-    #: all of its tokens' to its first event)
-    logprobs: list[TokenLogprob] = Field(default_factory=list)
-    #: with ``return_token_ids`` asked: the ids of the tokens this delta came from (as ``logprobs``: a merged
-    #: frame's all go to its first event; a token whose text was held back comes with the delta that sends it)
-    token_ids: list[int] = Field(default_factory=list)
     result: ChatResult | None = None
 
     @classmethod
