@@ -12,8 +12,8 @@ The daemons of the property serve the layout whose rows are exact (``EXACT_ROWS`
 same whether its prompt was prefilled in one batch or on top of KV an earlier request left, which is what makes a
 greedy reply comparable at all. In the default layout the batches of a warm prefill differ from a cold one's, and a
 near tie can flip (seen in a run of 300 examples on llama.cpp: a chat prompt whose tokens were the same warm and cold
-answered "The company has" warm and "The original sentence" cold; ``docs/contract.md``). The tokens do not hang on the layout: the issue's examples are
-also sent to a pair of daemons in the default layout, their prompt tokens compared.
+answered "The company has" warm and "The original sentence" cold; ``docs/contract.md``). The tokens do not hang on the
+layout: the issue's examples are also sent to a pair of daemons in the default layout, their prompt tokens compared.
 
 The suite runs a fixed seed and ``EXAMPLES`` examples per engine; ``make fuzz`` runs thousands
 (``MODELD_WARM_COLD_EXAMPLES``).
