@@ -24,6 +24,7 @@ from benchmarks.agents.report import AccessLine, AgentResult, assign, side_by_si
 from benchmarks.agents.scratch import GIT_ENV, TASKS, make_repo
 from benchmarks.agents.specs import AGENTS, Context, Launch
 from harness.daemon import free_port
+from harness.load import cpu_burners
 
 __all__ = ["main"]
 
@@ -114,25 +115,13 @@ def load_timeout(load: int, cpus: int | None = None) -> float:
     return TIMEOUT_S * (1 + load / cpus)
 
 
-#: what each --load process runs: a busy loop, until the run kills it (it also ends by itself after a day)
-_BUSY = "import time\nend = time.monotonic() + 86400\nwhile time.monotonic() < end:\n    pass\n"
-
-
 @contextlib.contextmanager
 def cpu_load(n: int) -> Iterator[None]:
     """``n`` CPU-bound processes for the block (none for 0): what another program's work does to the daemon."""
-    import subprocess
-
-    procs = [subprocess.Popen([sys.executable, "-c", _BUSY], stdin=subprocess.DEVNULL) for _ in range(n)]
-    if procs:
-        _log(f"load: {n} CPU-bound process(es) beside the daemon (pids {', '.join(str(p.pid) for p in procs)})")
-    try:
+    with cpu_burners(n) as pids:
+        if pids:
+            _log(f"load: {n} CPU-bound process(es) beside the daemon (pids {', '.join(map(str, pids))})")
         yield
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait()
 
 
 def _modeld(arg: str) -> str:
