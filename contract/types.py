@@ -36,7 +36,6 @@ from .errors import InvalidArgument
 from .manifest import ContextManifest
 
 __all__ = [
-    "Delta",
     "CAPABILITIES",
     "ActiveModel",
     "BlobStatus",
@@ -48,6 +47,7 @@ __all__ = [
     "ContextReport",
     "DaemonStatus",
     "DecodeConfig",
+    "Delta",
     "DeviceInfo",
     "EmbedRequest",
     "EmbedInfo",
