@@ -26,6 +26,7 @@ __all__ = [
     "EXIT_WEDGED",
     "MAX_NICE",
     "QUEUE_TIMEOUT_S",
+    "STREAM_GRACE_S",
 ]
 
 # --- the slot ---------------------------------------------------------------------------------------------------
@@ -63,6 +64,10 @@ DEFAULT_BLOB_BYTES = 4 * 2**30
 DEFAULT_LISTEN = "127.0.0.1:8377"
 #: how long a request waits for the slot while another holds it, then 503
 QUEUE_TIMEOUT_S = 300.0
+#: how long a streamed request waits for the slot before its response starts: past it, the stream starts and
+#: sends its API's keep-alives while the request waits on (Qwen Code gives up after 120 s without response
+#: headers); a refusal after that is the stream's error event, not a status code
+STREAM_GRACE_S = 15.0
 #: the largest request body accepted: far above the largest agent request measured (~22k tokens of
 #: prompt, tools included, is about 1 MB of JSON); a larger one is refused with 413 before parsing
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024

@@ -92,6 +92,7 @@ from .defaults import (
     IMAGE_FETCH_TIMEOUT_S,
     MAX_NICE,
     QUEUE_TIMEOUT_S,
+    STREAM_GRACE_S,
 )
 
 __all__ = [
@@ -283,6 +284,11 @@ class HttpSettings(BaseSettings):
     api_key: Annotated[str, Flag(None, HTTP)] = Field("", repr=False, description="bearer key the HTTP API requires")
     http_queue_timeout: Annotated[NonNegative, Flag("S", HTTP)] = Field(
         QUEUE_TIMEOUT_S, description="seconds an HTTP request waits for a busy slot before 503"
+    )
+    http_stream_grace: Annotated[NonNegative, Flag("S", HTTP)] = Field(
+        STREAM_GRACE_S,
+        description="seconds a streamed HTTP request waits for a busy slot before its stream starts; it then sends "
+        "keep-alives while it waits, and a refusal (the queue timeout) is the stream's error event",
     )
     http_max_body: Annotated[Size, Flag(None, HTTP)] = Field(
         DEFAULT_MAX_BODY_BYTES, description="largest HTTP request body; a larger one is refused with 413 unread"

@@ -11,7 +11,9 @@ of the reply is sent: the model name, the slot (queued in arrival order up to
 the queue timeout), and the prompt's size against the context window
 (counted on the model, before any prefill). A route calls it in a worker
 thread and answers an HTTP error for anything it raises; only then does a
-reply (streamed or not) start.
+reply (streamed or not) start, except a streamed one whose wait for the slot
+outlasts a grace (``queued``: its stream starts and keeps the client alive while
+it waits).
 """
 
 from __future__ import annotations
@@ -156,8 +158,6 @@ class Turn:
         self._done = False
         #: the loaded model that serves the turn (the name the reply carries)
         self.model = model
-        #: the prompt counted on the model before any prefill
-        self.count: TokenCount = chat_turn.count
 
     def _finish(self, healthy: bool) -> None:
         if not self._done:
@@ -168,6 +168,20 @@ class Turn:
     def prompt_logprobs(self) -> list[TokenLogprob | None]:
         """A scored prompt's log probabilities, once its prefill ended (``TurnRequest.score``)."""
         return self._turn.prompt_logprobs
+
+    @property
+    def count(self) -> TokenCount:
+        """The prompt counted on the model before any prefill."""
+        return self._turn.count
+
+    @property
+    def queued(self) -> bool:
+        """The turn still waits for the slot (``queued.QueuedTurn``: a stream that started while it waits)."""
+        return False
+
+    async def ready(self) -> Turn:
+        """The turn, holding the slot (this one does: ``Serving.begin`` made it)."""
+        return self
 
     @property
     def prefilling(self) -> bool:
@@ -182,6 +196,14 @@ class Turn:
             return {}
         return {"done": p.done, "total": p.total}
 
+    def waiting(self) -> dict[str, Any]:
+        """What a keep-alive chunk says the turn waits on, as extension fields the SDKs ignore: ``queued`` while
+        it waits for the slot, ``prefill`` (``progress``) while its prefill runs."""
+        if self.queued:
+            return {"queued": True}
+        progress = self.progress()
+        return {"prefill": progress} if progress else {}
+
     def keepalive_comment(self) -> ServerSentEvent:
         """The SSE comment a stream sends while it has nothing else to send: the prefill's progress while it runs."""
         p = self.progress()
@@ -189,12 +211,12 @@ class Turn:
 
     def keepalive_chunk(self, empty: dict[str, Any]) -> ServerSentEvent:
         """A stream's keep-alive for an API whose clients count chunks, not comments: while the prefill runs,
-        ``empty`` (a chunk that adds nothing) with how far the prefill came (``prefill``, which the SDKs ignore);
+        ``empty`` (a chunk that adds nothing) with what it waits on (``waiting``: the slot, or how far the prefill
+        came);
         after it, while the reply streams, a comment (a chunk made here could land between two of the reply's)."""
         if not self.prefilling:
             return self.keepalive_comment()
-        progress = self.progress()
-        return ServerSentEvent(data=json.dumps({**empty, **({"prefill": progress} if progress else {})}))
+        return ServerSentEvent(data=json.dumps({**empty, **self.waiting()}))
 
     def cancel(self) -> None:
         """Cut the reply short from another request: its events end with finish_reason "cancelled" (the slot and

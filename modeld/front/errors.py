@@ -115,8 +115,11 @@ def _overflow(exc: ContextOverflow) -> ApiError:
     )
 
 
-def api_error(exc: ModeldError) -> ApiError:
-    """A daemon error as the HTTP status a client expects."""
+def api_error(exc: ModeldError | ApiError) -> ApiError:
+    """A daemon error as the HTTP status a client expects (an ``ApiError`` as it is: a stream that started before
+    its turn took the slot meets the front's own refusals as its first event)."""
+    if isinstance(exc, ApiError):
+        return exc
     details = {k: v for k, v in exc.details.items() if isinstance(v, (str, int, float))} if exc.details else {}
     if isinstance(exc, ContextOverflow):
         return _overflow(exc)

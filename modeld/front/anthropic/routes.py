@@ -13,7 +13,7 @@ from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
 
-from ..access import record_of
+from ..access import AccessRecord, record_of
 from ..core import (
     KEEPALIVE_S,
     STREAM_SEND_TIMEOUT_S,
@@ -25,7 +25,8 @@ from ..core import (
     declared,
     fill_record,
 )
-from ..errors import api_error
+from ..errors import ApiError, api_error
+from ..queued import abegin_streamed
 from .protocol import CountTokensRequest, ErrorBody, MessageOut, MessagesRequest, TokenCount
 from .translate import message_body, stop_reason, tool_id, turn_request, usage_of
 
@@ -37,7 +38,8 @@ def router(serving: Serving) -> APIRouter:
     async def messages(body: MessagesRequest, request: Request) -> JSONResponse | EventSourceResponse:
         record = record_of(request)
         record.stream = body.stream
-        turn = await serving.abegin(turn_request(body, serving), request)
+        req = turn_request(body, serving)
+        turn = await (abegin_streamed(serving, req, request) if body.stream else serving.abegin(req, request))
         record.model = turn.model
         msg_id = f"msg_{uuid.uuid4().hex[:24]}"
         if body.stream:
@@ -61,13 +63,24 @@ def _ping(turn: Turn) -> ServerSentEvent:
     The SDKs drop ``ping`` events before their callers see them (the Anthropic SDKs yield only the message and
     content block events), and an agent's stream watchdog (Claude Code's, 300 s) is reset by the events its SDK
     yields: pings alone keep the bytes flowing but not the agent. A ``message_delta`` reaches it, and the message
-    it assembles reads the same (the final ``message_delta`` sets the stop reason and the usage)."""
-    if turn.prefilling:
+    it assembles reads the same (the final ``message_delta`` sets the stop reason and the usage).
+
+    While the turn waits for the slot, a ``ping``: ``message_start`` (which the deltas need before them) carries
+    the prompt's size, not known until the turn begins, and Claude Code's watchdog (300 s) outlasts the queue's
+    timeout (300 s by default)."""
+    if turn.prefilling and not turn.queued:
         progress = turn.progress()
         return ServerSentEvent(event="message_delta", data=json.dumps({
             "type": "message_delta", "delta": {"stop_reason": None, "stop_sequence": None},
             "usage": {"output_tokens": 0}, **({"prefill": progress} if progress else {})}))
     return ServerSentEvent(event="ping", data=json.dumps({"type": "ping"}))
+
+
+def _error(exc: ModeldError | ApiError, record: AccessRecord) -> dict[str, str]:
+    """The ``error`` event that ends a stream that failed after it started."""
+    err = api_error(exc)
+    record.error = err.code or "error"
+    return {"event": "error", "data": json.dumps(err.anthropic())}
 
 
 def _event(name: str, data: dict[str, Any]) -> dict[str, str]:
@@ -78,6 +91,11 @@ async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -
     """The documented event order: message_start, then per block content_block_start / deltas / stop,
     message_delta (stop reason, usage), message_stop; an error after the start is an ``error`` event."""
     record = record_of(request)
+    try:
+        turn = await turn.ready()  # (a stream that started while its request waits for the slot)
+    except (ModeldError, ApiError) as exc:
+        yield _error(exc, record)
+        return
     count = turn.count
     yield _event("message_start", {"message": {
         "id": msg_id, "type": "message", "role": "assistant", "model": turn.model, "content": [],
@@ -145,10 +163,7 @@ async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -
                 if piece.arguments and open_kind == "tool_use":
                     yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
                                                                                    "partial_json": piece.arguments}})
-    except ModeldError as exc:
-        err = api_error(exc)
-        record.error = err.code or "error"
-        body = err.anthropic()
-        yield {"event": "error", "data": json.dumps(body)}
+    except (ModeldError, ApiError) as exc:
+        yield _error(exc, record)
     finally:
         await close_events(events)

@@ -26,9 +26,10 @@ from ..core import (
     declared,
     fill_record,
 )
-from ..errors import api_error
+from ..errors import ApiError, api_error
 from ..openai.protocol import ErrorBody
 from ..openai.translate import usage_out
+from ..queued import abegin_streamed
 from .protocol import Completion, CompletionRequest
 from .translate import joined, logprobs_out, prompt_logprobs_out, prompt_of, turn_request
 
@@ -46,7 +47,7 @@ def router(serving: Serving) -> APIRouter:
             prompt = prompt_of(body)
             echo = prompt if isinstance(prompt, str) else await serving.aon_session(
                 body.model, lambda s: s.detokenize(prompt))
-        turn = await serving.abegin(turn_req, request)
+        turn = await (abegin_streamed(serving, turn_req, request) if body.stream else serving.abegin(turn_req, request))
         record.model = turn.model
         created = int(time.time())
         rid = "cmpl-" + uuid.uuid4().hex[:24]
@@ -124,7 +125,7 @@ async def _stream(turn: Turn, rid: str, created: int, echo: str, scored: bool, i
             held.add(event)
             if event.text:
                 yield json.dumps(_chunk(turn, rid, created, event.text, None, scores()))
-    except ModeldError as exc:
+    except (ModeldError, ApiError) as exc:
         err = api_error(exc)
         record.error = err.code or "error"
         yield json.dumps(err.openai())

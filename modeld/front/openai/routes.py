@@ -30,7 +30,8 @@ from ..core import (
     declared,
     fill_record,
 )
-from ..errors import api_error
+from ..errors import ApiError, api_error
+from ..queued import abegin_streamed
 from .protocol import ChatCompletion, ChatCompletionRequest, EmbeddingList, EmbeddingsRequest, ErrorBody, ModelList
 from .translate import call_piece, logprobs_out, tool_calls_out, turn_request, usage_out
 
@@ -56,7 +57,8 @@ def router(serving: Serving) -> APIRouter:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | EventSourceResponse:
         record = record_of(request)
         record.stream = body.stream
-        turn = await serving.abegin(turn_request(body), request)
+        req = turn_request(body)
+        turn = await (abegin_streamed(serving, req, request) if body.stream else serving.abegin(req, request))
         record.model = turn.model
         created = int(time.time())
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
@@ -148,7 +150,7 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, logpr
             scores.add(event)
             if delta:
                 yield chunk(delta, tokens=scores.take())
-    except ModeldError as exc:
+    except (ModeldError, ApiError) as exc:
         err = api_error(exc)
         record.error = err.code or "error"
         yield json.dumps(err.openai())

@@ -32,6 +32,7 @@ from ..errors import ApiError, api_error
 from ..images import ImageRef
 from ..openai.protocol import ErrorBody
 from ..openai.translate import token_logprobs_out
+from ..queued import abegin_streamed
 from ..stored import ResponseStore
 from .protocol import DeletedResponse, InputTokens, InputTokensRequest, Response, ResponseRef, ResponsesRequest
 from .translate import (
@@ -102,7 +103,7 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
         record = record_of(request)
         record.stream = body.stream
         turn_req, tools, tools_given = prepare(body)
-        turn = await serving.abegin(turn_req, request)
+        turn = await (abegin_streamed(serving, turn_req, request) if body.stream else serving.abegin(turn_req, request))
         record.model = turn.model
         reply = Reply(body, tools, turn.model, serving)
         running.turns[reply.id] = turn
@@ -177,8 +178,7 @@ def _keepalive(turn: Turn, reply: Reply, events: _Events) -> ServerSentEvent:
     the reply streams, a comment (an event made here could overtake one the reply made and has not sent yet)."""
     if not turn.prefilling:
         return turn.keepalive_comment()
-    progress = turn.progress()
-    e = events.make("response.in_progress", response=reply.body(), **({"prefill": progress} if progress else {}))
+    e = events.make("response.in_progress", response=reply.body(), **turn.waiting())
     return ServerSentEvent(event=e["event"], data=e["data"])
 
 
@@ -303,7 +303,7 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
                 if piece.arguments and current["type"] == "function_call":
                     yield event("response.function_call_arguments.delta", item_id=current["id"],
                                 output_index=len(reply.output) - 1, delta=piece.arguments)
-    except ModeldError as exc:
+    except (ModeldError, ApiError) as exc:
         err = api_error(exc)
         record.error = err.code or "error"
         reply.status = "failed"
