@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -208,6 +209,39 @@ def streaming_client(endpoint: str, model: OpenSessionRequest, *, owner: str = "
         proc.stdout.close()
         raise RuntimeError("the streaming client never started streaming")
     return proc
+
+
+def thread_slices(pid: int) -> dict[int, tuple[str, int]]:
+    """Linux 6.6 on: each thread of process ``pid`` (by thread id), its name and its scheduler slice in
+    nanoseconds (``se.slice`` in /proc); empty where the kernel does not report slices."""
+    out: dict[int, tuple[str, int]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            sched = Path(f"/proc/{pid}/task/{tid}/sched").read_text()
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended meanwhile
+        for line in sched.splitlines():
+            if line.startswith("se.slice"):
+                out[int(tid)] = (name, int(float(line.split(":")[1])))
+    return out
+
+
+def kernel_takes_custom_slices() -> bool:
+    """The kernel reports slices and gives a thread the short one ``runtime.wakeups`` asks for (Linux 6.12 on);
+    asked from a thread of its own, which then ends."""
+    from runtime.wakeups import SLICE_US, prompt_wakeups
+
+    got: list[bool] = []
+
+    def ask() -> None:
+        me = threading.get_native_id()
+        got.append(prompt_wakeups() and thread_slices(os.getpid()).get(me, ("", 0))[1] == SLICE_US * 1000)
+
+    t = threading.Thread(target=ask)
+    t.start()
+    t.join()
+    return got[0]
 
 
 def thread_nices(pid: int) -> dict[int, int]:

@@ -29,6 +29,7 @@ from contract.errors import FrameTooLarge, Internal, ModeldError, ShuttingDown, 
 from contract.messages import StatusRequest
 from contract.types import DaemonStatus, LoadModelRequest, SlotState
 from contract.wire import Kind, Op
+from runtime.wakeups import prompt_wakeups, prompt_zmq_wakeups
 
 from .blobs import BlobStore
 from .handlers import IO_HANDLERS, Handlers
@@ -171,6 +172,10 @@ class Daemon:
         pull = self._ctx.socket(zmq.PULL)
         pull.bind(OUT_ENDPOINT)
         self.workers.start()
+        # this thread and ZeroMQ's carry every message: woken, they take a core from the engine's threads at
+        # once (the threads they make later start with the default slice)
+        prompt_wakeups()
+        prompt_zmq_wakeups()
         self.ready.set()
         log.info("modeld serving %s backend on %s", self.slot.backend.name, self.endpoint)
         poller = zmq.Poller()

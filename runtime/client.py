@@ -100,6 +100,7 @@ from contract.types import (
 from contract.wire import Kind, Message, Op
 
 from .fairlock import FairLock
+from .wakeups import prompt_zmq_wakeups
 
 #: what the CURVE client's monitor reports: the handshake's outcome
 _HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -223,6 +224,7 @@ class Client:
                 self._handshakes = s.get_monitor_socket(_HANDSHAKE_EVENTS)
             s.connect(self.endpoint)
             self._sock = s
+            prompt_zmq_wakeups()  # the context's I/O thread (started with its first socket) carries every reply
         return self._sock
 
     def _refused_handshake(self) -> bool:

@@ -34,7 +34,7 @@ from contract.types import (
     SuffixInput,
 )
 from contract.wire import Kind, Op
-from harness.daemon import ROOT, DaemonProcess, thread_nices, wait_until
+from harness.daemon import ROOT, DaemonProcess, kernel_takes_custom_slices, thread_nices, thread_slices, wait_until
 from harness.prompts import EDIT_CONTINUATION
 from runtime import Client, RemoteSession
 
@@ -143,6 +143,32 @@ def test_the_engine_threads_run_nicer_than_the_io_thread_when_asked(
         _check_niced(niced)
     finally:
         niced.stop()
+
+
+def test_the_message_threads_ask_for_prompt_wake_ups_and_the_engine_threads_do_not(
+    backend_daemon: DaemonProcess,
+) -> None:
+    """The IO thread (the process's main thread) and ZeroMQ's I/O threads ask for the shortest slice, so that woken
+    during a decode they take a core from the engine's threads at once (``runtime.wakeups``); no other thread has
+    it, the engine's included (they are made by the model worker, before or after, never by the IO thread)."""
+    from runtime.wakeups import SLICE_US
+
+    if not kernel_takes_custom_slices():
+        pytest.skip("this kernel has no custom slices (Linux 6.12 on)")
+    assert backend_daemon.proc is not None
+    pid = backend_daemon.proc.pid
+    with backend_daemon.client(timeout_s=120.0) as c:  # the engine's threads exist once it decoded
+        sess = c.open_session(OpenSessionRequest())
+        m = manifest_for(sess, fresh_profile())
+        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
+        sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
+        assert any(ch.done for ch in sess.decode(DecodeConfig(max_tokens=4)))
+        sess.close()
+    slices = thread_slices(pid)
+    short = {tid for tid, (_, ns) in slices.items() if ns == SLICE_US * 1000}
+    carriers = {tid for tid, (name, _) in slices.items() if tid == pid or name.startswith("ZMQbg/IO")}
+    assert short == carriers, sorted((tid, *v) for tid, v in slices.items())
+    assert len(slices) - len(short) >= 3, slices  # the model worker and the engine's own threads, as they were
 
 
 def _check_niced(backend_daemon: DaemonProcess) -> None:
