@@ -26,7 +26,8 @@ pytest.importorskip("llama_cpp")
 pytest.importorskip("openvino")
 
 #: a long text to take tokens from: this project's own source, as an agent's context holds it
-BODY = "\n\n".join((ROOT / p).read_text() for p in ("contract/types.py", "contract/errors.py", "modeld/slot.py"))
+BODY = "\n\n".join((ROOT / p).read_text() for p in (*sorted(f"contract/types/{f.name}" for f in (ROOT / "contract/types").glob("*.py")),
+                                                     "contract/errors.py", "modeld/slot.py"))
 QUESTION = "\nWhich class holds the slot's sessions? Answer with its name."
 
 
