@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
+from contract.types import ToolCallDelta
+from runtime.chat import ChatEvent
 
 from ..access import record_of
 from ..core import (
@@ -182,30 +184,78 @@ def _keepalive(turn: Turn, reply: Reply, events: _Events) -> ServerSentEvent:
     return ServerSentEvent(event=e["event"], data=e["data"])
 
 
-async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
-                  on_done: Any, numbered: _Events) -> AsyncGenerator[dict[str, str], None]:
-    """The documented event order, each event with its ``sequence_number``."""
-    record = record_of(request)
-    event = numbered.make
+class _Items:
+    """A streamed reply's output items as the events that build them: a message, a reasoning item or a call opens
+    at its first piece, its text or arguments stream as deltas, and the next item (or the end) closes it."""
 
-    yield event("response.created", response=reply.body())
-    yield event("response.in_progress", response=reply.body())
-    current: dict[str, Any] | None = None  # the item being streamed: a message, a reasoning item or a call
-    text = ""
-    pieces = CallPieces()
-    asked = reply.req.logprobs() is not None
-    held = HeldLogprobs()
+    def __init__(self, reply: Reply, event: Any) -> None:
+        self.reply = reply
+        self.event = event
+        #: the item being streamed (None: none is open), and its text (a message's, a summary's, a call's arguments)
+        self.current: dict[str, Any] | None = None
+        self.text = ""
+        self.pieces = CallPieces()
+        self.asked = reply.req.logprobs() is not None
+        self.held = HeldLogprobs()
 
-    def close_current() -> list[dict[str, str]]:
-        nonlocal current, text
+    def step(self, ev: ChatEvent) -> list[dict[str, str]]:
+        """The events one of the turn's steps makes (not its last, which carries the result)."""
+        self.held.add(ev)
         out: list[dict[str, str]] = []
-        if current is None:
+        if ev.thinking:
+            if self.current is None or self.current["type"] != "reasoning":
+                out += self.open_item(self.reply.reasoning_item(""))
+            self.text += ev.thinking
+            out.append(self.event("response.reasoning_summary_text.delta", item_id=self._current_id(),
+                                  output_index=len(self.reply.output) - 1, summary_index=0, delta=ev.thinking))
+        if ev.text:
+            if self.current is None or self.current["type"] != "message":
+                out += self.open_item({"type": "message", "id": new_id("msg"), "status": "in_progress",
+                                       "role": "assistant", "content": []})
+            self.text += ev.text
+            scores = token_logprobs_out(self.held.take()) if self.asked else []
+            out.append(self.event("response.output_text.delta", item_id=self._current_id(),
+                                  output_index=len(self.reply.output) - 1, content_index=0, delta=ev.text,
+                                  logprobs=scores))
+        for piece in self.pieces.of(ev):
+            out += self._call_piece(piece)
+        return out
+
+    def _current_id(self) -> str:
+        return self.current["id"] if self.current else ""
+
+    def _call_piece(self, piece: ToolCallDelta) -> list[dict[str, str]]:
+        """A call's item opens at its first piece and its arguments stream as the model writes them."""
+        out: list[dict[str, str]] = []
+        reply = self.reply
+        if piece.id or piece.name:
+            out += self.close_current()
+            item = reply.call_item(piece.name, "", piece.id)
+            item["status"] = "in_progress"
+            reply.output.append(item)
+            self.current = {**item, "name": piece.name}  # the name as the model wrote it (call_item maps it back)
+            shown = {**item, "arguments": ""} if item["type"] == "function_call" else {**item, "input": ""}
+            out.append(self.event("response.output_item.added", output_index=len(reply.output) - 1, item=shown))
+        if self.current is None or self.current["type"] not in ("function_call", "custom_tool_call"):
             return out
+        self.text += piece.arguments
+        if piece.arguments and self.current["type"] == "function_call":
+            out.append(self.event("response.function_call_arguments.delta", item_id=self.current["id"],
+                                  output_index=len(reply.output) - 1, delta=piece.arguments))
+        return out
+
+    def close_current(self) -> list[dict[str, str]]:
+        """The events that close the open item (none when none is open)."""
+        current, text, reply, event = self.current, self.text, self.reply, self.event
+        if current is None:
+            return []
+        out: list[dict[str, str]] = []
         index = len(reply.output) - 1
+        self.current, self.text = None, ""
         if current["type"] in ("function_call", "custom_tool_call"):
             item = reply.call_item(current["name"], text, current["call_id"])
             item["id"] = current["id"]
-            if current["call_id"] not in pieces.finished:
+            if current["call_id"] not in self.pieces.finished:
                 item["status"] = "incomplete"  # the reply ended inside the call: its arguments are cut short
             reply.output[index] = item
             if item["type"] == "function_call":
@@ -217,10 +267,9 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
                 out.append(event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
                                  input=item["input"]))
             out.append(event("response.output_item.done", output_index=index, item=item))
-            current, text = None, ""
             return out
         if current["type"] == "message":
-            part = text_part(text, reply.req, held.all)
+            part = text_part(text, reply.req, self.held.all)
             current["content"] = [part]
             out.append(event("response.output_text.done", item_id=current["id"], output_index=index, content_index=0,
                              text=text))
@@ -234,75 +283,52 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
             out.append(event("response.reasoning_summary_part.done", item_id=current["id"], output_index=index,
                              summary_index=0, part={"type": "summary_text", "text": text}))
         out.append(event("response.output_item.done", output_index=index, item=current))
-        current, text = None, ""
         return out
 
-    def open_item(item: dict[str, Any]) -> list[dict[str, str]]:
-        nonlocal current
-        out = close_current()
-        reply.output.append(item)
-        current = item
-        index = len(reply.output) - 1
+    def open_item(self, item: dict[str, Any]) -> list[dict[str, str]]:
+        """The events that close the open item and open ``item`` (a message or a reasoning item)."""
+        out = self.close_current()
+        self.reply.output.append(item)
+        self.current = item
+        index = len(self.reply.output) - 1
         shown = {**item, "content": []} if item["type"] == "message" else {**item, "summary": []}
-        out.append(event("response.output_item.added", output_index=index, item=shown))
+        out.append(self.event("response.output_item.added", output_index=index, item=shown))
         if item["type"] == "message":
-            out.append(event("response.content_part.added", item_id=item["id"], output_index=index, content_index=0,
-                             part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0,
+                                  part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
         else:
-            out.append(event("response.reasoning_summary_part.added", item_id=item["id"], output_index=index,
-                             summary_index=0, part={"type": "summary_text", "text": ""}))
+            out.append(self.event("response.reasoning_summary_part.added", item_id=item["id"], output_index=index,
+                                  summary_index=0, part={"type": "summary_text", "text": ""}))
         return out
 
+
+async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
+                  on_done: Any, numbered: _Events) -> AsyncGenerator[dict[str, str], None]:
+    """The documented event order, each event with its ``sequence_number``."""
+    record = record_of(request)
+    event = numbered.make
+    yield event("response.created", response=reply.body())
+    yield event("response.in_progress", response=reply.body())
+    items = _Items(reply, event)
     events = turn.aevents(record)
     try:
         async for ev in events:
-            if ev.result is not None:
-                held.add(ev)
-                for e in close_current():
+            if ev.result is None:
+                for e in items.step(ev):
                     yield e
-                fill_record(record, ev.result)
-                reply.finish(ev.result)
-                on_done()
-                # (the API has no event for a cancelled response: one cut short ends as incomplete ones do)
-                final = {"completed": "response.completed", "incomplete": "response.incomplete",
-                         "cancelled": "response.incomplete"}.get(reply.status, "response.completed")
-                yield event(final, response=reply.body())
-                return
-            held.add(ev)
-            if ev.thinking:
-                if current is None or current["type"] != "reasoning":
-                    for e in open_item(reply.reasoning_item("")):
-                        yield e
-                text += ev.thinking
-                yield event("response.reasoning_summary_text.delta", item_id=current["id"] if current else "",
-                            output_index=len(reply.output) - 1, summary_index=0, delta=ev.thinking)
-            if ev.text:
-                if current is None or current["type"] != "message":
-                    for e in open_item({"type": "message", "id": new_id("msg"), "status": "in_progress",
-                                        "role": "assistant", "content": []}):
-                        yield e
-                text += ev.text
-                scores = token_logprobs_out(held.take()) if asked else []
-                yield event("response.output_text.delta", item_id=current["id"] if current else "",
-                            output_index=len(reply.output) - 1, content_index=0, delta=ev.text, logprobs=scores)
-            # a call's item opens at its first piece and its arguments stream as the model writes them; the next
-            # item (or the end) closes it with the whole arguments
-            for piece in pieces.of(ev):
-                if piece.id or piece.name:
-                    for e in close_current():
-                        yield e
-                    item = reply.call_item(piece.name, "", piece.id)
-                    item["status"] = "in_progress"
-                    reply.output.append(item)
-                    current = {**item, "name": piece.name}  # the name as the model wrote it (call_item maps it back)
-                    shown = {**item, "arguments": ""} if item["type"] == "function_call" else {**item, "input": ""}
-                    yield event("response.output_item.added", output_index=len(reply.output) - 1, item=shown)
-                if current is None or current["type"] not in ("function_call", "custom_tool_call"):
-                    continue
-                text += piece.arguments
-                if piece.arguments and current["type"] == "function_call":
-                    yield event("response.function_call_arguments.delta", item_id=current["id"],
-                                output_index=len(reply.output) - 1, delta=piece.arguments)
+                continue
+            items.held.add(ev)
+            for e in items.close_current():
+                yield e
+            fill_record(record, ev.result)
+            reply.finish(ev.result)
+            on_done()
+            # (the API has no event for a cancelled response: one cut short ends as incomplete ones do)
+            final = {"completed": "response.completed", "incomplete": "response.incomplete",
+                     "cancelled": "response.incomplete"}.get(reply.status, "response.completed")
+            yield event(final, response=reply.body())
+            return
     except (ModeldError, ApiError) as exc:
         err = api_error(exc)
         record.error = err.code or "error"
