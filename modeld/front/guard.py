@@ -31,6 +31,7 @@ import json
 import logging
 import resource
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import h11  # uvicorn's own HTTP parser, which the protocol extended here runs on
@@ -94,116 +95,138 @@ def connection_cap(wanted: int) -> int:
     return cap
 
 
-def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol with the connection cap and the request-head deadline."""
-    busy = _reply("503 Service Unavailable", "server_error", "too_many_connections",
-                  f"the HTTP front is serving its limit of {max_connections} connections; retry shortly",
-                  "retry-after: 1\r\n")
-    slow = _reply("408 Request Timeout", "invalid_request_error", "request_timeout",
-                  f"no complete request head within {header_timeout_s:g} s")
-    last_warned = [0.0]
-    # the refused connections lingering now, oldest first (a dict keeps its insertion order)
-    lingering: dict[Any, None] = {}
+@dataclass
+class _Limits:
+    """What every connection of one front shares: its limits, the replies they send, and the refused
+    connections lingering now, oldest first (a dict keeps its insertion order)."""
 
-    class GuardedH11Protocol(H11Protocol):
-        _head_timer: asyncio.TimerHandle | None = None
-        _armed_cycle: Any = None
-        _refused = False
-        _linger_timer: asyncio.TimerHandle | None = None
-        _dropped = 0
+    max_connections: int
+    header_timeout_s: float
+    busy: bytes = b""
+    slow: bytes = b""
+    last_warned: float = 0.0
+    lingering: dict[Any, None] = field(default_factory=dict)
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                now = time.monotonic()
-                if now - last_warned[0] > 10.0:
-                    last_warned[0] = now
-                    log.warning("HTTP connection refused: %d open, the limit is %d", len(self.connections) - 1,
-                                max_connections)
-                self._refused = True
-                transport.write(busy)
-                if not transport.can_write_eof():
-                    transport.close()  # connection_lost follows and forgets it
+    def __post_init__(self) -> None:
+        self.busy = _reply("503 Service Unavailable", "server_error", "too_many_connections",
+                           f"the HTTP front is serving its limit of {self.max_connections} connections; retry shortly",
+                           "retry-after: 1\r\n")
+        self.slow = _reply("408 Request Timeout", "invalid_request_error", "request_timeout",
+                           f"no complete request head within {self.header_timeout_s:g} s")
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the connection cap and the request-head deadline of ``limits``
+    (``guarded_protocol`` makes the class for one front)."""
+
+    limits: _Limits
+    _head_timer: asyncio.TimerHandle | None = None
+    _armed_cycle: Any = None
+    _refused = False
+    _linger_timer: asyncio.TimerHandle | None = None
+    _dropped = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(transport)
+        elif self.limits.header_timeout_s > 0:
+            self._arm()
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        """A connection past the cap: answered 503, its request read and dropped, then closed."""
+        limits = self.limits
+        now = time.monotonic()
+        if now - limits.last_warned > 10.0:
+            limits.last_warned = now
+            log.warning("HTTP connection refused: %d open, the limit is %d", len(self.connections) - 1,
+                        limits.max_connections)
+        self._refused = True
+        transport.write(limits.busy)
+        if not transport.can_write_eof():
+            transport.close()  # connection_lost follows and forgets it
+            return
+        # half-closed, not closed: closing a socket with the request unread (or before it comes)
+        # resets it, and the client's send fails or its read loses the answer
+        transport.write_eof()
+        if len(limits.lingering) >= LINGER_MAX:
+            next(iter(limits.lingering))._end_linger()  # the oldest has had the longest to send its request
+        limits.lingering[self] = None
+        self._linger_timer = self.loop.call_later(LINGER_S, self._end_linger)
+
+    def _end_linger(self) -> None:
+        self.limits.lingering.pop(self, None)
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        self.transport.close()
+
+    def _drop(self, data: bytes) -> None:
+        """Read a refused connection's request and drop it; once it is whole, nothing is left unread and
+        the connection closes cleanly."""
+        if self not in self.limits.lingering:
+            return
+        self._dropped += len(data)
+        try:
+            self.conn.receive_data(data)
+            while (event := self.conn.next_event()) is not h11.NEED_DATA and event is not h11.PAUSED:
+                if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    self._end_linger()
                     return
-                # half-closed, not closed: closing a socket with the request unread (or before it comes)
-                # resets it, and the client's send fails or its read loses the answer
-                transport.write_eof()
-                if len(lingering) >= LINGER_MAX:
-                    next(iter(lingering))._end_linger()  # the oldest has had the longest to send its request
-                lingering[self] = None
-                self._linger_timer = self.loop.call_later(LINGER_S, self._end_linger)
-                return
-            if header_timeout_s > 0:
-                self._arm()
+        except h11.RemoteProtocolError:  # not HTTP: nothing to wait for
+            self._end_linger()
+            return
+        if self._dropped > LINGER_READ_MAX:
+            self._end_linger()
 
-        def _end_linger(self) -> None:
-            lingering.pop(self, None)
-            if self._linger_timer is not None:
-                self._linger_timer.cancel()
-                self._linger_timer = None
-            self.transport.close()
+    def _arm(self) -> None:
+        self._armed_cycle = self.cycle
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_deadline)
 
-        def _drop(self, data: bytes) -> None:
-            """Read a refused connection's request and drop it; once it is whole, nothing is left unread and
-            the connection closes cleanly."""
-            if self not in lingering:
-                return
-            self._dropped += len(data)
-            try:
-                self.conn.receive_data(data)
-                while (event := self.conn.next_event()) is not h11.NEED_DATA and event is not h11.PAUSED:
-                    if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                        self._end_linger()
-                        return
-            except h11.RemoteProtocolError:  # not HTTP: nothing to wait for
-                self._end_linger()
-                return
-            if self._dropped > LINGER_READ_MAX:
-                self._end_linger()
+    def _head_deadline(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if (cycle is not None and not cycle.response_complete) or cycle is not self._armed_cycle:
+            self._arm()  # a request is being answered, or a head came since: a new deadline
+            return
+        self.transport.write(self.limits.slow)
+        self.transport.close()
 
-        def _arm(self) -> None:
-            self._armed_cycle = self.cycle
-            self._head_timer = self.loop.call_later(header_timeout_s, self._head_deadline)
-
-        def _head_deadline(self) -> None:
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        # the connection is the WebSocket protocol's from here: no request-head deadline any more
+        if self._head_timer is not None:
+            self._head_timer.cancel()
             self._head_timer = None
-            if self.transport.is_closing():
-                return
-            cycle = self.cycle
-            if (cycle is not None and not cycle.response_complete) or cycle is not self._armed_cycle:
-                self._arm()  # a request is being answered, or a head came since: a new deadline
-                return
-            self.transport.write(slow)
-            self.transport.close()
+        super().handle_websocket_upgrade(event)
 
-        def handle_websocket_upgrade(self, event: h11.Request) -> None:
-            # the connection is the WebSocket protocol's from here: no request-head deadline any more
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-            super().handle_websocket_upgrade(event)
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            self._drop(data)
+            return
+        super().data_received(data)
 
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                self._drop(data)
-                return
-            super().data_received(data)
-
-        def eof_received(self) -> bool | None:  # type: ignore[override]
-            if self._refused:
-                self._end_linger()  # the client is done: no need to wait out the linger
-                return None
-            super().eof_received()
+    def eof_received(self) -> bool | None:  # type: ignore[override]
+        if self._refused:
+            self._end_linger()  # the client is done: no need to wait out the linger
             return None
+        super().eof_received()
+        return None
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            lingering.pop(self, None)
-            if self._linger_timer is not None:
-                self._linger_timer.cancel()
-                self._linger_timer = None
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-            super().connection_lost(exc)
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.limits.lingering.pop(self, None)
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
 
-    return GuardedH11Protocol
+
+def guarded_protocol(max_connections: int, header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with the connection cap and the request-head deadline: a class of its own per
+    front, whose connections share ``_Limits``."""
+    limits = _Limits(max_connections, header_timeout_s)
+    return type("GuardedH11Protocol", (GuardedH11Protocol,), {"limits": limits})

@@ -58,40 +58,42 @@ class _Running:
         self.turns: dict[str, Turn] = {}
 
 
+def _prepare(body: ResponsesRequest, serving: Serving,
+             store: ResponseStore) -> tuple[TurnRequest, ToolMap, list[dict[str, Any]]]:
+    """The turn for ``body``, its tools, and the conversation it continues (for storing)."""
+    earlier: list[dict[str, Any]] = []
+    tools_given = body.tools
+    if body.previous_response_id:
+        stored = store.get(body.previous_response_id)
+        if stored is None:
+            raise ApiError(404, f"no stored response {body.previous_response_id!r} (unknown, deleted or pruned)",
+                           code="previous_response_not_found", param="previous_response_id")
+        earlier = list(stored.get("conversation") or [])
+        if tools_given is None:
+            tools_given = stored.get("tools")
+    tools = ToolMap(tools_given)
+    images: list[ImageRef] = []
+    messages = conversation(body, tools, serving, images)
+    if earlier:
+        # the stored instructions led the earlier turns; this request's (if any) replace them
+        if body.instructions is not None and earlier and earlier[0].get("role") == "system":
+            earlier = earlier[1:]
+        elif body.instructions is None and earlier and earlier[0].get("role") == "system":
+            messages = [earlier[0], *messages]
+            earlier = earlier[1:]
+    if body.instructions:
+        messages = [{"role": "system", "content": body.instructions}, *messages]
+    full = merge_earlier(messages, earlier)
+    if not full:
+        raise ApiError(400, "input is empty", param="input")
+    turn_req = TurnRequest(messages=turn_messages(full), tools=tools.functions, decode=decode_options(body, tools), model=body.model,
+                           enable_thinking=thinking_of(body), images=images)
+    return turn_req, tools, tools_given or []
+
+
 def router(serving: Serving, store: ResponseStore) -> APIRouter:
     r = APIRouter()
     running = _Running()
-
-    def prepare(body: ResponsesRequest) -> tuple[TurnRequest, ToolMap, list[dict[str, Any]]]:
-        """The turn for ``body``, its tools, and the conversation it continues (for storing)."""
-        earlier: list[dict[str, Any]] = []
-        tools_given = body.tools
-        if body.previous_response_id:
-            stored = store.get(body.previous_response_id)
-            if stored is None:
-                raise ApiError(404, f"no stored response {body.previous_response_id!r} (unknown, deleted or pruned)",
-                               code="previous_response_not_found", param="previous_response_id")
-            earlier = list(stored.get("conversation") or [])
-            if tools_given is None:
-                tools_given = stored.get("tools")
-        tools = ToolMap(tools_given)
-        images: list[ImageRef] = []
-        messages = conversation(body, tools, serving, images)
-        if earlier:
-            # the stored instructions led the earlier turns; this request's (if any) replace them
-            if body.instructions is not None and earlier and earlier[0].get("role") == "system":
-                earlier = earlier[1:]
-            elif body.instructions is None and earlier and earlier[0].get("role") == "system":
-                messages = [earlier[0], *messages]
-                earlier = earlier[1:]
-        if body.instructions:
-            messages = [{"role": "system", "content": body.instructions}, *messages]
-        full = merge_earlier(messages, earlier)
-        if not full:
-            raise ApiError(400, "input is empty", param="input")
-        turn_req = TurnRequest(messages=turn_messages(full), tools=tools.functions, decode=decode_options(body, tools), model=body.model,
-                               enable_thinking=thinking_of(body), images=images)
-        return turn_req, tools, tools_given or []
 
     def keep(reply: Reply, turn_req: TurnRequest, tools_given: list[dict[str, Any]]) -> None:
         if reply.req.store:
@@ -104,7 +106,7 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
     async def create(body: ResponsesRequest, request: Request) -> JSONResponse | EventSourceResponse:
         record = record_of(request)
         record.stream = body.stream
-        turn_req, tools, tools_given = prepare(body)
+        turn_req, tools, tools_given = _prepare(body, serving, store)
         turn = await (abegin_streamed(serving, turn_req, request) if body.stream else serving.abegin(turn_req, request))
         record.model = turn.model
         reply = Reply(body, tools, turn.model, serving)
@@ -126,7 +128,7 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
 
     @r.post("/v1/responses/input_tokens", responses=declared(InputTokens, ErrorBody))
     async def input_tokens(body: InputTokensRequest) -> dict[str, Any]:
-        turn_req, _, _ = prepare(body)
+        turn_req, _, _ = _prepare(body, serving, store)
         count = await serving.acount(turn_req)
         return {"object": "response.input_tokens", "input_tokens": count.prompt_tokens}
 
