@@ -22,6 +22,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -72,6 +73,17 @@ POLICY_VIOLATION = 1008
 
 class _Gone(Exception):
     """The client went away (a send found the connection closed)."""
+
+
+@dataclass
+class _Tally:
+    """Where a generation is: the next token's position, the tokens it produced, its timing so far."""
+
+    started: float
+    position: int
+    last_token: float
+    produced: int = 0
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 class _Generation:
@@ -335,60 +347,20 @@ class _Connection:
 
     async def _run(self, gen: _Generation) -> None:
         started = time.perf_counter()
-        config = gen.config
-        req = self._request(config)
-        st = await anyio.to_thread.run_sync(self.serving.status)  # one status for the route and for init
-        route = self.serving.route(config.model, st)
-        active = st.active
-        gen.model = route.model
-        info: dict[str, Any] = {}
-        if active is not None and active.model_name == route.model:
-            gen.digest = active.digest
-            info = {"context_window": active.effective_context, "digest": active.digest, "backend": active.type}
-        await self.send(Init(request_id=gen.id, model=gen.model, model_info=info, capabilities=CAPABILITIES))
+        req = self._request(gen.config)
+        route = await self._announce(gen)
         turn = await self._begin(gen, req, route)
         gen.turn = turn
         prompt = turn.count.prompt_tokens
-        position = prompt
-        produced = 0
+        tally = _Tally(started=started, position=prompt, last_token=started)
         texts: list[str] = []
         thinking: list[str] = []
         calls: list[dict[str, Any]] = []
         usage: Usage | None = None
-        timing: dict[str, float] = {}
-        last_token = started
         more: dict[str, Any] | None = None
         finish = ""
         while True:
-            gen.cut = False
-            result: ChatResult | None = None
-            progress = anyio.CancelScope()
-            if more is None:
-                self._spawn(self._progress, gen, turn, progress)
-            try:
-                async with contextlib.aclosing(turn.aevents(keep=True, more=more)) as events:
-                    async for event in events:
-                        if event.result is not None:
-                            result = event.result
-                            continue
-                        if not gen.decoding:
-                            gen.decoding = True
-                            progress.cancel()
-                            if gen.action is not None:  # a pause or modify that came during the prefill
-                                await self._cut(gen)
-                        n = len(event.token_ids)
-                        now = time.perf_counter()
-                        if not timing:
-                            timing["first_token_ms"] = (now - started) * 1000
-                        if config.options.stream and (event.text or event.thinking or n):
-                            await self.send(self._token(gen, event, position, now - last_token, now - started))
-                        last_token = now
-                        position += n
-                        produced += n
-            finally:
-                progress.cancel()
-            if result is None:
-                raise ApiError(500, "the generation ended without a result", code="Internal")
+            result = await self._pass(gen, turn, more, tally)
             texts.append(result.message.content or "")
             thinking.append(result.message.reasoning or "")
             calls += [c.model_dump() for c in result.message.tool_calls]
@@ -396,44 +368,100 @@ class _Connection:
                 u = result.usage
                 usage = Usage(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt,
                               cached_tokens=u.reused_tokens, prefilled_tokens=u.prefilled_tokens)
-                timing["prefill_ms"] = result.timing.prefill_ms
+                tally.timing["prefill_ms"] = result.timing.prefill_ms
             finish = result.finish_reason
             action, gen.action = gen.action, None
             if finish != "cancelled" or action in (None, "stop", "regenerate"):
                 gen.action = action
                 break
             if action == "pause":
-                gen.decoding = False
-                gen.paused = True
-                gen.wake = anyio.Event()
-                await self.send(Status(request_id=gen.id, operation="paused", position=position,
-                                       message=f"the slot is held for at most {self._limit():g} s"))
-                with anyio.move_on_after(self._limit()):
-                    await gen.wake.wait()
-                gen.paused = False
-                if not gen.wake.is_set():
-                    raise ApiError(408, f"the generation stayed paused past --ws-pause-limit ({self._limit():g} s): "
-                                        "it ended and the slot went on; regenerate to run it again",
-                                   code="pause_limit")
-                if gen.action in ("stop", "regenerate"):
+                if not await self._pause(gen, tally.position):
                     finish = "cancelled"
                     break
-                gen.action = None
-                await self.send(Status(request_id=gen.id, operation="resumed", position=position))
             else:
-                await self.send(Status(request_id=gen.id, operation="modified", position=position,
+                await self.send(Status(request_id=gen.id, operation="modified", position=tally.position,
                                        parameters=gen.decode))
             more = {**gen.decode, "return_token_ids": True}
             limit = gen.decode.get("max_tokens")
             if limit is not None:
-                if produced >= limit:
+                if tally.produced >= limit:
                     finish = "length"
                     break
-                more["max_tokens"] = limit - produced
+                more["max_tokens"] = limit - tally.produced
         assert usage is not None
-        usage = usage.model_copy(update={"completion_tokens": produced, "total_tokens": prompt + produced})
-        timing["total_ms"] = (time.perf_counter() - started) * 1000
-        await self._complete(gen, finish, texts, thinking, calls, usage, timing)
+        usage = usage.model_copy(update={"completion_tokens": tally.produced, "total_tokens": prompt + tally.produced})
+        tally.timing["total_ms"] = (time.perf_counter() - started) * 1000
+        await self._complete(gen, finish, texts, thinking, calls, usage, tally.timing)
+
+    async def _announce(self, gen: _Generation) -> Route:
+        """The model that serves ``gen`` (one status for the route and for the ``init`` message), and ``init``
+        sent."""
+        st = await anyio.to_thread.run_sync(self.serving.status)
+        route = self.serving.route(gen.config.model, st)
+        active = st.active
+        gen.model = route.model
+        info: dict[str, Any] = {}
+        if active is not None and active.model_name == route.model:
+            gen.digest = active.digest
+            info = {"context_window": active.effective_context, "digest": active.digest, "backend": active.type}
+        await self.send(Init(request_id=gen.id, model=gen.model, model_info=info, capabilities=CAPABILITIES))
+        return route
+
+    async def _pass(self, gen: _Generation, turn: Turn, more: dict[str, Any] | None, tally: _Tally) -> ChatResult:
+        """One pass of the turn (the first, or one that goes on after a pause or a modify: ``more``): its tokens
+        sent as they come, counted in ``tally``; its result."""
+        gen.cut = False
+        result: ChatResult | None = None
+        progress = anyio.CancelScope()
+        if more is None:
+            self._spawn(self._progress, gen, turn, progress)
+        try:
+            async with contextlib.aclosing(turn.aevents(keep=True, more=more)) as events:
+                async for event in events:
+                    if event.result is not None:
+                        result = event.result
+                        continue
+                    if not gen.decoding:
+                        gen.decoding = True
+                        progress.cancel()
+                        if gen.action is not None:  # a pause or modify that came during the prefill
+                            await self._cut(gen)
+                    n = len(event.token_ids)
+                    now = time.perf_counter()
+                    if not tally.timing:
+                        tally.timing["first_token_ms"] = (now - tally.started) * 1000
+                    if gen.config.options.stream and (event.text or event.thinking or n):
+                        await self.send(self._token(gen, event, tally.position, now - tally.last_token,
+                                                    now - tally.started))
+                    tally.last_token = now
+                    tally.position += n
+                    tally.produced += n
+        finally:
+            progress.cancel()
+        if result is None:
+            raise ApiError(500, "the generation ended without a result", code="Internal")
+        return result
+
+    async def _pause(self, gen: _Generation, position: int) -> bool:
+        """A paused generation holds the slot until a resume (True: it goes on), a stop or a regenerate (False), or
+        ``--ws-pause-limit`` (an ``ApiError``)."""
+        gen.decoding = False
+        gen.paused = True
+        gen.wake = anyio.Event()
+        await self.send(Status(request_id=gen.id, operation="paused", position=position,
+                               message=f"the slot is held for at most {self._limit():g} s"))
+        with anyio.move_on_after(self._limit()):
+            await gen.wake.wait()
+        gen.paused = False
+        if not gen.wake.is_set():
+            raise ApiError(408, f"the generation stayed paused past --ws-pause-limit ({self._limit():g} s): "
+                                "it ended and the slot went on; regenerate to run it again",
+                           code="pause_limit")
+        if gen.action in ("stop", "regenerate"):
+            return False
+        gen.action = None
+        await self.send(Status(request_id=gen.id, operation="resumed", position=position))
+        return True
 
     def _limit(self) -> float:
         return float(self.serving.settings.ws_pause_limit)
