@@ -27,7 +27,7 @@ from contract.types import GPU_LAYERS_AUTO, ModelInfo, OpenSessionRequest
 
 from .gpu import GpuLayers, resolve_gpu_layers
 from .policy import Policy
-from .pools import Share, pool_budget, read_host_pool
+from .pools import Budget, Share, pool_budget, read_host_pool
 from .reasons import (
     GPU_CPU_ONLY,
     GPU_NO_GPU,
@@ -96,53 +96,13 @@ def plan(
     Raises InsufficientMemory, with the numbers, when not even the minimum window
     fits, and ValueError on a negative request.
     """
-    if requested_ctx < 0:
-        raise ValueError(f"requested_ctx must be >= 0 (0 = default), got {requested_ctx}")
-    if credit_bytes < 0:
-        raise ValueError(f"credit_bytes must be >= 0, got {credit_bytes}")
-    if requested_gpu_layers < GPU_LAYERS_AUTO:
-        raise ValueError(
-            f"requested GPU layers must be -2 (auto), -1 (all), 0 or positive, got {requested_gpu_layers}"
-        )
-    model_max = facts.n_ctx_train
-
-    # What we aim for before memory: request, else the policy default (0 = model max).
-    if requested_ctx > 0:
-        asked, asked_reason = requested_ctx, REASON_REQUESTED
-    elif policy.default_context > 0:
-        asked, asked_reason = policy.default_context, REASON_DEFAULT
-    else:
-        asked, asked_reason = model_max, REASON_MODEL_MAX
-    if asked > model_max:
-        target, target_reason = model_max, REASON_MODEL_MAX
-    else:
-        target, target_reason = asked, asked_reason
+    _check_request(requested_ctx, requested_gpu_layers, credit_bytes)
+    target, target_reason = _target(facts, policy, requested_ctx)
     # An explicitly small window (or a small model) is served as is; only memory cuts are floored.
     floor = max(1, min(policy.min_context, target))
-
-    host = pool_budget(pool, policy, credit_bytes)
     gpu_pool = next((d for d in devices if d.kind == "gpu"), None)
-    gpu = GpuLayers(0, GPU_NO_GPU if gpu_pool is None else GPU_CPU_ONLY)
-    shares: list[Share]
-    if gpu_pool is not None and requested_gpu_layers != 0:
-        layer_weights = math.ceil(Fraction(facts.weights_bytes, facts.n_layer))
-        layer_kv = math.ceil(Fraction(kv_cache_bytes(facts, floor), facts.n_layer))
-        gpu = resolve_gpu_layers(
-            requested_gpu_layers,
-            facts.n_layer,
-            gpu_pool,
-            layer_weights + layer_kv,
-            policy,
-            fixed_bytes=compute_overhead_bytes(facts, floor),
-        )
-    if gpu.layers > 0 and gpu_pool is not None:
-        on_gpu = Fraction(gpu.layers, facts.n_layer)
-        shares = [
-            Share(pool_budget(gpu_pool, policy, 0), on_gpu, False, True),
-            Share(host, 1 - on_gpu, True, False),
-        ]
-    else:
-        shares = [Share(host, Fraction(1), True, True)]
+    gpu, shares = _shares(facts, pool_budget(pool, policy, credit_bytes), gpu_pool, policy, requested_gpu_layers,
+                          floor)
 
     def fits(n: int) -> bool:
         return all(s.fits(facts, n) for s in shares)
@@ -157,7 +117,61 @@ def plan(
         binding = next(s for s in shares if not s.fits(facts, target))
         reason = binding.reason(facts, target)
     clamped = (requested_ctx > 0 and effective < requested_ctx) or reason in MEMORY_REASONS
+    return _report(facts, pool, policy, devices, shares, gpu, effective, reason, clamped, requested_gpu_layers,
+                   gpu_pool is not None)
 
+
+def _check_request(requested_ctx: int, requested_gpu_layers: int, credit_bytes: int) -> None:
+    if requested_ctx < 0:
+        raise ValueError(f"requested_ctx must be >= 0 (0 = default), got {requested_ctx}")
+    if credit_bytes < 0:
+        raise ValueError(f"credit_bytes must be >= 0, got {credit_bytes}")
+    if requested_gpu_layers < GPU_LAYERS_AUTO:
+        raise ValueError(
+            f"requested GPU layers must be -2 (auto), -1 (all), 0 or positive, got {requested_gpu_layers}"
+        )
+
+
+def _target(facts: ModelFacts, policy: Policy, requested_ctx: int) -> tuple[int, str]:
+    """What the plan aims for before memory, and why: the request, else the policy's default (0: the model's
+    maximum), never past the model's maximum."""
+    model_max = facts.n_ctx_train
+    if requested_ctx > 0:
+        asked, asked_reason = requested_ctx, REASON_REQUESTED
+    elif policy.default_context > 0:
+        asked, asked_reason = policy.default_context, REASON_DEFAULT
+    else:
+        asked, asked_reason = model_max, REASON_MODEL_MAX
+    return (model_max, REASON_MODEL_MAX) if asked > model_max else (asked, asked_reason)
+
+
+def _shares(facts: ModelFacts, host: Budget, gpu_pool: MemoryPool | None, policy: Policy,
+            requested_gpu_layers: int, floor: int) -> tuple[GpuLayers, list[Share]]:
+    """The GPU layers (resolved at the minimum window ``floor``) and the pools the model's memory is shared
+    between: the host alone, or the GPU (its layers' weights and KV, the compute buffers) and the host."""
+    gpu = GpuLayers(0, GPU_NO_GPU if gpu_pool is None else GPU_CPU_ONLY)
+    if gpu_pool is not None and requested_gpu_layers != 0:
+        layer_weights = math.ceil(Fraction(facts.weights_bytes, facts.n_layer))
+        layer_kv = math.ceil(Fraction(kv_cache_bytes(facts, floor), facts.n_layer))
+        gpu = resolve_gpu_layers(
+            requested_gpu_layers,
+            facts.n_layer,
+            gpu_pool,
+            layer_weights + layer_kv,
+            policy,
+            fixed_bytes=compute_overhead_bytes(facts, floor),
+        )
+    if gpu.layers > 0 and gpu_pool is not None:
+        on_gpu = Fraction(gpu.layers, facts.n_layer)
+        return gpu, [Share(pool_budget(gpu_pool, policy, 0), on_gpu, False, True), Share(host, 1 - on_gpu, True, False)]
+    return gpu, [Share(host, Fraction(1), True, True)]
+
+
+def _report(facts: ModelFacts, pool: MemoryPool, policy: Policy, devices: Sequence[MemoryPool],
+            shares: Sequence[Share], gpu: GpuLayers, effective: int, reason: str, clamped: bool,
+            requested_gpu_layers: int, gpu_offload: bool) -> ModelInfo:
+    """The plan as ``ModelInfo``: the byte fields summed over the pools, device_* naming the first."""
+    model_max = facts.n_ctx_train
     primary = shares[0]
     budgets = [s.budget for s in shares]
     # the GPU's part, so a caller can tell what of the plan is host memory (the workspace cache's RAM budget)
@@ -185,7 +199,7 @@ def plan(
         gpu_layers_reason=gpu.reason,
         gpu_required_bytes=on_device.need(facts, effective) if on_device is not None else 0,
         gpu_usable_bytes=on_device.budget.usable if on_device is not None else 0,
-        supports_gpu_offload=gpu_pool is not None,
+        supports_gpu_offload=gpu_offload,
         devices=[d.device_info() for d in inventory],
         n_layer=facts.n_layer,
         n_head_kv=facts.n_head_kv,
