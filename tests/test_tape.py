@@ -23,9 +23,10 @@ import pytest
 
 from backends.resident import check_model_type
 from backends.tape import draft_costs as costs_mod
+from backends.tape.decoding import DecodeSteps
 from backends.tape.loading import check_load, finish_load
 from backends.tape.model import RowsFn, StatesFn, TapeModelBase, check_digest, resolve_num_ctx, wants_bos, with_bos
-from backends.tape.session import DecodeSteps, TapeSession
+from backends.tape.session import TapeSession
 from backends.tape.speculate import (
     MATCH_CLASSES,
     MAX_DRAFT,
@@ -263,7 +264,7 @@ class EagerPolicy(DraftPolicy):
 @pytest.fixture(autouse=True)
 def eager_drafts(monkeypatch: pytest.MonkeyPatch) -> None:
     """The session's speculation mechanics are tested here; the policy's choices in its own tests."""
-    monkeypatch.setattr("backends.tape.session.DraftPolicy", EagerPolicy)
+    monkeypatch.setattr("backends.tape.decoding.DraftPolicy", EagerPolicy)
 
 
 @pytest.fixture
@@ -864,7 +865,7 @@ def test_a_short_match_missing_leaves_the_long_matches_trusted() -> None:
 
 def test_drafts_follow_the_tape_never_the_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same tape gives the same drafts, the same batches and the same answer, however long steps took."""
-    monkeypatch.setattr("backends.tape.session.DraftPolicy", DraftPolicy)  # the real policy, not the eager one
+    monkeypatch.setattr("backends.tape.decoding.DraftPolicy", DraftPolicy)  # the real policy, not the eager one
     runs = []
     for clock in (None, iter(np.cumsum(np.random.default_rng(7).exponential(0.05, 100_000)).tolist())):
         if clock is not None:

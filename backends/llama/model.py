@@ -36,8 +36,8 @@ from contract.types import Config, DecodeConfig, SessionSnapshot
 
 from ..image_tokens import inside_block, is_image_token
 from ..readouts import Readouts
+from ..tape.decoding import DecodeSteps
 from ..tape.model import RowsFn, StatesFn, TapeModelBase, model_capabilities
-from ..tape.session import DecodeSteps
 from ..tape.state import refuse_diffs, state_buffer, unpack_state
 from ..tape.templates import check_renders, choose_template, render_defaults, renders_tools
 from . import probe

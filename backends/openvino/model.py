@@ -45,8 +45,8 @@ from contract.manifest import common_prefix_len
 from contract.sizing import ModelShape
 from contract.types import Config, DecodeConfig, SessionSnapshot
 
+from ..tape.decoding import DecodeSteps
 from ..tape.model import RowsFn, StatesFn, TapeModelBase
-from ..tape.session import DecodeSteps
 from ..tape.state import refuse_diffs, state_buffer, unpack_state
 from ..tape.templates import JinjaTemplate, check_renders, choose_template
 from .graph import (

@@ -10,7 +10,8 @@
 No engine library is imported here.
 """
 
+from .decoding import DecodeSteps
 from .model import ChatTemplate, TapeModel, TapeModelBase
-from .session import DecodeSteps, TapeSession
+from .session import TapeSession
 
 __all__ = ["ChatTemplate", "DecodeSteps", "TapeModel", "TapeModelBase", "TapeSession"]

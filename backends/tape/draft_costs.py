@@ -36,8 +36,8 @@ from ..digest import load_json_map, merge_json_map
 from .speculate import MAX_DRAFT, CheckCosts
 
 if TYPE_CHECKING:
+    from .decoding import DecodeSteps
     from .model import TapeModel
-    from .session import DecodeSteps
 
 __all__ = ["FILE_NAME", "FIXED_ENV", "cost_key", "fixed_costs", "kept_costs", "measure", "measure_costs", "table_dir"]
 

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from ..readouts import Readouts
-    from .session import DecodeSteps, TapeSession
+    from .decoding import DecodeSteps
+    from .session import TapeSession
 
 #: what a scored prefill hands each chunk's logits to (``set_kv``'s ``rows``): the position of the chunk's first
 #: token, and a [tokens, vocab] array of the logits after each of them (valid during the call only)

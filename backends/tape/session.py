@@ -19,7 +19,7 @@ import copy
 import logging
 import time
 from collections.abc import Generator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from contract import interrupt
 from contract.errors import Cancelled, InvalidArgument, ManifestMismatch, SessionClosed, UnsupportedFeature
@@ -28,7 +28,6 @@ from contract.types import (
     ChatMessage,
     ContextReport,
     DecodeConfig,
-    FinishReason,
     ImageInput,
     PositionRange,
     PrefixInput,
@@ -48,13 +47,13 @@ from ..image_tokens import is_image_token
 from ..resident import PrefixPlan, Resident, check_manifest_names, check_token_ids
 from .cache import MIN_GAIN_TOKENS, SAVE_MIN_TOKENS, cache_key, restore_best, save_before_discard, save_tape
 from .conversation import template_messages
+from .decoding import DecodePass, DecodeSteps
 from .images import ImageEncoder, Segments, marked_text, new_marker, split_marked
 from .logprobs import token_logprob
 from .miss import Held, message_keys, prefix_miss, suffix_miss
 from .model import BOS_POLICIES, RowsFn, StatesFn, TapeModel, parse_tools, render_prefix, with_tools
 from .model import stable_text as stable_render
-from .output import OutputPipeline, PerToken, ends_inside_thinking, resolve_protocols
-from .speculate import DraftPolicy, PromptLookup, SpeculationStats, draft_limit
+from .output import OutputPipeline, ends_inside_thinking, resolve_protocols
 from .state import check_restorable
 from .toolformats import parameter_types
 
@@ -198,57 +197,6 @@ def _settle_context(m: TapeModel) -> None:
     if m.res.live_len is not None:
         live = list(m.res.live)
         _set_kv(m, live, len(live))
-
-
-class DecodeSteps(Protocol):
-    """How one decode pass samples and steps its engine (the rest of the loop is shared)."""
-
-    def start(self) -> None:
-        """Make the distribution after the last resident token available."""
-        ...
-
-    def sample(self) -> int:
-        """The next token from the current distribution (constraints applied)."""
-        ...
-
-    def feed(self, token: int) -> None:
-        """Evaluate a sampled token into the KV and append it to the tape."""
-        ...
-
-    def is_end(self, token: int) -> bool:
-        """Whether the token ends generation (EOS/EOT); it is not evaluated."""
-        ...
-
-    def piece(self, token: int) -> bytes:
-        """What the token adds to the output text (control tokens add nothing)."""
-        ...
-
-    def settle(self, token: int) -> None:
-        """On close: evaluate a token already handed out, so the tape equals the KV; never raises."""
-        ...
-
-    def verify(self, tokens: list[int]) -> None:
-        """Evaluate ``tokens`` (a sampled token and a draft) in one batch, appending them to the tape.
-
-        The distribution after each of them is kept for ``sample_row``.
-        """
-        ...
-
-    def sample_row(self, i: int) -> int:
-        """The next token after ``tokens[i]`` of the last ``verify``, from that row's distribution."""
-        ...
-
-    def logits(self, row: int | None) -> np.ndarray:
-        """The raw logits over the vocabulary that the last ``sample`` (None) or ``sample_row(row)`` drew from."""
-        ...
-
-    def rollback(self, n: int) -> None:
-        """Drop the last ``n`` tokens (a rejected draft) from the KV and the tape."""
-        ...
-
-    def close(self) -> None:
-        """Release per-pass resources."""
-        ...
 
 
 def _prefix_text(m: TapeModel, prefix: PrefixInput) -> str:
@@ -692,67 +640,10 @@ class TapeSession:
         back before any of the step's chunks is yielded. Closed in the middle of a
         step's chunks, the stream drops the kept draft tokens not handed out yet.
         """
-        start = time.perf_counter()
-        res = m.res
-        prompt_tokens = len(res.tokens)
-        res.reply_from = prompt_tokens  # what the loop appends is the reply
-        # no limit: until the end of generation or the context's end (a pass never decodes more than that)
-        max_tokens = cfg.max_tokens if cfg.max_tokens is not None else m.num_ctx
-        produced = 0
-        first_ms = 0.0
-        finish: FinishReason = ""
-        pending: int | None = None
-        # By default only greedy passes speculate: a batch rounds differently from a one-token step, so a
-        # seeded sampled pass would part from what the same seed gave without drafts wherever its draw
-        # falls near a boundary between two tokens, and a sampled pass has a boundary at every token.
-        # Where the engine's rows are exact (``rows_exact``) a batch rounds as a step does: sampled too. Asked for
-        # log probabilities, a pass drafts by default on exact rows only, so it reports a step's figures.
-        default = m.speculative and (m.rows_exact or not (cfg.temperature or cfg.logprobs is not None))
-        speculate = default if cfg.speculative is None else cfg.speculative
-        lookup: PromptLookup | None = None
-        policy = DraftPolicy(m.draft_costs)
-        stats = SpeculationStats()
+        p = DecodePass(m, cfg, steps, pipeline)
 
         def still_ours() -> bool:
             return bool(m.epoch == epoch and not m.closed and not self._closed)
-
-        markers = m.marker_pieces(pipeline.markers) if pipeline.markers else {}
-
-        #: with ``cfg.logprobs``: the sampled tokens' log probabilities whose output is not sent yet
-        held: list[TokenLogprob] = []
-        #: with ``cfg.logprobs``: the end-of-generation token that ended the pass, which the reply's text does not hold
-        ended: TokenLogprob | None = None
-
-        def ended_by(token: int, row: int | None) -> TokenLogprob | None:
-            """The end token's log probability (its text empty: it writes none), with ``cfg.logprobs`` asked."""
-            if cfg.logprobs is None:
-                return None
-            lp = token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece)
-            # (the same token among the likeliest reads the same: a scorer compares the two texts)
-            top = [a.model_copy(update={"token": "", "bytes": []}) if a.token_id == token else a for a in lp.top]
-            return lp.model_copy(update={"token": "", "bytes": [], "top": top})
-
-        #: with ``cfg.return_token_ids``: a chunk per token, its text once the output released it
-        per_token = PerToken() if cfg.return_token_ids else None
-
-        def output(token: int, row: int | None) -> tuple[list[StreamChunk], bool]:
-            """A sampled token (from the last ``sample``, or from ``sample_row(row)``) through the output
-            pipeline: its chunks (none: nothing to send yet), and whether a stop string ended the answer there.
-            A control token the format reads is fed as its text."""
-            lp = token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece) if cfg.logprobs is not None else None
-            fed = markers.get(token) or steps.piece(token)
-            delta = pipeline.feed_bytes(fed)
-            if per_token is not None:
-                return per_token.add(token, fed, lp, delta), delta.stopped
-            if lp is not None:
-                held.append(lp)
-            if not delta:
-                return [], delta.stopped
-            chunk = delta.chunk()
-            if held:
-                chunk.logprobs = held.copy()
-                held.clear()
-            return [chunk], delta.stopped
 
         try:
             if not still_ours():
@@ -762,7 +653,7 @@ class TapeSession:
             epoch = m.epoch  # start() may have recomputed the last token
             while True:
                 if not still_ours():
-                    pending = None
+                    p.pending = None
                     return  # another operation took the KV; this stream is over
                 # an engine step: progress, whether or not it hands out text (the output may hold a tool call or
                 # a possible stop string back for many steps, and the daemon's wedge watch reads the beats); a
@@ -770,60 +661,16 @@ class TapeSession:
                 # many steps (its caller, which looks between chunks, would wait for the next chunk)
                 if interrupt.stopped():
                     return
-                interrupt.decoded(produced)  # (status: how far the reply came)
-                if pending is not None and (finish or produced >= max_tokens):
+                interrupt.decoded(p.produced)  # (status: how far the reply came)
+                if p.pending is not None and (p.finish or p.produced >= p.max_tokens):
                     # the reply is complete: its end goes out first and its last token is evaluated after it (the
                     # ``settle`` on the way out), so the client does not wait for a step whose output nobody reads
-                    finish = finish or "length"
+                    p.finish = p.finish or "length"
                     break
-                if pending is not None:
-                    tok, pending = pending, None
-                    draft: list[int] = []
-                    matched = 0
-                    if speculate and not finish:
-                        if lookup is None:
-                            lookup = PromptLookup(res.tokens)
-                        lookup.extend([tok])
-                        limit = draft_limit(max_tokens, produced, m.num_ctx, len(res.tokens))
-                        draft, matched = lookup.propose(limit)
-                        draft = draft[: policy.plan(len(draft), matched, len(res.tokens))]
-                    with m.errors("decode"):
-                        if draft:
-                            steps.verify([tok, *draft])
-                        else:
-                            steps.feed(tok)
-                            policy.plain_step()
-                    if draft:
-                        # (token, its chunks, whether the KV holds it), in output order
-                        emitted: list[tuple[int, list[StreamChunk], bool]] = []
-                        accepted = 0
-                        for i in range(len(draft) + 1):
-                            with m.errors("decode"):
-                                token = steps.sample_row(i)
-                            if steps.is_end(token):
-                                finish = "stop"
-                                ended = ended_by(token, i)
-                                break
-                            produced += 1
-                            outs, stopped = output(token, i)
-                            if stopped:
-                                finish = "stop"
-                            in_kv = i < len(draft) and token == draft[i]
-                            emitted.append((token, outs, in_kv))
-                            if not in_kv:
-                                break  # the first token the draft did not foresee: evaluated next
-                            accepted += 1
-                            if finish or produced >= max_tokens:
-                                break
-                        with m.errors("decode"):
-                            steps.rollback(len(draft) - accepted)
-                        assert lookup is not None
-                        lookup.extend(draft[:accepted])
-                        policy.checked(matched, len(draft), accepted)
-                        stats.drafted += len(draft)
-                        stats.accepted += accepted
-                        m.drafts.drafted += len(draft)
-                        m.drafts.accepted += accepted
+                if p.pending is not None:
+                    tok, p.pending = p.pending, None
+                    emitted = p.evaluate(tok)
+                    if emitted is not None:  # with a draft: the tokens the rows gave, in output order
                         for j, (token, outs, in_kv) in enumerate(emitted):
                             for out in outs:
                                 try:
@@ -833,60 +680,27 @@ class TapeSession:
                                     spill = sum(1 for e in emitted[j + 1 :] if e[2])
                                     if spill and still_ours():
                                         steps.rollback(spill)
-                                    pending = None if in_kv else token
+                                    p.pending = None if in_kv else token
                                     raise
                         last_token, _, last_in_kv = emitted[-1] if emitted else (0, None, True)
-                        pending = None if last_in_kv else last_token
+                        p.pending = None if last_in_kv else last_token
                         continue
-                if finish:
+                handed = p.next_token()
+                if handed is None:
                     break
-                if produced >= max_tokens:
-                    finish = "length"
-                    break
-                if len(res.tokens) >= m.num_ctx:
-                    finish = "context_full"  # the next token could not be evaluated
-                    break
-                with m.errors("decode"):
-                    token = steps.sample()
-                if not first_ms:
-                    first_ms = (time.perf_counter() - start) * 1000
-                if steps.is_end(token):
-                    finish = "stop"
-                    ended = ended_by(token, None)
-                    break
-                produced += 1
-                pending = token
-                outs, stopped = output(token, None)
-                if stopped:
-                    finish = "stop"
-                for out in outs:
+                for out in handed:
                     yield out
-            tail = pipeline.finish()
-            if per_token is not None:
-                for out in per_token.flush(tail):
-                    yield out
-            elif tail:
-                chunk = tail.chunk()
-                chunk.logprobs = held.copy()
-                held.clear()
-                yield chunk
-            if pipeline.tool_call_count and finish == "stop":
-                finish = "tool_calls"
-            final = StreamChunk.final(
-                finish, prompt_tokens, produced, first_ms, start, drafted=stats.drafted, accepted=stats.accepted
-            )
-            final.stop_sequence = pipeline.stop_sequence
-            final.logprobs = held  # (tokens whose output was nothing at all)
-            final.end_logprob = ended
+            yield from p.tail()
+            final = p.final()
             if cfg.readouts and still_ours():
                 # the last sampled token (not evaluated yet) is computed with the rest
-                last: list[int] = [] if pending is None else [pending]
-                pending = None
-                final.readouts = self._read_out(m, list(res.tokens) + last, prompt_tokens)
+                last: list[int] = [] if p.pending is None else [p.pending]
+                p.pending = None
+                final.readouts = self._read_out(m, list(m.res.tokens) + last, p.prompt_tokens)
             yield final
         finally:
-            if pending is not None and still_ours():
-                steps.settle(pending)
+            if p.pending is not None and still_ours():
+                steps.settle(p.pending)
             steps.close()
             if still_ours():
                 m.turn_ended()
