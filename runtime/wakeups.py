@@ -14,7 +14,7 @@ is kept), and a woken thread whose slice is shorter than the running one's
 preempts it. The message threads ask for the shortest, 0.1 ms: they run for
 microseconds at a time, so they give the cores back as soon as they took them,
 and the engine keeps its share (beside other programs too, which priority would
-not give it). Measured on 2 cores, 512-token llama.cpp decode, a client polling
+not give it). Measured on a 2-core AMD EPYC, 512-token llama.cpp decode, a client polling
 status every 10 ms: p99 8.8-9.1 ms plain; 7.8-8.2 with the daemon's threads
 short; 5.3-5.9 with the client's too; decode 86-99 tok/s in every case.
 

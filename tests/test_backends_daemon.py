@@ -167,7 +167,9 @@ def test_the_message_threads_ask_for_prompt_wake_ups_and_the_engine_threads_do_n
     slices = thread_slices(pid)
     short = {tid for tid, (_, ns) in slices.items() if ns == SLICE_US * 1000}
     carriers = {tid for tid, (name, _) in slices.items() if tid == pid or name.startswith("ZMQbg/IO")}
-    assert short == carriers, sorted((tid, *v) for tid, v in slices.items())
+    # (pyzmq's zero-copy frames, a snapshot's bytes say, start a context of its own for their garbage collector:
+    # its I/O thread carries no message and keeps the default)
+    assert pid in short and len(short) >= 2 and short <= carriers, [(tid, *slices[tid]) for tid in short ^ carriers]
     assert len(slices) - len(short) >= 3, slices  # the model worker and the engine's own threads, as they were
 
 
