@@ -21,7 +21,8 @@ from .bootstrap import backend_choices, build_daemon, preload_request, resolve_b
 from .logs import setup_logging
 from .sdnotify import notify
 from .server import EXIT_WEDGED
-from .settings import ServeSettings, SettingsError, add_flags, layering_epilog, parse_settings
+from .settings import ServeSettings, SettingsError
+from .settings_cli import add_flags, layering_epilog, parse_settings
 
 __all__ = ["add_serve_arguments", "build_parser", "load", "main", "serve"]
 
@@ -29,7 +30,7 @@ log = logging.getLogger("modeld")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser, current: ServeSettings | None = None) -> None:
-    """The ``modeld serve`` flags, one per setting (``modeld.settings.add_flags``); the help says what applies
+    """The ``modeld serve`` flags, one per setting (``modeld.settings_cli.add_flags``); the help says what applies
     without a flag: ``current`` (the settings from the environment and the config file), else the built-in
     defaults."""
     add_flags(p, ServeSettings, "serve", current, choices={"backend": backend_choices()})
@@ -51,7 +52,7 @@ def load(argv: list[str] | None = None) -> ServeSettings:
 
     argparse parses the command line (and exits for ``--help`` or a malformed
     flag). ``--config`` is read first, so the help shows the defaults of the
-    file it names (``modeld.settings.parse_settings``).
+    file it names (``modeld.settings_cli.parse_settings``).
     """
     return parse_settings(ServeSettings, argv, build_parser)
 

@@ -50,14 +50,12 @@ from modeld.settings import (
     NonNegative,
     ServeSettings,
     SettingsError,
-    add_flags,
     data_dir_of,
     env_name,
     flag_name,
     load_settings,
-    parse_settings,
-    setting_value,
 )
+from modeld.settings_cli import add_flags, parse_settings, setting_value
 from modeld.store import default_store_dir
 
 GiB = 2**30
@@ -231,7 +229,7 @@ def test_a_new_setting_is_one_field(config_home: Path, monkeypatch: pytest.Monke
 
 def test_the_configuration_page_lists_every_setting_from_its_field() -> None:
     """docs/configuration.md's table is written at build time by docs/hooks/settings_reference.py from
-    ``modeld.settings.reference``: one row per flag, each with its variable, in a known section."""
+    ``modeld.settings_cli.reference``: one row per flag, each with its variable, in a known section."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("settings_reference", ROOT / "docs" / "hooks" / "settings_reference.py")

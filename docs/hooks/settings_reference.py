@@ -1,5 +1,5 @@
 """MkDocs hook: the Configuration page's table of every setting, written at build time from the settings models
-(``modeld.settings.reference``), so the page cannot drift from the flags."""
+(``modeld.settings_cli.reference``), so the page cannot drift from the flags."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def _cell(text: str) -> str:
 
 
 def table() -> str:
-    from modeld.settings import reference
+    from modeld.settings_cli import reference
 
     lines: list[str] = []
     section = None

@@ -17,7 +17,8 @@ from contract.endpoint import default_endpoint
 
 from ..defaults import DEFAULT_LISTEN
 from ..logs import setup_logging
-from ..settings import HttpSettings, SettingsError, add_flags, layering_epilog, parse_settings
+from ..settings import HttpSettings, SettingsError
+from ..settings_cli import add_flags, layering_epilog, parse_settings
 from .server import HttpFront
 
 __all__ = ["DEFAULT_LISTEN", "build_front", "build_parser", "main"]
