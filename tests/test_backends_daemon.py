@@ -157,13 +157,7 @@ def test_the_message_threads_ask_for_prompt_wake_ups_and_the_engine_threads_do_n
         pytest.skip("this kernel has no custom slices (Linux 6.12 on)")
     assert backend_daemon.proc is not None
     pid = backend_daemon.proc.pid
-    with backend_daemon.client(timeout_s=120.0) as c:  # the engine's threads exist once it decoded
-        sess = c.open_session(OpenSessionRequest())
-        m = manifest_for(sess, fresh_profile())
-        sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
-        sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
-        assert any(ch.done for ch in sess.decode(DecodeConfig(max_tokens=4)))
-        sess.close()
+    _decode_a_little(backend_daemon)  # the engine's threads exist once it decoded
     slices = thread_slices(pid)
     short = {tid for tid, (_, ns) in slices.items() if ns == SLICE_US * 1000}
     carriers = {tid for tid, (name, _) in slices.items() if tid == pid or name.startswith("ZMQbg/IO")}
@@ -173,7 +167,8 @@ def test_the_message_threads_ask_for_prompt_wake_ups_and_the_engine_threads_do_n
     assert len(slices) - len(short) >= 3, slices  # the model worker and the engine's own threads, as they were
 
 
-def _check_niced(backend_daemon: DaemonProcess) -> None:
+def _decode_a_little(backend_daemon: DaemonProcess) -> None:
+    """A prefix, a turn and four decoded tokens on a session of its own, closed after."""
     with backend_daemon.client(timeout_s=120.0) as c:
         sess = c.open_session(OpenSessionRequest())
         m = manifest_for(sess, fresh_profile())
@@ -181,6 +176,10 @@ def _check_niced(backend_daemon: DaemonProcess) -> None:
         sess.prefill_suffix(SuffixInput(text=TURN_1, manifest=m))
         assert any(ch.done for ch in sess.decode(DecodeConfig(max_tokens=4)))
         sess.close()
+
+
+def _check_niced(backend_daemon: DaemonProcess) -> None:
+    _decode_a_little(backend_daemon)
     assert backend_daemon.proc is not None
     pid = backend_daemon.proc.pid
     nices = thread_nices(pid)

@@ -57,7 +57,7 @@ from .images import Image, ImageLimits, ImageRef, place_images, read_images
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "client_label", "turn_messages"]
+__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "client_label", "give_back_if_gone", "stamp", "turn_messages"]
 
 log = logging.getLogger("modeld.http")
 
@@ -350,6 +350,21 @@ class Turn:
             record.prefilled_tokens = u.prefilled_tokens
             record.finish_reason = "cancelled"
         record.error = record.error or "client_gone"
+
+
+def stamp(req: TurnRequest, request: Request) -> None:
+    """Whose conversation ``req`` continues and who sent it, from the HTTP request, where the route did not say."""
+    req.conversation = req.conversation or conversation_of(request.headers)
+    req.client = req.client or client_label(request)
+
+
+async def give_back_if_gone(turn: Turn, request: Request) -> None:
+    """A turn whose client went away while it waited for the slot goes back at once (a 499): left open, it would
+    hold the slot, its lease renewed by a live client, until the session's TTL."""
+    if await request.is_disconnected():
+        await anyio.to_thread.run_sync(turn.close)
+        log.info("the client went away while its request waited for the slot")
+        raise ApiError(499, "the client closed the connection", code="client_gone")
 
 
 async def next_event(events: Generator[ChatEvent, None, None], cancel: Callable[[], None]) -> ChatEvent | None:
@@ -700,8 +715,7 @@ class Serving:
         until the session's TTL."""
         taken: list[Turn] = []
         if request is not None:
-            req.conversation = req.conversation or conversation_of(request.headers)
-            req.client = req.client or client_label(request)
+            stamp(req, request)
 
         def run() -> Turn:
             taken.append(self.begin(req, route=route))
@@ -716,10 +730,8 @@ class Serving:
                 for t in taken:
                     await anyio.to_thread.run_sync(t.close)
             raise
-        if request is not None and await request.is_disconnected():
-            await anyio.to_thread.run_sync(turn.close)
-            log.info("the client went away while its request waited for the slot")
-            raise ApiError(499, "the client closed the connection", code="client_gone")
+        if request is not None:
+            await give_back_if_gone(turn, request)
         return turn
 
     def on_session(self, model: str, call: Callable[[Any], T]) -> T:

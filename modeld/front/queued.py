@@ -32,8 +32,8 @@ from contract.types import TokenCount, TokenLogprob
 from runtime.chat import ChatEvent, ChatResult
 
 from .access import AccessRecord
-from .core import Serving, Turn, TurnRequest, client_label, conversation_of
-from .errors import ApiError, api_error
+from .core import Serving, Turn, TurnRequest, give_back_if_gone, stamp
+from .errors import api_error
 
 __all__ = ["QueuedTurn", "abegin_streamed"]
 
@@ -48,8 +48,7 @@ async def abegin_streamed(serving: Serving, req: TurnRequest, request: Request) 
     """``Serving.abegin`` for a streamed reply: its turn when ``begin`` ends within ``--http-stream-grace`` (a
     refusal then is an ``ApiError``, the route's status code); past the grace, a ``QueuedTurn`` whose stream
     starts now and whose refusal is the stream's error event."""
-    req.conversation = req.conversation or conversation_of(request.headers)
-    req.client = req.client or client_label(request)
+    stamp(req, request)
     route = await anyio.to_thread.run_sync(serving.route, req.model)  # an unknown model is a status code
     begun = _WAITERS.submit(functools.partial(serving.begin, req, route=route))
     try:
@@ -62,10 +61,7 @@ async def abegin_streamed(serving: Serving, req: TurnRequest, request: Request) 
     except asyncio.CancelledError:  # the route was cancelled: whatever ``begin`` takes goes back when it ends
         _close_when_begun(begun)
         raise
-    if await request.is_disconnected():
-        await anyio.to_thread.run_sync(turn.close)
-        log.info("the client went away while its request waited for the slot")
-        raise ApiError(499, "the client closed the connection", code="client_gone")
+    await give_back_if_gone(turn, request)
     return turn
 
 
