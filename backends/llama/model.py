@@ -46,7 +46,7 @@ from .options import LoadOptions
 from .sampling import LlamaSteps, build_sampler, grammar_source
 from .vision import LlamaVision
 
-__all__ = ["BACKEND_NAME", "LlamaLoadedModel", "LlamaTemplate"]
+__all__ = ["BACKEND_NAME", "LlamaLoadedModel", "LlamaTemplate", "VocabTokens", "model_template", "token_piece"]
 
 BACKEND_NAME = "llama"
 STATE_MAGIC = b"MODELD-LLAMA-KV1"
@@ -70,8 +70,67 @@ class LlamaTemplate:
         return str(fmt(messages=messages, tools=tools, **{**self._defaults, **extra}).prompt)  # type: ignore[arg-type]
 
 
+def model_template(llm: Llama, requested: tuple[str, str] | None) -> tuple[LlamaTemplate, str]:
+    """The template a model loaded in ``llm`` (its vocabulary at least) serves with, and where it comes from: the
+    one asked for (``templates.choose_template``), else the GGUF's own. InvalidArgument for one that does not
+    compile or, asked for, does not render."""
+    own = llm.metadata.get("tokenizer.chat_template", "")
+    source, origin = choose_template(
+        requested, own, lambda text: len(llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)) == 1)
+    bos_id = int(llm.token_bos())
+    eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() != -1 else ""
+    bos = llm._model.token_get_text(bos_id) if bos_id != -1 else ""
+    try:
+        template = LlamaTemplate(source, eos, bos)
+    except jinja2.TemplateError as exc:
+        raise InvalidArgument(f"the chat template ({origin}) does not compile: {exc}", chat_template=origin) from None
+    if source != own:
+        check_renders(template, origin)
+    return template, origin
+
+
+def token_piece(vocab: Any, token: int, *, special: bool = False) -> bytes:
+    """A token's bytes as llama.cpp's vocabulary spells them (control tokens as their text with ``special``)."""
+    if is_image_token(token):
+        return b""  # an image's position (``backends.tape.images``): no text
+    # Llama.detokenize uses a 32-byte buffer and silently truncates longer pieces.
+    size = 64
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_token_to_piece(vocab, token, buf, size, 0, special)
+        if n >= 0:
+            return buf.raw[:n]
+        size = -n
+
+
+class VocabTokens:
+    """Tokens through llama.cpp's vocabulary: what every engine that reads a GGUF's tokenizer shares (the
+    class sets ``_llm``, a ``Llama`` with the model's vocabulary at least, and ``_vocab``, its vocabulary)."""
+
+    _llm: Llama
+    _vocab: Any
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
+
+    def prompt_text(self, tokens: list[int]) -> str:
+        return b"".join(self.token_bytes(tokens)).decode("utf-8", "replace")
+
+    def token_bytes(self, tokens: list[int]) -> list[bytes]:
+        return [self.piece(t, special=True) for t in tokens]
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        return token_piece(self._vocab, token, special=special)
+
+    def is_control(self, token: int) -> bool:
+        return not is_image_token(token) and bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
+
+    def is_eog(self, token: int) -> bool:
+        return not is_image_token(token) and bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+
+
 # --- the loaded model -------------------------------------------------------------------------
-class LlamaLoadedModel(TapeModelBase):
+class LlamaLoadedModel(VocabTokens, TapeModelBase):
     """A model resident in llama.cpp with its one persistent KV (what the slot holds).
 
     Build it with ``LlamaBackend.load``. Sessions opened on it share the KV; a new
@@ -90,18 +149,7 @@ class LlamaLoadedModel(TapeModelBase):
         self._vocab = llm._model.vocab
         self._n_vocab = int(llm.n_vocab())
         bos_id = int(llm.token_bos())
-        own = llm.metadata.get("tokenizer.chat_template", "")
-        source, self.template_origin = choose_template(
-            requested_template, own, lambda text: len(llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)) == 1)
-        eos = llm._model.token_get_text(llm.token_eos()) if llm.token_eos() != -1 else ""
-        bos = llm._model.token_get_text(bos_id) if bos_id != -1 else ""
-        try:
-            template = LlamaTemplate(source, eos, bos)
-        except jinja2.TemplateError as exc:
-            raise InvalidArgument(f"the chat template ({self.template_origin}) does not compile: {exc}",
-                                  chat_template=self.template_origin) from None
-        if source != own:
-            check_renders(template, self.template_origin)
+        template, self.template_origin = model_template(llm, requested_template)
         kv_per_token = kv_bytes_per_token(shape.facts(kv_cache_type=options.kv_cache_type))
         super().__init__(
             path=path,
@@ -202,18 +250,6 @@ class LlamaLoadedModel(TapeModelBase):
             self.vision.close()
         self._llm.close()
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=True))
-
-    def prompt_text(self, tokens: list[int]) -> str:
-        return b"".join(self.token_bytes(tokens)).decode("utf-8", "replace")
-
-    def token_bytes(self, tokens: list[int]) -> list[bytes]:
-        return [self.piece(t, special=True) for t in tokens]
-
-    def is_control(self, token: int) -> bool:
-        return not is_image_token(token) and bool(llama_cpp.llama_vocab_is_control(self._vocab, token))
-
     def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
         fmt = self.decode_format(cfg)
         so = cfg.structured_output
@@ -221,21 +257,6 @@ class LlamaLoadedModel(TapeModelBase):
         return LlamaSteps(self, build_sampler(self, cfg, grammar_source(so, fmt, markers)))
 
     # --- tokens and the KV ----------------------------------------------------------------
-    def piece(self, token: int, *, special: bool = False) -> bytes:
-        if is_image_token(token):
-            return b""  # an image's position (``backends.tape.images``): no text
-        # Llama.detokenize uses a 32-byte buffer and silently truncates longer pieces.
-        size = 64
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_token_to_piece(self._vocab, token, buf, size, 0, special)
-            if n >= 0:
-                return buf.raw[:n]
-            size = -n
-
-    def is_eog(self, token: int) -> bool:
-        return not is_image_token(token) and bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
-
     def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None, states: StatesFn | None = None) -> int:
         """Make the KV hold ``tokens``, reusing the first ``keep`` resident ones.
 

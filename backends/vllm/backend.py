@@ -1,0 +1,153 @@
+"""The vLLM engine's Backend: load (the server checked, the tokenizer read and compared), describe, no memory model.
+
+A load names the model's GGUF as every engine's does (its tokenizer and chat template are read from it) and the
+server in its engine options (``VLLMOptions``: ``engine_url``, ``served_model``, ``api_key``). The server's
+window bounds the context; the daemon's memory planner has nothing to plan (the weights and the KV are the
+server's), so ``model_facts`` is None and ``describe`` answers alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from llama_cpp import Llama
+
+from contract.errors import InvalidArgument, ModelLoadFailed
+from contract.sizing import MemoryPool, ModelFacts
+from contract.types import EmbedRequest, ModelInfo, OpenSessionRequest
+
+from ..bundled import model_cache_dir
+from ..digest import file_digest
+from ..gguf_file import gguf_facts, is_gguf
+from ..registry import VLLMOptions, engine_options, option_list
+from ..resident import check_model_type
+from ..tape.loading import check_load, finish_load, template_report
+from ..tape.model import check_digest
+from .link import Link, ServerModel
+from .model import BACKEND_NAME, VLLMLoadedModel
+
+__all__ = ["VLLMBackend", "runtime_version"]
+
+RUNTIME_NAME = "vLLM"
+#: what the load tokenizes on both sides: the template's markers, a tool call, spaces, newlines, multi-byte text
+TOKENIZER_PROBE = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                   "def f(x):\n    return x  # é 日本 🙂\n<tool_call>\n{\"name\": \"read\"}\n</tool_call><|im_end|>")
+
+
+def runtime_version() -> str:
+    """The engine's own library here: the HTTP client (the server's version is the model's ``engine_version``)."""
+    import httpx
+
+    return f"httpx {httpx.__version__}"
+
+
+def _model_path(req: OpenSessionRequest | EmbedRequest) -> Path:
+    if not req.path:
+        raise ModelLoadFailed("the request names no model path (the vLLM engine reads the tokenizer and chat "
+                              "template from the model's GGUF)")
+    p = Path(req.path)
+    if not p.is_file() or not is_gguf(p):
+        raise ModelLoadFailed(f"{req.path} is not a GGUF file (the vLLM engine reads the tokenizer and chat "
+                              "template from it)", path=req.path)
+    return p
+
+
+def _link(req: OpenSessionRequest) -> tuple[Link, str]:
+    opts = engine_options(BACKEND_NAME, req.config, VLLMOptions)
+    if not opts.engine_url:
+        raise InvalidArgument("the vLLM engine needs its server: --engine-option engine_url=http://HOST:PORT")
+    return Link(opts.engine_url, api_key=opts.api_key or "", timeout_s=opts.timeout_s or 600.0), opts.served_model or ""
+
+
+def _num_ctx(req: OpenSessionRequest, served: ServerModel) -> int:
+    if req.config.num_ctx and served.max_model_len and req.config.num_ctx > served.max_model_len:
+        raise InvalidArgument(f"num_ctx {req.config.num_ctx} exceeds the window the vLLM server runs "
+                              f"{served.name} with ({served.max_model_len}: its --max-model-len)",
+                              num_ctx=req.config.num_ctx, server_max_model_len=served.max_model_len)
+    return req.config.num_ctx or served.max_model_len
+
+
+def check_tokenizer(vocab: Llama, link: Link, served: ServerModel) -> None:
+    """Refuse a server whose tokenizer splits the probe otherwise than the GGUF's: its KV would not be the
+    daemon's prompts."""
+    local = list(vocab.tokenize(TOKENIZER_PROBE.encode("utf-8"), add_bos=False, special=True))
+    remote = link.tokenize(served.name, TOKENIZER_PROBE)
+    if local != remote:
+        at = next((i for i, (a, b) in enumerate(zip(local, remote, strict=False)) if a != b), min(len(local), len(remote)))
+        raise ModelLoadFailed(
+            f"the vLLM server's tokenizer for {served.name} ({served.root}) is not the GGUF's: a probe parts at token "
+            f"{at} ({len(local)} tokens here, {len(remote)} there); serve the same model on both sides",
+            served_model=served.name, local_tokens=len(local), server_tokens=len(remote), parted_at=at)
+
+
+class VLLMBackend:
+    """The daemon's Backend over a vLLM server."""
+
+    name = BACKEND_NAME
+
+    def runtime_version(self) -> str:
+        return runtime_version()
+
+    def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> VLLMLoadedModel:
+        template = check_load(req, BACKEND_NAME)
+        progress(0.0)
+        path = _model_path(req)
+        link, name = _link(req)
+        try:
+            served = link.model(name)
+            num_ctx = _num_ctx(req, served)
+            digest = file_digest(path, model_cache_dir())
+            check_digest(req.path, req.digest, digest)
+            vocab = Llama(str(path), vocab_only=True, verbose=False)
+        except BaseException:
+            link.close()
+            raise
+        try:
+            check_tokenizer(vocab, link, served)
+            model = VLLMLoadedModel(vocab, link, served, path=str(path), digest=digest, config=req.config,
+                                    num_ctx=num_ctx, requested_template=template)
+        except BaseException:
+            vocab.close()
+            link.close()
+            raise
+        finish_load(model, None, False)  # no workspace cache (the KV is the server's), no drafts
+        progress(1.0)
+        return model
+
+    def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
+        """What a load would serve: the server's model and window, the GGUF's template; no memory of the daemon's."""
+        check_model_type(req.type, BACKEND_NAME)
+        path = _model_path(req)
+        link, name = _link(req)
+        try:
+            served = link.model(name)
+        finally:
+            link.close()
+        facts = gguf_facts(path)
+        template, tool_format, capabilities = template_report(req, facts.chat_template, facts.control_tokens)
+        return ModelInfo(
+            model_max_context=served.max_model_len,
+            effective_context=_num_ctx(req, served),
+            device_kind="remote",
+            device_id=f"{link.url} ({served.name})",
+            runtime_name=RUNTIME_NAME,
+            runtime_digest=f"vllm {served.version}".strip(),
+            chat_template=template,
+            tool_format=tool_format,
+            capabilities=capabilities,
+            engine_options=option_list(BACKEND_NAME),
+            digest=file_digest(path, model_cache_dir()),
+            reason=f"served by the vLLM server at {link.url}: its weights and KV are its own",
+        )
+
+    def model_facts(self, req: OpenSessionRequest) -> ModelFacts | None:
+        """None: the weights and the KV are the server's, nothing of the daemon's memory to plan."""
+        check_model_type(req.type, BACKEND_NAME)
+        return None
+
+    def memory_pools(self) -> Sequence[MemoryPool]:
+        return ()
+
+    def close(self) -> None:
+        return None
