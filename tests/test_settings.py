@@ -407,7 +407,7 @@ def test_a_named_config_file_must_exist(config_home: Path, tmp_path: Path, monke
         ("[daemon]\nlease = 5\n", "unknown setting 'daemon'"),
         ("session_ttl = 'soon'\n", r"session_ttl \(config file .*config.toml\): Input should be a valid number"),
         ("lease = -1\n", r"lease \(config file .*\): Input should be greater than 0"),
-        ("backend = 'gpu'\n", "backend .*unknown backend 'gpu'; choose one of auto, llama, openvino, memory"),
+        ("backend = 'gpu'\n", "backend .*unknown backend 'gpu'; choose one of auto, llama, openvino, vllm, memory"),
         ("kv_cache_type = 'q5_1'\n", r"kv_cache_type \(config file .*\): Input should be '', 'f16', 'f32', 'q8_0' or 'q4_0'"),
         ("memory = 3\n", r"\[memory\] must be a table"),
         ("config = 'other.toml'\n", "cannot be set inside"),

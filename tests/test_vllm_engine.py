@@ -139,15 +139,17 @@ def test_the_second_turn_reuses_the_first_as_the_server_counts_it(front: Front, 
 
 
 def test_greedy_replies_agree_with_the_llama_cpp_engine(front: Front, llama: Front) -> None:
-    """The same GGUF's weights on both, Q4_1 on llama.cpp and dequantized to float32 on vLLM: greedy decoding
-    parts only where two tokens are nearly tied. Measured here: see the module's figures in docs/scaling.md."""
+    """The same GGUF's weights on both, but not the same numbers: llama.cpp multiplies the Q4_1 blocks with its
+    activations quantized to 8 bits, the server the values dequantized (through bf16) in float32. On a 135M model
+    whose distributions are flat, greedy decoding parts wherever two tokens are nearly tied. Measured on an AVX2 EPYC
+    over ten prompts of 16 tokens: the first token agreed on 9, the replies on 0 to 15 tokens (median 5.5); this
+    module's six agreed on 5 to 15. The tolerance: the first token on five of six, a median of four tokens."""
     agree = []
     for q in QUESTIONS:
         a, b = greedy_ids(front, q, COMPARED_TOKENS), greedy_ids(llama, q, COMPARED_TOKENS)
         agree.append(next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))))
-    # every reply starts alike, and most agree on all the compared tokens
-    assert min(agree) >= 1, agree
-    assert sum(n == COMPARED_TOKENS for n in agree) >= len(QUESTIONS) // 2, agree
+    assert sum(n >= 1 for n in agree) >= len(QUESTIONS) - 1, agree
+    assert sorted(agree)[len(agree) // 2] >= 4, agree
 
 
 def test_a_fork_and_a_snapshot_restore(front: Front) -> None:
