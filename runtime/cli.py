@@ -110,7 +110,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
     p.add_argument("--path", required=path_required, default="", help="GGUF file or OpenVINO IR directory")
-    p.add_argument("--type", default="", help="backend type: llama | openvino | memory")
+    p.add_argument("--type", default="", help="backend type: llama | openvino | vllm | memory")
     p.add_argument("--digest", default="", help="expected content digest (sha256:…)")
     p.add_argument("--num-ctx", type=int, default=0, help="requested context window (0 = memory-fitted)")
     p.add_argument("--flash-attn", action="store_true", help="llama.cpp: flash attention (a quantized KV cache needs it)")
