@@ -172,11 +172,12 @@ vllm: $(RUN_STAMP)
 	$(PY) -m harness.vllm_server install
 	$(PY) -m harness.vllm_server check $(VLLM_ARGS)
 
-# The vLLM engine's tests (tests/test_vllm_engine.py) against a vLLM server of their own: vLLM's CPU build installed
-# as `make vllm` installs it, then the module run (`make test` skips it where that build is not installed).
+# The vLLM engine's tests against one vLLM server of their own (the session's vllm_url fixture): vLLM's CPU build
+# installed as `make vllm` installs it, then tests/test_vllm_engine.py and the engine conformance kit on the vLLM
+# engine (`make test` skips both where that build is not installed).
 test-vllm: setup
 	$(PY) -m harness.vllm_server install
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 tests/test_vllm_engine.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m vllm tests/test_vllm_engine.py tests/test_engines.py $(PYTEST_ARGS)
 
 # The docs extra (mkdocs, mkdocs-material) and the project without its engines: the site needs nothing else, so
 # this install does not wait for setup (torch, the llama.cpp build); in a venv setup made, it adds to what is there.

@@ -4,6 +4,9 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+
+import pytest
 
 from backends.tape.draft_costs import FIXED_ENV as FIXED_DRAFT_COSTS_ENV
 from tests.engine_kit import DEAR_CHECKS
@@ -64,3 +67,23 @@ def pytest_sessionstart(session: object) -> None:
     if missing:
         pytest.exit("CI runs every suite, but these do not import, so their tests would only skip: "
                     + "; ".join(missing), returncode=1)
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The base URL of a vLLM CPU server on the bundled model, for the vLLM engine's tests: one of the session's own
+    (``--dtype float32``: bf16 is several times slower on a CPU without bf16 instructions, and nearer llama.cpp's
+    numerics), or the one ``MODELD_TEST_VLLM_PORT`` names (started with ``python -m harness.vllm_server serve --dtype
+    float32``: a minute saved per run while working on the engine). Skipped where vLLM's CPU build is not installed
+    (``make vllm``; ``make test-vllm`` installs it and runs these tests)."""
+    from harness import vllm_server
+
+    if not vllm_server.venv_python().exists() or not (vllm_server.model_dir() / "config.json").is_file():
+        pytest.skip("vLLM's CPU build is not installed here (make vllm)")
+    port = os.environ.get("MODELD_TEST_VLLM_PORT")
+    if port:
+        yield f"http://127.0.0.1:{int(port)}"
+        return
+    log = tmp_path_factory.mktemp("vllm") / "server.log"
+    with vllm_server.VllmServer(log_path=log, extra_args=("--dtype", "float32")) as s:
+        yield s.base_url

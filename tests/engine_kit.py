@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from contract.interfaces import Backend, LoadedModel, Session
@@ -66,9 +66,18 @@ class Engine:
     speculates: bool = True
     #: the distribution after the last resident token, as the engine computed it (None: no logits)
     last_logits: Callable[[Any], Any] | None = None
+    #: it reads each position's distribution (log probabilities, scoring); False: it refuses them (a remote server)
+    distributions: bool = True
+    #: it masks decode steps (structured output, forced tool calls); False: it refuses them (a remote server)
+    constrains: bool = True
+    #: the model's weights are in this process (False: a remote server holds them, ``resident_bytes`` is 0)
+    holds_weights: bool = True
+    #: the options a load passes (``Config.options``: a remote engine's server)
+    options: dict[str, str] = field(default_factory=dict)
 
     def load(self, num_ctx: int = NUM_CTX) -> LoadedModel:
-        return self.backend.load(OpenSessionRequest(path=self.path, config=Config(num_ctx=num_ctx)), lambda _f: None)
+        return self.backend.load(OpenSessionRequest(path=self.path, config=Config(num_ctx=num_ctx, options=self.options)),
+                                 lambda _f: None)
 
 
 #: on CPU both engines compute a batch of rows with other kernels than a one-token step: logits

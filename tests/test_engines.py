@@ -138,6 +138,29 @@ def _gemma() -> Engine:
     return dataclasses.replace(engine, name="gemma", path=str(gemma_gguf_path()), vocab_size=262_144)
 
 
+def _vllm(url: str) -> Engine:
+    """The vLLM engine over a vLLM CPU server on the bundled model (``vllm_url``): the KV is the server's, which
+    samples on its own and hands back tokens, not distributions."""
+    from backends.bundled import bundled_gguf_path
+    from backends.tape.model import render_prefix
+    from backends.vllm import VLLMBackend
+
+    return Engine(
+        name="vllm",
+        backend=VLLMBackend(),
+        path=str(bundled_gguf_path()),
+        tape=lambda m: list(m.res.live),
+        prefix_tokens=lambda m, text: m.tokenize(render_prefix(m.template, text, None)),
+        kv_matches_tape=lambda m: len(m.res.tokens) <= m.num_ctx,  # (the server's KV: nothing to compare here)
+        vocab_size=49152,
+        speculates=False,
+        distributions=False,
+        constrains=False,
+        holds_weights=False,
+        options={"engine_url": url},
+    )
+
+
 ENGINES = {"memory": _memory, "llama": _llama, "openvino": _openvino, "gemma": _gemma}
 
 
@@ -148,9 +171,12 @@ ENGINES = {"memory": _memory, "llama": _llama, "openvino": _openvino, "gemma": _
         pytest.param("llama", marks=pytest.mark.llama),
         pytest.param("openvino", marks=pytest.mark.openvino),
         pytest.param("gemma", marks=pytest.mark.llama),
+        pytest.param("vllm", marks=pytest.mark.vllm),
     ],
 )
 def engine(request: pytest.FixtureRequest) -> Engine:
+    if request.param == "vllm":
+        return _vllm(request.getfixturevalue("vllm_url"))
     return ENGINES[request.param]()
 
 
@@ -166,6 +192,16 @@ def session(model: LoadedModel) -> Iterator[Session]:
     s = model.open_session()
     yield s
     s.close()
+
+
+def _refused_and_serving(engine: Engine, model: LoadedModel, session: Session, call: Any) -> None:
+    """What an engine does not serve (``Engine.distributions``, ``Engine.constrains``) is refused with the
+    contract's typed error, the tape and the session untouched: it decodes on."""
+    before, tape = session.explain_context(), engine.tape(model)
+    with pytest.raises(UnsupportedFeature):
+        call()
+    assert session.explain_context() == before and engine.tape(model) == tape
+    assert greedy(session, 4)
 
 
 # --- warm reuse -------------------------------------------------------------------------------------
@@ -207,6 +243,10 @@ def test_a_scored_suffix_is_computed_again_and_scored_token_by_token(
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
     plain = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
     tape = list(engine.tape(model))
+    if not engine.distributions:
+        _refused_and_serving(engine, model, session, lambda: session.prefill_suffix(
+            SuffixInput(text=QUESTION, manifest=man, logprobs=k)))
+        return
     st = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man, logprobs=k))
     assert list(engine.tape(model)) == tape and engine.kv_matches_tape(model)
     assert st.suffix_tokens == plain.suffix_tokens == len(st.logprobs) > 3 and st.reused_tokens == 0
@@ -233,6 +273,11 @@ def test_a_scored_suffix_scores_its_ranges_only_and_computes_from_the_first(
     ranges without ``logprobs``, and an empty range are refused, and nothing changes."""
     man = manifest(model, "scoring-ranges")
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
+    if not engine.distributions:
+        at = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man)).prefix_tokens
+        _refused_and_serving(engine, model, session, lambda: session.prefill_suffix(SuffixInput(
+            text=QUESTION, manifest=man, logprobs=0, logprobs_ranges=[PositionRange(start=at, end=at + 1)])))
+        return
     whole = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man, logprobs=0))
     p, n = whole.prefix_tokens, whole.suffix_tokens
     assert n > 8
@@ -415,6 +460,10 @@ def test_a_forced_call_holds_its_arguments_to_the_tool_schema(engine: Engine, mo
     session.prefill_suffix(SuffixInput(text="Weather in Paris?", manifest=man))
     schema = json.dumps(WEATHER_TOOL["function"]["parameters"])  # type: ignore[index]
     remote = json.dumps({"type": "object", "properties": {"q": {"$ref": "https://example.invalid/q.json"}}})
+    if not engine.constrains:
+        _refused_and_serving(engine, model, session, lambda: decode(
+            session, 8, temperature=0.0, structured_output=StructuredOutputConfig(tool_call={"get_weather": schema})))
+        return
     for tools in ({"get_weather": schema}, {"get_weather": schema, "lookup": remote}):
         session.prefill_suffix(SuffixInput(text="Weather in Paris?", manifest=man))
         chunks = list(session.decode(DecodeConfig(max_tokens=80, temperature=0.0, return_token_ids=True,
@@ -577,7 +626,7 @@ def test_speculation_answers_like_plain_decoding_and_the_next_turn_reuses_it(
     engine: Engine, model: LoadedModel, session: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not engine.speculates:
-        pytest.skip("the reference does not speculate")
+        pytest.skip(f"{engine.name} does not speculate")
     from backends.tape.speculate import CheckCosts
 
     # drafting asserted: a fixed table, not the one the load timed (or an earlier load, on a busier machine)
@@ -634,6 +683,10 @@ def test_logprobs_are_the_models_distribution(
         session.prefill_suffix(SuffixInput(text=EDIT_CONTINUATION, render=False, manifest=man))
         return list(session.decode(DecodeConfig(max_tokens=n, return_token_ids=True, **cfg)))
 
+    if not engine.distributions:
+        edit(0)
+        _refused_and_serving(engine, model, session, lambda: list(session.decode(DecodeConfig(max_tokens=4, logprobs=k))))
+        return
     chunks = edit(32, speculative=False, logprobs=k)
     ids = [t for c in chunks for t in c.token_ids]
     got = [lp for c in chunks for lp in c.logprobs]
@@ -682,7 +735,7 @@ def test_penalties_cover_the_prompt_tail_and_the_reply(engine: Engine, model: Lo
     the reply takes (the oldest leaving as each comes): under a penalty no logit survives, the reply repeats no
     token of its window, with drafts on or off."""
     if not engine.speculates:
-        pytest.skip("the reference samples no logits")
+        pytest.skip(f"{engine.name} samples no logits in this process")
     man = manifest(model, "penalties")
     plain = _edit_turn(session, man, 24, speculative=False)[0]
     window = 256
@@ -705,7 +758,7 @@ def test_seeded_sampling_repeats_and_speculates_when_asked(
     engine: Engine, model: LoadedModel, session: Session, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not engine.speculates:
-        pytest.skip("the reference does not speculate")
+        pytest.skip(f"{engine.name} does not speculate")
     from backends.tape.speculate import CheckCosts
 
     man = manifest(model, "speculate-sampled")
@@ -730,7 +783,7 @@ def test_draft_costs_are_timed_when_idle_and_kept_for_the_next_load(
     """The policy's cost table is timed once per model and machine, while the model is idle (never in the load);
     a reload drafts as before and times nothing."""
     if not engine.speculates:
-        pytest.skip("the reference does not speculate")
+        pytest.skip(f"{engine.name} does not speculate")
     from backends.tape import draft_costs
 
     # whatever the timing gives is kept: a busy machine's table is refused as implausible (tests/test_tape.py),
@@ -767,7 +820,7 @@ def test_closing_a_speculating_stream_keeps_what_was_handed_out(
     engine: Engine, model: LoadedModel, session: Session
 ) -> None:
     if not engine.speculates:
-        pytest.skip("the reference does not speculate")
+        pytest.skip(f"{engine.name} does not speculate")
     man = manifest(model, "speculate-cancel")
     full = _edit_turn(session, man, 90, speculative=True)[0]
     _edit_turn(session, man, 0)
@@ -778,7 +831,7 @@ def test_closing_a_speculating_stream_keeps_what_was_handed_out(
     assert engine.tape(model) == prompt + got and engine.kv_matches_tape(model)
 
 
-def test_explain_context_from_another_thread(model: LoadedModel, session: Session) -> None:
+def test_explain_context_from_another_thread(engine: Engine, model: LoadedModel, session: Session) -> None:
     man = manifest(model, "thread")
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
     session.prefill_suffix(SuffixInput(text="Describe the daemon.", manifest=man))
@@ -791,7 +844,7 @@ def test_explain_context_from_another_thread(model: LoadedModel, session: Sessio
             while not stop.is_set():
                 rep = session.explain_context()
                 assert rep.resident_tokens >= rep.prefix_tokens
-                assert model.resident_bytes() > 0
+                assert model.resident_bytes() > 0 or not engine.holds_weights
                 seen.append(rep.resident_tokens)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -858,7 +911,7 @@ def test_refused_snapshots_leave_the_session_untouched(engine: Engine, model: Lo
     reference = greedy(session, 12)
     session.restore(snap)
     before, tape = session.explain_context(), engine.tape(model)
-    flipped = bytearray(snap.state)
+    flipped = bytearray(snap.state or b"\0")  # (a remote engine's snapshot is its tokens: no state bytes)
     flipped[len(flipped) // 2] ^= 0xFF
     bad = {
         "tampered bytes": snap.model_copy(update={"state": bytes(flipped)}),
@@ -870,7 +923,7 @@ def test_refused_snapshots_leave_the_session_untouched(engine: Engine, model: Lo
         ),
         "backend": snap.model_copy(update={"backend": "elsewhere"}),
         "garbage state": _redigest(snap, b"garbage" * 10),
-        "short state": _redigest(snap, snap.state[: len(snap.state) // 3]),
+        **({"short state": _redigest(snap, snap.state[: len(snap.state) // 3])} if snap.state else {}),
         "vocabulary": snap.model_copy(update={"resident_token_ids": snap.resident_token_ids[:-1] + [engine.vocab_size]}),
         "state kind": snap.model_copy(update={"state_kind": "mystery"}),
     }

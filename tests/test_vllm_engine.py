@@ -14,17 +14,15 @@ this module after it).
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from contract.errors import InvalidArgument, ModelLoadFailed, UnsupportedFeature
+from contract.errors import BackendMismatch, InvalidArgument, ModelLoadFailed, UnsupportedFeature
 from contract.types import (
     Config,
     DecodeConfig,
@@ -36,7 +34,7 @@ from contract.types import (
 from harness import vllm_server
 from tests.test_openai_front import Front
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 if not vllm_server.venv_python().exists() or not (vllm_server.model_dir() / "config.json").is_file():
     pytest.skip("vLLM's CPU build is not installed here (make vllm)", allow_module_level=True)
@@ -49,22 +47,8 @@ COMPARED_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[vllm_server.VllmServer]:
-    """A server of its own, or the one ``MODELD_TEST_VLLM_PORT`` names (started with ``python -m harness.vllm_server
-    serve --dtype float32``: a minute saved per run while working on the engine)."""
-    port = os.environ.get("MODELD_TEST_VLLM_PORT")
-    if port:
-        yield vllm_server.VllmServer(port=int(port))
-        return
-    # float32: bf16 is several times slower on a CPU without bf16 instructions, and closer to llama.cpp's numerics
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with vllm_server.VllmServer(log_path=log, extra_args=("--dtype", "float32")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def front(server: vllm_server.VllmServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
-    with Front(tmp_path_factory.mktemp("front"), "--engine-option", f"engine_url={server.base_url}",
+def front(vllm_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
+    with Front(tmp_path_factory.mktemp("front"), "--engine-option", f"engine_url={vllm_url}",
                "--num-ctx", "4096", backend="vllm") as f:
         yield f
 
@@ -75,9 +59,9 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Front]:
         yield f
 
 
-def server_counter(server: vllm_server.VllmServer, name: str) -> float:
+def server_counter(url: str, name: str) -> float:
     """A counter or gauge of the server's Prometheus metrics (summed over its labels)."""
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", timeout=30).text
     return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 
@@ -116,7 +100,7 @@ def test_a_chat_turn_through_the_openai_sdk(front: Front) -> None:
     assert finish == r.choices[0].finish_reason
 
 
-def test_the_second_turn_reuses_the_first_as_the_server_counts_it(front: Front, server: vllm_server.VllmServer) -> None:
+def test_the_second_turn_reuses_the_first_as_the_server_counts_it(front: Front, vllm_url: str) -> None:
     block = 128  # the CPU build's block size (the server's vllm:cache_config_info)
     with front.daemon.client(timeout_s=600) as c:
         sess = c.open_session(OpenSessionRequest())
@@ -126,14 +110,14 @@ def test_the_second_turn_reuses_the_first_as_the_server_counts_it(front: Front, 
         q1 = sess.prefill_suffix(SuffixInput(messages=first, manifest=m))
         reply = "".join(ch.text for ch in sess.decode(DecodeConfig(max_tokens=12, temperature=0.0)))
         second = [*first, {"role": "assistant", "content": reply}, {"role": "user", "content": "And the sky?"}]
-        hits = server_counter(server, "vllm:prefix_cache_hits_total")
+        hits = server_counter(vllm_url, "vllm:prefix_cache_hits_total")
         q2 = sess.prefill_suffix(SuffixInput(messages=second, manifest=m))
         held = q1.prefix_tokens + q1.suffix_tokens
         # the daemon's report: the whole first prompt kept (the prefix under it), no miss
         assert q2.prefix_tokens + q2.reused_tokens >= held, q2
         assert q2.miss is None, q2.miss
         # the server's own count agrees, less its last partial block
-        served = server_counter(server, "vllm:prefix_cache_hits_total") - hits
+        served = server_counter(vllm_url, "vllm:prefix_cache_hits_total") - hits
         assert served >= held - held % block > 0, (served, held)
         sess.close()
 
@@ -189,12 +173,12 @@ def test_what_the_engine_does_not_serve_is_refused(front: Front) -> None:
     assert sdk.chat.completions.create(model="default", messages=messages(QUESTIONS[3]), max_tokens=4).choices
 
 
-def test_a_stream_whose_client_leaves_stops_the_server(front: Front, server: vllm_server.VllmServer) -> None:
+def test_a_stream_whose_client_leaves_stops_the_server(front: Front, vllm_url: str) -> None:
     """A reply of up to 2,000 tokens left after 40 chunks: the server's count of generated tokens settles far below
     that and nothing runs there any more. (Its metrics trail the engine by a few seconds on a busy machine, so the
     test waits for the count to settle rather than reading it at one instant.)"""
     generated = "vllm:generation_tokens_total"
-    before = server_counter(server, generated)
+    before = server_counter(vllm_url, generated)
     with httpx.Client(timeout=600) as http, http.stream(
         "POST", f"{front.url}/chat/completions",
         json={"model": "default", "max_tokens": 2000, "temperature": 0, "stream": True,
@@ -208,16 +192,16 @@ def test_a_stream_whose_client_leaves_stops_the_server(front: Front, server: vll
                 break
     assert len(lines) >= 40, lines
     last, deadline = -1.0, time.monotonic() + 60
-    while (now := server_counter(server, generated)) != last:
+    while (now := server_counter(vllm_url, generated)) != last:
         assert time.monotonic() < deadline, "the server's count of generated tokens never settled"
         last = now
         time.sleep(2.0)
     assert 38 <= last - before < 1000, last - before
-    assert server_counter(server, "vllm:num_requests_running") == 0
+    assert server_counter(vllm_url, "vllm:num_requests_running") == 0
     assert front.sdk().chat.completions.create(model="default", messages=messages(QUESTIONS[4]), max_tokens=4).choices
 
 
-def test_a_load_without_a_server_or_with_another_model_is_refused(front: Front, server: vllm_server.VllmServer) -> None:
+def test_a_load_without_a_server_or_with_another_model_is_refused(front: Front, vllm_url: str) -> None:
     with front.daemon.client(timeout_s=600) as c:
         path = c.status().active.path
 
@@ -230,19 +214,22 @@ def test_a_load_without_a_server_or_with_another_model_is_refused(front: Front, 
         with pytest.raises(ModelLoadFailed, match="did not answer"):
             load(engine_url="http://127.0.0.1:9")
         with pytest.raises(ModelLoadFailed, match="no model 'other'"):
-            load(engine_url=server.base_url, served_model="other")
+            load(engine_url=vllm_url, served_model="other")
         with pytest.raises(InvalidArgument, match="exceeds the window"):
             c.load_model(LoadModelRequest(model_name="again", type="vllm", path=path,
-                                          config=Config(num_ctx=8192, options={"engine_url": server.base_url})))
-        load(engine_url=server.base_url)  # and a good load after the refusals
+                                          config=Config(num_ctx=8192, options={"engine_url": vllm_url})))
+        load(engine_url=vllm_url)  # and a good load after the refusals
         assert c.status().active.type == "vllm"
 
 
-def test_the_server_is_who_the_manifest_names(front: Front, server: vllm_server.VllmServer) -> None:
-    """The runtime identity names the server: a manifest from the llama.cpp engine's daemon is another."""
-    with front.daemon.client(timeout_s=60) as c:
+def test_the_manifest_names_the_engine_and_its_server(front: Front, vllm_url: str) -> None:
+    """The manifest's backend is vllm, its runtime digest covers the server: a manifest made for another engine is
+    refused with the contract's typed error, and the session serves on."""
+    with front.daemon.client(timeout_s=600) as c:
         sess = c.open_session(OpenSessionRequest())
         m = sess.manifest(profile="who")
         assert m.backend == "vllm" and m.backend_version.startswith("vllm ")
+        with pytest.raises(BackendMismatch):
+            sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m.model_copy(update={"backend": "llama"})))
+        assert sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m)).prefix_tokens > 100
         sess.close()
-    assert Path(vllm_server.model_dir()).is_dir()

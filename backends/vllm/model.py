@@ -61,6 +61,7 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
                          adds_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)))
         #: the prompt tokens the server's prefix cache held at the last prefill (what it did not compute again)
         self.server_cached = 0
+        self.reads_distributions = False  # the server hands back tokens (scoring is refused before any prefill)
 
     # --- TapeModelBase ------------------------------------------------------------------------
     def engine_version(self) -> str:
@@ -124,6 +125,9 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
         if snap.state_kind != STATE_KIND:
             raise SnapshotRejected(f"state_kind {snap.state_kind!r} is not restorable by the vLLM engine (it "
                                    f"restores {STATE_KIND!r} snapshots: a KV computed elsewhere is not its server's)")
+        if snap.state:
+            raise SnapshotRejected(f"a {STATE_KIND!r} snapshot carries no state bytes (this one carries "
+                                   f"{len(snap.state)}): its tokens are the context")
         self.set_kv(list(snap.resident_token_ids), 0)
 
 
