@@ -5,8 +5,9 @@ of it, its HTTP front spoken to through the OpenAI SDK and its sessions through 
 What it checks: a chat turn through the SDK, streamed and not; a conversation's second turn reuses the first's
 prompt (the daemon's report and the server's own prefix-cache counter agree, less a block); forks; snapshots and
 their restore; greedy replies against the same model on the llama.cpp engine (the weights differ: the server reads
-the GGUF's Q4_1 values dequantized, in float32); a stream whose client leaves stops the server's work; what the
-engine does not serve is refused with the contract's typed errors, and the daemon serves on.
+the GGUF's Q4_1 values dequantized, in float32); log probabilities as the server reports them; a stream whose
+client leaves stops the server's work; what the engine does not serve is refused with the contract's typed errors,
+and the daemon serves on.
 
 The module is skipped where vLLM's CPU build is not installed (``make vllm`` installs it; ``make test-vllm`` runs
 this module after it).
@@ -22,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from contract.errors import BackendMismatch, InvalidArgument, ModelLoadFailed, UnsupportedFeature
+from contract.errors import InvalidArgument, ManifestMismatch, ModelLoadFailed, UnsupportedFeature
 from contract.types import (
     Config,
     DecodeConfig,
@@ -136,6 +137,20 @@ def test_greedy_replies_agree_with_the_llama_cpp_engine(front: Front, llama: Fro
     assert sorted(agree)[len(agree) // 2] >= 4, agree
 
 
+def test_log_probabilities_are_the_server_s(front: Front) -> None:
+    """A reply's log probabilities through the SDK: one entry per token, the server's figures (the sampled token's
+    and the likeliest), greedy taking the likeliest."""
+    r = front.sdk().chat.completions.create(model="default", messages=messages(QUESTIONS[5]), max_tokens=8,
+                                             temperature=0, logprobs=True, top_logprobs=3)
+    entries = r.choices[0].logprobs.content if r.choices[0].logprobs is not None else None
+    assert entries and r.usage is not None and len(entries) == r.usage.completion_tokens
+    assert "".join(e.token for e in entries) == r.choices[0].message.content
+    for e in entries:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0.0
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+
+
 def test_a_fork_and_a_snapshot_restore(front: Front) -> None:
     with front.daemon.client(timeout_s=600) as c:
         sess = c.open_session(OpenSessionRequest())
@@ -157,8 +172,6 @@ def test_a_fork_and_a_snapshot_restore(front: Front) -> None:
 
 def test_what_the_engine_does_not_serve_is_refused(front: Front) -> None:
     sdk = front.sdk()
-    with pytest.raises(openai.BadRequestError, match="log probabilities"):
-        sdk.chat.completions.create(model="default", messages=messages(QUESTIONS[0]), max_tokens=4, logprobs=True)
     with pytest.raises(openai.BadRequestError, match="structured output"):
         sdk.chat.completions.create(model="default", messages=messages(QUESTIONS[0]), max_tokens=4,
                                     response_format={"type": "json_object"})
@@ -229,7 +242,7 @@ def test_the_manifest_names_the_engine_and_its_server(front: Front, vllm_url: st
         sess = c.open_session(OpenSessionRequest())
         m = sess.manifest(profile="who")
         assert m.backend == "vllm" and m.backend_version.startswith("vllm ")
-        with pytest.raises(BackendMismatch):
+        with pytest.raises(ManifestMismatch, match="backend .llama.; this is .vllm."):
             sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m.model_copy(update={"backend": "llama"})))
         assert sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m)).prefix_tokens > 100
         sess.close()

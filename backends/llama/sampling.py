@@ -16,6 +16,7 @@ from llama_cpp.llama_grammar import SchemaConverter, json_schema_to_gbnf
 from contract.errors import InvalidArgument, UnsupportedFeature
 from contract.types import DecodeConfig, StructuredOutputConfig
 
+from ..tape.decoding import LogitsSteps
 from ..tape.forced import arguments_schema
 from ..tape.toolformats import FORMATS, Args, CallId, Lit, ToolFormat, marker_split
 from .native import log_mark, log_since
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from .model import LlamaLoadedModel
 
 
-class LlamaSteps:
+class LlamaSteps(LogitsSteps):
     """DecodeSteps on a llama.cpp context: its sampler chain over the context's logits."""
 
     def __init__(self, m: LlamaLoadedModel, sampler: llama_internals.LlamaSampler) -> None:

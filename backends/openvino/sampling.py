@@ -9,6 +9,7 @@ import numpy as np
 
 from contract.types import DecodeConfig
 
+from ..tape.decoding import LogitsSteps
 from .guidance import TokenGuide
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class Sampler:
         return int(order[self.rng.choice(len(order), p=p)])
 
 
-class OpenVINOSteps:
+class OpenVINOSteps(LogitsSteps):
     """DecodeSteps on the paged graph: numpy sampling over the stored logits."""
 
     def __init__(self, m: OpenVINOLoadedModel, sample: Sampler, guide: TokenGuide | None) -> None:

@@ -5,6 +5,7 @@ output pipeline's chunks and the log probabilities they carry. ``TapeSession._st
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Protocol
 
 from contract.types import DecodeConfig, FinishReason, StreamChunk, TokenLogprob
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
     from .model import TapeModel
 
-__all__ = ["DecodePass", "DecodeSteps", "Emitted"]
+__all__ = ["DecodePass", "DecodeSteps", "Emitted", "LogitsSteps"]
 
 #: a token a verified draft gave: the token, its chunks, whether the KV holds it (in output order)
 Emitted = tuple[int, list[StreamChunk], bool]
@@ -62,8 +63,9 @@ class DecodeSteps(Protocol):
         """The next token after ``tokens[i]`` of the last ``verify``, from that row's distribution."""
         ...
 
-    def logits(self, row: int | None) -> np.ndarray:
-        """The raw logits over the vocabulary that the last ``sample`` (None) or ``sample_row(row)`` drew from."""
+    def token_logprob(self, token: int, row: int | None, k: int) -> TokenLogprob:
+        """``token``'s log probability and the ``k`` likeliest tokens, under the model's own distribution at the last
+        ``sample`` (None) or ``sample_row(row)`` (``DecodeConfig.logprobs``)."""
         ...
 
     def rollback(self, n: int) -> None:
@@ -73,6 +75,21 @@ class DecodeSteps(Protocol):
     def close(self) -> None:
         """Release per-pass resources."""
         ...
+
+
+class LogitsSteps(ABC):
+    """Steps whose engine computes the logits in this process: a sampled token's log probability is a log-softmax
+    of the row it was drawn from (``logprobs.token_logprob``)."""
+
+    @abstractmethod
+    def logits(self, row: int | None) -> np.ndarray:
+        """The raw logits over the vocabulary that the last ``sample`` (None) or ``sample_row(row)`` drew from."""
+
+    @abstractmethod
+    def piece(self, token: int) -> bytes: ...
+
+    def token_logprob(self, token: int, row: int | None, k: int) -> TokenLogprob:
+        return token_logprob(self.logits(row), token, k, self.piece)
 
 
 class DecodePass:
@@ -112,7 +129,7 @@ class DecodePass:
         """The end token's log probability (its text empty: it writes none), with ``cfg.logprobs`` asked."""
         if self.cfg.logprobs is None:
             return None
-        lp = token_logprob(self.steps.logits(row), token, self.cfg.logprobs, self.steps.piece)
+        lp = self.steps.token_logprob(token, row, self.cfg.logprobs)
         # (the same token among the likeliest reads the same: a scorer compares the two texts)
         top = [a.model_copy(update={"token": "", "bytes": []}) if a.token_id == token else a for a in lp.top]
         return lp.model_copy(update={"token": "", "bytes": [], "top": top})
@@ -122,7 +139,7 @@ class DecodePass:
         pipeline: its chunks (none: nothing to send yet), and whether a stop string ended the answer there.
         A control token the format reads is fed as its text."""
         cfg, steps = self.cfg, self.steps
-        lp = token_logprob(steps.logits(row), token, cfg.logprobs, steps.piece) if cfg.logprobs is not None else None
+        lp = steps.token_logprob(token, row, cfg.logprobs) if cfg.logprobs is not None else None
         fed = self.markers.get(token) or steps.piece(token)
         delta = self.pipeline.feed_bytes(fed)
         if self.per_token is not None:

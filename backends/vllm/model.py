@@ -11,9 +11,10 @@ decode pass is one streamed completion of the tape (``VLLMSteps``): the server s
 one by one, decides where the reply ends (the vocabulary's end-of-generation tokens: the server is told to ignore
 its own) and closes the stream there, which stops the server.
 
-What a remote engine cannot do is refused with a typed error, never faked: the full distribution a token was drawn
-from (log probabilities and scoring need it), structured output and forced tool calls (their masks are the
-daemon's, per step), readouts, speculation (the server decodes on its own), an image encoder.
+A decode asked for log probabilities gets the server's figures (the sampled token's and the likeliest, of the raw
+distribution, as vLLM reports them by default). What a remote engine cannot do is refused with a typed error, never
+faked: scoring a prompt (it needs every position's whole distribution), structured output and forced tool calls
+(their masks are the daemon's, per step), readouts, speculation (the server decodes on its own), an image encoder.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ from typing import Any, NoReturn
 
 import httpx
 import llama_cpp
-import numpy as np
 from llama_cpp import Llama
 
 from contract.errors import Internal, ModeldError, SnapshotRejected, UnsupportedFeature
-from contract.types import Config, DecodeConfig, SessionSnapshot
+from contract.types import Config, DecodeConfig, SessionSnapshot, TokenLogprob, TopLogprob
 
 from ..llama.model import VocabTokens, model_template
 from ..tape.decoding import DecodeSteps
@@ -133,9 +133,6 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
 
 def refuse_unserved(cfg: DecodeConfig) -> None:
     """UnsupportedFeature for what a decode asks that the vLLM engine does not serve (module doc)."""
-    if cfg.logprobs is not None:
-        raise UnsupportedFeature("log probabilities need the distribution each token was drawn from, which the "
-                                 "vLLM engine does not read back from its server")
     if cfg.structured_output.is_set():
         raise UnsupportedFeature("structured output and forced tool calls are masked by the daemon at every step; "
                                  "the vLLM engine's server samples on its own")
@@ -170,7 +167,10 @@ class VLLMSteps:
     def __init__(self, m: VLLMLoadedModel, cfg: DecodeConfig) -> None:
         self.m, self.cfg = m, cfg
         self._stream: StreamedTokens | None = None
-        self._ready: list[int] = []
+        #: tokens the server sent and the pass has not sampled yet, each with its log-probability figures (None
+        #: unless asked for)
+        self._ready: list[tuple[int, float | None, dict[str, float] | None]] = []
+        self._figures: tuple[int, float | None, dict[str, float] | None] = (-1, None, None)
 
     def start(self) -> None:
         m = self.m
@@ -181,6 +181,10 @@ class VLLMSteps:
         body = {"model": m.served.name, "prompt": list(m.res.tokens), "max_tokens": budget, "stream": True,
                 "return_token_ids": True, "ignore_eos": True, "skip_special_tokens": False,
                 **sampling_body(self.cfg)}
+        if self.cfg.logprobs is not None:
+            # the server's own figures: the sampled token's and the likeliest, of the raw distribution (vLLM's
+            # default logprobs mode), each keyed by its id
+            body |= {"logprobs": self.cfg.logprobs, "return_tokens_as_token_ids": True}
         self._stream = m.link.stream(body)
         self._stream.open()
 
@@ -190,8 +194,32 @@ class VLLMSteps:
             if chunk is None:
                 raise Internal("the vLLM server ended a stream before the reply did", url=self.m.link.url)
             for choice in chunk.get("choices") or []:
-                self._ready.extend(int(t) for t in choice.get("token_ids") or [])
-        return self._ready.pop(0)
+                ids = [int(t) for t in choice.get("token_ids") or []]
+                figures = choice.get("logprobs") or {}
+                chosen = figures.get("token_logprobs") or [None] * len(ids)
+                tops = figures.get("top_logprobs") or [None] * len(ids)
+                self._ready.extend(zip(ids, chosen, tops, strict=False))
+        token, chosen, top = self._ready.pop(0)
+        self._figures = (token, chosen, top)
+        return token
+
+    def token_logprob(self, token: int, row: int | None, k: int) -> TokenLogprob:
+        """The figures the server sent with ``token`` (the last sampled): its log probability and the ``k``
+        likeliest, likeliest first (the lower id first on a tie)."""
+        sampled, chosen, top = self._figures
+        if sampled != token or chosen is None:
+            raise Internal("the vLLM server sent no log probability for a token it sampled", url=self.m.link.url)
+        listed = sorted(((int(key.removeprefix("token_id:")), float(v)) for key, v in (top or {}).items()),
+                        key=lambda e: (-e[1], e[0]))[:k]
+        piece = self.piece
+
+        def one(t: int, lp: float) -> TopLogprob:
+            b = piece(t)
+            return TopLogprob(token_id=t, token=b.decode("utf-8", "replace"), bytes=list(b), logprob=lp)
+
+        me = one(token, float(chosen))
+        return TokenLogprob(token_id=token, token=me.token, bytes=me.bytes, logprob=me.logprob,
+                            top=[one(t, lp) for t, lp in listed])
 
     def feed(self, token: int) -> None:
         self.m.res.tokens.append(token)  # the server computed it as it sampled the next
@@ -210,9 +238,6 @@ class VLLMSteps:
 
     def sample_row(self, i: int) -> int:
         _no_drafts()
-
-    def logits(self, row: int | None) -> np.ndarray:
-        raise UnsupportedFeature("the vLLM engine does not read a token's distribution back from its server")
 
     def rollback(self, n: int) -> None:
         if n:
