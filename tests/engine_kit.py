@@ -66,9 +66,6 @@ class Engine:
     speculates: bool = True
     #: the distribution after the last resident token, as the engine computed it (None: no logits)
     last_logits: Callable[[Any], Any] | None = None
-    #: it reads each prompt position's distribution (scoring); False: it refuses it (a remote server that hands back
-    #: the sampled tokens' figures only)
-    distributions: bool = True
     #: it masks decode steps (structured output, forced tool calls); False: it refuses them (a remote server)
     constrains: bool = True
     #: the model's weights are in this process (False: a remote server holds them, ``resident_bytes`` is 0)

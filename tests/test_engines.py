@@ -154,7 +154,6 @@ def _vllm(url: str) -> Engine:
         kv_matches_tape=lambda m: len(m.res.tokens) <= m.num_ctx,  # (the server's KV: nothing to compare here)
         vocab_size=49152,
         speculates=False,
-        distributions=False,
         constrains=False,
         holds_weights=False,
         options={"engine_url": url},
@@ -195,7 +194,7 @@ def session(model: LoadedModel) -> Iterator[Session]:
 
 
 def _refused_and_serving(engine: Engine, model: LoadedModel, session: Session, call: Any) -> None:
-    """What an engine does not serve (``Engine.distributions``, ``Engine.constrains``) is refused with the
+    """What an engine does not serve (``Engine.constrains``) is refused with the
     contract's typed error, the tape and the session untouched: it decodes on."""
     before, tape = session.explain_context(), engine.tape(model)
     with pytest.raises(UnsupportedFeature):
@@ -243,10 +242,6 @@ def test_a_scored_suffix_is_computed_again_and_scored_token_by_token(
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
     plain = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man))
     tape = list(engine.tape(model))
-    if not engine.distributions:
-        _refused_and_serving(engine, model, session, lambda: session.prefill_suffix(
-            SuffixInput(text=QUESTION, manifest=man, logprobs=k)))
-        return
     st = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man, logprobs=k))
     assert list(engine.tape(model)) == tape and engine.kv_matches_tape(model)
     assert st.suffix_tokens == plain.suffix_tokens == len(st.logprobs) > 3 and st.reused_tokens == 0
@@ -273,11 +268,6 @@ def test_a_scored_suffix_scores_its_ranges_only_and_computes_from_the_first(
     ranges without ``logprobs``, and an empty range are refused, and nothing changes."""
     man = manifest(model, "scoring-ranges")
     session.ensure_prefix(PrefixInput(text=LONG_PREFIX, manifest=man))
-    if not engine.distributions:
-        at = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man)).prefix_tokens
-        _refused_and_serving(engine, model, session, lambda: session.prefill_suffix(SuffixInput(
-            text=QUESTION, manifest=man, logprobs=0, logprobs_ranges=[PositionRange(start=at, end=at + 1)])))
-        return
     whole = session.prefill_suffix(SuffixInput(text=QUESTION, manifest=man, logprobs=0))
     p, n = whole.prefix_tokens, whole.suffix_tokens
     assert n > 8

@@ -179,8 +179,8 @@ def test_what_the_engine_does_not_serve_is_refused(front: Front) -> None:
         sess = c.open_session(OpenSessionRequest())
         m = sess.manifest(profile="refused")
         sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m))
-        with pytest.raises(UnsupportedFeature, match="scoring"):
-            sess.prefill_suffix(SuffixInput(text="The sea is blue.", manifest=m, logprobs=1))
+        with pytest.raises(UnsupportedFeature, match="readouts"):
+            sess.prefill_suffix(SuffixInput(text="The sea is blue.", manifest=m, readouts=True))
         sess.close()
     # and the daemon serves on
     assert sdk.chat.completions.create(model="default", messages=messages(QUESTIONS[3]), max_tokens=4).choices

@@ -123,8 +123,6 @@ class TapeModel(Protocol):
     speculative: bool
     #: the engine computes every row as a one-token step does, alone or in any batch
     rows_exact: bool
-    #: the engine reads each position's distribution (scoring, log probabilities); False: both are refused
-    reads_distributions: bool
     #: the seconds ``tokenize`` spent since the load (an operation's share is the difference across it)
     tokenize_s: float
     #: what a draft's check costs on this model, in plain steps (measured once, then fixed)
@@ -451,8 +449,6 @@ class TapeModelBase(ABC):
         #: prefill of any split (a backend sets it for a layout where they do): drafts then never
         #: change an answer, sampled ones included, and decoded tokens hold what a prefill computes
         self.rows_exact = False
-        #: the engine reads each position's distribution (a remote server that hands back tokens does not)
-        self.reads_distributions = True
         #: what the load measured of ``rows_exact``, for ``status`` ("" where nothing was probed)
         self.rows_probe = ""
         #: the GGUF's layout (``layout_digest``), set by the backend before the draft costs; "": the digest

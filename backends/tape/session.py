@@ -81,9 +81,6 @@ class _Scores:
 
     def __init__(self, m: TapeModel, target: list[int], start: int, k: int,
                  ranges: list[PositionRange]) -> None:
-        if not m.reads_distributions:
-            raise UnsupportedFeature(f"scoring needs every position's distribution, which the {m.backend_name} engine "
-                                     "does not read (its server hands back tokens)")
         self._m, self._target, self._start, self._k = m, target, start, k
         self._wanted = positions_covered(ranges, start, len(target))
         #: one per suffix token (``target[start:]``); None until a row scores it, for position 0, and outside the

@@ -152,6 +152,19 @@ class Link:
             raise Internal(f"the vLLM server at {self.url} reported no usage for a prefill")
         return cached[-1]
 
+    def prompt_logprobs(self, model: str, tokens: list[int], k: int) -> list[dict[int, float]]:
+        """The server's figures for each prompt token given those before it (vLLM's ``prompt_logprobs``): per
+        position, the token's own log probability and the ``k`` likeliest, by id; the first position has none (an
+        empty mapping). The server computes the prompt again for them (its prefix cache does not keep figures).
+        vLLM sends them only in a reply that is not streamed: a cancel waits for it (a scored prompt is short)."""
+        body = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k}
+        choices = self._post("/v1/completions", body).json().get("choices") or [{}]
+        found = choices[0].get("prompt_logprobs")
+        if found is None or len(found) != len(tokens):
+            raise Internal(f"the vLLM server at {self.url} sent no prompt log probabilities for {len(tokens)} tokens")
+        return [{int(t): float(v["logprob"] if isinstance(v, dict) else v) for t, v in (entry or {}).items()}
+                for entry in found]
+
     def stream(self, body: dict[str, Any]) -> StreamedTokens:
         """A streamed ``/v1/completions`` request (``body`` has ``stream`` on); its chunks as dicts."""
         return StreamedTokens(self, body)

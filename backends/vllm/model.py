@@ -13,23 +13,26 @@ its own) and closes the stream there, which stops the server.
 
 A decode asked for log probabilities gets the server's figures (the sampled token's and the likeliest, of the raw
 distribution, as vLLM reports them by default). What a remote engine cannot do is refused with a typed error, never
-faked: scoring a prompt (it needs every position's whole distribution), structured output and forced tool calls
-(their masks are the daemon's, per step), readouts, speculation (the server decodes on its own), an image encoder.
+faked: structured output and forced tool calls (their masks are the daemon's, per step), readouts, speculation
+(the server decodes on its own), an image encoder. A scored prompt (``SuffixInput.logprobs``) is the server's
+``prompt_logprobs`` (``_score``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any, NoReturn
 
 import httpx
 import llama_cpp
+import numpy as np
 from llama_cpp import Llama
 
 from contract.errors import Internal, ModeldError, SnapshotRejected, UnsupportedFeature
-from contract.types import Config, DecodeConfig, SessionSnapshot, TokenLogprob, TopLogprob
+from contract.types import MAX_TOP_LOGPROBS, Config, DecodeConfig, SessionSnapshot, TokenLogprob, TopLogprob
 
 from ..llama.model import VocabTokens, model_template
 from ..tape.decoding import DecodeSteps
@@ -61,7 +64,6 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
                          adds_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)))
         #: the prompt tokens the server's prefix cache held at the last prefill (what it did not compute again)
         self.server_cached = 0
-        self.reads_distributions = False  # the server hands back tokens (scoring is refused before any prefill)
 
     # --- TapeModelBase ------------------------------------------------------------------------
     def engine_version(self) -> str:
@@ -92,9 +94,6 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
         """Have the server hold ``tokens``; how many of the first ``keep`` its prefix cache still held (it keeps
         whole blocks: a partial block's tokens are computed again). The tape is ``tokens`` once the server computed
         them; a failure or a cancel leaves it at what the server surely holds (the kept part)."""
-        if rows is not None:
-            raise UnsupportedFeature("scoring a prompt needs every position's distribution, which the vLLM engine "
-                                     "does not read back from its server")
         if states is not None:
             raise UnsupportedFeature("readouts need the model's hidden states, which a vLLM server does not hand out")
         self.epoch += 1
@@ -102,6 +101,10 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
         self.res.tokens = list(tokens[:keep])
         if keep == len(tokens):
             return keep
+        if rows is not None:
+            self._score(tokens, keep, rows)
+            self.res.tokens = list(tokens)
+            return keep  # (a scored prompt is computed again by the server, its KV then cached as any other)
         cached = self.link.prefill(self.served.name, list(tokens))
         self.server_cached = cached
         self.res.tokens = list(tokens)
@@ -110,6 +113,15 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
         # own eviction (another client's prompts took the room), and the reuse is what it held.
         whole = keep - keep % self.served.block_size
         return keep if cached >= whole else cached
+
+    def _score(self, tokens: list[int], keep: int, rows: RowsFn) -> None:
+        """The rows after positions ``keep`` .. the last but one, from the server's figures for the token each row
+        predicts (``Link.prompt_logprobs``, ``MAX_TOP_LOGPROBS`` of them). A row holds those figures as they are and
+        spreads what probability they leave evenly over the rest of the vocabulary: its log-softmax gives back the
+        server's numbers for every token it named, and no other token ranks among them (``_figures_row``)."""
+        figures = self.link.prompt_logprobs(self.served.name, list(tokens), MAX_TOP_LOGPROBS)
+        if keep < len(tokens) - 1:
+            rows(keep, np.stack([_figures_row(figures[p + 1], self._n_vocab) for p in range(keep, len(tokens) - 1)]))
 
     def clear_kv(self) -> None:
         """Forget the tape (the server's prefix cache evicts on its own)."""
@@ -129,6 +141,17 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
             raise SnapshotRejected(f"a {STATE_KIND!r} snapshot carries no state bytes (this one carries "
                                    f"{len(snap.state)}): its tokens are the context")
         self.set_kv(list(snap.resident_token_ids), 0)
+
+
+def _figures_row(named: dict[int, float], vocab: int) -> np.ndarray:
+    """A row of logits whose log-softmax is ``named`` (token id → log probability) for the tokens it names, the
+    probability they leave spread evenly over the others (each below every named one: a vocabulary of thousands)."""
+    rest = 1.0 - sum(math.exp(v) for v in named.values())
+    others = vocab - len(named)
+    row = np.full(vocab, math.log(max(rest, 1e-30) / max(others, 1)), dtype=np.float64)
+    for token, value in named.items():
+        row[token] = value
+    return row
 
 
 def refuse_unserved(cfg: DecodeConfig) -> None:
