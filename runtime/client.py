@@ -140,6 +140,9 @@ def _listening(path: Path) -> bool:
 
 #: a request the daemon holds gets a heartbeat every second; this much silence means the daemon is gone
 LIVENESS_S = 8 * wire.HEARTBEAT_INTERVAL_S
+#: how long a send may wait for ZeroMQ to take a request (it queues it at once wherever a connection is made or
+#: being made)
+SEND_TIMEOUT_MS = 1000
 
 #: the daemon's CURVE public key for ``--curve`` tcp endpoints (``modeld keys`` prints it)
 SERVER_KEY_ENV = "MODELD_SERVER_KEY"
@@ -216,15 +219,18 @@ class Client:
                     endpoint=self.endpoint,
                 )
             s = self._ctx.socket(zmq.DEALER)
+            prompt_zmq_wakeups()  # the context's I/O thread (started with its first socket) carries every reply
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVHWM, 0)
+            # a send never waits long: where the daemon refused the CURVE handshake before the first send, ZeroMQ
+            # has no connection to queue it on and would wait for one for ever
+            s.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
             s.setsockopt(zmq.ROUTING_ID, self._routing + b"/m")  # the same after a reconnect
             self._secure(s)
             if self._curve is not None:
                 self._handshakes = s.get_monitor_socket(_HANDSHAKE_EVENTS)
             s.connect(self.endpoint)
             self._sock = s
-            prompt_zmq_wakeups()  # the context's I/O thread (started with its first socket) carries every reply
         return self._sock
 
     def _refused_handshake(self) -> bool:
@@ -268,7 +274,12 @@ class Client:
         rid = self._prefix + next(self._ids).to_bytes(8, "big")
         with self._lock:
             sock = self._socket()
-            sock.send_multipart(wire.encode_request(op, rid, body, payloads), copy=False)
+            try:
+                sock.send_multipart(wire.encode_request(op, rid, body, payloads), copy=False)
+            except zmq.Again:
+                refused = self._refused_handshake()
+                self._reset()
+                raise Unavailable(self._wrong_key() if refused else self._no_daemon(), endpoint=self.endpoint) from None
             self._buffers[rid] = deque()
             if self._answered:
                 # A daemon that answered before answers or heartbeats this request within a second of taking

@@ -104,7 +104,7 @@ def test_completion_bash_is_a_script_bash_accepts_that_completes_commands_and_th
     assert syntax.returncode == 0, syntax.stderr
     assert {"serve", "status", "chat", "completion"} <= set(_complete(path, ["modeld", ""]))
     assert _complete(path, ["modeld", "serve", "--back"]) == ["--backend"]  # serve's own parser
-    assert set(_complete(path, ["modeld", "serve", "--backend", ""])) == {"auto", "llama", "openvino", "memory"}
+    assert set(_complete(path, ["modeld", "serve", "--backend", ""])) == {"auto", "llama", "openvino", "vllm", "memory"}
     assert "--max-tokens" in _complete(path, ["modeld", "run", "--max"])  # a client command's option
     assert _complete(path, ["modeld", "prepare", "--on"]) == ["--only"]
     # the store's commands, by their own parsers
