@@ -140,7 +140,7 @@ def _gemma() -> Engine:
 
 def _vllm(url: str) -> Engine:
     """The vLLM engine over a vLLM CPU server on the bundled model (``vllm_url``): the KV is the server's, which
-    samples on its own and hands back tokens, not distributions."""
+    samples on its own and hands back tokens with their figures (no logits row here, no drafts)."""
     from backends.bundled import bundled_gguf_path
     from backends.tape.model import render_prefix
     from backends.vllm import VLLMBackend
