@@ -138,7 +138,10 @@ def _listening(path: Path) -> bool:
     return True
 
 
-#: a request the daemon holds gets a heartbeat every second; this much silence means the daemon is gone
+#: a request the daemon holds gets a heartbeat every second; this much silence means the daemon is gone. Silence is
+#: what the waiting thread itself sat through in empty polls, not the clock's time since the last message: a client
+#: that was not scheduled (a loaded machine, another thread holding the interpreter lock) heard nothing because it
+#: did not listen, and the daemon's heartbeats wait on the socket for it
 LIVENESS_S = 8 * wire.HEARTBEAT_INTERVAL_S
 #: how long a send may wait for ZeroMQ to take a request (it queues it at once wherever a connection is made or
 #: being made)
@@ -192,7 +195,8 @@ class Client:
         self._buffers: dict[bytes, deque[Message]] = {}
         self._abandoned: set[bytes] = set()
         #: request id -> when a message for it last arrived (liveness while waiting)
-        self._heard: dict[bytes, float] = {}
+        #: per request: seconds of empty polls since its last message (absent until the daemon is known to answer)
+        self._silence: dict[bytes, float] = {}
         self._ids = itertools.count(1)
         self._prefix = os.urandom(4)
         #: this client's routing id (``wire.peer_key``): the daemon binds its sessions to it
@@ -264,7 +268,7 @@ class Client:
             self._sock = None
         self._buffers.clear()
         self._abandoned.clear()
-        self._heard.clear()
+        self._silence.clear()
 
     # --- the raw wire: what the typed calls are made of, for tools and tests that speak the wire themselves -----
 
@@ -285,7 +289,7 @@ class Client:
                 # A daemon that answered before answers or heartbeats this request within a second of taking
                 # it: the liveness clock runs from the send, so one that died before its first heartbeat is
                 # noticed as quickly as one that died later.
-                self._heard[rid] = time.monotonic()
+                self._silence[rid] = 0.0
         return rid
 
     def waiting(self, rid: bytes) -> int:
@@ -319,14 +323,14 @@ class Client:
                                       endpoint=self.endpoint)
                 if buf:
                     msg = buf.popleft()
-                    self._heard[rid] = time.monotonic()
+                    self._silence[rid] = 0.0
                     if msg.kind is Kind.HEARTBEAT:
                         deadline = time.monotonic() + timeout
                         progress = wire.heartbeat_progress(msg) if report is not None else None
                         continue
                     if msg.kind is not None and msg.kind.terminal:
                         self._buffers.pop(rid, None)
-                        self._heard.pop(rid, None)
+                        self._silence.pop(rid, None)
                     return msg
                 sock = self._socket()
                 remaining = deadline - time.monotonic()
@@ -336,12 +340,17 @@ class Client:
                     if not answered:
                         raise Unavailable(self._no_daemon(), endpoint=self.endpoint)
                     raise DaemonTimeout(f"no reply from {self.endpoint} within {timeout:.1f}s", endpoint=self.endpoint)
-                if not sock.poll(int(min(remaining, 0.25) * 1000) + 1, zmq.POLLIN):
+                wait_s = min(remaining, 0.25)
+                began = time.monotonic()
+                if not sock.poll(int(wait_s * 1000) + 1, zmq.POLLIN):
                     if not self._answered and self._refused_handshake():
                         self._reset()  # (ZeroMQ would retry the same key for ever)
                         raise Unavailable(self._wrong_key(), endpoint=self.endpoint)
-                    heard = self._heard.get(rid)
-                    if heard is not None and time.monotonic() - heard > LIVENESS_S:
+                    silence = self._silence.get(rid)
+                    if silence is None:
+                        continue
+                    silence = self._silence[rid] = silence + min(time.monotonic() - began, wait_s)
+                    if silence > LIVENESS_S:
                         # The daemon heartbeats every request it holds each second, and nothing
                         # is waiting on the socket: it died (or cannot answer). Say so now.
                         self._reset()
@@ -363,6 +372,7 @@ class Client:
                     continue
                 if msg.request_id in self._buffers:
                     self._buffers[msg.request_id].append(msg)
+                    self._silence[msg.request_id] = 0.0
 
     def call(
         self,

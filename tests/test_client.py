@@ -369,3 +369,59 @@ def test_a_stale_socket_file_fails_at_once(tmp_path: Path) -> None:
     with Client(f"ipc://{path}", timeout_s=30.0) as c, pytest.raises(Unavailable, match="stale socket file"):
         c.status()
     assert time.monotonic() - t0 < 15.0  # not the 30 s call timeout
+
+
+def test_silence_is_what_the_client_listened_through(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that did not listen for a while (its progress callback took its time; on a loaded machine, a thread
+    that was not scheduled) has not heard a silence: the daemon is called gone only after the liveness time spent
+    in empty polls, and one that then stops answering altogether still is."""
+    import time
+
+    from contract.errors import DaemonTimeout
+    from contract.types import Heartbeat, Progress
+    from runtime import client as client_module
+
+    monkeypatch.setattr(client_module, "LIVENESS_S", 2.0)
+    endpoint = f"ipc://{tmp_path / 'peer.sock'}"
+    listening_again = threading.Event()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(endpoint)
+
+    done = threading.Event()
+
+    def peer() -> None:
+        for answer in (True, False):  # the first status is answered late, the second never (heartbeats stop)
+            while not router.poll(20):
+                if done.is_set():
+                    return
+            identity, *frames = router.recv_multipart()
+            rid = wire.decode_request(frames).request_id
+            progress = Heartbeat(progress=Progress(stage="prefill", fraction=0.5, done=1, total=2))
+            router.send_multipart([identity, *wire.encode_reply(Kind.HEARTBEAT, rid, progress)])
+            if answer:
+                listening_again.wait(10)
+                time.sleep(0.5)  # (the daemon was stalled as long as the client, and comes back a little later)
+                router.send_multipart([identity, *wire.encode_reply(Kind.OK, rid, CloseReply(closed=True))])
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+
+    def slow_redraw(_: Progress) -> None:
+        time.sleep(3.0)  # longer than the liveness time, with nothing queued for the client when it returns
+        listening_again.set()
+
+    c = Client(endpoint, timeout_s=30.0)
+    try:
+        assert c.call(Op.STATUS, {}, on_progress=slow_redraw).kind is Kind.OK
+        t0 = time.monotonic()
+        with pytest.raises(DaemonTimeout, match="stopped answering"):
+            c.call(Op.STATUS, {})
+        assert 2.0 <= time.monotonic() - t0 < 10.0  # the liveness time, not the call's 30 s
+    finally:
+        c.close()
+        done.set()
+        thread.join(5)
+        router.close(0)
+        ctx.term()
