@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from contract.types import EmbedRequest  # noqa: E402
 from harness.daemon import ROOT, DaemonProcess, free_port, wait_http, wait_until  # noqa: E402
 from runtime import Client  # noqa: E402
 
@@ -225,6 +226,26 @@ def test_chat_streamed_with_usage(front: Front) -> None:
     assert text == plain.choices[0].message.content and finish == "length"
     assert usage is not None and usage.completion_tokens == 10
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
+
+
+def test_every_streamed_chunk_is_the_declared_chunk(front: Front) -> None:
+    """Each ``chat.completion.chunk`` of a stream (with log probabilities and the usage chunk) validates against
+    the front's ``ChatCompletionChunk``; the role chunk opens it, one chunk carries the finish, the last the usage."""
+    import httpx
+
+    from modeld.front.openai.protocol import ChatCompletionChunk
+
+    body = {"model": "ref", "messages": [SYSTEM, {"role": "user", "content": "Name one cache."}], "max_tokens": 6,
+            "stream": True, "logprobs": True, "top_logprobs": 2, "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=600) as http, http.stream("POST", f"{front.url}/chat/completions", json=body) as r:
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    chunks = [ChatCompletionChunk.model_validate_json(d) for d in data[:-1]]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert not chunks[-1].choices and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    scored = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    assert len(scored) == 6 and all(1 <= len(t.top_logprobs) <= 2 for t in scored)
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])
@@ -696,6 +717,10 @@ def test_embeddings_equal_the_cli(tools_front: Front) -> None:
 
     vectors = np.asarray(json.loads(cli.stdout)["vectors"])
     assert np.allclose(np.asarray([d.embedding for d in got.data]), vectors, atol=1e-6) and vectors.shape == (2, 384)
+    # the usage counts the inputs' tokens together (a number, not the daemon's list per input)
+    with f.daemon.client() as c:
+        each = c.embed(EmbedRequest(texts=["a KV cache", "a prefix cache"])).tokens
+    assert len(each) == 2 and got.usage.prompt_tokens == got.usage.total_tokens == sum(each) > 0
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Get the current weather for a city.",

@@ -468,12 +468,21 @@ def reusable_after(exc: ModeldError) -> bool:
     return not isinstance(exc, (Unavailable, WireError))
 
 
+def miss_field(u: ChatUsage) -> dict[str, Any]:
+    """A usage's ``cache_miss`` (``ReuseMiss``: where the prompt's reuse stopped and why) when the prompt lost
+    something the daemon held, as the extension field every API's SDK ignores; nothing otherwise."""
+    return {"cache_miss": u.miss.model_dump(mode="json")} if u.miss is not None else {}
+
+
 def with_miss(usage: dict[str, Any], u: ChatUsage) -> dict[str, Any]:
-    """``usage`` with ``cache_miss`` (``ReuseMiss``: where the prompt's reuse stopped and why) when the prompt lost
-    something the daemon held: an extension field every API's SDK ignores."""
-    if u.miss is not None:
-        usage["cache_miss"] = u.miss.model_dump(mode="json")
-    return usage
+    """``usage`` with its ``cache_miss`` (``miss_field``)."""
+    return usage | miss_field(u)
+
+
+def dumped(reply: BaseModel) -> dict[str, Any]:
+    """A reply model as the JSON object it is sent as: the fields it was built with (an optional field left out
+    stays out; one set to None is sent as null), extension fields included."""
+    return reply.model_dump(mode="json", exclude_unset=True)
 
 
 def fill_record(record: AccessRecord, result: ChatResult) -> None:

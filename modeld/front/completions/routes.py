@@ -24,6 +24,7 @@ from ..core import (
     TurnStream,
     close_events,
     declared,
+    dumped,
     fill_record,
 )
 from ..errors import ApiError, api_error
@@ -69,7 +70,7 @@ def router(serving: Serving) -> APIRouter:
             "id": rid, "object": "text_completion", "created": created, "model": turn.model,
             "choices": [{"index": 0, "text": echo + text, "logprobs": scores,
                          "finish_reason": FINISH_REASONS.get(result.finish_reason, "stop")}],
-            "usage": usage_out(result),
+            "usage": dumped(usage_out(result)),
         })
 
     return r
@@ -120,7 +121,7 @@ async def _stream(turn: Turn, rid: str, created: int, echo: str, scored: bool, i
                 yield json.dumps(_chunk(turn, rid, created, "", finish, scores()))
                 if include_usage:
                     yield json.dumps({"id": rid, "object": "text_completion", "created": created,
-                                      "model": turn.model, "choices": [], "usage": usage_out(event.result)})
+                                      "model": turn.model, "choices": [], "usage": dumped(usage_out(event.result))})
                 break
             held.add(event)
             if event.text:

@@ -187,6 +187,48 @@ class ChatCompletion(Shape):
     usage: Usage
 
 
+class FunctionPiece(Shape):
+    #: the first piece of a call names its function
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallPiece(Shape):
+    """A ``choices[0].delta.tool_calls`` entry: the first of a call carries its id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionPiece
+
+
+class ChunkDelta(Shape):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallPiece] | None = None
+
+
+class ChunkChoice(Shape):
+    index: int
+    delta: ChunkDelta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: Literal["stop", "length", "tool_calls", "content_filter"] | None
+
+
+class ChatCompletionChunk(Shape):
+    """A ``chat.completion.chunk`` event of a streamed chat completion; the last, with ``include_usage``, has no
+    choices and the usage. A keep-alive chunk adds nothing to the reply and says what the turn waits on (extension
+    fields ``queued``, ``prefill``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
 class ModelCard(Shape):
     id: str
     object: Literal["model"]

@@ -28,11 +28,28 @@ from ..core import (
     TurnStream,
     close_events,
     declared,
+    dumped,
     fill_record,
 )
 from ..errors import ApiError, api_error
 from ..queued import abegin_streamed
-from .protocol import ChatCompletion, ChatCompletionRequest, EmbeddingList, EmbeddingsRequest, ErrorBody, ModelList
+from .protocol import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Choice,
+    ChunkChoice,
+    ChunkDelta,
+    EmbeddingList,
+    EmbeddingOut,
+    EmbeddingsRequest,
+    EmbeddingUsage,
+    ErrorBody,
+    ModelCard,
+    ModelList,
+    Usage,
+)
 from .translate import call_piece, logprobs_out, tool_calls_out, turn_request, usage_out
 
 
@@ -40,18 +57,16 @@ def router(serving: Serving) -> APIRouter:
     r = APIRouter()
 
     @r.get("/v1/models", responses=declared(ModelList, ErrorBody))
-    async def models() -> dict[str, Any]:
+    async def models() -> JSONResponse:
         try:
             listed, created = await anyio.to_thread.run_sync(serving.models)
         except ModeldError as exc:
             raise api_error(exc) from None
-        data = []
-        for name, capabilities in listed:
-            card: dict[str, Any] = {"id": name, "object": "model", "created": created, "owned_by": "modeld"}
-            if capabilities is not None:
-                card["capabilities"] = capabilities  # an extension field (the SDKs keep it as an extra)
-            data.append(card)
-        return {"object": "list", "data": data}
+        # ``capabilities`` is an extension field (the SDKs keep it as an extra), left out for a model not loaded
+        cards = [ModelCard(id=name, object="model", created=created, owned_by="modeld",
+                           **({"capabilities": capabilities} if capabilities is not None else {}))
+                 for name, capabilities in listed]
+        return JSONResponse(dumped(ModelList(object="list", data=cards)))
 
     @r.post("/v1/chat/completions", response_model=None, responses=declared(ChatCompletion, ErrorBody, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | EventSourceResponse:
@@ -70,18 +85,15 @@ def router(serving: Serving) -> APIRouter:
                                        send_timeout=STREAM_SEND_TIMEOUT_S)
         result = await turn.result(request)
         msg = result.message
-        message: dict[str, Any] = {"role": "assistant", "content": msg.content}
+        message = AssistantMessage(role="assistant", content=msg.content)
         if msg.tool_calls:
-            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls_out(msg.tool_calls)]
+            message.tool_calls = tool_calls_out(msg.tool_calls)
         if msg.reasoning:
-            message["reasoning_content"] = msg.reasoning
-        return JSONResponse({
-            "id": rid, "object": "chat.completion", "created": created, "model": turn.model,
-            "choices": [{"index": 0, "message": message,
-                         "logprobs": logprobs_out(result.logprobs) if body.logprobs else None,
-                         "finish_reason": FINISH_REASONS.get(result.finish_reason, "stop")}],
-            "usage": usage_out(result),
-        })
+            message.reasoning_content = msg.reasoning
+        choice = Choice(index=0, message=message, logprobs=logprobs_out(result.logprobs) if body.logprobs else None,
+                        finish_reason=FINISH_REASONS.get(result.finish_reason, "stop"))
+        return JSONResponse(dumped(ChatCompletion(id=rid, object="chat.completion", created=created, model=turn.model,
+                                                  choices=[choice], usage=usage_out(result))))
 
     @r.post("/v1/embeddings", responses=declared(EmbeddingList, ErrorBody))
     async def embeddings(body: EmbeddingsRequest, request: Request) -> JSONResponse:
@@ -95,23 +107,32 @@ def router(serving: Serving) -> APIRouter:
             res = await anyio.to_thread.run_sync(run)
         except ModeldError as exc:
             raise api_error(exc) from None
+        tokens = sum(res.tokens)  # (the daemon counts each input's)
         record_of(request).model = res.model_name
-        record_of(request).prompt_tokens = res.tokens
-        return JSONResponse({
-            "object": "list",
-            "model": res.model_name,
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(res.vectors)],
-            "usage": {"prompt_tokens": res.tokens, "total_tokens": res.tokens},
-        })
+        record_of(request).prompt_tokens = tokens
+        return JSONResponse(dumped(EmbeddingList(
+            object="list", model=res.model_name,
+            data=[EmbeddingOut(object="embedding", index=i, embedding=v) for i, v in enumerate(res.vectors)],
+            usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
+        )))
 
     return r
+
+
+def _chunk(turn: Turn, rid: str, created: int, choices: list[ChunkChoice], usage: Usage | None = None
+           ) -> ChatCompletionChunk:
+    chunk = ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=turn.model,
+                                choices=choices)
+    if usage is not None:
+        chunk.usage = usage
+    return chunk
 
 
 def _keepalive(turn: Turn, rid: str, created: int) -> ServerSentEvent:
     """A chunk with an empty delta while the prefill runs, what a client's idle timer counts (Qwen Code's counts
     chunks, and the SDKs drop comments); a comment after it (``Turn.keepalive_chunk``)."""
-    return turn.keepalive_chunk({"id": rid, "object": "chat.completion.chunk", "created": created, "model": turn.model,
-                                 "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": None}]})
+    empty = ChunkChoice(index=0, delta=ChunkDelta(), logprobs=None, finish_reason=None)
+    return turn.keepalive_chunk(dumped(_chunk(turn, rid, created, [empty])))
 
 
 async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, logprobs: bool, request: Request) -> Any:
@@ -120,12 +141,12 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, logpr
     chunk carries its tokens' (the finish chunk those whose output was nothing)."""
     record = record_of(request)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, tokens: list[TokenLogprob] | None = None) -> str:
+    def chunk(delta: ChunkDelta, finish: str | None = None, tokens: list[TokenLogprob] | None = None) -> str:
         scores = logprobs_out(tokens or []) if logprobs else None
-        return json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": turn.model,
-                           "choices": [{"index": 0, "delta": delta, "logprobs": scores, "finish_reason": finish}]})
+        choice = ChunkChoice(index=0, delta=delta, logprobs=scores, finish_reason=finish)
+        return json.dumps(dumped(_chunk(turn, rid, created, [choice])))
 
-    yield chunk({"role": "assistant", "content": ""})
+    yield chunk(ChunkDelta(role="assistant", content=""))
     pieces = CallPieces()
     events = turn.aevents(record)
     scores = HeldLogprobs()
@@ -134,21 +155,20 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, logpr
             if event.result is not None:
                 fill_record(record, event.result)
                 scores.add(event)
-                yield chunk({}, FINISH_REASONS.get(event.result.finish_reason, "stop"), scores.take())
+                yield chunk(ChunkDelta(), FINISH_REASONS.get(event.result.finish_reason, "stop"), scores.take())
                 if include_usage:
-                    yield json.dumps({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                      "model": turn.model, "choices": [], "usage": usage_out(event.result)})
+                    yield json.dumps(dumped(_chunk(turn, rid, created, [], usage_out(event.result))))
                 break
-            delta: dict[str, Any] = {}
+            delta = ChunkDelta()
             if event.text:
-                delta["content"] = event.text
+                delta.content = event.text
             if event.thinking:
-                delta["reasoning_content"] = event.thinking
+                delta.reasoning_content = event.thinking
             calls = [call_piece(p) for p in pieces.of(event)]
             if calls:
-                delta["tool_calls"] = calls
+                delta.tool_calls = calls
             scores.add(event)
-            if delta:
+            if delta.model_fields_set:
                 yield chunk(delta, tokens=scores.take())
     except (ModeldError, ApiError) as exc:
         err = api_error(exc)

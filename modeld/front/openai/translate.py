@@ -12,12 +12,27 @@ from runtime.chat import ChatResult
 
 from ..core import (
     TurnRequest,
+    miss_field,
     turn_messages,
-    with_miss,
 )
 from ..errors import ApiError
 from ..images import ImageRef, image_url_ref, joined
-from .protocol import ChatCompletionRequest, ContentPart, NamedToolChoice, SamplingRequest
+from .protocol import (
+    ChatCompletionRequest,
+    ChoiceLogprobs,
+    CompletionTokensDetails,
+    ContentPart,
+    FunctionCallOut,
+    FunctionPiece,
+    NamedToolChoice,
+    PromptTokensDetails,
+    SamplingRequest,
+    TokenLogprobOut,
+    ToolCallOut,
+    ToolCallPiece,
+    TopLogprobOut,
+    Usage,
+)
 
 
 # --- request mapping -------------------------------------------------------------------------------
@@ -150,47 +165,47 @@ def turn_request(req: ChatCompletionRequest) -> TurnRequest:
 
 
 # --- replies ---------------------------------------------------------------------------------------
-def tool_calls_out(calls: list[Any], first_index: int = 0) -> list[dict[str, Any]]:
-    return [
-        {"index": first_index + i, "id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-         "function": {"name": c.function.name, "arguments": c.function.arguments}}
-        for i, c in enumerate(calls)
-    ]
+def tool_calls_out(calls: list[Any]) -> list[ToolCallOut]:
+    """A reply message's ``tool_calls``."""
+    return [ToolCallOut(id=c.id or f"call_{uuid.uuid4().hex[:24]}", type="function",
+                        function=FunctionCallOut(name=c.function.name, arguments=c.function.arguments))
+            for c in calls]
 
 
-def usage_out(result: ChatResult) -> dict[str, Any]:
+def usage_out(result: ChatResult) -> Usage:
     u = result.usage
-    return with_miss({
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.reused_tokens},
+    return Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        total_tokens=u.prompt_tokens + u.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=u.reused_tokens),
         # OpenAI's names for predicted-output tokens: here, speculative drafts kept and rejected
-        "completion_tokens_details": {
-            "accepted_prediction_tokens": u.accepted_tokens,
-            "rejected_prediction_tokens": u.drafted_tokens - u.accepted_tokens,
-        },
-    }, u)
+        completion_tokens_details=CompletionTokensDetails(
+            accepted_prediction_tokens=u.accepted_tokens,
+            rejected_prediction_tokens=u.drafted_tokens - u.accepted_tokens,
+        ),
+        **miss_field(u),
+    )
 
 
-def token_logprobs_out(items: list[TokenLogprob]) -> list[dict[str, Any]]:
+def token_logprobs_out(items: list[TokenLogprob]) -> list[TokenLogprobOut]:
     """OpenAI's shape for tokens' log probabilities (chat completions' ``logprobs.content``, the Responses API's
     ``output_text`` ``logprobs``)."""
 
-    def one(t: TopLogprob) -> dict[str, Any]:
-        return {"token": t.token, "logprob": t.logprob, "bytes": t.bytes}
+    def one(t: TopLogprob) -> TopLogprobOut:
+        return TopLogprobOut(token=t.token, logprob=t.logprob, bytes=t.bytes)
 
-    return [{**one(t), "top_logprobs": [one(a) for a in t.top]} for t in items]
+    return [TokenLogprobOut(**one(t).model_dump(), top_logprobs=[one(a) for a in t.top]) for t in items]
 
 
-def logprobs_out(items: list[TokenLogprob]) -> dict[str, Any]:
+def logprobs_out(items: list[TokenLogprob]) -> ChoiceLogprobs:
     """``choices[].logprobs``."""
-    return {"content": token_logprobs_out(items), "refusal": None}
+    return ChoiceLogprobs(content=token_logprobs_out(items), refusal=None)
 
 
-def call_piece(piece: ToolCallDelta) -> dict[str, Any]:
+def call_piece(piece: ToolCallDelta) -> ToolCallPiece:
     """A ``choices[0].delta.tool_calls`` entry: the first of a call carries its id, type and name."""
     if piece.id or piece.name:
-        return {"index": piece.index, "id": piece.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": piece.name, "arguments": piece.arguments}}
-    return {"index": piece.index, "function": {"arguments": piece.arguments}}
+        return ToolCallPiece(index=piece.index, id=piece.id or f"call_{uuid.uuid4().hex[:24]}", type="function",
+                             function=FunctionPiece(name=piece.name, arguments=piece.arguments))
+    return ToolCallPiece(index=piece.index, function=FunctionPiece(arguments=piece.arguments))

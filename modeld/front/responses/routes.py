@@ -27,6 +27,7 @@ from ..core import (
     TurnStream,
     close_events,
     declared,
+    dumped,
     fill_record,
     turn_messages,
 )
@@ -215,7 +216,7 @@ class _Items:
                 out += self.open_item({"type": "message", "id": new_id("msg"), "status": "in_progress",
                                        "role": "assistant", "content": []})
             self.text += ev.text
-            scores = token_logprobs_out(self.held.take()) if self.asked else []
+            scores = [dumped(t) for t in token_logprobs_out(self.held.take())] if self.asked else []
             out.append(self.event("response.output_text.delta", item_id=self._current_id(),
                                   output_index=len(self.reply.output) - 1, content_index=0, delta=ev.text,
                                   logprobs=scores))

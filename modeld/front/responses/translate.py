@@ -14,6 +14,7 @@ from runtime.chat import ChatResult
 
 from ..core import (
     Serving,
+    dumped,
     with_miss,
 )
 from ..errors import ApiError
@@ -323,7 +324,7 @@ class Reply:
 def text_part(text: str, req: ResponsesRequest, logprobs: list[TokenLogprob]) -> dict[str, Any]:
     """An ``output_text`` content part; with log probabilities asked, its tokens' (every reply token's: those
     of the reasoning and of calls too)."""
-    scores = token_logprobs_out(logprobs) if req.logprobs() is not None else []
+    scores = [dumped(t) for t in token_logprobs_out(logprobs)] if req.logprobs() is not None else []
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": scores}
 
 
