@@ -28,10 +28,10 @@ from ..core import (
     fill_record,
 )
 from ..errors import ApiError, api_error
-from ..openai.protocol import ErrorBody
+from ..openai.protocol import ErrorBody, Usage
 from ..openai.translate import usage_out
 from ..queued import abegin_streamed
-from .protocol import Completion, CompletionRequest
+from .protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from .translate import joined, logprobs_out, prompt_logprobs_out, prompt_of, turn_request
 
 
@@ -66,25 +66,39 @@ def router(serving: Serving) -> APIRouter:
         scores = logprobs_out(sampled, len(echo)) if scored else None
         if scores is not None and body.echo:
             scores = joined(prompt_logprobs_out(echo, result.prompt_logprobs), scores)
-        return JSONResponse({
-            "id": rid, "object": "text_completion", "created": created, "model": turn.model,
-            "choices": [{"index": 0, "text": echo + text, "logprobs": scores,
-                         "finish_reason": FINISH_REASONS.get(result.finish_reason, "stop")}],
-            "usage": dumped(usage_out(result)),
-        })
+        choice = CompletionChoice(index=0, text=echo + text, logprobs=scores,
+                                  finish_reason=_finish(result.finish_reason))
+        return JSONResponse(dumped(Completion(id=rid, object="text_completion", created=created, model=turn.model,
+                                              choices=[choice], usage=usage_out(result))))
 
     return r
 
 
-def _chunk(turn: Turn, rid: str, created: int, text: str, finish: str | None = None,
-           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"id": rid, "object": "text_completion", "created": created, "model": turn.model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+def _finish(reason: str) -> str:
+    """The legacy API's finish reason: it has no tool calls (a raw prompt's reply is its text)."""
+    out = FINISH_REASONS.get(reason, "stop")  # type: ignore[call-overload]
+    return "stop" if out == "tool_calls" else out
+
+
+def _chunk(turn: Turn, rid: str, created: int, text: str | None, finish: str | None = None,
+           logprobs: CompletionLogprobs | None = None, usage: Usage | None = None) -> Completion:
+    """A ``text_completion`` chunk: one choice with ``text``, or (None) the usage alone."""
+    chunk = Completion(id=rid, object="text_completion", created=created, model=turn.model, choices=[])
+    if text is not None:
+        chunk.choices = [CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish)]
+    if usage is not None:
+        chunk.usage = usage
+    return chunk
+
+
+def _data(chunk: Completion) -> str:
+    """A chunk as its event's data."""
+    return json.dumps(dumped(chunk))
 
 
 def _keepalive(turn: Turn, rid: str, created: int) -> ServerSentEvent:
     """A chunk with no text while the prefill runs, a comment after it (``Turn.keepalive_chunk``)."""
-    return turn.keepalive_chunk(_chunk(turn, rid, created, ""))
+    return turn.keepalive_chunk(dumped(_chunk(turn, rid, created, "")))
 
 
 async def _stream(turn: Turn, rid: str, created: int, echo: str, scored: bool, include_usage: bool,
@@ -94,11 +108,11 @@ async def _stream(turn: Turn, rid: str, created: int, echo: str, scored: bool, i
     cancels the decode within one token."""
     record = record_of(request)
     if echo and not scored:
-        yield json.dumps(_chunk(turn, rid, created, echo))
+        yield _data(_chunk(turn, rid, created, echo))
     offset = len(echo)  # where the next token's text starts in the whole text
     held = HeldLogprobs()
 
-    def scores() -> dict[str, Any] | None:
+    def scores() -> CompletionLogprobs | None:
         nonlocal offset
         if not scored:
             return None
@@ -111,21 +125,20 @@ async def _stream(turn: Turn, rid: str, created: int, echo: str, scored: bool, i
     try:
         async for event in events:
             if echo and scored:  # the first event comes after the prefill, which scored the prompt
-                yield json.dumps(_chunk(turn, rid, created, echo, None, prompt_logprobs_out(echo, turn.prompt_logprobs)))
+                yield _data(_chunk(turn, rid, created, echo, None, prompt_logprobs_out(echo, turn.prompt_logprobs)))
                 echo = ""
             if event.result is not None:
                 fill_record(record, event.result)
                 held.add(event)
                 held.add_end(event.result)  # (the end token that ended the reply: its entry, text empty)
-                finish = FINISH_REASONS.get(event.result.finish_reason, "stop")
-                yield json.dumps(_chunk(turn, rid, created, "", finish, scores()))
+                finish = _finish(event.result.finish_reason)
+                yield _data(_chunk(turn, rid, created, "", finish, scores()))
                 if include_usage:
-                    yield json.dumps({"id": rid, "object": "text_completion", "created": created,
-                                      "model": turn.model, "choices": [], "usage": dumped(usage_out(event.result))})
+                    yield _data(_chunk(turn, rid, created, None, usage=usage_out(event.result)))
                 break
             held.add(event)
             if event.text:
-                yield json.dumps(_chunk(turn, rid, created, event.text, None, scores()))
+                yield _data(_chunk(turn, rid, created, event.text, None, scores()))
     except (ModeldError, ApiError) as exc:
         err = api_error(exc)
         record.error = err.code or "error"

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from contract.types import TokenLogprob
 
 from ..core import TurnRequest
 from ..errors import ApiError
 from ..openai.translate import sampling_options
-from .protocol import CompletionRequest
+from .protocol import CompletionLogprobs, CompletionRequest
 
 
 def prompt_of(req: CompletionRequest) -> str | list[int]:
@@ -42,7 +41,7 @@ def turn_request(req: CompletionRequest) -> TurnRequest:
     return TurnRequest(messages=[], decode=opts, model=req.model, prompt=prompt_of(req), score=score)
 
 
-def prompt_logprobs_out(echo: str, items: list[TokenLogprob | None]) -> dict[str, Any]:
+def prompt_logprobs_out(echo: str, items: list[TokenLogprob | None]) -> CompletionLogprobs:
     """The legacy ``logprobs`` object for an echoed, scored prompt (``echo`` its text): a token with nothing
     before it (the first, on a model with no BOS) has null scores, and its text is what the others leave of
     ``echo``."""
@@ -51,26 +50,27 @@ def prompt_logprobs_out(echo: str, items: list[TokenLogprob | None]) -> dict[str
     return _legacy([t.token if t is not None else lead for t in items], items, 0)
 
 
-def joined(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def joined(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
     """Two legacy ``logprobs`` objects, one after the other (the prompt's, then the reply's)."""
-    return {key: a[key] + b[key] for key in a}
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)
 
 
-def logprobs_out(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def logprobs_out(items: list[TokenLogprob], offset: int) -> CompletionLogprobs:
     """The legacy ``logprobs`` object for ``items``, whose text starts at ``offset`` in the choice's text."""
     return _legacy([t.token for t in items], items, offset)
 
 
-def _legacy(texts: list[str], items: Sequence[TokenLogprob | None], offset: int) -> dict[str, Any]:
+def _legacy(texts: list[str], items: Sequence[TokenLogprob | None], offset: int) -> CompletionLogprobs:
     """The legacy ``logprobs`` object: each token's text (``texts``), its scores (null for a token with none) and
     where its text starts, the first at ``offset``."""
     offsets = []
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    return {
-        "tokens": texts,
-        "token_logprobs": [t.logprob if t is not None else None for t in items],
-        "top_logprobs": [{a.token: a.logprob for a in t.top} if t is not None else None for t in items],
-        "text_offset": offsets,
-    }
+    return CompletionLogprobs(
+        tokens=texts,
+        token_logprobs=[t.logprob if t is not None else None for t in items],
+        top_logprobs=[{a.token: a.logprob for a in t.top} if t is not None else None for t in items],
+        text_offset=offsets,
+    )
