@@ -85,6 +85,34 @@ def test_streamed_in_the_documented_order(client: Any) -> None:
     assert final.usage.cache_read_input_tokens == plain.usage.input_tokens + plain.usage.cache_read_input_tokens
 
 
+def test_every_streamed_event_is_its_declared_model(front: Front) -> None:
+    """Each event of a stream validates against the front's model for its ``type`` (the SSE ``event:`` names it):
+    message_start, ping, the content block's start, deltas and stop, message_delta with the stop reason and the
+    usage, message_stop."""
+    import httpx
+    from pydantic import TypeAdapter
+
+    from modeld.front.anthropic.protocol import StreamEvent
+
+    events = TypeAdapter(StreamEvent)
+    body = {"model": "m", "max_tokens": 6, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "Name one cache."}]}
+    with httpx.Client(timeout=600) as http, http.stream(
+            "POST", f"{front.url}/messages", json=body,
+            headers={"x-api-key": "none", "anthropic-version": "2023-06-01"}) as r:
+        lines = [line for line in r.iter_lines() if line.startswith(("event: ", "data: "))]
+    names, data = lines[0::2], lines[1::2]
+    seen = []
+    for name, payload in zip(names, data, strict=True):
+        event = events.validate_json(payload[6:])
+        assert name == f"event: {event.type}"
+        seen.append(event)
+    assert [e.type for e in seen][:2] == ["message_start", "ping"]
+    assert [e.type for e in seen][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    final = seen[-2]
+    assert final.delta.stop_reason == "max_tokens" and final.usage.output_tokens == 6  # type: ignore[union-attr]
+
+
 def test_tool_use_over_four_turns_keeps_the_prefix_whatever_the_billing_header(client: Any) -> None:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Read a.py"}]
     previous_prompt = 0

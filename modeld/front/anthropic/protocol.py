@@ -3,7 +3,7 @@ reply models (what ``/openapi.json`` declares)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -97,10 +97,28 @@ class MessageUsage(Shape):
     output_tokens: int
 
 
-class ContentBlockOut(Shape):
-    """A reply's block: ``text``, ``thinking`` (signed) or ``tool_use`` (their other fields as the API defines)."""
+class TextOut(Shape):
+    type: Literal["text"]
+    text: str
 
-    type: Literal["text", "thinking", "tool_use"]
+
+class ThinkingOut(Shape):
+    """The model's reasoning, signed by this daemon (a stream sends the signature as the block's last delta)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class ToolUseOut(Shape):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+#: a reply's content block
+ContentBlockOut = Annotated[TextOut | ThinkingOut | ToolUseOut, Field(discriminator="type")]
 
 
 class MessageOut(Shape):
@@ -114,6 +132,100 @@ class MessageOut(Shape):
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
     stop_sequence: str | None
     usage: MessageUsage
+
+
+# --- a stream's events (``event:`` is the data's ``type``) -------------------------------------------------------
+class StartedMessage(Shape):
+    """``message_start``'s message: no content, no stop reason yet; its usage the prompt's."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlockOut]
+    stop_reason: None
+    stop_sequence: None
+    usage: MessageUsage
+
+
+class MessageStart(Shape):
+    type: Literal["message_start"]
+    message: StartedMessage
+
+
+class ContentBlockStart(Shape):
+    type: Literal["content_block_start"]
+    index: int
+    content_block: ContentBlockOut
+
+
+class TextDelta(Shape):
+    type: Literal["text_delta"]
+    text: str
+
+
+class ThinkingDelta(Shape):
+    type: Literal["thinking_delta"]
+    thinking: str
+
+
+class SignatureDelta(Shape):
+    type: Literal["signature_delta"]
+    signature: str
+
+
+class InputJsonDelta(Shape):
+    """A piece of a tool call's input (the pieces joined are its JSON object)."""
+
+    type: Literal["input_json_delta"]
+    partial_json: str
+
+
+class ContentBlockDelta(Shape):
+    type: Literal["content_block_delta"]
+    index: int
+    delta: Annotated[TextDelta | ThinkingDelta | SignatureDelta | InputJsonDelta, Field(discriminator="type")]
+
+
+class ContentBlockStop(Shape):
+    type: Literal["content_block_stop"]
+    index: int
+
+
+class StopDelta(Shape):
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
+    stop_sequence: str | None
+
+
+class DeltaUsage(Shape):
+    """A ``message_delta``'s usage: the final one's is the whole turn's; a keep-alive's only ``output_tokens`` 0."""
+
+    output_tokens: int
+    input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class MessageDelta(Shape):
+    """The stop reason and the usage at the end; while a prefill runs, a keep-alive that changes nothing (with the
+    extension field ``prefill``: how far it came)."""
+
+    type: Literal["message_delta"]
+    delta: StopDelta
+    usage: DeltaUsage
+
+
+class MessageStop(Shape):
+    type: Literal["message_stop"]
+
+
+class Ping(Shape):
+    type: Literal["ping"]
+
+
+#: any event of a stream but ``error``
+StreamEvent = (MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | MessageStop
+               | Ping)
 
 
 class TokenCount(Shape):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncGenerator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -23,11 +22,37 @@ from ..core import (
     TurnStream,
     close_events,
     declared,
+    dumped,
     fill_record,
 )
 from ..errors import ApiError, api_error
 from ..queued import abegin_streamed
-from .protocol import CountTokensRequest, ErrorBody, MessageOut, MessagesRequest, TokenCount
+from .protocol import (
+    ContentBlockDelta,
+    ContentBlockStart,
+    ContentBlockStop,
+    CountTokensRequest,
+    DeltaUsage,
+    ErrorBody,
+    InputJsonDelta,
+    MessageDelta,
+    MessageOut,
+    MessagesRequest,
+    MessageStart,
+    MessageStop,
+    MessageUsage,
+    Ping,
+    SignatureDelta,
+    StartedMessage,
+    StopDelta,
+    StreamEvent,
+    TextDelta,
+    TextOut,
+    ThinkingDelta,
+    ThinkingOut,
+    TokenCount,
+    ToolUseOut,
+)
 from .translate import message_body, stop_reason, tool_id, turn_request, usage_of
 
 
@@ -46,12 +71,12 @@ def router(serving: Serving) -> APIRouter:
             return TurnStream(turn, _stream(turn, msg_id, serving, request), ping=int(KEEPALIVE_S),
                                        ping_message_factory=lambda: _ping(turn), send_timeout=STREAM_SEND_TIMEOUT_S)
         result = await turn.result(request)
-        return JSONResponse(message_body(result, turn.model, msg_id, serving))
+        return JSONResponse(dumped(message_body(result, turn.model, msg_id, serving)))
 
     @r.post("/v1/messages/count_tokens", responses=declared(TokenCount, ErrorBody))
-    async def count_tokens(body: CountTokensRequest) -> dict[str, Any]:
+    async def count_tokens(body: CountTokensRequest) -> JSONResponse:
         count = await serving.acount(turn_request(body, serving))
-        return {"input_tokens": count.prompt_tokens}
+        return JSONResponse(dumped(TokenCount(input_tokens=count.prompt_tokens)))
 
     return r
 
@@ -70,10 +95,10 @@ def _ping(turn: Turn) -> ServerSentEvent:
     timeout (300 s by default)."""
     if turn.prefilling and not turn.queued:
         progress = turn.progress()
-        return ServerSentEvent(event="message_delta", data=json.dumps({
-            "type": "message_delta", "delta": {"stop_reason": None, "stop_sequence": None},
-            "usage": {"output_tokens": 0}, **({"prefill": progress} if progress else {})}))
-    return ServerSentEvent(event="ping", data=json.dumps({"type": "ping"}))
+        keepalive = MessageDelta(type="message_delta", delta=StopDelta(stop_reason=None, stop_sequence=None),
+                                 usage=DeltaUsage(output_tokens=0), **({"prefill": progress} if progress else {}))
+        return _sse(keepalive)
+    return _sse(Ping(type="ping"))
 
 
 def _error(exc: ModeldError | ApiError, record: AccessRecord) -> dict[str, str]:
@@ -83,8 +108,15 @@ def _error(exc: ModeldError | ApiError, record: AccessRecord) -> dict[str, str]:
     return {"event": "error", "data": json.dumps(err.anthropic())}
 
 
-def _event(name: str, data: dict[str, Any]) -> dict[str, str]:
-    return {"event": name, "data": json.dumps({"type": name, **data}, ensure_ascii=False)}
+def _event(event: StreamEvent) -> dict[str, str]:
+    """An event as SSE: its name is its ``type``."""
+    return {"event": event.type, "data": json.dumps(dumped(event), ensure_ascii=False)}
+
+
+def _sse(event: StreamEvent) -> ServerSentEvent:
+    """An event as the stream's keep-alive sends it."""
+    sent = _event(event)
+    return ServerSentEvent(event=sent["event"], data=sent["data"])
 
 
 async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -> AsyncGenerator[dict[str, str], None]:
@@ -97,34 +129,36 @@ async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -
         yield _error(exc, record)
         return
     count = turn.count
-    yield _event("message_start", {"message": {
-        "id": msg_id, "type": "message", "role": "assistant", "model": turn.model, "content": [],
-        "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": count.prompt_tokens - count.resident_tokens, "cache_creation_input_tokens": 0,
-                  "cache_read_input_tokens": count.resident_tokens, "output_tokens": 0}}})
-    yield _event("ping", {})  # as the API does: a ping at once, then every KEEPALIVE_S while nothing else goes out
+    yield _event(MessageStart(type="message_start", message=StartedMessage(
+        id=msg_id, type="message", role="assistant", model=turn.model, content=[], stop_reason=None,
+        stop_sequence=None,
+        usage=MessageUsage(input_tokens=count.prompt_tokens - count.resident_tokens, cache_creation_input_tokens=0,
+                           cache_read_input_tokens=count.resident_tokens, output_tokens=0))))
+    yield _event(Ping(type="ping"))  # as the API does: a ping at once, then every KEEPALIVE_S while nothing else goes out
     index = -1
     open_kind = ""  # the kind of the block being streamed: "text", "thinking", "tool_use" or ""
     thinking = ""
     pieces = CallPieces()
 
+    def delta(piece: TextDelta | ThinkingDelta | SignatureDelta | InputJsonDelta) -> dict[str, str]:
+        return _event(ContentBlockDelta(type="content_block_delta", index=index, delta=piece))
+
     def close_block() -> list[dict[str, str]]:
         nonlocal open_kind, thinking
         out = []
         if open_kind == "thinking":
-            out.append(_event("content_block_delta", {"index": index, "delta": {
-                "type": "signature_delta", "signature": serving.sealer.sign(thinking)}}))
+            out.append(delta(SignatureDelta(type="signature_delta", signature=serving.sealer.sign(thinking))))
         if open_kind:
-            out.append(_event("content_block_stop", {"index": index}))
+            out.append(_event(ContentBlockStop(type="content_block_stop", index=index)))
         open_kind, thinking = "", ""
         return out
 
-    def open_block(kind: str, block: dict[str, Any]) -> list[dict[str, str]]:
+    def open_block(block: TextOut | ThinkingOut | ToolUseOut) -> list[dict[str, str]]:
         nonlocal index, open_kind
         out = close_block()
         index += 1
-        open_kind = kind
-        out.append(_event("content_block_start", {"index": index, "content_block": block}))
+        open_kind = block.type
+        out.append(_event(ContentBlockStart(type="content_block_start", index=index, content_block=block)))
         return out
 
     events = turn.aevents(record)
@@ -135,34 +169,31 @@ async def _stream(turn: Turn, msg_id: str, serving: Serving, request: Request) -
                     yield e
                 result = event.result
                 fill_record(record, result)
-                usage = usage_of(result)
-                yield _event("message_delta", {"delta": {"stop_reason": stop_reason(result),
-                                                         "stop_sequence": result.stop_sequence or None},
-                                               "usage": usage})
-                yield _event("message_stop", {})
+                yield _event(MessageDelta(
+                    type="message_delta",
+                    delta=StopDelta(stop_reason=stop_reason(result), stop_sequence=result.stop_sequence or None),
+                    usage=DeltaUsage(**usage_of(result).model_dump())))
+                yield _event(MessageStop(type="message_stop"))
                 return
             if event.thinking:
                 if open_kind != "thinking":
-                    for e in open_block("thinking", {"type": "thinking", "thinking": ""}):
+                    for e in open_block(ThinkingOut(type="thinking", thinking="")):
                         yield e
                 thinking += event.thinking
-                yield _event("content_block_delta", {"index": index, "delta": {"type": "thinking_delta",
-                                                                               "thinking": event.thinking}})
+                yield delta(ThinkingDelta(type="thinking_delta", thinking=event.thinking))
             if event.text:
                 if open_kind != "text":
-                    for e in open_block("text", {"type": "text", "text": ""}):
+                    for e in open_block(TextOut(type="text", text="")):
                         yield e
-                yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": event.text}})
+                yield delta(TextDelta(type="text_delta", text=event.text))
             # a call's block opens at its first piece; its input streams as the model writes the arguments (they
             # are a JSON object, so the partial_json pieces joined are the input), and the next block closes it
             for piece in pieces.of(event):
                 if piece.id or piece.name:
-                    for e in open_block("tool_use", {"type": "tool_use", "id": tool_id(piece.id), "name": piece.name,
-                                                     "input": {}}):
+                    for e in open_block(ToolUseOut(type="tool_use", id=tool_id(piece.id), name=piece.name or "", input={})):
                         yield e
                 if piece.arguments and open_kind == "tool_use":
-                    yield _event("content_block_delta", {"index": index, "delta": {"type": "input_json_delta",
-                                                                                   "partial_json": piece.arguments}})
+                    yield delta(InputJsonDelta(type="input_json_delta", partial_json=piece.arguments))
     except (ModeldError, ApiError) as exc:
         yield _error(exc, record)
     finally:

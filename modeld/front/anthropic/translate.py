@@ -13,13 +13,25 @@ from runtime.chat import ChatResult
 from ..core import (
     Serving,
     TurnRequest,
+    miss_field,
     turn_messages,
-    with_miss,
 )
 from ..errors import ApiError
 from ..images import ImageRef, joined
 from ..openai.translate import call_schemas, tool_choice_options
-from .protocol import BILLING_HEADER, STOP_REASONS, Block, CountTokensRequest, MessagesRequest, Tool
+from .protocol import (
+    BILLING_HEADER,
+    STOP_REASONS,
+    Block,
+    CountTokensRequest,
+    MessageOut,
+    MessagesRequest,
+    MessageUsage,
+    TextOut,
+    ThinkingOut,
+    Tool,
+    ToolUseOut,
+)
 
 log = logging.getLogger("modeld.http")
 
@@ -181,10 +193,10 @@ def turn_request(req: MessagesRequest | CountTokensRequest, serving: Serving) ->
 
 
 # --- replies ---------------------------------------------------------------------------------------
-def usage_of(result: ChatResult) -> dict[str, Any]:
+def usage_of(result: ChatResult) -> MessageUsage:
     u = result.usage
-    return with_miss({"input_tokens": u.prompt_tokens - u.reused_tokens, "cache_creation_input_tokens": 0,
-                      "cache_read_input_tokens": u.reused_tokens, "output_tokens": u.completion_tokens}, u)
+    return MessageUsage(input_tokens=u.prompt_tokens - u.reused_tokens, cache_creation_input_tokens=0,
+                        cache_read_input_tokens=u.reused_tokens, output_tokens=u.completion_tokens, **miss_field(u))
 
 
 def stop_reason(result: ChatResult) -> str:
@@ -205,15 +217,16 @@ def _input_of(arguments: str) -> Any:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def message_body(result: ChatResult, model: str, msg_id: str, serving: Serving) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
+def message_body(result: ChatResult, model: str, msg_id: str, serving: Serving) -> MessageOut:
+    content: list[TextOut | ThinkingOut | ToolUseOut] = []
     msg = result.message
     if msg.reasoning:
-        content.append({"type": "thinking", "thinking": msg.reasoning, "signature": serving.sealer.sign(msg.reasoning)})
+        content.append(ThinkingOut(type="thinking", thinking=msg.reasoning, signature=serving.sealer.sign(msg.reasoning)))
     if msg.content:
-        content.append({"type": "text", "text": msg.content})
+        content.append(TextOut(type="text", text=msg.content))
     for call in msg.tool_calls:
-        content.append({"type": "tool_use", "id": tool_id(call.id), "name": call.function.name,
-                        "input": _input_of(call.function.arguments)})
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": stop_reason(result), "stop_sequence": result.stop_sequence or None, "usage": usage_of(result)}
+        content.append(ToolUseOut(type="tool_use", id=tool_id(call.id), name=call.function.name,
+                                  input=_input_of(call.function.arguments)))
+    return MessageOut(id=msg_id, type="message", role="assistant", model=model, content=content,
+                      stop_reason=stop_reason(result), stop_sequence=result.stop_sequence or None,
+                      usage=usage_of(result))
