@@ -253,8 +253,9 @@ def test_a_daemon_times_its_draft_costs_while_idle(tmp_path: Path) -> None:
     """A first load on a machine (no table kept) is Ready before its draft check costs are timed: the model
     worker times them while the slot is idle. A request that arrives meanwhile is served, the timing stopped
     for it (and left pending: the tape it leaves is resident). A daemon left idle times them to the end and
-    keeps them, so the next load reads them and times nothing. Each chunk of a prefill, the timing's own
-    included, is held back 3 s: the timing cannot end before the request arrives."""
+    keeps them, so the next load reads them and times nothing (on a machine whose cores other programs held
+    through the timing, it keeps nothing, and the next load times again). Each chunk of a prefill, the timing's
+    own included, is held back 3 s: the timing cannot end before the request arrives."""
     cache = tmp_path / "models"
 
     def start(name: str, *extra: str) -> DaemonProcess:
@@ -286,7 +287,15 @@ def test_a_daemon_times_its_draft_costs_while_idle(tmp_path: Path) -> None:
         wait_until(lambda: not c.status().speculation.pending, "the draft costs timed",  # type: ignore[union-attr]
                    timeout_s=900, poll_s=0.5)
         timed = c.status().speculation
-    assert timed is not None and timed.measured and timed.check_costs
+        log = idle.log()
+    assert timed is not None and timed.check_costs
+    if not timed.measured:
+        # Other programs held the cores through every attempt (a loaded machine: the table said a check of r rows
+        # cost more than r steps): nothing is kept, and the next load times again rather than read a wrong table.
+        assert "draft check costs stayed disturbed" in log and not (cache / FILE_NAME).exists()
+        with start("again") as again, again.client(timeout_s=60.0) as c:
+            assert c.status().speculation.pending  # type: ignore[union-attr]
+        return
     assert len(json.loads((cache / FILE_NAME).read_text())) == 1
 
     with start("again") as again, again.client(timeout_s=60.0) as c:
