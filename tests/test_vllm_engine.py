@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from backends.vllm.link import ROUTE_HEADER
 from contract.errors import InvalidArgument, ManifestMismatch, ModelLoadFailed, UnsupportedFeature
 from contract.types import (
     Config,
@@ -246,3 +247,111 @@ def test_the_manifest_names_the_engine_and_its_server(front: Front, vllm_url: st
             sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m.model_copy(update={"backend": "llama"})))
         assert sess.ensure_prefix(PrefixInput(text=SYSTEM, manifest=m)).prefix_tokens > 100
         sess.close()
+
+
+class Recorder:
+    """A replica as a router sees it: an HTTP proxy to one server that records each request's path and route
+    header (``ROUTE_HEADER``), so that two of them in front of the test's one server are two replicas whose traffic
+    can be told apart."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.server
+        import threading
+
+        self.seen: list[tuple[str, str]] = []
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _forward(self, method: str) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path.startswith("/v1/completions"):
+                    recorder.seen.append((self.path, self.headers.get(ROUTE_HEADER, "")))
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+                with httpx.Client(timeout=600) as http, http.stream(method, upstream + self.path, content=body,
+                                                                    headers=headers) as r:
+                    self.send_response(r.status_code)
+                    for k, v in r.headers.items():
+                        if k.lower() not in ("content-length", "transfer-encoding", "connection"):
+                            self.send_header(k, v)
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    try:
+                        for piece in r.iter_raw():
+                            self.wfile.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+                            self.wfile.flush()
+                        self.wfile.write(b"0\r\n\r\n")
+                    except (BrokenPipeError, ConnectionResetError):
+                        self.close_connection = True  # the daemon closed a stream it had read enough of
+
+            def do_GET(self) -> None:
+                self._forward("GET")
+
+            def do_POST(self) -> None:
+                self._forward("POST")
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Recorder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def test_a_router_keeps_each_conversation_on_one_replica(vllm_url: str,
+                                                         tmp_path_factory: pytest.TempPathFactory) -> None:
+    """vLLM's router (``consistent_hash``) in front of two replicas (two recording proxies to the one server):
+    three conversations, each named by its client (``x-session-id``, as OpenCode names its sessions), their turns
+    interleaved, and two that name none. Every request carries a route, and each route's requests all reach one
+    replica; a named conversation's turns take its own route, those that name none (and the stable prefix's
+    prefill, nobody's conversation) the route of their prompt's head."""
+    tmp = tmp_path_factory.mktemp("routed")
+    with Recorder(vllm_url) as a, Recorder(vllm_url) as b, \
+            vllm_server.VllmRouter([a.url, b.url], log_path=tmp / "router.log") as router, \
+            Front(tmp / "daemon", "--engine-option", f"engine_url={router.base_url}", "--num-ctx", "4096",
+                  backend="vllm") as front:
+        sdk = front.sdk()
+        talks: dict[str, list[dict[str, str]]] = {f"conversation-{k}": messages(q)
+                                                  for k, q in enumerate(QUESTIONS[:3])}
+        routes: dict[str, set[str]] = {}
+
+        def mark() -> tuple[int, int]:
+            return len(a.seen), len(b.seen)
+
+        def routed_since(m: tuple[int, int]) -> set[str]:
+            """The routes of the requests made since ``m``."""
+            return {r for _, r in a.seen[m[0]:] + b.seen[m[1]:]}
+
+        for turn in range(2):
+            for name, talk in talks.items():
+                if turn:
+                    talk.append({"role": "user", "content": "Say it again, shorter."})
+                m = mark()
+                reply = sdk.chat.completions.create(model="default", messages=talk, max_tokens=6, temperature=0,
+                                                    extra_headers={"x-session-id": name})
+                routes.setdefault(name, set()).update(routed_since(m))
+                talk.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+        m = mark()
+        anonymous = [sdk.chat.completions.create(model="default", messages=messages(q), max_tokens=4,
+                                                 temperature=0) for q in QUESTIONS[3:5]]
+        assert all(r.choices for r in anonymous)
+        heads = routed_since(m)
+    assert all(route for _, route in a.seen + b.seen), "a request went out without its route"
+    on_a, on_b = {r for _, r in a.seen}, {r for _, r in b.seen}
+    assert not on_a & on_b, "a route's requests reached both replicas"
+    # the two conversations that name none share the system prompt, so its head: one route, which the stable
+    # prefix's own prefill took too
+    assert len(heads) == 1, heads
+    own = {name: seen - heads for name, seen in routes.items()}
+    assert all(len(r) == 1 for r in own.values()), own
+    assert len({next(iter(r)) for r in own.values()}) == len(talks)

@@ -433,6 +433,9 @@ class TapeSession:
         else:
             if not cached:
                 save_before_discard(m, m.reusable(plan.keep))
+            # the tape becomes a stable prefix (nobody's conversation once it is committed); while it is computed, the
+            # conversation that will follow it (a remote engine sends the prefill where that conversation goes)
+            m.res.conversation = prefix.conversation
             try:
                 # the daemon's heartbeats carry how far this prefill has come
                 with m.errors("ensure_prefix: prefill"), interrupt.prefilling(m.reusable(plan.keep), len(tokens),
@@ -449,7 +452,7 @@ class TapeSession:
                 raise
         m.res.commit_prefix(prefix.manifest, tokens, prefix.text, prefix.tools, keep_tail=full_hit)
         if kept != plan.keep:
-            plan = PrefixPlan(keep=kept, tail=tokens[kept:], dropped=plan.dropped + plan.keep - kept)
+            plan = PrefixPlan(keep=kept, tail=tokens[kept:], dropped=plan.dropped + max(0, plan.keep - kept))
         if len(plan.tail) >= SAVE_MIN_TOKENS:
             save_tape(m, conversation="")  # the end of a freshly computed stable prefix (nobody's own): a save point
         m.seen.note(key, tokens)
@@ -504,6 +507,7 @@ class TapeSession:
                 restored = list(res.tokens)
         if not cached:
             save_before_discard(m, keep)
+        res.conversation = suffix.conversation  # whose the prefill is (a remote engine routes by it)
         try:
             with m.errors("prefill_suffix: prefill"), interrupt.prefilling(keep, len(target)):
                 kept = _set_kv(m, target, keep, scores.rows if scores is not None else None,

@@ -53,11 +53,11 @@ def _model_path(req: OpenSessionRequest | EmbedRequest) -> Path:
     return p
 
 
-def _link(req: OpenSessionRequest) -> tuple[Link, str]:
+def _link(req: OpenSessionRequest) -> tuple[Link, VLLMOptions]:
     opts = engine_options(BACKEND_NAME, req.config, VLLMOptions)
     if not opts.engine_url:
         raise InvalidArgument("the vLLM engine needs its server: --engine-option engine_url=http://HOST:PORT")
-    return Link(opts.engine_url, api_key=opts.api_key or "", timeout_s=opts.timeout_s or 600.0), opts.served_model or ""
+    return Link(opts.engine_url, api_key=opts.api_key or "", timeout_s=opts.timeout_s or 600.0), opts
 
 
 def _num_ctx(req: OpenSessionRequest, served: ServerModel) -> int:
@@ -93,9 +93,9 @@ class VLLMBackend:
         template = check_load(req, BACKEND_NAME)
         progress(0.0)
         path = _model_path(req)
-        link, name = _link(req)
+        link, opts = _link(req)
         try:
-            served = link.model(name)
+            served = link.model(opts.served_model or "", block_size=opts.block_size)
             num_ctx = _num_ctx(req, served)
             digest = file_digest(path, model_cache_dir())
             check_digest(req.path, req.digest, digest)
@@ -119,9 +119,9 @@ class VLLMBackend:
         """What a load would serve: the server's model and window, the GGUF's template; no memory of the daemon's."""
         check_model_type(req.type, BACKEND_NAME)
         path = _model_path(req)
-        link, name = _link(req)
+        link, opts = _link(req)
         try:
-            served = link.model(name)
+            served = link.model(opts.served_model or "", block_size=opts.block_size)
         finally:
             link.close()
         facts = gguf_facts(path)

@@ -11,6 +11,10 @@ runs with ``--enable-prompt-tokens-details``): that is the reuse the daemon repo
 
 A request in flight stops when its connection closes (vLLM aborts a request whose client left): a cancel closes the
 stream, and the server stops computing.
+
+Every request names its route (``ROUTE_HEADER``): a router in front of several servers (vLLM's ``vllm-router`` with
+``--policy consistent_hash``) sends the requests of one route to one server, the one whose prefix cache holds it.
+A single server ignores the header.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import httpx
 from contract import interrupt
 from contract.errors import Cancelled, Internal, InvalidArgument, ModeldError, ModelLoadFailed
 
-__all__ = ["Link", "ServerModel", "StreamedTokens"]
+__all__ = ["ROUTE_HEADER", "Link", "ServerModel", "StreamedTokens"]
 
 # a line per request to the server would drown the daemon's own log
 logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -36,6 +40,8 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 CONNECT_TIMEOUT_S = 10.0
 #: how often a prefill waiting on the server looks at its cancel
 CANCEL_POLL_S = 0.05
+#: the header a route travels in: ``vllm-router``'s session key (it also reads ``session-id`` and Claude Code's own)
+ROUTE_HEADER = "X-Session-ID"
 #: the prefix cache's block size where the server does not say it (``Link.cache_config``): vLLM's default on a GPU
 DEFAULT_BLOCK_SIZE = 16
 
@@ -82,8 +88,9 @@ class Link:
                                   f"{r.text[:300]}", url=self.url, status=r.status_code)
         return r.json()
 
-    def model(self, name: str = "") -> ServerModel:
-        """The model the server serves as ``name`` (unset: its only one); ModelLoadFailed when it has none such."""
+    def model(self, name: str = "", *, block_size: int | None = None) -> ServerModel:
+        """The model the server serves as ``name`` (unset: its only one); ModelLoadFailed when it has none such.
+        ``block_size``: the prefix cache's, where the caller knows it (else ``cache_config``'s)."""
         listed = self._get("/v1/models").get("data") or []
         names = [str(m.get("id", "")) for m in listed]
         if name:
@@ -99,10 +106,10 @@ class Link:
             version = str(self._get("/version").get("version", ""))
         except ModelLoadFailed:
             version = ""  # a router may not pass /version on
-        block_size, caching = self.cache_config()
+        published, caching = self.cache_config()
         return ServerModel(name=str(m["id"]), root=str(m.get("root") or m["id"]),
                            max_model_len=int(m.get("max_model_len") or 0), version=version,
-                           block_size=block_size, prefix_caching=caching)
+                           block_size=block_size or published, prefix_caching=caching)
 
     def cache_config(self) -> tuple[int, bool]:
         """The prefix cache's block size and whether it is on, from the server's ``vllm:cache_config_info`` metric;
@@ -128,22 +135,23 @@ class Link:
         return [int(t) for t in r.json()["tokens"]]
 
     # --- requests -----------------------------------------------------------------------------
-    def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+    def _post(self, path: str, body: dict[str, Any], route: str = "") -> httpx.Response:
         try:
-            r = self._http.post(path, json=body)
+            r = self._http.post(path, json=body, headers=_routed(route))
         except httpx.HTTPError as exc:
             raise Internal(f"the vLLM server at {self.url} did not answer {path}: {exc}", url=self.url) from None
         if r.status_code != 200:
             raise _refusal(self.url, path, r.status_code, r.text)
         return r
 
-    def prefill(self, model: str, tokens: list[int]) -> int:
+    def prefill(self, model: str, tokens: list[int], route: str = "") -> int:
         """Have the server compute ``tokens`` (a completion of one token, thrown away); the prompt tokens its prefix
-        cache held. A cancel (``contract.interrupt``) closes the request, which stops the server's work on it."""
+        cache held. A cancel (``contract.interrupt``) closes the request, which stops the server's work on it.
+        ``route`` names the request's route (``ROUTE_HEADER``)."""
         body = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
         cached: list[int] = []
-        with self.stream(body) as chunks:
+        with self.stream(body, route) as chunks:
             for chunk in chunks:
                 usage = chunk.get("usage")
                 if usage:
@@ -152,31 +160,32 @@ class Link:
             raise Internal(f"the vLLM server at {self.url} reported no usage for a prefill")
         return cached[-1]
 
-    def prompt_logprobs(self, model: str, tokens: list[int], k: int) -> list[dict[int, float]]:
+    def prompt_logprobs(self, model: str, tokens: list[int], k: int, route: str = "") -> list[dict[int, float]]:
         """The server's figures for each prompt token given those before it (vLLM's ``prompt_logprobs``): per
         position, the token's own log probability and the ``k`` likeliest, by id; the first position has none (an
         empty mapping). The server computes the prompt again for them (its prefix cache does not keep figures).
         vLLM sends them only in a reply that is not streamed: a cancel waits for it (a scored prompt is short)."""
         body = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k}
-        choices = self._post("/v1/completions", body).json().get("choices") or [{}]
+        choices = self._post("/v1/completions", body, route).json().get("choices") or [{}]
         found = choices[0].get("prompt_logprobs")
         if found is None or len(found) != len(tokens):
             raise Internal(f"the vLLM server at {self.url} sent no prompt log probabilities for {len(tokens)} tokens")
         return [{int(t): float(v["logprob"] if isinstance(v, dict) else v) for t, v in (entry or {}).items()}
                 for entry in found]
 
-    def stream(self, body: dict[str, Any]) -> StreamedTokens:
-        """A streamed ``/v1/completions`` request (``body`` has ``stream`` on); its chunks as dicts."""
-        return StreamedTokens(self, body)
+    def stream(self, body: dict[str, Any], route: str = "") -> StreamedTokens:
+        """A streamed ``/v1/completions`` request (``body`` has ``stream`` on) on ``route``; its chunks as dicts."""
+        return StreamedTokens(self, body, route)
 
 
 class StreamedTokens:
     """One streamed completion: its chunks, read on a thread of its own so that the caller's wait for the next one
     can end at a cancel; closing it closes the connection (the server then aborts the request)."""
 
-    def __init__(self, link: Link, body: dict[str, Any]) -> None:
+    def __init__(self, link: Link, body: dict[str, Any], route: str = "") -> None:
         self._link = link
         self._body = body
+        self._route = route
         self._cond = threading.Condition()
         self._chunks: list[dict[str, Any]] = []
         self._error: BaseException | None = None
@@ -199,7 +208,7 @@ class StreamedTokens:
     def _read(self) -> None:
         link = self._link
         try:
-            with link._http.stream("POST", "/v1/completions", json=self._body) as r:
+            with link._http.stream("POST", "/v1/completions", json=self._body, headers=_routed(self._route)) as r:
                 if r.status_code != 200:
                     raise _refusal(link.url, "/v1/completions", r.status_code, r.read().decode("utf-8", "replace"))
                 with self._cond:
@@ -248,6 +257,11 @@ class StreamedTokens:
             response = self._response
         if response is not None:
             response.close()  # the server sees its client gone and aborts the request
+
+
+def _routed(route: str) -> dict[str, str]:
+    """A request's route as its header (none for no route)."""
+    return {ROUTE_HEADER: route} if route else {}
 
 
 def _refusal(url: str, path: str, status: int, text: str) -> ModeldError:

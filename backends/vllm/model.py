@@ -11,6 +11,11 @@ decode pass is one streamed completion of the tape (``VLLMSteps``): the server s
 one by one, decides where the reply ends (the vocabulary's end-of-generation tokens: the server is told to ignore
 its own) and closes the stream there, which stops the server.
 
+Each request names its route (``route_key``), so that a router in front of several servers keeps a conversation on
+the server whose prefix cache holds it: the conversation the request names (an agent's session or thread id), else
+the head of its prompt (the stable prefix's first block: one agent's conversations, which share it, go where it is
+cached). ``last_route`` says which route the last request took.
+
 A decode asked for log probabilities gets the server's figures (the sampled token's and the likeliest, of the raw
 distribution, as vLLM reports them by default). What a remote engine cannot do is refused with a typed error, never
 faked: structured output and forced tool calls (their masks are the daemon's, per step), readouts, speculation
@@ -21,6 +26,7 @@ faked: structured output and forced tool calls (their masks are the daemon's, pe
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -64,6 +70,8 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
                          adds_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)))
         #: the prompt tokens the server's prefix cache held at the last prefill (what it did not compute again)
         self.server_cached = 0
+        #: the route of the last request sent (``route_key``)
+        self.last_route = ""
 
     # --- TapeModelBase ------------------------------------------------------------------------
     def engine_version(self) -> str:
@@ -90,6 +98,18 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
         return VLLMSteps(self, cfg)
 
     # --- the server's KV -------------------------------------------------------------------------
+    def route_key(self, tokens: list[int]) -> str:
+        """The route of a request for ``tokens`` (``Link``'s ``ROUTE_HEADER``): a digest of the conversation the
+        tape is for (``Resident.conversation``, from the request's headers), or of the prompt's first block when it
+        names none. A digest: an agent's session id stays on this side."""
+        conversation = self.res.conversation
+        if conversation:
+            seed = f"conversation\0{conversation}".encode()
+        else:
+            seed = b"head\0" + np.asarray(tokens[: self.served.block_size], dtype="<i4").tobytes()
+        self.last_route = hashlib.sha256(seed).hexdigest()[:32]
+        return self.last_route
+
     def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None, states: StatesFn | None = None) -> int:
         """Have the server hold ``tokens``; how many of the first ``keep`` its prefix cache still held (it keeps
         whole blocks: a partial block's tokens are computed again). The tape is ``tokens`` once the server computed
@@ -105,21 +125,23 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
             self._score(tokens, keep, rows)
             self.res.tokens = list(tokens)
             return keep  # (a scored prompt is computed again by the server, its KV then cached as any other)
-        cached = self.link.prefill(self.served.name, list(tokens))
+        cached = self.link.prefill(self.served.name, list(tokens), self.route_key(tokens))
         self.server_cached = cached
         self.res.tokens = list(tokens)
         # The server keeps whole blocks: the kept part's last partial block is computed again on every request, by
         # the engine's design, and counts as kept. Fewer cached than the kept part's whole blocks is the server's
-        # own eviction (another client's prompts took the room), and the reuse is what it held.
+        # own eviction (another client's prompts took the room), and the reuse is what it held. More is the
+        # server's cache holding what the tape did not (another conversation's turn was sent since): reused too,
+        # as a local engine's workspace cache restores one.
         whole = keep - keep % self.served.block_size
-        return keep if cached >= whole else cached
+        return max(keep if cached >= whole else cached, min(cached, len(tokens)))
 
     def _score(self, tokens: list[int], keep: int, rows: RowsFn) -> None:
         """The rows after positions ``keep`` .. the last but one, from the server's figures for the token each row
         predicts (``Link.prompt_logprobs``, ``MAX_TOP_LOGPROBS`` of them). A row holds those figures as they are and
         spreads what probability they leave evenly over the rest of the vocabulary: its log-softmax gives back the
         server's numbers for every token it named, and no other token ranks among them (``_figures_row``)."""
-        figures = self.link.prompt_logprobs(self.served.name, list(tokens), MAX_TOP_LOGPROBS)
+        figures = self.link.prompt_logprobs(self.served.name, list(tokens), MAX_TOP_LOGPROBS, self.route_key(tokens))
         if keep < len(tokens) - 1:
             rows(keep, np.stack([_figures_row(figures[p + 1], self._n_vocab) for p in range(keep, len(tokens) - 1)]))
 
@@ -208,7 +230,7 @@ class VLLMSteps:
             # the server's own figures: the sampled token's and the likeliest, of the raw distribution (vLLM's
             # default logprobs mode), each keyed by its id
             body |= {"logprobs": self.cfg.logprobs, "return_tokens_as_token_ids": True}
-        self._stream = m.link.stream(body)
+        self._stream = m.link.stream(body, m.route_key(m.res.tokens))
         self._stream.open()
 
     def sample(self) -> int:

@@ -26,6 +26,10 @@ class PrefixInput(_Request):
     #: False: the text is the prompt as it is, with no template (a raw completion; BOS by the manifest's policy);
     #: the suffixes after it are raw too (``SuffixInput.render`` False, or token ids)
     render: bool = True
+    #: whose conversation the suffix after it will be (``SuffixInput.conversation``), where the caller knows: an
+    #: engine whose KV sits behind a router sends the prefix's prefill where the conversation's will go. The
+    #: prefix itself stays nobody's conversation
+    conversation: str = Field("", max_length=256)
 
     @model_validator(mode="after")
     def _raw_has_no_tools(self) -> PrefixInput:
