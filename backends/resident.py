@@ -90,6 +90,9 @@ class Resident:
     reply_from: int | None = None
     #: the conversation the tape holds past the prefix (``SuffixInput.conversation``; "" when none is named)
     conversation: str = ""
+    #: the manifest a prefix's prefill computes the tape under, until the prefix is committed (an engine whose KV
+    #: is a server's keys the server's cache by the manifest it is computed under)
+    computing: ContextManifest | None = None
 
     @property
     def live(self) -> list[int]:
@@ -163,6 +166,7 @@ class Resident:
         self, manifest: ContextManifest, tokens: list[int], text: str, tools: str, *, keep_tail: bool = False
     ) -> None:
         """The prefix is now the context; ``keep_tail``: the KV still holds the old tail after it (see ``live``)."""
+        self.computing = None
         if keep_tail and self.tokens[: len(tokens)] == tokens and len(self.tokens) > len(tokens):
             self.live_len = len(tokens)
         else:
@@ -222,6 +226,7 @@ class Resident:
         self.messages = None
         self.reply_from = None
         self.conversation = ""
+        self.computing = None
         self.stable_text = ""
         self.tools = ""
         self.stable_token_hash = ""

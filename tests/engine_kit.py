@@ -13,6 +13,7 @@ and ``Session`` exactly as the daemon drives them.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,9 @@ class Engine:
     constrains: bool = True
     #: the model's weights are in this process (False: a remote server holds them, ``resident_bytes`` is 0)
     holds_weights: bool = True
+    #: the KV is a server's prefix cache, which every model loaded on the server shares and which outlives a load:
+    #: a freshly loaded model finds there what another computed under the same manifest
+    shared_cache: bool = False
     #: the options a load passes (``Config.options``: a remote engine's server)
     options: dict[str, str] = field(default_factory=dict)
 
@@ -84,8 +88,16 @@ class Engine:
 NEAR_TIE = 1.5
 
 
+#: this run's mark on the profiles of an engine whose KV is a server's: the server's prefix cache outlives a run
+#: (``MODELD_TEST_VLLM_PORT`` reuses one), and a "cold" prefix must be one no earlier run sent under its manifest
+RUN_MARK = uuid.uuid4().hex[:8]
+
+
 def manifest(model: LoadedModel, profile: str, **over: str) -> ContextManifest:
-    return model.manifest_defaults().model_copy(update={"profile": profile, **over})
+    defaults = model.manifest_defaults()
+    if defaults.backend == "vllm":
+        profile = f"{profile}-{RUN_MARK}"
+    return defaults.model_copy(update={"profile": profile, **over})
 
 
 def decode(session: Session, n: int, **cfg: Any) -> tuple[list[int], str, StreamChunk]:

@@ -436,6 +436,7 @@ class TapeSession:
             # the tape becomes a stable prefix (nobody's conversation once it is committed); while it is computed, the
             # conversation that will follow it (a remote engine sends the prefill where that conversation goes)
             m.res.conversation = prefix.conversation
+            m.res.computing = prefix.manifest
             try:
                 # the daemon's heartbeats carry how far this prefill has come
                 with m.errors("ensure_prefix: prefill"), interrupt.prefilling(m.reusable(plan.keep), len(tokens),

@@ -144,12 +144,13 @@ class Link:
             raise _refusal(self.url, path, r.status_code, r.text)
         return r
 
-    def prefill(self, model: str, tokens: list[int], route: str = "") -> int:
+    def prefill(self, model: str, tokens: list[int], route: str = "", salt: str = "") -> int:
         """Have the server compute ``tokens`` (a completion of one token, thrown away); the prompt tokens its prefix
         cache held. A cancel (``contract.interrupt``) closes the request, which stops the server's work on it.
-        ``route`` names the request's route (``ROUTE_HEADER``)."""
+        ``route`` names the request's route (``ROUTE_HEADER``); ``salt`` keys the server's prefix cache besides the
+        tokens (vLLM's ``cache_salt``)."""
         body = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True}, **_salted(salt)}
         cached: list[int] = []
         with self.stream(body, route) as chunks:
             for chunk in chunks:
@@ -160,12 +161,14 @@ class Link:
             raise Internal(f"the vLLM server at {self.url} reported no usage for a prefill")
         return cached[-1]
 
-    def prompt_logprobs(self, model: str, tokens: list[int], k: int, route: str = "") -> list[dict[int, float]]:
+    def prompt_logprobs(self, model: str, tokens: list[int], k: int, route: str = "", salt: str = ""
+                        ) -> list[dict[int, float]]:
         """The server's figures for each prompt token given those before it (vLLM's ``prompt_logprobs``): per
         position, the token's own log probability and the ``k`` likeliest, by id; the first position has none (an
         empty mapping). The server computes the prompt again for them (its prefix cache does not keep figures).
         vLLM sends them only in a reply that is not streamed: a cancel waits for it (a scored prompt is short)."""
-        body = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k}
+        body = {"model": model, "prompt": tokens, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": k,
+                **_salted(salt)}
         choices = self._post("/v1/completions", body, route).json().get("choices") or [{}]
         found = choices[0].get("prompt_logprobs")
         if found is None or len(found) != len(tokens):
@@ -257,6 +260,11 @@ class StreamedTokens:
             response = self._response
         if response is not None:
             response.close()  # the server sees its client gone and aborts the request
+
+
+def _salted(salt: str) -> dict[str, str]:
+    """A request's cache salt as its body field (none for no salt)."""
+    return {"cache_salt": salt} if salt else {}
 
 
 def _routed(route: str) -> dict[str, str]:

@@ -98,6 +98,13 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
         return VLLMSteps(self, cfg)
 
     # --- the server's KV -------------------------------------------------------------------------
+    def cache_salt(self) -> str:
+        """What the server's prefix cache is keyed by besides the tokens (vLLM's ``cache_salt``): the manifest the
+        tape is computed under (``Resident.computing`` while a prefix's prefill runs), so that the server reuses
+        KV only where the daemon's manifest gate would, never across manifests on the same tokens."""
+        manifest = self.res.computing or self.res.manifest or self.res.partial
+        return manifest.digest()[:32] if manifest is not None else "none"
+
     def route_key(self, tokens: list[int]) -> str:
         """The route of a request for ``tokens`` (``Link``'s ``ROUTE_HEADER``): a digest of the conversation the
         tape is for (``Resident.conversation``, from the request's headers), or of the prompt's first block when it
@@ -125,7 +132,7 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
             self._score(tokens, keep, rows)
             self.res.tokens = list(tokens)
             return keep  # (a scored prompt is computed again by the server, its KV then cached as any other)
-        cached = self.link.prefill(self.served.name, list(tokens), self.route_key(tokens))
+        cached = self.link.prefill(self.served.name, list(tokens), self.route_key(tokens), self.cache_salt())
         self.server_cached = cached
         self.res.tokens = list(tokens)
         # The server keeps whole blocks: the kept part's last partial block is computed again on every request, by
@@ -141,7 +148,8 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
         predicts (``Link.prompt_logprobs``, ``MAX_TOP_LOGPROBS`` of them). A row holds those figures as they are and
         spreads what probability they leave evenly over the rest of the vocabulary: its log-softmax gives back the
         server's numbers for every token it named, and no other token ranks among them (``_figures_row``)."""
-        figures = self.link.prompt_logprobs(self.served.name, list(tokens), MAX_TOP_LOGPROBS, self.route_key(tokens))
+        figures = self.link.prompt_logprobs(self.served.name, list(tokens), MAX_TOP_LOGPROBS, self.route_key(tokens),
+                                            self.cache_salt())
         if keep < len(tokens) - 1:
             rows(keep, np.stack([_figures_row(figures[p + 1], self._n_vocab) for p in range(keep, len(tokens) - 1)]))
 
@@ -225,7 +233,7 @@ class VLLMSteps:
         budget = room if self.cfg.max_tokens is None else max(1, min(room, self.cfg.max_tokens + 1))
         body = {"model": m.served.name, "prompt": list(m.res.tokens), "max_tokens": budget, "stream": True,
                 "return_token_ids": True, "ignore_eos": True, "skip_special_tokens": False,
-                **sampling_body(self.cfg)}
+                "cache_salt": m.cache_salt(), **sampling_body(self.cfg)}
         if self.cfg.logprobs is not None:
             # the server's own figures: the sampled token's and the likeliest, of the raw distribution (vLLM's
             # default logprobs mode), each keyed by its id
