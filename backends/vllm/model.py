@@ -118,9 +118,11 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
         return self.last_route
 
     def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None, states: StatesFn | None = None) -> int:
-        """Have the server hold ``tokens``; how many of the first ``keep`` its prefix cache still held (it keeps
-        whole blocks: a partial block's tokens are computed again). The tape is ``tokens`` once the server computed
-        them; a failure or a cancel leaves it at what the server surely holds (the kept part)."""
+        """Have the server hold ``tokens``; how many it did not compute again: the first ``keep`` while its prefix
+        cache still held them (it keeps whole blocks: a partial block's tokens are computed again), fewer where it
+        evicted some, more where it held more than the tape (a conversation sent before). The tape is ``tokens``
+        once the server computed them; a failure or a cancel leaves it at what the server surely holds (the kept
+        part)."""
         if states is not None:
             raise UnsupportedFeature("readouts need the model's hidden states, which a vLLM server does not hand out")
         self.epoch += 1
