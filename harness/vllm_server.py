@@ -297,11 +297,13 @@ class VllmServer:
 
     #: what the messages call the process
     what = "the vLLM server"
+    #: it serves the converted model (a router serves none of its own)
+    serves_model = True
 
     def _check_installed(self) -> None:
         if not venv_python().exists():
             raise FileNotFoundError(f"no vLLM venv at {venv_dir()}: run `python -m harness.vllm_server install`")
-        if not (self.model / "config.json").is_file():
+        if self.serves_model and not (self.model / "config.json").is_file():
             raise FileNotFoundError(f"no converted model at {self.model}: run `python -m harness.vllm_server install`")
 
     def start(self) -> VllmServer:
@@ -378,16 +380,13 @@ class VllmRouter(VllmServer):
     sends) to one worker."""
 
     what = "the vLLM router"
+    serves_model = False
 
     def __init__(self, workers: list[str], *, policy: str = "consistent_hash", host: str = "127.0.0.1",
                  port: int | None = None, health_timeout_s: float = 120.0, log_path: Path | None = None) -> None:
         super().__init__(host=host, port=port, health_timeout_s=health_timeout_s, log_path=log_path)
         self.workers = list(workers)
         self.policy = policy
-
-    def _check_installed(self) -> None:
-        if not venv_python().exists():
-            raise FileNotFoundError(f"no vLLM venv at {venv_dir()}: run `python -m harness.vllm_server install`")
 
     def command(self) -> list[str]:
         return [str(venv_python()), "-m", "vllm_router.launch_router", "--host", self.host, "--port", str(self.port),

@@ -194,7 +194,6 @@ class Client:
         self._handshakes: zmq.Socket[bytes] | None = None
         self._buffers: dict[bytes, deque[Message]] = {}
         self._abandoned: set[bytes] = set()
-        #: request id -> when a message for it last arrived (liveness while waiting)
         #: per request: seconds of empty polls since its last message (absent until the daemon is known to answer)
         self._silence: dict[bytes, float] = {}
         self._ids = itertools.count(1)
@@ -322,8 +321,7 @@ class Client:
                     raise Unavailable(f"the connection to {self.endpoint} was reset while this call waited",
                                       endpoint=self.endpoint)
                 if buf:
-                    msg = buf.popleft()
-                    self._silence[rid] = 0.0
+                    msg = buf.popleft()  # (its arrival reset the request's silence)
                     if msg.kind is Kind.HEARTBEAT:
                         deadline = time.monotonic() + timeout
                         progress = wire.heartbeat_progress(msg) if report is not None else None

@@ -14,7 +14,7 @@ its own) and closes the stream there, which stops the server.
 Each request names its route (``route_key``), so that a router in front of several servers keeps a conversation on
 the server whose prefix cache holds it: the conversation the request names (an agent's session or thread id), else
 the head of its prompt (the stable prefix's first block: one agent's conversations, which share it, go where it is
-cached). ``last_route`` says which route the last request took.
+cached).
 
 A decode asked for log probabilities gets the server's figures (the sampled token's and the likeliest, of the raw
 distribution, as vLLM reports them by default). What a remote engine cannot do is refused with a typed error, never
@@ -70,8 +70,6 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
                          adds_bos=bool(llama_cpp.llama_vocab_get_add_bos(self._vocab)))
         #: the prompt tokens the server's prefix cache held at the last prefill (what it did not compute again)
         self.server_cached = 0
-        #: the route of the last request sent (``route_key``)
-        self.last_route = ""
 
     # --- TapeModelBase ------------------------------------------------------------------------
     def engine_version(self) -> str:
@@ -114,8 +112,7 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
             seed = f"conversation\0{conversation}".encode()
         else:
             seed = b"head\0" + np.asarray(tokens[: self.served.block_size], dtype="<i4").tobytes()
-        self.last_route = hashlib.sha256(seed).hexdigest()[:32]
-        return self.last_route
+        return hashlib.sha256(seed).hexdigest()[:32]
 
     def set_kv(self, tokens: list[int], keep: int, rows: RowsFn | None = None, states: StatesFn | None = None) -> int:
         """Have the server hold ``tokens``; how many it did not compute again: the first ``keep`` while its prefix

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
+from contract.types import FinishReason
 
 from ..access import record_of
 from ..core import (
@@ -74,9 +75,9 @@ def router(serving: Serving) -> APIRouter:
     return r
 
 
-def _finish(reason: str) -> str:
+def _finish(reason: FinishReason) -> str:
     """The legacy API's finish reason: it has no tool calls (a raw prompt's reply is its text)."""
-    out = FINISH_REASONS.get(reason, "stop")  # type: ignore[call-overload]
+    out = FINISH_REASONS.get(reason, "stop")
     return "stop" if out == "tool_calls" else out
 
 

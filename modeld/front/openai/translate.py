@@ -7,7 +7,7 @@ import json
 import uuid
 from typing import Any
 
-from contract.types import StructuredOutputConfig, TokenLogprob, ToolCallDelta, TopLogprob
+from contract.types import StructuredOutputConfig, TokenLogprob, ToolCallDelta
 from runtime.chat import ChatResult
 
 from ..core import (
@@ -192,10 +192,9 @@ def token_logprobs_out(items: list[TokenLogprob]) -> list[TokenLogprobOut]:
     """OpenAI's shape for tokens' log probabilities (chat completions' ``logprobs.content``, the Responses API's
     ``output_text`` ``logprobs``)."""
 
-    def one(t: TopLogprob) -> TopLogprobOut:
-        return TopLogprobOut(token=t.token, logprob=t.logprob, bytes=t.bytes)
-
-    return [TokenLogprobOut(**one(t).model_dump(), top_logprobs=[one(a) for a in t.top]) for t in items]
+    return [TokenLogprobOut(token=t.token, logprob=t.logprob, bytes=t.bytes,
+                            top_logprobs=[TopLogprobOut(token=a.token, logprob=a.logprob, bytes=a.bytes) for a in t.top])
+            for t in items]
 
 
 def logprobs_out(items: list[TokenLogprob]) -> ChoiceLogprobs:
