@@ -108,8 +108,9 @@ class ChatResult(BaseModel):
 
 
 class ChatEvent(Delta):
-    """One step of ``Chat.stream``: a delta of text, thinking or tool calls (a frame of several merged decode steps
-    gives all of its tokens' ids and logprobs to its first event); the last one carries the result."""
+    """One step of ``Chat.stream``: a delta of text, thinking or tool calls (of a frame of several merged decode
+    steps, each step's event carries its token's id and logprob where each step was one token; else the first
+    event carries all of the frame's); the last one carries the result."""
 
     result: ChatResult | None = None
 
@@ -128,10 +129,16 @@ class ChatEvent(Delta):
         # a merged frame's reasoning comes before its text, and its text before its calls (``modeld.coalesce``)
         out = [cls(thinking=p) for p in chunk.thinking_steps()]
         out += [cls(text=p) for p in chunk.text_steps()]
+        steps = len(out)
         if chunk.tool_calls or chunk.tool_call_deltas:
             out.append(cls(tool_calls=list(chunk.tool_calls), tool_call_deltas=list(chunk.tool_call_deltas)))
-        out[0].logprobs = list(chunk.logprobs)
-        out[0].token_ids = list(chunk.token_ids)
+        for name in ("logprobs", "token_ids"):
+            values = list(getattr(chunk, name))
+            if len(values) == steps and not (chunk.tool_calls or chunk.tool_call_deltas):
+                for event, value in zip(out, values, strict=True):  # a token a step: each its own
+                    setattr(event, name, [value])
+            else:
+                setattr(out[0], name, values)
         return out
 
 

@@ -24,6 +24,7 @@ openai = pytest.importorskip("openai")
 from tests.engine_kit import openvino_precision  # noqa: E402
 from tests.test_metrics import samples  # noqa: E402
 from tests.test_openai_front import Front  # noqa: E402
+from tests.test_responses_front import streamed_events  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -373,6 +374,15 @@ def test_responses_encrypted_reasoning_reproduces_the_turn(think_front: Front) -
                                  reasoning={"summary": "auto"}, include=["reasoning.encrypted_content"])
     reasoning = [o for o in first.output if o.type == "reasoning"]
     assert reasoning and reasoning[0].encrypted_content, first.output
+    # streamed, the reasoning comes as its summary's deltas, each event as the front's model declares it, and ends
+    # as the same item (greedy)
+    events = streamed_events(think_front, {"model": "any", "input": base, "store": False, "temperature": 0,
+                                               "max_output_tokens": 40, "reasoning": {"summary": "auto"},
+                                               "include": ["reasoning.encrypted_content"]})
+    summary = "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta")
+    streamed = [o for o in events[-1].response.output if o.type == "reasoning"]
+    assert summary and streamed[0].summary[0].text == summary == reasoning[0].summary[0].text
+    assert streamed[0].encrypted_content
     history = [*base, *[o.model_dump(exclude_none=True) for o in first.output],
                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "And 3 + 4?"}]}]
     second = sdk.responses.create(model="any", input=history, store=False, temperature=0, max_output_tokens=4)
@@ -406,9 +416,10 @@ def test_a_streamed_call_comes_as_its_arguments_are_written_in_all_three_apis(fr
              "parameters": READ_FILE["function"]["parameters"]}  # type: ignore[index]
     base = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Use the tools."}]},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is in calc.py?"}]}]
-    events = list(sdk.responses.create(model="any", input=base, tools=[shell], store=False,
-                                       temperature=0, max_output_tokens=60, stream=True,
-                                       tool_choice={"type": "function", "name": "read_file"}))
+    # (every event checked against the front's model for it, as the raw stream carries it)
+    events = streamed_events(front, {"model": "any", "input": base, "tools": [shell], "store": False,
+                                         "temperature": 0, "max_output_tokens": 60,
+                                         "tool_choice": {"type": "function", "name": "read_file"}})
     deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     items = [o for o in events[-1].response.output if o.type == "function_call"]

@@ -60,6 +60,49 @@ def test_streamed_in_the_documented_order(client: Any) -> None:
     assert done.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
 
 
+def streamed_events(front: Front, body: dict[str, Any]) -> list[Any]:
+    """``body`` streamed through the front's ``POST /v1/responses``, every event validated against the front's
+    model for its ``type`` (the SSE ``event:`` names it), numbered in order; the events."""
+    import httpx
+    from pydantic import TypeAdapter
+
+    from modeld.front.responses.protocol import StreamEvent
+
+    adapter: TypeAdapter[Any] = TypeAdapter(StreamEvent)
+    with httpx.Client(timeout=600, headers={"Authorization": f"Bearer {front.api_key}"}) as http, \
+            http.stream("POST", f"{front.url}/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith(("event: ", "data: "))]
+    names, data = lines[0::2], lines[1::2]
+    events = []
+    for name, payload in zip(names, data, strict=True):
+        event = adapter.validate_json(payload[6:])
+        assert name == f"event: {event.type}"
+        events.append(event)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    return events
+
+
+def test_every_streamed_event_is_its_declared_model(front: Front) -> None:
+    """The stream's events and the response they end with, each validated by its model; with log probabilities
+    asked, each text delta carries its tokens' and the finished text part all of them."""
+    events = streamed_events(front, {"model": "m", "input": "Name a cache.", "max_output_tokens": 6,
+                                         "temperature": 0, "include": ["message.output_text.logprobs"]})
+    assert [e.type for e in events][:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    assert events[0].response.status == "in_progress" and events[0].response.usage is None
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    # each delta with its own token's (the reference backend's tokens are bytes: one a delta here, however the
+    # daemon merged decode steps into frames)
+    assert deltas and all([lp.token for lp in d.logprobs] == [d.delta] for d in deltas), deltas
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    part = final.output[0].content[0]
+    assert part.text == "".join(d.delta for d in deltas) == final.output_text
+    assert len(part.logprobs) == final.usage.output_tokens == 6
+    assert final.text.format.type == "text" and final.tools == [] and final.store
+
+
 def test_codex_tools_are_accepted_and_a_call_is_answered(client: Any) -> None:
     """``web_search`` is left out, a ``namespace`` tool is offered by its inner name; a forced call round trips."""
     first = client.responses.create(model="m", instructions="You are Codex.", input=codex_input(), store=False,

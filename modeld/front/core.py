@@ -481,8 +481,8 @@ def with_miss(usage: dict[str, Any], u: ChatUsage) -> dict[str, Any]:
 
 def dumped(reply: BaseModel) -> dict[str, Any]:
     """A reply model as the JSON object it is sent as: the fields it was built with (an optional field left out
-    stays out; one set to None is sent as null), extension fields included."""
-    return reply.model_dump(mode="json", exclude_unset=True)
+    stays out; one set to None is sent as null), extension fields included, each under its wire name."""
+    return reply.model_dump(mode="json", exclude_unset=True, by_alias=True)
 
 
 def fill_record(record: AccessRecord, result: ChatResult) -> None:

@@ -1,13 +1,14 @@
-"""The OpenAI Responses API: the request models (validated at the edge: a malformed field is a 400 naming it) and the
-reply models (what ``/openapi.json`` declares)."""
+"""The OpenAI Responses API: the request models (validated at the edge: a malformed field is a 400 naming it), the
+reply models (what ``/openapi.json`` declares, and what the routes build) and the stream's events."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from ..core import Loose, Shape
+from ..openai.protocol import ErrorDetail, TokenLogprobOut
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"
 #: ``include``: the reply text's token log probabilities (``top_logprobs`` alternatives at each)
@@ -24,18 +25,45 @@ class TextConfig(Loose):
     format: TextFormat | None = None
 
 
+class ToolSpec(Loose):
+    """A tool the client offers: ``function``, ``custom`` (free-form input), a ``namespace`` of those, or one this
+    daemon does not run (``web_search`` and the like: left out of the prompt, named in the log). A tool without a
+    type is a function (as a namespace's tools often are)."""
+
+    type: str = "function"
+    name: str | None = None
+    description: str | None = None
+    #: a function's JSON schema
+    parameters: dict[str, Any] | None = None
+    #: a namespace's tools
+    tools: list[ToolSpec] | None = None
+
+
+class ToolChoiceSpec(Loose):
+    """A forced call: ``{type: function | custom, name, namespace?}``."""
+
+    type: str
+    name: str | None = None
+    namespace: str | None = None
+
+
+class ReasoningConfig(Loose):
+    effort: str | None = None
+    summary: str | None = None
+
+
 class ResponsesRequest(Loose):
     model: str = ""
     input: str | list[dict[str, Any]] = Field(default_factory=list)
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: str | ToolChoiceSpec | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=10.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_logprobs: int | None = Field(None, ge=0, le=20)
     text: TextConfig | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
     store: bool = True
     previous_response_id: str | None = None
@@ -55,7 +83,12 @@ class InputTokensRequest(ResponsesRequest):
     """``POST /v1/responses/input_tokens``: what a request's input would come to."""
 
 
-# --- replies (declared in /openapi.json; ``make fuzz`` checks every reply against them) --------------------------
+# --- replies (declared in /openapi.json; built as these models and dumped with ``core.dumped``) ---------------------
+#: an output item's state: streaming, finished, or cut short (a reply that ended inside a call)
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+ResponseStatus = Literal["completed", "incomplete", "in_progress", "cancelled", "failed"]
+
+
 class InputTokensDetails(Shape):
     #: the input's tokens reused from what the daemon held
     cached_tokens: int
@@ -66,6 +99,8 @@ class OutputTokensDetails(Shape):
 
 
 class ResponseUsage(Shape):
+    """The turn's tokens (with the extension field ``cache_miss`` when the prompt lost something the daemon held)."""
+
     input_tokens: int
     input_tokens_details: InputTokensDetails
     output_tokens: int
@@ -73,27 +108,100 @@ class ResponseUsage(Shape):
     total_tokens: int
 
 
-class OutputItem(Shape):
-    """An output item: ``message``, ``reasoning``, ``function_call`` or ``custom_tool_call`` (their other fields
-    as the API defines them)."""
+class OutputText(Shape):
+    """A message's text; with log probabilities asked, its tokens' (``TEXT_LOGPROBS``)."""
 
-    type: str
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[TokenLogprobOut]
+
+
+class SummaryText(Shape):
+    type: Literal["summary_text"]
+    text: str
+
+
+class MessageItem(Shape):
+    type: Literal["message"]
     id: str
+    status: ItemStatus
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class ReasoningItem(Shape):
+    """The model's reasoning as its summary; with ``include: reasoning.encrypted_content``, also sealed by the
+    daemon (``encrypted_content``), so that an echoed item renders the turn as it was decoded."""
+
+    type: Literal["reasoning"]
+    id: str
+    summary: list[SummaryText]
+    status: ItemStatus
+    encrypted_content: str | None = None
+
+
+class FunctionCallItem(Shape):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: ItemStatus
+    #: the ``namespace`` tool the function belongs to (absent for a top-level tool)
+    namespace: str | None = None
+
+
+class CustomToolCallItem(Shape):
+    type: Literal["custom_tool_call"]
+    id: str
+    call_id: str
+    name: str
+    input: str
+    status: ItemStatus
+    namespace: str | None = None
+
+
+CallItem = FunctionCallItem | CustomToolCallItem
+#: an output item, told apart by its ``type``
+OutputItem = Annotated[MessageItem | ReasoningItem | FunctionCallItem | CustomToolCallItem, Field(discriminator="type")]
+
+
+class IncompleteDetails(Shape):
+    reason: Literal["max_output_tokens"]
+
+
+class ResponseError(Shape):
+    code: str
+    message: str
 
 
 class Response(Shape):
-    """A response object (``stream: true``: its events instead; ``response.completed`` carries this)."""
+    """A response object (``stream: true``: its events instead; the last of them carries this). The request's
+    settings are echoed as the API does."""
 
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "cancelled", "failed"]
+    status: ResponseStatus
     model: str
     output: list[OutputItem]
     #: None while it runs
     usage: ResponseUsage | None
-    error: dict[str, Any] | None
-    incomplete_details: dict[str, Any] | None
+    error: ResponseError | None
+    incomplete_details: IncompleteDetails | None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[ToolSpec] = Field(default_factory=list)
+    tool_choice: str | ToolChoiceSpec = "auto"
+    parallel_tool_calls: bool = True
+    temperature: float | None = None
+    top_p: float | None = None
+    max_output_tokens: int | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    store: bool = True
+    metadata: dict[str, Any] = Field(default_factory=dict)
     output_text: str
 
 
@@ -114,3 +222,127 @@ class ResponseRef(Shape):
     id: str
     object: Literal["response"]
     status: str
+
+
+# --- stream events (each with its ``sequence_number``, in the order they are sent) -----------------------------
+class ResponseEvent(Shape):
+    """The response as it stands: at the start (``created``, ``in_progress``; again as a keep-alive while the prefill
+    runs, with the extension field ``prefill``, or ``queued`` while the request waits for the slot), and at the end
+    (``completed``, ``incomplete``, ``failed``)."""
+
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete",
+                  "response.failed"]
+    sequence_number: int
+    response: Response
+
+
+class OutputItemEvent(Shape):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    sequence_number: int
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartEvent(Shape):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDelta(Shape):
+    type: Literal["response.output_text.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[TokenLogprobOut]
+
+
+class OutputTextDone(Shape):
+    type: Literal["response.output_text.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
+class SummaryPartEvent(Shape):
+    type: Literal["response.reasoning_summary_part.added", "response.reasoning_summary_part.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    summary_index: int
+    part: SummaryText
+
+
+class SummaryTextDelta(Shape):
+    type: Literal["response.reasoning_summary_text.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    summary_index: int
+    delta: str
+
+
+class SummaryTextDone(Shape):
+    type: Literal["response.reasoning_summary_text.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    summary_index: int
+    text: str
+
+
+class ArgumentsDelta(Shape):
+    type: Literal["response.function_call_arguments.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class ArgumentsDone(Shape):
+    type: Literal["response.function_call_arguments.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    arguments: str
+
+
+class CustomInputDelta(Shape):
+    type: Literal["response.custom_tool_call_input.delta"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class CustomInputDone(Shape):
+    type: Literal["response.custom_tool_call_input.done"]
+    sequence_number: int
+    item_id: str
+    output_index: int
+    input: str
+
+
+class ErrorEvent(Shape):
+    """A stream that failed after it started: the error (also as OpenAI's error object, on which the SDKs raise),
+    then ``response.failed``."""
+
+    type: Literal["error"]
+    sequence_number: int
+    code: str
+    message: str
+    param: str | None
+    error: ErrorDetail
+
+
+#: any event of a stream, told apart by its ``type``
+StreamEvent = Annotated[ResponseEvent | OutputItemEvent | ContentPartEvent | OutputTextDelta | OutputTextDone
+                        | SummaryPartEvent | SummaryTextDelta | SummaryTextDone | ArgumentsDelta | ArgumentsDone
+                        | CustomInputDelta | CustomInputDone | ErrorEvent, Field(discriminator="type")]

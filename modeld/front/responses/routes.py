@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import anyio
@@ -37,7 +37,36 @@ from ..openai.protocol import ErrorBody
 from ..openai.translate import token_logprobs_out
 from ..queued import abegin_streamed
 from ..stored import ResponseStore
-from .protocol import DeletedResponse, InputTokens, InputTokensRequest, Response, ResponseRef, ResponsesRequest
+from .protocol import (
+    ArgumentsDelta,
+    ArgumentsDone,
+    CallItem,
+    ContentPartEvent,
+    CustomInputDelta,
+    CustomInputDone,
+    CustomToolCallItem,
+    DeletedResponse,
+    ErrorEvent,
+    FunctionCallItem,
+    InputTokens,
+    InputTokensRequest,
+    MessageItem,
+    OutputItemEvent,
+    OutputText,
+    OutputTextDelta,
+    OutputTextDone,
+    ReasoningItem,
+    Response,
+    ResponseError,
+    ResponseEvent,
+    ResponseRef,
+    ResponsesRequest,
+    SummaryPartEvent,
+    SummaryText,
+    SummaryTextDelta,
+    SummaryTextDone,
+    ToolSpec,
+)
 from .translate import (
     Reply,
     ToolMap,
@@ -45,10 +74,15 @@ from .translate import (
     conversation,
     decode_options,
     merge_earlier,
-    new_id,
+    message_item,
     text_part,
     thinking_of,
 )
+
+#: any event model of the stream
+Event = (ResponseEvent | OutputItemEvent | ContentPartEvent | OutputTextDelta | OutputTextDone | SummaryPartEvent
+         | SummaryTextDelta | SummaryTextDone | ArgumentsDelta | ArgumentsDone | CustomInputDelta | CustomInputDone
+         | ErrorEvent)
 
 
 # --- routes ----------------------------------------------------------------------------------------
@@ -60,8 +94,8 @@ class _Running:
 
 
 def _prepare(body: ResponsesRequest, serving: Serving,
-             store: ResponseStore) -> tuple[TurnRequest, ToolMap, list[dict[str, Any]]]:
-    """The turn for ``body``, its tools, and the conversation it continues (for storing)."""
+             store: ResponseStore) -> tuple[TurnRequest, ToolMap, list[ToolSpec]]:
+    """The turn for ``body``, its tools, and the tools it was given (its own, else the stored response's)."""
     earlier: list[dict[str, Any]] = []
     tools_given = body.tools
     if body.previous_response_id:
@@ -71,7 +105,7 @@ def _prepare(body: ResponsesRequest, serving: Serving,
                            code="previous_response_not_found", param="previous_response_id")
         earlier = list(stored.get("conversation") or [])
         if tools_given is None:
-            tools_given = stored.get("tools")
+            tools_given = [ToolSpec.model_validate(t) for t in stored.get("tools") or []]
     tools = ToolMap(tools_given)
     images: list[ImageRef] = []
     messages = conversation(body, tools, serving, images)
@@ -96,12 +130,12 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
     r = APIRouter()
     running = _Running()
 
-    def keep(reply: Reply, turn_req: TurnRequest, tools_given: list[dict[str, Any]]) -> None:
+    def keep(reply: Reply, turn_req: TurnRequest, tools_given: list[ToolSpec]) -> None:
         if reply.req.store:
-            store.put(reply.id, {"response": reply.body(),
+            store.put(reply.id, {"response": dumped(reply.body()),
                                  "conversation": [*(m.model_dump(mode="json", exclude_defaults=True) for m in turn_req.messages),
                                                   reply.assistant_message()],
-                                 "tools": tools_given})
+                                 "tools": [dumped(t) for t in tools_given]})
 
     @r.post("/v1/responses", response_model=None, responses=declared(Response, ErrorBody, stream=True))
     async def create(body: ResponsesRequest, request: Request) -> JSONResponse | EventSourceResponse:
@@ -125,41 +159,40 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
         build_output(reply, result)
         reply.finish(result)
         keep(reply, turn_req, tools_given)
-        return JSONResponse(reply.body())
+        return JSONResponse(dumped(reply.body()))
 
-    @r.post("/v1/responses/input_tokens", responses=declared(InputTokens, ErrorBody))
-    async def input_tokens(body: InputTokensRequest) -> dict[str, Any]:
+    @r.post("/v1/responses/input_tokens", response_model=None, responses=declared(InputTokens, ErrorBody))
+    async def input_tokens(body: InputTokensRequest) -> JSONResponse:
         turn_req, _, _ = _prepare(body, serving, store)
         count = await serving.acount(turn_req)
-        return {"object": "response.input_tokens", "input_tokens": count.prompt_tokens}
+        return JSONResponse(dumped(InputTokens(object="response.input_tokens", input_tokens=count.prompt_tokens)))
 
-    @r.get("/v1/responses/{response_id}", responses=declared(Response, ErrorBody))
-    async def retrieve(response_id: str) -> dict[str, Any]:
+    def stored_response(response_id: str, missing: str) -> JSONResponse:
+        """A stored response as it was sent (checked against its model: the store is a file another version of
+        the daemon may have written)."""
         stored = store.get(response_id)
         if stored is None:
-            raise ApiError(404, f"no stored response {response_id!r}", code="not_found", param="response_id")
-        out: dict[str, Any] = stored["response"]
-        return out
+            raise ApiError(404, missing, code="not_found", param="response_id")
+        return JSONResponse(dumped(Response.model_validate(stored["response"])))
 
-    @r.delete("/v1/responses/{response_id}", responses=declared(DeletedResponse, ErrorBody))
-    async def delete(response_id: str) -> dict[str, Any]:
+    @r.get("/v1/responses/{response_id}", response_model=None, responses=declared(Response, ErrorBody))
+    async def retrieve(response_id: str) -> JSONResponse:
+        return stored_response(response_id, f"no stored response {response_id!r}")
+
+    @r.delete("/v1/responses/{response_id}", response_model=None, responses=declared(DeletedResponse, ErrorBody))
+    async def delete(response_id: str) -> JSONResponse:
         if not store.delete(response_id):
             raise ApiError(404, f"no stored response {response_id!r}", code="not_found", param="response_id")
-        return {"id": response_id, "object": "response.deleted", "deleted": True}
+        return JSONResponse(dumped(DeletedResponse(id=response_id, object="response.deleted", deleted=True)))
 
-    @r.post("/v1/responses/{response_id}/cancel", responses=declared(ResponseRef, ErrorBody))
-    async def cancel(response_id: str) -> dict[str, Any]:
+    @r.post("/v1/responses/{response_id}/cancel", response_model=None, responses=declared(ResponseRef, ErrorBody))
+    async def cancel(response_id: str) -> JSONResponse:
         turn = running.turns.get(response_id)
-        if turn is None:
-            stored = store.get(response_id)
-            if stored is None:
-                raise ApiError(404, f"no response {response_id!r} is running or stored", code="not_found",
-                               param="response_id")
-            out: dict[str, Any] = stored["response"]
-            return out  # already finished: nothing to cancel
+        if turn is None:  # already finished (the whole response), or unknown
+            return stored_response(response_id, f"no response {response_id!r} is running or stored")
         # the decode stops within a token; the request that runs it answers with the reply cut there
         await anyio.to_thread.run_sync(turn.cancel)
-        return {"id": response_id, "object": "response", "status": "cancelled"}
+        return JSONResponse(dumped(ResponseRef(id=response_id, object="response", status="cancelled")))
 
     return r
 
@@ -171,10 +204,11 @@ class _Events:
     def __init__(self) -> None:
         self._next = 0
 
-    def make(self, name: str, **data: Any) -> dict[str, str]:
+    def make(self, kind: type[Event], **fields: Any) -> dict[str, str]:
+        """An event of model ``kind`` with the next number, as SSE (its name is its ``type``)."""
+        event = kind(sequence_number=self._next, **fields)
         self._next += 1
-        return {"event": name,
-                "data": json.dumps({"type": name, "sequence_number": self._next - 1, **data}, ensure_ascii=False)}
+        return {"event": event.type, "data": json.dumps(dumped(event), ensure_ascii=False)}
 
 
 def _keepalive(turn: Turn, reply: Reply, events: _Events) -> ServerSentEvent:
@@ -183,7 +217,7 @@ def _keepalive(turn: Turn, reply: Reply, events: _Events) -> ServerSentEvent:
     the reply streams, a comment (an event made here could overtake one the reply made and has not sent yet)."""
     if not turn.prefilling:
         return turn.keepalive_comment()
-    e = events.make("response.in_progress", response=reply.body(), **turn.waiting())
+    e = events.make(ResponseEvent, type="response.in_progress", response=reply.body(), **turn.waiting())
     return ServerSentEvent(event=e["event"], data=e["data"])
 
 
@@ -191,12 +225,14 @@ class _Items:
     """A streamed reply's output items as the events that build them: a message, a reasoning item or a call opens
     at its first piece, its text or arguments stream as deltas, and the next item (or the end) closes it."""
 
-    def __init__(self, reply: Reply, event: Any) -> None:
+    def __init__(self, reply: Reply, events: _Events) -> None:
         self.reply = reply
-        self.event = event
+        self.event = events.make
         #: the item being streamed (None: none is open), and its text (a message's, a summary's, a call's arguments)
-        self.current: dict[str, Any] | None = None
+        self.current: MessageItem | ReasoningItem | CallItem | None = None
         self.text = ""
+        #: the open call's name as the model wrote it (``call_item`` maps it back to the client's)
+        self.call_name = ""
         self.pieces = CallPieces()
         self.asked = reply.req.logprobs() is not None
         self.held = HeldLogprobs()
@@ -205,27 +241,28 @@ class _Items:
         """The events one of the turn's steps makes (not its last, which carries the result)."""
         self.held.add(ev)
         out: list[dict[str, str]] = []
+        index = len(self.reply.output) - 1
         if ev.thinking:
-            if self.current is None or self.current["type"] != "reasoning":
+            if not isinstance(self.current, ReasoningItem):
                 out += self.open_item(self.reply.reasoning_item(""))
+                index = len(self.reply.output) - 1
             self.text += ev.thinking
-            out.append(self.event("response.reasoning_summary_text.delta", item_id=self._current_id(),
-                                  output_index=len(self.reply.output) - 1, summary_index=0, delta=ev.thinking))
+            out.append(self.event(SummaryTextDelta, type="response.reasoning_summary_text.delta",
+                                  item_id=self._current_id(), output_index=index, summary_index=0, delta=ev.thinking))
         if ev.text:
-            if self.current is None or self.current["type"] != "message":
-                out += self.open_item({"type": "message", "id": new_id("msg"), "status": "in_progress",
-                                       "role": "assistant", "content": []})
+            if not isinstance(self.current, MessageItem):
+                out += self.open_item(message_item("in_progress", []))
+                index = len(self.reply.output) - 1
             self.text += ev.text
-            scores = [dumped(t) for t in token_logprobs_out(self.held.take())] if self.asked else []
-            out.append(self.event("response.output_text.delta", item_id=self._current_id(),
-                                  output_index=len(self.reply.output) - 1, content_index=0, delta=ev.text,
-                                  logprobs=scores))
+            out.append(self.event(OutputTextDelta, type="response.output_text.delta", item_id=self._current_id(),
+                                  output_index=index, content_index=0, delta=ev.text,
+                                  logprobs=token_logprobs_out(self.held.take()) if self.asked else []))
         for piece in self.pieces.of(ev):
             out += self._call_piece(piece)
         return out
 
     def _current_id(self) -> str:
-        return self.current["id"] if self.current else ""
+        return self.current.id if self.current else ""
 
     def _call_piece(self, piece: ToolCallDelta) -> list[dict[str, str]]:
         """A call's item opens at its first piece and its arguments stream as the model writes them."""
@@ -234,17 +271,18 @@ class _Items:
         if piece.id or piece.name:
             out += self.close_current()
             item = reply.call_item(piece.name, "", piece.id)
-            item["status"] = "in_progress"
+            item.status = "in_progress"
             reply.output.append(item)
-            self.current = {**item, "name": piece.name}  # the name as the model wrote it (call_item maps it back)
-            shown = {**item, "arguments": ""} if item["type"] == "function_call" else {**item, "input": ""}
-            out.append(self.event("response.output_item.added", output_index=len(reply.output) - 1, item=shown))
-        if self.current is None or self.current["type"] not in ("function_call", "custom_tool_call"):
+            self.current, self.call_name = item, piece.name
+            shown = item.model_copy(update={"arguments": ""} if isinstance(item, FunctionCallItem) else {"input": ""})
+            out.append(self.event(OutputItemEvent, type="response.output_item.added",
+                                  output_index=len(reply.output) - 1, item=shown))
+        if not isinstance(self.current, FunctionCallItem | CustomToolCallItem):
             return out
         self.text += piece.arguments
-        if piece.arguments and self.current["type"] == "function_call":
-            out.append(self.event("response.function_call_arguments.delta", item_id=self.current["id"],
-                                  output_index=len(reply.output) - 1, delta=piece.arguments))
+        if piece.arguments and isinstance(self.current, FunctionCallItem):
+            out.append(self.event(ArgumentsDelta, type="response.function_call_arguments.delta",
+                                  item_id=self.current.id, output_index=len(reply.output) - 1, delta=piece.arguments))
         return out
 
     def close_current(self) -> list[dict[str, str]]:
@@ -255,65 +293,69 @@ class _Items:
         out: list[dict[str, str]] = []
         index = len(reply.output) - 1
         self.current, self.text = None, ""
-        if current["type"] in ("function_call", "custom_tool_call"):
-            item = reply.call_item(current["name"], text, current["call_id"])
-            item["id"] = current["id"]
-            if current["call_id"] not in self.pieces.finished:
-                item["status"] = "incomplete"  # the reply ended inside the call: its arguments are cut short
+        ids = {"item_id": current.id, "output_index": index}
+        if isinstance(current, FunctionCallItem | CustomToolCallItem):
+            item = reply.call_item(self.call_name, text, current.call_id)
+            item.id = current.id
+            if current.call_id not in self.pieces.finished:
+                item.status = "incomplete"  # the reply ended inside the call: its arguments are cut short
             reply.output[index] = item
-            if item["type"] == "function_call":
-                out.append(event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                 arguments=item["arguments"]))
+            if isinstance(item, FunctionCallItem):
+                out.append(event(ArgumentsDone, type="response.function_call_arguments.done", **ids,
+                                 arguments=item.arguments))
             else:  # a custom tool's input is the text inside the arguments: it goes whole once they are
-                out.append(event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=index,
-                                 delta=item["input"]))
-                out.append(event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
-                                 input=item["input"]))
-            out.append(event("response.output_item.done", output_index=index, item=item))
+                out.append(event(CustomInputDelta, type="response.custom_tool_call_input.delta", **ids,
+                                 delta=item.input))
+                out.append(event(CustomInputDone, type="response.custom_tool_call_input.done", **ids,
+                                 input=item.input))
+            out.append(event(OutputItemEvent, type="response.output_item.done", output_index=index, item=item))
             return out
-        if current["type"] == "message":
+        if isinstance(current, MessageItem):
             part = text_part(text, reply.req, self.held.all)
-            current["content"] = [part]
-            out.append(event("response.output_text.done", item_id=current["id"], output_index=index, content_index=0,
-                             text=text))
-            out.append(event("response.content_part.done", item_id=current["id"], output_index=index, content_index=0,
-                             part=part))
-            current["status"] = "completed"
+            current.content = [part]
+            out.append(event(OutputTextDone, type="response.output_text.done", **ids, content_index=0, text=text))
+            out.append(event(ContentPartEvent, type="response.content_part.done", **ids, content_index=0, part=part))
+            current.status = "completed"
         else:
             reply.seal_reasoning(current, text)
-            out.append(event("response.reasoning_summary_text.done", item_id=current["id"], output_index=index,
-                             summary_index=0, text=text))
-            out.append(event("response.reasoning_summary_part.done", item_id=current["id"], output_index=index,
-                             summary_index=0, part={"type": "summary_text", "text": text}))
-        out.append(event("response.output_item.done", output_index=index, item=current))
+            out.append(event(SummaryTextDone, type="response.reasoning_summary_text.done", **ids, summary_index=0,
+                             text=text))
+            out.append(event(SummaryPartEvent, type="response.reasoning_summary_part.done", **ids, summary_index=0,
+                             part=SummaryText(type="summary_text", text=text)))
+        out.append(event(OutputItemEvent, type="response.output_item.done", output_index=index, item=current))
         return out
 
-    def open_item(self, item: dict[str, Any]) -> list[dict[str, str]]:
+    def open_item(self, item: MessageItem | ReasoningItem) -> list[dict[str, str]]:
         """The events that close the open item and open ``item`` (a message or a reasoning item)."""
         out = self.close_current()
         self.reply.output.append(item)
         self.current = item
         index = len(self.reply.output) - 1
-        shown = {**item, "content": []} if item["type"] == "message" else {**item, "summary": []}
-        out.append(self.event("response.output_item.added", output_index=index, item=shown))
-        if item["type"] == "message":
-            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
-                                  content_index=0,
-                                  part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        shown = item.model_copy(update={"content": []} if isinstance(item, MessageItem) else {"summary": []})
+        out.append(self.event(OutputItemEvent, type="response.output_item.added", output_index=index, item=shown))
+        if isinstance(item, MessageItem):
+            out.append(self.event(ContentPartEvent, type="response.content_part.added", item_id=item.id,
+                                  output_index=index, content_index=0,
+                                  part=OutputText(type="output_text", text="", annotations=[], logprobs=[])))
         else:
-            out.append(self.event("response.reasoning_summary_part.added", item_id=item["id"], output_index=index,
-                                  summary_index=0, part={"type": "summary_text", "text": ""}))
+            out.append(self.event(SummaryPartEvent, type="response.reasoning_summary_part.added", item_id=item.id,
+                                  output_index=index, summary_index=0, part=SummaryText(type="summary_text", text="")))
         return out
 
 
+#: the reply's status -> the event that ends its stream (the API has no event for a cancelled response: one cut
+#: short ends as incomplete ones do)
+_FINAL = {"completed": "response.completed", "incomplete": "response.incomplete", "cancelled": "response.incomplete"}
+
+
 async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
-                  on_done: Any, numbered: _Events) -> AsyncGenerator[dict[str, str], None]:
+                  on_done: Callable[[], None], numbered: _Events) -> AsyncGenerator[dict[str, str], None]:
     """The documented event order, each event with its ``sequence_number``."""
     record = record_of(request)
     event = numbered.make
-    yield event("response.created", response=reply.body())
-    yield event("response.in_progress", response=reply.body())
-    items = _Items(reply, event)
+    yield event(ResponseEvent, type="response.created", response=reply.body())
+    yield event(ResponseEvent, type="response.in_progress", response=reply.body())
+    items = _Items(reply, numbered)
     events = turn.aevents(record)
     try:
         async for ev in events:
@@ -327,21 +369,18 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
             fill_record(record, ev.result)
             reply.finish(ev.result)
             on_done()
-            # (the API has no event for a cancelled response: one cut short ends as incomplete ones do)
-            final = {"completed": "response.completed", "incomplete": "response.incomplete",
-                     "cancelled": "response.incomplete"}.get(reply.status, "response.completed")
-            yield event(final, response=reply.body())
+            yield event(ResponseEvent, type=_FINAL.get(reply.status, "response.completed"), response=reply.body())
             return
     except (ModeldError, ApiError) as exc:
         err = api_error(exc)
         record.error = err.code or "error"
         reply.status = "failed"
-        reply.error = {"code": err.code or "server_error", "message": err.message}
+        reply.error = ResponseError(code=err.code or "server_error", message=err.message)
         # the stream's error event, then the failed response. The event also carries the error as an
         # object, as OpenAI's own error events do: the SDKs raise on it rather than end as if all went well
-        yield event("error", code=reply.error["code"], message=err.message, param=err.param,
-                    error=err.openai()["error"])
-        yield event("response.failed", response=reply.body())
+        yield event(ErrorEvent, type="error", code=reply.error.code, message=err.message, param=err.param,
+                    error=ErrorBody.model_validate(err.openai()).error)
+        yield event(ResponseEvent, type="response.failed", response=reply.body())
     finally:
         await close_events(events)
         running.turns.pop(reply.id, None)

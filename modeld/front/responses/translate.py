@@ -12,15 +12,35 @@ from typing import Any
 from contract.types import StructuredOutputConfig, TokenLogprob
 from runtime.chat import ChatResult
 
-from ..core import (
-    Serving,
-    dumped,
-    with_miss,
-)
+from ..core import Serving, miss_field
 from ..errors import ApiError
 from ..images import ImageRef, joined
 from ..openai.translate import call_schemas, token_logprobs_out, tool_choice_options
-from .protocol import ENCRYPTED_REASONING, ResponsesRequest
+from .protocol import (
+    ENCRYPTED_REASONING,
+    CallItem,
+    CustomToolCallItem,
+    FunctionCallItem,
+    IncompleteDetails,
+    InputTokensDetails,
+    ItemStatus,
+    MessageItem,
+    OutputItem,
+    OutputText,
+    OutputTokensDetails,
+    ReasoningConfig,
+    ReasoningItem,
+    Response,
+    ResponseError,
+    ResponsesRequest,
+    ResponseStatus,
+    ResponseUsage,
+    SummaryText,
+    TextConfig,
+    TextFormat,
+    ToolChoiceSpec,
+    ToolSpec,
+)
 
 log = logging.getLogger("modeld.http")
 
@@ -29,44 +49,40 @@ log = logging.getLogger("modeld.http")
 class ToolMap:
     """The request's tools as function tools, and how a call's name maps back to the tool the client gave."""
 
-    def __init__(self, tools: list[dict[str, Any]] | None) -> None:
+    def __init__(self, tools: list[ToolSpec] | None) -> None:
         self.functions: list[dict[str, Any]] = []
         #: flattened name -> (namespace or "", the name the client knows, "function" | "custom")
         self.origin: dict[str, tuple[str, str, str]] = {}
         self.dropped: list[str] = []
         for i, tool in enumerate(tools or []):
-            kind = tool.get("type")
-            if kind == "function":
+            if tool.type in ("function", "custom"):
                 self._add(tool, "", f"tools[{i}]")
-            elif kind == "namespace":
-                inner = tool.get("tools")
-                if not isinstance(inner, list):
+            elif tool.type == "namespace":
+                if tool.tools is None:
                     raise ApiError(400, f"tools[{i}]: a namespace tool needs a list of tools", param=f"tools[{i}].tools")
-                for j, t in enumerate(inner):
-                    if isinstance(t, dict) and t.get("type", "function") in ("function", "custom"):
-                        self._add(t, str(tool.get("name") or ""), f"tools[{i}].tools[{j}]")
-            elif kind == "custom":
-                self._add(tool, "", f"tools[{i}]")
+                for j, t in enumerate(tool.tools):
+                    if t.type in ("function", "custom"):
+                        self._add(t, tool.name or "", f"tools[{i}].tools[{j}]")
             else:
-                self.dropped.append(str(kind))
+                self.dropped.append(tool.type)
         if self.dropped:
             log.info("tools this daemon does not run were left out of the prompt: %s", ", ".join(self.dropped))
 
-    def _add(self, tool: dict[str, Any], namespace: str, where: str) -> None:
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
+    def _add(self, tool: ToolSpec, namespace: str, where: str) -> None:
+        name = tool.name
+        if not name:
             raise ApiError(400, f"{where} has no name", param=f"{where}.name")
         flat = name if name not in self.origin else f"{namespace}__{name}" if namespace else name
-        custom = tool.get("type") == "custom"
+        custom = tool.type == "custom"
         params: Any = ({"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
-                       if custom else tool.get("parameters") or {"type": "object", "properties": {}})
+                       if custom else tool.parameters or {"type": "object", "properties": {}})
         fn: dict[str, Any] = {"name": flat, "parameters": params}
-        if tool.get("description"):
-            fn["description"] = tool["description"]
+        if tool.description:
+            fn["description"] = tool.description
         self.functions.append({"type": "function", "function": fn})
         self.origin[flat] = (namespace, name, "custom" if custom else "function")
 
-    def flat_name(self, name: str, namespace: str = "") -> str:
+    def flat_name(self, name: str, namespace: str | None = "") -> str:
         for flat, (ns, known, _) in self.origin.items():
             if known == name and (not namespace or ns == namespace):
                 return flat
@@ -196,11 +212,10 @@ def decode_options(req: ResponsesRequest, tools: ToolMap) -> dict[str, Any]:
         opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps(fmt.schema_))
     choice = req.tool_choice
     names = call_schemas(tools.functions)
-    if isinstance(choice, dict):
-        forced = choice.get("name")
-        if choice.get("type") not in ("function", "custom") or not isinstance(forced, str):
+    if isinstance(choice, ToolChoiceSpec):
+        if choice.type not in ("function", "custom") or not choice.name:
             raise ApiError(400, "tool_choice must be auto, none, required or {type: function, name}", param="tool_choice")
-        calls = tool_choice_options(None, tools.flat_name(forced, str(choice.get("namespace") or "")), names)
+        calls = tool_choice_options(None, tools.flat_name(choice.name, choice.namespace), names)
     elif choice in (None, "auto", "none", "required"):
         calls = tool_choice_options(choice, None, names)
     else:
@@ -213,7 +228,7 @@ def decode_options(req: ResponsesRequest, tools: ToolMap) -> dict[str, Any]:
 
 
 def thinking_of(req: ResponsesRequest) -> bool | None:
-    effort = (req.reasoning or {}).get("effort")
+    effort = req.reasoning.effort if req.reasoning is not None else None
     if effort is None:
         return None
     return effort not in ("none", "minimal")
@@ -234,86 +249,78 @@ class Reply:
         self.model = model
         self.serving = serving
         self.created = int(time.time())
-        self.output: list[dict[str, Any]] = []
-        self.status = "in_progress"
-        self.usage: dict[str, Any] | None = None
-        self.incomplete: dict[str, Any] | None = None
-        self.error: dict[str, Any] | None = None
+        self.output: list[OutputItem] = []
+        self.status: ResponseStatus = "in_progress"
+        self.usage: ResponseUsage | None = None
+        self.incomplete: IncompleteDetails | None = None
+        self.error: ResponseError | None = None
 
-    def reasoning_item(self, text: str) -> dict[str, Any]:
-        item: dict[str, Any] = {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": "in_progress"}
-        if text:
-            item["summary"] = [{"type": "summary_text", "text": text}]
-        return item
+    def reasoning_item(self, text: str) -> ReasoningItem:
+        return ReasoningItem(type="reasoning", id=new_id("rs"), status="in_progress",
+                             summary=[SummaryText(type="summary_text", text=text)] if text else [])
 
-    def seal_reasoning(self, item: dict[str, Any], text: str) -> None:
-        item["status"] = "completed"
-        item["summary"] = [{"type": "summary_text", "text": text}]
+    def seal_reasoning(self, item: ReasoningItem, text: str) -> None:
+        item.status = "completed"
+        item.summary = [SummaryText(type="summary_text", text=text)]
         if ENCRYPTED_REASONING in (self.req.include or []):
-            item["encrypted_content"] = self.serving.sealer.seal({"reasoning": text})
+            item.encrypted_content = self.serving.sealer.seal({"reasoning": text})
 
-    def call_item(self, name: str, arguments: str, call_id: str) -> dict[str, Any]:
+    def call_item(self, name: str, arguments: str, call_id: str) -> CallItem:
+        """A call as the client's tool names it (its namespace again, a custom tool's input out of the arguments)."""
         namespace, known, kind = self.tools.origin.get(name, ("", name, "function"))
-        item: dict[str, Any] = {"id": new_id("fc"), "call_id": call_id or new_id("call"), "status": "completed"}
-        if kind == "custom":
-            try:
-                given = json.loads(arguments) if arguments else {}
-            except ValueError:
-                given = {"input": arguments}
-            value = given.get("input", "") if isinstance(given, dict) else arguments
-            item.update(type="custom_tool_call", name=known, input=value if isinstance(value, str) else json.dumps(value))
-        else:
-            item.update(type="function_call", name=known, arguments=arguments)
-        if namespace:
-            item["namespace"] = namespace
-        return item
+        common: dict[str, Any] = {"id": new_id("fc"), "call_id": call_id or new_id("call"), "name": known,
+                                  "status": "completed", **({"namespace": namespace} if namespace else {})}
+        if kind != "custom":
+            return FunctionCallItem(type="function_call", arguments=arguments, **common)
+        try:
+            given = json.loads(arguments) if arguments else {}
+        except ValueError:
+            given = {"input": arguments}
+        value = given.get("input", "") if isinstance(given, dict) else arguments
+        return CustomToolCallItem(type="custom_tool_call", input=value if isinstance(value, str) else json.dumps(value),
+                                  **common)
 
     def finish(self, result: ChatResult) -> None:
         u = result.usage
-        self.usage = with_miss({
-            "input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.reused_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u.prompt_tokens + u.completion_tokens}, u)
+        self.usage = ResponseUsage(
+            input_tokens=u.prompt_tokens, input_tokens_details=InputTokensDetails(cached_tokens=u.reused_tokens),
+            output_tokens=u.completion_tokens, output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+            total_tokens=u.prompt_tokens + u.completion_tokens, **miss_field(u))
         if result.finish_reason in ("length", "context_full"):
             self.status = "incomplete"
-            self.incomplete = {"reason": "max_output_tokens"}
+            self.incomplete = IncompleteDetails(reason="max_output_tokens")
         elif result.finish_reason == "cancelled":
             self.status = "cancelled"  # POST /v1/responses/{id}/cancel cut it short
         else:
             self.status = "completed"
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> Response:
         req = self.req
-        fmt = req.text.format.model_dump(by_alias=True, exclude_none=True) if req.text and req.text.format else {"type": "text"}
-        return {
-            "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
-            "model": self.model, "output": self.output, "usage": self.usage, "error": self.error,
-            "incomplete_details": self.incomplete, "instructions": req.instructions,
-            "previous_response_id": req.previous_response_id, "tools": req.tools or [],
-            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
-            "text": {"format": fmt}, "reasoning": req.reasoning or {"effort": None, "summary": None},
-            "store": req.store, "metadata": req.metadata or {}, "output_text": self.output_text(),
-        }
+        return Response(
+            id=self.id, object="response", created_at=self.created, status=self.status, model=self.model,
+            output=list(self.output), usage=self.usage, error=self.error, incomplete_details=self.incomplete,
+            instructions=req.instructions, previous_response_id=req.previous_response_id, tools=req.tools or [],
+            tool_choice=req.tool_choice or "auto", parallel_tool_calls=req.parallel_tool_calls is not False,
+            temperature=req.temperature, top_p=req.top_p, max_output_tokens=req.max_output_tokens,
+            text=TextConfig(format=req.text.format if req.text and req.text.format else TextFormat(type="text")),
+            reasoning=req.reasoning or ReasoningConfig(effort=None, summary=None), store=req.store,
+            metadata=req.metadata or {}, output_text=self.output_text())
 
     def output_text(self) -> str:
-        return "".join(part.get("text", "") for item in self.output if item.get("type") == "message"
-                       for part in item.get("content", []))
+        return "".join(part.text for item in self.output if isinstance(item, MessageItem) for part in item.content)
 
     def assistant_message(self) -> dict[str, Any]:
         """This reply as the assistant message a later turn resends (the stored conversation's last turn)."""
         msg: dict[str, Any] = {"role": "assistant", "content": self.output_text() or None}
         calls = []
         for item in self.output:
-            if item["type"] == "function_call":
-                calls.append({"id": item["call_id"], "type": "function", "function": {
-                    "name": self.tools.flat_name(item["name"], item.get("namespace", "")), "arguments": item["arguments"]}})
-            elif item["type"] == "custom_tool_call":
-                calls.append({"id": item["call_id"], "type": "function", "function": {
-                    "name": self.tools.flat_name(item["name"], item.get("namespace", "")),
-                    "arguments": json.dumps({"input": item["input"]}, ensure_ascii=False)}})
-            elif item["type"] == "reasoning":
-                msg["reasoning_content"] = "".join(s.get("text", "") for s in item.get("summary", []))
+            if isinstance(item, FunctionCallItem | CustomToolCallItem):
+                arguments = item.arguments if isinstance(item, FunctionCallItem) else \
+                    json.dumps({"input": item.input}, ensure_ascii=False)
+                calls.append({"id": item.call_id, "type": "function", "function": {
+                    "name": self.tools.flat_name(item.name, item.namespace), "arguments": arguments}})
+            elif isinstance(item, ReasoningItem):
+                msg["reasoning_content"] = "".join(s.text for s in item.summary)
         if calls:
             msg["tool_calls"] = calls
         if msg["content"] is None and not calls:
@@ -321,15 +328,15 @@ class Reply:
         return msg
 
 
-def text_part(text: str, req: ResponsesRequest, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+def text_part(text: str, req: ResponsesRequest, logprobs: list[TokenLogprob]) -> OutputText:
     """An ``output_text`` content part; with log probabilities asked, its tokens' (every reply token's: those
     of the reasoning and of calls too)."""
-    scores = [dumped(t) for t in token_logprobs_out(logprobs)] if req.logprobs() is not None else []
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": scores}
+    return OutputText(type="output_text", text=text, annotations=[],
+                      logprobs=token_logprobs_out(logprobs) if req.logprobs() is not None else [])
 
 
-def _message_item(part: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "message", "id": new_id("msg"), "status": "completed", "role": "assistant", "content": [part]}
+def message_item(status: ItemStatus, content: list[OutputText]) -> MessageItem:
+    return MessageItem(type="message", id=new_id("msg"), status=status, role="assistant", content=content)
 
 
 def build_output(reply: Reply, result: ChatResult) -> None:
@@ -339,7 +346,7 @@ def build_output(reply: Reply, result: ChatResult) -> None:
         reply.seal_reasoning(item, msg.reasoning)
         reply.output.append(item)
     if msg.content:
-        reply.output.append(_message_item(text_part(msg.content, reply.req, result.logprobs)))
+        reply.output.append(message_item("completed", [text_part(msg.content, reply.req, result.logprobs)]))
     for call in msg.tool_calls:
         reply.output.append(reply.call_item(call.function.name, call.function.arguments, call.id))
 
