@@ -26,6 +26,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("websockets")
 
+from modeld.front.ws.protocol import SERVER_MESSAGE  # noqa: E402
 from runtime.ws import WsClient, WsError  # noqa: E402
 from tests.test_metrics import samples  # noqa: E402
 from tests.test_openai_front import Front, slot_free  # noqa: E402
@@ -60,9 +61,12 @@ def _client(front: Front, **kw: Any) -> WsClient:
 
 
 def _run(c: WsClient, **config: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """A generation's messages before its completion, and the completion."""
+    """A generation's messages before its completion, and the completion; each message validated by the front's
+    model for its ``type``."""
     seen: list[dict[str, Any]] = []
     done = c.generate(on_message=seen.append, **config)
+    for message in seen:
+        SERVER_MESSAGE.validate_python(message)
     return seen[:-1], done
 
 

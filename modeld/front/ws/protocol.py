@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from contract.types import DecodeConfig
+from contract.types import DecodeConfig, TokenLogprob, ToolCall
 
 __all__ = [
     "ACTIONS",
@@ -28,11 +28,14 @@ __all__ = [
     "ErrorMessage",
     "Feedback",
     "Init",
+    "ModelInfo",
     "Options",
     "Parameters",
     "ServerMessage",
     "Status",
+    "Timing",
     "Token",
+    "TokenTiming",
     "Usage",
     "schemas",
 ]
@@ -139,14 +142,37 @@ class _Out(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class ModelInfo(_Out):
+    """The loaded model that serves the generation (empty when another model is to be loaded for it)."""
+
+    context_window: int | None = None
+    digest: str | None = None
+    backend: str | None = None
+
+
 class Init(_Out):
     """A generation was accepted: its id, the model, the context window, what the daemon can do."""
 
     type: Literal["init"] = "init"
     request_id: str
     model: str
-    model_info: dict[str, Any] = Field(default_factory=dict)
+    model_info: ModelInfo = Field(default_factory=ModelInfo)
     capabilities: list[str] = Field(default_factory=list)
+
+
+class TokenTiming(_Out):
+    """``include_timing``: since the token before, and since the generation was accepted."""
+
+    token_ms: float
+    total_ms: float
+
+
+class Timing(_Out):
+    """``include_timing``: a generation's times (``prefill_ms``: the daemon's own prefill)."""
+
+    first_token_ms: float | None = None
+    prefill_ms: float | None = None
+    total_ms: float | None = None
 
 
 class Token(_Out):
@@ -160,8 +186,8 @@ class Token(_Out):
     position: int
     token_id: int | None = None
     token_ids: list[int] | None = None
-    logprobs: list[dict[str, Any]] | None = None
-    timing: dict[str, float] | None = None
+    logprobs: list[TokenLogprob] | None = None
+    timing: TokenTiming | None = None
     finish_reason: None = None
     finished: Literal[False] = False
 
@@ -182,12 +208,12 @@ class Completion(_Out):
     request_id: str
     generated_text: str
     thinking: str = ""
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
     #: "stop", "length", "tool_calls", or "cancelled" (``stop``, ``regenerate``)
     finish_reason: str
     finished: Literal[True] = True
     usage: Usage
-    timing: dict[str, float] | None = None
+    timing: Timing | None = None
 
 
 class Status(_Out):

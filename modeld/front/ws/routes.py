@@ -28,10 +28,11 @@ from typing import Any
 import anyio
 from fastapi import APIRouter, WebSocket
 from prometheus_client import Counter
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from contract.errors import ModeldError
+from contract.types import ToolCall
 from runtime.chat import ChatResult
 
 from ..core import Route, Serving, Turn, TurnRequest, client_label, turn_messages
@@ -44,10 +45,14 @@ from .protocol import (
     Completion,
     Config,
     Control,
+    ErrorMessage,
     Feedback,
     Init,
+    ModelInfo,
     Status,
+    Timing,
     Token,
+    TokenTiming,
     Usage,
     schemas,
 )
@@ -83,7 +88,7 @@ class _Tally:
     position: int
     last_token: float
     produced: int = 0
-    timing: dict[str, float] = field(default_factory=dict)
+    timing: Timing = field(default_factory=Timing)
 
 
 class _Generation:
@@ -124,8 +129,8 @@ class _Connection:
         self.tg: anyio.abc.TaskGroup | None = None
 
     # --- sending --------------------------------------------------------------------------------------------
-    async def send(self, message: BaseModel | dict[str, Any]) -> None:
-        body = message.model_dump(exclude_none=True) if isinstance(message, BaseModel) else message
+    async def send(self, message: Init | Token | Completion | Status | ErrorMessage) -> None:
+        body = message.model_dump(mode="json", exclude_none=True)
         async with self.send_lock:
             if self.socket.application_state != WebSocketState.CONNECTED:
                 raise _Gone
@@ -141,10 +146,8 @@ class _Connection:
             self.gen = None
 
     async def refuse(self, err: ApiError, request_id: str = "") -> None:
-        body = {k: v for k, v in err.websocket().items() if v is not None}
-        if request_id:
-            body["request_id"] = request_id
-        await self.send(body)
+        message = ErrorMessage.model_validate({k: v for k, v in err.websocket().items() if v is not None})
+        await self.send(message.model_copy(update={"request_id": request_id}) if request_id else message)
 
     # --- the connection -------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -305,7 +308,7 @@ class _Connection:
                 await self._run(gen)
             if gen.turn is None and gen.action in ("stop", "regenerate"):  # stopped while it waited for the slot
                 await self._complete(gen, "cancelled", [], None, [], Usage(prompt_tokens=0, completion_tokens=0,
-                                                                            total_tokens=0), {})
+                                                                            total_tokens=0), Timing())
             again = gen.action == "regenerate"
         except _Gone:
             pass
@@ -355,7 +358,7 @@ class _Connection:
         tally = _Tally(started=started, position=prompt, last_token=started)
         texts: list[str] = []
         thinking: list[str] = []
-        calls: list[dict[str, Any]] = []
+        calls: list[ToolCall] = []
         usage: Usage | None = None
         more: dict[str, Any] | None = None
         finish = ""
@@ -363,12 +366,12 @@ class _Connection:
             result = await self._pass(gen, turn, more, tally)
             texts.append(result.message.content or "")
             thinking.append(result.message.reasoning or "")
-            calls += [c.model_dump() for c in result.message.tool_calls]
+            calls += result.message.tool_calls
             if usage is None:
                 u = result.usage
                 usage = Usage(prompt_tokens=prompt, completion_tokens=0, total_tokens=prompt,
                               cached_tokens=u.reused_tokens, prefilled_tokens=u.prefilled_tokens)
-                tally.timing["prefill_ms"] = result.timing.prefill_ms
+                tally.timing.prefill_ms = result.timing.prefill_ms
             finish = result.finish_reason
             action, gen.action = gen.action, None
             if finish != "cancelled" or action in (None, "stop", "regenerate"):
@@ -390,7 +393,7 @@ class _Connection:
                 more["max_tokens"] = limit - tally.produced
         assert usage is not None
         usage = usage.model_copy(update={"completion_tokens": tally.produced, "total_tokens": prompt + tally.produced})
-        tally.timing["total_ms"] = (time.perf_counter() - started) * 1000
+        tally.timing.total_ms = (time.perf_counter() - started) * 1000
         await self._complete(gen, finish, texts, thinking, calls, usage, tally.timing)
 
     async def _announce(self, gen: _Generation) -> Route:
@@ -400,10 +403,10 @@ class _Connection:
         route = self.serving.route(gen.config.model, st)
         active = st.active
         gen.model = route.model
-        info: dict[str, Any] = {}
+        info = ModelInfo()
         if active is not None and active.model_name == route.model:
             gen.digest = active.digest
-            info = {"context_window": active.effective_context, "digest": active.digest, "backend": active.type}
+            info = ModelInfo(context_window=active.effective_context, digest=active.digest, backend=active.type)
         await self.send(Init(request_id=gen.id, model=gen.model, model_info=info, capabilities=CAPABILITIES))
         return route
 
@@ -428,8 +431,8 @@ class _Connection:
                             await self._cut(gen)
                     n = len(event.token_ids)
                     now = time.perf_counter()
-                    if not tally.timing:
-                        tally.timing["first_token_ms"] = (now - tally.started) * 1000
+                    if tally.timing.first_token_ms is None:
+                        tally.timing.first_token_ms = (now - tally.started) * 1000
                     if gen.config.options.stream and (event.text or event.thinking or n):
                         await self.send(self._token(gen, event, tally.position, now - tally.last_token,
                                                     now - tally.started))
@@ -467,7 +470,7 @@ class _Connection:
         return float(self.serving.settings.ws_pause_limit)
 
     async def _complete(self, gen: _Generation, finish: str, texts: list[str], thinking: list[str] | None,
-                        calls: list[dict[str, Any]], usage: Usage, timing: dict[str, float]) -> None:
+                        calls: list[ToolCall], usage: Usage, timing: Timing) -> None:
         self._ended(gen)  # (before the completion goes: a client may send its next config the moment it reads it)
         text = "".join(texts)
         if gen.config.options.echo_prompt and gen.config.prompt is not None:
@@ -486,8 +489,8 @@ class _Connection:
             request_id=gen.id, token=event.text, thinking=event.thinking, position=position,
             token_id=ids[0] if opts.include_token_ids and len(ids) == 1 else None,
             token_ids=ids if opts.include_token_ids else None,
-            logprobs=[lp.model_dump() for lp in event.logprobs] if opts.include_logprobs is not False else None,
-            timing={"token_ms": step_s * 1000, "total_ms": total_s * 1000} if opts.include_timing else None,
+            logprobs=list(event.logprobs) if opts.include_logprobs is not False else None,
+            timing=TokenTiming(token_ms=step_s * 1000, total_ms=total_s * 1000) if opts.include_timing else None,
         )
 
     def _spawn(self, helper: Callable[..., Awaitable[None]], *args: Any) -> None:
