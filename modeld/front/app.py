@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 from fastapi import FastAPI, Request
@@ -30,7 +30,7 @@ from ..metrics import CONTENT_TYPE
 from . import anthropic, completions, openai, responses, tokens, ws
 from .access import AccessLog, record_of
 from .api import HttpApi, error_body
-from .core import Serving, Shape, declared
+from .core import Serving, Shape, declared, dumped
 from .errors import ApiError, api_error
 from .openai.protocol import ErrorBody
 from .stored import ResponseStore
@@ -177,23 +177,23 @@ def create_app(serving: Serving, *, store: ResponseStore | None = None, apis: Se
             response.headers[name] = value
         return response
 
-    @app.get("/", responses=declared(Greeting, ErrorBody))
-    async def root() -> dict[str, Any]:
-        return {"name": "modeld", "status": "ok"}
+    @app.get("/", response_model=None, responses=declared(Greeting, ErrorBody))
+    async def root() -> JSONResponse:
+        return JSONResponse(dumped(Greeting(name="modeld", status="ok")))
 
-    @app.head("/", responses=declared(Greeting, ErrorBody))
-    async def root_head() -> dict[str, Any]:  # Claude Code's first request: is the server there
-        return {"name": "modeld", "status": "ok"}
+    @app.head("/", response_model=None, responses=declared(Greeting, ErrorBody))
+    async def root_head() -> JSONResponse:  # Claude Code's first request: is the server there
+        return JSONResponse(dumped(Greeting(name="modeld", status="ok")))
 
-    @app.get("/health", responses=declared(Health, ErrorBody))
-    async def health() -> dict[str, Any]:
-        def status() -> dict[str, Any]:
+    @app.get("/health", response_model=None, responses=declared(Health, ErrorBody))
+    async def health() -> JSONResponse:
+        def status() -> Health:
             with serving.pool.client() as c:
                 st = c.status()
-            return {"status": "ok", "state": st.state.value, "model": st.active.model_name if st.active else None}
+            return Health(status="ok", state=st.state.value, model=st.active.model_name if st.active else None)
 
         try:
-            return await anyio.to_thread.run_sync(status)
+            return JSONResponse(dumped(await anyio.to_thread.run_sync(status)))
         except ModeldError as exc:
             raise api_error(exc) from None
 

@@ -474,11 +474,6 @@ def miss_field(u: ChatUsage) -> dict[str, Any]:
     return {"cache_miss": u.miss.model_dump(mode="json")} if u.miss is not None else {}
 
 
-def with_miss(usage: dict[str, Any], u: ChatUsage) -> dict[str, Any]:
-    """``usage`` with its ``cache_miss`` (``miss_field``)."""
-    return usage | miss_field(u)
-
-
 def dumped(reply: BaseModel) -> dict[str, Any]:
     """A reply model as the JSON object it is sent as: the fields it was built with (an optional field left out
     stays out; one set to None is sent as null), extension fields included, each under its wire name."""

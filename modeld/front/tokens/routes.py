@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
 from contract.types import ReadoutInfo
 
-from ..core import Serving, declared
+from ..core import Serving, declared, dumped
 from ..errors import ApiError
 from ..openai.protocol import ErrorBody
 from .protocol import DetokenizeIn, DetokenizeOut, TokenizeIn, TokenizeOut, TokenizerInfo
@@ -19,8 +18,8 @@ from .protocol import DetokenizeIn, DetokenizeOut, TokenizeIn, TokenizeOut, Toke
 def router(serving: Serving) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/tokenize", responses=declared(TokenizeOut, ErrorBody))
-    async def tokenize(body: TokenizeIn) -> dict[str, Any]:
+    @r.post("/tokenize", response_model=None, responses=declared(TokenizeOut, ErrorBody))
+    async def tokenize(body: TokenizeIn) -> JSONResponse:
         if body.with_pieces:
             raise ApiError(400, "with_pieces is not served here: /detokenize a token for its text",
                            code="unsupported", param="with_pieces")
@@ -28,21 +27,22 @@ def router(serving: Serving) -> APIRouter:
             raise ApiError(400, "parse_special false is not served here: special tokens are parsed, as in a prompt",
                            code="unsupported", param="parse_special")
         tokens = await serving.aon_session(body.model, lambda s: s.tokenize(body.text, add_special=body.special))
-        return {"tokens": tokens, "count": len(tokens)}
+        return JSONResponse(dumped(TokenizeOut(tokens=tokens, count=len(tokens))))
 
-    @r.post("/detokenize", responses=declared(DetokenizeOut, ErrorBody))
-    async def detokenize(body: DetokenizeIn) -> dict[str, Any]:
+    @r.post("/detokenize", response_model=None, responses=declared(DetokenizeOut, ErrorBody))
+    async def detokenize(body: DetokenizeIn) -> JSONResponse:
         text = await serving.aon_session(body.model, lambda s: s.detokenize(body.tokens))
-        return {"content": text, "prompt": text}
+        return JSONResponse(dumped(DetokenizeOut(content=text, prompt=text)))
 
-    @r.get("/tokenizer_info", responses=declared(TokenizerInfo, ErrorBody))
-    async def tokenizer_info() -> dict[str, Any]:
+    @r.get("/tokenizer_info", response_model=None, responses=declared(TokenizerInfo, ErrorBody))
+    async def tokenizer_info() -> JSONResponse:
         active = await anyio.to_thread.run_sync(serving.active)  # (the status: no turn waited for)
-        return {"model_max_length": active.effective_context, "eos_token": None, "bos_token": None, "pad_token": None}
+        return JSONResponse(dumped(TokenizerInfo(model_max_length=active.effective_context, eos_token=None,
+                                                 bos_token=None, pad_token=None)))
 
-    @r.get("/v1/readouts", responses=declared(ReadoutInfo, ErrorBody))
-    async def readouts() -> dict[str, Any]:
+    @r.get("/v1/readouts", response_model=None, responses=declared(ReadoutInfo, ErrorBody))
+    async def readouts() -> JSONResponse:
         info = await anyio.to_thread.run_sync(serving.readouts)
-        return info.model_dump()
+        return JSONResponse(info.model_dump(mode="json"))
 
     return r
