@@ -187,3 +187,21 @@ def test_an_oversized_input_is_refused_before_prefill(client: Any) -> None:
         with pytest.raises(openai.BadRequestError) as exc:
             client.responses.create(model="m", input="word " * 5000, stream=stream)
         assert exc.value.code == "context_length_exceeded"
+
+
+def test_input_items_are_read_by_type_and_a_malformed_one_is_a_400_naming_it(client: Any) -> None:
+    """Each input item is validated by the model for its ``type`` (a message when it has none): a call without
+    its id is refused naming the field; an item of a type this daemon does not read (a hosted tool's call) is left
+    out of the prompt, and the request is served as if it were not there."""
+    call = {"type": "function_call", "call_id": "", "name": "shell", "arguments": "{}"}
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.create(model="m", input=[{"role": "user", "content": "hi"}, call], max_output_tokens=2)
+    assert bad.value.body["param"] == "input.1.function_call.call_id", bad.value.body
+    with pytest.raises(openai.BadRequestError) as role:
+        client.responses.create(model="m", input=[{"role": "tool", "content": "hi"}], max_output_tokens=2)
+    assert role.value.body["param"] == "input.0.message.role", role.value.body
+    plain = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    hosted = {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "x"}}
+    alone = client.responses.create(model="m", input=plain, max_output_tokens=2, store=False)
+    beside = client.responses.create(model="m", input=[hosted, *plain], max_output_tokens=2, store=False)
+    assert beside.usage.input_tokens == alone.usage.input_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from ..core import Loose, Shape
 from ..openai.protocol import ErrorDetail, TokenLogprobOut
@@ -52,9 +52,100 @@ class ReasoningConfig(Loose):
     summary: str | None = None
 
 
+class ContentPart(Loose):
+    """A part of an input item's content: text (``input_text``, ``output_text``, ``summary_text`` …), a
+    ``refusal``, or an ``input_image`` (a data or http URL in ``image_url``; a ``file_id`` is refused by name)."""
+
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+
+
+#: a message's or a call output's content: text, or a list of parts
+Content = str | list[ContentPart]
+
+
+class MessageIn(Loose):
+    """A message (``type`` may be left out): a developer message is a system one."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Content = ""
+
+
+class FunctionCallIn(Loose):
+    """A call the model made, sent back with the conversation."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str = ""
+    namespace: str | None = None
+
+
+class CustomToolCallIn(Loose):
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: str = ""
+    namespace: str | None = None
+
+
+class CallOutputIn(Loose):
+    """A call's result."""
+
+    type: Literal["function_call_output", "custom_tool_call_output"]
+    call_id: str = Field(min_length=1)
+    output: Content = ""
+
+
+class ReasoningIn(Loose):
+    """The model's reasoning, sent back: the daemon's sealed copy (``encrypted_content``) when it is one, else the
+    summary's text."""
+
+    type: Literal["reasoning"]
+    summary: list[ContentPart] = Field(default_factory=list)
+    encrypted_content: str | None = None
+
+
+class ItemReference(Loose):
+    """A stored item named by id: refused (this daemon keeps responses, not their items apart)."""
+
+    type: Literal["item_reference"]
+
+
+class OtherItem(Loose):
+    """An item this daemon does not read (a hosted tool's call, …): left out of the prompt, named in the log."""
+
+    type: str
+
+
+#: the input items read by ``type``
+_ITEMS = {"message", "function_call", "custom_tool_call", "function_call_output", "custom_tool_call_output",
+          "reasoning", "item_reference"}
+
+
+def _item_kind(item: Any) -> str:
+    kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+    return kind if kind in _ITEMS else "other"
+
+
+#: an input item, read by its ``type`` (a message when it has none)
+InputItem = Annotated[
+    Annotated[MessageIn, Tag("message")] | Annotated[FunctionCallIn, Tag("function_call")]
+    | Annotated[CustomToolCallIn, Tag("custom_tool_call")]
+    | Annotated[CallOutputIn, Tag("function_call_output")] | Annotated[CallOutputIn, Tag("custom_tool_call_output")]
+    | Annotated[ReasoningIn, Tag("reasoning")] | Annotated[ItemReference, Tag("item_reference")]
+    | Annotated[OtherItem, Tag("other")],
+    Discriminator(_item_kind)]
+
+
 class ResponsesRequest(Loose):
     model: str = ""
-    input: str | list[dict[str, Any]] = Field(default_factory=list)
+    #: the input items; a string is one user message
+    input: list[InputItem] = Field(default_factory=list)
     instructions: str | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: str | ToolChoiceSpec | None = None
@@ -71,6 +162,11 @@ class ResponsesRequest(Loose):
     metadata: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _text_input(cls, value: Any) -> Any:
+        return [{"type": "message", "role": "user", "content": value}] if isinstance(value, str) else value
 
     def logprobs(self) -> int | None:
         """``DecodeConfig.logprobs``: asked by ``include`` or by ``top_logprobs``."""

@@ -19,16 +19,23 @@ from ..openai.translate import call_schemas, token_logprobs_out, tool_choice_opt
 from .protocol import (
     ENCRYPTED_REASONING,
     CallItem,
+    CallOutputIn,
+    Content,
+    CustomToolCallIn,
     CustomToolCallItem,
+    FunctionCallIn,
     FunctionCallItem,
     IncompleteDetails,
     InputTokensDetails,
+    ItemReference,
     ItemStatus,
+    MessageIn,
     MessageItem,
     OutputItem,
     OutputText,
     OutputTokensDetails,
     ReasoningConfig,
+    ReasoningIn,
     ReasoningItem,
     Response,
     ResponseError,
@@ -90,31 +97,27 @@ class ToolMap:
 
 
 # --- input items -----------------------------------------------------------------------------------
-def _part_text(content: Any, where: str, images: list[ImageRef] | None = None) -> str:
+def _part_text(content: Content, where: str, images: list[ImageRef] | None = None) -> str:
     """Content parts as text; ``input_image`` parts go to ``images`` where a turn may carry them (checked, and
     refused by a model that reads text only, in ``Serving.begin``)."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where} must be a string or a list of content parts", param=where)
     parts: list[str | ImageRef] = []
     for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("input_text", "output_text", "text", "summary_text") and isinstance(part.get("text"), str):
-            parts.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            parts.append(part["refusal"])
-        elif kind == "input_image" and images is not None:
-            url = part.get("image_url")
-            if part.get("file_id") and not url:
+        if part.type in ("input_text", "output_text", "text", "summary_text") and part.text is not None:
+            parts.append(part.text)
+        elif part.type == "refusal" and part.refusal is not None:
+            parts.append(part.refusal)
+        elif part.type == "input_image" and images is not None:
+            if part.file_id and not part.image_url:
                 raise ApiError(400, f"{where}[{i}] names a file_id; this daemon keeps no files: send the image "
                                "inline as image_url (a data: URL)", code="invalid_image", param=f"{where}[{i}].file_id")
-            if not isinstance(url, str) or not url:
+            if not part.image_url:
                 raise ApiError(400, f"{where}[{i}] is an input_image without an image_url", param=f"{where}[{i}]")
-            images.append(ImageRef(f"{where}[{i}]", url=url))
+            images.append(ImageRef(f"{where}[{i}]", url=part.image_url))
             parts.append(images[-1])
         else:
-            raise ApiError(400, f"{where}[{i}] is a {kind!r} part, which this daemon does not read here",
+            raise ApiError(400, f"{where}[{i}] is a {part.type!r} part, which this daemon does not read here",
                            code="unsupported_content", param=where)
     return joined(parts)
 
@@ -124,8 +127,6 @@ def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving,
     """The request's input items as OpenAI-shaped messages (the stored conversation is prepended by the caller);
     their images go to ``images``."""
     out: list[dict[str, Any]] = []
-    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": req.input}] \
-        if isinstance(req.input, str) else req.input
     reasoning = ""
 
     def assistant() -> dict[str, Any]:
@@ -141,54 +142,37 @@ def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving,
             reasoning = ""
         return msg
 
-    for i, item in enumerate(items):
+    for i, item in enumerate(req.input):
         where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise ApiError(400, f"{where} must be an object", param=where)
-        kind = item.get("type", "message")
-        if reasoning and kind in ("message", "function_call_output", "custom_tool_call_output") \
-                and item.get("role") != "assistant":
+        if reasoning and isinstance(item, MessageIn | CallOutputIn) and \
+                not (isinstance(item, MessageIn) and item.role == "assistant"):
             assistant()  # a turn that was all reasoning (a reply cut inside its thinking) is still a turn
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise ApiError(400, f"{where}.role must be user, assistant, system or developer", param=f"{where}.role")
-            text = _part_text(item.get("content", ""), f"{where}.content", images)
-            if role == "assistant":
+        if isinstance(item, MessageIn):
+            text = _part_text(item.content, f"{where}.content", images)
+            if item.role == "assistant":
                 msg = assistant()
                 msg["content"] = (msg["content"] or "") + text
             else:
-                out.append({"role": "system" if role == "developer" else role, "content": text})
-        elif kind in ("function_call", "custom_tool_call"):
-            call_id, name = item.get("call_id"), item.get("name")
-            if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
-                raise ApiError(400, f"{where} needs a call_id and a name", param=where)
-            if kind == "custom_tool_call":
-                arguments = json.dumps({"input": str(item.get("input", ""))}, ensure_ascii=False)
-            else:
-                arguments = str(item.get("arguments", ""))
+                out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+        elif isinstance(item, FunctionCallIn | CustomToolCallIn):
+            arguments = item.arguments if isinstance(item, FunctionCallIn) else \
+                json.dumps({"input": item.input}, ensure_ascii=False)
             msg = assistant()
-            msg.setdefault("tool_calls", []).append({"id": call_id, "type": "function", "function": {
-                "name": tools.flat_name(name, str(item.get("namespace") or "")), "arguments": arguments}})
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise ApiError(400, f"{where} needs a call_id", param=where)
-            output = item.get("output", "")
-            text = output if isinstance(output, str) else _part_text(output, f"{where}.output", images)
-            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
-        elif kind == "reasoning":
-            sealed = item.get("encrypted_content")
-            opened = serving.sealer.open(sealed) if isinstance(sealed, str) else None
+            msg.setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": {
+                "name": tools.flat_name(item.name, item.namespace), "arguments": arguments}})
+        elif isinstance(item, CallOutputIn):
+            text = _part_text(item.output, f"{where}.output", images)
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
+        elif isinstance(item, ReasoningIn):
+            opened = serving.sealer.open(item.encrypted_content) if item.encrypted_content else None
             if opened is not None and isinstance(opened.get("reasoning"), str):
                 reasoning += opened["reasoning"]
-            else:
-                summary = item.get("summary") or []
-                reasoning += _part_text(summary, f"{where}.summary") if summary else ""
-        elif kind == "item_reference":
+            elif item.summary:
+                reasoning += _part_text(item.summary, f"{where}.summary")
+        elif isinstance(item, ItemReference):
             raise ApiError(400, f"{where}: item references are not supported; send the item itself", param=where)
         else:
-            log.info("an input item of type %r was left out of the prompt", kind)
+            log.info("an input item of type %r was left out of the prompt", item.type)
     if reasoning:
         assistant()
     return out
