@@ -75,22 +75,22 @@ class MessageIn(Loose):
     content: Content = ""
 
 
-class FunctionCallIn(Loose):
-    """A call the model made, sent back with the conversation."""
+class _CallIn(Loose):
+    """A call the model made, sent back with the conversation: its id, the tool's name and namespace."""
 
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    namespace: str | None = None
+
+
+class FunctionCallIn(_CallIn):
     type: Literal["function_call"]
-    call_id: str = Field(min_length=1)
-    name: str = Field(min_length=1)
     arguments: str = ""
-    namespace: str | None = None
 
 
-class CustomToolCallIn(Loose):
+class CustomToolCallIn(_CallIn):
     type: Literal["custom_tool_call"]
-    call_id: str = Field(min_length=1)
-    name: str = Field(min_length=1)
     input: str = ""
-    namespace: str | None = None
 
 
 class CallOutputIn(Loose):
