@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("fastapi")
 anthropic = pytest.importorskip("anthropic")
 
-from tests.test_openai_front import PNG_1PX, Front  # noqa: E402
+from tests.test_openai_front import PNG_1PX, Front, typed_sse  # noqa: E402
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.197.322; cc_entrypoint=sdk-cli; cch={n};"
 READ = {"name": "Read", "description": "Read a file of the repository.",
@@ -100,13 +100,7 @@ def test_every_streamed_event_is_its_declared_model(front: Front) -> None:
     with httpx.Client(timeout=600) as http, http.stream(
             "POST", f"{front.url}/messages", json=body,
             headers={"x-api-key": "none", "anthropic-version": "2023-06-01"}) as r:
-        lines = [line for line in r.iter_lines() if line.startswith(("event: ", "data: "))]
-    names, data = lines[0::2], lines[1::2]
-    seen = []
-    for name, payload in zip(names, data, strict=True):
-        event = events.validate_json(payload[6:])
-        assert name == f"event: {event.type}"
-        seen.append(event)
+        seen = typed_sse(r, events)
     assert [e.type for e in seen][:2] == ["message_start", "ping"]
     assert [e.type for e in seen][-3:] == ["content_block_stop", "message_delta", "message_stop"]
     final = seen[-2]

@@ -521,6 +521,18 @@ def _text_delta(chunk: Any) -> bool:
     return bool(choices and choices[0].delta.content)
 
 
+def typed_sse(response: Any, events: Any) -> list[Any]:
+    """A streamed reply's SSE events (an httpx streaming response), each validated by ``events`` (a pydantic
+    ``TypeAdapter`` of the API's event union), whose ``type`` must be the SSE ``event:`` name; the events."""
+    lines = [line for line in response.iter_lines() if line.startswith(("event: ", "data: "))]
+    out = []
+    for name, payload in zip(lines[0::2], lines[1::2], strict=True):
+        event = events.validate_json(payload[6:])
+        assert name == f"event: {event.type}"
+        out.append(event)
+    return out
+
+
 def slot_free(front: Front, timeout_s: float = 60.0) -> None:
     """Wait until no session holds the slot and nothing runs on it (a ceiling for a slot that stays held, which
     fails the test; not a measure of how fast it frees)."""

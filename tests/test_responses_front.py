@@ -11,7 +11,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from runtime import Client  # noqa: E402
-from tests.test_openai_front import Front  # noqa: E402
+from tests.test_openai_front import Front, typed_sse  # noqa: E402
 
 SHELL = {"type": "function", "name": "shell", "description": "Run a command.", "strict": False,
          "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}
@@ -72,13 +72,7 @@ def streamed_events(front: Front, body: dict[str, Any]) -> list[Any]:
     with httpx.Client(timeout=600, headers={"Authorization": f"Bearer {front.api_key}"}) as http, \
             http.stream("POST", f"{front.url}/responses", json={**body, "stream": True}) as r:
         assert r.status_code == 200, r.read()
-        lines = [line for line in r.iter_lines() if line.startswith(("event: ", "data: "))]
-    names, data = lines[0::2], lines[1::2]
-    events = []
-    for name, payload in zip(names, data, strict=True):
-        event = adapter.validate_json(payload[6:])
-        assert name == f"event: {event.type}"
-        events.append(event)
+        events = typed_sse(r, adapter)
     assert [e.sequence_number for e in events] == list(range(len(events)))
     return events
 

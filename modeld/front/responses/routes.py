@@ -44,7 +44,6 @@ from .protocol import (
     ContentPartEvent,
     CustomInputDelta,
     CustomInputDone,
-    CustomToolCallItem,
     DeletedResponse,
     ErrorEvent,
     FunctionCallItem,
@@ -244,7 +243,7 @@ class _Items:
         index = len(self.reply.output) - 1
         if ev.thinking:
             if not isinstance(self.current, ReasoningItem):
-                out += self.open_item(self.reply.reasoning_item(""))
+                out += self.open_item(self.reply.reasoning_item())
                 index = len(self.reply.output) - 1
             self.text += ev.thinking
             out.append(self.event(SummaryTextDelta, type="response.reasoning_summary_text.delta",
@@ -277,7 +276,7 @@ class _Items:
             shown = item.model_copy(update={"arguments": ""} if isinstance(item, FunctionCallItem) else {"input": ""})
             out.append(self.event(OutputItemEvent, type="response.output_item.added",
                                   output_index=len(reply.output) - 1, item=shown))
-        if not isinstance(self.current, FunctionCallItem | CustomToolCallItem):
+        if not isinstance(self.current, CallItem):
             return out
         self.text += piece.arguments
         if piece.arguments and isinstance(self.current, FunctionCallItem):
@@ -294,7 +293,7 @@ class _Items:
         index = len(reply.output) - 1
         self.current, self.text = None, ""
         ids = {"item_id": current.id, "output_index": index}
-        if isinstance(current, FunctionCallItem | CustomToolCallItem):
+        if isinstance(current, CallItem):
             item = reply.call_item(self.call_name, text, current.call_id)
             item.id = current.id
             if current.call_id not in self.pieces.finished:

@@ -239,9 +239,9 @@ class Reply:
         self.incomplete: IncompleteDetails | None = None
         self.error: ResponseError | None = None
 
-    def reasoning_item(self, text: str) -> ReasoningItem:
-        return ReasoningItem(type="reasoning", id=new_id("rs"), status="in_progress",
-                             summary=[SummaryText(type="summary_text", text=text)] if text else [])
+    def reasoning_item(self) -> ReasoningItem:
+        """A reasoning item, open (``seal_reasoning`` gives it its text)."""
+        return ReasoningItem(type="reasoning", id=new_id("rs"), status="in_progress", summary=[])
 
     def seal_reasoning(self, item: ReasoningItem, text: str) -> None:
         item.status = "completed"
@@ -298,7 +298,7 @@ class Reply:
         msg: dict[str, Any] = {"role": "assistant", "content": self.output_text() or None}
         calls = []
         for item in self.output:
-            if isinstance(item, FunctionCallItem | CustomToolCallItem):
+            if isinstance(item, CallItem):
                 arguments = item.arguments if isinstance(item, FunctionCallItem) else \
                     json.dumps({"input": item.input}, ensure_ascii=False)
                 calls.append({"id": item.call_id, "type": "function", "function": {
@@ -326,7 +326,7 @@ def message_item(status: ItemStatus, content: list[OutputText]) -> MessageItem:
 def build_output(reply: Reply, result: ChatResult) -> None:
     msg = result.message
     if msg.reasoning:
-        item = reply.reasoning_item(msg.reasoning)
+        item = reply.reasoning_item()
         reply.seal_reasoning(item, msg.reasoning)
         reply.output.append(item)
     if msg.content:
