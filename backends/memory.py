@@ -31,6 +31,7 @@ from contract.errors import (
     StaleFence,
     UnsupportedFeature,
 )
+from contract.interfaces import LoadedModel
 from contract.manifest import ContextManifest, byte_hash, canonical_digest, common_prefix_len
 from contract.sizing import MemoryPool, ModelFacts
 from contract.types import (
@@ -59,6 +60,7 @@ from contract.types import (
     positions_covered,
 )
 
+from .lanes import Lanes
 from .registry import check_options
 from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type, check_token_ids
 
@@ -131,7 +133,14 @@ class MemoryModel:
     def num_ctx(self) -> int:
         return self.resident.num_ctx
 
-    def open_session(self) -> MemorySession:
+    @property
+    def lanes(self) -> int:
+        """One: the model's one context (``MemoryBackend(lanes=N)`` puts several side by side)."""
+        return 1
+
+    def open_session(self, lane: int = 0) -> MemorySession:
+        if lane:
+            raise ValueError(f"lane {lane} of a model with one")
         if self.closed:
             raise SessionClosed("model was unloaded")
         self.active = MemorySession(self)
@@ -375,22 +384,29 @@ class MemoryBackend:
     """The reference model behind the daemon's Backend seam.
 
     ``token_delay_s`` simulates decode speed so the daemon's concurrency (status
-    during a decode, cancel, leases) can be exercised without a real model.
+    during a decode, cancel, leases) can be exercised without a real model; ``lanes``
+    models side by side serve that many sessions at once (``backends.lanes``), as an
+    engine that batches does.
     """
 
     name = BACKEND_NAME
 
-    def __init__(self, token_delay_s: float = 0.0) -> None:
+    def __init__(self, token_delay_s: float = 0.0, lanes: int = 1) -> None:
+        if lanes < 1:
+            raise ValueError("lanes must be 1 or more")
         self.token_delay_s = token_delay_s
+        self.lanes = lanes
 
     def runtime_version(self) -> str:
         return "reference"
 
-    def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> MemoryModel:
+    def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> LoadedModel:
         check_model_type(req.type, BACKEND_NAME)
         check_options(BACKEND_NAME, req.config)
         progress(0.0)
-        model = MemoryModel(req, self.token_delay_s)
+        model: LoadedModel = MemoryModel(req, self.token_delay_s)
+        if self.lanes > 1:
+            model = Lanes([model, *(MemoryModel(req, self.token_delay_s) for _ in range(self.lanes - 1))])
         progress(1.0)
         return model
 
@@ -434,11 +450,12 @@ class MemoryService:
     def open_session(self, req: OpenSessionRequest) -> MemorySession:
         self._fence(req.owner_instance_id)
         check_model_type(req.type, BACKEND_NAME)
+        check_options(BACKEND_NAME, req.config)
         key = (req.model_name, req.digest, req.path, req.config.num_ctx)
         with self._lock:
             model = self._models.get(key)
             if model is None:
-                model = self._models[key] = self._backend.load(req, lambda _f: None)
+                model = self._models[key] = MemoryModel(req)
         return model.open_session()
 
     def describe(self, req: OpenSessionRequest) -> ModelInfo:

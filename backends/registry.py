@@ -324,7 +324,11 @@ def _openvino_prefers(f: EngineFacts) -> Verdict:
 def _vllm_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
     from backends.vllm import VLLMBackend
 
-    return VLLMBackend()
+    return VLLMBackend(lanes=int(settings.get("sessions") or VLLM_SESSIONS))
+
+
+#: how many sessions the vLLM engine serves at once unless ``serve --sessions`` says
+VLLM_SESSIONS = 4
 
 
 class VLLMOptions(EngineOptions):
@@ -348,7 +352,8 @@ class VLLMOptions(EngineOptions):
 def _memory_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
     from backends.memory import MemoryBackend
 
-    return MemoryBackend(token_delay_s=float(settings.get("memory_token_delay_ms", 0.0)) / 1000.0)
+    return MemoryBackend(token_delay_s=float(settings.get("memory_token_delay_ms", 0.0)) / 1000.0,
+                         lanes=int(settings.get("sessions") or 1))
 
 
 # --- the table ----------------------------------------------------------------------------

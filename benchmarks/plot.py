@@ -26,6 +26,9 @@ OUT_DIR = Path(__file__).resolve().parent / "out"
 TTFT_JSON = OUT_DIR / "ttft.json"
 TTFT_PNG = OUT_DIR / "ttft.png"
 DOCS_TTFT_PNG = Path(__file__).resolve().parent.parent / "docs" / "ttft.png"
+THROUGHPUT_JSON = OUT_DIR / "throughput.json"
+THROUGHPUT_PNG = OUT_DIR / "throughput.png"
+DOCS_THROUGHPUT_PNG = Path(__file__).resolve().parent.parent / "docs" / "throughput.png"
 
 #: one colour per series (the name benchmarks.ttft gives it); others take the cycle's next
 _COLOURS = {
@@ -37,6 +40,14 @@ _COLOURS = {
 
 def _ms(v: float, _pos: object = None) -> str:
     return f"{v / 1000:g} s" if v >= 1000 else f"{v:g} ms"
+
+
+def _save(fig: Figure, paths: Sequence[Path]) -> list[Path]:
+    """``fig`` as a PNG at each of ``paths``; returns them."""
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, format="png")
+    return list(paths)
 
 
 def plot_ttft(results: dict[str, Any], paths: Sequence[Path]) -> list[Path]:
@@ -69,12 +80,30 @@ def plot_ttft(results: dict[str, Any], paths: Sequence[Path]) -> list[Path]:
     )
     # one column per series (the legend fills columns first: warm above cold)
     fig.legend(loc="outside lower center", ncol=max(1, len(results["series"])), fontsize=8.5, frameon=False)
-    written: list[Path] = []
-    for path in paths:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png")
-        written.append(path)
-    return written
+    return _save(fig, paths)
+
+
+def plot_throughput(results: dict[str, Any], paths: Sequence[Path]) -> list[Path]:
+    """Draw the agents-at-once figure of the ``vllm`` section (``benchmarks.replicas``): tokens per second of all
+    the agents' turns against how many agents run at once, one line per setup; returns ``paths``."""
+    fig = Figure(figsize=(7.2, 4.8), dpi=120, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    agents: list[int] = []
+    for name, runs in results["series"].items():
+        agents = [r["agents"] for r in runs]
+        ax.plot(agents, [r["tok_s"] for r in runs], marker="o", linewidth=2.2, label=name)
+    ax.set_xticks(agents, [str(n) for n in agents])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("agents at once (each its own conversation)")
+    ax.set_ylabel("completion tokens per second, all agents")
+    ax.grid(True, alpha=0.35)
+    fig.suptitle("Agents at once: throughput", fontsize=12)
+    ax.set_title(f"{results['turns']} turns each of up to {results['reply_tokens']} tokens after a "
+                 f"~{results['prompt_tokens']:,}-token system prompt; {results.get('machine', '')}",
+                 fontsize=8.5, color="#555555")
+    fig.legend(loc="outside lower center", ncol=1, fontsize=8.5, frameon=False)
+    return _save(fig, paths)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,12 @@ agent's turns ran: the servers' own finished-request counters (``vllm:request_su
 turn. Every server runs ``--dtype float32`` on the CPU build (``harness.vllm_server``, installed on first use), and
 each configuration starts from empty prefix caches (``/reset_prefix_cache``).
 
-Not measured: agents served side by side. The daemon runs one turn at a time on every engine; a vLLM server's
-batching of concurrent agents is not reachable through it yet.
+Then throughput (``throughput``): 1, 2 and 4 agents at once, each in a thread of its own, each its own conversation
+(``THROUGHPUT_TURNS`` turns of up to ``THROUGHPUT_REPLY`` tokens, greedy), through modeld's OpenAI API against
+modeld's llama.cpp engine (one slot: the agents' turns take turns in it), the vLLM engine on one server (``serve
+--sessions 4``: the turns run at once and the server batches them) and on two behind the router. Per run: the
+completion tokens of all turns over the wall time from the first request to the last reply, and the median turn.
+The llama.cpp runs come first, before the servers start, so that they share the cores with nothing.
 """
 
 from __future__ import annotations
@@ -32,11 +36,15 @@ from typing import Any
 
 import httpx
 
-from benchmarks.workspaces import QUESTIONS, systems
+from benchmarks.workspaces import PROMPT_TOKENS, QUESTIONS, systems
 from harness import vllm_server
 from harness.daemon import DaemonProcess, free_port, wait_http
 
 N_CTX = 4096
+#: agents at once in the throughput runs, turns each, and the reply length asked of every turn
+CONCURRENT = (1, 2, 4)
+THROUGHPUT_TURNS = 2
+THROUGHPUT_REPLY = 32
 REPLY_TOKENS = 16
 ROUNDS = 3
 AGENTS = 3
@@ -131,10 +139,71 @@ def _rows(label: str, turns: list[dict[str, Any]], replicas: int) -> list[tuple[
     return out
 
 
-def section(tmp: Path, count: Any) -> list[tuple[str, Any, str]]:
+def _agent(sdk: Any, prompt: str, name: str, start: threading.Barrier, out: list[dict[str, Any]]) -> None:
+    """One agent's conversation of ``THROUGHPUT_TURNS`` turns, each recorded in ``out``."""
+    history = [{"role": "system", "content": prompt}]
+    start.wait()
+    for k in range(THROUGHPUT_TURNS):
+        history.append({"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]})
+        t0 = time.perf_counter()
+        r = sdk.chat.completions.create(model="default", messages=history, max_tokens=THROUGHPUT_REPLY, temperature=0,
+                                        extra_headers={"x-session-id": name})
+        out.append({"agent": name, "s": time.perf_counter() - t0,
+                    "tokens": r.usage.completion_tokens if r.usage is not None else 0})
+        history.append({"role": "assistant", "content": r.choices[0].message.content or ""})
+
+
+def _at_once(base_url: str, prompts: list[str], n: int) -> dict[str, Any]:
+    """``n`` agents' conversations at once through the OpenAI API at ``base_url``: tokens per second of them all."""
+    import openai
+
+    turns: list[dict[str, Any]] = []
+    start = threading.Barrier(n + 1)
+    with openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=1800) as sdk:
+        agents = [threading.Thread(target=_agent, args=(sdk, prompts[k], f"agent-{k}", start, turns))
+                  for k in range(n)]
+        for t in agents:
+            t.start()
+        start.wait()
+        t0 = time.perf_counter()
+        for t in agents:
+            t.join()
+        wall = time.perf_counter() - t0
+    if len(turns) != n * THROUGHPUT_TURNS:
+        raise RuntimeError(f"{n} agents at once: {len(turns)} of {n * THROUGHPUT_TURNS} turns answered")
+    tokens = sum(t["tokens"] for t in turns)
+    return {"agents": n, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
+            "turn_s": statistics.median(t["s"] for t in turns)}
+
+
+def _throughput(tmp: Path, name: str, backend: str, prompts: list[str], *args: str) -> list[dict[str, Any]]:
+    port = free_port()
+    with DaemonProcess(tmp / f"at-once-{name}", backend, None, "--num-ctx", str(N_CTX), "--http", f"127.0.0.1:{port}",
+                       *args).start(wait_state=("Ready",)):
+        wait_http(port)
+        _at_once(f"http://127.0.0.1:{port}/v1", prompts, 1)  # (a first turn: the engine warmed, not measured)
+        return [_at_once(f"http://127.0.0.1:{port}/v1", prompts, n) for n in CONCURRENT]
+
+
+def throughput_rows(series: dict[str, list[dict[str, Any]]]) -> list[tuple[str, Any, str]]:
+    out: list[tuple[str, Any, str]] = []
+    for name, runs in series.items():
+        one = runs[0]["tok_s"]
+        for r in runs:
+            out.append((f"{name}: {r['agents']} at once, tokens/s", f"{r['tok_s']:.1f}",
+                        f"{r['tokens']} tokens in {r['wall_s']:.1f} s ({r['tok_s'] / one:.2f}x one agent); "
+                        f"median turn {r['turn_s']:.1f} s"))
+    return out
+
+
+def section(tmp: Path, count: Any) -> tuple[list[tuple[str, Any, str]], dict[str, Any]]:
+    """The interleaved trace's rows, and the throughput runs (``{"series": {name: runs}, ...}``, for the plot)."""
     vllm_server.ensure_venv()
     model = vllm_server.ensure_hf_model()
     prompts = systems(count)[:AGENTS]
+    many = [*systems(count), *(f"You are agent {k}.\n" + p.split("\n", 1)[1] for k, p in enumerate(systems(count)))]
+    series: dict[str, list[dict[str, Any]]] = {}
+    series["modeld, llama.cpp engine"] = _throughput(tmp, "llama", "llama", many)
     out: list[tuple[str, Any, str]] = []
     with ExitStack() as stack:
         # (dev mode: its /reset_prefix_cache empties the prefix cache between configurations)
@@ -154,4 +223,10 @@ def section(tmp: Path, count: Any) -> list[tuple[str, Any, str]]:
             with vllm_server.VllmRouter(urls, policy=policy, log_path=tmp / f"router-{policy}.log") as router:
                 turns = _run(tmp, policy, router.base_url, urls, prompts)
             out += _rows(f"two servers, router {policy}", turns, 2)
-    return out
+        series["modeld, vLLM engine, one server"] = _throughput(tmp, "vllm-one", "vllm", many,
+                                                                 "--engine-option", f"engine_url={urls[0]}")
+        with vllm_server.VllmRouter(urls, policy="consistent_hash", log_path=tmp / "router-at-once.log") as router:
+            series["modeld, vLLM engine, two servers + router"] = _throughput(
+                tmp, "vllm-two", "vllm", many, "--engine-option", f"engine_url={router.base_url}")
+    return out, {"series": series, "turns": THROUGHPUT_TURNS, "reply_tokens": THROUGHPUT_REPLY,
+                 "prompt_tokens": PROMPT_TOKENS}

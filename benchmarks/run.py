@@ -477,12 +477,20 @@ def section_vision(tmp: Path, count: Callable[[str], int]) -> str:
     return table(head, vision.rows(vision.section(tmp, count)))
 
 
-def section_vllm(tmp: Path, count: Callable[[str], int]) -> str:
-    from benchmarks import replicas
+def section_vllm(tmp: Path, count: Callable[[str], int], *, docs: bool) -> str:
+    from benchmarks import plot, replicas
+    from benchmarks.ttft import cpu_name
 
+    rows, at_once = replicas.section(tmp, count)
+    at_once["machine"] = f"{cpu_name()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}"
+    plot.OUT_DIR.mkdir(parents=True, exist_ok=True)
+    plot.THROUGHPUT_JSON.write_text(json.dumps(at_once, indent=2) + "\n")
+    written = plot.plot_throughput(at_once, [plot.THROUGHPUT_PNG, plot.DOCS_THROUGHPUT_PNG] if docs else [plot.THROUGHPUT_PNG])
     head = (f"vLLM engine: {replicas.AGENTS} agents' interleaved turns ({replicas.ROUNDS} each), one server and two "
             "behind vllm-router")
-    return table(head, replicas.section(tmp, count))
+    head_at_once = (f"agents at once: {', '.join(map(str, replicas.CONCURRENT))} agents, {replicas.THROUGHPUT_TURNS} "
+                    f"turns each, modeld's llama.cpp engine against its vLLM engine (plot: {', '.join(map(str, written))})")
+    return table(head, rows) + "\n\n" + table(head_at_once, replicas.throughput_rows(at_once["series"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -543,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif name == "streams":
                     print(section_streams(tmp, count), flush=True)
                 elif name == "vllm":
-                    print(section_vllm(tmp, count), flush=True)
+                    print(section_vllm(tmp, count, docs=args.docs), flush=True)
                 elif name == "warm":
                     from benchmarks import warm
 

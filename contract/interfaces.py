@@ -169,7 +169,7 @@ class ProgressFn(Protocol):
 
 
 class LoadedModel(Protocol):
-    """A model resident in a backend, with its one persistent KV (what the slot holds)."""
+    """A model resident in a backend, with its persistent KV (what the slot holds): one, or one per lane."""
 
     @property
     def digest(self) -> str: ...
@@ -177,8 +177,15 @@ class LoadedModel(Protocol):
     @property
     def num_ctx(self) -> int: ...
 
-    def open_session(self) -> Session:
-        """A session over the model's persistent KV; closing it keeps the KV resident."""
+    @property
+    def lanes(self) -> int:
+        """How many sessions it serves at once, each on a KV of its own (``backends.lanes``): 1 for a local engine,
+        whose one KV its sessions take turns in."""
+        ...
+
+    def open_session(self, lane: int = 0) -> Session:
+        """A session over the KV of ``lane`` (0 .. ``lanes`` - 1); closing it keeps the KV resident. It retires
+        the session opened on that lane before it."""
         ...
 
     def resident_bytes(self) -> int: ...
@@ -246,6 +253,12 @@ class Backend(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def lanes(self) -> int:
+        """How many sessions a model it loads serves at once (``LoadedModel.lanes``): the daemon runs as many
+        model workers. 1 for a local engine."""
+        ...
 
     def runtime_version(self) -> str: ...
 

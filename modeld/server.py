@@ -114,7 +114,7 @@ class Daemon:
         #: what ``modeld serve`` exits with: 1 when the model it was told to serve did not load
         self.exit_code = 0
         self.preload_error = ""
-        self.work = WorkQueue(slot.holder_id, self._stop)
+        self.work = WorkQueue(slot.full, self._stop, workers=max(1, slot.backend.lanes))
         #: the operations and the session table (``modeld.handlers``)
         self.handlers = Handlers(slot, blobs, self.metrics, self._stop, daemon_status=self._daemon_status,
                                  work=self.work)

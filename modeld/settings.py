@@ -477,6 +477,12 @@ class ServeSettings(HttpSettings):
         "lease (0 = never; any operation, explain included, refreshes it)",
     )
     embed_idle: Annotated[NonNegative, Flag("S", SESSIONS)] = Field(DEFAULT_EMBED_IDLE_S, description="seconds before an idle embedding model is unloaded")
+    sessions: Annotated[int | None, Field(ge=1, le=256), Flag("N", SESSIONS)] = Field(
+        None,
+        description="sessions served at once on an engine that batches (vllm: each a request of its own in flight "
+        "on the server, the HTTP APIs' turns included); default: 4 on vllm, 1 on the memory backend. llama.cpp and "
+        "OpenVINO hold one KV: they serve one session at a time, the others wait for the slot",
+    )
     memory_token_delay_ms: Annotated[NonNegative, Flag("MS", SESSIONS)] = Field(
         0.0, description="memory backend only: simulated time per generated token"
     )

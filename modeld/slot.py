@@ -7,16 +7,21 @@ one ``Backend``. It adds what a daemon needs and a backend should not know:
   it) and a generation counter bumped on every load, switch and unload, with
   ``expected_generation`` making load/unload conditional;
 * owner fencing (StaleFence) and backend type checks (BackendMismatch);
-* one session holder at a time (ModelBusy); open_session auto-loads an empty
+* one session holder at a time (ModelBusy), or one a lane on a model that serves
+  several at once (``LoadedModel.lanes``); open_session auto-loads an empty
   slot, a different model needs an explicit load (ModelSwitchRequired);
 * session handles bound to the owner and generation, so a switch invalidates
   them, and a lease so a vanished client does not hold the slot forever;
 * closing a session releases the slot but keeps the model's KV resident, so
   the next session on the same model starts warm.
 
-Threading: model operations are expected to run on one worker thread (the
-daemon guarantees it; ``_op_lock`` makes in-process use safe too). ``status()``
-only takes the short ``_state_lock`` so it answers while a decode runs.
+Threading: on a model of one lane, model operations are expected to run on one
+worker thread (the daemon guarantees it; ``_op_lock`` makes in-process use safe
+too). On a model of several, the daemon runs a model worker a lane: an operation
+holds its lane's lock (``_lane_locks``), never ``_op_lock``, so operations on
+different lanes run at once while loads, switches and unloads (refused while a
+session is open) still exclude each other. ``status()`` only takes the short
+``_state_lock`` so it answers while a decode runs.
 
 This module is over the house's ~400 lines on purpose: the transition
 table, the service and ``SlotSession`` share the service's locks and holder
@@ -25,6 +30,7 @@ bookkeeping, and splitting them would turn those into a public surface.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -197,6 +203,8 @@ class _Holder:
     #: who opened it (``OpenSessionRequest.client``) and when (the slot's clock), for status
     client: str = ""
     opened: float = 0.0
+    #: the model's lane its session is on (``LoadedModel.lanes``; a fork is on its origin's)
+    lane: int = 0
 
 
 class SlotService:
@@ -266,9 +274,16 @@ class SlotService:
         #: what was actually loaded (the planned context), to load it again after a failed switch
         self._planned: OpenSessionRequest | None = None
         self._holder: _Holder | None = None
-        #: sessions forked from the holder's (``Session.fork``), by session id: they hold the slot with it, and the
-        #: first of them becomes the holder when it closes
-        self._forks: dict[str, _Holder] = {}
+        #: the sessions beside the holder, by session id: forks of the open sessions' (``Session.fork``) and, on a
+        #: model of several lanes, the sessions on the other lanes. They hold the slot with it, and the first of
+        #: them becomes the holder when it closes
+        self._beside: dict[str, _Holder] = {}
+        #: on a model of several lanes: a lock a lane, held by the operation (or the decode stream) running on it
+        self._lane_locks: list[threading.RLock] = []
+        #: the client that last opened a session on each lane: its next session goes back there while it is free
+        self._lane_clients: list[str] = []
+        #: operations running now (on a model of several lanes, several at once)
+        self._running_ops = 0
         self._busy_op = ""
         #: when the busy operation started (the slot's clock), and how many starts and ends there were
         self._busy_since = self._clock()
@@ -302,7 +317,7 @@ class SlotService:
         holder = self._holder
         embeds = self._embedder.status() if self._embedder is not None else None  # (a few fields under its lock)
         return (self._ops, self._life.state, self._generation, self._busy_op, holder.session_id if holder else "",
-                holder.vanished if holder else False, len(self._forks), self._progress, self._last_error,
+                holder.vanished if holder else False, len(self._beside), self._progress, self._last_error,
                 self.owner, self.owner_epoch, self._shutting_down,
                 (embeds["loads"], embeds["embedded_inputs"], embeds["loaded"], embeds["last_error"])
                 if embeds is not None else None)
@@ -329,6 +344,8 @@ class SlotService:
                 last_error=self._last_error,
                 load_progress=self._progress,
                 session_open=self._holder is not None,
+                sessions_open=len(self._holders()),
+                session_lanes=self._loaded.lanes if self._loaded is not None else 1,
                 pid=os.getpid(),
                 endpoint=self.endpoint,
                 embedding=self._embedder.status() if self._embedder is not None else None,
@@ -371,9 +388,12 @@ class SlotService:
         self._life.move(to)
 
     def _set_busy(self, op: str) -> None:
+        """An operation ``op`` starts ("": one ends). Status shows the latest to start while any runs."""
         with self._state_lock:
-            self._busy_op = op
-            self._busy_since = self._clock()
+            self._running_ops = self._running_ops + 1 if op else max(0, self._running_ops - 1)
+            if op or not self._running_ops:
+                self._busy_op = op
+                self._busy_since = self._clock()
             self._ops += 1
         if op == "decode":
             interrupt.decoded(0)
@@ -650,7 +670,7 @@ class SlotService:
                     active=self._active.model_name,
                     requested=req.model_name or req.path,
                 )
-            if self._holder is not None:
+            if self._holder is not None and (switch or self._free_lane(req.client) is None):
                 raise ModelBusy("another session holds the slot")  # whose is nobody else's business
             if self._loaded is None or switch:
                 if not req.path:
@@ -660,25 +680,53 @@ class SlotService:
                     raise ModelNotActive("no model is loaded and the request names no path")
                 self._load_locked(req)  # a switch keeps the working model when the new one fails
             assert self._loaded is not None
+            lane = self._free_lane(req.client)
+            assert lane is not None  # (no session is open, or the check above found a lane free)
             now = self._clock()
             holder = _Holder(
                 session_id=uuid.uuid4().hex,
                 generation=self._generation,
                 owner=req.owner_instance_id,
-                inner=self._loaded.open_session(),
+                inner=self._loaded.open_session(lane),
                 last_seen=now,
                 last_op=now,
                 client=req.client,
                 opened=now,
+                lane=lane,
             )
+            self._lane_clients[lane] = req.client
             try:
                 with self._state_lock:
-                    self._transition(SlotState.BUSY)
-                    self._holder = holder
+                    if self._holder is None:
+                        self._transition(SlotState.BUSY)
+                        self._holder = holder
+                    else:
+                        self._beside[holder.session_id] = holder
             except ModeldError:
                 holder.inner.close()
                 raise
             return SlotSession(self, holder)
+
+    def _free_lane(self, client: str) -> int | None:
+        """A lane of the loaded model no open session is on (0 while none is loaded), None when every lane is taken:
+        the one ``client`` last opened a session on, if free (its conversation's tape is there), else the first."""
+        lanes = self._loaded.lanes if self._loaded is not None else 1
+        if len(self._lane_clients) != lanes:
+            self._lane_clients = [""] * lanes
+            self._lane_locks = [threading.RLock() for _ in range(lanes)] if lanes > 1 else []
+        taken = {h.lane for h in self._holders()}
+        free = [i for i in range(lanes) if i not in taken]
+        if not free:
+            return None
+        return next((i for i in free if client and self._lane_clients[i] == client), free[0])
+
+    def full(self, opening: int = 0) -> bool:
+        """Whether an open now would find no room, with ``opening`` others on their way in before it: every lane
+        of the loaded model taken (one session holds a model of one lane). A switch needs the slot free of
+        sessions, whatever this says."""
+        with self._state_lock:
+            lanes = self._loaded.lanes if self._loaded is not None else 1
+            return len({h.lane for h in self._holders()}) + opening >= lanes
 
     def describe(self, req: OpenSessionRequest) -> ModelInfo:
         self._check_fence(req.owner_instance_id)
@@ -746,7 +794,7 @@ class SlotService:
                 session_generation=holder.generation,
                 current=self._generation,
             )
-        if self._holder is not holder and self._forks.get(holder.session_id) is not holder:
+        if self._holder is not holder and self._beside.get(holder.session_id) is not holder:
             raise SessionClosed("session was released (lease expired or closed)", session_id=holder.session_id)
         if self.owner and holder.owner != self.owner:
             raise StaleFence("the daemon's owner changed since this session was opened")
@@ -755,7 +803,7 @@ class SlotService:
 
     def _holders(self) -> list[_Holder]:
         """The sessions holding the slot: the holder and its forks."""
-        return ([self._holder] if self._holder is not None else []) + list(self._forks.values())
+        return ([self._holder] if self._holder is not None else []) + list(self._beside.values())
 
     def _held(self, session_id: str) -> _Holder | None:
         return next((h for h in self._holders() if h.session_id == session_id), None)
@@ -770,10 +818,12 @@ class SlotService:
         with self._op_lock:
             inner = self._holder_for(holder)
             now = self._clock()
+            with self._lane(holder):
+                forked = inner.fork(at_position)
             fork = _Holder(session_id=uuid.uuid4().hex, generation=holder.generation, owner=holder.owner,
-                           inner=inner.fork(at_position), last_seen=now, last_op=now, client=holder.client, opened=now)
+                           inner=forked, last_seen=now, last_op=now, client=holder.client, opened=now, lane=holder.lane)
             with self._state_lock:
-                self._forks[fork.session_id] = fork
+                self._beside[fork.session_id] = fork
             return SlotSession(self, fork)
 
     def touch(self, session_id: str) -> bool:
@@ -857,11 +907,11 @@ class SlotService:
             holder.inner.close()
         finally:
             with self._state_lock:
-                if self._forks.get(holder.session_id) is holder:
-                    del self._forks[holder.session_id]
+                if self._beside.get(holder.session_id) is holder:
+                    del self._beside[holder.session_id]
                 elif self._holder is holder:
                     # a fork goes on holding the slot; the last one out frees it
-                    self._holder = self._forks.pop(next(iter(self._forks))) if self._forks else None
+                    self._holder = self._beside.pop(next(iter(self._beside))) if self._beside else None
                     if self._holder is None and self._life.state is SlotState.BUSY:
                         self._transition(SlotState.READY)
 
@@ -880,12 +930,27 @@ class SlotService:
             inner = self._holder_for(holder)
             holder.in_operation += 1
             self._set_busy(name)
-            try:
+            if not self._lane_locks:  # one lane: the operation runs under the op lock, as everything else
+                try:
+                    return fn(inner)
+                finally:
+                    self._op_ended(holder)
+        try:  # several lanes: under its lane's lock only, beside the other lanes' operations
+            with self._lane(holder):
                 return fn(inner)
-            finally:
-                holder.in_operation -= 1
-                holder.last_seen = holder.last_op = self._last_active = self._clock()
-                self._set_busy("")
+        finally:
+            with self._op_lock:
+                self._op_ended(holder)
+
+    def _op_ended(self, holder: _Holder) -> None:
+        holder.in_operation -= 1
+        holder.last_seen = holder.last_op = self._last_active = self._clock()
+        self._set_busy("")
+
+    def _lane(self, holder: _Holder) -> threading.RLock | contextlib.nullcontext[None]:
+        """The lock of ``holder``'s lane on a model of several (operations on one lane take turns in its KV); a
+        no-op on a model of one, whose operations the op lock serialises."""
+        return self._lane_locks[holder.lane] if self._lane_locks else contextlib.nullcontext()
 
     # --- idle work (the model worker) -------------------------------------------------
     def idle_pending(self) -> bool:
@@ -994,14 +1059,18 @@ class SlotSession:
 
     def _stream(self, it: Generator[StreamChunk, None, None]) -> Generator[StreamChunk, None, None]:
         # The op lock is not held across yields: the daemon's single worker thread
-        # serialises model work, and a suspended generator must not pin a lock.
+        # serialises model work, and a suspended generator must not pin a lock. On a
+        # model of several lanes the stream holds its lane's lock (another session on
+        # that lane, a fork, waits for the stream's end), which the worker driving the
+        # stream releases by running it to its end or closing it.
         # The chunks do not renew the lease: only the client's own messages (its
         # heartbeats) do, so a client that stopped reading loses the slot.
         slot, holder = self._slot, self._holder
         holder.in_operation += 1
         slot._set_busy("decode")
         try:
-            yield from it
+            with slot._lane(holder):
+                yield from it
         finally:
             it.close()  # cancels the backend within one token
             holder.in_operation -= 1

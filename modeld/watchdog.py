@@ -11,6 +11,7 @@ sessions whose leases ran out.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,21 +57,33 @@ class Watchdog:
         self.exit_when_wedged = exit_when_wedged
         #: stops the daemon with an exit status
         self._stop = stop
-        #: the request the model worker runs now, and since when (IO thread reads them)
-        self.running: Inflight | None = None
-        self.running_since = 0.0
+        #: the requests the model workers run now and since when, by worker thread (the IO thread reads them; one
+        #: worker but on an engine of several lanes)
+        self._runs: dict[int, tuple[Inflight, float]] = {}
         self.wedged = False
         self._last_reap = 0.0
 
     # --- the model worker ------------------------------------------------------------------------
     @contextmanager
     def runs(self, inf: Inflight) -> Iterator[None]:
-        """The model worker runs ``inf`` inside this block."""
-        self.running, self.running_since = inf, time.monotonic()
+        """The calling model worker runs ``inf`` inside this block."""
+        me = threading.get_ident()
+        self._runs[me] = (inf, time.monotonic())
         try:
             yield
         finally:
-            self.running = None
+            self._runs.pop(me, None)
+
+    @property
+    def running(self) -> Inflight | None:
+        """The request a model worker runs, the longest running of them when several do (None: none)."""
+        runs = list(self._runs.values())
+        return min(runs, key=lambda r: r[1])[0] if runs else None
+
+    @property
+    def running_since(self) -> float:
+        runs = list(self._runs.values())
+        return min(r[1] for r in runs) if runs else 0.0
 
     def release_expired(self) -> None:
         """On the model worker, when woken: release a session whose lease expired, and forget closed ones."""
@@ -139,8 +152,10 @@ class Watchdog:
 
     def heartbeats(self, send: Send, now: float) -> None:
         due = self._work.due_heartbeats(now)
-        running = self.running
-        # only the request the model worker runs has progress; a waiting one gets an empty heartbeat
+        runs = list(self._runs.values())
+        # only the request the model worker runs has progress (the engine reports one prefill's at a time: with
+        # requests running on several lanes, none is told whose it would be); a waiting one gets an empty heartbeat
+        running = runs[0][0] if len(runs) == 1 else None
         progress = self._progress() if any(inf is running for inf in due) else None
         for inf in due:
             inf.last_hb = now

@@ -36,6 +36,10 @@ __all__ = ["DEFAULT_ENGINE_NICE", "DEFAULT_STREAM_INTERVAL_S", "OUT_ENDPOINT", "
 # (the daemon's lines keep one logger name, whichever module writes them)
 log = logging.getLogger("modeld.server")
 
+#: how long the first model worker waits at a stop for each other one to end its request before it releases the
+#: model (their requests were cancelled: a decode ends within a token, a server's prefill within its reply)
+LANE_STOP_S = 30.0
+
 #: where the workers' replies go: the IO thread binds a PULL socket there, each worker connects a PUSH
 OUT_ENDPOINT = "inproc://modeld-worker-out"
 
@@ -74,6 +78,11 @@ class Workers:
         #: the model ``serve --model`` names did not load: the daemon stops and says why
         self._preload_failed = preload_failed
         self.model_thread = threading.Thread(target=self._model_main, name="modeld-worker", daemon=True)
+        #: on an engine whose models serve several sessions at once (``Backend.lanes``), a model worker more for
+        #: each lane past the first: they take requests from the same queue; the first alone runs the idle work
+        #: and the release at the stop
+        self.lane_threads = [threading.Thread(target=self._lane_main, name=f"modeld-worker-{i}", daemon=True)
+                             for i in range(1, work.workers)]
         self.embed_thread = threading.Thread(target=self._embed_main, name="modeld-embed", daemon=True)
         #: the preload queued by ``preload`` (its failure stops the daemon)
         self._preload: Inflight | None = None
@@ -90,6 +99,8 @@ class Workers:
 
     def start(self) -> None:
         self.model_thread.start()
+        for t in self.lane_threads:
+            t.start()
         self.embed_thread.start()
 
     def join(self, timeout_s: float) -> bool:
@@ -97,32 +108,50 @@ class Workers:
         is still running (wedged)."""
         self.embed_thread.join(timeout=timeout_s)
         self.model_thread.join(timeout=timeout_s)
-        return not (self.model_thread.is_alive() or self.embed_thread.is_alive())
+        return not (self.model_thread.is_alive() or self.embed_thread.is_alive()
+                    or any(t.is_alive() for t in self.lane_threads))
 
     # --- the loops -------------------------------------------------------------------------------
     def _model_main(self) -> None:
         lower_this_thread(self.engine_nice)  # before the engine creates its threads: they inherit it
         out, emit = self._emitter()
         try:
-            while True:
-                self._idle_work()
-                item = self._work.next_model_work()
-                if item is None:
-                    if self._stopping.is_set():
-                        break
-                    self._watchdog.release_expired()
-                    self._serve_deferred(emit)
-                    continue
-                with self._watchdog.runs(item[0]):
-                    self._serve_item(*item, emit)
-                self._serve_deferred(emit)
+            self._serve(emit, idle=True)
         finally:
             self.releasing_since = time.monotonic()  # it saw the stop: what is left is releasing the model
+            for t in self.lane_threads:  # (their requests were cancelled with the stop: each ends within a step)
+                t.join(timeout=LANE_STOP_S)
             try:
                 self.slot.shutdown()  # the model belongs to this thread: release it here
             except Exception:
                 log.error("error while unloading at shutdown: %s", traceback.format_exc())
             out.close(0)
+
+    def _lane_main(self) -> None:
+        """A model worker past the first (``lane_threads``): requests, waiting opens and the reaper, no idle work."""
+        lower_this_thread(self.engine_nice)
+        out, emit = self._emitter()
+        try:
+            self._serve(emit, idle=False)
+        finally:
+            out.close(0)
+
+    def _serve(self, emit: Emit, *, idle: bool) -> None:
+        """A model worker's loop until the stop: requests, the waiting opens, the reaper when woken with nothing to
+        run, and (``idle``: the first worker) the model's idle work while nothing waits."""
+        while True:
+            if idle:
+                self._idle_work()
+            item = self._work.next_model_work()
+            if item is None:
+                if self._stopping.is_set():
+                    break
+                self._watchdog.release_expired()
+                self._serve_deferred(emit)
+                continue
+            with self._watchdog.runs(item[0]):
+                self._serve_item(*item, emit)
+            self._serve_deferred(emit)
 
     def _idle_work(self) -> None:
         """What the loaded model does while nothing waits (``LoadedModel.idle_work``: its draft costs' timing),
@@ -175,19 +204,28 @@ class Workers:
             return  # the IO thread answered it (the worker was wedged while it waited)
         if self._stopping.is_set():
             emit(inf, wire.encode_error(inf.request_id, ShuttingDown("modeld is shutting down")))
-        elif inf.op is Op.OPEN and self._work.defer(inf, msg):
-            return
+        elif inf.op is Op.OPEN:
+            if self._work.defer(inf, msg):
+                return
+            try:
+                if self._work.claim(inf):
+                    self._run(inf, msg, emit)
+            finally:
+                self._work.opened()
         elif self._work.claim(inf):
             self._run(inf, msg, emit)
 
     def _serve_deferred(self, emit: Emit) -> None:
-        """Serve waiting opens in arrival order while the slot is free; answer the cancelled."""
+        """Serve waiting opens in arrival order while the slot has room; answer the cancelled."""
         self._work.sweep_deferred(emit)
         while (p := self._work.pop_deferred()) is not None:
             # marked running like any request: an open that switches the slot (a request naming another
             # model) loads a model here, and the wedge watch and the load's progress heartbeats must see it
-            with self._watchdog.runs(p.inf):
-                self._run(p.inf, p.msg, emit)
+            try:
+                with self._watchdog.runs(p.inf):
+                    self._run(p.inf, p.msg, emit)
+            finally:
+                self._work.opened()
 
     # --- one request -----------------------------------------------------------------------------
     def _run(self, inf: Inflight, msg: Message, emit: Emit) -> None:

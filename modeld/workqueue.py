@@ -91,18 +91,25 @@ def queue_deadline(msg: Message) -> float | None:
 class WorkQueue:
     """The in-flight table, the model worker's and the embedding worker's queues, and the deferred opens."""
 
-    def __init__(self, holder: Callable[[], str | None], stopping: threading.Event) -> None:
-        #: the session that holds the slot now (``SlotService.holder_id``): a deferred open waits while one does
-        self._holder = holder
+    def __init__(self, full: Callable[[int], bool], stopping: threading.Event, *, workers: int = 1) -> None:
+        #: whether the slot takes no more sessions now, with so many opens on their way to it (``SlotService.full``):
+        #: a deferred open waits while it does
+        self._full = full
         self._stopping = stopping
+        #: how many model workers take from ``model`` (``Workers``: one a lane of the engine's models)
+        self.workers = workers
         #: the model worker's requests; a None only wakes it (to reap, to look at deferred opens, to stop)
         self.model: queue.Queue[_Item | None] = queue.Queue()
         # Embeddings have their own thread and model, so they run while a decode streams.
         self.embed: queue.Queue[_Item | None] = queue.Queue()
         self._inflight: dict[tuple[bytes, bytes], Inflight] = {}
         self._lock = threading.Lock()
-        #: opens waiting for the slot, oldest first (worker thread only)
+        #: opens waiting for the slot, oldest first (the model workers', under ``_parked_lock``)
         self._parked: deque[Parked] = deque()
+        self._parked_lock = threading.Lock()
+        #: opens a model worker took to run and has not finished (``defer`` said run, ``pop_deferred`` handed one
+        #: out; ``opened`` ends each): another worker counts them taken, so two never race for the last lane
+        self._opening = 0
         #: set by every request for the model worker (and by shutdown): it stops the worker's idle work
         self.arrived = threading.Event()
 
@@ -128,8 +135,9 @@ class WorkQueue:
         self.model.put(None)
 
     def stop_workers(self) -> None:
-        """Wake both workers to stop (a None each: the model worker stops on it once stopping is set)."""
-        self.model.put(None)
+        """Wake every worker to stop (a None each: a model worker stops on it once stopping is set)."""
+        for _ in range(self.workers):
+            self.model.put(None)
         self.embed.put(None)
         self.arrived.set()
 
@@ -285,15 +293,23 @@ class WorkQueue:
             return True
 
     def defer(self, inf: Inflight, msg: Message) -> bool:
-        """Queue an open that would find the slot busy (or others already waiting); False: run it now.
+        """Queue an open that would find the slot busy (or others already waiting); False: run it now, and call
+        ``opened`` once it ran.
 
         A request that does not parse, or asks for no waiting (no ``queue_deadline``: the IO thread
         read its body at arrival), runs now and gets its answer (InvalidArgument, or ModelBusy at once).
         """
-        if inf.queue_deadline is None or (not self._parked and not self._holder()):
-            return False
-        self._parked.append(Parked(inf, msg))
-        return True
+        with self._parked_lock:
+            if inf.queue_deadline is None or (not self._parked and not self._full(self._opening)):
+                self._opening += 1
+                return False
+            self._parked.append(Parked(inf, msg))
+            return True
+
+    def opened(self) -> None:
+        """An open that ``defer`` said to run, or ``pop_deferred`` handed out, has run (or was answered)."""
+        with self._parked_lock:
+            self._opening = max(0, self._opening - 1)
 
     def sweep_deferred(self, emit: Emit) -> None:
         """Answer the waiting opens that were cancelled (or that shutdown ends); forget those the IO thread
@@ -303,22 +319,28 @@ class WorkQueue:
         when their queue timeout runs out (``expire_waits``).
         """
         keep: deque[Parked] = deque()
-        for p in self._parked:
-            if p.inf.answered:
-                continue  # the IO thread answered it at its deadline
-            if self._stopping.is_set():
-                emit(p.inf, wire.encode_error(p.inf.request_id, ShuttingDown("modeld is shutting down")))
-            elif p.inf.cancel.is_set():
-                emit(p.inf, wire.encode_error(p.inf.request_id, Cancelled("the wait for the slot was cancelled")))
-            else:
-                keep.append(p)
-        self._parked = keep
+        ended: list[tuple[Parked, ModeldError]] = []
+        with self._parked_lock:
+            for p in self._parked:
+                if p.inf.answered:
+                    continue  # the IO thread answered it at its deadline
+                if self._stopping.is_set():
+                    ended.append((p, ShuttingDown("modeld is shutting down")))
+                elif p.inf.cancel.is_set():
+                    ended.append((p, Cancelled("the wait for the slot was cancelled")))
+                else:
+                    keep.append(p)
+            self._parked = keep
+        for p, err in ended:
+            emit(p.inf, wire.encode_error(p.inf.request_id, err))
 
     def pop_deferred(self) -> Parked | None:
         """The first waiting open, claimed to run, while the slot is free; None while it is held (an open
         that still finds it busy stays first in line) or none waits."""
-        while self._parked and not self._holder() and not self._stopping.is_set():
-            p = self._parked.popleft()
-            if self.claim(p.inf):
-                return p
-        return None
+        with self._parked_lock:
+            while self._parked and not self._full(self._opening) and not self._stopping.is_set():
+                p = self._parked.popleft()
+                if self.claim(p.inf):
+                    self._opening += 1
+                    return p
+            return None

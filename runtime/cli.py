@@ -371,7 +371,8 @@ def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) 
         ("state", st.state.value),
         ("generation", st.generation),
         ("owner", f"{st.owner_instance_id} (epoch {st.owner_epoch})" if st.owner_instance_id else "-"),
-        ("session open", "yes" if st.session_open else "no"),
+        ("session open", ("yes" if st.session_open else "no") if st.session_lanes <= 1
+         else f"{st.sessions_open} of {st.session_lanes} at once"),
     ]
     if st.pid:
         rows.append(("pid", st.pid))

@@ -639,3 +639,60 @@ def test_a_fork_holds_the_slot_beside_its_source_and_goes_with_its_lease_or_a_ta
             ended.ensure_prefix(PrefixInput(text="x", manifest=ended.manifest_defaults))
     assert (state(s), s.status().session_open) == (S.READY, False)
     assert_in_table(s.taken)
+
+
+def test_a_model_of_several_lanes_serves_a_session_a_lane_at_once() -> None:
+    """A model of two lanes (``backends.lanes``; the memory backend's ``lanes``, as the vLLM engine's ``serve
+    --sessions``): two sessions are open at once, each on a context of its own, and run their operations at the
+    same time; a third is ModelBusy until one closes; a fork stays on its source's lane; a client's next session
+    goes back to the lane it had while that lane is free; a switch still waits for every session to close."""
+    import threading
+
+    s = RecordingSlot(MemoryBackend(token_delay_s=0.01, lanes=2), settings(owner=OWNER))
+    a = s.open_session(open_req("a").model_copy(update={"client": "agent-a"}))
+    b = s.open_session(open_req("a").model_copy(update={"client": "agent-b"}))
+    st = s.status()
+    assert (st.state, st.session_open, st.sessions_open, st.session_lanes) == (S.BUSY, True, 2, 2)
+    with pytest.raises(ModelBusy):
+        s.open_session(open_req("a"))
+    assert s.full() and not RecordingSlot(MemoryBackend(lanes=2), settings(owner=OWNER)).full()
+    with pytest.raises(ModelBusy):
+        s.load_model(load("b"))  # a switch needs every session closed
+
+    # each lane holds its own conversation: b's prompt does not disturb a's context
+    m = a.manifest_defaults.model_copy(update={"profile": "test-slot"})
+    a.ensure_prefix(PrefixInput(text="You are terse.", manifest=m))
+    b.ensure_prefix(PrefixInput(text="You are verbose and kind.", manifest=m))
+    a_prefix = a.ensure_prefix(PrefixInput(text="You are terse.", manifest=m))
+    assert a_prefix.reused_tokens == a_prefix.prefix_tokens > 0 and a_prefix.prefilled_tokens == 0
+    a.prefill_suffix(SuffixInput(text=" Hello.", manifest=m))
+
+    # a decode on each lane at once: a's stream is still running when b's has ended
+    a_stream = a.decode(DecodeConfig(max_tokens=400, temperature=0.0))
+    next(a_stream)
+    b.prefill_suffix(SuffixInput(text=" Hi.", manifest=m))
+    done = threading.Event()
+
+    def b_decodes() -> None:
+        assert "".join(c.text for c in b.decode(DecodeConfig(max_tokens=3, temperature=0.0)))
+        done.set()
+
+    t = threading.Thread(target=b_decodes)
+    t.start()
+    t.join(timeout=120)
+    assert done.is_set()  # b decoded while a's decode (400 tokens) was open, not after it
+    assert s.status().busy_operation == "decode"  # a's still runs
+    a_stream.close()
+    assert s.status().busy_operation == ""
+
+    fork = a.fork(a.explain_context().prefix_tokens)  # on a's lane: no lane is free, and it needs none
+    assert hot_loop(fork) and s.status().sessions_open == 3
+    a.close()
+    fork.close()
+    again = s.open_session(open_req("a").model_copy(update={"client": "agent-a"}))
+    again_prefix = again.ensure_prefix(PrefixInput(text="You are terse.", manifest=m))
+    assert again_prefix.reused_tokens == again_prefix.prefix_tokens  # agent-a's lane again: its context is there
+    b.close()
+    again.close()
+    assert (state(s), s.status().sessions_open) == (S.READY, 0)
+    assert_in_table(s.taken)

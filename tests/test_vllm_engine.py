@@ -7,7 +7,7 @@ prompt (the daemon's report and the server's own prefix-cache counter agree, les
 their restore; greedy replies against the same model on the llama.cpp engine (the weights differ: the server reads
 the GGUF's Q4_1 values dequantized, in float32); log probabilities as the server reports them; a stream whose
 client leaves stops the server's work; what the engine does not serve is refused with the contract's typed errors,
-and the daemon serves on.
+and the daemon serves on; two turns run at once.
 
 The module is skipped where vLLM's CPU build is not installed (``make vllm`` installs it; ``make test-vllm`` runs
 this module after it).
@@ -213,6 +213,30 @@ def test_a_stream_whose_client_leaves_stops_the_server(front: Front, vllm_url: s
     assert 38 <= last - before < 1000, last - before
     assert server_counter(vllm_url, "vllm:num_requests_running") == 0
     assert front.sdk().chat.completions.create(model="default", messages=messages(QUESTIONS[4]), max_tokens=4).choices
+
+
+def test_two_turns_run_at_once_on_the_server(front: Front, vllm_url: str) -> None:
+    """The daemon serves several sessions at once on this engine (``serve --sessions``, 4 unless set): while a
+    reply of up to 2,000 tokens streams, another request of another API is answered, and status counts both open.
+    Then the long one is left, and the server ends its request."""
+    sdk = front.sdk()
+    with httpx.Client(timeout=600) as http, http.stream(
+        "POST", f"{front.url}/chat/completions",
+        json={"model": "default", "max_tokens": 2000, "temperature": 0, "stream": True,
+              "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]},
+    ) as r:
+        lines = r.iter_lines()
+        assert any(line.startswith("data: ") for line in lines)  # the long reply streams
+        with front.daemon.client(timeout_s=600) as c:
+            st = c.status()
+            assert (st.session_lanes, st.sessions_open) == (4, 1), st
+            beside = sdk.responses.create(model="default", input=QUESTIONS[3], max_output_tokens=4, temperature=0)
+            assert beside.output_text and beside.status == "incomplete"
+            assert c.status().busy_operation == "decode"  # the long reply still streams
+    deadline = time.monotonic() + 60
+    while server_counter(vllm_url, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the server still runs the request its client left"
+        time.sleep(1.0)
 
 
 def test_a_load_without_a_server_or_with_another_model_is_refused(front: Front, vllm_url: str) -> None:

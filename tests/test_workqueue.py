@@ -21,7 +21,7 @@ class _Slot:
 
 def _queue() -> tuple[WorkQueue, _Slot, threading.Event]:
     slot, stopping = _Slot(), threading.Event()
-    return WorkQueue(lambda: slot.holder, stopping), slot, stopping
+    return WorkQueue(lambda opening: (slot.holder is not None) + opening >= 1, stopping), slot, stopping
 
 
 def _open(rid: bytes, queue_timeout_s: float = 10.0) -> Message:
@@ -64,19 +64,44 @@ def test_deferred_opens_wait_while_the_slot_is_held_and_run_in_arrival_order() -
     work, slot, _stopping = _queue()
     first = work.post(b"c1", Op.OPEN, _open(b"r1"))
     assert not work.defer(first, _open(b"r1"))  # the slot is free and nobody waits: it runs now
+    work.opened()  # (it ran, and holds the slot)
     slot.holder = "s1"
     waiting = [work.post(b"c" + str(i).encode(), Op.OPEN, _open(b"r")) for i in range(3)]
     assert all(work.defer(inf, _open(b"r")) for inf in waiting)
     no_wait = work.post(b"c9", Op.OPEN, _open(b"r", queue_timeout_s=0))
     assert not work.defer(no_wait, _open(b"r"))  # asks for no waiting: answered ModelBusy at once by the slot
+    work.opened()
     assert work.waiting() == 5  # (status says so: first and no_wait are not taken by the worker yet)
     assert work.claim(first) and work.claim(no_wait)
     assert work.waiting() == 3 and work.pop_deferred() is None
     slot.holder = None
     served = []
     while (p := work.pop_deferred()) is not None:
+        assert work.pop_deferred() is None  # one on its way in takes the one lane: the next waits for it
         served.append(p.inf)
+        work.opened()  # (it ran, and closed again)
     assert served == waiting and all(inf.started for inf in served) and work.waiting() == 0
+
+
+def test_on_a_slot_of_several_lanes_opens_run_at_once_up_to_the_lanes_and_never_race_for_the_last() -> None:
+    """Two model workers and two lanes: two opens run at once, a third waits (the two on their way in count as
+    taken before either holds its lane), and goes in when one of them is done with its lane."""
+    stopping = threading.Event()
+    held: list[str] = []
+    work = WorkQueue(lambda opening: len(held) + opening >= 2, stopping, workers=2)
+    a, b, c = (work.post(identity, Op.OPEN, _open(b"r")) for identity in (b"c1", b"c2", b"c3"))
+    assert not work.defer(a, _open(b"r")) and not work.defer(b, _open(b"r"))
+    assert work.defer(c, _open(b"r")) and work.pop_deferred() is None
+    work.opened()
+    held.append("a")
+    assert work.pop_deferred() is None  # b is on its way into the last lane
+    work.opened()
+    held.append("b")
+    held.remove("a")
+    p = work.pop_deferred()
+    assert p is not None and p.inf is c and work.pop_deferred() is None
+    work.stop_workers()
+    assert [work.model.get_nowait() for _ in range(5)][-2:] == [None, None]  # (a, b and c, then a stop a worker)
 
 
 def test_an_open_at_its_deadline_is_answered_once_and_never_run() -> None:

@@ -60,6 +60,8 @@ class LlamaBackend:
     """The llama.cpp implementation of the daemon's Backend seam."""
 
     name = BACKEND_NAME
+    #: one session at a time: the model's one KV (``contract.interfaces.Backend.lanes``)
+    lanes = 1
 
     def __init__(
         self,

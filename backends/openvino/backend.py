@@ -45,6 +45,8 @@ class OpenVINOBackend:
     """
 
     name = BACKEND_NAME
+    #: one session at a time: the model's one KV (``contract.interfaces.Backend.lanes``)
+    lanes = 1
 
     def __init__(
         self,

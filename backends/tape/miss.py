@@ -28,6 +28,7 @@ import array
 import hashlib
 import json
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ class SeenPrompts:
     def __init__(self, limit: int = SEEN_LIMIT) -> None:
         self._limit = limit
         self._seen: OrderedDict[bytes, None] = OrderedDict()
+        #: the lanes of a model that serves several sessions at once note and look up from their own workers
+        self._lock = threading.Lock()
         #: the manifest of the last prefix ensured, whichever model it was on: the first request after a switch
         #: to another model or template is told so
         self.last_manifest: ContextManifest | None = None
@@ -86,18 +89,21 @@ class SeenPrompts:
     def note(self, key: str, tokens: Sequence[int]) -> None:
         """``tokens`` are computed (the KV holds them) under ``key``."""
         seen = self._seen
-        for _, fp in self._chain(key, tokens):
-            seen[fp] = None
-            seen.move_to_end(fp)
-        while len(seen) > self._limit:
-            seen.popitem(last=False)
+        fingerprints = [fp for _, fp in self._chain(key, tokens)]
+        with self._lock:
+            for fp in fingerprints:
+                seen[fp] = None
+                seen.move_to_end(fp)
+            while len(seen) > self._limit:
+                seen.popitem(last=False)
 
     def longest(self, key: str, tokens: Sequence[int]) -> int:
         """How many leading tokens of ``tokens`` were computed before under ``key`` (a multiple of the block)."""
         n = 0
         for end, fp in self._chain(key, tokens):
-            if fp not in self._seen:
-                break
+            with self._lock:
+                if fp not in self._seen:
+                    break
             n = end
         return n
 

@@ -679,10 +679,17 @@ class TapeModelBase(ABC):
         return tokens
 
     # --- lifecycle --------------------------------------------------------------------------
-    def open_session(self) -> TapeSession:
+    @property
+    def lanes(self) -> int:
+        """One: the model's one KV (``backends.lanes`` puts several models side by side)."""
+        return 1
+
+    def open_session(self, lane: int = 0) -> TapeSession:
         """A session over the model's KV; it retires every older session handle."""
         from .session import TapeSession
 
+        if lane:
+            raise ValueError(f"lane {lane} of a model with one")
         if self.closed:
             raise SessionClosed("model was unloaded")
         self.session_gen += 1

@@ -20,6 +20,7 @@ from contract.types import EmbedRequest, ModelInfo, OpenSessionRequest
 from ..bundled import model_cache_dir
 from ..digest import file_digest
 from ..gguf_file import gguf_facts, is_gguf
+from ..lanes import Lanes
 from ..registry import VLLMOptions, engine_options, option_list
 from ..resident import check_model_type
 from ..tape.loading import check_load, finish_load, template_report
@@ -82,14 +83,20 @@ def check_tokenizer(vocab: Llama, link: Link, served: ServerModel) -> None:
 
 
 class VLLMBackend:
-    """The daemon's Backend over a vLLM server."""
+    """The daemon's Backend over a vLLM server: a model it loads serves ``lanes`` sessions at once (``Lanes``), the
+    server batching their requests."""
 
     name = BACKEND_NAME
+
+    def __init__(self, lanes: int = 1) -> None:
+        if lanes < 1:
+            raise ValueError("lanes must be 1 or more")
+        self.lanes = lanes
 
     def runtime_version(self) -> str:
         return runtime_version()
 
-    def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> VLLMLoadedModel:
+    def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> VLLMLoadedModel | Lanes:
         template = check_load(req, BACKEND_NAME)
         progress(0.0)
         path = _model_path(req)
@@ -113,7 +120,15 @@ class VLLMBackend:
             raise
         finish_load(model, None, False)  # no workspace cache (the KV is the server's), no drafts
         progress(1.0)
-        return model
+        if self.lanes == 1:
+            return model
+        lanes: list[VLLMLoadedModel] = [model]
+        for _ in range(self.lanes - 1):  # the first owns the tokenizer and the connection the others share
+            lane = VLLMLoadedModel(vocab, link, served, path=str(path), digest=digest, config=req.config,
+                                   num_ctx=num_ctx, requested_template=template, owns=False)
+            finish_load(lane, None, False)
+            lanes.append(lane)
+        return Lanes(lanes)
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
         """What a load would serve: the server's model and window, the GGUF's template; no memory of the daemon's."""

@@ -58,7 +58,9 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
     backend_name = BACKEND_NAME
 
     def __init__(self, vocab: Llama, link: Link, served: ServerModel, *, path: str, digest: str, config: Config,
-                 num_ctx: int, requested_template: tuple[str, str] | None = None) -> None:
+                 num_ctx: int, requested_template: tuple[str, str] | None = None, owns: bool = True) -> None:
+        """``owns``: closing it closes ``vocab`` and ``link`` (the first lane of several owns what they share)."""
+        self._owns = owns
         self._llm = vocab
         self._vocab = vocab._model.vocab
         self._n_vocab = int(vocab.n_vocab())
@@ -88,8 +90,9 @@ class VLLMLoadedModel(VocabTokens, TapeModelBase):
         return _errors(self.link.url, action)
 
     def _release(self) -> None:
-        self.link.close()
-        self._llm.close()
+        if self._owns:
+            self.link.close()
+            self._llm.close()
 
     def decode_steps(self, cfg: DecodeConfig) -> DecodeSteps:
         refuse_unserved(cfg)

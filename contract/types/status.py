@@ -227,6 +227,12 @@ class DaemonStatus(_Report):
     last_error: str = ""
     load_progress: float | None = None
     session_open: bool = False
+    #: sessions open now: the one that holds the slot, its forks, and on a model of several lanes the sessions on
+    #: the other lanes
+    sessions_open: int = 0
+    #: how many sessions the loaded model serves at once (``serve --sessions`` on an engine that batches; 1 for a
+    #: local engine, whose sessions take turns in one KV)
+    session_lanes: int = 1
     #: sessions waiting for the slot (opens queued behind the one that holds it)
     waiting: int = 0
     #: the daemon's process id, and seconds since it started
