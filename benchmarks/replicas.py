@@ -21,7 +21,9 @@ Then throughput (``throughput``): 1, 2 and 4 agents at once, each in a thread of
 modeld's llama.cpp engine (one slot: the agents' turns take turns in it), the vLLM engine on one server (``serve
 --sessions 4``: the turns run at once and the server batches them) and on two behind the router. Per run: the
 completion tokens of all turns over the wall time from the first request to the last reply, and the median turn.
-The llama.cpp runs come first, before the servers start, so that they share the cores with nothing.
+Every agent's system prompt is computed once before the runs (not measured): they measure turns after a cached
+prompt, as an agent's are. The llama.cpp runs come first, before the servers start, so that they share the cores
+with nothing (an idle CPU server polls).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from harness.daemon import DaemonProcess, free_port, wait_http
 N_CTX = 4096
 #: agents at once in the throughput runs, turns each, and the reply length asked of every turn
 CONCURRENT = (1, 2, 4)
-THROUGHPUT_TURNS = 2
+THROUGHPUT_TURNS = 3
 THROUGHPUT_REPLY = 32
 REPLY_TOKENS = 16
 ROUNDS = 3
@@ -177,12 +179,23 @@ def _at_once(base_url: str, prompts: list[str], n: int) -> dict[str, Any]:
 
 
 def _throughput(tmp: Path, name: str, backend: str, prompts: list[str], *args: str) -> list[dict[str, Any]]:
+    """The runs of ``CONCURRENT`` agents at once on one daemon. Each agent's system prompt is computed once first,
+    one agent after another and not measured (the engine's cache holds it then: the llama.cpp engine's workspace
+    cache, the server's prefix cache), so that every run measures agents' turns after their prompts, not first
+    sights of them."""
+    import openai
+
     port = free_port()
     with DaemonProcess(tmp / f"at-once-{name}", backend, None, "--num-ctx", str(N_CTX), "--http", f"127.0.0.1:{port}",
                        *args).start(wait_state=("Ready",)):
         wait_http(port)
-        _at_once(f"http://127.0.0.1:{port}/v1", prompts, 1)  # (a first turn: the engine warmed, not measured)
-        return [_at_once(f"http://127.0.0.1:{port}/v1", prompts, n) for n in CONCURRENT]
+        base = f"http://127.0.0.1:{port}/v1"
+        with openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=1800) as sdk:
+            for k in range(max(CONCURRENT)):
+                sdk.chat.completions.create(model="default", max_tokens=1, temperature=0, messages=[
+                    {"role": "system", "content": prompts[k]}, {"role": "user", "content": QUESTIONS[0]}],
+                    extra_headers={"x-session-id": f"agent-{k}"})
+        return [_at_once(base, prompts, n) for n in CONCURRENT]
 
 
 def throughput_rows(series: dict[str, list[dict[str, Any]]]) -> list[tuple[str, Any, str]]:
