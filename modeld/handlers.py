@@ -84,7 +84,8 @@ from contract.wire import Op
 
 from .blobs import BlobStore
 from .metrics import Metrics
-from .slot import SlotService, SlotSession
+from .slot import SlotService
+from .slot_session import SlotSession
 from .workqueue import WorkQueue
 
 __all__ = ["HANDLERS", "IO_HANDLERS", "STREAM_HANDLERS", "Handlers"]

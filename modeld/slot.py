@@ -3,29 +3,31 @@
 ``SlotService`` implements the contract's Service and ModelController on top of
 one ``Backend``. It adds what a daemon needs and a backend should not know:
 
-* the SlotState machine (``TRANSITIONS``: every state change is checked against
-  it) and a generation counter bumped on every load, switch and unload, with
+* the SlotState machine (``modeld.lifecycle``: every state change is checked
+  against its table) and a generation counter bumped on every load, switch and unload, with
   ``expected_generation`` making load/unload conditional;
 * owner fencing (StaleFence) and backend type checks (BackendMismatch);
 * one session holder at a time (ModelBusy), or one a lane on a model that serves
   several at once (``LoadedModel.lanes``); open_session auto-loads an empty
   slot, a different model needs an explicit load (ModelSwitchRequired);
-* session handles bound to the owner and generation, so a switch invalidates
-  them, and a lease so a vanished client does not hold the slot forever;
+* session handles (``modeld.slot_session``) bound to the owner and generation,
+  so a switch invalidates them, and a lease so a vanished client does not hold the slot forever;
 * closing a session releases the slot but keeps the model's KV resident, so
   the next session on the same model starts warm.
 
 Threading: on a model of one lane, model operations are expected to run on one
 worker thread (the daemon guarantees it; ``_op_lock`` makes in-process use safe
 too). On a model of several, the daemon runs a model worker a lane: an operation
-holds its lane's lock (``_lane_locks``), never ``_op_lock``, so operations on
+holds its lane's lock (``Holders.lock``), never ``_op_lock``, so operations on
 different lanes run at once while loads, switches and unloads (refused while a
 session is open) still exclude each other. ``status()`` only takes the short
 ``_state_lock`` so it answers while a decode runs.
 
-This module is over the house's ~400 lines on purpose: the transition
-table, the service and ``SlotSession`` share the service's locks and holder
-bookkeeping, and splitting them would turn those into a public surface.
+The sessions holding the slot and the lanes they are on are ``modeld.holders``'.
+This module is still over the house's ~400 lines (and the 800 the house allows):
+the load, switch and unload machinery and the session operations share the
+service's two locks, its lifecycle and its generation; the next seam to cut is
+the model's half (load, switch, unload) from the sessions' half.
 """
 
 from __future__ import annotations
@@ -36,14 +38,12 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Generator, Sequence
 from typing import Protocol, TypeVar
 
 from contract import interrupt
 from contract.errors import (
     BackendMismatch,
-    Internal,
     InvalidArgument,
     LostOwner,
     ModelBusy,
@@ -65,31 +65,26 @@ from contract.types import (
     DEFAULT_SAMPLING,
     ActiveModel,
     CacheEntryInfo,
-    ContextReport,
     DaemonStatus,
-    DecodeConfig,
     EmbedRequest,
     EmbedResult,
     LoadModelRequest,
     ModelInfo,
     OpenSessionRequest,
-    PrefixInput,
-    PrefixStatus,
     ReadoutInfo,
     RunningTurn,
     SamplingParams,
-    SessionSnapshot,
     SlotState,
     StreamChunk,
-    SuffixInput,
-    SuffixStatus,
-    TokenCount,
     UnloadModelRequest,
     owner_fingerprint,
 )
 from contract.wire import PROTOCOL_VERSION
 
+from .holders import Holder, Holders
+from .lifecycle import Lifecycle, TransitionHook
 from .settings import ServeSettings
+from .slot_session import SlotSession
 from .store.catalog import Catalog
 
 log = logging.getLogger("modeld")
@@ -103,30 +98,6 @@ STATUS_REUSE_S = 0.05
 Planner = Callable[[Backend, OpenSessionRequest, int], ModelInfo]
 
 _T = TypeVar("_T")
-
-_S = SlotState
-#: The slot's lifecycle: state -> the states it may move to. ``Lifecycle.move`` is the only
-#: way the slot's state changes, and it refuses anything not listed here.
-TRANSITIONS: Mapping[SlotState, frozenset[SlotState]] = {
-    # load, or open_session auto-loading an empty slot
-    _S.EMPTY: frozenset({_S.LOADING, _S.SHUTTING_DOWN}),
-    # Ready on success, Failed when the backend's load raised (a planner refusal
-    # comes before Loading and leaves the state as it was)
-    _S.LOADING: frozenset({_S.READY, _S.FAILED, _S.SHUTTING_DOWN}),
-    # open_session, load of another model, unload
-    _S.READY: frozenset({_S.BUSY, _S.SWITCHING, _S.UNLOADING, _S.SHUTTING_DOWN}),
-    # the holder closed, its lease ran out, or its client vanished
-    _S.BUSY: frozenset({_S.READY, _S.SHUTTING_DOWN}),
-    # Ready with the new model, or with the old one when the new one failed (kept alongside, or
-    # loaded again); Failed only when the old one could not be loaded again either
-    _S.SWITCHING: frozenset({_S.READY, _S.FAILED, _S.SHUTTING_DOWN}),
-    _S.UNLOADING: frozenset({_S.EMPTY, _S.SHUTTING_DOWN}),
-    # a new load may be attempted; unload clears the failure
-    _S.FAILED: frozenset({_S.LOADING, _S.EMPTY, _S.SHUTTING_DOWN}),
-    # terminal: the process is exiting (shutdown may run again; it changes nothing)
-    _S.SHUTTING_DOWN: frozenset({_S.SHUTTING_DOWN}),
-}
-
 
 class SlotSettings(Protocol):
     """What the slot reads of the serve settings (``modeld.settings.ServeSettings`` is one; a test builds one with
@@ -149,62 +120,6 @@ class SlotSettings(Protocol):
 
     @property
     def max_tokens(self) -> int | None: ...  # the reply length of requests that set none (None: no limit)
-
-
-#: ``SlotService(on_transition=...)``: told (from, to) after each move (under the slot's state lock: keep it short)
-TransitionHook = Callable[[SlotState, SlotState], None]
-
-
-class Lifecycle:
-    """The slot's state and the one checked way to change it (``TRANSITIONS``): the state is read-only
-    elsewhere, so no code path can set a state the table does not allow."""
-
-    def __init__(self, on_move: TransitionHook | None = None) -> None:
-        self._state = SlotState.EMPTY
-        self._on_move = on_move
-
-    @property
-    def state(self) -> SlotState:
-        return self._state
-
-    def move(self, to: SlotState) -> None:
-        """Move to ``to``. Leaving ShuttingDown raises ShuttingDown (an operation that raced the shutdown ends
-        with it); any other move not in ``TRANSITIONS`` is a bug in the slot and raises Internal."""
-        frm = self._state
-        if to in TRANSITIONS[frm]:
-            self._state = to
-            if self._on_move is not None:
-                self._on_move(frm, to)
-            return
-        if frm is SlotState.SHUTTING_DOWN:
-            raise ShuttingDown("modeld is shutting down")
-        raise Internal(
-            f"invalid slot state transition {frm.value} -> {to.value}; allowed from {frm.value}: "
-            + (", ".join(sorted(s.value for s in TRANSITIONS[frm])) or "none"),
-            state=frm.value,
-            to=to.value,
-        )
-
-
-@dataclass
-class _Holder:
-    session_id: str
-    generation: int
-    owner: str
-    inner: Session
-    #: when its client was last heard (the slot's clock)
-    last_seen: float = 0.0
-    #: the end of its last operation (heartbeats do not count): the session TTL runs from here
-    last_op: float = 0.0
-    in_operation: int = 0
-    closed: bool = False
-    #: its client's connections all closed, or ``modeld cancel`` ended its turn: released at the next reap
-    vanished: bool = False
-    #: who opened it (``OpenSessionRequest.client``) and when (the slot's clock), for status
-    client: str = ""
-    opened: float = 0.0
-    #: the model's lane its session is on (``LoadedModel.lanes``; a fork is on its origin's)
-    lane: int = 0
 
 
 class SlotService:
@@ -273,15 +188,8 @@ class SlotService:
         self._request: OpenSessionRequest | None = None
         #: what was actually loaded (the planned context), to load it again after a failed switch
         self._planned: OpenSessionRequest | None = None
-        self._holder: _Holder | None = None
-        #: the sessions beside the holder, by session id: forks of the open sessions' (``Session.fork``) and, on a
-        #: model of several lanes, the sessions on the other lanes. They hold the slot with it, and the first of
-        #: them becomes the holder when it closes
-        self._beside: dict[str, _Holder] = {}
-        #: on a model of several lanes: a lock a lane, held by the operation (or the decode stream) running on it
-        self._lane_locks: list[threading.RLock] = []
-        #: the client that last opened a session on each lane: its next session goes back there while it is free
-        self._lane_clients: list[str] = []
+        #: the sessions that hold the slot, and the loaded model's lanes they are on
+        self._sessions = Holders()
         #: operations running now (on a model of several lanes, several at once)
         self._running_ops = 0
         self._busy_op = ""
@@ -314,10 +222,10 @@ class SlotService:
 
     def _status_key(self) -> tuple[object, ...]:
         """What changes with every discrete change of the slot (``status`` answers a kept status while it holds)."""
-        holder = self._holder
+        holder = self._sessions.first
         embeds = self._embedder.status() if self._embedder is not None else None  # (a few fields under its lock)
         return (self._ops, self._life.state, self._generation, self._busy_op, holder.session_id if holder else "",
-                holder.vanished if holder else False, len(self._beside), self._progress, self._last_error,
+                holder.vanished if holder else False, self._sessions.beside(), self._progress, self._last_error,
                 self.owner, self.owner_epoch, self._shutting_down,
                 (embeds["loads"], embeds["embedded_inputs"], embeds["loaded"], embeds["last_error"])
                 if embeds is not None else None)
@@ -343,7 +251,7 @@ class SlotService:
                 turn=self._running_turn(),
                 last_error=self._last_error,
                 load_progress=self._progress,
-                session_open=self._holder is not None,
+                session_open=self._sessions.first is not None,
                 sessions_open=len(self._holders()),
                 session_lanes=self._loaded.lanes if self._loaded is not None else 1,
                 pid=os.getpid(),
@@ -351,7 +259,7 @@ class SlotService:
                 embedding=self._embedder.status() if self._embedder is not None else None,
                 cache=dict(self.cache.status()) if self.cache is not None else None,
                 readouts=self.readouts,
-                idle_s=None if self._loaded is None or self._holder is not None else round(self._clock() - self._last_active, 1),
+                idle_s=None if self._loaded is None or self._sessions.first is not None else round(self._clock() - self._last_active, 1),
                 idle_unload_s=self.idle_unload_s,
                 session_ttl_s=self.session_ttl_s,
                 speculation=speculation,
@@ -400,7 +308,7 @@ class SlotService:
 
     def _running_turn(self) -> RunningTurn | None:
         """The turn that holds the slot, for status (the caller holds ``_state_lock``)."""
-        h = self._holder
+        h = self._sessions.first
         if h is None:
             return None
         now = self._clock()
@@ -471,7 +379,7 @@ class SlotService:
                 assert self._active is not None
                 return self._active
             self._reap_locked()
-            if self._holder is not None:
+            if self._sessions.first is not None:
                 raise ModelBusy("a session holds the slot; close it before switching models")
             return self._load_locked(open_req)
 
@@ -648,7 +556,7 @@ class SlotService:
                         self._transition(SlotState.EMPTY)
                 return  # idempotent on an empty slot
             self._reap_locked()
-            if self._holder is not None:
+            if self._sessions.first is not None:
                 raise ModelBusy("a session holds the slot; close it before unloading")
             self._unload_locked()
 
@@ -670,7 +578,7 @@ class SlotService:
                     active=self._active.model_name,
                     requested=req.model_name or req.path,
                 )
-            if self._holder is not None and (switch or self._free_lane(req.client) is None):
+            if self._sessions.first is not None and (switch or self._free_lane(req.client) is None):
                 raise ModelBusy("another session holds the slot")  # whose is nobody else's business
             if self._loaded is None or switch:
                 if not req.path:
@@ -683,7 +591,7 @@ class SlotService:
             lane = self._free_lane(req.client)
             assert lane is not None  # (no session is open, or the check above found a lane free)
             now = self._clock()
-            holder = _Holder(
+            holder = Holder(
                 session_id=uuid.uuid4().hex,
                 generation=self._generation,
                 owner=req.owner_instance_id,
@@ -694,31 +602,20 @@ class SlotService:
                 opened=now,
                 lane=lane,
             )
-            self._lane_clients[lane] = req.client
+            self._sessions.opened_on(lane, req.client)
             try:
                 with self._state_lock:
-                    if self._holder is None:
+                    if self._sessions.first is None:
                         self._transition(SlotState.BUSY)
-                        self._holder = holder
-                    else:
-                        self._beside[holder.session_id] = holder
+                    self._sessions.add(holder)
             except ModeldError:
                 holder.inner.close()
                 raise
             return SlotSession(self, holder)
 
     def _free_lane(self, client: str) -> int | None:
-        """A lane of the loaded model no open session is on (0 while none is loaded), None when every lane is taken:
-        the one ``client`` last opened a session on, if free (its conversation's tape is there), else the first."""
-        lanes = self._loaded.lanes if self._loaded is not None else 1
-        if len(self._lane_clients) != lanes:
-            self._lane_clients = [""] * lanes
-            self._lane_locks = [threading.RLock() for _ in range(lanes)] if lanes > 1 else []
-        taken = {h.lane for h in self._holders()}
-        free = [i for i in range(lanes) if i not in taken]
-        if not free:
-            return None
-        return next((i for i in free if client and self._lane_clients[i] == client), free[0])
+        """A lane of the loaded model no open session is on (0 while none is loaded), None when every one is taken."""
+        return self._sessions.free_lane(self._loaded.lanes if self._loaded is not None else 1, client)
 
     def full(self, opening: int = 0) -> bool:
         """Whether an open now would find no room, with ``opening`` others on their way in before it: every lane
@@ -726,7 +623,7 @@ class SlotService:
         sessions, whatever this says."""
         with self._state_lock:
             lanes = self._loaded.lanes if self._loaded is not None else 1
-            return len({h.lane for h in self._holders()}) + opening >= lanes
+            return self._sessions.lanes_taken() + opening >= lanes
 
     def describe(self, req: OpenSessionRequest) -> ModelInfo:
         self._check_fence(req.owner_instance_id)
@@ -783,7 +680,7 @@ class SlotService:
         return loaded.manifest_defaults() if loaded is not None else ContextManifest()
 
     # --- leases and holders ------------------------------------------------------------
-    def _holder_for(self, holder: _Holder) -> Session:
+    def _holder_for(self, holder: Holder) -> Session:
         if holder.session_id in self._lost:
             raise LostOwner("a newer owner took the daemon over; this session was ended", session_id=holder.session_id)
         if holder.closed:
@@ -794,25 +691,25 @@ class SlotService:
                 session_generation=holder.generation,
                 current=self._generation,
             )
-        if self._holder is not holder and self._beside.get(holder.session_id) is not holder:
+        if not self._sessions.holds(holder):
             raise SessionClosed("session was released (lease expired or closed)", session_id=holder.session_id)
         if self.owner and holder.owner != self.owner:
             raise StaleFence("the daemon's owner changed since this session was opened")
         holder.last_seen = self._clock()
         return holder.inner
 
-    def _holders(self) -> list[_Holder]:
-        """The sessions holding the slot: the holder and its forks."""
-        return ([self._holder] if self._holder is not None else []) + list(self._beside.values())
+    def _holders(self) -> list[Holder]:
+        """The sessions holding the slot: the first, its forks, the sessions on the other lanes."""
+        return self._sessions.all()
 
-    def _held(self, session_id: str) -> _Holder | None:
-        return next((h for h in self._holders() if h.session_id == session_id), None)
+    def _held(self, session_id: str) -> Holder | None:
+        return self._sessions.held(session_id)
 
     def holds(self, session_id: str) -> bool:
         """Whether ``session_id`` holds the slot (the holder or one of its forks)."""
         return self._held(session_id) is not None
 
-    def fork_session(self, holder: _Holder, at_position: int) -> SlotSession:
+    def fork_session(self, holder: Holder, at_position: int) -> SlotSession:
         """A session forked from ``holder``'s at ``at_position`` (``Session.fork``): the caller's, on the same
         model and generation; it holds the slot beside the holder until closed or its lease runs out."""
         with self._op_lock:
@@ -820,10 +717,10 @@ class SlotService:
             now = self._clock()
             with self._lane(holder):
                 forked = inner.fork(at_position)
-            fork = _Holder(session_id=uuid.uuid4().hex, generation=holder.generation, owner=holder.owner,
+            fork = Holder(session_id=uuid.uuid4().hex, generation=holder.generation, owner=holder.owner,
                            inner=forked, last_seen=now, last_op=now, client=holder.client, opened=now, lane=holder.lane)
             with self._state_lock:
-                self._beside[fork.session_id] = fork
+                self._sessions.add(fork)
             return SlotSession(self, fork)
 
     def touch(self, session_id: str) -> bool:
@@ -891,14 +788,14 @@ class SlotService:
             self._busy_op = ""
 
     def _unload_if_idle_locked(self) -> None:
-        if not self.idle_unload_s or self._loaded is None or self._holder is not None or self._shutting_down:
+        if not self.idle_unload_s or self._loaded is None or self._sessions.first is not None or self._shutting_down:
             return
         if self._clock() - self._last_active <= self.idle_unload_s or self._life.state is not SlotState.READY:
             return
         log.info("unloading the model: idle for %.0f s", self._clock() - self._last_active)
         self._unload_locked()
 
-    def _release_holder(self, holder: _Holder) -> None:
+    def _release_holder(self, holder: Holder) -> None:
         if holder.closed:
             return
         holder.closed = True
@@ -907,12 +804,8 @@ class SlotService:
             holder.inner.close()
         finally:
             with self._state_lock:
-                if self._beside.get(holder.session_id) is holder:
-                    del self._beside[holder.session_id]
-                elif self._holder is holder:
-                    # a fork goes on holding the slot; the last one out frees it
-                    self._holder = self._beside.pop(next(iter(self._beside))) if self._beside else None
-                    if self._holder is None and self._life.state is SlotState.BUSY:
+                # a fork, or a session on another lane, goes on holding the slot; the last one out frees it
+                if self._sessions.remove(holder) and self._life.state is SlotState.BUSY:
                         self._transition(SlotState.READY)
 
     def release_session(self, session_id: str) -> None:
@@ -922,15 +815,15 @@ class SlotService:
                 self._release_holder(h)
 
     def holder_id(self) -> str:
-        h = self._holder
+        h = self._sessions.first
         return h.session_id if h is not None else ""
 
-    def run_op(self, holder: _Holder, name: str, fn: Callable[[Session], _T]) -> _T:
+    def run_op(self, holder: Holder, name: str, fn: Callable[[Session], _T]) -> _T:
         with self._op_lock:
             inner = self._holder_for(holder)
             holder.in_operation += 1
             self._set_busy(name)
-            if not self._lane_locks:  # one lane: the operation runs under the op lock, as everything else
+            if not self._sessions.concurrent:  # one lane: the operation runs under the op lock, as everything else
                 try:
                     return fn(inner)
                 finally:
@@ -942,21 +835,42 @@ class SlotService:
             with self._op_lock:
                 self._op_ended(holder)
 
-    def _op_ended(self, holder: _Holder) -> None:
+    def _op_ended(self, holder: Holder) -> None:
         holder.in_operation -= 1
         holder.last_seen = holder.last_op = self._last_active = self._clock()
         self._set_busy("")
 
-    def _lane(self, holder: _Holder) -> threading.RLock | contextlib.nullcontext[None]:
-        """The lock of ``holder``'s lane on a model of several (operations on one lane take turns in its KV); a
-        no-op on a model of one, whose operations the op lock serialises."""
-        return self._lane_locks[holder.lane] if self._lane_locks else contextlib.nullcontext()
+    def _lane(self, holder: Holder) -> threading.RLock | contextlib.nullcontext[None]:
+        return self._sessions.lock(holder)
+
+    def stream_op(self, holder: Holder, it: Generator[StreamChunk, None, None]) -> Generator[StreamChunk, None, None]:
+        """``it`` (a decode's stream, begun by ``run_op``) as an operation of ``holder``'s until it ends or is closed.
+
+        The op lock is not held across yields: the daemon's single worker thread serialises model work, and a
+        suspended generator must not pin a lock. On a model of several lanes the stream holds its lane's lock
+        (another session on that lane, a fork, waits for the stream's end), which the worker driving the stream
+        releases by running it to its end or closing it. The chunks do not renew the lease: only the client's own
+        messages (its heartbeats) do, so a client that stopped reading loses the slot."""
+        holder.in_operation += 1
+        self._set_busy("decode")
+        try:
+            with self._lane(holder):
+                yield from it
+        finally:
+            it.close()  # cancels the backend within one token
+            holder.in_operation -= 1
+            holder.last_op = self._clock()
+            self._set_busy("")
+
+    def now(self) -> float:
+        """The slot's clock (leases, the session TTL and the idle unload are measured on it)."""
+        return self._clock()
 
     # --- idle work (the model worker) -------------------------------------------------
     def idle_pending(self) -> bool:
         """Whether the loaded model has work for the idle slot (``LoadedModel.idle_work``) it can do now."""
         with self._state_lock:
-            loaded = self._loaded if self._life.state is SlotState.READY and self._holder is None else None
+            loaded = self._loaded if self._life.state is SlotState.READY and self._sessions.first is None else None
         return loaded is not None and loaded.idle_pending()
 
     def idle_work(self) -> None:
@@ -1018,88 +932,3 @@ class SlotService:
         with self._op_lock:
             self._check_fence(owner)
             return self.cache.clear() if self.cache is not None else 0
-
-
-class SlotSession:
-    """A session handle bound to the slot's owner and generation."""
-
-    def __init__(self, slot: SlotService, holder: _Holder) -> None:
-        self._slot = slot
-        self._holder = holder
-
-    @property
-    def session_id(self) -> str:
-        return self._holder.session_id
-
-    @property
-    def generation(self) -> int:
-        return self._holder.generation
-
-    @property
-    def manifest_defaults(self) -> ContextManifest:
-        return self._slot.manifest_defaults()
-
-    @property
-    def num_ctx(self) -> int:
-        active = self._slot.status().active
-        return active.effective_context if active else 0
-
-    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
-        return self._slot.run_op(self._holder, "ensure_prefix", lambda s: s.ensure_prefix(prefix))
-
-    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
-        return self._slot.run_op(self._holder, "prefill_suffix", lambda s: s.prefill_suffix(suffix))
-
-    def count_tokens(self, prefix: PrefixInput, suffix: SuffixInput) -> TokenCount:
-        return self._slot.run_op(self._holder, "count_tokens", lambda s: s.count_tokens(prefix, suffix))
-
-    def decode(self, cfg: DecodeConfig) -> Generator[StreamChunk, None, None]:
-        inner_iter = self._slot.run_op(self._holder, "decode", lambda s: s.decode(cfg))
-        return self._stream(inner_iter)
-
-    def _stream(self, it: Generator[StreamChunk, None, None]) -> Generator[StreamChunk, None, None]:
-        # The op lock is not held across yields: the daemon's single worker thread
-        # serialises model work, and a suspended generator must not pin a lock. On a
-        # model of several lanes the stream holds its lane's lock (another session on
-        # that lane, a fork, waits for the stream's end), which the worker driving the
-        # stream releases by running it to its end or closing it.
-        # The chunks do not renew the lease: only the client's own messages (its
-        # heartbeats) do, so a client that stopped reading loses the slot.
-        slot, holder = self._slot, self._holder
-        holder.in_operation += 1
-        slot._set_busy("decode")
-        try:
-            with slot._lane(holder):
-                yield from it
-        finally:
-            it.close()  # cancels the backend within one token
-            holder.in_operation -= 1
-            holder.last_op = slot._clock()
-            slot._set_busy("")
-
-    def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
-        return self._slot.run_op(self._holder, "tokenize", lambda s: s.tokenize(text, add_special=add_special))
-
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        return self._slot.run_op(self._holder, "detokenize", lambda s: s.detokenize(tokens))
-
-    def explain_context(self) -> ContextReport:
-        """The context report; also the no-op that refreshes the session's TTL."""
-        h = self._holder
-        h.last_op = self._slot._clock()
-        if h.closed or not self._slot.holds(h.session_id):
-            rep = h.inner.explain_context()
-            return rep.model_copy(update={"closed": True})
-        return h.inner.explain_context()
-
-    def snapshot(self) -> SessionSnapshot:
-        return self._slot.run_op(self._holder, "snapshot", lambda s: s.snapshot())
-
-    def restore(self, snap: SessionSnapshot) -> None:
-        self._slot.run_op(self._holder, "restore", lambda s: s.restore(snap))
-
-    def fork(self, at_position: int) -> SlotSession:
-        return self._slot.fork_session(self._holder, at_position)
-
-    def close(self) -> None:
-        self._slot.release_session(self._holder.session_id)

@@ -16,6 +16,7 @@ import pytest
 
 from contract.errors import ModelBusy
 from contract.types import DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+from harness.daemon import wait_until
 from runtime import Client
 from tests.test_openai_front import Front
 
@@ -72,7 +73,9 @@ def test_two_sessions_decode_at_once_and_a_third_waits_for_a_lane(front: Front) 
 
         waiter = threading.Thread(target=waits)
         waiter.start()
-        assert not opened.wait(0.5) and c.status().waiting == 1  # (no lane is free: it waits, as long as it takes)
+        with front.daemon.client(timeout_s=60) as watcher:  # (c is the waiter's, busy in its open)
+            wait_until(lambda: watcher.status().waiting == 1, "the third open waiting for a lane")
+        assert not opened.is_set()  # no lane is free: it waits, as long as it takes
         long.close()  # a's session goes: its lane is the waiter's
         waiter.join(timeout=600)
         assert opened.is_set(), failed

@@ -46,8 +46,10 @@ from contract.types import (
     UnloadModelRequest,
 )
 from modeld.embedding_slot import EmbeddingSlot
+from modeld.lifecycle import TRANSITIONS, Lifecycle
 from modeld.settings import ServeSettings
-from modeld.slot import TRANSITIONS, Lifecycle, SlotService, SlotSession
+from modeld.slot import SlotService
+from modeld.slot_session import SlotSession
 
 S = SlotState
 OWNER = "owner-1"
