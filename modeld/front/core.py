@@ -26,11 +26,11 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.websockets import WebSocket
@@ -57,7 +57,7 @@ from .images import Image, ImageLimits, ImageRef, place_images, read_images
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "client_label", "give_back_if_gone", "stamp", "turn_messages"]
+__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "PromptFunction", "PromptTool", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "client_label", "give_back_if_gone", "stamp", "turn_messages"]
 
 log = logging.getLogger("modeld.http")
 
@@ -114,14 +114,34 @@ class Loose(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+class PromptFunction(BaseModel):
+    """A function a tool offers, as the chat template renders it (OpenAI's chat shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    #: the JSON schema of its arguments (None: the client gave none)
+    parameters: dict[str, Any] | None = None
+
+
+class PromptTool(BaseModel):
+    """A tool of a turn, in OpenAI's chat shape: every API's tools become these (``TurnRequest.tools``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: PromptFunction
+
+
 @dataclass
 class TurnRequest:
     """A request in the neutral form: what ``runtime.Chat`` takes, and the model name the client sent."""
 
     #: the messages (roles system, user, assistant, tool), leading system ones first; ``turn_messages`` makes them
     messages: list[ChatMessage]
-    #: OpenAI function tools (``{"type": "function", "function": {...}}``)
-    tools: list[dict[str, Any]] = field(default_factory=list)
+    #: the function tools the template renders into the prompt
+    tools: list[PromptTool] = field(default_factory=list)
     #: ``DecodeConfig`` fields the client set
     decode: dict[str, Any] = field(default_factory=dict)
     model: str = ""
@@ -682,7 +702,8 @@ class Serving:
                 chat_turn = chat.begin_prompt(req.prompt, check_fit=check_fit, conversation=req.conversation,
                                               score=req.score, **req.decode)
             else:
-                chat_turn = chat.begin(req.messages, req.tools or None, check_fit=check_fit,
+                chat_turn = chat.begin(req.messages, [t.model_dump(exclude_none=True) for t in req.tools] or None,
+                                       check_fit=check_fit,
                                        enable_thinking=req.enable_thinking, conversation=req.conversation,
                                        **req.decode)
         except ModeldError as exc:

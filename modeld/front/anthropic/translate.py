@@ -11,6 +11,8 @@ from typing import Any
 from runtime.chat import ChatResult
 
 from ..core import (
+    PromptFunction,
+    PromptTool,
     Serving,
     TurnRequest,
     miss_field,
@@ -149,16 +151,15 @@ def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving, image
     return out
 
 
-def _tools(tools: list[Tool] | None) -> list[dict[str, Any]]:
+def _tools(tools: list[Tool] | None) -> list[PromptTool]:
     out = []
     for t in tools or []:
         if t.type not in (None, "custom"):
             log.info("the server tool %r (%s) is not run by this daemon; left out of the prompt", t.name, t.type)
             continue
-        fn: dict[str, Any] = {"name": t.name, "parameters": t.input_schema or {"type": "object", "properties": {}}}
-        if t.description:
-            fn["description"] = t.description
-        out.append({"type": "function", "function": fn})
+        out.append(PromptTool(function=PromptFunction(
+            name=t.name, description=t.description or None,
+            parameters=t.input_schema or {"type": "object", "properties": {}})))
     return out
 
 

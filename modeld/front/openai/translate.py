@@ -11,6 +11,8 @@ from contract.types import StructuredOutputConfig, TokenLogprob, ToolCallDelta
 from runtime.chat import ChatResult
 
 from ..core import (
+    PromptFunction,
+    PromptTool,
     TurnRequest,
     miss_field,
     turn_messages,
@@ -81,19 +83,19 @@ def _messages(req: ChatCompletionRequest, images: list[ImageRef]) -> list[dict[s
     return out
 
 
-def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _tools(req: ChatCompletionRequest) -> list[PromptTool]:
     tools = []
     for i, t in enumerate(req.tools or []):
         if t.type != "function" or t.function is None:
             raise ApiError(400, f"tools[{i}] has type {t.type!r}; chat completions take function tools",
                            param=f"tools[{i}].type")
-        tools.append({"type": "function", "function": t.function.model_dump(exclude_none=True)})
+        tools.append(PromptTool(function=PromptFunction.model_validate(t.function.model_dump(exclude_none=True))))
     return tools
 
 
-def call_schemas(tools: list[dict[str, Any]]) -> dict[str, str]:
+def call_schemas(tools: list[PromptTool]) -> dict[str, str]:
     """Each function tool's name and the JSON schema of its arguments, as a forced call holds them."""
-    return {t["function"]["name"]: json.dumps(t["function"].get("parameters") or {}) for t in tools}
+    return {t.function.name: json.dumps(t.function.parameters or {}) for t in tools}
 
 
 def tool_choice_options(choice: str | None, forced: str | None, schemas: dict[str, str]) -> dict[str, Any]:
@@ -126,7 +128,7 @@ def sampling_options(req: SamplingRequest) -> dict[str, Any]:
     return opts
 
 
-def _decode(req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> dict[str, Any]:
+def _decode(req: ChatCompletionRequest, tools: list[PromptTool]) -> dict[str, Any]:
     if req.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported: one model slot decodes one reply", param="n")
     opts: dict[str, Any] = {}

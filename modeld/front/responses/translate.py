@@ -12,7 +12,7 @@ from typing import Any
 from contract.types import StructuredOutputConfig, TokenLogprob
 from runtime.chat import ChatResult
 
-from ..core import Serving, miss_field
+from ..core import PromptFunction, PromptTool, Serving, miss_field
 from ..errors import ApiError
 from ..images import ImageRef, joined
 from ..openai.translate import call_schemas, token_logprobs_out, tool_choice_options
@@ -57,7 +57,7 @@ class ToolMap:
     """The request's tools as function tools, and how a call's name maps back to the tool the client gave."""
 
     def __init__(self, tools: list[ToolSpec] | None) -> None:
-        self.functions: list[dict[str, Any]] = []
+        self.functions: list[PromptTool] = []
         #: flattened name -> (namespace or "", the name the client knows, "function" | "custom")
         self.origin: dict[str, tuple[str, str, str]] = {}
         self.dropped: list[str] = []
@@ -83,10 +83,8 @@ class ToolMap:
         custom = tool.type == "custom"
         params: Any = ({"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
                        if custom else tool.parameters or {"type": "object", "properties": {}})
-        fn: dict[str, Any] = {"name": flat, "parameters": params}
-        if tool.description:
-            fn["description"] = tool.description
-        self.functions.append({"type": "function", "function": fn})
+        self.functions.append(PromptTool(function=PromptFunction(name=flat, description=tool.description or None,
+                                                                 parameters=params)))
         self.origin[flat] = (namespace, name, "custom" if custom else "function")
 
     def flat_name(self, name: str, namespace: str | None = "") -> str:

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from contract.types import DecodeConfig, TokenLogprob, ToolCall
 
+from ..core import PromptTool
+
 __all__ = [
     "ACTIONS",
     "CLIENT_MESSAGE",
@@ -109,7 +111,7 @@ class Config(_In):
     model: str = ""
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tools: list[PromptTool] = Field(default_factory=list)
     parameters: Parameters = Field(default_factory=Parameters)
     options: Options = Field(default_factory=Options)
     #: the key, when this first message carries it (instead of ``auth`` or the header)
