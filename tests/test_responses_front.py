@@ -165,6 +165,9 @@ def test_cancel_cuts_a_running_response_short(front: Front, client: Any) -> None
     assert last.type == "response.incomplete" and last.response.status == "cancelled"
     assert 0 < len(last.response.output_text) < 2000
     assert client.responses.retrieve(rid).status == "cancelled"
+    again = client.responses.cancel(rid)  # finished now: the stored response, whole, not a reference
+    assert again.status == "cancelled" and again.output_text == last.response.output_text
+    assert again.model_dump(exclude_unset=True) == last.response.model_dump(exclude_unset=True)
     with Client(front.daemon.endpoint, timeout_s=10.0) as c:
         assert not c.status().session_open  # the slot is free
 
@@ -194,6 +197,10 @@ def test_input_items_are_read_by_type_and_a_malformed_one_is_a_400_naming_it(cli
     with pytest.raises(openai.BadRequestError) as role:
         client.responses.create(model="m", input=[{"role": "tool", "content": "hi"}], max_output_tokens=2)
     assert role.value.body["param"] == "input.0.message.role", role.value.body
+    for endpoint in (client.responses.create, client.responses.input_tokens.count):
+        with pytest.raises(openai.BadRequestError) as odd:  # a type that is no text (found by make fuzz)
+            endpoint(model="m", input=[{"type": {}}])
+        assert odd.value.body["param"] == "input.0.other.type", odd.value.body
     plain = [{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
     hosted = {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "x"}}
     alone = client.responses.create(model="m", input=plain, max_output_tokens=2, store=False)

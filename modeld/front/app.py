@@ -30,7 +30,7 @@ from ..metrics import CONTENT_TYPE
 from . import anthropic, completions, openai, responses, tokens, ws
 from .access import AccessLog, record_of
 from .api import HttpApi, error_body
-from .core import Serving, Shape, declared, dumped
+from .core import Serving, Shape, declared
 from .errors import ApiError, api_error
 from .openai.protocol import ErrorBody
 from .stored import ResponseStore
@@ -177,23 +177,25 @@ def create_app(serving: Serving, *, store: ResponseStore | None = None, apis: Se
             response.headers[name] = value
         return response
 
-    @app.get("/", response_model=None, responses=declared(Greeting, ErrorBody))
-    async def root() -> JSONResponse:
-        return JSONResponse(dumped(Greeting(name="modeld", status="ok")))
+    @app.get("/", response_model=Greeting, response_model_exclude_unset=True, responses=declared(Greeting, ErrorBody))
+    async def root() -> Greeting:
+        return Greeting(name="modeld", status="ok")
 
-    @app.head("/", response_model=None, responses=declared(Greeting, ErrorBody))
-    async def root_head() -> JSONResponse:  # Claude Code's first request: is the server there
-        return JSONResponse(dumped(Greeting(name="modeld", status="ok")))
+    @app.head("/", response_model=Greeting, response_model_exclude_unset=True,
+              responses=declared(Greeting, ErrorBody))
+    async def root_head() -> Greeting:  # Claude Code's first request: is the server there
+        return Greeting(name="modeld", status="ok")
 
-    @app.get("/health", response_model=None, responses=declared(Health, ErrorBody))
-    async def health() -> JSONResponse:
+    @app.get("/health", response_model=Health, response_model_exclude_unset=True,
+             responses=declared(Health, ErrorBody))
+    async def health() -> Health:
         def status() -> Health:
             with serving.pool.client() as c:
                 st = c.status()
             return Health(status="ok", state=st.state.value, model=st.active.model_name if st.active else None)
 
         try:
-            return JSONResponse(dumped(await anyio.to_thread.run_sync(status)))
+            return await anyio.to_thread.run_sync(status)
         except ModeldError as exc:
             raise api_error(exc) from None
 

@@ -129,7 +129,7 @@ _ITEMS = {"message", "function_call", "custom_tool_call", "function_call_output"
 
 def _item_kind(item: Any) -> str:
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
-    return kind if kind in _ITEMS else "other"
+    return kind if isinstance(kind, str) and kind in _ITEMS else "other"  # (a type that is no text: refused there)
 
 
 #: an input item, read by its ``type`` (a message when it has none)

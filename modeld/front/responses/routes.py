@@ -160,38 +160,42 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
         keep(reply, turn_req, tools_given)
         return JSONResponse(dumped(reply.body()))
 
-    @r.post("/v1/responses/input_tokens", response_model=None, responses=declared(InputTokens, ErrorBody))
-    async def input_tokens(body: InputTokensRequest) -> JSONResponse:
+    @r.post("/v1/responses/input_tokens", response_model=InputTokens, response_model_exclude_unset=True,
+            responses=declared(InputTokens, ErrorBody))
+    async def input_tokens(body: InputTokensRequest) -> InputTokens:
         turn_req, _, _ = _prepare(body, serving, store)
         count = await serving.acount(turn_req)
-        return JSONResponse(dumped(InputTokens(object="response.input_tokens", input_tokens=count.prompt_tokens)))
+        return InputTokens(object="response.input_tokens", input_tokens=count.prompt_tokens)
 
-    def stored_response(response_id: str, missing: str) -> JSONResponse:
+    def stored_response(response_id: str, missing: str) -> Response:
         """A stored response as it was sent (checked against its model: the store is a file another version of
         the daemon may have written)."""
         stored = store.get(response_id)
         if stored is None:
             raise ApiError(404, missing, code="not_found", param="response_id")
-        return JSONResponse(dumped(Response.model_validate(stored["response"])))
+        return Response.model_validate(stored["response"])
 
-    @r.get("/v1/responses/{response_id}", response_model=None, responses=declared(Response, ErrorBody))
-    async def retrieve(response_id: str) -> JSONResponse:
+    @r.get("/v1/responses/{response_id}", response_model=Response, response_model_exclude_unset=True,
+           responses=declared(Response, ErrorBody))
+    async def retrieve(response_id: str) -> Response:
         return stored_response(response_id, f"no stored response {response_id!r}")
 
-    @r.delete("/v1/responses/{response_id}", response_model=None, responses=declared(DeletedResponse, ErrorBody))
-    async def delete(response_id: str) -> JSONResponse:
+    @r.delete("/v1/responses/{response_id}", response_model=DeletedResponse, response_model_exclude_unset=True,
+              responses=declared(DeletedResponse, ErrorBody))
+    async def delete(response_id: str) -> DeletedResponse:
         if not store.delete(response_id):
             raise ApiError(404, f"no stored response {response_id!r}", code="not_found", param="response_id")
-        return JSONResponse(dumped(DeletedResponse(id=response_id, object="response.deleted", deleted=True)))
+        return DeletedResponse(id=response_id, object="response.deleted", deleted=True)
 
-    @r.post("/v1/responses/{response_id}/cancel", response_model=None, responses=declared(ResponseRef, ErrorBody))
-    async def cancel(response_id: str) -> JSONResponse:
+    @r.post("/v1/responses/{response_id}/cancel", response_model=Response | ResponseRef,
+            response_model_exclude_unset=True, responses=declared(ResponseRef, ErrorBody))
+    async def cancel(response_id: str) -> Response | ResponseRef:
         turn = running.turns.get(response_id)
         if turn is None:  # already finished (the whole response), or unknown
             return stored_response(response_id, f"no response {response_id!r} is running or stored")
         # the decode stops within a token; the request that runs it answers with the reply cut there
         await anyio.to_thread.run_sync(turn.cancel)
-        return JSONResponse(dumped(ResponseRef(id=response_id, object="response", status="cancelled")))
+        return ResponseRef(id=response_id, object="response", status="cancelled")
 
     return r
 
