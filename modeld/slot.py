@@ -617,13 +617,16 @@ class SlotService:
         """A lane of the loaded model no open session is on (0 while none is loaded), None when every one is taken."""
         return self._sessions.free_lane(self._loaded.lanes if self._loaded is not None else 1, client)
 
-    def full(self, opening: int = 0) -> bool:
-        """Whether an open now would find no room, with ``opening`` others on their way in before it: every lane
-        of the loaded model taken (one session holds a model of one lane). A switch needs the slot free of
-        sessions, whatever this says."""
+    def full(self, opening: int = 0, req: OpenSessionRequest | None = None) -> bool:
+        """Whether the open ``req`` would find no room now, with ``opening`` others on their way in before it: every
+        lane of the loaded model taken (one session holds a model of one lane), or, for an open that switches to
+        another model, any session open (a switch needs the slot free of them)."""
         with self._state_lock:
             lanes = self._loaded.lanes if self._loaded is not None else 1
-            return self._sessions.lanes_taken() + opening >= lanes
+            taken = self._sessions.lanes_taken() + opening
+        if req is not None and req.switch and taken and not self._matches(self._by_name(req)):
+            return True
+        return taken >= lanes
 
     def describe(self, req: OpenSessionRequest) -> ModelInfo:
         self._check_fence(req.owner_instance_id)

@@ -78,12 +78,19 @@ _Item = tuple[Inflight, Message]
 log = logging.getLogger("modeld.server")
 
 
+def _open_request(msg: Message) -> OpenSessionRequest | None:
+    """An open's request, None when its body does not parse (which the worker answers)."""
+    try:
+        return wire.decode_body(OpenSessionRequest, msg)
+    except ModeldError:
+        return None
+
+
 def queue_deadline(msg: Message) -> float | None:
     """When an open stops waiting for the slot (None: it does not wait, or its body does not parse,
     which the worker answers)."""
-    try:
-        req = wire.decode_body(OpenSessionRequest, msg)
-    except ModeldError:
+    req = _open_request(msg)
+    if req is None:
         return None
     return time.monotonic() + req.queue_timeout_s if req.queue_timeout_s > 0 else None
 
@@ -91,9 +98,11 @@ def queue_deadline(msg: Message) -> float | None:
 class WorkQueue:
     """The in-flight table, the model worker's and the embedding worker's queues, and the deferred opens."""
 
-    def __init__(self, full: Callable[[int], bool], stopping: threading.Event, *, workers: int = 1) -> None:
-        #: whether the slot takes no more sessions now, with so many opens on their way to it (``SlotService.full``):
-        #: a deferred open waits while it does
+    def __init__(self, full: Callable[[int, OpenSessionRequest | None], bool], stopping: threading.Event, *,
+                 workers: int = 1) -> None:
+        #: whether the slot takes no more sessions now, with so many opens on their way to it, for this open
+        #: (``SlotService.full``: one that switches the model waits for every session to close): a deferred open
+        #: waits while it does
         self._full = full
         self._stopping = stopping
         #: how many model workers take from ``model`` (``Workers``: one a lane of the engine's models)
@@ -300,7 +309,7 @@ class WorkQueue:
         read its body at arrival), runs now and gets its answer (InvalidArgument, or ModelBusy at once).
         """
         with self._parked_lock:
-            if inf.queue_deadline is None or (not self._parked and not self._full(self._opening)):
+            if inf.queue_deadline is None or (not self._parked and not self._full(self._opening, _open_request(msg))):
                 self._opening += 1
                 return False
             self._parked.append(Parked(inf, msg))
@@ -338,7 +347,8 @@ class WorkQueue:
         """The first waiting open, claimed to run, while the slot is free; None while it is held (an open
         that still finds it busy stays first in line) or none waits."""
         with self._parked_lock:
-            while self._parked and not self._full(self._opening) and not self._stopping.is_set():
+            while (self._parked and not self._full(self._opening, _open_request(self._parked[0].msg))
+                   and not self._stopping.is_set()):
                 p = self._parked.popleft()
                 if self.claim(p.inf):
                     self._opening += 1

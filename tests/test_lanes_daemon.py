@@ -114,3 +114,34 @@ def test_every_front_serves_a_turn_while_another_streams(front: Front) -> None:
             assert c.status().busy_operation == "decode"  # the first still streams
     finally:
         stream.close()
+
+
+def test_an_open_that_switches_the_model_waits_for_every_session(front: Front) -> None:
+    """A lane is free, but an open naming another model must switch it, which needs every session closed: it
+    waits in line (as on a one-lane slot) instead of being refused at once, and switches when the last one goes."""
+    other = OpenSessionRequest(model_name="other", path="/models/other", type="memory", switch=True,
+                               queue_timeout_s=600)
+    back = OpenSessionRequest(model_name="ref", path="/models/ref", type="memory", switch=True, queue_timeout_s=600)
+    with front.daemon.client(timeout_s=600) as a, front.daemon.client(timeout_s=600) as c, \
+            front.daemon.client(timeout_s=60) as watcher:
+        held = a.open_session(OpenSessionRequest(client="agent-a"))
+        switched: list[str] = []
+        failed: list[BaseException] = []
+
+        def switches() -> None:
+            try:
+                sess = c.open_session(other)
+                switched.append(c.status().active.model_name)  # type: ignore[union-attr]
+                sess.close()
+            except BaseException as exc:
+                failed.append(exc)
+
+        t = threading.Thread(target=switches)
+        t.start()
+        wait_until(lambda: watcher.status().waiting == 1, "the switching open waiting for the sessions to close")
+        assert not switched and not failed and watcher.status().active.model_name == "ref"  # type: ignore[union-attr]
+        held.close()
+        t.join(timeout=600)
+        assert switched == ["other"], failed
+        a.open_session(back).close()  # (the other tests' model again)
+        assert watcher.status().active.model_name == "ref"  # type: ignore[union-attr]

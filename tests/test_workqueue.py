@@ -21,7 +21,7 @@ class _Slot:
 
 def _queue() -> tuple[WorkQueue, _Slot, threading.Event]:
     slot, stopping = _Slot(), threading.Event()
-    return WorkQueue(lambda opening: (slot.holder is not None) + opening >= 1, stopping), slot, stopping
+    return WorkQueue(lambda opening, _req: (slot.holder is not None) + opening >= 1, stopping), slot, stopping
 
 
 def _open(rid: bytes, queue_timeout_s: float = 10.0) -> Message:
@@ -88,7 +88,7 @@ def test_on_a_slot_of_several_lanes_opens_run_at_once_up_to_the_lanes_and_never_
     taken before either holds its lane), and goes in when one of them is done with its lane."""
     stopping = threading.Event()
     held: list[str] = []
-    work = WorkQueue(lambda opening: len(held) + opening >= 2, stopping, workers=2)
+    work = WorkQueue(lambda opening, _req: len(held) + opening >= 2, stopping, workers=2)
     a, b, c = (work.post(identity, Op.OPEN, _open(b"r")) for identity in (b"c1", b"c2", b"c3"))
     assert not work.defer(a, _open(b"r")) and not work.defer(b, _open(b"r"))
     assert work.defer(c, _open(b"r")) and work.pop_deferred() is None
