@@ -39,6 +39,9 @@ class Holder:
     opened: float = 0.0
     #: the model's lane its session is on (``LoadedModel.lanes``; a fork is on its origin's)
     lane: int = 0
+    #: the operation it runs now ("" between operations) and since when (the slot's clock), for status
+    op: str = ""
+    op_since: float = 0.0
 
 
 class Holders:

@@ -90,6 +90,9 @@ from .store.catalog import Catalog
 log = logging.getLogger("modeld")
 
 
+#: the operations that prefill (a session's turn is in its "prefill" phase while one runs)
+PREFILL_OPS = frozenset({"ensure_prefix", "prefill_suffix"})
+
 #: a status built this recently is answered again while nothing discrete changed (``SlotService.status``)
 STATUS_REUSE_S = 0.05
 
@@ -249,6 +252,7 @@ class SlotService:
                 generation=self._generation,
                 busy_operation=self._busy_op,
                 turn=self._running_turn(),
+                turns=[self._lane_turn(h) for h in self._holders()] if self._sessions.concurrent else [],
                 last_error=self._last_error,
                 load_progress=self._progress,
                 session_open=self._sessions.first is not None,
@@ -295,13 +299,16 @@ class SlotService:
         """``Lifecycle.move``; the caller holds ``_state_lock`` (fields that change with it change together)."""
         self._life.move(to)
 
-    def _set_busy(self, op: str) -> None:
-        """An operation ``op`` starts ("": one ends). Status shows the latest to start while any runs."""
+    def _set_busy(self, op: str, holder: Holder | None = None) -> None:
+        """An operation ``op`` of ``holder``'s starts ("": one ends). Status shows the latest to start while any
+        runs, and each session's own on a model of several lanes."""
         with self._state_lock:
             self._running_ops = self._running_ops + 1 if op else max(0, self._running_ops - 1)
             if op or not self._running_ops:
                 self._busy_op = op
                 self._busy_since = self._clock()
+            if holder is not None:
+                holder.op, holder.op_since = op, self._clock()
             self._ops += 1
         if op == "decode":
             interrupt.decoded(0)
@@ -311,10 +318,27 @@ class SlotService:
         h = self._sessions.first
         if h is None:
             return None
+        if self._sessions.concurrent:
+            return self._lane_turn(h)
         now = self._clock()
         op = self._busy_op
         turn = RunningTurn(session_id=h.session_id, client=h.client, age_s=round(now - h.opened, 1),
                            operation=op, operation_s=round(now - self._busy_since, 1) if op else 0.0)
+        return self._progress_of(turn, op)
+
+    def _lane_turn(self, h: Holder) -> RunningTurn:
+        """A session's turn on a model of several lanes, from its own operation; how far it came only while it
+        runs the one operation running (the engine reports one prefill's and one decode's progress at a time)."""
+        now = self._clock()
+        turn = RunningTurn(session_id=h.session_id, client=h.client, age_s=round(now - h.opened, 1),
+                           operation=h.op, operation_s=round(now - h.op_since, 1) if h.op else 0.0)
+        if h.op and self._running_ops == 1:
+            return self._progress_of(turn, h.op)
+        turn.phase = "decode" if h.op == "decode" else "prefill" if h.op in PREFILL_OPS else h.op or "idle"
+        return turn
+
+    @staticmethod
+    def _progress_of(turn: RunningTurn, op: str) -> RunningTurn:
         span = interrupt.prefill_span()
         if op == "decode":
             turn.phase, turn.done = "decode", interrupt.decode_progress()
@@ -825,7 +849,7 @@ class SlotService:
         with self._op_lock:
             inner = self._holder_for(holder)
             holder.in_operation += 1
-            self._set_busy(name)
+            self._set_busy(name, holder)
             if not self._sessions.concurrent:  # one lane: the operation runs under the op lock, as everything else
                 try:
                     return fn(inner)
@@ -841,7 +865,7 @@ class SlotService:
     def _op_ended(self, holder: Holder) -> None:
         holder.in_operation -= 1
         holder.last_seen = holder.last_op = self._last_active = self._clock()
-        self._set_busy("")
+        self._set_busy("", holder)
 
     def _lane(self, holder: Holder) -> threading.RLock | contextlib.nullcontext[None]:
         return self._sessions.lock(holder)
@@ -855,7 +879,7 @@ class SlotService:
         releases by running it to its end or closing it. The chunks do not renew the lease: only the client's own
         messages (its heartbeats) do, so a client that stopped reading loses the slot."""
         holder.in_operation += 1
-        self._set_busy("decode")
+        self._set_busy("decode", holder)
         try:
             with self._lane(holder):
                 yield from it
@@ -863,7 +887,7 @@ class SlotService:
             it.close()  # cancels the backend within one token
             holder.in_operation -= 1
             holder.last_op = self._clock()
-            self._set_busy("")
+            self._set_busy("", holder)
 
     def now(self) -> float:
         """The slot's clock (leases, the session TTL and the idle unload are measured on it)."""

@@ -380,7 +380,9 @@ def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) 
         rows.append(("uptime", _duration(st.uptime_s)))
     if st.busy_operation:
         rows.append(("busy", st.busy_operation))
-    if st.turn is not None:
+    if st.turns:
+        rows += [("turn", turn_text(t)) for t in st.turns]
+    elif st.turn is not None:
         rows.append(("turn", turn_text(st.turn)))
     if st.waiting:
         rows.append(("waiting", f"{st.waiting} session(s) for the slot"))

@@ -58,7 +58,12 @@ def test_two_sessions_decode_at_once_and_a_third_waits_for_a_lane(front: Front) 
 
         held = turn(b, "agent-b", " Hold on.", LONG)
         next(held)
-        assert c.status().sessions_open == 2
+        st = c.status()
+        assert st.sessions_open == 2
+        # each session's own turn: both decoding, whose each is
+        assert sorted((t.client, t.phase, t.operation) for t in st.turns) == [
+            ("agent-a", "decode", "decode"), ("agent-b", "decode", "decode")], st.turns
+        assert st.turn is not None and st.turn.session_id == st.turns[0].session_id
         with pytest.raises(ModelBusy):
             c.open_session(OpenSessionRequest(queue_timeout_s=0))
         opened = threading.Event()

@@ -224,6 +224,8 @@ class DaemonStatus(_Report):
     busy_operation: str = ""
     #: the turn that holds the slot (None: none does)
     turn: RunningTurn | None = None
+    #: on a model of several lanes (``session_lanes`` > 1): every open session's turn, ``turn`` first
+    turns: list[RunningTurn] = Field(default_factory=list)
     last_error: str = ""
     load_progress: float | None = None
     session_open: bool = False
