@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from contract.interfaces import LoadedModel, Session
 from contract.types import ContextManifest, SamplingParams, SpeculationStatus
 
-__all__ = ["Lanes"]
+__all__ = ["Lanes", "check_lane"]
+
+
+def check_lane(lane: int, lanes: int) -> None:
+    """ValueError unless ``lane`` is one of a model's ``lanes`` (``LoadedModel.open_session``: a bug in the caller)."""
+    if not 0 <= lane < lanes:
+        raise ValueError(f"lane {lane} of a model with {lanes}")
 
 
 class Lanes:
@@ -38,9 +44,6 @@ class Lanes:
     def lanes(self) -> int:
         return len(self._lanes)
 
-    def lane(self, i: int) -> LoadedModel:
-        return self._lanes[i]
-
     @property
     def digest(self) -> str:
         return self._lanes[0].digest
@@ -50,8 +53,7 @@ class Lanes:
         return self._lanes[0].num_ctx
 
     def open_session(self, lane: int = 0) -> Session:
-        if not 0 <= lane < len(self._lanes):
-            raise ValueError(f"lane {lane} of a model with {len(self._lanes)}")
+        check_lane(lane, len(self._lanes))
         return self._lanes[lane].open_session()
 
     def resident_bytes(self) -> int:

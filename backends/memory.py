@@ -60,7 +60,7 @@ from contract.types import (
     positions_covered,
 )
 
-from .lanes import Lanes
+from .lanes import Lanes, check_lane
 from .registry import check_options
 from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type, check_token_ids
 
@@ -139,8 +139,7 @@ class MemoryModel:
         return 1
 
     def open_session(self, lane: int = 0) -> MemorySession:
-        if lane:
-            raise ValueError(f"lane {lane} of a model with one")
+        check_lane(lane, 1)
         if self.closed:
             raise SessionClosed("model was unloaded")
         self.active = MemorySession(self)

@@ -54,7 +54,8 @@ class Holders:
         self._beside: dict[str, Holder] = {}
         #: a lock a lane, on a model of several (none on a model of one: the slot's op lock serialises it)
         self._locks: list[threading.RLock] = []
-        self._clients: list[str] = []
+        #: per lane, the client that last opened a session on it
+        self._clients: list[str] = [""]
 
     def all(self) -> list[Holder]:
         return ([self.first] if self.first is not None else []) + list(self._beside.values())
@@ -90,14 +91,21 @@ class Holders:
         return self.first is None
 
     # --- lanes ----------------------------------------------------------------------------------
-    def free_lane(self, lanes: int, client: str) -> int | None:
-        """A lane of ``lanes`` no session is on, None when every one is taken: the one ``client`` last opened a
-        session on, if free (its conversation's tape is there), else the first."""
-        if len(self._clients) != lanes:  # (a model of another lane count was loaded)
-            self._clients = [""] * lanes
-            self._locks = [threading.RLock() for _ in range(lanes)] if lanes > 1 else []
+    @property
+    def lanes(self) -> int:
+        """The loaded model's lanes (``LoadedModel.lanes``; 1 while none is loaded)."""
+        return len(self._clients)
+
+    def set_lanes(self, lanes: int) -> None:
+        """A model of ``lanes`` lanes is loaded (1: none is): called with no session open, at a load or unload."""
+        self._clients = [""] * lanes
+        self._locks = [threading.RLock() for _ in range(lanes)] if lanes > 1 else []
+
+    def free_lane(self, client: str) -> int | None:
+        """A lane no session is on, None when every one is taken: the one ``client`` last opened a session on, if
+        free (its conversation's tape is there), else the first."""
         taken = {h.lane for h in self.all()}
-        free = [i for i in range(lanes) if i not in taken]
+        free = [i for i in range(self.lanes) if i not in taken]
         if not free:
             return None
         return next((i for i in free if client and self._clients[i] == client), free[0])

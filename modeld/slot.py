@@ -257,7 +257,7 @@ class SlotService:
                 load_progress=self._progress,
                 session_open=self._sessions.first is not None,
                 sessions_open=len(self._holders()),
-                session_lanes=self._loaded.lanes if self._loaded is not None else 1,
+                session_lanes=self._sessions.lanes,
                 pid=os.getpid(),
                 endpoint=self.endpoint,
                 embedding=self._embedder.status() if self._embedder is not None else None,
@@ -320,18 +320,18 @@ class SlotService:
             return None
         if self._sessions.concurrent:
             return self._lane_turn(h)
+        return self._progress_of(self._turn_of(h, self._busy_op, self._busy_since), self._busy_op)
+
+    def _turn_of(self, h: Holder, op: str, since: float) -> RunningTurn:
+        """``h``'s turn running ``op`` (since ``since``, the slot's clock; "" between operations)."""
         now = self._clock()
-        op = self._busy_op
-        turn = RunningTurn(session_id=h.session_id, client=h.client, age_s=round(now - h.opened, 1),
-                           operation=op, operation_s=round(now - self._busy_since, 1) if op else 0.0)
-        return self._progress_of(turn, op)
+        return RunningTurn(session_id=h.session_id, client=h.client, age_s=round(now - h.opened, 1),
+                           operation=op, operation_s=round(now - since, 1) if op else 0.0)
 
     def _lane_turn(self, h: Holder) -> RunningTurn:
         """A session's turn on a model of several lanes, from its own operation; how far it came only while it
         runs the one operation running (the engine reports one prefill's and one decode's progress at a time)."""
-        now = self._clock()
-        turn = RunningTurn(session_id=h.session_id, client=h.client, age_s=round(now - h.opened, 1),
-                           operation=h.op, operation_s=round(now - h.op_since, 1) if h.op else 0.0)
+        turn = self._turn_of(h, h.op, h.op_since)
         if h.op and self._running_ops == 1:
             return self._progress_of(turn, h.op)
         turn.phase = "decode" if h.op == "decode" else "prefill" if h.op in PREFILL_OPS else h.op or "idle"
@@ -497,6 +497,7 @@ class SlotService:
             with self._state_lock:
                 self._transition(SlotState.READY)
                 self._loaded = loaded
+                self._sessions.set_lanes(loaded.lanes)
                 self._request = asked
                 self._planned = req
                 self._active = active
@@ -559,6 +560,7 @@ class SlotService:
         loaded = self._loaded
         with self._state_lock:
             self._loaded = None
+            self._sessions.set_lanes(1)
             self._active = None
             self._request = None
             self._planned = None
@@ -639,18 +641,17 @@ class SlotService:
 
     def _free_lane(self, client: str) -> int | None:
         """A lane of the loaded model no open session is on (0 while none is loaded), None when every one is taken."""
-        return self._sessions.free_lane(self._loaded.lanes if self._loaded is not None else 1, client)
+        return self._sessions.free_lane(client)
 
     def full(self, opening: int = 0, req: OpenSessionRequest | None = None) -> bool:
         """Whether the open ``req`` would find no room now, with ``opening`` others on their way in before it: every
         lane of the loaded model taken (one session holds a model of one lane), or, for an open that switches to
         another model, any session open (a switch needs the slot free of them)."""
         with self._state_lock:
-            lanes = self._loaded.lanes if self._loaded is not None else 1
             taken = self._sessions.lanes_taken() + opening
         if req is not None and req.switch and taken and not self._matches(self._by_name(req)):
             return True
-        return taken >= lanes
+        return taken >= self._sessions.lanes
 
     def describe(self, req: OpenSessionRequest) -> ModelInfo:
         self._check_fence(req.owner_instance_id)
@@ -833,7 +834,7 @@ class SlotService:
             with self._state_lock:
                 # a fork, or a session on another lane, goes on holding the slot; the last one out frees it
                 if self._sessions.remove(holder) and self._life.state is SlotState.BUSY:
-                        self._transition(SlotState.READY)
+                    self._transition(SlotState.READY)
 
     def release_session(self, session_id: str) -> None:
         with self._op_lock:

@@ -74,16 +74,14 @@ class Watchdog:
         finally:
             self._runs.pop(me, None)
 
-    @property
-    def running(self) -> Inflight | None:
-        """The request a model worker runs, the longest running of them when several do (None: none)."""
-        runs = list(self._runs.values())
-        return min(runs, key=lambda r: r[1])[0] if runs else None
+    def _oldest(self) -> tuple[Inflight, float] | None:
+        """The request a model worker runs and since when, the longest running of them when several do."""
+        return min(list(self._runs.values()), key=lambda r: r[1], default=None)  # (a copy: workers change it)
 
     @property
-    def running_since(self) -> float:
-        runs = list(self._runs.values())
-        return min(r[1] for r in runs) if runs else 0.0
+    def running(self) -> Inflight | None:
+        oldest = self._oldest()
+        return oldest[0] if oldest is not None else None
 
     def release_expired(self) -> None:
         """On the model worker, when woken: release a session whose lease expired, and forget closed ones."""
@@ -116,11 +114,11 @@ class Watchdog:
 
     def stalled_s(self, now: float | None = None) -> float:
         """Seconds the model worker has been running one request without progress (0 when idle)."""
-        running = self.running
-        if running is None:
+        oldest = self._oldest()
+        if oldest is None:
             return 0.0
         now = time.monotonic() if now is None else now
-        return max(0.0, now - max(self.running_since, interrupt.last_beat()))
+        return max(0.0, now - max(oldest[1], interrupt.last_beat()))
 
     def check(self, send: Send, now: float) -> None:
         """Whether the model worker progresses.

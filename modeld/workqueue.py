@@ -44,6 +44,8 @@ class Inflight:
     queue_deadline: float | None = None
     #: the worker took it to run (set under the inflight lock, as ``answered`` is)
     started: bool = False
+    #: an open's request, read from its body when it was taken (None: another op, or a body that does not parse)
+    open_request: OpenSessionRequest | None = None
     #: a decode whose client reports the frames it reads (``DecodeRequest.reads``)
     reads: bool = False
     #: of such a stream: when each frame sent and not yet reported read went out, oldest first
@@ -86,10 +88,8 @@ def _open_request(msg: Message) -> OpenSessionRequest | None:
         return None
 
 
-def queue_deadline(msg: Message) -> float | None:
-    """When an open stops waiting for the slot (None: it does not wait, or its body does not parse,
-    which the worker answers)."""
-    req = _open_request(msg)
+def queue_deadline(req: OpenSessionRequest | None) -> float | None:
+    """When an open stops waiting for the slot (None: it does not wait, or its body does not parse)."""
     if req is None:
         return None
     return time.monotonic() + req.queue_timeout_s if req.queue_timeout_s > 0 else None
@@ -131,7 +131,8 @@ class WorkQueue:
                 raise InvalidArgument("a request with this id is already running")
             inf = self._inflight[key] = Inflight(identity, msg.request_id, op)
         if op is Op.OPEN:
-            inf.queue_deadline = queue_deadline(msg)
+            inf.open_request = _open_request(msg)  # (read once: the deadline, and each look at the slot's room)
+            inf.queue_deadline = queue_deadline(inf.open_request)
         elif op is Op.DECODE:
             inf.reads = msg.body.get("reads") is True  # (a body that does not parse is the worker's to answer)
         (self.embed if op is Op.EMBED else self.model).put((inf, msg))
@@ -309,7 +310,7 @@ class WorkQueue:
         read its body at arrival), runs now and gets its answer (InvalidArgument, or ModelBusy at once).
         """
         with self._parked_lock:
-            if inf.queue_deadline is None or (not self._parked and not self._full(self._opening, _open_request(msg))):
+            if inf.queue_deadline is None or (not self._parked and not self._full(self._opening, inf.open_request)):
                 self._opening += 1
                 return False
             self._parked.append(Parked(inf, msg))
@@ -347,7 +348,7 @@ class WorkQueue:
         """The first waiting open, claimed to run, while the slot is free; None while it is held (an open
         that still finds it busy stays first in line) or none waits."""
         with self._parked_lock:
-            while (self._parked and not self._full(self._opening, _open_request(self._parked[0].msg))
+            while (self._parked and not self._full(self._opening, self._parked[0].inf.open_request)
                    and not self._stopping.is_set()):
                 p = self._parked.popleft()
                 if self.claim(p.inf):

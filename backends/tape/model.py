@@ -37,6 +37,7 @@ from contract.manifest import ContextManifest, canonical_digest
 from contract.types import DEFAULT_SAMPLING, Config, DecodeConfig, SamplingParams, SessionSnapshot, SpeculationStatus
 
 from ..image_tokens import block_start
+from ..lanes import check_lane
 from ..resident import Resident
 from . import draft_costs as cost_tables
 from .cache import SWITCHING_TURNS, save_tape
@@ -688,8 +689,7 @@ class TapeModelBase(ABC):
         """A session over the model's KV; it retires every older session handle."""
         from .session import TapeSession
 
-        if lane:
-            raise ValueError(f"lane {lane} of a model with one")
+        check_lane(lane, 1)
         if self.closed:
             raise SessionClosed("model was unloaded")
         self.session_gen += 1

@@ -110,25 +110,29 @@ class VLLMBackend:
         except BaseException:
             link.close()
             raise
+
+        def build(owns: bool) -> VLLMLoadedModel:
+            return VLLMLoadedModel(vocab, link, served, path=str(path), digest=digest, config=req.config,
+                                   num_ctx=num_ctx, requested_template=template, owns=owns)
+
         try:
             check_tokenizer(vocab, link, served)
-            model = VLLMLoadedModel(vocab, link, served, path=str(path), digest=digest, config=req.config,
-                                    num_ctx=num_ctx, requested_template=template)
+            first = build(owns=True)
         except BaseException:
             vocab.close()
             link.close()
             raise
-        finish_load(model, None, False)  # no workspace cache (the KV is the server's), no drafts
+        finish_load(first, None, False)  # no workspace cache (the KV is the server's), no drafts; closes it on failure
+        lanes = [first]
+        try:  # the first owns the tokenizer and the connection the others share: it goes if one of them fails
+            for _ in range(self.lanes - 1):
+                lanes.append(build(owns=False))
+                finish_load(lanes[-1], None, False)
+        except BaseException:
+            first.close()
+            raise
         progress(1.0)
-        if self.lanes == 1:
-            return model
-        lanes: list[VLLMLoadedModel] = [model]
-        for _ in range(self.lanes - 1):  # the first owns the tokenizer and the connection the others share
-            lane = VLLMLoadedModel(vocab, link, served, path=str(path), digest=digest, config=req.config,
-                                   num_ctx=num_ctx, requested_template=template, owns=False)
-            finish_load(lane, None, False)
-            lanes.append(lane)
-        return Lanes(lanes)
+        return first if self.lanes == 1 else Lanes(lanes)
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
         """What a load would serve: the server's model and window, the GGUF's template; no memory of the daemon's."""

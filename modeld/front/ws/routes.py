@@ -341,7 +341,7 @@ class _Connection:
         lp = config.options.include_logprobs
         if lp is not False:
             decode["logprobs"] = 0 if lp is True else int(lp)
-        tools = [t for t in config.tools]
+        tools = list(config.tools)
         if config.prompt is not None:
             return TurnRequest(messages=[], prompt=config.prompt, decode=decode, model=config.model)
         images: list[ImageRef] = []
