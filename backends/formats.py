@@ -6,9 +6,10 @@ weighs (``EngineFacts.model_kind``). Engines list the formats they read (``Engin
 ``modeld pull`` and ``auto`` ask the registered engines' formats (``backends.registry.model_formats``) and name
 none. Two are built in: ``GGUF`` (a ``.gguf`` file, a split one's parts with it; llama.cpp and OpenVINO read it)
 and ``OPENVINO_IR`` (a directory holding ``openvino_model.xml``; OpenVINO's own). A format that is a directory
-marked by one file is a ``MarkedDirectory``; an engine with such a format of its own declares one in its entry.
+marked by one file is a ``MarkedDirectory``; an engine with such a format of its own declares one in its spec.
 
-This module stays light (it is imported by the registry): no engine package, no ``gguf`` until a header is read.
+This module stays light (the engines' specs and the registry import it): no engine package, no ``gguf`` until a
+header is read.
 """
 
 from __future__ import annotations

@@ -60,8 +60,9 @@ from contract.types import (
     positions_covered,
 )
 
+from .engine_spec import check_options
 from .lanes import Lanes, check_lane
-from .registry import check_options
+from .memory_spec import SPEC
 from .resident import PrefixPlan, Resident, check_manifest_names, check_model_type, check_token_ids
 
 BACKEND_NAME = "memory"
@@ -401,7 +402,7 @@ class MemoryBackend:
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> LoadedModel:
         check_model_type(req.type, BACKEND_NAME)
-        check_options(BACKEND_NAME, req.config)
+        check_options(SPEC, req.config)
         progress(0.0)
         model: LoadedModel = MemoryModel(req, self.token_delay_s)
         if self.lanes > 1:
@@ -411,7 +412,7 @@ class MemoryBackend:
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
         check_model_type(req.type, BACKEND_NAME)
-        check_options(BACKEND_NAME, req.config)
+        check_options(SPEC, req.config)
         n = req.config.num_ctx or DEFAULT_NUM_CTX
         return ModelInfo(
             model_max_context=MAX_NUM_CTX,
@@ -449,7 +450,7 @@ class MemoryService:
     def open_session(self, req: OpenSessionRequest) -> MemorySession:
         self._fence(req.owner_instance_id)
         check_model_type(req.type, BACKEND_NAME)
-        check_options(BACKEND_NAME, req.config)
+        check_options(SPEC, req.config)
         key = (req.model_name, req.digest, req.path, req.config.num_ctx)
         with self._lock:
             model = self._models.get(key)

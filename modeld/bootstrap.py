@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from backends.engine_spec import BackendSettings
 from backends.formats import GGUF
 from backends.registry import ENGINES, exclusive_given, format_on_disk
 from contract import interrupt
@@ -27,7 +28,7 @@ from contract.endpoint import default_endpoint
 from contract.errors import ModeldError
 from contract.interfaces import Backend, Embedder, StateCache
 from contract.sizing import MemoryPool
-from contract.types import Config, LoadModelRequest
+from contract.types import LoadModelRequest
 
 if TYPE_CHECKING:
     from backends.readouts import Readouts
@@ -37,7 +38,7 @@ from .capacity import format_size, make_budget_check, make_planner
 from .engine_choice import EngineFacts, choose_backend
 from .netsec import check_tcp_exposure, server_keys
 from .server import Daemon
-from .settings import ServeSettings, pair_map
+from .settings import ServeSettings
 from .slot import Planner, SlotService
 from .state_cache import StateCacheStore
 from .store import Catalog, ModelStore, default_store_dir
@@ -122,7 +123,7 @@ def engine_facts(
 
 def exclusive_settings(opts: ServeSettings) -> dict[str, str]:
     """Per engine, the flags among ``opts`` that only it serves (none: empty): ``auto`` then picks it."""
-    return exclusive_given(load_config(opts))
+    return exclusive_given(opts.load_config)
 
 
 def model_store(opts: ServeSettings) -> ModelStore:
@@ -187,7 +188,7 @@ def resolve_backend(opts: ServeSettings) -> ServeSettings:
         from backends.bundled import served_bundled_gguf
 
         model = str(served_bundled_gguf())
-    name, reason = choose_backend(engine_facts(model, opts.gpu_layers, exclusive=exclusive_settings(opts)))
+    name, reason = choose_backend(engine_facts(model, opts.load_config.num_gpu_layers, exclusive=exclusive_settings(opts)))
     return opts.with_backend(name, f"auto: {reason}")
 
 
@@ -203,11 +204,13 @@ def build_cache(opts: ServeSettings) -> StateCacheStore | None:
 
 
 def build_backend(opts: ServeSettings, cache: StateCache | None = None, readouts: Readouts | None = None) -> Backend:
-    """The engine's backend (``EngineSpec.backend``), given the serve settings by name to read its own, and the
-    readout manifest (``build_readouts``)."""
+    """The engine's backend (``EngineSpec.backend``), given the serve settings it may read and the readout
+    manifest (``build_readouts``)."""
     spec = ENGINES.get(opts.backend)
     if spec is not None:
-        return spec.backend(cache, {**opts.model_dump(), "readouts_manifest": readouts})
+        return spec.backend(cache, BackendSettings(engine=opts.backend, speculative=opts.speculative,
+                                                   readouts=readouts, sessions=opts.sessions,
+                                                   memory_token_delay_ms=opts.memory_token_delay_ms))
     raise SystemExit(f"unknown backend {opts.backend!r}; choose one of {', '.join(backend_choices())}")
 
 
@@ -317,22 +320,7 @@ def preload_request(opts: ServeSettings) -> LoadModelRequest | None:
         model_name=name or Path(model).name,
         type=opts.backend,
         path=model,
-        config=load_config(opts),
-    )
-
-
-def load_config(opts: ServeSettings) -> Config:
-    """The preloaded model's load config, from the flags."""
-    return Config(
-        num_ctx=opts.num_ctx,
-        num_batch=opts.num_batch,
-        num_gpu_layers=opts.gpu_layers,
-        flash_attn=opts.flash_attn,
-        kv_cache_type=opts.kv_cache_type,
-        exact_decode=opts.exact_decode,
-        chat_template=opts.chat_template,
-        tool_format=opts.tool_format,
-        options={**pair_map(opts.engine_option), **({"mmproj": opts.mmproj} if opts.mmproj else {})},
+        config=opts.load_config,
     )
 
 

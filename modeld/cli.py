@@ -15,6 +15,10 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.flags import OptionFlag
 
 EXIT_ERROR = 1
 #: the model store's commands (``modeld.store.cli``): daemon-side, they need huggingface_hub and the data dir
@@ -96,7 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.cli import Extensions
     from runtime.cli import main as client_main
 
-    return client_main(args, Extensions(parsers=daemon_parsers, pull=_pull))
+    return client_main(args, Extensions(parsers=daemon_parsers, pull=_pull, options=_engine_options))
+
+
+def _engine_options() -> list[OptionFlag]:
+    """The registered engines' load options, as the client commands' flags (a client-only install: none)."""
+    try:
+        from .settings import option_flags_of
+    except ImportError:
+        return []
+    return option_flags_of()
 
 
 def daemon_parsers() -> dict[str, argparse.ArgumentParser]:

@@ -22,17 +22,22 @@ An explicit ``--backend`` always wins. The rule is a pure function of
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
-from backends.registry import ENGINES, EngineFacts, EngineSpec
+from backends.engine_spec import EngineFacts, EngineSpec
+from backends.registry import ENGINES
 
 __all__ = ["EngineFacts", "choose_backend"]
 
 
 def choose_backend(f: EngineFacts, engines: Iterable[EngineSpec] | None = None) -> tuple[str, str]:
     """The engine's name (of ``engines``, default: every registered one) and a one-line reason."""
+    specs = list(ENGINES.values() if engines is None else engines)
+    # the engines' titles, for the reasons (the facts' own win)
+    titles = {s.name: s.title for s in (*ENGINES.values(), *specs)}
+    f = replace(f, titles={**titles, **f.titles})
     # an engine with no rank (the reference backend) is never picked: it must be named
-    ranked = sorted((s for s in (ENGINES.values() if engines is None else engines) if s.auto_rank is not None),
-                    key=lambda s: s.auto_rank or 0)
+    ranked = sorted((s for s in specs if s.auto_rank is not None), key=lambda s: s.auto_rank or 0)
     declined = ""
     for i, spec in enumerate(ranked):
         later = ranked[i + 1:]
@@ -52,7 +57,7 @@ def choose_backend(f: EngineFacts, engines: Iterable[EngineSpec] | None = None) 
             return spec.name, " and ".join(s.missing for s in later)
         theirs = next(((name, given) for name, given in f.exclusive.items() if given and name != spec.name), None)
         if theirs is not None:  # a setting or engine option only another engine offers
-            owner = ENGINES[theirs[0]].title if theirs[0] in ENGINES else theirs[0]
+            owner = f.titles.get(theirs[0], theirs[0])
             declined = declined or f"{theirs[1]} asked for: {owner} settings {spec.title} does not offer"
             continue
         takes, reason = spec.prefers(f) if spec.prefers is not None else (True, f"{spec.title} is preferred")

@@ -47,7 +47,6 @@ import logging
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
@@ -64,7 +63,10 @@ from pydantic_settings import (
 )
 from pydantic_settings import SettingsError as _SourceError
 
-from contract.types import GPU_LAYERS_AUTO, KVCacheType, parse_gpu_layers
+from backends.registry import ENGINES
+from contract.flags import LOAD_GROUP, UNSET, Flag
+from contract.types import Config
+from runtime.flags import CLIENT_FLAGS, OptionFlag, load_fields, option_flags, option_pairs
 
 from . import dirs
 from .capacity.policy import Policy
@@ -157,11 +159,59 @@ def _size_or_auto(value: Any) -> int | None:
 
 
 def _backend(value: str) -> str:
-    from .bootstrap import backend_choices  # the composition root knows the engines; it imports these settings
-
-    if value not in backend_choices():
-        raise ValueError(f"unknown backend {value!r}; choose one of {', '.join(backend_choices())}")
+    choices = ("auto", *ENGINES)  # as the registry holds them now (an engine registered after import included)
+    if value not in choices:
+        raise ValueError(f"unknown backend {value!r}; choose one of {', '.join(choices)}")
     return value
+
+
+# --- the load config's settings ----------------------------------------------------------------------------------
+#: ``ServeSettings``' field that nests the preloaded model's load config
+LOAD = "load_config"
+#: its engine options as NAME=VALUE pairs (``Config.options``' setting)
+ENGINE_OPTION = "engine_option"
+
+
+def load_names() -> dict[str, str]:
+    """The load config's settings by their flat names (``gpu_layers``) → ``Config``'s fields (``num_gpu_layers``)."""
+    return {s.setting: s.field for s in load_fields()}
+
+
+def option_flags_of() -> list[OptionFlag]:
+    """The registered engines' options (``EngineSpec.options``), each a setting and a flag of its own
+    (``runtime.flags.option_flags``), named apart from every other setting and the client commands' own flags."""
+    taken = {name for name in ServeSettings.model_fields if name != LOAD} | set(load_names()) | set(MEMORY_SETTINGS)
+    return option_flags(((spec.name, spec.title, spec.options) for spec in ENGINES.values() if spec.options),
+                        taken | CLIENT_FLAGS)
+
+
+def _serve_load(value: Any) -> Any:
+    """A load config given as a mapping, over the command line's defaults (``Flag.default``: ``gpu_layers`` is
+    auto for ``serve``, where a bare ``Config`` asks for the CPU)."""
+    if not isinstance(value, Mapping):
+        return value
+    return {**{s.field: s.flag.default for s in load_fields() if s.flag.default is not UNSET}, **value}
+
+
+def _nest_load(settings_cls: type[BaseSettings], values: dict[str, Any], source: str) -> dict[str, Any]:
+    """``values`` with the load config's flat settings (``load_names``, ``engine_option`` and each engine
+    option's own) moved into ``load_config``; ``source`` names where they came from in an error."""
+    if LOAD not in settings_cls.model_fields:
+        return values
+    fields = load_names()
+    nested = {fields[name]: values.pop(name) for name in list(values) if name in fields and name != ENGINE_OPTION}
+    pairs = values.pop(ENGINE_OPTION, None)
+    try:
+        chosen = option_pairs(_aliases(pairs) or ())
+    except ValueError as exc:
+        raise SettingsError(f"{ENGINE_OPTION} ({source}): {exc}") from None
+    chosen.update({o.option: values.pop(o.setting) for o in option_flags_of() if o.setting in values})
+    if chosen:
+        nested["options"] = chosen
+    if nested:
+        given = values.get(LOAD)
+        values[LOAD] = {**(given if isinstance(given, dict) else {}), **nested}
+    return values
 
 
 def _log_level(value: str) -> str:
@@ -201,27 +251,8 @@ def _expand_user(value: Path | None) -> Path | None:
     return value.expanduser() if value is not None else None
 
 
-@dataclass(frozen=True, eq=False)
-class Flag:
-    """How a setting shows on the command line: metadata of its field (``Annotated[T, Flag(...)]``), which
-    ``add_flags`` reads with the field's type, default and description to write the flag. Everything else
-    about the flag follows from the field: its name (``cache_ram`` → ``--cache-ram``), a switch for a bool that
-    is off by default and ``on``/``off`` for one that is on, a repeatable flag for a tuple, the choices of a
-    ``Literal``, argparse's ``int``/``float``/``Path`` for those types, and the text as given where the field's
-    own validator parses it (sizes, ``auto``)."""
-
-    #: what the help shows as the flag's value (sizes show SIZE without one)
-    metavar: str | None = None
-    #: the help's section (``GROUPS``)
-    group: str = ""
-    #: per command, the help there when it is not the field's description
-    help: Mapping[str, str] = field(default_factory=dict)
-    #: per command, what applies when the setting is unset, shown as the flag's default
-    unset: Mapping[str, str] = field(default_factory=dict)
-
-
 #: the help's sections
-DAEMON, MODEL, MEMORY, SESSIONS, HTTP = "the daemon", "the model", "memory and caches", "sessions and the engine", \
+DAEMON, MODEL, MEMORY, SESSIONS, HTTP = "the daemon", LOAD_GROUP, "memory and caches", "sessions and the engine", \
     "the HTTP APIs"
 #: in the order the documentation lists them
 GROUPS = (MODEL, MEMORY, SESSIONS, HTTP, DAEMON)
@@ -230,17 +261,12 @@ GROUPS = (MODEL, MEMORY, SESSIONS, HTTP, DAEMON)
 Size = Annotated[int, BeforeValidator(parse_size)]
 #: None = "auto": the workspace cache sizes the budget itself
 SizeOrAuto = Annotated[int | None, BeforeValidator(_size_or_auto)]
-#: "auto" (-2), "all" (-1) or a count >= 0 (``contract.types.parse_gpu_layers``)
-GpuLayers = Annotated[int, BeforeValidator(parse_gpu_layers)]
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 OptionalPath = Annotated[Path | None, AfterValidator(_expand_user)]
 #: NAME=MODEL pairs: a list in the config file, comma-separated in the variable
 Aliases = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_aliases),
                     AfterValidator(_pairs("an alias is NAME=MODEL", value_required=True))]
-#: NAME=VALUE pairs, as the aliases
-EngineOptionPairs = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_aliases),
-                              AfterValidator(_pairs("an engine option is NAME=VALUE", value_required=False))]
 
 
 class HttpSettings(BaseSettings):
@@ -356,7 +382,7 @@ class HttpSettings(BaseSettings):
             named, _, _ = env.get_field_value(settings_cls.model_fields["config"], "config")
         path = Path(named).expanduser() if named else dirs.config_file()
         return (
-            InitSettingsSource(settings_cls, _nest_memory(settings_cls, flags)),
+            InitSettingsSource(settings_cls, _nest_load(settings_cls, _nest_memory(settings_cls, flags), flag_name(ENGINE_OPTION))),
             env,
             ConfigFileSource(settings_cls, path, named=bool(named)),
         )
@@ -413,51 +439,11 @@ class ServeSettings(HttpSettings):
         description="--model names a Hugging Face model (user/repo:QUANT) not yet in the store: pull it first "
         "(never done without this flag)",
     )
-    num_ctx: Annotated[int, Flag(None, MODEL)] = Field(0, ge=0, description="context window of the preloaded model (0 = memory-fitted)")
-    num_batch: Annotated[int, Flag("N", MODEL)] = Field(
-        0, ge=0, description="prompt tokens per prefill chunk (0 = the engine's default, 512): a cancel stops a "
-        "prefill between chunks and keeps the chunks done; smaller chunks stop sooner and cost a little speed",
-    )
-    gpu_layers: Annotated[GpuLayers, Flag("N|auto|all", MODEL)] = Field(
-        GPU_LAYERS_AUTO,
-        description="llama.cpp: layers of the preloaded model on the GPU: auto = as many as fit (all when they "
-        "do), all = every layer or refuse, 0 = CPU only, N = that many (clamped to the model's layers, as "
-        "llama-server clamps -ngl 999); the host holds the rest; a CPU build or no NVIDIA GPU: the CPU",
-    )
-    flash_attn: Annotated[bool, Flag(None, MODEL)] = Field(
-        False,
-        description="llama.cpp: flash attention for the preloaded model (a quantized KV cache needs it)",
-    )
-    kv_cache_type: Annotated[KVCacheType, Flag(None, MODEL)] = Field(
-        "",
-        description="llama.cpp: KV cache type of the preloaded model, f16 when unset; with --flash-attn, q8_0 "
-        "makes a token's logits the same alone or in a batch, so speculation and reuse never change an answer",
-    )
-    exact_decode: Annotated[bool, Flag(None, MODEL)] = Field(
-        False,
-        description="compute every decoded token as a prefill computes it, so drafts (sampled ones too) and "
-        "reused replies never change an answer; OpenVINO: a decode step then costs more, the more so the longer the "
-        "context (docs/speculation.md); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)",
-    )
-    chat_template: Annotated[str, Flag("NAME|FILE", MODEL)] = Field(
-        "",
-        description="the preloaded model's chat template: a built-in name (chatml, qwen2_5, qwen3_coder, llama3, "
-        "mistral, mistral_args, gpt_oss, deepseek_v3_1, gemma3) or a Jinja file; default: the model's own, else the "
-        "one its vocabulary's turn tokens select, else ChatML (status says which)",
-    )
-    tool_format: Annotated[str, Flag("NAME", MODEL)] = Field(
-        "",
-        description="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, llama3_json, "
-        "mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1); default: detected from the chat template",
-    )
-    mmproj: Annotated[str, Flag("FILE", MODEL)] = Field(
-        "", description="llama.cpp: the preloaded model's image encoder, a multimodal projector GGUF (its Hub "
-        "repository's mmproj file); default: the one mmproj*.gguf beside the model, if there is one; none: no "
-        "image encoder. A model with one takes images in every API (capabilities: vision)",
-    )
-    engine_option: Annotated[EngineOptionPairs, Flag("NAME=VALUE", MODEL)] = Field(
-        (), description="an option only the preloaded model's engine offers (repeatable): `modeld describe` lists "
-        "the engine's, docs/engines.md every engine's; with --backend auto, an option only one engine takes picks it",
+    load_config: Annotated[Config, BeforeValidator(_serve_load)] = Field(
+        default_factory=lambda: Config.model_validate(_serve_load({})),
+        description="the preloaded model's load config (``contract.types.Config``): each of its fields with a "
+        "flag is a setting by its flat name (``num_ctx``, ``gpu_layers``, …), and each engine option one of its own "
+        "(``load_names``, ``option_flags``)",
     )
     owner: Annotated[str, Flag(None, SESSIONS)] = Field("", description="owner instance id for fencing")
     memory: Policy = Field(
@@ -593,13 +579,19 @@ class Environment(EnvSettingsSource):
     """The environment: ``MODELD_<SETTING>``, and the memory policy's variables (``MEMORY_SETTINGS``) in ``memory``."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        if field_name == "memory":  # read from its own variables below, never as a JSON MODELD_MEMORY
+        if field_name in ("memory", LOAD):  # read from their own variables below, never as JSON
             return None, field_name, False
         return super().get_field_value(field, field_name)
 
     def __call__(self) -> dict[str, Any]:
         data = super().__call__()
         data.pop("memory", None)
+        data.pop(LOAD, None)
+        if LOAD in self.settings_cls.model_fields:
+            names = [*load_names(), *(o.setting for o in option_flags_of())]
+            found = {name: self.env_vars.get(env_name(name).lower()) for name in names}
+            data.update({name: value for name, value in found.items() if value})
+            _nest_load(self.settings_cls, data, env_name(ENGINE_OPTION))
         if "memory" in self.settings_cls.model_fields:
             found = {name: self.env_vars.get(env_name(name).lower()) for name in MEMORY_SETTINGS}
             memory = {memory_key(name): value for name, value in found.items() if value}
@@ -649,7 +641,10 @@ class ConfigFileSource(TomlConfigSettingsSource):
             )
         if table:
             data["memory"] = table
-        return _nest_memory(self._for, data)
+        if LOAD in data:
+            raise SettingsError(f"config file {file_path}: the load config's settings are top-level keys "
+                                f"({', '.join(list(load_names())[:3])}, …), not {LOAD!r}")
+        return _nest_load(self._for, _nest_memory(self._for, data), f"config file {file_path}")
 
 
 def data_dir_of(given: Path | None = None) -> Path:
@@ -662,8 +657,10 @@ def data_dir_of(given: Path | None = None) -> Path:
 
 
 def file_keys() -> list[str]:
-    """The config file's top-level keys: every setting of every command, the memory flags for ``memory``."""
-    return [name for name in ServeSettings.model_fields if name != "memory"] + list(MEMORY_FLAGS)
+    """The config file's top-level keys: every setting of every command, the memory flags for ``memory``, the load
+    config's settings for ``load_config``."""
+    return ([name for name in ServeSettings.model_fields if name not in ("memory", LOAD)] + list(MEMORY_FLAGS)
+            + list(load_names()) + [o.setting for o in option_flags_of()])
 
 
 def load_settings(given: Mapping[str, Any] | None = None) -> ServeSettings:
@@ -688,6 +685,8 @@ def _describe(exc: ValidationError, flags: Mapping[str, Any], env: Mapping[str, 
         if name == "memory" and len(err["loc"]) > 1:
             lines.append(_describe_memory(str(err["loc"][1]), problem, flags, env, Path(config)))
             continue
+        if name == LOAD and len(err["loc"]) > 1:  # a field of the load config: its flat setting's name
+            name = {field: setting for setting, field in load_names().items()}.get(str(err["loc"][1]), name)
         if name in flags:
             source = flag_name(name)
         elif env.get(env_name(name)):

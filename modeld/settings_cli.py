@@ -5,23 +5,24 @@ turns a command line into settings, naming where a bad value came from."""
 from __future__ import annotations
 
 import argparse
-import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Any, TypeVar
 
-from pydantic import BeforeValidator
 from pydantic.fields import FieldInfo
 
 from contract.endpoint import default_endpoint
-from contract.types import format_gpu_layers
+from contract.types import Config, format_gpu_layers
+from runtime.flags import OptionFlag, argparse_kw, flag_of
 
 from . import dirs
 from .capacity.policy import Policy
 from .capacity.sizes import format_size
 from .settings import (
+    ENGINE_OPTION,
     GROUPS,
+    LOAD,
     MEMORY,
     MEMORY_FLAGS,
     MEMORY_SETTINGS,
@@ -32,6 +33,8 @@ from .settings import (
     SettingsError,
     env_name,
     flag_name,
+    load_names,
+    option_flags_of,
 )
 
 __all__ = ["Reference", "add_flags", "add_setting", "command_settings", "layering_epilog", "parse_settings", "reference", "setting_field", "setting_value"]
@@ -42,16 +45,39 @@ Settings = TypeVar("Settings", bound=HttpSettings)
 
 
 def setting_field(cls: type[HttpSettings], name: str) -> FieldInfo:
-    """The field that declares setting ``name``: ``cls``' own, or the memory policy's for a memory flag."""
+    """The field that declares setting ``name``: ``cls``' own, the memory policy's for a memory flag, the load
+    config's (``contract.types.Config``) for one of its settings, an engine's options model's for its option."""
     if name in MEMORY_SETTINGS and "memory" in cls.model_fields:
         return Policy.model_fields[MEMORY_SETTINGS[name]]
+    if LOAD in cls.model_fields:
+        fields = load_names()
+        if name in fields:
+            return Config.model_fields[fields[name]]
+        option = _option(name)
+        if option is not None:
+            return option.info
     return cls.model_fields[name]
 
 
+def _option(name: str) -> OptionFlag | None:
+    return next((o for o in option_flags_of() if o.setting == name), None)
+
+
 def setting_value(settings: HttpSettings, name: str) -> Any:
-    """Setting ``name``'s value in ``settings`` (a memory flag's from ``memory``)."""
+    """Setting ``name``'s value in ``settings`` (a memory flag's from ``memory``, a load setting's from
+    ``load_config``: its engine options as NAME=VALUE pairs, an option's own from them)."""
     if name in MEMORY_SETTINGS and isinstance(settings, ServeSettings):
         return getattr(settings.memory, MEMORY_SETTINGS[name])
+    if isinstance(settings, ServeSettings):
+        load = settings.load_config
+        if name == ENGINE_OPTION:
+            return tuple(f"{k}={v}" for k, v in load.options.items())
+        fields = load_names()
+        if name in fields:
+            return getattr(load, fields[name])
+        option = _option(name)
+        if option is not None:
+            return load.options.get(option.option)
     return getattr(settings, name)
 
 
@@ -61,7 +87,7 @@ _SECRET = ("api_key", "owner")
 
 def _shown(name: str, value: Any) -> str | None:
     """How ``--help`` shows a setting's current value; None shows nothing (unset, off, or a secret)."""
-    if name in _SECRET:
+    if name in _SECRET or (_option(name) is not None and "key" in name):
         return None
     if value is None:
         if name == "config":
@@ -88,42 +114,29 @@ def _shown(name: str, value: Any) -> str | None:
 
 def command_settings(cls: type[HttpSettings]) -> list[str]:
     """The settings ``cls``' command takes as flags, in the order declared: its fields, the memory policy's
-    ``MEMORY_FLAGS`` in place of the nested ``memory``."""
+    ``MEMORY_FLAGS`` in place of the nested ``memory``, the load config's settings and the engines' options in
+    place of the nested ``load_config``."""
     out: list[str] = []
     for name in cls.model_fields:
-        out += list(MEMORY_FLAGS) if name == "memory" else [name]
+        if name == "memory":
+            out += list(MEMORY_FLAGS)
+        elif name == LOAD:
+            out += list(load_names()) + [o.setting for o in option_flags_of()]
+        else:
+            out.append(name)
     return out
 
 
-def flag_of(info: FieldInfo) -> Flag:
-    """The field's ``Flag`` metadata; the memory policy's fields (``MEMORY_FLAGS``, declared in
-    ``modeld.capacity.Policy``, which does not import this module) are flags of the memory section."""
-    return next((m for m in info.metadata if isinstance(m, Flag)), Flag(group=MEMORY))
-
-
-def _argparse_kw(name: str, info: FieldInfo, flag: Flag) -> dict[str, Any]:
-    """argparse's keywords for setting ``name`` (``Flag``'s docstring says how each follows from the field)."""
-    kw: dict[str, Any] = {}
-    if flag.metavar or name in SIZE_SETTINGS:
-        kw["metavar"] = flag.metavar or "SIZE"
-    ann = info.annotation
-    if get_origin(ann) in (Union, types.UnionType):
-        kinds = [a for a in get_args(ann) if a is not type(None)]
-        ann = kinds[0] if len(kinds) == 1 else None
-    if ann is bool:
-        if info.default is True:
-            kw["choices"] = ("on", "off")  # pydantic reads on/off as a bool
-        else:
-            kw = {"action": "store_true"}
-    elif get_origin(ann) is tuple:
-        kw["action"] = "append"
-    elif get_origin(ann) is Literal:
-        kw["choices"] = tuple(a for a in get_args(ann) if a != "")
-    elif any(isinstance(m, BeforeValidator) for m in info.metadata):
-        pass  # the field's validator reads the text (a size, "auto")
-    elif ann in (int, float, Path):
-        kw["type"] = ann
-    return kw
+def _flag(cls: type[HttpSettings], name: str) -> tuple[FieldInfo, Flag, str]:
+    """Setting ``name``'s field, its ``Flag`` and its help text: the memory policy's fields (``MEMORY_FLAGS``,
+    declared in ``modeld.capacity.Policy``, which does not import this module) are flags of the memory section,
+    an engine's option one of the model's, its help naming the engines that take it."""
+    option = _option(name) if LOAD in cls.model_fields else None
+    if option is not None:
+        return option.info, option.flag, option.help
+    info = setting_field(cls, name)
+    flag = flag_of(info) or Flag(group=MEMORY)
+    return info, flag, info.description or ""
 
 
 def add_flags(
@@ -140,15 +153,14 @@ def add_flags(
     shown = current if current is not None else cls.model_construct()
     sections: dict[str, Any] = {}
     for name in command_settings(cls):
-        info = setting_field(cls, name)
-        flag = flag_of(info)
+        info, flag, text = _flag(cls, name)
         if flag.group not in sections:
             sections[flag.group] = p.add_argument_group(flag.group) if flag.group else p
-        kw = _argparse_kw(name, info, flag)
+        kw = argparse_kw(info, flag, size=name in SIZE_SETTINGS)
         if choices and name in choices:
             kw["choices"] = choices[name]
         add_setting(sections[flag.group], shown, name, unset=flag.unset.get(command, ""),
-                    help=flag.help.get(command, ""), **kw)
+                    help=flag.help.get(command, "") or text, **kw)
 
 
 def add_setting(
@@ -197,16 +209,15 @@ def reference() -> list[Reference]:
     shown = ServeSettings.model_construct()
     out: list[Reference] = []
     for name in command_settings(ServeSettings):
-        info = setting_field(ServeSettings, name)
-        flag = flag_of(info)
-        kw = _argparse_kw(name, info, flag)
+        info, flag, text = _flag(ServeSettings, name)
+        kw = argparse_kw(info, flag, size=name in SIZE_SETTINGS)
         form = ("{" + ",".join(kw["choices"]) + "}") if "choices" in kw else kw.get("metavar", "")
         if not form and kw.get("action") is None:
             form = name.upper()
         out.append(Reference(
             section=flag.group, flag=f"{flag_name(name)} {form}".strip(), variable=env_name(name),
             default=_PLATFORM_DEFAULTS.get(name) or _shown(name, setting_value(shown, name)) or "",
-            description=info.description or "",
+            description=text,
             commands=("serve", "http") if name in http else ("serve",),
         ))
     return sorted(out, key=lambda r: GROUPS.index(r.section))

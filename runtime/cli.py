@@ -20,17 +20,14 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from contract.errors import InvalidArgument, ModeldError
 from contract.types import (
-    GPU_LAYERS_AUTO,
-    KV_CACHE_TYPES,
     ActiveModel,
-    Config,
     DaemonStatus,
     DecodeConfig,
     DeviceInfo,
@@ -45,11 +42,11 @@ from contract.types import (
     SuffixInput,
     UnloadModelRequest,
     format_gpu_layers,
-    parse_gpu_layers,
 )
 
 from .chat_cli import add_chat_arguments, run_chat
 from .client import Client
+from .flags import OptionFlag, add_load_flags, load_config
 from .progress import showing_progress
 
 EXIT_ERROR = 1
@@ -108,49 +105,23 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the daemon's CURVE public key for a --curve tcp endpoint (env MODELD_SERVER_KEY)")
 
 
-def _model_args(p: argparse.ArgumentParser, *, path_required: bool) -> None:
-    p.add_argument("--path", required=path_required, default="", help="GGUF file or OpenVINO IR directory")
+def _model_args(p: argparse.ArgumentParser, command: str, options: Sequence[OptionFlag]) -> None:
+    """The model a command names and what its load takes (``runtime.flags``: ``Config``'s flags and the engines'
+    options, declared once there)."""
+    p.add_argument("--path", default="", help="GGUF file or OpenVINO IR directory")
     p.add_argument("--type", default="", help="backend type: llama | openvino | vllm | memory")
     p.add_argument("--digest", default="", help="expected content digest (sha256:…)")
-    p.add_argument("--num-ctx", type=int, default=0, help="requested context window (0 = memory-fitted)")
-    p.add_argument("--flash-attn", action="store_true", help="llama.cpp: flash attention (a quantized KV cache needs it)")
-    p.add_argument("--kv-cache-type", default="", choices=KV_CACHE_TYPES,
-                   help="llama.cpp: KV cache type (default f16); with --flash-attn, q8_0 makes a token's logits the "
-                   "same alone or in a batch, so speculation and reuse never change an answer")
-    p.add_argument("--exact-decode", action="store_true",
-                   help="compute every decoded token as a prefill computes it, so drafts and reused replies never "
-                   "change an answer (OpenVINO: slower decode over a long context; llama.cpp: needs --flash-attn "
-                   "--kv-cache-type q8_0)")
-    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE", type=_option_pair,
-                   help="an option only the loading engine offers (repeatable); `modeld describe` lists them")
-    p.add_argument("--chat-template", default="", metavar="NAME|FILE",
-                   help="serve with this chat template: a built-in name (chatml, qwen2_5, qwen3_coder, llama3, mistral, "
-                   "mistral_args, gpt_oss, deepseek_v3_1, gemma3) or a Jinja file on the daemon's machine (default: "
-                   "the model's own; when its file has none, the one its vocabulary's turn tokens select, else ChatML)")
-    p.add_argument("--tool-format", default="", metavar="NAME",
-                   help="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, "
-                   "llama3_json, mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1; default: detected "
-                   "from the chat template)")
+    add_load_flags(p, command, options)
 
 
-def _gpu_layers_arg(value: str) -> int:
-    try:
-        return parse_gpu_layers(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _gpu_layers_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpu-layers", type=_gpu_layers_arg, default=GPU_LAYERS_AUTO, metavar="N|auto|all",
-                   help="llama.cpp: layers on the GPU: auto = as many as fit (all when they do; the default), "
-                   "all = every layer or refuse, 0 = CPU only, N = that many (clamped to the model's layers)")
-
-
-def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = None, options: Sequence[OptionFlag] = (),
+) -> argparse.ArgumentParser:
     """The client commands' parser; ``serve`` and friends are names only (``modeld.cli`` runs them).
 
     ``daemon_parsers`` (name -> that command's own parser) gives those names
-    their options, for the completion script (``completion_parser``).
+    their options, for the completion script (``completion_parser``); ``options``: the engines' load options as
+    flags of the commands that name a model (``Extensions.options``).
     """
     p = argparse.ArgumentParser(prog="modeld", description="A local model daemon for coding agents.")
     p.add_argument("--version", action="version", version=f"modeld {_version()}")
@@ -181,13 +152,12 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     s = sub.add_parser("load", help="load (or switch to) a model: a stored one by name (modeld ls), or --path")
     s.add_argument("name", help="a model in the daemon's store (name, alias or the reference it was pulled by), "
                    "or the logical name of the model at --path")
-    _model_args(s, path_required=False)
+    _model_args(s, "load", options)
     s.add_argument("--pull", action="store_true",
                    help="NAME is a Hugging Face reference (user/repo:QUANT) not yet in the store: pull it first")
     s.add_argument("--data-dir", default=None,
                    help="with --pull: the daemon's data dir, whose models/ the pull fills (default: as `modeld serve` "
                    "resolves it: $MODELD_DATA_DIR, else the config file's data_dir, else the platform's)")
-    _gpu_layers_flag(s)
     s.add_argument("--expected-generation", type=int, default=0)
     _common(s)
 
@@ -197,13 +167,12 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
 
     s = sub.add_parser("describe", help="model capabilities and memory fit")
     s.add_argument("name", nargs="?", default="")
-    _model_args(s, path_required=False)
-    _gpu_layers_flag(s)
+    _model_args(s, "describe", options)
     _common(s)
 
     s = sub.add_parser("embed", help="embed texts")
     s.add_argument("texts", nargs="+", metavar="TEXT")
-    _model_args(s, path_required=False)
+    _model_args(s, "embed", options)
     s.add_argument("--truncate", action="store_true", help="truncate texts longer than the model window")
     _common(s)
 
@@ -216,7 +185,7 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     s.add_argument("--temperature", type=float, default=None,
                    help="0: greedy (default: the model's recommended sampling, see `modeld status`)")
     s.add_argument("--seed", type=int, default=None)
-    _model_args(s, path_required=False)
+    _model_args(s, "run", options)
     _common(s)
 
     s = sub.add_parser("takeover", help="become the daemon's owner (--owner) at a higher --epoch; the old owner's session ends")
@@ -248,6 +217,8 @@ def build_parser(daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = 
     return p
 
 
+#: the commands that name a model and take what a load takes (``_model_args``)
+MODEL_COMMANDS = ("load", "describe", "embed", "run")
 #: the shells ``modeld completion`` writes a script for
 COMPLETION_SHELLS = ("bash", "zsh")
 #: options that name a file or a directory (the shell completes paths there)
@@ -266,12 +237,15 @@ class Extensions:
     parsers: Callable[[], Mapping[str, argparse.ArgumentParser]] | None = None
     #: ``load NAME --pull``: NAME into the store under the data dir (None: the default one); the name to load
     pull: Callable[[str, Path | None], str] | None = None
+    #: the installed engines' load options, each a flag of the commands that name a model (``runtime.flags``)
+    options: Callable[[], list[OptionFlag]] | None = None
 
 
 def completion_parser(ext: Extensions | None = None) -> argparse.ArgumentParser:
     """The whole command tree for completion: the client commands, and the options of the commands
     ``ext.parsers`` names (so completion follows their options)."""
-    return build_parser(ext.parsers() if ext is not None and ext.parsers is not None else None)
+    parsers = ext.parsers() if ext is not None and ext.parsers is not None else None
+    return build_parser(parsers, ext.options() if ext is not None and ext.options is not None else ())
 
 
 def completion_script(shell: str, ext: Extensions | None = None) -> str:
@@ -318,11 +292,17 @@ def _completion(args: argparse.Namespace, ext: Extensions) -> int:
 def main(argv: list[str] | None = None, ext: Extensions | None = None) -> int:
     """The client commands; ``ext``: what the daemon's install adds (``modeld.cli`` passes it)."""
     ext = ext or Extensions()
-    parser = build_parser()
+    options = ext.options() if ext.options is not None else []
+    parser = build_parser(options=options)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    if args.command in MODEL_COMMANDS:
+        try:
+            args.handle = model_handle(args, options)
+        except ValueError as exc:  # a value its field refuses (pydantic's message names it), a malformed pair
+            parser.error(str(exc))
     if args.command == "completion":  # needs no daemon
         return _completion(args, ext)
     client = Client(args.endpoint, timeout_s=args.timeout, owner=args.owner, server_key=args.server_key)
@@ -611,26 +591,20 @@ def _cache(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-def model_handle(args: argparse.Namespace) -> dict[str, Any]:
-    """The model a command's flags name, with its load config: the fields of a load, describe or open request."""
+def model_handle(args: argparse.Namespace, options: Sequence[OptionFlag] = ()) -> dict[str, Any]:
+    """The model a command's flags name, with its load config: the fields of a load, describe or open request.
+    Only load and describe take --gpu-layers: another command's config keeps the wire's default (what is loaded).
+    ValueError (pydantic's among them) for a malformed value."""
+    given = vars(args)
+    if given.get("chat_template"):
+        given = {**given, "chat_template": _template_arg(given["chat_template"])}
     return {
         "model_name": getattr(args, "name", "") or "",
         "type": args.type,
         "digest": args.digest,
         "path": os.path.abspath(args.path) if args.path and args.type != "memory" else args.path,
-        # only load and describe take --gpu-layers: another command's config stays the default ("what is loaded")
-        "config": Config(num_ctx=args.num_ctx, num_gpu_layers=getattr(args, "gpu_layers", 0),
-                         flash_attn=args.flash_attn, kv_cache_type=args.kv_cache_type,
-                         exact_decode=args.exact_decode, chat_template=_template_arg(args.chat_template),
-                         tool_format=args.tool_format, options=dict(args.option)),
+        "config": load_config(given, args.command, options),
     }
-
-
-def _option_pair(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name.strip():
-        raise argparse.ArgumentTypeError(f"an engine option is NAME=VALUE, got {text!r}")
-    return name.strip(), value.strip()
 
 
 def _template_arg(value: str) -> str:
@@ -654,7 +628,7 @@ def _load(client: Client, args: argparse.Namespace, pull: Callable[[str, Path | 
         except (ValueError, RuntimeError) as exc:  # the store's and the pull's errors say why
             print(f"modeld load: {exc}", file=sys.stderr)
             return EXIT_ERROR
-    req = LoadModelRequest(**model_handle(args), expected_generation=args.expected_generation)
+    req = LoadModelRequest(**{**args.handle, "model_name": args.name}, expected_generation=args.expected_generation)
     with showing_progress(client, enabled=not args.json):
         active = client.load_model(req)
     if args.json:
@@ -676,7 +650,7 @@ def _unload(client: Client, args: argparse.Namespace) -> int:
 
 
 def _describe(client: Client, args: argparse.Namespace) -> int:
-    info = client.describe(OpenSessionRequest(**model_handle(args)))
+    info = client.describe(OpenSessionRequest(**args.handle))
     if args.json:
         _print_json(info.model_dump(mode="json"))
     else:
@@ -691,7 +665,7 @@ def _describe(client: Client, args: argparse.Namespace) -> int:
 
 
 def _embed(client: Client, args: argparse.Namespace) -> int:
-    res = client.embed(EmbedRequest(**model_handle(args), texts=list(args.texts), truncate=args.truncate))
+    res = client.embed(EmbedRequest(**args.handle, texts=list(args.texts), truncate=args.truncate))
     if args.json:
         _print_json({"vectors": res.vectors, "dims": res.dims, "model_name": res.model_name})
         return 0
@@ -709,7 +683,7 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         with open(args.system_file, encoding="utf-8") as f:
             system = f.read()
     with showing_progress(client, enabled=not args.json):  # an auto-load, the prefills
-        sess = client.open_session(OpenSessionRequest(**model_handle(args)))
+        sess = client.open_session(OpenSessionRequest(**args.handle))
         t0 = time.perf_counter()  # the turn: prefix, suffix, first token
         try:
             manifest = sess.manifest()

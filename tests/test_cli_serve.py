@@ -75,13 +75,24 @@ def test_the_cli_imports_no_daemon_for_client_commands() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_only_the_composition_root_imports_backends() -> None:
-    """Starting the daemon reads the engine table (``backends.registry`` and the model formats it lists,
-    ``backends.formats``, which import no engine) and nothing else of the backends until an engine is built."""
+#: the engine table: the registry, the spec types (``backends.engine_spec``), the model formats, and each engine's
+#: light package and spec
+TABLE_MODULES = ("backends", "backends.registry", "backends.engine_spec", "backends.formats", "backends.memory_spec",
+                 *(f"backends.{name}{part}" for name in ("llama", "openvino", "vllm") for part in ("", ".spec")))
+#: the engines' own libraries (openvino covers openvino_genai and openvino_tokenizers)
+ENGINE_LIBRARIES = ("llama_cpp", "openvino", "torch", "httpx")
+
+
+@pytest.mark.parametrize("modules", ["backends.registry",
+                                     "modeld.serve, modeld.prepare, modeld.slot, modeld.embedding_slot, modeld.capacity"])
+def test_only_the_composition_root_imports_backends(modules: str) -> None:
+    """Starting the daemon reads the engine table (``backends.registry``, the engines' specs and the model formats
+    they list, ``backends.formats``, which import no engine) and nothing else of the backends until an engine is
+    built; the table alone imports no engine's library."""
     code = (
-        "import sys, modeld.serve, modeld.prepare, modeld.slot, modeld.embedding_slot, modeld.capacity; "
-        "bad = sorted(m for m in sys.modules if m.startswith('backends') and m not in ('backends', 'backends.registry', 'backends.formats')"
-        " or m.startswith(('llama_cpp', 'openvino'))); print(bad); sys.exit(1 if bad else 0)"
+        f"import sys, {modules}; "
+        f"bad = sorted(m for m in sys.modules if m.startswith('backends') and m not in {TABLE_MODULES!r}"
+        f" or m.startswith({ENGINE_LIBRARIES!r})); print(bad); sys.exit(1 if bad else 0)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,4 +1,5 @@
-"""The contributing guide's engine recipe: an engine is its package plus one ``EngineSpec`` entry in the registry.
+"""The contributing guide's engine recipe: an engine is its package (its ``EngineSpec`` in it) plus one entry in the
+registry's list.
 
 A toy engine, registered by that one entry with a model format of its own (a directory marked by ``toy.json``)
 and an option of its own (``greeting``), is reached by everything that names no engine: ``modeld pull`` finds
@@ -11,17 +12,16 @@ take is refused. No module outside the entry is touched.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from pydantic import Field
 
 from backends import registry
+from backends.engine_spec import BackendSettings, EngineOptions, EngineSpec, describe_options, engine_options
 from backends.formats import MarkedDirectory
 from backends.memory import MemoryBackend, MemoryModel
-from backends.registry import EngineOptions, EngineSpec, engine_options
 from contract.errors import InvalidArgument
 from contract.interfaces import Backend, StateCache
 from contract.sizing import OverheadModel
@@ -60,17 +60,17 @@ class ToyBackend(MemoryBackend):
         return req.model_copy(update={"type": "memory", "config": req.config.model_copy(update={"options": {}})})
 
     def load(self, req: OpenSessionRequest, progress: Callable[[float], None]) -> MemoryModel:
-        self.loaded_greeting = engine_options("toy", req.config, ToyOptions).greeting
+        self.loaded_greeting = engine_options(TOY_ENGINE, req.config, ToyOptions).greeting
         return super().load(self._as_reference(req), progress)
 
     def describe(self, req: OpenSessionRequest, credit_bytes: int = 0) -> ModelInfo:
-        engine_options("toy", req.config, ToyOptions)
+        engine_options(TOY_ENGINE, req.config, ToyOptions)
         return super().describe(self._as_reference(req), credit_bytes).model_copy(
-            update={"engine_options": registry.option_list("toy")})
+            update={"engine_options": describe_options(ToyOptions)})
 
 
-def toy_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
-    return ToyBackend(greeting=str(settings.get("backend", "")))
+def toy_backend(cache: StateCache | None, settings: BackendSettings) -> Backend:
+    return ToyBackend(greeting=settings.engine)
 
 
 TOY_ENGINE = EngineSpec(name="toy", title="the toy engine", package="json", extra="server", modules=(),
@@ -137,7 +137,7 @@ def test_a_registered_engine_s_option_reaches_its_load_and_others_are_refused(to
     assert opts.backend == "toy"
     backend = bootstrap.build_backend(opts)
     assert isinstance(backend, ToyBackend)
-    req = OpenSessionRequest(type="toy", model_name="hello", config=bootstrap.load_config(opts))
+    req = OpenSessionRequest(type="toy", model_name="hello", config=opts.load_config)
     backend.load(req, lambda _: None)
     assert backend.loaded_greeting == "hi"
     # the client's ``modeld load --option`` makes the same config
@@ -147,6 +147,7 @@ def test_a_registered_engine_s_option_reaches_its_load_and_others_are_refused(to
     info = backend.describe(req)
     assert [(o.name, o.type, o.default, o.description) for o in info.engine_options] == [
         ("greeting", "string", "hello", "what the toy says first")]
+    assert registry.option_list("toy") == info.engine_options  # what the registry lists of it
     with pytest.raises(InvalidArgument, match=r"refused by the toy engine: colour: not an option it takes "
                                               r"\(its options: greeting\)"):
         backend.load(req.model_copy(update={"config": req.config.model_copy(update={"options": {"colour": "red"}})}),

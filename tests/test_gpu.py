@@ -30,7 +30,7 @@ from contract.types import (
     format_gpu_layers,
     parse_gpu_layers,
 )
-from modeld.bootstrap import engine_facts, load_config
+from modeld.bootstrap import engine_facts
 from modeld.capacity import Policy, make_planner
 from modeld.engine_choice import EngineFacts, choose_backend
 from modeld.serve import load as load_serve_settings
@@ -88,19 +88,18 @@ def no_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_serve_gpu_layers_default_is_auto_and_the_preload_asks_for_it(no_config: Path) -> None:
     opts = load_serve_settings([])
-    assert opts.gpu_layers == GPU_LAYERS_AUTO
-    assert load_config(opts).num_gpu_layers == GPU_LAYERS_AUTO
+    assert opts.load_config.num_gpu_layers == GPU_LAYERS_AUTO
 
 
 def test_serve_gpu_layers_layering(no_config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     conf = no_config / "c.toml"
     conf.write_text('gpu_layers = "all"\n')
-    assert load_serve_settings(["--config", str(conf)]).gpu_layers == GPU_LAYERS_ALL
+    assert load_serve_settings(["--config", str(conf)]).load_config.num_gpu_layers == GPU_LAYERS_ALL
     conf.write_text("gpu_layers = 12\n")
-    assert load_serve_settings(["--config", str(conf)]).gpu_layers == 12
+    assert load_serve_settings(["--config", str(conf)]).load_config.num_gpu_layers == 12
     monkeypatch.setenv("MODELD_GPU_LAYERS", "0")
-    assert load_serve_settings(["--config", str(conf)]).gpu_layers == 0  # env over the file
-    assert load_serve_settings(["--config", str(conf), "--gpu-layers", "auto"]).gpu_layers == GPU_LAYERS_AUTO
+    assert load_serve_settings(["--config", str(conf)]).load_config.num_gpu_layers == 0  # env over the file
+    assert load_serve_settings(["--config", str(conf), "--gpu-layers", "auto"]).load_config.num_gpu_layers == GPU_LAYERS_AUTO
 
 
 @pytest.mark.parametrize("bad", ["-3", "abc"])
@@ -133,8 +132,8 @@ def test_load_flag_default_auto_and_values() -> None:
 
 @pytest.mark.parametrize("bad", ["-3", "abc"])
 def test_load_flag_refuses_bad_values(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.build_parser().parse_args(["load", "m", "--path", "/m.gguf", "--gpu-layers", bad])
+    with pytest.raises(SystemExit) as exc:  # refused before any daemon is asked
+        cli.main(["load", "m", "--path", "/m.gguf", "--gpu-layers", bad, "--endpoint", "ipc:///nonexistent/modeld.sock"])
     assert exc.value.code == 2
     assert f"invalid GPU layer count '{bad}'" in capsys.readouterr().err
 

@@ -159,7 +159,7 @@ class Watch:
             seen.append(os.environ.get("GOMP_SPINCOUNT"))
         return None
 sys.meta_path.insert(0, Watch())
-import backends.llama
+from backends.llama import LlamaBackend  # the package is light: its backend loads llama.cpp
 print(seen[0])
 """
 

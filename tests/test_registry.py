@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from backends.engine_spec import BackendSettings, EngineFacts, EngineSpec
 from backends.memory import MemoryBackend
-from backends.registry import ENGINES, EngineFacts, EngineSpec
+from backends.registry import ENGINES
 from contract.interfaces import Backend, StateCache
 from contract.sizing import OverheadModel
 from contract.types import Config
@@ -26,9 +26,9 @@ MISSING_MODULE = "modeld_fake_engine_runtime"
 class FakeEngineBackend(MemoryBackend):
     """The contract's reference backend under another name: what the fake engine builds."""
 
-    def __init__(self, cache: StateCache | None, settings: Mapping[str, Any]) -> None:
+    def __init__(self, cache: StateCache | None, settings: BackendSettings) -> None:
         super().__init__()
-        self.cache, self.speculative = cache, bool(settings["speculative"])
+        self.cache, self.speculative = cache, settings.speculative
 
 
 class FakeEmbedder:
@@ -37,11 +37,11 @@ class FakeEmbedder:
     backend = "fake"
 
 
-def fake_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
+def fake_backend(cache: StateCache | None, settings: BackendSettings) -> Backend:
     return FakeEngineBackend(cache, settings)
 
 
-def missing_backend(cache: StateCache | None, settings: Mapping[str, Any]) -> Backend:
+def missing_backend(cache: StateCache | None, settings: BackendSettings) -> Backend:
     __import__(MISSING_MODULE)  # an engine's factory imports its package when called
     raise AssertionError("unreachable")
 

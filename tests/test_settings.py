@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings
 
 import modeld
+from contract.types import Config
 from harness.daemon import ROOT, DaemonProcess, free_port
 from modeld.capacity import Policy
 from modeld.capacity.sizes import parse_size, parse_size_or_auto
@@ -53,18 +54,21 @@ from modeld.settings import (
     data_dir_of,
     env_name,
     flag_name,
+    load_names,
     load_settings,
+    option_flags_of,
 )
-from modeld.settings_cli import add_flags, parse_settings, setting_value
+from modeld.settings_cli import add_flags, command_settings, parse_settings, setting_value
 from modeld.store import default_store_dir
 
 GiB = 2**30
 MiB = 2**20
 MODELD = ROOT / ".venv" / "bin" / "modeld"
+#: the flags of ``modeld serve``: its fields', the memory policy's MEMORY_FLAGS, the load config's settings and the
+#: registered engines' options in place of the nested ``load_config``
+FLAGS = command_settings(ServeSettings)
 #: every setting by its flat name: a flag's dest, a variable's MODELD_<NAME> (the memory policy's by MEMORY_SETTINGS)
-SETTINGS = [name for name in ServeSettings.model_fields if name != "memory"] + list(MEMORY_SETTINGS)
-#: the flags of ``modeld serve``
-FLAGS = [name for name in ServeSettings.model_fields if name != "memory"] + list(MEMORY_FLAGS)
+SETTINGS = [name for name in FLAGS if name not in MEMORY_FLAGS] + list(MEMORY_SETTINGS)
 
 
 @pytest.fixture
@@ -282,7 +286,7 @@ def test_no_setting_is_declared_twice() -> None:
     settings = [cls for cls in models if issubclass(cls, BaseSettings)]
     nested = [f.annotation for cls in settings for f in cls.model_fields.values()
               if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)]
-    assert set(settings) == {HttpSettings, ServeSettings} and nested == [Policy]
+    assert set(settings) == {HttpSettings, ServeSettings} and nested == [Config, Policy]
     family = [*settings, *nested]
     seen: dict[str, type] = {}
     for cls in family:
@@ -290,10 +294,11 @@ def test_no_setting_is_declared_twice() -> None:
             assert name not in seen, f"{name} is declared by {seen[name].__name__} and by {cls.__name__}"
             seen[name] = cls
     assert not set(ServeSettings.model_fields) & {*MEMORY_SETTINGS, *Policy.model_fields, "max", "reserve"}
+    assert not set(ServeSettings.model_fields) & {*load_names(), *(o.setting for o in option_flags_of())}
     assert set(MEMORY_SETTINGS.values()) == set(Policy.model_fields)
     # (a request default is named as the request field it fills: an API's request model declares that field)
     assert REQUEST_DEFAULTS <= set(ServeSettings.model_fields)
-    names = (set(seen) | set(MEMORY_SETTINGS)) - REQUEST_DEFAULTS
+    names = ((set(seen) - set(Config.model_fields)) | set(MEMORY_SETTINGS) | set(load_names())) - REQUEST_DEFAULTS
     for cls in models:
         if cls not in family:
             assert len(_declared(cls) & names) < 3, f"{cls.__module__}.{cls.__name__} repeats settings"

@@ -17,15 +17,16 @@ from contract.types import QUANTIZED_KV_CACHE_TYPES, EmbedRequest, ModelInfo, Op
 from ..bundled import model_cache_dir
 from ..devices import read_gpus
 from ..digest import file_digest
+from ..engine_spec import describe_options, engine_options
 from ..formats import find_projector
 from ..gguf_file import cached_gguf_facts, gguf_facts, gguf_layout_digest, gguf_scalars, is_gguf
 from ..readouts import Readouts
-from ..registry import LlamaOptions, engine, engine_options, option_list
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .model import BACKEND_NAME, LlamaLoadedModel
 from .native import LayerTap, gpu_offload, map_errors, open_llama, runtime_version, system_info
 from .options import DEFAULT_NUM_BATCH, LoadOptions, shape_from_scalars
+from .spec import SPEC, LlamaOptions
 from .vision import LlamaVision
 
 RUNTIME_NAME = "llama.cpp"
@@ -45,7 +46,7 @@ def _model_path(req: OpenSessionRequest | EmbedRequest) -> Path:
 def projector_path(req: OpenSessionRequest, model: Path) -> Path | None:
     """The model's image encoder (``LlamaOptions.mmproj``): the file named, none for "none", else the one projector
     beside the model (``formats.find_projector``). ModelLoadFailed for a named file that is not there."""
-    named = engine_options(BACKEND_NAME, req.config, LlamaOptions).mmproj
+    named = engine_options(SPEC, req.config, LlamaOptions).mmproj
     if named is None or named == "":
         return find_projector(model)
     if named.lower() == "none":
@@ -158,7 +159,7 @@ class LlamaBackend:
             tool_format=tool_format,
             capabilities=capabilities,
             supports_gpu_offload=gpu,
-            engine_options=option_list(BACKEND_NAME),
+            engine_options=describe_options(LlamaOptions),
             n_layer=shape.n_layer,
             n_head_kv=shape.n_head_kv,
             head_dim=shape.head_dim_k,
@@ -177,7 +178,7 @@ class LlamaBackend:
             n_batch=req.config.num_batch or DEFAULT_NUM_BATCH,
             # A quantized V cache turns flash attention on (see LoadOptions).
             flash_attn=req.config.flash_attn or kv_type in QUANTIZED_KV_CACHE_TYPES,
-            overhead=engine(BACKEND_NAME).overhead,
+            overhead=SPEC.overhead,
         )
 
     def memory_pools(self) -> Sequence[MemoryPool]:

@@ -10,9 +10,10 @@ from contract.sizing import ModelShape
 from contract.types import GPU_LAYERS_ALL, GPU_LAYERS_AUTO, QUANTIZED_KV_CACHE_TYPES, Config
 
 from ..devices import usable_cpus
-from ..registry import LlamaOptions, engine_options
+from ..engine_spec import engine_options
 from ..tape.model import resolve_num_ctx
 from .native import KV_GGML_TYPES, extra_bufts_default, gpu_offload
+from .spec import SPEC, LlamaOptions
 
 DEFAULT_NUM_CTX = 4096
 DEFAULT_NUM_BATCH = 512
@@ -90,7 +91,7 @@ class LoadOptions:
         # of 200; as in the file, equal. Q4_1 (the bundled model) has no repacked form: nothing changes there.
         layers = unplanned_gpu_layers(cfg.num_gpu_layers)
         row_invariant = cfg.flash_attn and kv in QUANTIZED_KV_CACHE_TYPES and layers == 0
-        own = engine_options("llama", cfg, LlamaOptions)
+        own = engine_options(SPEC, cfg, LlamaOptions)
         if row_invariant and own.extra_bufts:
             raise InvalidArgument("engine option extra_bufts=true contradicts the layout asked for: flash attention over "
                                   f"a {kv} cache keeps the weights as the file has them (their rows can then be exact)",

@@ -17,9 +17,9 @@ from contract.interfaces import StateCache
 from contract.sizing import MemoryPool, ModelFacts, kv_bytes_per_token
 from contract.types import DeviceInfo, ModelInfo, OpenSessionRequest
 
+from ..engine_spec import describe_options
 from ..gguf_file import gguf_facts, gguf_layout_digest
 from ..readouts import Readouts
-from ..registry import option_list
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .graph import add_readouts, paged_model, wants_batch_graph
@@ -35,6 +35,7 @@ from .options import (
     shape_of_source,
     sizing,
 )
+from .spec import OpenVINOOptions
 
 
 class OpenVINOBackend:
@@ -187,7 +188,7 @@ class OpenVINOBackend:
             tool_format=tool_format,
             capabilities=capabilities,
             supports_gpu_offload=any(d.kind == "gpu" for d in devices),
-            engine_options=option_list(BACKEND_NAME),
+            engine_options=describe_options(OpenVINOOptions),
             devices=devices,
             n_layer=shape.n_layer,
             n_head_kv=shape.n_head_kv,

@@ -18,11 +18,12 @@ from contract.types import GPU_LAYERS_ALL, GPU_LAYERS_AUTO, Config
 
 from ..bundled import model_cache_dir
 from ..digest import file_digest, files_digest
+from ..engine_spec import engine_options
 from ..gguf_file import is_gguf, read_gguf
-from ..registry import OpenVINOOptions, engine, engine_options
 from ..tape.model import resolve_num_ctx
 from .graph import MIN_PREFILL_ROWS, wants_batch_graph
 from .prepare import IR_FILES, ir_dir_for, is_complete_ir, prepare_ir
+from .spec import SPEC, OpenVINOOptions
 
 DEFAULT_NUM_CTX = 4096
 #: prefill chunk (Config.num_batch = 0); it bounds scratch memory and does not change numerics
@@ -39,7 +40,7 @@ def sizing(shape: ModelShape, kv_precision: str, n_batch: int = DEFAULT_PREFILL_
            batch_graph: bool = False) -> ModelFacts:
     """The shape as the sizing module's facts (f16 and bf16 caches cost the same two bytes an element);
     with ``batch_graph`` the overhead holds the second compiled graph (``graph.wants_batch_graph``)."""
-    overhead = engine("openvino").overhead
+    overhead = SPEC.overhead
     if batch_graph:
         overhead = replace(overhead, fixed_bytes=overhead.fixed_bytes + batch_graph_bytes(shape))
     return shape.facts(kv_cache_type="f32" if kv_precision == "f32" else "f16", n_batch=n_batch, overhead=overhead,
@@ -195,7 +196,7 @@ class LoadOptions:
         cls, cfg: Config, shape: ModelShape, *, speculative: bool = False, device: str = "CPU"
     ) -> LoadOptions:
         num_ctx = resolve_num_ctx(cfg.num_ctx, shape.n_ctx_train, DEFAULT_NUM_CTX)
-        inference_precision = engine_options("openvino", cfg, OpenVINOOptions).inference_precision or ""
+        inference_precision = engine_options(SPEC, cfg, OpenVINOOptions).inference_precision or ""
         if cfg.kv_cache_type not in KV_PRECISIONS:
             raise UnsupportedFeature(
                 f"kv_cache_type {cfg.kv_cache_type!r} is not offered by the openvino backend: with its quantised "

@@ -19,14 +19,15 @@ from contract.types import EmbedRequest, ModelInfo, OpenSessionRequest
 
 from ..bundled import model_cache_dir
 from ..digest import file_digest
+from ..engine_spec import describe_options, engine_options
 from ..gguf_file import gguf_facts, is_gguf
 from ..lanes import Lanes
-from ..registry import VLLMOptions, engine_options, option_list
 from ..resident import check_model_type
 from ..tape.loading import check_load, finish_load, template_report
 from ..tape.model import check_digest
 from .link import Link, ServerModel
 from .model import BACKEND_NAME, VLLMLoadedModel
+from .spec import SPEC, VLLMOptions
 
 __all__ = ["VLLMBackend", "runtime_version"]
 
@@ -55,7 +56,7 @@ def _model_path(req: OpenSessionRequest | EmbedRequest) -> Path:
 
 
 def _link(req: OpenSessionRequest) -> tuple[Link, VLLMOptions]:
-    opts = engine_options(BACKEND_NAME, req.config, VLLMOptions)
+    opts = engine_options(SPEC, req.config, VLLMOptions)
     if not opts.engine_url:
         raise InvalidArgument("the vLLM engine needs its server: --engine-option engine_url=http://HOST:PORT")
     return Link(opts.engine_url, api_key=opts.api_key or "", timeout_s=opts.timeout_s or 600.0), opts
@@ -155,7 +156,7 @@ class VLLMBackend:
             chat_template=template,
             tool_format=tool_format,
             capabilities=capabilities,
-            engine_options=option_list(BACKEND_NAME),
+            engine_options=describe_options(VLLMOptions),
             digest=file_digest(path, model_cache_dir()),
             reason=f"served by the vLLM server at {link.url}: its weights and KV are its own",
         )

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import Field, StringConstraints
+from pydantic import BeforeValidator, Field, StringConstraints
 
+from ..flags import LOAD_GROUP, Flag
 from ._base import MAX_TEXT_CHARS, _Report, _Request
 
 __all__ = ["Config", "DeviceInfo", "EmbedRequest", "EmbedInfo", "EmbedResult", "EngineOption", "EngineOptionValue", "GPU_LAYERS_ALL", "GPU_LAYERS_AUTO", "Fence", "LoadModelRequest", "ModelInfo", "OpenSessionRequest", "UnloadModelRequest", "format_gpu_layers", "parse_gpu_layers"]
@@ -72,28 +73,52 @@ def format_gpu_layers(n: int) -> str:
 
 
 class Config(_Request):
-    """Explicit hardware/runtime configuration for a session; every knob is tested."""
+    """Explicit hardware/runtime configuration for a session; every knob is tested.
 
-    num_ctx: int = Field(0, ge=0, description="context window in tokens; 0 = daemon decides")
-    num_batch: int = Field(0, ge=0, description="prefill batch size; 0 = backend default")
+    It is the one declaration of what a load takes: a field with a ``Flag`` is also a setting of ``modeld serve``
+    (its preloaded model: flag, ``MODELD_<SETTING>`` variable, config file key) and a flag of the client commands
+    that name a model (``modeld load``, ``describe``, ``run``, ``embed``); an engine's own options are its options
+    model's fields (``backends.engine.EngineOptions``), each a setting and a flag too, carried in ``options``.
+    """
+
+    num_ctx: Annotated[int, Flag(None, LOAD_GROUP)] = Field(
+        0, ge=0, description="context window in tokens (0 = the memory planner fits it)")
+    num_batch: Annotated[int, Flag("N", LOAD_GROUP)] = Field(
+        0, ge=0, description="prompt tokens per prefill chunk (0 = the engine's default, 512): a cancel stops a "
+        "prefill between chunks and keeps the chunks done; smaller chunks stop sooner and cost a little speed")
     num_threads: int = Field(0, ge=0, description="CPU threads; 0 = the CPUs this process may run on (its affinity mask)")
-    num_gpu_layers: int = Field(
+    num_gpu_layers: Annotated[
+        int,
+        BeforeValidator(lambda v: parse_gpu_layers(v) if isinstance(v, str) else v),
+        Flag("N|auto|all", LOAD_GROUP, setting="gpu_layers", default=GPU_LAYERS_AUTO,
+             commands=("load", "describe"), unset={"load": "auto", "describe": "auto"}),
+    ] = Field(
         0,
         ge=GPU_LAYERS_AUTO,
-        description="layers offloaded to the GPU; 0 = none, -1 = all (refused when they do not fit), "
-        "-2 = as many as fit (a count beyond the model's layers is clamped to them)",
+        description="llama.cpp: layers on the GPU: auto = as many as fit (all when they do), all = every layer or "
+        "refuse, 0 = CPU only, N = that many (clamped to the model's layers, as llama-server clamps -ngl 999); the "
+        "host holds the rest; a CPU build or no NVIDIA GPU: the CPU",
     )
     tensor_split: list[float] = Field(default_factory=list)
-    flash_attn: bool = False
-    kv_cache_type: KVCacheType = ""
+    flash_attn: Annotated[bool, Flag(None, LOAD_GROUP)] = Field(
+        False, description="llama.cpp: flash attention (a quantized KV cache needs it)")
+    kv_cache_type: Annotated[KVCacheType, Flag(None, LOAD_GROUP)] = Field(
+        "", description="llama.cpp: KV cache type, f16 when unset; with --flash-attn, q8_0 makes a token's logits "
+        "the same alone or in a batch, so speculation and reuse never change an answer")
     prompt_format: str = ""
     prompt_template_digest: str = ""
     #: the chat template to serve with: a built-in name ("chatml", "llama3", …), a Jinja file on the daemon's
     #: machine, or "" for the model's own (when its file has none: by its vocabulary's turn tokens, else ChatML)
-    chat_template: str = ""
+    chat_template: Annotated[str, Flag("NAME|FILE", LOAD_GROUP)] = Field(
+        "", description="the chat template: a built-in name (chatml, qwen2_5, qwen3_coder, llama3, mistral, "
+        "mistral_args, gpt_oss, deepseek_v3_1, gemma3) or a Jinja file on the daemon's machine; default: the "
+        "model's own, else the one its vocabulary's turn tokens select, else ChatML (status says which)")
     #: the tool-call format replies are parsed and calls forced in ("hermes", "llama3_json", "mistral", …);
     #: "" detects it from the chat template (Hermes for a template that does not render tools itself)
-    tool_format: str = ""
+    tool_format: Annotated[str, Flag("NAME", LOAD_GROUP)] = Field(
+        "", description="the tool-call format replies are parsed and calls forced in (hermes, qwen3_coder, "
+        "llama3_json, mistral, mistral_args, harmony, deepseek_v3, deepseek_v3_1); default: detected from the chat "
+        "template")
     disable_bos: bool = False
     reasoning_format: str = ""
     #: recompute tokens the model decoded before reusing them in a later prompt, so a
@@ -107,10 +132,19 @@ class Config(_Request):
     #: a cache type or precision; llama.cpp can be exact with flash_attn over a q8_0/q4_0
     #: cache, refuses the setting without that layout, and refuses a model whose load probe finds
     #: its rows apart on this CPU (some quantizations' batch kernels round apart from one-row ones)
-    exact_decode: bool = False
+    exact_decode: Annotated[bool, Flag(None, LOAD_GROUP)] = Field(
+        False, description="compute every decoded token as a prefill computes it, so drafts (sampled ones too) and "
+        "reused replies never change an answer; OpenVINO: a decode step then costs more, the more so the longer "
+        "the context (docs/speculation.md); llama.cpp: needs --flash-attn --kv-cache-type q8_0 (or q4_0)")
     #: what only the loading engine offers, by name (an extension): its registry entry declares the
     #: options it takes (``describe`` lists them), and a load with one it does not take is refused
-    options: dict[EngineOptionName, EngineOptionValue] = Field(default_factory=dict, max_length=MAX_ENGINE_OPTIONS)
+    options: Annotated[
+        dict[EngineOptionName, EngineOptionValue], Flag("NAME=VALUE", LOAD_GROUP, setting="engine_option"),
+    ] = Field(
+        default_factory=dict, max_length=MAX_ENGINE_OPTIONS,
+        description="an option only the loading engine offers (repeatable; each is also a flag of its own): "
+        "`modeld describe` lists the engine's, docs/engines.md every engine's; with --backend auto, an option only "
+        "one engine takes picks it")
 
 
 class Fence(_Request):

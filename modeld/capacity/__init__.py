@@ -23,7 +23,7 @@ One concern per module:
 The model's inputs (``ModelFacts``, ``OverheadModel``) and the KV/overhead
 formulas are the contract's (``contract.sizing``): engines size their own
 ``describe`` with the same functions. They are re-exported here; each engine's
-coefficients are in its entry of ``backends.registry``.
+coefficients are in its spec (``EngineSpec.overhead``, in its package's ``spec.py``).
 
 The model, in bytes::
 
