@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.websockets import WebSocket
@@ -46,7 +46,9 @@ from contract.types import (
     SlotState,
     TokenCount,
     TokenLogprob,
+    ToolCall,
     ToolCallDelta,
+    ToolCallFunction,
 )
 from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage, chat_messages
 
@@ -57,7 +59,7 @@ from .images import Image, ImageLimits, ImageRef, place_images, read_images
 from .pool import ClientPool
 from .sealing import Sealer
 
-__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "PromptFunction", "PromptTool", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "client_label", "give_back_if_gone", "stamp", "turn_messages"]
+__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "PromptFunction", "PromptTool", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "client_label", "give_back_if_gone", "prompt_call", "prompt_message", "stamp", "turn_messages"]
 
 log = logging.getLogger("modeld.http")
 
@@ -157,6 +159,23 @@ class TurnRequest:
     images: list[ImageRef] = field(default_factory=list)
     #: who sent it, as status shows the turn (``OpenSessionRequest.client``): the route and the client's address
     client: str = ""
+
+
+def prompt_message(index: int, **fields: Any) -> ChatMessage:
+    """Message ``index`` of a turn (``TurnRequest.messages``), built by an API from its request: a field no message
+    can hold (a bad role, an oversized text) is the 400 naming ``messages[index]``."""
+    try:
+        return ChatMessage(**fields)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)]
+        raise api_error(InvalidArgument(f"messages[{index}]: invalid message: " + "; ".join(problems),
+                                        index=index)) from None
+
+
+def prompt_call(call_id: str, name: str, arguments: str | object) -> ToolCall:
+    """An assistant's tool call as a prompt renders it: arguments that are not text yet are written as JSON."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=call_id, type="function", function=ToolCallFunction(name=name, arguments=text))
 
 
 def turn_messages(raw: Iterable[Mapping[str, Any] | ChatMessage]) -> list[ChatMessage]:

@@ -8,6 +8,7 @@ import logging
 import uuid
 from typing import Any
 
+from contract.types import ChatMessage, ToolCall
 from runtime.chat import ChatResult
 
 from ..core import (
@@ -16,6 +17,8 @@ from ..core import (
     Serving,
     TurnRequest,
     miss_field,
+    prompt_call,
+    prompt_message,
     turn_messages,
 )
 from ..errors import ApiError
@@ -90,19 +93,19 @@ def _tool_result_text(block: Block, where: str, images: list[ImageRef]) -> str:
     return f"Error: {text}" if block.is_error else text
 
 
-def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving, images: list[ImageRef]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving, images: list[ImageRef]) -> list[ChatMessage]:
+    out: list[ChatMessage] = []
     system = system_text(req.system, keep_billing_header=serving.settings.keep_billing_header)
     if system:
-        out.append({"role": "system", "content": system})
+        out.append(prompt_message(len(out), role="system", content=system))
     for i, m in enumerate(req.messages):
         where = f"messages[{i}].content"
         if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
+            out.append(prompt_message(len(out), role=m.role, content=m.content))
             continue
         if m.role == "assistant":
             texts: list[str] = []
-            calls: list[dict[str, Any]] = []
+            calls: list[ToolCall] = []
             reasoning = ""
             for j, b in enumerate(m.content):
                 if b.type == "text":
@@ -110,8 +113,7 @@ def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving, image
                 elif b.type == "tool_use":
                     if not b.id or not b.name:
                         raise ApiError(400, f"{where}[{j}]: a tool_use block needs an id and a name", param=where)
-                    calls.append({"id": b.id, "type": "function", "function": {
-                        "name": b.name, "arguments": json.dumps(b.input if b.input is not None else {}, ensure_ascii=False)}})
+                    calls.append(prompt_call(b.id, b.name, b.input if b.input is not None else {}))
                 elif b.type == "thinking":
                     if b.thinking and b.signature and serving.sealer.verify(b.thinking, b.signature):
                         reasoning += b.thinking
@@ -122,14 +124,9 @@ def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving, image
                 else:
                     raise ApiError(400, f"{where}[{j}] is a {b.type!r} block, which an assistant turn cannot carry here",
                                    code="unsupported_content", param=where)
-            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
-            if calls:
-                msg["tool_calls"] = calls
-            if reasoning:
-                msg["reasoning_content"] = reasoning
-            if msg["content"] is None and not calls and not reasoning:
-                msg["content"] = ""
-            out.append(msg)
+            content = "".join(texts) or (None if calls or reasoning else "")
+            out.append(prompt_message(len(out), role="assistant", content=content, tool_calls=calls,
+                                      reasoning=reasoning))
             continue
         # a user (or system) turn: tool results first, as the calls they answer precede them, then its text
         parts: list[str | ImageRef] = []
@@ -137,7 +134,8 @@ def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving, image
             if b.type == "tool_result":
                 if not b.tool_use_id:
                     raise ApiError(400, f"{where}[{j}]: a tool_result block needs a tool_use_id", param=where)
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _tool_result_text(b, f"{where}[{j}]", images)})
+                out.append(prompt_message(len(out), role="tool", tool_call_id=b.tool_use_id,
+                                          content=_tool_result_text(b, f"{where}[{j}]", images)))
             elif b.type == "text":
                 parts.append(b.text or "")
             elif b.type == "image":
@@ -147,7 +145,7 @@ def _messages(req: MessagesRequest | CountTokensRequest, serving: Serving, image
                 raise ApiError(400, f"{where}[{j}] is a {b.type!r} block, which this daemon does not read here",
                                code="unsupported_content", param=where)
         if parts:
-            out.append({"role": m.role, "content": joined(parts, "\n\n")})
+            out.append(prompt_message(len(out), role=m.role, content=joined(parts, "\n\n")))
     return out
 
 

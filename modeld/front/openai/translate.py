@@ -7,7 +7,7 @@ import json
 import uuid
 from typing import Any
 
-from contract.types import StructuredOutputConfig, TokenLogprob, ToolCallDelta
+from contract.types import ChatMessage, StructuredOutputConfig, TokenLogprob, ToolCallDelta
 from runtime.chat import ChatResult
 
 from ..core import (
@@ -15,6 +15,8 @@ from ..core import (
     PromptTool,
     TurnRequest,
     miss_field,
+    prompt_call,
+    prompt_message,
     turn_messages,
 )
 from ..errors import ApiError
@@ -58,28 +60,16 @@ def text_of(content: str | list[ContentPart] | None, where: str, images: list[Im
     return joined(parts)
 
 
-def _messages(req: ChatCompletionRequest, images: list[ImageRef]) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _messages(req: ChatCompletionRequest, images: list[ImageRef]) -> list[ChatMessage]:
+    out = []
     for i, m in enumerate(req.messages):
-        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                               "content": text_of(m.content, f"messages[{i}]", images)}
-        if m.tool_calls:
-            msg["tool_calls"] = [
-                {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name,
-                              "arguments": c.function.arguments if isinstance(c.function.arguments, str)
-                              else json.dumps(c.function.arguments, ensure_ascii=False)}}
-                for c in m.tool_calls
-            ]
-        if m.tool_call_id:
-            msg["tool_call_id"] = m.tool_call_id
-        if m.name and m.role == "tool":
-            msg["name"] = m.name
-        if m.reasoning_content:
-            msg["reasoning_content"] = m.reasoning_content
-        if m.role == "tool" and msg["content"] is None:
-            msg["content"] = ""
-        out.append(msg)
+        content = text_of(m.content, f"messages[{i}]", images)
+        out.append(prompt_message(
+            i, role="system" if m.role == "developer" else m.role,
+            content="" if content is None and m.role == "tool" else content,
+            tool_calls=[prompt_call(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []],
+            tool_call_id=m.tool_call_id or "", name=m.name if m.name and m.role == "tool" else "",
+            reasoning=m.reasoning_content or ""))
     return out
 
 

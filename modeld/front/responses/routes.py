@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from contract.errors import ModeldError
-from contract.types import ToolCallDelta
+from contract.types import ChatMessage, ToolCallDelta
 from runtime.chat import ChatEvent
 
 from ..access import record_of
@@ -29,6 +29,7 @@ from ..core import (
     declared,
     dumped,
     fill_record,
+    prompt_message,
     turn_messages,
 )
 from ..errors import ApiError, api_error
@@ -95,14 +96,14 @@ class _Running:
 def _prepare(body: ResponsesRequest, serving: Serving,
              store: ResponseStore) -> tuple[TurnRequest, ToolMap, list[ToolSpec]]:
     """The turn for ``body``, its tools, and the tools it was given (its own, else the stored response's)."""
-    earlier: list[dict[str, Any]] = []
+    earlier: list[ChatMessage] = []
     tools_given = body.tools
     if body.previous_response_id:
         stored = store.get(body.previous_response_id)
         if stored is None:
             raise ApiError(404, f"no stored response {body.previous_response_id!r} (unknown, deleted or pruned)",
                            code="previous_response_not_found", param="previous_response_id")
-        earlier = list(stored.get("conversation") or [])
+        earlier = turn_messages(stored.get("conversation") or [])
         if tools_given is None:
             tools_given = [ToolSpec.model_validate(t) for t in stored.get("tools") or []]
     tools = ToolMap(tools_given)
@@ -110,13 +111,13 @@ def _prepare(body: ResponsesRequest, serving: Serving,
     messages = conversation(body, tools, serving, images)
     if earlier:
         # the stored instructions led the earlier turns; this request's (if any) replace them
-        if body.instructions is not None and earlier and earlier[0].get("role") == "system":
+        if body.instructions is not None and earlier and earlier[0].role == "system":
             earlier = earlier[1:]
-        elif body.instructions is None and earlier and earlier[0].get("role") == "system":
+        elif body.instructions is None and earlier and earlier[0].role == "system":
             messages = [earlier[0], *messages]
             earlier = earlier[1:]
     if body.instructions:
-        messages = [{"role": "system", "content": body.instructions}, *messages]
+        messages = [prompt_message(0, role="system", content=body.instructions), *messages]
     full = merge_earlier(messages, earlier)
     if not full:
         raise ApiError(400, "input is empty", param="input")
@@ -132,8 +133,8 @@ def router(serving: Serving, store: ResponseStore) -> APIRouter:
     def keep(reply: Reply, turn_req: TurnRequest, tools_given: list[ToolSpec]) -> None:
         if reply.req.store:
             store.put(reply.id, {"response": dumped(reply.body()),
-                                 "conversation": [*(m.model_dump(mode="json", exclude_defaults=True) for m in turn_req.messages),
-                                                  reply.assistant_message()],
+                                 "conversation": [m.model_dump(mode="json", exclude_defaults=True)
+                                                  for m in (*turn_req.messages, reply.assistant_message())],
                                  "tools": [dumped(t) for t in tools_given]})
 
     @r.post("/v1/responses", response_model=None, responses=declared(Response, ErrorBody, stream=True))

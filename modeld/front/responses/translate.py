@@ -9,10 +9,10 @@ import time
 import uuid
 from typing import Any
 
-from contract.types import StructuredOutputConfig, TokenLogprob
+from contract.types import ChatMessage, StructuredOutputConfig, TokenLogprob
 from runtime.chat import ChatResult
 
-from ..core import PromptFunction, PromptTool, Serving, miss_field
+from ..core import PromptFunction, PromptTool, Serving, miss_field, prompt_call, prompt_message
 from ..errors import ApiError
 from ..images import ImageRef, joined
 from ..openai.translate import call_schemas, token_logprobs_out, tool_choice_options
@@ -121,23 +121,22 @@ def _part_text(content: Content, where: str, images: list[ImageRef] | None = Non
 
 
 def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving,
-                 images: list[ImageRef]) -> list[dict[str, Any]]:
+                 images: list[ImageRef]) -> list[ChatMessage]:
     """The request's input items as OpenAI-shaped messages (the stored conversation is prepended by the caller);
     their images go to ``images``."""
-    out: list[dict[str, Any]] = []
+    out: list[ChatMessage] = []
     reasoning = ""
 
-    def assistant() -> dict[str, Any]:
+    def assistant() -> ChatMessage:
         """The assistant message a call or text joins: the last one, unless a tool result or a turn followed it."""
         nonlocal reasoning
-        if out and out[-1]["role"] == "assistant":
+        if out and out[-1].role == "assistant":
             msg = out[-1]
         else:
-            msg = {"role": "assistant", "content": None}
+            msg = prompt_message(len(out), role="assistant")
             out.append(msg)
-        if reasoning:
-            msg["reasoning_content"] = msg.get("reasoning_content", "") + reasoning
-            reasoning = ""
+        msg.reasoning += reasoning
+        reasoning = ""
         return msg
 
     for i, item in enumerate(req.input):
@@ -149,18 +148,18 @@ def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving,
             text = _part_text(item.content, f"{where}.content", images)
             if item.role == "assistant":
                 msg = assistant()
-                msg["content"] = (msg["content"] or "") + text
+                msg.content = (msg.content or "") + text
             else:
-                out.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+                out.append(prompt_message(len(out), role="system" if item.role == "developer" else item.role,
+                                          content=text))
         elif isinstance(item, FunctionCallIn | CustomToolCallIn):
             arguments = item.arguments if isinstance(item, FunctionCallIn) else \
                 json.dumps({"input": item.input}, ensure_ascii=False)
-            msg = assistant()
-            msg.setdefault("tool_calls", []).append({"id": item.call_id, "type": "function", "function": {
-                "name": tools.flat_name(item.name, item.namespace), "arguments": arguments}})
+            assistant().tool_calls.append(prompt_call(item.call_id, tools.flat_name(item.name, item.namespace),
+                                                      arguments))
         elif isinstance(item, CallOutputIn):
             text = _part_text(item.output, f"{where}.output", images)
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
+            out.append(prompt_message(len(out), role="tool", tool_call_id=item.call_id, content=text))
         elif isinstance(item, ReasoningIn):
             opened = serving.sealer.open(item.encrypted_content) if item.encrypted_content else None
             if opened is not None and isinstance(opened.get("reasoning"), str):
@@ -291,23 +290,18 @@ class Reply:
     def output_text(self) -> str:
         return "".join(part.text for item in self.output if isinstance(item, MessageItem) for part in item.content)
 
-    def assistant_message(self) -> dict[str, Any]:
+    def assistant_message(self) -> ChatMessage:
         """This reply as the assistant message a later turn resends (the stored conversation's last turn)."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.output_text() or None}
-        calls = []
+        calls, reasoning = [], ""
         for item in self.output:
             if isinstance(item, CallItem):
                 arguments = item.arguments if isinstance(item, FunctionCallItem) else \
                     json.dumps({"input": item.input}, ensure_ascii=False)
-                calls.append({"id": item.call_id, "type": "function", "function": {
-                    "name": self.tools.flat_name(item.name, item.namespace), "arguments": arguments}})
+                calls.append(prompt_call(item.call_id, self.tools.flat_name(item.name, item.namespace), arguments))
             elif isinstance(item, ReasoningItem):
-                msg["reasoning_content"] = "".join(s.text for s in item.summary)
-        if calls:
-            msg["tool_calls"] = calls
-        if msg["content"] is None and not calls:
-            msg["content"] = ""
-        return msg
+                reasoning = "".join(s.text for s in item.summary)
+        return ChatMessage(role="assistant", content=self.output_text() or (None if calls else ""), tool_calls=calls,
+                           reasoning=reasoning)
 
 
 def text_part(text: str, req: ResponsesRequest, logprobs: list[TokenLogprob]) -> OutputText:
@@ -333,7 +327,7 @@ def build_output(reply: Reply, result: ChatResult) -> None:
         reply.output.append(reply.call_item(call.function.name, call.function.arguments, call.id))
 
 
-def merge_earlier(messages: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merge_earlier(messages: list[ChatMessage], earlier: list[ChatMessage]) -> list[ChatMessage]:
     """The stored conversation, then the new input; a leading system message stays first.
 
     An assistant item the new input opens with (a ``function_call`` after the stored reply) joins the
@@ -342,15 +336,12 @@ def merge_earlier(messages: list[dict[str, Any]], earlier: list[dict[str, Any]])
     """
     if not earlier:
         return messages
-    head = [m for m in messages[:1] if m.get("role") == "system"]
+    head = [m for m in messages[:1] if m.role == "system"]
     rest = messages[len(head):]
-    if rest and earlier[-1].get("role") == "assistant" and rest[0].get("role") == "assistant":
+    if rest and earlier[-1].role == "assistant" and rest[0].role == "assistant":
         last, first = earlier[-1], rest[0]
-        joined = {**last, "content": ((last.get("content") or "") + (first.get("content") or "")) or None}
-        calls = [*(last.get("tool_calls") or []), *(first.get("tool_calls") or [])]
-        if calls:
-            joined["tool_calls"] = calls
-        if first.get("reasoning_content"):
-            joined["reasoning_content"] = (last.get("reasoning_content") or "") + first["reasoning_content"]
+        joined = last.model_copy(update={"content": ((last.content or "") + (first.content or "")) or None,
+                                         "tool_calls": [*last.tool_calls, *first.tool_calls],
+                                         "reasoning": last.reasoning + first.reasoning})
         earlier, rest = [*earlier[:-1], joined], rest[1:]
     return [*head, *earlier, *rest]
