@@ -76,7 +76,7 @@ def _return_large_buffers_to_the_os() -> None:
 
 def _log_stream() -> TextIO:
     """The log's own copy of stderr: llama.cpp points fd 2 at /dev/null while it loads a model, which
-    would swallow the load's progress lines (``modeld.slot``)."""
+    would swallow the load's progress lines (``modeld.slot_model``)."""
     try:
         return os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
     except (OSError, ValueError, AttributeError):  # no usable fd 2: log where stderr goes

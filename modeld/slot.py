@@ -24,10 +24,12 @@ session is open) still exclude each other. ``status()`` only takes the short
 ``_state_lock`` so it answers while a decode runs.
 
 The sessions holding the slot and the lanes they are on are ``modeld.holders``'.
-This module is still over the house's ~400 lines (and the 800 the house allows):
-the load, switch and unload machinery and the session operations share the
-service's two locks, its lifecycle and its generation; the next seam to cut is
-the model's half (load, switch, unload) from the sessions' half.
+The model's half is ``modeld.slot_model``'s ``SlotModel``: the loaded model and
+its generation, the load, switch and unload with their memory plan, the idle
+unload. The service owns one and calls it with ``_op_lock`` held, once it has
+checked the fence, the backend type and that no session stands in the way; what
+stays here is the sessions' half (opening, forking and closing sessions, their
+lanes, leases and operations, the owner's takeover) and status.
 """
 
 from __future__ import annotations
@@ -44,11 +46,9 @@ from typing import Protocol, TypeVar
 from contract import interrupt
 from contract.errors import (
     BackendMismatch,
-    InvalidArgument,
     LostOwner,
     ModelBusy,
     ModeldError,
-    ModelLoadFailed,
     ModelNotActive,
     ModelNotFound,
     ModelSwitchRequired,
@@ -58,7 +58,7 @@ from contract.errors import (
     StaleFence,
     UnsupportedFeature,
 )
-from contract.interfaces import Backend, CacheAdmin, Embedder, LoadedModel, Session
+from contract.interfaces import Backend, CacheAdmin, Embedder, Session
 from contract.manifest import ContextManifest
 from contract.sizing import MemoryPool
 from contract.types import (
@@ -84,11 +84,13 @@ from contract.wire import PROTOCOL_VERSION
 from .holders import Holder, Holders
 from .lifecycle import Lifecycle, TransitionHook
 from .settings import ServeSettings
+from .slot_model import Planner, SlotModel
 from .slot_session import SlotSession
 from .store.catalog import Catalog
 
-log = logging.getLogger("modeld")
+__all__ = ["PREFILL_OPS", "STATUS_REUSE_S", "Planner", "SlotService", "SlotSettings"]
 
+log = logging.getLogger("modeld")
 
 #: the operations that prefill (a session's turn is in its "prefill" phase while one runs)
 PREFILL_OPS = frozenset({"ensure_prefix", "prefill_suffix"})
@@ -96,11 +98,8 @@ PREFILL_OPS = frozenset({"ensure_prefix", "prefill_suffix"})
 #: a status built this recently is answered again while nothing discrete changed (``SlotService.status``)
 STATUS_REUSE_S = 0.05
 
-#: plans the memory-fitted request for a load (``modeld.capacity.make_planner``);
-#: without one the request is loaded as asked and the backend's describe answers
-Planner = Callable[[Backend, OpenSessionRequest, int], ModelInfo]
-
 _T = TypeVar("_T")
+
 
 class SlotSettings(Protocol):
     """What the slot reads of the serve settings (``modeld.settings.ServeSettings`` is one; a test builds one with
@@ -173,26 +172,21 @@ class SlotService:
         self.idle_unload_s = settings.idle_unload
         #: release a session with no operation for this long, heartbeats or not (0 = never)
         self.session_ttl_s = settings.session_ttl
-        self._last_active = self._clock()
         #: the owner epoch (``takeover`` needs a higher one) and the sessions a takeover ended
         self.owner_epoch = 0
         self._lost: set[str] = set()
         self.owner = settings.owner
         self.lease_s = settings.lease
         self.endpoint = endpoint
-        self._planner = planner
         self._embedder = embedder
         self._state_lock = threading.Lock()
         self._op_lock = threading.RLock()
         self._life = Lifecycle(on_transition)
-        self._generation = 0
-        self._loaded: LoadedModel | None = None
-        self._active: ActiveModel | None = None
-        self._request: OpenSessionRequest | None = None
-        #: what was actually loaded (the planned context), to load it again after a failed switch
-        self._planned: OpenSessionRequest | None = None
         #: the sessions that hold the slot, and the loaded model's lanes they are on
         self._sessions = Holders()
+        #: the model's half: the loaded model, its generation, its loads, switches and unloads
+        self._model = SlotModel(backend, state_lock=self._state_lock, life=self._life, holders=self._sessions,
+                                clock=clock, busy=self._show_busy, planner=planner, cache=cache, catalog=catalog)
         #: operations running now (on a model of several lanes, several at once)
         self._running_ops = 0
         self._busy_op = ""
@@ -201,8 +195,6 @@ class SlotService:
         self._ops = 0
         #: the last status built: (``_status_key`` then, when, the status)
         self._kept_status: tuple[tuple[object, ...], float, DaemonStatus] | None = None
-        self._last_error = ""
-        self._progress: float | None = None
         self._shutting_down = False
         self._backend_version = backend.runtime_version()
 
@@ -227,19 +219,21 @@ class SlotService:
         """What changes with every discrete change of the slot (``status`` answers a kept status while it holds)."""
         holder = self._sessions.first
         embeds = self._embedder.status() if self._embedder is not None else None  # (a few fields under its lock)
-        return (self._ops, self._life.state, self._generation, self._busy_op, holder.session_id if holder else "",
-                holder.vanished if holder else False, self._sessions.beside(), self._progress, self._last_error,
+        model = self._model
+        return (self._ops, self._life.state, model.generation, self._busy_op, holder.session_id if holder else "",
+                holder.vanished if holder else False, self._sessions.beside(), model.progress, model.last_error,
                 self.owner, self.owner_epoch, self._shutting_down,
                 (embeds["loads"], embeds["embedded_inputs"], embeds["loaded"], embeds["last_error"])
                 if embeds is not None else None)
 
     def _status(self) -> DaemonStatus:
         gpus = [d.device_info() for d in self.devices()]  # NVML, outside the lock: it never waits on the slot
+        model = self._model
         with self._state_lock:
-            active = self._active
-            if active is not None and self._loaded is not None:
-                active = active.model_copy(update={"resident_bytes": self._loaded.resident_bytes()})
-            speculation = self._loaded.speculation() if self._loaded is not None else None
+            active, loaded = model.active, model.loaded
+            if active is not None and loaded is not None:
+                active = active.model_copy(update={"resident_bytes": loaded.resident_bytes()})
+            speculation = loaded.speculation() if loaded is not None else None
             return DaemonStatus(
                 owner_instance_id=owner_fingerprint(self.owner),
                 owner_epoch=self.owner_epoch,
@@ -249,12 +243,12 @@ class SlotService:
                 protocol_version=PROTOCOL_VERSION,
                 state=self._life.state,
                 active=active,
-                generation=self._generation,
+                generation=model.generation,
                 busy_operation=self._busy_op,
                 turn=self._running_turn(),
                 turns=[self._lane_turn(h) for h in self._holders()] if self._sessions.concurrent else [],
-                last_error=self._last_error,
-                load_progress=self._progress,
+                last_error=model.last_error,
+                load_progress=model.progress,
                 session_open=self._sessions.first is not None,
                 sessions_open=len(self._holders()),
                 session_lanes=self._sessions.lanes,
@@ -263,11 +257,11 @@ class SlotService:
                 embedding=self._embedder.status() if self._embedder is not None else None,
                 cache=dict(self.cache.status()) if self.cache is not None else None,
                 readouts=self.readouts,
-                idle_s=None if self._loaded is None or self._sessions.first is not None else round(self._clock() - self._last_active, 1),
+                idle_s=None if loaded is None or self._sessions.first is not None else round(self._clock() - model.last_active, 1),
                 idle_unload_s=self.idle_unload_s,
                 session_ttl_s=self.session_ttl_s,
                 speculation=speculation,
-                sampling=self.sampling_defaults() if self._loaded is not None else None,
+                sampling=self.sampling_defaults() if loaded is not None else None,
                 devices=gpus,
                 gpu_offload=self.gpu_offload,
                 build=self.build,
@@ -275,7 +269,7 @@ class SlotService:
 
     @property
     def generation(self) -> int:
-        return self._generation
+        return self._model.generation
 
     # --- checks ----------------------------------------------------------------------
     def _check_fence(self, owner: str) -> None:
@@ -312,6 +306,11 @@ class SlotService:
             self._ops += 1
         if op == "decode":
             interrupt.decoded(0)
+
+    def _show_busy(self, op: str) -> None:
+        """The model's half runs ``op`` ("load", "unload"; "" once it ended): status shows it as the busy
+        operation. The caller holds ``_state_lock``."""
+        self._busy_op = op
 
     def _running_turn(self) -> RunningTurn | None:
         """The turn that holds the slot, for status (the caller holds ``_state_lock``)."""
@@ -358,225 +357,32 @@ class SlotService:
         """StaleFence unless ``owner`` is the daemon's owner (any caller, when the daemon has none)."""
         self._check_fence(owner)
 
-    def _by_name(self, req: OpenSessionRequest) -> OpenSessionRequest:
-        """``req`` with the path of the model its name names (``catalog``), when it gives no path; its name
-        made the catalog's own (an alias leads to the model's name)."""
-        if req.path or not req.model_name or self.catalog is None:
-            return req
-        known = self.catalog.resolve(req.model_name)
-        if known is None:
-            return req
-        return req.model_copy(update={"model_name": known.name, "path": known.path})
-
-    def _matches(self, req: OpenSessionRequest) -> bool:
-        cur = self._request
-        if cur is None or self._active is None:
-            return False
-        if req.path and os.path.realpath(req.path) != os.path.realpath(cur.path):
-            return False
-        if req.digest and req.digest != self._active.digest:
-            return False
-        if req.model_name and req.model_name != cur.model_name:
-            return False
-        # A default config means "whatever is loaded"; an explicit one must match.
-        if req.config != type(req.config)() and req.config != cur.config:
-            return False
-        return True
-
-    # --- ModelController -------------------------------------------------------------
+    # --- ModelController (the model's half: ``modeld.slot_model``) -------------------------
     def load_model(self, req: LoadModelRequest) -> ActiveModel:
         with self._op_lock:
             self._check_live()
             self._check_fence(req.owner_instance_id)
             self._check_type(req.type)
-            if req.expected_generation and req.expected_generation != self._generation:
-                raise SlotGenerationStale(
-                    f"expected generation {req.expected_generation}, slot is at {self._generation}",
-                    expected=req.expected_generation,
-                    current=self._generation,
-                )
-            open_req = self._by_name(OpenSessionRequest.model_validate(req.model_dump(exclude={"expected_generation"})))
-            if not open_req.path:
-                raise InvalidArgument("load needs a model path, or the name of a model the daemon knows"
-                                      + (f" ({', '.join(self.catalog.names())})" if self.catalog is not None else ""))
-            if self._loaded is not None and self._matches(open_req) and open_req.config == self._request.config:  # type: ignore[union-attr]
-                assert self._active is not None
-                return self._active
+            self._model.check_generation(req.expected_generation)
+            open_req = self._model.load_request(req)
+            kept = self._model.kept(open_req)
+            if kept is not None:
+                return kept
             self._reap_locked()
             if self._sessions.first is not None:
                 raise ModelBusy("a session holds the slot; close it before switching models")
-            return self._load_locked(open_req)
-
-    def _load_locked(self, req: OpenSessionRequest) -> ActiveModel:
-        """Load ``req``; a switch never leaves the slot without the working model when the new one fails.
-
-        When the planner says the new model fits next to the old one (the same
-        plan as with the old one's memory credited), the new one loads first and
-        the old one is released only after it succeeded. Otherwise the old one is
-        released first, and a failed load brings it back. Only when that fails too
-        is the slot ``Failed`` (``last_error`` names both).
-        """
-        switching = self._loaded is not None
-        credit = self._loaded.resident_bytes() if self._loaded is not None else 0
-        if self.cache is not None:
-            credit += self.cache.status()["ram_bytes"]  # handed back before the load (release_ram)
-        info: ModelInfo | None = None
-        asked = req  # identity for later matching: what the caller asked, not what was planned
-        if self._planner is not None:
-            # Memory fit first, before anything is released or allocated.
-            try:
-                info = self._planner(self.backend, req, credit)
-            except ModeldError as exc:
-                with self._state_lock:
-                    self._last_error = f"{type(exc).__name__}: {exc.message}"  # nothing changed but the reason
-                raise
-            planned = {"num_ctx": info.effective_context}
-            if req.config.num_gpu_layers != 0:
-                # the layers the plan gave the GPU ("auto" resolved, a count clamped or cut to what fits): the
-                # load must not offload more than the memory that was planned for
-                planned["num_gpu_layers"] = info.resolved_gpu_layers
-            req = req.model_copy(update={"config": req.config.model_copy(update=planned)})
-        alongside = switching and self._fits_alongside(asked, info)
-        with self._state_lock:
-            self._transition(SlotState.SWITCHING if switching else SlotState.LOADING)
-            self._busy_op = "load"
-            self._progress = 0.0
-        previous = (self._planned, self._request) if switching else None
-        try:
-            if self._loaded is not None and not alongside:
-                self._release_model_locked()
-            if self.cache is not None:
-                self.cache.release_ram()  # the cache never holds RAM a model load needs
-            loaded = self.backend.load(req, self._on_progress)
-        except Exception as exc:
-            err = exc if isinstance(exc, ModeldError) else ModelLoadFailed(f"{type(exc).__name__}: {exc}", path=req.path)
-            if previous is not None and self._loaded is None:
-                self._restore_previous_locked(previous, err)
-            else:
-                self._fail_locked(err)  # the old model never left: Ready, with the reason in last_error
-            if err is exc:
-                raise
-            raise err from exc
-        if alongside:
-            self._release_model_locked()  # the new model is ready: now the old one goes
-        return self._install_locked(loaded, req, asked, info)
-
-    def _fits_alongside(self, asked: OpenSessionRequest, with_credit: ModelInfo | None) -> bool:
-        """Whether the planner gives the same plan without the old model's memory (then both fit at once).
-
-        Without a planner nothing says they do not (in-process use on the memory backend).
-        """
-        if self._planner is None or with_credit is None:
-            return True
-        try:
-            alone = self._planner(self.backend, asked, 0)
-        except ModeldError:
-            return False
-        return alone.effective_context == with_credit.effective_context
-
-    def _install_locked(
-        self, loaded: LoadedModel, req: OpenSessionRequest, asked: OpenSessionRequest, info: ModelInfo | None
-    ) -> ActiveModel:
-        active = ActiveModel(
-            model_name=req.model_name or os.path.basename(req.path),
-            type=self.backend.name,
-            digest=loaded.digest,
-            path=req.path,
-            config=req.config.model_copy(update={"num_ctx": loaded.num_ctx}),
-            generation=self._generation + 1,
-            effective_context=loaded.num_ctx,
-            chat_template=loaded.template_origin,
-            tool_format=loaded.tool_format_origin,
-            capabilities=list(loaded.capabilities),
-            loaded_at=time.time(),
-            gpu_layers=req.config.num_gpu_layers if info is not None else 0,
-            n_layer=info.n_layer if info is not None else 0,
-            gpu_layers_reason=info.gpu_layers_reason if info is not None else "",
-        )
-        try:
-            with self._state_lock:
-                self._transition(SlotState.READY)
-                self._loaded = loaded
-                self._sessions.set_lanes(loaded.lanes)
-                self._request = asked
-                self._planned = req
-                self._active = active
-                self._generation += 1
-                self._busy_op = ""
-                self._progress = None
-                self._last_error = ""
-                self._last_active = self._clock()
-        except ModeldError:
-            loaded.close()  # refused (a shutdown raced the load): nothing may stay resident unowned
-            raise
-        if self.cache is not None and info is not None:
-            # RAM the model leaves spare: host memory only (what it holds on a GPU is no RAM the cache could use)
-            host_usable = info.usable_bytes - info.gpu_usable_bytes
-            host_required = info.required_bytes - info.gpu_required_bytes
-            self.cache.fit_ram(max(0, host_usable - host_required))
-        return active
-
-    def _restore_previous_locked(
-        self, previous: tuple[OpenSessionRequest | None, OpenSessionRequest | None], err: ModeldError
-    ) -> None:
-        """After a failed switch that had released the old model: load the old one again (a new generation)."""
-        planned, asked = previous
-        if planned is None or asked is None:
-            self._fail_locked(err)
-            return
-        try:
-            loaded = self.backend.load(planned, self._on_progress)
-        except Exception as again:
-            self._fail_locked(err)
-            with self._state_lock:
-                self._last_error += f"; reloading the previous model failed too: {type(again).__name__}: {again}"
-            return
-        self._install_locked(loaded, planned, asked, None)
-        with self._state_lock:
-            self._last_error = f"{type(err).__name__}: {err.message} (the previous model was loaded again)"
+            return self._model.load_locked(open_req)
 
     @property
     def load_progress(self) -> float | None:
         """The running load's share done, 0..1 (None when no load runs); any thread may read it."""
-        return self._progress
-
-    def _on_progress(self, fraction: float) -> None:
-        done = max(0.0, min(1.0, float(fraction)))
-        with self._state_lock:
-            before = self._progress
-            self._progress = done
-        # a log line per tenth: what `modeld serve` shows while it preloads (engines report often)
-        if before is not None and int(done * 10) > int(before * 10):
-            log.info("loading the model: %d%%", int(done * 10) * 10)
-
-    def _fail_locked(self, exc: ModeldError) -> None:
-        with self._state_lock:
-            self._transition(SlotState.FAILED if self._loaded is None else SlotState.READY)
-            self._busy_op = ""
-            self._progress = None
-            self._last_error = f"{type(exc).__name__}: {exc.message}"
-
-    def _release_model_locked(self) -> None:
-        loaded = self._loaded
-        with self._state_lock:
-            self._loaded = None
-            self._sessions.set_lanes(1)
-            self._active = None
-            self._request = None
-            self._planned = None
-        if loaded is not None:
-            loaded.close()  # a tape engine saves its tape to the workspace cache first
+        return self._model.progress
 
     def unload_model(self, req: UnloadModelRequest) -> None:
         with self._op_lock:
             self._check_fence(req.owner_instance_id)
-            if req.expected_generation and req.expected_generation != self._generation:
-                raise SlotGenerationStale(
-                    f"expected generation {req.expected_generation}, slot is at {self._generation}",
-                    expected=req.expected_generation,
-                    current=self._generation,
-                )
-            if self._loaded is None:
+            self._model.check_generation(req.expected_generation)
+            if self._model.loaded is None:
                 if self._life.state is SlotState.FAILED:
                     with self._state_lock:
                         self._transition(SlotState.EMPTY)
@@ -584,7 +390,7 @@ class SlotService:
             self._reap_locked()
             if self._sessions.first is not None:
                 raise ModelBusy("a session holds the slot; close it before unloading")
-            self._unload_locked()
+            self._model.unload_locked()
 
     # --- Service ---------------------------------------------------------------------
     def open_session(self, req: OpenSessionRequest) -> SlotSession:
@@ -593,35 +399,36 @@ class SlotService:
             self._check_fence(req.owner_instance_id)
             self._check_type(req.type)
             self._reap_locked()
+            model = self._model
             if req.switch:
-                req = self._by_name(req)
-            switch = self._loaded is not None and not self._matches(req)
+                req = model.by_name(req)
+            switch = model.loaded is not None and not model.matches(req)
             if switch and not req.switch:
                 # Checked before busy: the caller must switch explicitly either way.
-                assert self._active is not None
+                assert model.active is not None
                 raise ModelSwitchRequired(
-                    f"slot holds {self._active.model_name!r}; load the requested model explicitly to switch",
-                    active=self._active.model_name,
+                    f"slot holds {model.active.model_name!r}; load the requested model explicitly to switch",
+                    active=model.active.model_name,
                     requested=req.model_name or req.path,
                 )
             if self._sessions.first is not None and (switch or self._free_lane(req.client) is None):
                 raise ModelBusy("another session holds the slot")  # whose is nobody else's business
-            if self._loaded is None or switch:
+            if model.loaded is None or switch:
                 if not req.path:
                     if req.model_name and self.catalog is not None:
                         raise ModelNotFound(f"no model {req.model_name!r} is known here; the daemon can load: "
                                             + ", ".join(self.catalog.names()), requested=req.model_name)
                     raise ModelNotActive("no model is loaded and the request names no path")
-                self._load_locked(req)  # a switch keeps the working model when the new one fails
-            assert self._loaded is not None
+                model.load_locked(req)  # a switch keeps the working model when the new one fails
+            assert model.loaded is not None
             lane = self._free_lane(req.client)
             assert lane is not None  # (no session is open, or the check above found a lane free)
             now = self._clock()
             holder = Holder(
                 session_id=uuid.uuid4().hex,
-                generation=self._generation,
+                generation=model.generation,
                 owner=req.owner_instance_id,
-                inner=self._loaded.open_session(lane),
+                inner=model.loaded.open_session(lane),
                 last_seen=now,
                 last_op=now,
                 client=req.client,
@@ -649,28 +456,14 @@ class SlotService:
         another model, any session open (a switch needs the slot free of them)."""
         with self._state_lock:
             taken = self._sessions.lanes_taken() + opening
-        if req is not None and req.switch and taken and not self._matches(self._by_name(req)):
+        if req is not None and req.switch and taken and not self._model.matches(self._model.by_name(req)):
             return True
         return taken >= self._sessions.lanes
 
     def describe(self, req: OpenSessionRequest) -> ModelInfo:
         self._check_fence(req.owner_instance_id)
         self._check_type(req.type)
-        req = self._by_name(req)
-        if not req.path:
-            if self._request is None:
-                raise ModelNotActive("no model is loaded and the request names no path")
-            req = req.model_copy(update={"path": self._request.path})
-        resident = self._loaded
-        credit = 0
-        if resident is not None and not self._matches(req):
-            credit = resident.resident_bytes()  # a switch would release it
-        with self._op_lock:
-            info = self._planner(self.backend, req, credit) if self._planner is not None else self.backend.describe(req, credit)
-        if self.cache is not None:
-            c = self.cache.status()
-            info = info.model_copy(update={"cache_ram_bytes": c["ram_bytes"], "cache_ram_budget_bytes": c["ram_budget_bytes"]})
-        return info
+        return self._model.describe(req, self._op_lock)
 
     def embed(self, req: EmbedRequest) -> EmbedResult:
         """Embeddings from the side slot: never touches the generation model or its KV.
@@ -687,14 +480,14 @@ class SlotService:
         return result.model_copy(update={"tokens": list(info.tokens), "truncated": list(info.truncated)})
 
     def generation_resident_bytes(self) -> int:
-        loaded = self._loaded
+        loaded = self._model.loaded
         return loaded.resident_bytes() if loaded is not None else 0
 
     def sampling_defaults(self) -> SamplingParams:
         """What a request that sets no sampling parameter gets: the loaded model's recommendation, else the
         documented defaults; ``--temperature`` overrides the temperature (0: greedy), and ``--max-tokens`` gives
         the reply length."""
-        loaded = self._loaded
+        loaded = self._model.loaded
         found = loaded.sampling_defaults() if loaded is not None else DEFAULT_SAMPLING
         if self.default_temperature is not None:
             found = found.model_copy(update={"temperature": self.default_temperature, "source": "settings"})
@@ -704,7 +497,7 @@ class SlotService:
 
     def manifest_defaults(self) -> ContextManifest:
         """The loaded model's runtime identity (an empty manifest when the slot is empty)."""
-        loaded = self._loaded
+        loaded = self._model.loaded
         return loaded.manifest_defaults() if loaded is not None else ContextManifest()
 
     # --- leases and holders ------------------------------------------------------------
@@ -713,11 +506,11 @@ class SlotService:
             raise LostOwner("a newer owner took the daemon over; this session was ended", session_id=holder.session_id)
         if holder.closed:
             raise SessionClosed("session is closed", session_id=holder.session_id)
-        if holder.generation != self._generation:
+        if holder.generation != self._model.generation:
             raise SlotGenerationStale(
                 "the slot was switched or unloaded since this session was opened",
                 session_generation=holder.generation,
-                current=self._generation,
+                current=self._model.generation,
             )
         if not self._sessions.holds(holder):
             raise SessionClosed("session was released (lease expired or closed)", session_id=holder.session_id)
@@ -783,7 +576,7 @@ class SlotService:
             self._embedder.maybe_unload_idle()
         with self._op_lock:
             gone = self._reap_locked()
-            self._unload_if_idle_locked()
+            self._model.unload_if_idle_locked(self.idle_unload_s, shutting_down=self._shutting_down)
             return gone
 
     def _reap_locked(self) -> bool:
@@ -802,32 +595,11 @@ class SlotService:
                 gone = True
         return gone
 
-    def _unload_locked(self) -> None:
-        """Ready -> Unloading -> Empty: the model goes (its tape to the workspace cache), the generation moves on."""
-        with self._state_lock:
-            self._transition(SlotState.UNLOADING)
-            self._busy_op = "unload"
-        self._release_model_locked()
-        if self.cache is not None:
-            self.cache.release_ram()
-        with self._state_lock:
-            self._transition(SlotState.EMPTY)
-            self._generation += 1
-            self._busy_op = ""
-
-    def _unload_if_idle_locked(self) -> None:
-        if not self.idle_unload_s or self._loaded is None or self._sessions.first is not None or self._shutting_down:
-            return
-        if self._clock() - self._last_active <= self.idle_unload_s or self._life.state is not SlotState.READY:
-            return
-        log.info("unloading the model: idle for %.0f s", self._clock() - self._last_active)
-        self._unload_locked()
-
     def _release_holder(self, holder: Holder) -> None:
         if holder.closed:
             return
         holder.closed = True
-        self._last_active = self._clock()  # the idle clock starts when the last session goes
+        self._model.last_active = self._clock()  # the idle clock starts when the last session goes
         try:
             holder.inner.close()
         finally:
@@ -865,7 +637,7 @@ class SlotService:
 
     def _op_ended(self, holder: Holder) -> None:
         holder.in_operation -= 1
-        holder.last_seen = holder.last_op = self._last_active = self._clock()
+        holder.last_seen = holder.last_op = self._model.last_active = self._clock()
         self._set_busy("", holder)
 
     def _lane(self, holder: Holder) -> threading.RLock | contextlib.nullcontext[None]:
@@ -898,14 +670,14 @@ class SlotService:
     def idle_pending(self) -> bool:
         """Whether the loaded model has work for the idle slot (``LoadedModel.idle_work``) it can do now."""
         with self._state_lock:
-            loaded = self._loaded if self._life.state is SlotState.READY and self._sessions.first is None else None
+            loaded = self._model.loaded if self._life.state is SlotState.READY and self._sessions.first is None else None
         return loaded is not None and loaded.idle_pending()
 
     def idle_work(self) -> None:
         """Run the loaded model's idle work; the worker's interrupt scope stops it when a request arrives. Status
         shows no busy operation meanwhile: a request does not wait for it (``speculation.pending`` says it runs)."""
         with self._op_lock:
-            loaded = self._loaded
+            loaded = self._model.loaded
             if loaded is not None and self.idle_pending():
                 loaded.idle_work()
 
@@ -919,7 +691,7 @@ class SlotService:
         with self._op_lock:
             for h in self._holders():
                 self._release_holder(h)
-            self._release_model_locked()
+            self._model.release_locked()
             self.backend.close()
         if self.cache is not None:
             self.cache.close()  # the tape saved by the release above reaches the disk
