@@ -114,6 +114,25 @@ def _model_args(p: argparse.ArgumentParser, command: str, options: Sequence[Opti
     add_load_flags(p, command, options)
 
 
+#: the daemon's own commands, run by ``modeld.cli``: name → what the top-level help says of it
+_DAEMON_COMMANDS = {
+    "serve": "run the daemon", "prepare": "convert the bundled models once",
+    "http": "the OpenAI-compatible API alone, for a running daemon",
+    "keys": "print the daemon's CURVE public key for --curve tcp endpoints",
+    "feedback": "the ratings clients sent over the WebSocket protocol",
+    "pull": "download a model into the store: user/repo:QUANT, user/repo/FILE.gguf or a path",
+    "ls": "list the stored models", "show": "one stored model in detail", "rm": "delete a stored model",
+    "alias": "another name for a stored model",
+}
+
+
+def _daemon_commands(sub: Any, own: Mapping[str, argparse.ArgumentParser]) -> None:
+    """The daemon's commands as names, each with its own parser's options where ``own`` has it (completion)."""
+    for name, what in _DAEMON_COMMANDS.items():
+        sub.add_parser(name, help=f"{what} (see `modeld {name} --help`)", add_help=False,
+                       parents=[own[name]] if name in own else [])
+
+
 def build_parser(
     daemon_parsers: Mapping[str, argparse.ArgumentParser] | None = None, options: Sequence[OptionFlag] = (),
 ) -> argparse.ArgumentParser:
@@ -126,25 +145,7 @@ def build_parser(
     p = argparse.ArgumentParser(prog="modeld", description="A local model daemon for coding agents.")
     p.add_argument("--version", action="version", version=f"modeld {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    own = daemon_parsers or {}
-
-    def parents(name: str) -> list[argparse.ArgumentParser]:
-        return [own[name]] if name in own else []
-
-    sub.add_parser("serve", help="run the daemon (see `modeld serve --help`)", add_help=False, parents=parents("serve"))
-    sub.add_parser("prepare", help="convert the bundled models once (see `modeld prepare --help`)", add_help=False,
-                   parents=parents("prepare"))
-    sub.add_parser("http", help="the OpenAI-compatible API alone, for a running daemon (see `modeld http --help`)",
-                   add_help=False, parents=parents("http"))
-    sub.add_parser("keys", help="print the daemon's CURVE public key for --curve tcp endpoints (see `modeld keys --help`)",
-                   add_help=False, parents=parents("keys"))
-    sub.add_parser("feedback", help="the ratings clients sent over the WebSocket protocol (see `modeld feedback --help`)",
-                   add_help=False, parents=parents("feedback"))
-
-    for name, what in (("pull", "download a model into the store: user/repo:QUANT, user/repo/FILE.gguf or a path"),
-                       ("ls", "list the stored models"), ("show", "one stored model in detail"),
-                       ("rm", "delete a stored model"), ("alias", "another name for a stored model")):
-        sub.add_parser(name, help=f"{what} (see `modeld {name} --help`)", add_help=False, parents=parents(name))
+    _daemon_commands(sub, daemon_parsers or {})
 
     s = sub.add_parser("status", help="show the slot state")
     _common(s)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fastapi import APIRouter
@@ -21,7 +20,7 @@ from starlette.testclient import TestClient
 from harness.daemon import DaemonProcess
 from modeld.front.api import HttpApi
 from modeld.front.app import APIS, create_app
-from modeld.front.core import Loose, Serving, Shape, TurnRequest, declared, turn_messages
+from modeld.front.core import Loose, Serving, Shape, TurnRequest, declared, prompt_message
 from modeld.front.errors import ApiError
 from modeld.front.pool import ClientPool
 from modeld.settings import HttpSettings
@@ -40,21 +39,27 @@ class CountOut(Shape):
     tokens: int
 
 
+class ToyErrorDetail(Shape):
+    status: int
+    reason: str
+
+
 class ToyError(Shape):
-    toy_error: dict[str, Any]
+    toy_error: ToyErrorDetail
 
 
-def toy_error(err: ApiError) -> dict[str, Any]:
-    return {"toy_error": {"status": err.status, "reason": err.message}}
+def toy_error(err: ApiError) -> ToyError:
+    return ToyError(toy_error=ToyErrorDetail(status=err.status, reason=err.message))
 
 
 def toy_router(serving: Serving) -> APIRouter:
     r = APIRouter()
 
-    @r.post("/toy/count", responses=declared(CountOut, ToyError))
-    async def count(body: CountIn) -> dict[str, Any]:
-        got = await serving.acount(TurnRequest(messages=turn_messages([{"role": "user", "content": body.text}]), model=body.model))
-        return {"tokens": got.prompt_tokens}
+    @r.post("/toy/count", response_model=CountOut, responses=declared(CountOut, ToyError))
+    async def count(body: CountIn) -> CountOut:
+        got = await serving.acount(TurnRequest(messages=[prompt_message(0, role="user", content=body.text)],
+                                               model=body.model))
+        return CountOut(tokens=got.prompt_tokens)
 
     return r
 

@@ -459,15 +459,18 @@ def test_a_context_overflow_reads_as_each_api_says_it(details: dict[str, int], p
     """However the overflow was found (the front's count, a suffix or a prefix past the window), both APIs lead
     with their own sentence and keep the daemon's; without numbers the daemon's message stands alone."""
     from contract.errors import ContextOverflow
+    from modeld.front.anthropic.protocol import error_body as anthropic_error
     from modeld.front.errors import api_error
+    from modeld.front.openai.protocol import error_body as openai_error
 
     err = api_error(ContextOverflow("it does not fit", **details))
     assert err.status == 400 and err.code == "context_length_exceeded"
-    assert err.openai()["error"]["message"] == (f"This model's maximum context length is 8192 tokens. However, your "
-                                                f"messages resulted in {prompt} tokens: it does not fit")
-    assert err.anthropic()["error"]["message"] == f"prompt is too long: {prompt} tokens > 8191 maximum: it does not fit"
+    assert openai_error(err).error.message == (f"This model's maximum context length is 8192 tokens. However, your "
+                                               f"messages resulted in {prompt} tokens: it does not fit")
+    assert anthropic_error(err).error.message == f"prompt is too long: {prompt} tokens > 8191 maximum: it does not fit"
+    assert anthropic_error(err).error.code == openai_error(err).error.code == "context_length_exceeded"
     bare = api_error(ContextOverflow("it does not fit"))
-    assert bare.openai()["error"]["message"] == bare.anthropic()["error"]["message"] == "it does not fit"
+    assert openai_error(bare).error.message == anthropic_error(bare).error.message == "it does not fit"
 
 
 @pytest.mark.parametrize("api", ["chat", "responses", "messages"])

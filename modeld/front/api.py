@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import APIRouter
+from pydantic import BaseModel
 
 from .core import Serving
 from .errors import ApiError
@@ -33,16 +33,16 @@ class HttpApi:
     #: the path prefixes of its routes: an error raised before a route runs on such a path is in its shape
     prefixes: tuple[str, ...]
     #: its error object for an ``ApiError`` (the body of every refusal on its paths)
-    error: Callable[[ApiError], dict[str, Any]]
+    error: Callable[[ApiError], BaseModel]
 
     def owns(self, path: str) -> int:
         """How long a prefix of ``path`` this API owns (0: none)."""
         return max((len(p) for p in self.prefixes if path == p or path.startswith(p.rstrip("/") + "/")), default=0)
 
 
-def error_body(apis: Sequence[HttpApi], path: str, err: ApiError) -> dict[str, Any]:
-    """``err`` in the shape of the API owning ``path`` (the longest prefix wins); OpenAI's for paths no API owns
-    (``/``, ``/health``, an unknown route): the shape most clients read."""
+def error_body(apis: Sequence[HttpApi], path: str, err: ApiError, default: Callable[[ApiError], BaseModel]) -> BaseModel:
+    """``err`` in the shape of the API owning ``path`` (the longest prefix wins); ``default``'s for paths no API
+    owns (``/``, ``/health``, an unknown route)."""
     best = max(apis, key=lambda api: api.owns(path), default=None)
-    render = best.error if best is not None and best.owns(path) else ApiError.openai
+    render = best.error if best is not None and best.owns(path) else default
     return render(err)

@@ -30,9 +30,10 @@ from ..metrics import CONTENT_TYPE
 from . import anthropic, completions, openai, responses, tokens, ws
 from .access import AccessLog, record_of
 from .api import HttpApi, error_body
-from .core import Serving, Shape, declared
+from .core import Serving, Shape, declared, dumped
 from .errors import ApiError, api_error
 from .openai.protocol import ErrorBody
+from .openai.protocol import error_body as openai_error
 from .stored import ResponseStore
 
 __all__ = ["APIS", "DEFAULT_MAX_BODY_BYTES", "create_app"]
@@ -45,8 +46,10 @@ _OPEN_PATHS = frozenset({"/", "/health"})
 
 
 def error_response(apis: Sequence[HttpApi], path: str, err: ApiError) -> JSONResponse:
-    """``err`` in the shape of the API ``path`` belongs to."""
-    return JSONResponse(error_body(apis, path, err), status_code=err.status, headers=err.headers)
+    """``err`` in the shape of the API ``path`` belongs to; OpenAI's where none owns it: the shape most clients
+    read."""
+    return JSONResponse(dumped(error_body(apis, path, err, openai_error)), status_code=err.status,
+                        headers=err.headers)
 
 
 class EdgeChecks:

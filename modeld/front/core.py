@@ -1,9 +1,9 @@
 """The serving core every HTTP API shares: a request in one neutral form becomes one ``runtime.Chat`` turn.
 
 Each protocol module (chat completions, Responses, Messages) parses its own
-request into a ``TurnRequest`` — the OpenAI-shaped message list, function
-tools and decode options — and renders the ``Turn``'s events in its own
-wire format. So a conversation renders to the same tokens whichever API
+request into a ``TurnRequest`` (``front.turn_request``: the contract's messages,
+function tools and the decode options it sets) and renders the ``Turn``'s events
+in its own wire format. So a conversation renders to the same tokens whichever API
 carried it, and switching clients keeps the KV warm.
 
 ``Serving.begin`` runs everything that can refuse a request before a byte
@@ -24,33 +24,31 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Generator, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from collections.abc import AsyncGenerator, Callable, Generator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import anyio
 from prometheus_client import CollectorRegistry
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict
 from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.requests import Request
 from starlette.websockets import WebSocket
 
-from contract.errors import InvalidArgument, ModeldError, Unavailable, WireError
+from contract.errors import ModeldError, Unavailable, WireError
 from contract.types import (
     ActiveModel,
-    ChatMessage,
     DaemonStatus,
+    DecodeConfig,
     FinishReason,
     OpenSessionRequest,
     ReadoutInfo,
     SlotState,
     TokenCount,
     TokenLogprob,
-    ToolCall,
     ToolCallDelta,
-    ToolCallFunction,
 )
-from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage, chat_messages
+from runtime.chat import Chat, ChatEvent, ChatResult, ChatTurn, ChatUsage
 
 from ..settings import HttpSettings
 from .access import AccessRecord, record_of
@@ -58,8 +56,19 @@ from .errors import ApiError, api_error
 from .images import Image, ImageLimits, ImageRef, place_images, read_images
 from .pool import ClientPool
 from .sealing import Sealer
+from .turn_request import (
+    Loose,
+    PromptFunction,
+    PromptTool,
+    TurnRequest,
+    decode_options,
+    given,
+    prompt_call,
+    prompt_message,
+    turn_messages,
+)
 
-__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "PromptFunction", "PromptTool", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "client_label", "give_back_if_gone", "prompt_call", "prompt_message", "stamp", "turn_messages"]
+__all__ = ["CONVERSATION_HEADERS", "declared", "FINISH_REASONS", "KEEPALIVE_S", "CallPieces", "Loose", "PromptFunction", "PromptTool", "Serving", "Shape", "Turn", "TurnRequest", "TurnStream", "client_label", "decode_options", "give_back_if_gone", "given", "prompt_call", "prompt_message", "stamp", "turn_messages"]
 
 log = logging.getLogger("modeld.http")
 
@@ -107,84 +116,6 @@ def declared(ok: type[BaseModel] | None, error: type[BaseModel], *, stream: bool
                          (503, "the slot stayed busy, or the daemon is gone")):
         out[status] = {"model": error, "description": what}
     return out
-
-
-class Loose(BaseModel):
-    """A request part of any API: the fields the front reads are typed; unknown fields are accepted (clients
-    send many, and each API grows)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class PromptFunction(BaseModel):
-    """A function a tool offers, as the chat template renders it (OpenAI's chat shape)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    name: str = Field(min_length=1)
-    description: str | None = None
-    #: the JSON schema of its arguments (None: the client gave none)
-    parameters: dict[str, Any] | None = None
-
-
-class PromptTool(BaseModel):
-    """A tool of a turn, in OpenAI's chat shape: every API's tools become these (``TurnRequest.tools``)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["function"] = "function"
-    function: PromptFunction
-
-
-@dataclass
-class TurnRequest:
-    """A request in the neutral form: what ``runtime.Chat`` takes, and the model name the client sent."""
-
-    #: the messages (roles system, user, assistant, tool), leading system ones first; ``turn_messages`` makes them
-    messages: list[ChatMessage]
-    #: the function tools the template renders into the prompt
-    tools: list[PromptTool] = field(default_factory=list)
-    #: ``DecodeConfig`` fields the client set
-    decode: dict[str, Any] = field(default_factory=dict)
-    model: str = ""
-    #: the template's reasoning switch (None: the template's default)
-    enable_thinking: bool | None = None
-    #: whose conversation it is (``SuffixInput.conversation``): from the request's headers (``conversation_of``)
-    conversation: str = ""
-    #: a raw completion's prompt (text, or token ids) instead of ``messages`` and ``tools``: no template
-    prompt: str | list[int] | None = None
-    #: score the raw prompt's tokens, with this many alternatives each (``Chat.begin_prompt(score=…)``)
-    score: int | None = None
-    #: the images the messages carried, in order (``images.read_images`` checks them in ``Serving.begin``)
-    images: list[ImageRef] = field(default_factory=list)
-    #: who sent it, as status shows the turn (``OpenSessionRequest.client``): the route and the client's address
-    client: str = ""
-
-
-def prompt_message(index: int, **fields: Any) -> ChatMessage:
-    """Message ``index`` of a turn (``TurnRequest.messages``), built by an API from its request: a field no message
-    can hold (a bad role, an oversized text) is the 400 naming ``messages[index]``."""
-    try:
-        return ChatMessage(**fields)
-    except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)]
-        raise api_error(InvalidArgument(f"messages[{index}]: invalid message: " + "; ".join(problems),
-                                        index=index)) from None
-
-
-def prompt_call(call_id: str, name: str, arguments: str | object) -> ToolCall:
-    """An assistant's tool call as a prompt renders it: arguments that are not text yet are written as JSON."""
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(id=call_id, type="function", function=ToolCallFunction(name=name, arguments=text))
-
-
-def turn_messages(raw: Iterable[Mapping[str, Any] | ChatMessage]) -> list[ChatMessage]:
-    """An API's messages, in OpenAI's chat shape, as ``TurnRequest.messages``: a message no template could take
-    (a bad role, an oversized text) is the 400 the serving core would answer for it, naming the message."""
-    try:
-        return chat_messages(raw)
-    except InvalidArgument as exc:
-        raise api_error(exc) from None
 
 
 class Turn:
@@ -334,7 +265,7 @@ class Turn:
         return result
 
     async def aevents(
-        self, record: AccessRecord | None = None, *, keep: bool = False, more: dict[str, Any] | None = None
+        self, record: AccessRecord | None = None, *, keep: bool = False, more: DecodeConfig | None = None
     ) -> AsyncGenerator[ChatEvent, None]:
         """``events`` for an async route: each step runs in a worker thread; cancelling closes the decode.
 
@@ -342,7 +273,7 @@ class Turn:
         did: the prompt and what was reused, the chunks a cut-short prefill finished, the tokens a cut-short
         decode wrote and when the first came, error "client_gone". ``keep`` and ``more`` (the options of a pass
         that goes on with the reply) are ``events``' and ``more``'s."""
-        events = self.events(keep=keep) if more is None else self.more(**more)
+        events = self.events(keep=keep) if more is None else self.more(**given(more))
         ended = False
         try:
             while True:
@@ -719,12 +650,12 @@ class Serving:
             chat = Chat(client, profile=PROFILE, queue_timeout_s=self.settings.http_queue_timeout, request=request)
             if req.prompt is not None:
                 chat_turn = chat.begin_prompt(req.prompt, check_fit=check_fit, conversation=req.conversation,
-                                              score=req.score, **req.decode)
+                                              score=req.score, **given(req.decode))
             else:
                 chat_turn = chat.begin(req.messages, [t.model_dump(exclude_none=True) for t in req.tools] or None,
                                        check_fit=check_fit,
                                        enable_thinking=req.enable_thinking, conversation=req.conversation,
-                                       **req.decode)
+                                       **given(req.decode))
         except ModeldError as exc:
             self.pool.give(client, healthy=reusable_after(exc))
             raise

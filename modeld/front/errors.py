@@ -9,8 +9,6 @@ unavailable daemon is 503 with ``Retry-After``, which they do.
 
 from __future__ import annotations
 
-from typing import Any
-
 from contract.errors import (
     ContextOverflow,
     DaemonTimeout,
@@ -49,32 +47,23 @@ class ApiError(Exception):
         self.param = param
         self.headers = headers or {}
 
-    def openai(self) -> dict[str, Any]:
-        """OpenAI's error object."""
-        kind = _OPENAI_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+    @property
+    def openai_type(self) -> str:
+        """OpenAI's ``error.type`` (each API's protocol builds its error object: ``openai.protocol.error_body``)."""
+        return _OPENAI_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
 
-    def websocket(self) -> dict[str, Any]:
-        """The WebSocket protocol's error message (``front.ws``): the protocol's kind of error, whether the same
-        message may succeed later, and what the client should do (``retry_after_ms`` with a retry)."""
-        kind, recoverable, action = _WS_BY_CODE.get(self.code or "") or (
+    @property
+    def anthropic_type(self) -> str:
+        """Anthropic's ``error.type``, one of its fixed set (``anthropic.protocol.error_body``)."""
+        return _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+
+    @property
+    def websocket_kind(self) -> tuple[str, bool, str]:
+        """The WebSocket protocol's (kind of error, whether the same message may succeed later, what the client
+        should do) (``ws.protocol.error_message``)."""
+        return _WS_BY_CODE.get(self.code or "") or (
             ("invalid_request", False, "fix_request") if self.status < 500
             else ("unavailable", True, "retry") if self.status == 503 else ("internal_error", False, "report"))
-        retry = self.headers.get("Retry-After")
-        return {"type": "error", "error": kind, "code": self.code or "", "message": self.message,
-                "recoverable": recoverable, "recovery_action": action,
-                "retry_after_ms": int(float(retry) * 1000) if recoverable and retry else None}
-
-    def anthropic(self) -> dict[str, Any]:
-        """Anthropic's error object."""
-        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
-        # Anthropic's ``error.type`` values are a fixed set; modeld's own code (``vision_unsupported``,
-        # ``context_length_exceeded``, …) rides beside them as ``error.code``, for a client to read without
-        # parsing the prose (the SDKs keep an unknown field on the error's body)
-        error = {"type": kind, "message": self.anthropic_message or self.message}
-        if self.code:
-            error["code"] = self.code
-        return {"type": "error", "error": error}
 
 
 #: the WebSocket protocol's (kind, recoverable, recovery action) of the codes that say more than their status

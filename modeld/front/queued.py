@@ -28,7 +28,7 @@ import anyio
 from starlette.requests import Request
 
 from contract.errors import ModeldError
-from contract.types import TokenCount, TokenLogprob
+from contract.types import DecodeConfig, TokenCount, TokenLogprob
 from runtime.chat import ChatEvent, ChatResult
 
 from .access import AccessRecord
@@ -146,7 +146,7 @@ class QueuedTurn(Turn):
         return await (await self.ready()).result(request)
 
     async def aevents(
-        self, record: AccessRecord | None = None, *, keep: bool = False, more: dict[str, Any] | None = None
+        self, record: AccessRecord | None = None, *, keep: bool = False, more: DecodeConfig | None = None
     ) -> AsyncGenerator[ChatEvent, None]:
         """The wait, then the turn's events: a refusal is raised from the first step, so each route's stream
         ends with its API's error event; a client gone while it waited leaves ``client_gone`` in ``record``."""

@@ -36,11 +36,10 @@ core's turn), ``routes`` (the routes and their streams).
 from __future__ import annotations
 
 from ..api import HttpApi
-from ..errors import ApiError
-from .protocol import STOP_REASONS, MessagesRequest
+from .protocol import STOP_REASONS, MessagesRequest, error_body
 from .routes import router
 
 #: the app's entry for it (``app.APIS``): Anthropic's error object on its paths
-API = HttpApi(lambda serving, _store: router(serving), ("/v1/messages",), ApiError.anthropic)
+API = HttpApi(lambda serving, _store: router(serving), ("/v1/messages",), error_body)
 
 __all__ = ["API", "STOP_REASONS", "MessagesRequest", "router"]

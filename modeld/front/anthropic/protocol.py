@@ -10,6 +10,7 @@ from pydantic import Field
 from contract.types import FinishReason
 
 from ..core import Loose, Shape
+from ..errors import ApiError
 
 #: the start of a system block that only carries a client's billing header (it changes every request)
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -245,3 +246,13 @@ class ErrorBody(Shape):
 
     type: Literal["error"]
     error: ErrorDetail
+
+
+def error_body(err: ApiError) -> ErrorBody:
+    """``err`` as Anthropic's error object: its ``type`` one of Anthropic's fixed set, modeld's own code
+    (``vision_unsupported``, ``context_length_exceeded``, …) beside it as ``error.code``, for a client to read
+    without parsing the prose (the SDKs keep an unknown field on the error's body)."""
+    detail = ErrorDetail(type=err.anthropic_type, message=err.anthropic_message or err.message)
+    if err.code:
+        detail.code = err.code
+    return ErrorBody(type="error", error=detail)

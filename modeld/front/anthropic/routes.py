@@ -52,6 +52,7 @@ from .protocol import (
     ThinkingOut,
     TokenCount,
     ToolUseOut,
+    error_body,
 )
 from .translate import message_body, stop_reason, tool_id, turn_request, usage_of
 
@@ -105,7 +106,7 @@ def _error(exc: ModeldError | ApiError, record: AccessRecord) -> dict[str, str]:
     """The ``error`` event that ends a stream that failed after it started."""
     err = api_error(exc)
     record.error = err.code or "error"
-    return {"event": "error", "data": json.dumps(err.anthropic())}
+    return {"event": "error", "data": json.dumps(dumped(error_body(err)))}
 
 
 def _event(event: StreamEvent) -> dict[str, str]:

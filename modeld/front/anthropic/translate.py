@@ -16,6 +16,8 @@ from ..core import (
     PromptTool,
     Serving,
     TurnRequest,
+    decode_options,
+    given,
     miss_field,
     prompt_call,
     prompt_message,
@@ -169,22 +171,20 @@ def _thinking(req: MessagesRequest | CountTokensRequest) -> bool | None:
 
 def turn_request(req: MessagesRequest | CountTokensRequest, serving: Serving) -> TurnRequest:
     tools = _tools(req.tools)
-    decode: dict[str, Any] = {}
+    decode = decode_options()
     if isinstance(req, MessagesRequest):
-        if req.max_tokens is not None:
-            decode["max_tokens"] = req.max_tokens
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(req, name) is not None:
-                decode[name] = getattr(req, name)
+        decode = decode_options(**{name: getattr(req, name) for name in ("max_tokens", "temperature", "top_p", "top_k")
+                                   if getattr(req, name) is not None})
         if req.stop_sequences:
-            decode["stop"] = list(req.stop_sequences)
+            decode.stop = list(req.stop_sequences)
     choice = req.tool_choice
     if choice is not None:
         names = call_schemas(tools)
         plain = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type)
         if choice.type == "tool" and not choice.name:
             raise ApiError(400, "tool_choice of type 'tool' needs a name", param="tool_choice.name")
-        decode.update(tool_choice_options(plain, choice.name if choice.type == "tool" else None, names))
+        decode = decode_options(**given(decode, tool_choice_options(plain, choice.name if choice.type == "tool" else None,
+                                                                    names)))
     images: list[ImageRef] = []
     messages = turn_messages(_messages(req, serving, images))
     return TurnRequest(messages=messages, tools=tools, decode=decode, model=req.model,

@@ -16,10 +16,10 @@ legacy logprobs shape), ``routes`` (the route and its stream).
 from __future__ import annotations
 
 from ..api import HttpApi
-from ..errors import ApiError
+from ..openai.protocol import error_body
 from .routes import router
 
 #: the app's entry for it (``app.APIS``)
-API = HttpApi(lambda serving, _store: router(serving), ("/v1/completions",), ApiError.openai)
+API = HttpApi(lambda serving, _store: router(serving), ("/v1/completions",), error_body)
 
 __all__ = ["API", "router"]

@@ -29,7 +29,7 @@ from ..core import (
     fill_record,
 )
 from ..errors import ApiError, api_error
-from ..openai.protocol import ErrorBody, Usage
+from ..openai.protocol import ErrorBody, Usage, error_body
 from ..openai.translate import usage_out
 from ..queued import abegin_streamed
 from .protocol import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
@@ -143,7 +143,7 @@ async def _stream(turn: Turn, rid: str, created: int, echo: str, scored: bool, i
     except (ModeldError, ApiError) as exc:
         err = api_error(exc)
         record.error = err.code or "error"
-        yield json.dumps(err.openai())
+        yield json.dumps(dumped(error_body(err)))
         return
     finally:
         await close_events(events)

@@ -34,9 +34,9 @@ def turn_request(req: CompletionRequest) -> TurnRequest:
                             "the prompt", param="suffix", code="unsupported")
     opts = sampling_options(req)
     if req.max_tokens is not None:
-        opts["max_tokens"] = req.max_tokens
+        opts.max_tokens = req.max_tokens
     if req.logprobs is not None:
-        opts["logprobs"] = req.logprobs
+        opts.logprobs = req.logprobs
     score = req.logprobs if req.echo else None  # the echoed prompt's tokens are scored too
     return TurnRequest(messages=[], decode=opts, model=req.model, prompt=prompt_of(req), score=score)
 

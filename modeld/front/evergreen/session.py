@@ -24,7 +24,7 @@ import anyio
 
 from contract.errors import ModeldError
 
-from ..core import Serving, TurnRequest, turn_messages
+from ..core import Serving, TurnRequest, decode_options, turn_messages
 from ..errors import ApiError, api_error
 from .nodes import Abort, Action, Fragment, NodeStore
 
@@ -66,7 +66,8 @@ class EvergreenSession:
         config = dict(action.config)
         model = str(config.pop("model", "") or "")
         try:
-            req = TurnRequest(messages=turn_messages(self.nodes.prompt_messages(inp)), decode=config, model=model)
+            req = TurnRequest(messages=turn_messages(self.nodes.prompt_messages(inp)), decode=decode_options(**config),
+                              model=model)
             turn = await self.serving.abegin(req)
         except ApiError as err:
             raise Abort(f"{action.name} failed: {err.message}", err.status) from None

@@ -20,13 +20,12 @@ core's turn), ``routes`` (the routes and their streams).
 from __future__ import annotations
 
 from ..api import HttpApi
-from ..errors import ApiError
-from .protocol import ChatCompletionRequest
+from .protocol import ChatCompletionRequest, error_body
 from .routes import router
 from .translate import call_schemas, tool_choice_options
 
 #: the app's entry for it (``app.APIS``)
 API = HttpApi(lambda serving, _store: router(serving), ("/v1/chat/completions", "/v1/models", "/v1/embeddings"),
-              ApiError.openai)
+              error_body)
 
 __all__ = ["API", "ChatCompletionRequest", "call_schemas", "router", "tool_choice_options"]

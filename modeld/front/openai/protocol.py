@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from ..core import Loose, Shape
+from ..errors import ApiError
 
 
 class ContentPart(Loose):
@@ -273,3 +274,8 @@ class ErrorBody(Shape):
     """OpenAI's error object (every route but the Messages API's)."""
 
     error: ErrorDetail
+
+
+def error_body(err: ApiError) -> ErrorBody:
+    """``err`` as OpenAI's error object."""
+    return ErrorBody(error=ErrorDetail(message=err.message, type=err.openai_type, param=err.param, code=err.code))

@@ -49,6 +49,7 @@ from .protocol import (
     ModelCard,
     ModelList,
     Usage,
+    error_body,
 )
 from .translate import call_piece, logprobs_out, tool_calls_out, turn_request, usage_out
 
@@ -173,7 +174,7 @@ async def _stream(turn: Turn, rid: str, created: int, include_usage: bool, logpr
     except (ModeldError, ApiError) as exc:
         err = api_error(exc)
         record.error = err.code or "error"
-        yield json.dumps(err.openai())
+        yield json.dumps(dumped(error_body(err)))
         return
     finally:
         await close_events(events)

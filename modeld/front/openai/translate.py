@@ -7,13 +7,15 @@ import json
 import uuid
 from typing import Any
 
-from contract.types import ChatMessage, StructuredOutputConfig, TokenLogprob, ToolCallDelta
+from contract.types import ChatMessage, DecodeConfig, StructuredOutputConfig, TokenLogprob, ToolCallDelta
 from runtime.chat import ChatResult
 
 from ..core import (
     PromptFunction,
     PromptTool,
     TurnRequest,
+    decode_options,
+    given,
     miss_field,
     prompt_call,
     prompt_message,
@@ -88,21 +90,21 @@ def call_schemas(tools: list[PromptTool]) -> dict[str, str]:
     return {t.function.name: json.dumps(t.function.parameters or {}) for t in tools}
 
 
-def tool_choice_options(choice: str | None, forced: str | None, schemas: dict[str, str]) -> dict[str, Any]:
+def tool_choice_options(choice: str | None, forced: str | None, schemas: dict[str, str]) -> DecodeConfig:
     """Decode options for a tool choice: ``choice`` auto/none/required, or ``forced`` (one function's
     name); ``schemas`` holds each tool's arguments schema (``call_schemas``)."""
     names = list(schemas)
     if choice == "none":
-        return {"parser_protocols": []}
+        return decode_options(parser_protocols=[])
     if choice in (None, "auto") and forced is None:
-        return {}
+        return decode_options()
     if not names:
         raise ApiError(400, "tool_choice forces a call but no tools were given", param="tool_choice")
     if forced is not None:
         if forced not in names:
             raise ApiError(400, f"tool_choice names {forced!r}, which is not among the tools", param="tool_choice")
         names = [forced]
-    return {"structured_output": StructuredOutputConfig(tool_call={n: schemas[n] for n in names})}
+    return decode_options(structured_output=StructuredOutputConfig(tool_call={n: schemas[n] for n in names}))
 
 
 #: ``DecodeConfig`` fields the OpenAI generation APIs pass on as they are
@@ -110,43 +112,41 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty"
                    "repeat_last_n", "seed")
 
 
-def sampling_options(req: SamplingRequest) -> dict[str, Any]:
+def sampling_options(req: SamplingRequest) -> DecodeConfig:
     """The sampling fields ``req`` set (and its stop strings), as ``DecodeConfig`` options."""
-    opts: dict[str, Any] = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
+    opts = decode_options(**{name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None})
     if req.stop:
-        opts["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        opts.stop = [req.stop] if isinstance(req.stop, str) else list(req.stop)
     return opts
 
 
-def _decode(req: ChatCompletionRequest, tools: list[PromptTool]) -> dict[str, Any]:
+def _decode(req: ChatCompletionRequest, tools: list[PromptTool]) -> DecodeConfig:
     if req.n not in (None, 1):
         raise ApiError(400, "n > 1 is not supported: one model slot decodes one reply", param="n")
-    opts: dict[str, Any] = {}
+    opts = sampling_options(req)
     if req.logprobs:
-        opts["logprobs"] = req.top_logprobs or 0
+        opts.logprobs = req.top_logprobs or 0
     elif req.top_logprobs is not None:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     limit = req.max_completion_tokens or req.max_tokens
     if limit is not None:
-        opts["max_tokens"] = limit
-    opts.update(sampling_options(req))
+        opts.max_tokens = limit
     fmt = req.response_format
     if fmt is not None and fmt.type == "json_object":
-        opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps({"type": "object"}))
+        opts.structured_output = StructuredOutputConfig(json_schema=json.dumps({"type": "object"}))
     elif fmt is not None and fmt.type == "json_schema":
         schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
         if not isinstance(schema, dict):
             raise ApiError(400, "response_format json_schema needs json_schema.schema (an object)",
                            param="response_format.json_schema.schema")
-        opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps(schema))
+        opts.structured_output = StructuredOutputConfig(json_schema=json.dumps(schema))
     choice = req.tool_choice
     forced = choice.function.name if isinstance(choice, NamedToolChoice) else None
     plain = choice if isinstance(choice, str) else None
     calls = tool_choice_options(plain, forced, call_schemas(tools))
-    if "structured_output" in calls and "structured_output" in opts:
+    if "structured_output" in calls.model_fields_set & opts.model_fields_set:
         raise ApiError(400, "a forced tool call and a response_format cannot be combined", param="tool_choice")
-    opts.update(calls)
-    return opts
+    return decode_options(**given(opts, calls))
 
 
 def turn_request(req: ChatCompletionRequest) -> TurnRequest:

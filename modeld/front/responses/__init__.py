@@ -38,11 +38,11 @@ core's turn), ``routes`` (the routes and their streams).
 from __future__ import annotations
 
 from ..api import HttpApi
-from ..errors import ApiError
+from ..openai.protocol import error_body
 from .protocol import ResponsesRequest
 from .routes import router
 
 #: the app's entry for it (``app.APIS``): it keeps the front's stored responses
-API = HttpApi(router, ("/v1/responses",), ApiError.openai)
+API = HttpApi(router, ("/v1/responses",), error_body)
 
 __all__ = ["API", "ResponsesRequest", "router"]

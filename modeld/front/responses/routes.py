@@ -34,7 +34,7 @@ from ..core import (
 )
 from ..errors import ApiError, api_error
 from ..images import ImageRef
-from ..openai.protocol import ErrorBody
+from ..openai.protocol import ErrorBody, error_body
 from ..openai.translate import token_logprobs_out
 from ..queued import abegin_streamed
 from ..stored import ResponseStore
@@ -72,9 +72,9 @@ from .translate import (
     ToolMap,
     build_output,
     conversation,
-    decode_options,
     merge_earlier,
     message_item,
+    request_options,
     text_part,
     thinking_of,
 )
@@ -121,7 +121,7 @@ def _prepare(body: ResponsesRequest, serving: Serving,
     full = merge_earlier(messages, earlier)
     if not full:
         raise ApiError(400, "input is empty", param="input")
-    turn_req = TurnRequest(messages=turn_messages(full), tools=tools.functions, decode=decode_options(body, tools), model=body.model,
+    turn_req = TurnRequest(messages=turn_messages(full), tools=tools.functions, decode=request_options(body, tools), model=body.model,
                            enable_thinking=thinking_of(body), images=images)
     return turn_req, tools, tools_given or []
 
@@ -383,7 +383,7 @@ async def _stream(turn: Turn, reply: Reply, request: Request, running: _Running,
         # the stream's error event, then the failed response. The event also carries the error as an
         # object, as OpenAI's own error events do: the SDKs raise on it rather than end as if all went well
         yield event(ErrorEvent, type="error", code=reply.error.code, message=err.message, param=err.param,
-                    error=ErrorBody.model_validate(err.openai()).error)
+                    error=error_body(err).error)
         yield event(ResponseEvent, type="response.failed", response=reply.body())
     finally:
         await close_events(events)

@@ -9,10 +9,19 @@ import time
 import uuid
 from typing import Any
 
-from contract.types import ChatMessage, StructuredOutputConfig, TokenLogprob
+from contract.types import ChatMessage, DecodeConfig, StructuredOutputConfig, TokenLogprob
 from runtime.chat import ChatResult
 
-from ..core import PromptFunction, PromptTool, Serving, miss_field, prompt_call, prompt_message
+from ..core import (
+    PromptFunction,
+    PromptTool,
+    Serving,
+    decode_options,
+    given,
+    miss_field,
+    prompt_call,
+    prompt_message,
+)
 from ..errors import ApiError
 from ..images import ImageRef, joined
 from ..openai.translate import call_schemas, token_logprobs_out, tool_choice_options
@@ -175,22 +184,21 @@ def conversation(req: ResponsesRequest, tools: ToolMap, serving: Serving,
     return out
 
 
-def decode_options(req: ResponsesRequest, tools: ToolMap) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
+def request_options(req: ResponsesRequest, tools: ToolMap) -> DecodeConfig:
+    """The ``DecodeConfig`` fields the request sets (``core.decode_options``)."""
+    opts = decode_options(**{name: getattr(req, name) for name in ("temperature", "top_p")
+                             if getattr(req, name) is not None})
     if req.max_output_tokens is not None:
-        opts["max_tokens"] = req.max_output_tokens
+        opts.max_tokens = req.max_output_tokens
     if req.logprobs() is not None:
-        opts["logprobs"] = req.logprobs()
-    for name in ("temperature", "top_p"):
-        if getattr(req, name) is not None:
-            opts[name] = getattr(req, name)
+        opts.logprobs = req.logprobs()
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_object":
-        opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps({"type": "object"}))
+        opts.structured_output = StructuredOutputConfig(json_schema=json.dumps({"type": "object"}))
     elif fmt is not None and fmt.type == "json_schema":
         if not isinstance(fmt.schema_, dict):
             raise ApiError(400, "text.format json_schema needs a schema (an object)", param="text.format.schema")
-        opts["structured_output"] = StructuredOutputConfig(json_schema=json.dumps(fmt.schema_))
+        opts.structured_output = StructuredOutputConfig(json_schema=json.dumps(fmt.schema_))
     choice = req.tool_choice
     names = call_schemas(tools.functions)
     if isinstance(choice, ToolChoiceSpec):
@@ -202,10 +210,9 @@ def decode_options(req: ResponsesRequest, tools: ToolMap) -> dict[str, Any]:
     else:
         raise ApiError(400, f"tool_choice {choice!r} is not one of auto, none, required or a named function",
                        param="tool_choice")
-    if "structured_output" in calls and "structured_output" in opts:
+    if "structured_output" in calls.model_fields_set & opts.model_fields_set:
         raise ApiError(400, "a forced tool call and text.format cannot be combined", param="tool_choice")
-    opts.update(calls)
-    return opts
+    return decode_options(**given(opts, calls))
 
 
 def thinking_of(req: ResponsesRequest) -> bool | None:

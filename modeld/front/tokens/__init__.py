@@ -17,10 +17,10 @@ The package: ``protocol`` (the request and reply models) and ``routes``.
 from __future__ import annotations
 
 from ..api import HttpApi
-from ..errors import ApiError
+from ..openai.protocol import error_body
 from .routes import router
 
 #: the app's entry for it (``app.APIS``)
-API = HttpApi(lambda serving, _store: router(serving), ("/tokenize", "/detokenize", "/tokenizer_info", "/v1/readouts"), ApiError.openai)
+API = HttpApi(lambda serving, _store: router(serving), ("/tokenize", "/detokenize", "/tokenizer_info", "/v1/readouts"), error_body)
 
 __all__ = ["API", "router"]

@@ -9,7 +9,7 @@ While it runs, ``control`` messages ``stop``, ``pause``, ``resume``,
 ``regenerate`` and ``modify`` (new sampling parameters from the next token)
 steer it; ``feedback`` rates it (``feedback``: the log and ``modeld
 feedback``). Errors carry whether the same message may succeed later and what
-to do, from the same mapping as the HTTP APIs' (``ApiError.websocket``). The
+to do, from the same mapping as the HTTP APIs' (``protocol.error_message``). The
 API key goes in the ``Authorization`` header or the first message (``auth``),
 never in the URL.
 
@@ -21,10 +21,10 @@ The package: ``protocol`` (the messages, published as JSON Schema at
 from __future__ import annotations
 
 from ..api import HttpApi
-from ..errors import ApiError
+from ..openai.protocol import error_body
 from .routes import PATH, router
 
 #: the app's entry for it (``app.APIS``)
-API = HttpApi(lambda serving, _store: router(serving), (PATH,), ApiError.openai)
+API = HttpApi(lambda serving, _store: router(serving), (PATH,), error_body)
 
 __all__ = ["API", "PATH", "router"]

@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from contract.types import DecodeConfig, TokenLogprob, ToolCall
 
-from ..core import PromptTool
+from ..core import PromptTool, decode_options
+from ..errors import ApiError
 
 __all__ = [
     "ACTIONS",
@@ -73,13 +74,13 @@ class Parameters(_In):
     seed: int | None = _decode_field("seed")
     stop: list[str] | str | None = None
 
-    def decode(self) -> dict[str, Any]:
-        """The ``DecodeConfig`` fields these set."""
-        out = self.model_dump(exclude_none=True, exclude={"repetition_penalty", "stop"})
+    def decode(self) -> DecodeConfig:
+        """The ``DecodeConfig`` fields these set (``core.decode_options``)."""
+        out = decode_options(**self.model_dump(exclude_none=True, exclude={"repetition_penalty", "stop"}))
         if self.repetition_penalty is not None:
-            out["repeat_penalty"] = self.repetition_penalty
+            out.repeat_penalty = self.repetition_penalty
         if self.stop is not None:
-            out["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+            out.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         return out
 
 
@@ -246,6 +247,16 @@ class ErrorMessage(_Out):
     recovery_action: str = ""
     retry_after_ms: int | None = None
     request_id: str = ""
+
+
+def error_message(err: ApiError, request_id: str = "") -> ErrorMessage:
+    """``err`` as the protocol's error message: its kind of error, whether the same message may succeed later, and
+    what the client should do (``retry_after_ms`` with a retry)."""
+    kind, recoverable, action = err.websocket_kind
+    retry = err.headers.get("Retry-After")
+    return ErrorMessage(error=kind, code=err.code or "", message=err.message, recoverable=recoverable,
+                        recovery_action=action, request_id=request_id,
+                        retry_after_ms=int(float(retry) * 1000) if recoverable and retry else None)
 
 
 ServerMessage = Annotated[Init | Token | Completion | Status | ErrorMessage, Field(discriminator="type")]

@@ -32,10 +32,10 @@ from pydantic import ValidationError
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from contract.errors import ModeldError
-from contract.types import ToolCall
+from contract.types import DecodeConfig, ToolCall
 from runtime.chat import ChatResult
 
-from ..core import Route, Serving, Turn, TurnRequest, client_label, turn_messages
+from ..core import Route, Serving, Turn, TurnRequest, client_label, decode_options, given, turn_messages
 from ..errors import ApiError, api_error
 from ..images import ImageRef, take_images
 from .feedback import FILE_NAME, FeedbackLog
@@ -54,6 +54,7 @@ from .protocol import (
     Token,
     TokenTiming,
     Usage,
+    error_message,
     schemas,
 )
 
@@ -146,8 +147,7 @@ class _Connection:
             self.gen = None
 
     async def refuse(self, err: ApiError, request_id: str = "") -> None:
-        message = ErrorMessage.model_validate({k: v for k, v in err.websocket().items() if v is not None})
-        await self.send(message.model_copy(update={"request_id": request_id}) if request_id else message)
+        await self.send(error_message(err, request_id))
 
     # --- the connection -------------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -253,9 +253,9 @@ class _Connection:
                 await self.refuse(ApiError(400, "modify needs the parameters to change", code="invalid_message",
                                            param="parameters"), gen.id)
                 return
-            gen.decode.update(control.parameters.decode())
+            gen.decode = decode_options(**given(gen.decode, control.parameters.decode()))
             if gen.paused:  # the next pass (resume) takes them
-                await self.send(Status(request_id=gen.id, operation="modified", parameters=gen.decode,
+                await self.send(Status(request_id=gen.id, operation="modified", parameters=given(gen.decode),
                                        message="applied when the generation resumes"))
                 return
         if action == "resume":
@@ -337,10 +337,11 @@ class _Connection:
             await self.refuse(err, gen.id)
 
     def _request(self, config: Config) -> TurnRequest:
-        decode = {**config.parameters.decode(), "return_token_ids": True}
+        decode = config.parameters.decode()
+        decode.return_token_ids = True
         lp = config.options.include_logprobs
         if lp is not False:
-            decode["logprobs"] = 0 if lp is True else int(lp)
+            decode.logprobs = 0 if lp is True else int(lp)
         tools = list(config.tools)
         if config.prompt is not None:
             return TurnRequest(messages=[], prompt=config.prompt, decode=decode, model=config.model)
@@ -360,7 +361,7 @@ class _Connection:
         thinking: list[str] = []
         calls: list[ToolCall] = []
         usage: Usage | None = None
-        more: dict[str, Any] | None = None
+        more: DecodeConfig | None = None
         finish = ""
         while True:
             result = await self._pass(gen, turn, more, tally)
@@ -383,14 +384,14 @@ class _Connection:
                     break
             else:
                 await self.send(Status(request_id=gen.id, operation="modified", position=tally.position,
-                                       parameters=gen.decode))
-            more = {**gen.decode, "return_token_ids": True}
-            limit = gen.decode.get("max_tokens")
+                                       parameters=given(gen.decode)))
+            more = decode_options(**given(gen.decode), return_token_ids=True)
+            limit = gen.decode.max_tokens
             if limit is not None:
                 if tally.produced >= limit:
                     finish = "length"
                     break
-                more["max_tokens"] = limit - tally.produced
+                more.max_tokens = limit - tally.produced
         assert usage is not None
         usage = usage.model_copy(update={"completion_tokens": tally.produced, "total_tokens": prompt + tally.produced})
         tally.timing.total_ms = (time.perf_counter() - started) * 1000
@@ -410,7 +411,7 @@ class _Connection:
         await self.send(Init(request_id=gen.id, model=gen.model, model_info=info, capabilities=CAPABILITIES))
         return route
 
-    async def _pass(self, gen: _Generation, turn: Turn, more: dict[str, Any] | None, tally: _Tally) -> ChatResult:
+    async def _pass(self, gen: _Generation, turn: Turn, more: DecodeConfig | None, tally: _Tally) -> ChatResult:
         """One pass of the turn (the first, or one that goes on after a pause or a modify: ``more``): its tokens
         sent as they come, counted in ``tally``; its result."""
         gen.cut = False
