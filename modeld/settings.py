@@ -241,11 +241,6 @@ def _pairs(form: str, *, value_required: bool) -> Callable[[tuple[str, ...]], tu
     return check
 
 
-def pair_map(pairs: tuple[str, ...]) -> dict[str, str]:
-    """NAME=VALUE pairs as a mapping (names and values stripped)."""
-    return {name.strip(): value.strip() for name, _, value in (p.partition("=") for p in pairs)}
-
-
 def _expand_user(value: Path | None) -> Path | None:
     # a shell expands "~" on the command line, nothing does in a variable or the file
     return value.expanduser() if value is not None else None
@@ -410,7 +405,7 @@ class HttpSettings(BaseSettings):
     @property
     def aliases(self) -> dict[str, str]:
         """``alias`` as a mapping: model NAME → the MODEL that serves it."""
-        return pair_map(self.alias)
+        return option_pairs(self.alias)
 
     @property
     def config_file(self) -> Path:

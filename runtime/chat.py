@@ -52,7 +52,7 @@ from contract.types import (
 
 from .client import Client, RemoteSession
 
-__all__ = ["Chat", "ChatEvent", "ChatResult", "ChatTiming", "ChatTurn", "ChatUsage", "chat_message", "chat_messages", "split_messages"]
+__all__ = ["Chat", "ChatEvent", "ChatResult", "ChatTiming", "ChatTurn", "ChatUsage", "chat_message", "chat_messages", "split_messages", "valid_message"]
 
 #: DecodeConfig fields a chat call may set
 _DECODE_FIELDS = frozenset(DecodeConfig.model_fields)
@@ -175,16 +175,21 @@ def chat_message(raw: Mapping[str, Any] | ChatMessage) -> ChatMessage:
                 function=ToolCallFunction(name=str(fn.get("name", "")), arguments=args if isinstance(args, str) else _json(args)),
             )
         )
+    return valid_message(
+        role=raw.get("role"),
+        content=_content(raw.get("content")),
+        tool_calls=calls,
+        tool_call_id=str(raw.get("tool_call_id") or ""),
+        name=str(raw.get("name") or ""),
+        reasoning=str(raw.get("reasoning_content") or raw.get("reasoning") or ""),
+        images=raw.get("images") or [],
+    )
+
+
+def valid_message(**fields: Any) -> ChatMessage:
+    """The ``ChatMessage`` of ``fields``; InvalidArgument naming each field no message can hold."""
     try:
-        return ChatMessage(
-            role=raw.get("role"),
-            content=_content(raw.get("content")),
-            tool_calls=calls,
-            tool_call_id=str(raw.get("tool_call_id") or ""),
-            name=str(raw.get("name") or ""),
-            reasoning=str(raw.get("reasoning_content") or raw.get("reasoning") or ""),
-            images=raw.get("images") or [],
-        )
+        return ChatMessage(**fields)
     except ValidationError as exc:
         problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)]
         raise InvalidArgument("invalid message: " + "; ".join(problems), problems=problems) from None

@@ -10,11 +10,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from contract.errors import InvalidArgument
 from contract.types import ChatMessage, DecodeConfig, ToolCall, ToolCallFunction
-from runtime.chat import chat_messages
+from runtime.chat import chat_messages, valid_message
 
 from .errors import api_error
 from .images import ImageRef
@@ -94,11 +94,9 @@ def prompt_message(index: int, **fields: Any) -> ChatMessage:
     """Message ``index`` of a turn (``TurnRequest.messages``), built by an API from its request: a field no message
     can hold (a bad role, an oversized text) is the 400 naming ``messages[index]``."""
     try:
-        return ChatMessage(**fields)
-    except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors(include_url=False)]
-        raise api_error(InvalidArgument(f"messages[{index}]: invalid message: " + "; ".join(problems),
-                                        index=index)) from None
+        return valid_message(**fields)
+    except InvalidArgument as exc:
+        raise api_error(InvalidArgument(f"messages[{index}]: {exc.message}", index=index, **exc.details)) from None
 
 
 def prompt_call(call_id: str, name: str, arguments: str | object) -> ToolCall:

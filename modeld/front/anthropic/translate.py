@@ -21,7 +21,6 @@ from ..core import (
     miss_field,
     prompt_call,
     prompt_message,
-    turn_messages,
 )
 from ..errors import ApiError
 from ..images import ImageRef, joined
@@ -186,7 +185,7 @@ def turn_request(req: MessagesRequest | CountTokensRequest, serving: Serving) ->
         decode = decode_options(**given(decode, tool_choice_options(plain, choice.name if choice.type == "tool" else None,
                                                                     names)))
     images: list[ImageRef] = []
-    messages = turn_messages(_messages(req, serving, images))
+    messages = _messages(req, serving, images)
     return TurnRequest(messages=messages, tools=tools, decode=decode, model=req.model,
                        enable_thinking=_thinking(req), images=images)
 

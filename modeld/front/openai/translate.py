@@ -19,7 +19,6 @@ from ..core import (
     miss_field,
     prompt_call,
     prompt_message,
-    turn_messages,
 )
 from ..errors import ApiError
 from ..images import ImageRef, image_url_ref, joined
@@ -152,7 +151,7 @@ def _decode(req: ChatCompletionRequest, tools: list[PromptTool]) -> DecodeConfig
 def turn_request(req: ChatCompletionRequest) -> TurnRequest:
     tools = _tools(req)
     images: list[ImageRef] = []
-    messages = turn_messages(_messages(req, images))
+    messages = _messages(req, images)
     return TurnRequest(messages=messages, tools=tools, decode=_decode(req, tools), model=req.model, images=images)
 
 

@@ -121,7 +121,7 @@ def _prepare(body: ResponsesRequest, serving: Serving,
     full = merge_earlier(messages, earlier)
     if not full:
         raise ApiError(400, "input is empty", param="input")
-    turn_req = TurnRequest(messages=turn_messages(full), tools=tools.functions, decode=request_options(body, tools), model=body.model,
+    turn_req = TurnRequest(messages=full, tools=tools.functions, decode=request_options(body, tools), model=body.model,
                            enable_thinking=thinking_of(body), images=images)
     return turn_req, tools, tools_given or []
 
