@@ -149,12 +149,13 @@ $(FUZZ_STAMP): $(STAMP) $(DEPS)
 # HTTP fronts: schemathesis from the served OpenAPI schema, the connection attacks and generated images against a
 # vision daemon (FUZZ_HTTP_ARGS="--examples N --image-examples N"),
 # then the WebSocket protocol's messages from its JSON Schema (FUZZ_WS_ARGS="--examples N"), then warm equals cold
-# over generated prompts on every API and both engines (WARM_COLD_EXAMPLES=N per engine, 2,000 by default).
+# over generated prompts on every API and both engines (WARM_COLD_EXAMPLES=N per engine, 2,000 by default; on the
+# bundled model cut to two blocks, WARM_COLD_MODEL=bundled for the whole one).
 fuzz: $(FUZZ_STAMP)
 	$(PY) -m tests.fuzz_daemon $(FUZZ_ARGS)
 	$(PY) -m tests.fuzz_http $(FUZZ_HTTP_ARGS)
 	$(PY) -m tests.fuzz_ws $(FUZZ_WS_ARGS)
-	MODELD_WARM_COLD_EXAMPLES=$${WARM_COLD_EXAMPLES:-2000} $(PY) -m pytest -q -p no:cacheprovider tests/test_warm_equals_cold.py
+	MODELD_WARM_COLD_EXAMPLES=$${WARM_COLD_EXAMPLES:-2000} MODELD_WARM_COLD_MODEL=$${WARM_COLD_MODEL:-shallow} $(PY) -m pytest -q -p no:cacheprovider tests/test_warm_equals_cold.py
 
 # A long run against real daemons: RSS, descriptors, vanished clients (SOAK_ARGS="--cycles N --ws-generations N
 # --turns N").

@@ -31,7 +31,7 @@ os.environ.pop("MODELD_ENDPOINT", None)
 os.environ.pop("MODELD_OWNER", None)
 # nor read the developer's settings: every MODELD_* variable and the config file are theirs, except the suite's own
 # knobs (``make fuzz`` sets the examples of warm equals cold: scrubbed, it ran the suite's 60 instead of thousands)
-SUITE_KNOBS = ("MODELD_LLAMA_EXTRA_BUFTS", "MODELD_WARM_COLD_EXAMPLES", "MODELD_SWEEP_PER_MODE", "MODELD_REFERENCE_PYTHON",
+SUITE_KNOBS = ("MODELD_LLAMA_EXTRA_BUFTS", "MODELD_WARM_COLD_EXAMPLES", "MODELD_WARM_COLD_MODEL", "MODELD_SWEEP_PER_MODE", "MODELD_SWEEP_MODEL", "MODELD_REFERENCE_PYTHON",
                "MODELD_TEST_VLLM_PORT")
 for _name in [n for n in os.environ if n.startswith("MODELD_") and n not in SUITE_KNOBS]:
     os.environ.pop(_name)

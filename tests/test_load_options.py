@@ -141,3 +141,20 @@ def test_an_engine_option_never_takes_a_client_command_s_own_flag() -> None:
     assert [(o.setting, o.option, o.titles) for o in flags] == [
         ("toy_greeting", "greeting", ("the toy",)), ("volume", "volume", ("the toy",)),
         ("other_greeting", "greeting", ("another",))]
+
+
+def test_the_engine_s_threads_are_a_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--num-threads`` (llama-server's ``--threads``, Ollama's ``num_thread``): flag, variable and config key
+    reach the load's ``Config`` (which the engines' load options read: ``test_devices``)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert load_serve_settings([]).load_config.num_threads == 0
+    conf = tmp_path / "c.toml"
+    conf.write_text("num_threads = 3\n")
+    assert load_serve_settings(["--config", str(conf)]).load_config.num_threads == 3
+    monkeypatch.setenv("MODELD_NUM_THREADS", "2")
+    assert load_serve_settings(["--config", str(conf)]).load_config.num_threads == 2
+    assert load_serve_settings(["--config", str(conf), "--num-threads", "1"]).load_config.num_threads == 1
+    with pytest.raises(SettingsError, match=r"num_threads \(--num-threads\)"):
+        load_serve_settings(["--num-threads", "-1"])
+    assert "--num-threads" in cli.build_parser()._subparsers._group_actions[0].choices[  # type: ignore[union-attr]
+        "load"].format_help()

@@ -2,7 +2,10 @@
 and mode, with two CPU-bound processes beside the daemon (a loaded machine); and what a person sees and does
 about the turn that holds the slot (``status``, ``modeld cancel``).
 
-``make soak`` runs the same sweep with many instants (``python -m tests.soak_daemon --sweep N``).
+The daemon serves the bundled model cut to its first two blocks (``harness.fixtures.shallow_gguf``): the sweep
+is about the turn's lifetime, not the model's answers, and on the whole model the loaded machine's compute made it
+the suite's longest test (167 s; 30 s so). ``make soak`` runs the same sweep with many instants on the bundled
+model (``python -m tests.soak_daemon --sweep N``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.llama]
 
 #: instants per API and mode in the suite (every phase is hit: they rotate); ``make soak`` runs many more
 PER_MODE = int(os.environ.get("MODELD_SWEEP_PER_MODE", "1"))
+#: the model the daemon serves: "shallow" (``harness.fixtures.shallow_gguf``: the bundled model's first two blocks,
+#: so a chunk costs its delay rather than its compute on a loaded machine) or "bundled"
+MODEL = os.environ.get("MODELD_SWEEP_MODEL", "shallow")
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,10 @@ def loaded() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory, loaded: None) -> Iterator[Front]:
-    with Front(tmp_path_factory.mktemp("lifetime"), *SERVE_ARGS, backend="llama") as f:
+    from harness.fixtures import shallow_gguf
+
+    model = () if MODEL == "bundled" else ("--model", str(shallow_gguf()))
+    with Front(tmp_path_factory.mktemp("lifetime"), *SERVE_ARGS, *model, backend="llama") as f:
         yield f
 
 

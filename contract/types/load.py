@@ -86,7 +86,9 @@ class Config(_Request):
     num_batch: Annotated[int, Flag("N", LOAD_GROUP)] = Field(
         0, ge=0, description="prompt tokens per prefill chunk (0 = the engine's default, 512): a cancel stops a "
         "prefill between chunks and keeps the chunks done; smaller chunks stop sooner and cost a little speed")
-    num_threads: int = Field(0, ge=0, description="CPU threads; 0 = the CPUs this process may run on (its affinity mask)")
+    num_threads: Annotated[int, Flag("N", LOAD_GROUP)] = Field(
+        0, ge=0, description="CPU threads the engine computes on (0 = llama.cpp: one per CPU this process may run on, "
+        "its affinity mask; OpenVINO: its own default)")
     num_gpu_layers: Annotated[
         int,
         BeforeValidator(lambda v: parse_gpu_layers(v) if isinstance(v, str) else v),
