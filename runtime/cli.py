@@ -386,7 +386,8 @@ def status_text(st: DaemonStatus, endpoint: str = "", *, as_json: bool = False) 
         chosen = [name for name, on in (("flash attention", cfg.flash_attn),
                                         (f"KV cache {cfg.kv_cache_type}", bool(cfg.kv_cache_type)),
                                         ("exact decode", cfg.exact_decode),
-                                        ("exact reuse", cfg.exact_reuse)) if on]
+                                        ("exact reuse", cfg.exact_reuse),
+                                        (f"{cfg.num_threads} threads", bool(cfg.num_threads))) if on]
         chosen += [f"{name}={value}" for name, value in sorted(cfg.options.items())]
         if chosen:
             rows.append(("settings", ", ".join(chosen)))

@@ -143,9 +143,9 @@ def test_an_engine_option_never_takes_a_client_command_s_own_flag() -> None:
         ("other_greeting", "greeting", ("another",))]
 
 
-def test_the_engine_s_threads_are_a_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_the_engine_s_threads_are_a_setting(louder_toy: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``--num-threads`` (llama-server's ``--threads``, Ollama's ``num_thread``): flag, variable and config key
-    reach the load's ``Config`` (which the engines' load options read: ``test_devices``)."""
+    reach the load's ``Config`` (which the engines' load options read: ``test_devices``), and status shows it."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     assert load_serve_settings([]).load_config.num_threads == 0
     conf = tmp_path / "c.toml"
@@ -154,6 +154,10 @@ def test_the_engine_s_threads_are_a_setting(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setenv("MODELD_NUM_THREADS", "2")
     assert load_serve_settings(["--config", str(conf)]).load_config.num_threads == 2
     assert load_serve_settings(["--config", str(conf), "--num-threads", "1"]).load_config.num_threads == 1
+    opts = load_serve_settings(["--backend", "toy", "--num-threads", "2"])
+    slot = SlotService(bootstrap.build_backend(opts), opts)
+    slot.load_model(LoadModelRequest(model_name="hello", type="toy", path="/models/hello", config=opts.load_config))
+    assert "settings        2 threads" in cli.status_text(slot.status())
     with pytest.raises(SettingsError, match=r"num_threads \(--num-threads\)"):
         load_serve_settings(["--num-threads", "-1"])
     assert "--num-threads" in cli.build_parser()._subparsers._group_actions[0].choices[  # type: ignore[union-attr]
