@@ -15,6 +15,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from backends.bundled import bundled_gguf_path, model_cache_dir
@@ -142,41 +143,21 @@ def templated_gguf(template: str, name: str, cache_dir: Path | None = None, src:
     """Path of the bundled GGUF (or ``src``) with ``template`` as its chat template ("": none at all); built on
     first use."""
     src = src or bundled_gguf_path()
-    st = src.stat()
-    key = hashlib.sha256(f"{template}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out_dir = cache_dir or fixture_dir()
-    dest = out_dir / f"smollm2-135m-{name}-{key}.gguf"
+    dest = (cache_dir or fixture_dir()) / f"smollm2-135m-{name}-{_key(src, template)}.gguf"
     if dest.is_file():
         return dest
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # per process: the suite's workers may build the same fixture at once (the last rename wins, whole either way)
-    template_file = out_dir / f".{name}-chatml-{key}.{os.getpid()}.jinja"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # per process: the suite's workers may build the same fixture at once
+    template_file = dest.parent / f".{dest.name}.{os.getpid()}.jinja"
     template_file.write_text(template, encoding="utf-8")
-    tmp = out_dir / f".{dest.name}.{os.getpid()}.tmp"
     try:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "gguf.scripts.gguf_new_metadata",
-                "--force",
-                *(["--chat-template-file", str(template_file)] if template
-                  else ["--remove-metadata", "tokenizer.chat_template"]),
-                str(src),
-                str(tmp),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        if proc.returncode != 0 or not tmp.is_file():
-            raise RuntimeError(f"gguf_new_metadata failed ({proc.returncode}): {proc.stderr[-2000:]}")
-        os.replace(tmp, dest)  # atomic: a concurrent builder sees a whole file or none
+        return _written(dest, "gguf_new_metadata", lambda tmp: [
+            "-m", "gguf.scripts.gguf_new_metadata", "--force",
+            *(["--chat-template-file", str(template_file)] if template
+              else ["--remove-metadata", "tokenizer.chat_template"]),
+            str(src), str(tmp)])
     finally:
-        tmp.unlink(missing_ok=True)
         template_file.unlink(missing_ok=True)
-    return dest
 
 
 def truncated_gguf(src: Path, dest: Path, keep_fraction: float = 0.5) -> Path:
@@ -208,24 +189,27 @@ def control_marker_gguf(cache_dir: Path | None = None) -> Path:
 
     template = (TEMPLATE_DIR / "mistral_args.jinja").read_text(encoding="utf-8")
     src = bundled_gguf_path()
+    dest = (cache_dir or fixture_dir()) / f"smollm2-135m-mistral-vocab-{_key(src, template, MISTRAL_CONTROL_TOKENS)}.gguf"
+    return _written(dest, "renaming the control tokens",
+                    lambda tmp: ["-c", _RENAME_TOKENS, str(src), str(tmp), template, *MISTRAL_CONTROL_TOKENS])
+
+
+def _key(src: Path, *recipe: object) -> str:
+    """What a fixture built from ``src`` is named by: the recipe, and the source's path, size and mtime."""
     st = src.stat()
-    key = hashlib.sha256(
-        f"{template}\0{MISTRAL_CONTROL_TOKENS}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out_dir = cache_dir or fixture_dir()
-    return _written(out_dir / f"smollm2-135m-mistral-vocab-{key}.gguf", "renaming the control tokens",
-                    _RENAME_TOKENS, str(src), template, *MISTRAL_CONTROL_TOKENS)
+    parts = (*recipe, src, st.st_size, st.st_mtime_ns)
+    return hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:16]
 
 
-def _written(dest: Path, what: str, script: str, src: str, *args: str) -> Path:
-    """``dest``, written by ``script`` (run as ``python -c script src tmp *args``) unless it is there: into a file
-    of this process's own, renamed into place whole (the suite's workers may build the same fixture at once)."""
+def _written(dest: Path, what: str, argv: Callable[[Path], list[str]]) -> Path:
+    """``dest``, written by ``python *argv(tmp)`` unless it is there: into ``tmp``, a file of this process's own,
+    renamed into place whole (the suite's workers may build the same fixture at once; the last rename wins)."""
     if dest.is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.{os.getpid()}.tmp"
     try:
-        proc = subprocess.run([sys.executable, "-c", script, src, str(tmp), *args], capture_output=True, text=True,
-                              timeout=300, check=False)
+        proc = subprocess.run([sys.executable, *argv(tmp)], capture_output=True, text=True, timeout=300, check=False)
         if proc.returncode != 0 or not tmp.is_file():
             raise RuntimeError(f"{what} failed ({proc.returncode}): {proc.stderr[-2000:]}")
         os.replace(tmp, dest)
@@ -243,11 +227,9 @@ def shallow_gguf(blocks: int = 2, cache_dir: Path | None = None) -> Path:
     into the model cache with the ``gguf`` package (~3 s); OpenVINO converts it on its first load as any GGUF.
     """
     src = bundled_gguf_path()
-    st = src.stat()
-    key = hashlib.sha256(f"shallow\0{blocks}\0{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    out_dir = cache_dir or fixture_dir()
-    return _written(out_dir / f"smollm2-135m-{blocks}blocks-{key}.gguf", f"cutting the model to {blocks} blocks",
-                    _KEEP_BLOCKS, str(src), str(blocks))
+    dest = (cache_dir or fixture_dir()) / f"smollm2-135m-{blocks}blocks-{_key(src, 'shallow', blocks)}.gguf"
+    return _written(dest, f"cutting the model to {blocks} blocks",
+                    lambda tmp: ["-c", _KEEP_BLOCKS, str(src), str(tmp), str(blocks)])
 
 
 #: argv: source, destination, how many blocks to keep (the tensors of the others are left out, the block count
